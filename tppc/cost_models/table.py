@@ -1,0 +1,91 @@
+"""The cost table: what the cost model hands to the planner.
+
+Terms:
+    c: number of tokens in a chunk; p: number of tokens before it (the prefix);
+    L: full sequence length. Times are seconds, sizes bytes.
+
+This module is the contract between ``tppc.cost_models`` (which fills it from an annotated
+graph and a cluster) and ``tppc.planner`` (which only reads it). Every ``time`` function is
+numpy-vectorised: it takes arrays ``c`` and ``p`` of one shape and returns an array of that
+shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["CostTable", "LayerCost", "LinkCost", "TimeFn"]
+
+TimeFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
+"""``time(c, p) -> seconds``, vectorised over numpy arrays of equal shape."""
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Price of one layer on one device.
+
+    Attributes:
+        name: the layer's name (as in ``LayerInfo.name``).
+        time: seconds to run the layer on a chunk of ``c`` tokens after ``p`` prefix tokens.
+        weight_bytes: parameter and buffer bytes the layer holds.
+        kv_bytes_per_token: K/V buffer bytes per token of sequence (full-length buffers).
+        act_bytes_per_token: bytes per token of the activations that leave the layer.
+    """
+
+    name: str
+    time: TimeFn
+    weight_bytes: int
+    kv_bytes_per_token: int
+    act_bytes_per_token: int
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    """Price of sending a chunk's boundary activations from device ``i`` to ``i + 1``.
+
+    Attributes:
+        latency: seconds per message.
+        bandwidth: bytes per second in one direction.
+    """
+
+    latency: float
+    bandwidth: float
+
+    def time(self, nbytes: np.ndarray | float) -> np.ndarray:
+        """Seconds to send ``nbytes`` (vectorised)."""
+        return self.latency + np.asarray(nbytes, dtype=float) / self.bandwidth
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Per-device, per-layer prices for one model on one cluster (chain of devices).
+
+    Attributes:
+        device_names: preset name of each device in chain order (``"h100-sxm"``...).
+        capacities: usable memory of each device in bytes.
+        layers: ``layers[d][l]`` is layer ``l`` priced on device ``d``'s spec.
+        links: ``links[d]`` joins device ``d`` and ``d + 1`` (length ``len(devices) - 1``).
+        seq_len: the full sequence length L the table was built for.
+        causal: True when attention is causal (cost grows with the prefix), False for
+            bidirectional (DiT) attention, whose cost does not depend on ``p``.
+    """
+
+    device_names: tuple[str, ...]
+    capacities: tuple[int, ...]
+    layers: tuple[tuple[LayerCost, ...], ...]
+    links: tuple[LinkCost, ...]
+    seq_len: int
+    causal: bool
+
+    @property
+    def num_devices(self) -> int:
+        """Number of devices in the chain."""
+        return len(self.device_names)
+
+    @property
+    def num_layers(self) -> int:
+        """Number of layers (prologue and epilogue included, when present)."""
+        return len(self.layers[0]) if self.layers else 0

@@ -1,0 +1,97 @@
+"""Node-meta keys written by tppc passes and the frozen records stored under them.
+
+Terms:
+    sequence symbol: the sympy symbol of the dynamic sequence dimension in ``meta["val"]``.
+    token axis: the axis of a value whose size is a non-constant function of that symbol.
+    role: how a node relates to the token axis (see :data:`Role`).
+    layer: one repeated block (``block``), or the code before (``prologue``) or after
+        (``epilogue``) the blocks.
+
+Annotations live only in ``node.meta`` under the keys below; passes never set attributes
+on ``fx.Node`` objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import sympy
+
+__all__ = [
+    "LAYER",
+    "TOKEN",
+    "AttentionKind",
+    "LayerInfo",
+    "LayerKind",
+    "Role",
+    "TokenInfo",
+]
+
+TOKEN = "tppc.token"
+"""Key of a :class:`TokenInfo`: the node's role and the token axis of its value."""
+
+LAYER = "tppc.layer"
+"""Key of the layer name (``str``) that a node belongs to, written by ``group_layers``."""
+
+Role = Literal["const", "positional", "token", "mixing", "global"]
+"""const: no token dependence (weights, timestep/class conditioning);
+positional: depends on positions only (arange, position ids, rope tables, masks);
+token: row-wise along the token axis (linear, norm, activation, residual add);
+mixing: attention over the token axis;
+global: needs the whole sequence (pooling, a reshape that breaks the token order, loss)."""
+
+AttentionKind = Literal["causal", "bidirectional"]
+LayerKind = Literal["prologue", "block", "epilogue"]
+
+
+@dataclass(frozen=True)
+class TokenInfo:
+    """Role of a node and the token axis of its value.
+
+    Attributes:
+        role: one of :data:`Role`.
+        axis: the token axis of the node's (first) tensor value, or None.
+        axis_size: that axis' size as a sympy expression of the sequence symbol, or None.
+        other_axes: further axes whose size depends on the sequence (a mask's key axis).
+        attention: for ``mixing`` nodes, whether the attention is causal or bidirectional.
+        module: the innermost module path of the node (``""`` at top level).
+    """
+
+    role: Role
+    axis: int | None = None
+    axis_size: sympy.Expr | None = None
+    other_axes: tuple[int, ...] = ()
+    attention: AttentionKind | None = None
+    module: str = ""
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """One pipeline-able layer of the graph, as found by ``group_layers``.
+
+    Attributes:
+        index: position in execution order (prologue is 0 when present).
+        name: module path of the block (``"model.layers.3"``), or ``"prologue"``/``"epilogue"``.
+        kind: prologue, block or epilogue.
+        nodes: names of the graph nodes in the layer, in graph order.
+        params: fully qualified names of the parameters and buffers the layer reads.
+        param_count: number of parameter elements (buffers excluded).
+        param_bytes: bytes of parameters and buffers.
+        attention_nodes: names of the ``mixing`` nodes in the layer.
+        attention_kinds: the kind of each attention node, in the same order.
+        inputs: names of the token values produced before the layer and used in it.
+        outputs: names of the token values produced in the layer and used after it.
+    """
+
+    index: int
+    name: str
+    kind: LayerKind
+    nodes: tuple[str, ...]
+    params: tuple[str, ...]
+    param_count: int
+    param_bytes: int
+    attention_nodes: tuple[str, ...]
+    attention_kinds: tuple[AttentionKind, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
