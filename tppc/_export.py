@@ -1,0 +1,216 @@
+"""torch.export with a symbolic sequence length, specialisation checks and readable errors."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import traceback
+from typing import Any
+
+import sympy
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+from tppc.context import CompileContext
+from tppc.errors import CaptureError
+
+__all__ = ["export_dynamic"]
+
+_DEFAULT_MAX_FACTOR = 64
+
+
+def export_dynamic(
+    model: torch.nn.Module,
+    bound: inspect.BoundArguments,
+    axes: dict[str, tuple[int, ...]],
+    patch: int,
+    *,
+    mode: str,
+    max_seq: int | None,
+) -> tuple[fx.GraphModule, CompileContext]:
+    """Export with one shared ``Dim`` on every sequence axis; check it was not specialised.
+
+    Returns the unlifted, runnable GraphModule (parameters as ``get_attr``) and a context
+    whose ``specialization`` is set when torch.export fixed the sequence size.
+    """
+    units = _example_units(bound, axes, patch)
+    upper = max_seq or max(units * _DEFAULT_MAX_FACTOR, 4096)
+    dim = torch.export.Dim("seq", min=2, max=max(upper, units + 1))
+    shapes = _dynamic_shapes(bound, axes, dim, patch, square=mode == "dynamic-square")
+    try:
+        ep = torch.export.export(model, bound.args, bound.kwargs, dynamic_shapes=shapes,
+                                 strict=False)
+    except CaptureError:
+        raise
+    except Exception as exc:  # torch raises many types; we name the construct
+        raise CaptureError(_explain(model, exc)) from exc
+    gm = ep.module()
+    guard = _check_guards(gm, bound, axes, patch, mode == "dynamic-square", units)
+    _drop_guards(gm)
+    symbol = _seq_symbol(gm, axes)
+    if symbol is None:
+        guard = guard or "the sequence axis became a constant"
+        symbol = sympy.Symbol("s", positive=True, integer=True)
+    ctx = CompileContext(
+        seq_symbol=symbol,
+        example_seq=units,
+        seq_inputs=dict(axes),
+        capture_mode=mode,  # type: ignore[arg-type]
+        specialization=guard,
+        input_names=tuple(n.name for n in gm.graph.nodes if n.op == "placeholder"),
+    )
+    return gm, ctx
+
+
+def _example_units(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]],
+                   patch: int) -> int:
+    sizes: dict[str, int] = {}
+    for name, dims in axes.items():
+        t = bound.arguments[name]
+        for d in dims:
+            size = int(t.shape[d])
+            if _is_latent(t, dims):
+                if size % patch:
+                    raise CaptureError(
+                        f"input {name!r} axis {d} has size {size}, not a multiple of the patch "
+                        f"size {patch}; fix: pad the latent to a multiple of {patch}"
+                    )
+                size //= patch
+            sizes[f"{name}[{d}]"] = size
+    if len(set(sizes.values())) != 1:
+        raise CaptureError(
+            f"sequence axes disagree in length: {sizes}; every sequence axis must have the "
+            "same length. fix: pass seq_dims= naming only the axes that grow with the sequence"
+        )
+    units = next(iter(sizes.values()))
+    if units < 2:
+        raise CaptureError(
+            f"the example sequence has length {units}; torch.export specialises lengths 0 and "
+            "1. fix: capture with an example of at least 2 tokens"
+        )
+    return units
+
+
+def _is_latent(t: torch.Tensor, dims: tuple[int, ...]) -> bool:
+    return t.dim() == 4 and dims == (2,) and t.is_floating_point()
+
+
+def _dynamic_shapes(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]],
+                    dim: Any, patch: int, *, square: bool) -> dict[str, Any]:
+    shapes: dict[str, Any] = {}
+    sig = bound.signature
+    for name, value in bound.arguments.items():
+        kind = sig.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            shapes[name] = {k: _spec_for(k, v, axes, dim, patch, square) for k, v in value.items()}
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            shapes[name] = tuple(None for _ in value)
+        else:
+            shapes[name] = _spec_for(name, value, axes, dim, patch, square)
+    return shapes
+
+
+def _spec_for(name: str, value: Any, axes: dict[str, tuple[int, ...]], dim: Any, patch: int,
+              square: bool) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return pytree.tree_map(lambda _: None, value) if isinstance(value, list | tuple | dict) \
+            else None
+    if name not in axes:
+        return None
+    if _is_latent(value, axes[name]):
+        spec = {2: patch * dim if patch > 1 else dim}
+        if square:
+            spec[3] = spec[2]
+        return spec
+    return dict.fromkeys(axes[name], dim)
+
+
+def _check_guards(gm: fx.GraphModule, bound: inspect.BoundArguments,
+                  axes: dict[str, tuple[int, ...]], patch: int, square: bool,
+                  units: int) -> str | None:
+    """Run the export's input guards on meta inputs one sequence unit longer."""
+    guards = getattr(gm, "_guards_fn", None)
+    if guards is None:
+        return None
+
+    def grow(name: str, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or name not in axes:
+            return value
+        shape = list(value.shape)
+        step = patch if _is_latent(value, axes[name]) else 1
+        grown = list(axes[name]) + ([3] if square and _is_latent(value, axes[name]) else [])
+        for d in grown:
+            shape[d] += step
+        return torch.empty(shape, dtype=value.dtype, device="meta")
+
+    args = tuple(grow(n, v) for n, v in zip(bound.signature.parameters, bound.args))
+    kwargs = {k: grow(k, v) for k, v in bound.kwargs.items()}
+    flat, _ = pytree.tree_flatten((args, kwargs))
+    try:
+        guards(*flat)
+    except Exception as exc:
+        return f"{exc} (at a sequence length of {units + 1} instead of {units})"
+    return None
+
+
+def _drop_guards(gm: fx.GraphModule) -> None:
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn":
+            gm.graph.erase_node(node)
+    if hasattr(gm, "_guards_fn"):
+        delattr(gm, "_guards_fn")
+    gm.recompile()
+
+
+def _seq_symbol(gm: fx.GraphModule, axes: dict[str, tuple[int, ...]]) -> sympy.Symbol | None:
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" or node.name not in axes:
+            continue
+        val = node.meta.get("val")
+        for d in axes[node.name]:
+            size = val.shape[d]
+            if isinstance(size, torch.SymInt):
+                free = sorted(size.node.expr.free_symbols, key=str)
+                if free:
+                    return free[0]
+    return None
+
+
+_HINTS: list[tuple[str, str, str]] = [
+    (r"GuardOnDataDependentSymNode|data-dependent|Could not guard on data-dependent",
+     "data-dependent control flow (a Python branch or size that depends on tensor values)",
+     "replace the branch with torch.where / torch.cond, or move it out of forward"),
+    (r"Unsupported|not supported|NotImplementedError|No registered",
+     "an operation torch.export does not support",
+     "rewrite that operation with standard torch ops, or capture a submodule without it"),
+    (r"Constraints violated|specializ",
+     "the sequence length was fixed to its example value by the model code",
+     "avoid int()/math on sizes, or pass seq_dims= with the right axes"),
+    (r"cache|past_key_values|DynamicCache",
+     "a key/value cache object in the inputs or outputs",
+     "do not pass past_key_values; tppc builds its own K/V buffers"),
+]
+
+
+def _explain(model: torch.nn.Module, exc: Exception) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    where = _user_frame(exc)
+    for pattern, what, fix in _HINTS:
+        if re.search(pattern, text, flags=re.IGNORECASE):
+            return (f"torch.export could not capture {type(model).__name__}: {what}{where}.\n"
+                    f"fix: {fix}.\noriginal error: {_first_lines(text)}")
+    return (f"torch.export could not capture {type(model).__name__}{where}.\n"
+            f"original error: {_first_lines(text)}")
+
+
+def _user_frame(exc: Exception) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    for frame in reversed(frames):
+        if "/torch/" not in frame.filename and "/tppc/" not in frame.filename:
+            return f" at {frame.filename}:{frame.lineno} ({frame.line})"
+    return ""
+
+
+def _first_lines(text: str, n: int = 6) -> str:
+    return "\n".join(text.strip().splitlines()[:n])

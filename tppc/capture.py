@@ -1,0 +1,158 @@
+"""Capture a model as an fx graph whose shapes carry the sequence length as a sympy symbol.
+
+Terms:
+    sequence axis: the axis of an input that grows with the sequence (``input_ids`` axis 1;
+        a DiT latent's height, whose patch rows become the token axis).
+    sequence symbol: the sympy symbol torch.export gives that axis (``s70``), shared by
+        every sequence axis.
+
+Strategies, tried in order (``ctx.capture_mode`` records the one that worked):
+    ``dynamic``: torch.export with one ``Dim`` on every sequence axis (latents: height only).
+    ``dynamic-square``: latents whose height and width share the ``Dim`` (square images).
+    ``specialized``: every strategy above exported, but torch.export guarded the sequence
+        size to its example value (diffusers' DiT computes its patch grid with ``sqrt``).
+        The graph's shapes are still symbolic, so annotation and costing work; the graph
+        itself only runs at the example length, and ``ctx.specialization`` says why.
+
+Example:
+    >>> gm, ctx = capture(model, (input_ids,))          # doctest: +SKIP
+    >>> ctx.seq_symbol, ctx.capture_mode
+    (s70, 'dynamic')
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import fx
+
+from tppc._export import export_dynamic
+from tppc.context import CompileContext
+from tppc.errors import CaptureError
+
+__all__ = ["capture"]
+
+
+_MANAGED_KWARGS = {"use_cache": False}
+"""Keyword arguments tppc sets itself when the model's forward accepts them."""
+
+
+def capture(
+    model: torch.nn.Module,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    seq_dims: Mapping[str, int | tuple[int, ...]] | None = None,
+    max_seq: int | None = None,
+) -> tuple[fx.GraphModule, CompileContext]:
+    """Capture ``model`` with a symbolic sequence length.
+
+    Args:
+        model: the module to capture (in eval mode; it is not modified).
+        args: example positional inputs.
+        kwargs: example keyword inputs; ``use_cache`` is set to False by tppc.
+        seq_dims: input name -> sequence axis (or axes); found automatically when None.
+        max_seq: largest sequence length the graph must accept (default: 64 × the example).
+
+    Returns:
+        The captured GraphModule (runnable with the same inputs) and its context.
+
+    Raises:
+        CaptureError: naming the construct that failed and what to do.
+    """
+    start = time.perf_counter()
+    bound = _bind(model, args, dict(kwargs or {}))
+    axes = _resolve_seq_dims(model, bound, seq_dims)
+    patch = _patch_size(model)
+    fallback: tuple[fx.GraphModule, CompileContext] | None = None
+    for mode in _strategies(bound, axes):
+        gm, ctx = export_dynamic(model, bound, axes, patch, mode=mode, max_seq=max_seq)
+        ctx.model_name = type(model).__name__
+        ctx.capture_seconds = time.perf_counter() - start
+        if ctx.specialization is None:
+            return gm, ctx
+        fallback = (gm, ctx)  # the last strategy is the most general one
+    assert fallback is not None
+    fallback[1].capture_mode = "specialized"
+    return fallback
+
+
+def _bind(model: torch.nn.Module, args: tuple, kwargs: dict) -> inspect.BoundArguments:
+    sig = inspect.signature(model.forward)
+    for name, value in _MANAGED_KWARGS.items():
+        if name in sig.parameters:
+            if kwargs.get(name, value) != value:
+                raise CaptureError(
+                    f"{name}={kwargs[name]!r} was passed to {type(model).__name__}; tppc manages "
+                    f"the key/value cache itself. fix: drop {name}= (tppc passes {name}={value})"
+                )
+            kwargs[name] = value
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise CaptureError(
+            f"example inputs do not match {type(model).__name__}.forward{sig}: {exc}"
+        ) from exc
+    return bound
+
+
+def _resolve_seq_dims(
+    model: torch.nn.Module,
+    bound: inspect.BoundArguments,
+    seq_dims: Mapping[str, int | tuple[int, ...]] | None,
+) -> dict[str, tuple[int, ...]]:
+    tensors = {k: v for k, v in bound.arguments.items() if isinstance(v, torch.Tensor)}
+    if seq_dims is not None:
+        out: dict[str, tuple[int, ...]] = {}
+        for name, dims in seq_dims.items():
+            if name not in tensors:
+                raise CaptureError(
+                    f"seq_dims names input {name!r}, but the tensor inputs of "
+                    f"{type(model).__name__}.forward are {sorted(tensors)}; fix: use one of those"
+                )
+            dims_t = (dims,) if isinstance(dims, int) else tuple(dims)
+            rank = tensors[name].dim()
+            for d in dims_t:
+                if not -rank <= d < rank:
+                    raise CaptureError(
+                        f"seq_dims[{name!r}] = {d}, but {name} has rank {rank} "
+                        f"(shape {tuple(tensors[name].shape)}); fix: an axis in 0..{rank - 1}"
+                    )
+            out[name] = tuple(d % rank for d in dims_t)
+        return out
+    out = {}
+    for name, t in tensors.items():
+        if t.dim() == 2 and not t.is_floating_point() and t.shape[1] > 1:
+            out[name] = (1,)  # token ids, position ids, attention masks: (batch, seq)
+        elif t.dim() == 4 and t.is_floating_point():
+            out[name] = (2,)  # image latents (b, c, h, w): patch rows are the token axis
+        elif t.dim() == 3 and t.is_floating_point() and t.shape[1] > 1:
+            out[name] = (1,)  # embeddings (b, seq, hidden)
+    if not out:
+        shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+        raise CaptureError(
+            f"no sequence axis found among the inputs of {type(model).__name__} {shapes}; "
+            "tppc looks for token ids (batch, seq), embeddings (batch, seq, hidden) or image "
+            "latents (batch, channels, height, width). fix: pass seq_dims={'input': axis}"
+        )
+    return out
+
+
+def _patch_size(model: torch.nn.Module) -> int:
+    for owner in (model, getattr(model, "config", None)):
+        p = getattr(owner, "patch_size", None)
+        if isinstance(p, int) and p > 0:
+            return p
+    return 1
+
+
+def _strategies(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]]) -> list[str]:
+    for name, dims in axes.items():
+        t = bound.arguments[name]
+        if t.dim() == 4 and dims == (2,) and t.shape[2] == t.shape[3]:
+            return ["dynamic", "dynamic-square"]
+    return ["dynamic"]

@@ -1,0 +1,340 @@
+"""Per-layer prices: sum the node costs of each layer into time(c, p) and memory needs.
+
+Terms:
+    layer: a :class:`tppc.ir.LayerInfo` (prologue, repeated block, epilogue); without
+        them, layers are read from ``node.meta["tppc.layer"]``, else from the
+        ``nn_module_stack`` (the outermost numbered module such as ``model.layers.3``).
+    layer time: ``Σ_nodes max(matrix_s, vector_s, memory_s) + overhead`` on one device,
+        a sympy expression in c and p (L is replaced by the table's ``seq_len``), then
+        lambdified to numpy so the planner evaluates a whole (c, p) grid at once.
+
+Identical blocks (same ops, shapes and dtypes, node by node) share one expression and one
+compiled function, so an 80-block model costs about as much to price as one block.
+
+Example:
+    >>> table = build_cost_table(gm, ctx.layers, Cluster.parse("4xh100-sxm"), 4096)  # doctest: +SKIP
+    >>> table.layers[0][1].time(np.array([512.]), np.array([0.]))                  # doctest: +SKIP
+    array([0.00012...])
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import sympy
+from torch import fx
+
+from ..errors import CostModelError
+from ..ir import LAYER, TOKEN, LayerInfo, TokenInfo
+from .cluster import Cluster
+from .node_costs import (
+    C,
+    L,
+    P,
+    NodeCost,
+    TokenSubstitution,
+    _Shapes,
+    _tensors,
+    find_seq_symbol,
+    node_cost,
+    node_time_terms,
+)
+from .specs import DeviceSpec
+from .table import CostTable, LayerCost, LinkCost, TimeFn
+
+__all__ = ["LayerExpr", "build_cost_table", "infer_layers", "layer_expressions"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerExpr:
+    """Symbolic price of one layer on one device.
+
+    Attributes:
+        info: the layer.
+        nodes: the cost of each node of the layer, in graph order.
+        time: seconds as a sympy expression of c and p (L already substituted).
+        matrix_flops: unpadded matmul FLOPs (sympy, in c, p).
+        vector_flops: non-matmul FLOPs.
+        bytes: bytes moved.
+        fn: ``time`` lambdified and numpy-vectorised.
+        weight_bytes: parameter and buffer bytes the layer holds.
+        kv_bytes_per_token: K/V buffer bytes per sequence token.
+        act_bytes_per_token: bytes per token of the values leaving the layer.
+    """
+
+    info: LayerInfo
+    nodes: tuple[NodeCost, ...]
+    time: sympy.Expr
+    matrix_flops: sympy.Expr
+    vector_flops: sympy.Expr
+    bytes: sympy.Expr
+    fn: TimeFn
+    weight_bytes: int
+    kv_bytes_per_token: int
+    act_bytes_per_token: int
+
+
+def _vectorise(expr: sympy.Expr) -> TimeFn:
+    raw = sympy.lambdify((C, P), expr, modules="numpy")
+
+    def time(c: np.ndarray, p: np.ndarray) -> np.ndarray:
+        c = np.asarray(c, dtype=float)
+        p = np.asarray(p, dtype=float)
+        shape = np.broadcast_shapes(c.shape, p.shape)
+        return np.broadcast_to(np.asarray(raw(c, p), dtype=float), shape).copy()
+
+    return time
+
+
+def _is_block(path: str) -> bool:
+    return re.search(r"(^|\.)\d+$", path) is not None
+
+
+def infer_layers(gm: fx.GraphModule) -> list[LayerInfo]:
+    """Layers from ``meta["tppc.layer"]``, else from the outermost numbered module path.
+
+    A stand-in for the ``group_layers`` pass (which also fills params and boundaries);
+    here ``params``, ``inputs`` and ``outputs`` are derived from the graph edges.
+    """
+    names: dict[str, str] = {}
+    order: list[str] = []
+    pending: list[str] = []  # non-block nodes after a block: epilogue unless a block follows
+    use_meta = any(LAYER in n.meta for n in gm.graph.nodes)
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        if use_meta:
+            name = node.meta.get(LAYER) or (order[-1] if order else "prologue")
+        else:
+            paths = [v[0] for v in (node.meta.get("nn_module_stack") or {}).values()]
+            name = next((p for p in paths if _is_block(p)), None)
+            if name is None:
+                if order:
+                    pending.append(node.name)
+                    continue
+                name = "prologue"
+            elif pending:
+                names.update(dict.fromkeys(pending, order[-1]))
+                pending.clear()
+        names[node.name] = name
+        if name not in order:
+            order.append(name)
+    if pending:
+        names.update(dict.fromkeys(pending, "epilogue"))
+        order.append("epilogue")
+    members: dict[str, list[str]] = {name: [] for name in order}
+    for node in gm.graph.nodes:
+        if node.name in names:
+            members[names[node.name]].append(node.name)
+    return [_layer_info(gm, i, name, members[name]) for i, name in enumerate(order)]
+
+
+def _layer_info(gm: fx.GraphModule, index: int, name: str, nodes: list[str]) -> LayerInfo:
+    members = set(nodes)
+    graph_nodes = {n.name: n for n in gm.graph.nodes}
+    params: dict[str, int] = {}
+    inputs: dict[str, None] = {}
+    outputs: dict[str, None] = {}
+    for n in nodes:
+        node = graph_nodes[n]
+        for a in node.all_input_nodes:
+            if a.op in ("placeholder", "get_attr") and _tensors(a.meta.get("val")) and \
+                    not _seq_dependent(a):
+                t = _tensors(a.meta["val"])[0]
+                params[a.name] = t.numel() * t.element_size()
+            elif a.name not in members and a.op != "placeholder":
+                inputs[a.name] = None
+        if any(u.name not in members for u in node.users):
+            outputs[n] = None
+    kind = "prologue" if name == "prologue" else "epilogue" if name == "epilogue" else "block"
+    return LayerInfo(index=index, name=name, kind=kind, nodes=tuple(nodes),
+                     params=tuple(params), param_count=0, param_bytes=sum(params.values()),
+                     attention_nodes=(), attention_kinds=(), inputs=tuple(inputs),
+                     outputs=tuple(outputs))
+
+
+def _seq_dependent(node: fx.Node) -> bool:
+    return any(not isinstance(s, int) and not str(s).isdigit()
+               for t in _tensors(node.meta.get("val")) for s in t.shape)
+
+
+def _node_signature(node: fx.Node) -> tuple:
+    """Ops, shapes, dtypes and token axes: equal signatures give equal costs."""
+    def describe(n: fx.Node) -> tuple:
+        info = n.meta.get(TOKEN)
+        axes = (info.role, info.axis, info.other_axes, info.attention) \
+            if isinstance(info, TokenInfo) else None
+        return (n.op, tuple((str(tuple(t.shape)), str(t.dtype)) for t in _tensors(n.meta.get("val"))),
+                axes)
+    consts = tuple(repr(a) for a in node.args if not isinstance(a, fx.Node | list | tuple))
+    return (str(node.target), describe(node), consts, node.kwargs.get("is_causal"),
+            tuple(describe(a) for a in node.all_input_nodes))
+
+
+class _Pricer:
+    """Node costs and layer expressions, memoised across identical nodes and blocks."""
+
+    def __init__(self, gm: fx.GraphModule, subs: TokenSubstitution, seq_len: int,
+                 default_attention: str, compute_dtype: str | None) -> None:
+        self.gm = gm
+        self.nodes = {n.name: n for n in gm.graph.nodes}
+        self.subs = subs
+        self.seq_len = seq_len
+        self.default_attention = default_attention
+        self.compute_dtype = compute_dtype
+        self.shapes = _Shapes(subs, default_attention)
+        self._node_cache: dict[tuple, NodeCost] = {}
+        self._layer_cache: dict[tuple, tuple] = {}
+
+    def node(self, name: str) -> tuple[tuple, NodeCost]:
+        node = self.nodes[name]
+        sig = _node_signature(node)
+        if sig not in self._node_cache:
+            self._node_cache[sig] = node_cost(
+                node, self.subs, default_attention=self.default_attention,
+                compute_dtype=self.compute_dtype, _shapes=self.shapes)
+        cost = self._node_cache[sig]
+        return sig, (cost if cost.name == name else _renamed(cost, name))
+
+    def layer(self, info: LayerInfo, device: DeviceSpec, fuse: bool) -> LayerExpr:
+        missing = [n for n in info.nodes if n not in self.nodes]
+        if missing:
+            raise CostModelError(
+                f"layer {info.name!r} names nodes {missing[:3]} that are not in the graph; "
+                "rebuild the layers after the last graph transform"
+            )
+        priced = [self.node(n) for n in info.nodes]
+        costs = tuple(c for _, c in priced)
+        key = (tuple(s for s, _ in priced), device, fuse)
+        if key not in self._layer_cache:
+            self._layer_cache[key] = self._sum(costs, device, fuse)
+        time, matrix, vector, nbytes, fn = self._layer_cache[key]
+        kv = sum(c.kv_bytes_per_key for c in costs)
+        return LayerExpr(info=info, nodes=costs, time=time, matrix_flops=matrix,
+                         vector_flops=vector, bytes=nbytes, fn=fn,
+                         weight_bytes=int(info.param_bytes),
+                         kv_bytes_per_token=int(kv),
+                         act_bytes_per_token=self._act_bytes(info))
+
+    def _sum(self, costs: Sequence[NodeCost], device: DeviceSpec, fuse: bool) -> tuple:
+        full = {L: self.seq_len}
+        total = []
+        overhead = 0.0
+        for cost in costs:
+            t_mat, t_vec, t_mem, over = node_time_terms(cost, device, fuse_elementwise=fuse)
+            overhead += over
+            terms = [t for t in (t_mat, t_vec, t_mem) if t != 0]
+            if terms:
+                total.append(sympy.Max(*terms) if len(terms) > 1 else terms[0])
+        time = (sympy.Add(*total) + overhead).subs(full)
+        live = [c for c in costs if c.kind not in ("view", "const")]
+        matrix = sympy.Add(*[c.matrix_flops for c in live]).subs(full)
+        vector = sympy.Add(*[c.vector_flops for c in live]).subs(full)
+        nbytes = sympy.Add(*[c.bytes for c in live]).subs(full)
+        bad = time.free_symbols - {C, P}
+        if bad:
+            raise CostModelError(
+                f"layer time depends on symbols {sorted(map(str, bad))} besides c and p; make "
+                "those dimensions static (only the sequence may be dynamic)"
+            )
+        return time, matrix, vector, nbytes, _vectorise(time)
+
+    def _act_bytes(self, info: LayerInfo) -> int:
+        total = sympy.Integer(0)
+        for name in info.outputs:
+            node = self.nodes.get(name)
+            if node is None or not _tensors(node.meta.get("val")):
+                continue
+            shape = self.shapes.shape(node)
+            size = sympy.Mul(*shape) * _tensors(node.meta["val"])[0].element_size()
+            if C in size.free_symbols:
+                total += size.subs({C: 1, P: 0, L: self.seq_len})
+        return int(sympy.ceiling(total))
+
+
+def _renamed(cost: NodeCost, name: str) -> NodeCost:
+    from dataclasses import replace
+
+    return replace(cost, name=name)
+
+
+def _setup(gm: fx.GraphModule, layers: Sequence[LayerInfo] | None, seq_len: int,
+           seq_symbol: sympy.Symbol | None, token_count: sympy.Expr | None,
+           default_attention: str, compute_dtype: str | None) -> tuple[_Pricer, list[LayerInfo]]:
+    if not isinstance(seq_len, int) or seq_len < 1:
+        raise CostModelError(f"seq_len must be a positive int, got {seq_len!r}")
+    sym = seq_symbol if seq_symbol is not None else find_seq_symbol(gm)
+    subs = TokenSubstitution.build(sym, token_count)
+    layer_list = list(layers) if layers else infer_layers(gm)
+    return _Pricer(gm, subs, seq_len, default_attention, compute_dtype), layer_list
+
+
+def layer_expressions(gm: fx.GraphModule, layers: Sequence[LayerInfo] | None,
+                      device: DeviceSpec, seq_len: int, *,
+                      seq_symbol: sympy.Symbol | None = None,
+                      token_count: sympy.Expr | None = None,
+                      default_attention: str = "causal", compute_dtype: str | None = None,
+                      fuse_elementwise: bool | None = None) -> list[LayerExpr]:
+    """Symbolic price of every layer on one device (see :func:`build_cost_table`)."""
+    pricer, layer_list = _setup(gm, layers, seq_len, seq_symbol, token_count,
+                                default_attention, compute_dtype)
+    fuse = device.name.startswith("tpu") if fuse_elementwise is None else fuse_elementwise
+    return [pricer.layer(info, device, fuse) for info in layer_list]
+
+
+def build_cost_table(gm: fx.GraphModule, layers: Sequence[LayerInfo] | None,
+                     cluster: Cluster | str, seq_len: int, *,
+                     seq_symbol: sympy.Symbol | None = None,
+                     token_count: sympy.Expr | None = None,
+                     default_attention: str = "causal", compute_dtype: str | None = None,
+                     fuse_elementwise: bool | None = None) -> CostTable:
+    """Price every layer of an annotated graph on every device of a cluster.
+
+    Args:
+        gm: the annotated graph (``meta["val"]`` with a symbolic sequence length;
+            ``meta["tppc.token"]`` when present).
+        layers: ``ctx.layers``; None infers them (see :func:`infer_layers`).
+        cluster: a :class:`Cluster` or a cluster string.
+        seq_len: the full sequence length L.
+        seq_symbol: ``ctx.seq_symbol``; None finds the graph's only dynamic symbol.
+        token_count: ``ctx.token_count`` (T as a function of the symbol); None means T = s.
+        default_attention: kind of attention nodes without a ``TokenInfo.attention``.
+        compute_dtype: matmul rate to use (``"tf32"``, ``"fp8"``); None uses the dtype of
+            each node's inputs.
+        fuse_elementwise: vector ops fused into matmuls (no memory traffic, no launch);
+            None means True on TPUs (XLA) and False elsewhere (eager torch).
+
+    Raises:
+        CostModelError: a node cannot be priced, or a layer depends on extra symbols.
+    """
+    cluster = Cluster.parse(cluster)
+    pricer, layer_list = _setup(gm, layers, seq_len, seq_symbol, token_count,
+                                default_attention, compute_dtype)
+    per_device: list[tuple[LayerCost, ...]] = []
+    for device in cluster.devices:
+        fuse = device.name.startswith("tpu") if fuse_elementwise is None else fuse_elementwise
+        exprs = [pricer.layer(info, device, fuse) for info in layer_list]
+        per_device.append(tuple(
+            LayerCost(name=e.info.name, time=e.fn, weight_bytes=e.weight_bytes,
+                      kv_bytes_per_token=e.kv_bytes_per_token,
+                      act_bytes_per_token=e.act_bytes_per_token) for e in exprs))
+    causal = _is_causal(pricer, default_attention)
+    return CostTable(
+        device_names=cluster.device_names,
+        capacities=tuple(int(d.memory.capacity) for d in cluster.devices),
+        layers=tuple(per_device),
+        links=tuple(LinkCost(latency=link.latency, bandwidth=link.bandwidth)
+                    for link in cluster.links),
+        seq_len=seq_len,
+        causal=causal,
+    )
+
+
+def _is_causal(pricer: _Pricer, default_attention: str) -> bool:
+    for cost in pricer._node_cache.values():
+        if cost.kind == "attention":
+            return bool(cost.bytes.has(P) or cost.matrix_flops.has(P))
+    return False

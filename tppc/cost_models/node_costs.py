@@ -1,0 +1,435 @@
+"""Symbolic work of one graph node: matrix FLOPs, vector FLOPs and bytes in (c, p, L).
+
+Terms:
+    c: tokens in the chunk; p: tokens before it (prefix); L: full sequence length.
+    token substitution: the graph's sequence symbol ``s`` is replaced so that the
+        canonical token count ``T(s)`` equals ``c`` (on token axes) or the attention key
+        length (on key axes): ``p + c`` for causal attention, ``L`` for bidirectional.
+    matmul dims: each matmul is ``batch × (m × k) @ (k × n)``; ``m`` is usually tokens.
+
+What is counted (eager execution, the torch backend's default):
+    * every op that is not a view reads all its tensor inputs and writes its outputs once;
+      views, reshapes, expands, dtype-preserving ``to`` and shape queries are free;
+    * a matmul's bias add and an attention's softmax are fused into it (SDPA is one
+      flash-style kernel: scores never reach memory; the K/V buffer of the key length is
+      read, the chunk's K/V are written into the buffer);
+    * ``embedding`` reads only the gathered rows.
+``fuse_elementwise=True`` (XLA / torch.compile) additionally drops the memory traffic and
+launch overhead of vector ops (norms, activations, elementwise): they ride on a matmul.
+
+Example:
+    >>> costs = graph_node_costs(gm)                     # doctest: +SKIP
+    >>> costs["linear"].matrix_flops                      # doctest: +SKIP
+    2*c*64*64
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import sympy
+import torch
+from torch import fx
+
+from ..errors import CostModelError
+from ..ir import TOKEN, TokenInfo
+from .specs import DeviceSpec
+
+__all__ = [
+    "C",
+    "L",
+    "P",
+    "NodeCost",
+    "TokenSubstitution",
+    "find_seq_symbol",
+    "graph_node_costs",
+    "node_cost",
+    "node_time_terms",
+]
+
+C, P, L = sympy.symbols("c p L", positive=True, integer=True)
+Kind = Literal["matrix", "attention", "vector", "memory", "view", "const"]
+
+_VIEW = frozenset({
+    "view", "_unsafe_view", "reshape", "_reshape_alias", "expand", "expand_as", "transpose",
+    "permute", "unsqueeze", "squeeze", "slice", "select", "alias", "t", "as_strided", "detach",
+    "unbind", "split", "split_with_sizes", "chunk", "narrow", "flatten", "unflatten", "view_as",
+    "dropout", "_assert_tensor_metadata", "sym_size", "sym_numel", "sym_stride", "getitem",
+    "lift_fresh_copy", "movedim", "_assert_async", "sym_constrain_range_for_size",
+})
+_CONVERT = frozenset({"to", "_to_copy", "type_as", "contiguous", "clone"})
+_MATMUL = frozenset({"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "einsum",
+                     "conv1d", "conv2d", "conv3d", "convolution", "_convolution"})
+_ATTENTION = frozenset({
+    "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+})
+# Vector FLOPs per output element (transcendentals count as several FLOPs).
+_PER_OUT = {
+    **dict.fromkeys(("add", "sub", "mul", "div", "neg", "rsub", "where", "clamp", "maximum",
+                     "minimum", "abs", "relu", "eq", "ne", "lt", "le", "gt", "ge",
+                     "masked_fill", "__and__", "__or__", "bitwise_and", "bitwise_or",
+                     "logical_and", "logical_not", "square", "cumsum", "remainder",
+                     "floor_divide", "hardtanh"), 1),
+    **dict.fromkeys(("exp", "log", "rsqrt", "sqrt", "sigmoid", "tanh", "sin", "cos",
+                     "reciprocal", "erf"), 4),
+    "pow": 2,
+    "silu": 5, "gelu": 8, "mish": 10,
+}
+# Vector FLOPs per element of the first input.
+_PER_IN = {"sum": 1, "mean": 1, "amax": 1, "amin": 1, "max": 1, "min": 1, "var": 3,
+           "var_mean": 3, "_softmax": 5, "softmax": 5, "_log_softmax": 6, "log_softmax": 6,
+           "layer_norm": 8, "native_layer_norm": 8, "group_norm": 8, "native_group_norm": 8,
+           "rms_norm": 4, "_fused_rms_norm": 4, "batch_norm": 4}
+_CREATE = frozenset({"zeros", "ones", "full", "empty", "arange", "zeros_like", "ones_like",
+                     "full_like", "empty_like", "new_ones", "new_zeros", "new_full",
+                     "new_empty", "scalar_tensor", "rand", "randn"})
+_DTYPE_NAMES = {torch.float32: "fp32", torch.float64: "fp32", torch.bfloat16: "bf16",
+                torch.float16: "fp16", torch.int8: "int8", torch.uint8: "int8"}
+for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
+    if hasattr(torch, _name):
+        _DTYPE_NAMES[getattr(torch, _name)] = "fp8"
+
+
+@dataclass(frozen=True)
+class TokenSubstitution:
+    """How the graph's sequence symbol maps to c (token axes) and to the key length.
+
+    Attributes:
+        seq_symbol: the graph's sequence symbol (``s0``), or None for a static graph.
+        chunk: what ``seq_symbol`` becomes on token axes (so that T = c).
+        causal_key: what it becomes on key axes of causal attention (T = p + c).
+        full: what it becomes on key axes of bidirectional attention (T = L).
+    """
+
+    seq_symbol: sympy.Symbol | None
+    chunk: sympy.Expr
+    causal_key: sympy.Expr
+    full: sympy.Expr
+
+    @classmethod
+    def build(cls, seq_symbol: sympy.Symbol | None, token_count: sympy.Expr | None = None
+              ) -> TokenSubstitution:
+        """Solve ``token_count(seq_symbol) = x`` for x in (c, p + c, L).
+
+        Raises:
+            CostModelError: the token count cannot be inverted for the symbol.
+        """
+        if seq_symbol is None:
+            return cls(None, C, P + C, L)
+        count = seq_symbol if token_count is None else sympy.sympify(token_count)
+        if count == seq_symbol:
+            return cls(seq_symbol, C, P + C, L)
+        x = sympy.Symbol("x", positive=True)
+        sols = [s for s in sympy.solve(sympy.Eq(count, x), seq_symbol)
+                if s.is_positive is not False]
+        if len(sols) != 1:
+            raise CostModelError(
+                f"cannot solve token count {count} = x for {seq_symbol} (solutions {sols}); "
+                "pass a token_count that is a monotone function of the sequence symbol"
+            )
+        return cls(seq_symbol, sols[0].subs(x, C), sols[0].subs(x, P + C), sols[0].subs(x, L))
+
+    def key(self, attention: str | None) -> sympy.Expr:
+        """The substitution for key axes of ``attention`` (causal unless bidirectional)."""
+        return self.full if attention == "bidirectional" else self.causal_key
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """Work of one node for a chunk of c tokens after p tokens (sympy expressions).
+
+    Attributes:
+        name: the fx node's name.
+        op: the op's short name (``"linear"``).
+        kind: matrix, attention, vector, memory (copies, gathers), view (free) or const
+            (no token dependence; runs once per call, not per chunk).
+        matrix_flops: matmul FLOPs, before tile padding.
+        matmuls: ``(batch, m, n, k)`` of each matmul, for tile padding.
+        vector_flops: non-matmul FLOPs.
+        bytes: bytes read and written.
+        dtype: the compute dtype name (``"bf16"``) used to pick the matrix rate.
+        kv_bytes_per_key: for attention, K/V buffer bytes per key token (0 otherwise).
+    """
+
+    name: str
+    op: str
+    kind: Kind
+    matrix_flops: sympy.Expr
+    matmuls: tuple[tuple[sympy.Expr, sympy.Expr, sympy.Expr, sympy.Expr], ...]
+    vector_flops: sympy.Expr
+    bytes: sympy.Expr
+    dtype: str
+    kv_bytes_per_key: int = 0
+
+
+def _op_name(node: fx.Node) -> str:
+    target = node.target
+    if node.op == "call_module":
+        return str(target)
+    if target is operator.getitem:
+        return "getitem"
+    name = getattr(target, "_opname", None) or getattr(target, "__name__", str(target))
+    return name.rstrip("_") if name.endswith("_") and not name.startswith("__") else name
+
+
+def _tensors(val: object) -> list[torch.Tensor]:
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, list | tuple):
+        return [t for v in val for t in _tensors(v)]
+    return []
+
+
+def _dim(size: object) -> sympy.Expr:
+    if isinstance(size, torch.SymInt):
+        return sympy.sympify(size.node.expr)
+    return sympy.Integer(int(size))
+
+
+class _Shapes:
+    """Substituted shapes of node values, cached per node."""
+
+    def __init__(self, subs: TokenSubstitution, default_attention: str) -> None:
+        self.subs = subs
+        self.default_attention = default_attention
+        self._cache: dict[tuple[str, int], tuple[sympy.Expr, ...]] = {}
+
+    def shape(self, node: fx.Node, index: int = 0) -> tuple[sympy.Expr, ...] | None:
+        key = (node.name, index)
+        if key in self._cache:
+            return self._cache[key]
+        tensors = _tensors(node.meta.get("val"))
+        if index >= len(tensors):
+            return None
+        info = node.meta.get(TOKEN)
+        other = set(info.other_axes) if isinstance(info, TokenInfo) else set()
+        key_sub = self.subs.key(self.default_attention)
+        sym = self.subs.seq_symbol
+        dims = []
+        for axis, size in enumerate(tensors[index].shape):
+            expr = _dim(size)
+            if sym is not None and sym in expr.free_symbols:
+                expr = expr.subs(sym, key_sub if axis in other else self.subs.chunk)
+            dims.append(sympy.expand(expr))
+        self._cache[key] = tuple(dims)
+        return self._cache[key]
+
+
+def _numel(shape: Sequence[sympy.Expr]) -> sympy.Expr:
+    return sympy.Mul(*shape) if shape else sympy.Integer(1)
+
+
+def _itemsize(t: torch.Tensor) -> int:
+    return t.element_size() if hasattr(t, "element_size") else 4
+
+
+def _arg_nodes(node: fx.Node) -> list[fx.Node]:
+    seen: dict[fx.Node, None] = {}
+    for a in (*node.args, *node.kwargs.values()):
+        for n in a if isinstance(a, list | tuple) else (a,):
+            if isinstance(n, fx.Node) and _tensors(n.meta.get("val")):
+                seen[n] = None
+    return list(seen)
+
+
+def _bytes(shapes: _Shapes, nodes: Iterable[fx.Node]) -> sympy.Expr:
+    total = sympy.Integer(0)
+    for n in nodes:
+        for i, t in enumerate(_tensors(n.meta.get("val"))):
+            shape = shapes.shape(n, i)
+            total += _numel(shape) * _itemsize(t)
+    return total
+
+
+def _depends(shapes: _Shapes, nodes: Iterable[fx.Node]) -> bool:
+    return any(_numel(shapes.shape(n) or ()).free_symbols & {C, P, L} for n in nodes)
+
+
+def _matmul_dims(op: str, node: fx.Node, shapes: _Shapes, args: list[fx.Node]
+                 ) -> list[tuple[sympy.Expr, sympy.Expr, sympy.Expr, sympy.Expr]]:
+    out = shapes.shape(node) or ()
+    if op == "linear":
+        x, w = shapes.shape(args[0]), shapes.shape(node.args[1])
+        k = x[-1]
+        return [(sympy.Integer(1), sympy.cancel(_numel(x) / k), w[0], k)]
+    if op in ("mm", "addmm", "bmm", "baddbmm", "matmul"):
+        a_node, b_node = (node.args[1], node.args[2]) if op in ("addmm", "baddbmm") \
+            else (node.args[0], node.args[1])
+        a, b = shapes.shape(a_node), shapes.shape(b_node)
+        k = a[-1]
+        m = a[-2] if len(a) >= 2 else sympy.Integer(1)
+        n = b[-1] if len(b) >= 2 else sympy.Integer(1)
+        batch = sympy.cancel(_numel(out) / (m * n)) if out else sympy.Integer(1)
+        return [(batch, m, n, k)]
+    if op in ("conv1d", "conv2d", "conv3d", "convolution", "_convolution"):
+        w = shapes.shape(node.args[1])
+        groups = node.args[8] if op in ("convolution", "_convolution") and len(node.args) > 8 \
+            else (node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1))
+        groups = int(groups)
+        spatial = _numel(out[2:])
+        cout, k = w[0], _numel(w[1:])  # w[1] is already Cin / groups
+        return [(sympy.Integer(groups), out[0] * spatial, cout / groups, k)]
+    if op == "einsum":
+        equation = str(node.args[0]).replace(" ", "")
+        ins, _, outs = equation.partition("->")
+        sizes: dict[str, sympy.Expr] = {}
+        for spec, operand in zip(ins.split(","), node.args[1], strict=False):
+            for letter, size in zip(spec, shapes.shape(operand) or (), strict=False):
+                sizes[letter] = size
+        total = _numel(list(sizes.values()))
+        out_n = _numel([sizes[ch] for ch in outs if ch in sizes])
+        return [(sympy.Integer(1), out_n, sympy.Integer(1), sympy.cancel(total / out_n))]
+    raise CostModelError(f"node {node.name}: no matmul rule for op {op!r}")
+
+
+def _attention(node: fx.Node, shapes: _Shapes, args: list[fx.Node], attention: str
+               ) -> tuple[list, sympy.Expr, sympy.Expr, int]:
+    q_node, k_node, v_node = node.args[0], node.args[1], node.args[2]
+    q, k, v = shapes.shape(q_node), shapes.shape(k_node), shapes.shape(v_node)
+    key_len = shapes.subs.key(attention)
+    if shapes.subs.seq_symbol is None:  # static graph: keys as captured
+        key_len = k[-2]
+    heads = sympy.cancel(_numel(q[:-1]) / q[-2])  # batch × heads
+    qk = (heads, q[-2], key_len, q[-1])
+    pv = (heads, q[-2], v[-1], key_len)
+    vector = 5 * heads * q[-2] * key_len
+    item = _itemsize(_tensors(q_node.meta["val"])[0])
+    kv_per_key = (_numel(k[:-2]) * k[-1] + _numel(v[:-2]) * v[-1]) * item
+    nbytes = _bytes(shapes, [q_node, k_node, v_node, node]) + kv_per_key * key_len
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    if isinstance(mask, fx.Node):
+        mt = _tensors(mask.meta.get("val"))[0]
+        nbytes += _numel(shapes.shape(mask)[:-1]) * key_len * _itemsize(mt)
+    return [qk, pv], vector, nbytes, int(kv_per_key)
+
+
+def _dtype_name(node: fx.Node, args: list[fx.Node], compute_dtype: str | None) -> str:
+    if compute_dtype is not None:
+        return compute_dtype
+    for n in [*args, node]:
+        ts = _tensors(n.meta.get("val"))
+        if ts and ts[0].dtype in _DTYPE_NAMES and ts[0].is_floating_point():
+            return _DTYPE_NAMES[ts[0].dtype]
+    return "fp32"
+
+
+def node_cost(node: fx.Node, subs: TokenSubstitution, *, default_attention: str = "causal",
+              compute_dtype: str | None = None, _shapes: _Shapes | None = None) -> NodeCost:
+    """Price one node (see the module docstring for what is counted).
+
+    Raises:
+        CostModelError: a tensor-producing node has no ``meta["val"]`` or odd shapes.
+    """
+    shapes = _shapes or _Shapes(subs, default_attention)
+    op = _op_name(node)
+    zero = sympy.Integer(0)
+    args = _arg_nodes(node)
+    outs = _tensors(node.meta.get("val"))
+    dtype = _dtype_name(node, args, compute_dtype)
+    if node.op in ("placeholder", "output", "get_attr") or not outs or op in _VIEW:
+        return NodeCost(node.name, op, "view", zero, (), zero, zero, dtype)
+    if op in _CONVERT and args and outs[0].dtype == _tensors(args[0].meta["val"])[0].dtype \
+            and op != "clone":
+        return NodeCost(node.name, op, "view", zero, (), zero, zero, dtype)
+    info = node.meta.get(TOKEN)
+    role = info.role if isinstance(info, TokenInfo) else None
+    const = role == "const" or (role is None and not _depends(shapes, [node, *args]))
+    out_bytes = _bytes(shapes, [node])
+    kv = 0
+    try:
+        if op in _ATTENTION:
+            attention = (info.attention if isinstance(info, TokenInfo) and info.attention
+                         else ("causal" if node.kwargs.get("is_causal") else default_attention))
+            matmuls, vector, nbytes, kv = _attention(node, shapes, args, attention)
+            kind: Kind = "attention"
+        elif op in _MATMUL:
+            matmuls = _matmul_dims(op, node, shapes, args)
+            vector, nbytes, kind = zero, _bytes(shapes, args) + out_bytes, "matrix"
+        elif op == "embedding":
+            idx = node.args[1]
+            matmuls, vector, kind = [], zero, "memory"
+            nbytes = 2 * out_bytes + _bytes(shapes, [idx])
+        else:
+            matmuls, kind = [], "vector"
+            nbytes = (zero if op in _CREATE else _bytes(shapes, args)) + out_bytes
+            out_n = _numel(shapes.shape(node) or ())
+            if op in _PER_IN and args:
+                vector = _PER_IN[op] * _numel(shapes.shape(args[0]) or ())
+            elif op in _PER_OUT:
+                vector = _PER_OUT[op] * out_n
+            else:  # copies, gathers, concatenations, creation and unknown ops: memory only
+                vector, kind = zero, "memory"
+    except (IndexError, TypeError, AttributeError, ValueError) as exc:
+        raise CostModelError(
+            f"node {node.name} ({op}): cannot read its shapes ({exc}); check that "
+            "meta['val'] holds tensors for the node and its inputs"
+        ) from exc
+    matrix = sum((2 * b * m * n * k for b, m, n, k in matmuls), zero)
+    return NodeCost(node.name, op, "const" if const else kind, sympy.expand(matrix),
+                    tuple(tuple(sympy.expand(d) for d in mm) for mm in matmuls),
+                    sympy.expand(vector), sympy.expand(nbytes), dtype, kv)
+
+
+def graph_node_costs(gm: fx.GraphModule, *, seq_symbol: sympy.Symbol | None = None,
+                     token_count: sympy.Expr | None = None, default_attention: str = "causal",
+                     compute_dtype: str | None = None) -> dict[str, NodeCost]:
+    """Price every node of ``gm``; the sequence symbol is found when not given."""
+    if seq_symbol is None:
+        seq_symbol = find_seq_symbol(gm)
+    subs = TokenSubstitution.build(seq_symbol, token_count)
+    shapes = _Shapes(subs, default_attention)
+    return {n.name: node_cost(n, subs, default_attention=default_attention,
+                              compute_dtype=compute_dtype, _shapes=shapes)
+            for n in gm.graph.nodes}
+
+
+def find_seq_symbol(gm: fx.GraphModule) -> sympy.Symbol | None:
+    """The single free symbol of the placeholders' shapes (None for a static graph).
+
+    Raises:
+        CostModelError: more than one symbol (pass ``seq_symbol`` explicitly).
+    """
+    found: set[sympy.Symbol] = set()
+    for node in gm.graph.find_nodes(op="placeholder"):
+        for t in _tensors(node.meta.get("val")):
+            for size in t.shape:
+                found |= _dim(size).free_symbols
+    if len(found) > 1:
+        raise CostModelError(
+            f"graph has several dynamic symbols {sorted(map(str, found))}; pass seq_symbol= "
+            "(the lead's ctx.seq_symbol) and make the other dimensions static"
+        )
+    return next(iter(found), None)
+
+
+def _pad(x: sympy.Expr, tile: int) -> sympy.Expr:
+    if tile <= 1 or (x.is_Integer and int(x) % tile == 0):
+        return x
+    return sympy.ceiling(x / tile) * tile
+
+
+def node_time_terms(cost: NodeCost, device: DeviceSpec, *, fuse_elementwise: bool = False
+                    ) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr, float]:
+    """``(matrix_seconds, vector_seconds, memory_seconds, overhead)`` of a node on a device.
+
+    Matrix seconds use tile-padded dims; the node's time is ``max`` of the first three plus
+    the overhead. Views and const nodes cost nothing per chunk.
+    """
+    zero = sympy.Integer(0)
+    if cost.kind in ("view", "const"):
+        return zero, zero, zero, 0.0
+    unit = device.matrix
+    padded = sum((2 * b * _pad(m, unit.tile_m) * _pad(n, unit.tile_n) * _pad(k, unit.tile_k)
+                  for b, m, n, k in cost.matmuls), zero)
+    t_mat = padded / unit.peak(cost.dtype)
+    t_vec = cost.vector_flops / device.vector.peak_flops
+    t_mem = cost.bytes / device.memory.bandwidth
+    overhead = device.op_overhead
+    if fuse_elementwise and cost.kind == "vector":
+        t_mem, overhead = zero, 0.0
+    return t_mat, t_vec, t_mem, overhead

@@ -1,0 +1,201 @@
+"""Hardware specs: what one device and one link can do, as validated frozen records.
+
+Terms:
+    matrix unit: the tensor cores / MXU; a peak FLOP/s per dtype and a tile m×n×k to which
+        every matmul's dimensions are rounded up (m = rows of the left operand, usually
+        tokens; n = output features; k = the reduction).
+    vector unit: everything that is not a matmul (norms, activations, elementwise), one
+        FLOP/s rate (fp32).
+    memory: HBM (or DRAM) bandwidth in bytes/s and capacity in bytes.
+    op overhead: seconds added to every op that launches a kernel (views are free).
+    ridge point: peak matrix FLOP/s / memory bandwidth, in FLOP per byte. Below it an op is
+        memory-bound.
+    link: bandwidth per direction (bytes/s) and latency (s) between two neighbouring devices.
+
+Example:
+    >>> h = DeviceSpec(name="toy", matrix=MatrixUnit(peak_flops={"bf16": 1e15}),
+    ...                vector=VectorUnit(peak_flops=1e13),
+    ...                memory=Memory(bandwidth=2e12, capacity=80 * 10**9))
+    >>> h.ridge_point("bf16")
+    500.0
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..errors import SpecError
+
+__all__ = [
+    "DTYPES",
+    "DeviceSpec",
+    "Dtype",
+    "LinkSpec",
+    "MatrixUnit",
+    "Memory",
+    "VectorUnit",
+]
+
+Dtype = Literal["fp32", "tf32", "bf16", "fp16", "fp8", "int8"]
+DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8", "int8")
+
+# When a device has no rate for a dtype, the op runs at the rate of the next one in this
+# list (an fp8 model on an A100 runs at the fp16 rate; bf16 on a V100 at the fp32 rate).
+_FALLBACK: dict[str, tuple[str, ...]] = {
+    "fp8": ("fp16", "bf16", "tf32", "fp32"),
+    "int8": ("fp16", "bf16", "fp32"),
+    "fp16": ("bf16", "tf32", "fp32"),
+    "bf16": ("fp16", "tf32", "fp32"),
+    "tf32": ("fp32",),
+    "fp32": ("tf32",),
+}
+
+
+def _positive(owner: str, name: str, value: float, fix: str) -> None:
+    if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise SpecError(f"{owner}: {name} must be a positive finite number, got {value!r}; {fix}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MatrixUnit:
+    """Matrix (tensor-core / MXU) throughput and tile.
+
+    Attributes:
+        peak_flops: dense peak FLOP/s per dtype (keys from :data:`DTYPES`).
+        tile_m: rows (tokens) a matmul is padded to a multiple of.
+        tile_n: output columns a matmul is padded to a multiple of.
+        tile_k: reduction length a matmul is padded to a multiple of.
+    """
+
+    peak_flops: Mapping[str, float]
+    tile_m: int = 1
+    tile_n: int = 1
+    tile_k: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.peak_flops:
+            raise SpecError("MatrixUnit: peak_flops is empty; give at least {'fp32': rate}")
+        for dtype, rate in self.peak_flops.items():
+            if dtype not in DTYPES:
+                raise SpecError(
+                    f"MatrixUnit: unknown dtype {dtype!r} in peak_flops; use one of {DTYPES}"
+                )
+            _positive("MatrixUnit", f"peak_flops[{dtype!r}]", rate, "give FLOP/s, e.g. 9.89e14")
+        for name in ("tile_m", "tile_n", "tile_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise SpecError(f"MatrixUnit: {name} must be an integer >= 1, got {value!r}")
+        object.__setattr__(self, "peak_flops", dict(self.peak_flops))
+
+    def peak(self, dtype: str) -> float:
+        """Peak FLOP/s for ``dtype``, falling back to the nearest dtype the unit supports."""
+        if dtype in self.peak_flops:
+            return self.peak_flops[dtype]
+        for other in _FALLBACK.get(dtype, ()):
+            if other in self.peak_flops:
+                return self.peak_flops[other]
+        raise SpecError(
+            f"MatrixUnit: no rate for dtype {dtype!r} (has {sorted(self.peak_flops)}); "
+            "add it to peak_flops"
+        )
+
+    def __hash__(self) -> int:
+        return hash((tuple(sorted(self.peak_flops.items())), self.tile_m, self.tile_n, self.tile_k))
+
+
+@dataclass(frozen=True, kw_only=True)
+class VectorUnit:
+    """Throughput of non-matmul arithmetic.
+
+    Attributes:
+        peak_flops: FLOP/s of elementwise / reduction work (fp32).
+    """
+
+    peak_flops: float
+
+    def __post_init__(self) -> None:
+        _positive("VectorUnit", "peak_flops", self.peak_flops, "give FLOP/s, e.g. 6.7e13")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Memory:
+    """Device memory.
+
+    Attributes:
+        bandwidth: sustained bytes/s between memory and the compute units.
+        capacity: usable bytes.
+    """
+
+    bandwidth: float
+    capacity: int
+
+    def __post_init__(self) -> None:
+        _positive("Memory", "bandwidth", self.bandwidth, "give bytes/s, e.g. 3.35e12")
+        _positive("Memory", "capacity", self.capacity, "give bytes, e.g. 80 * 10**9")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceSpec:
+    """One accelerator (or CPU) as the cost model sees it.
+
+    Attributes:
+        name: preset name (``"h100-sxm"``), used in cluster strings and cost tables.
+        matrix: the matrix unit.
+        vector: the vector unit.
+        memory: the memory.
+        op_overhead: seconds added per kernel-launching op (launch, dispatch).
+        description: free text (full product name, where the numbers come from).
+    """
+
+    name: str
+    matrix: MatrixUnit
+    vector: VectorUnit
+    memory: Memory
+    op_overhead: float = 0.0
+    description: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise SpecError("DeviceSpec: name is empty; give a preset-like name such as 'h100-sxm'")
+        if not math.isfinite(self.op_overhead) or self.op_overhead < 0:
+            raise SpecError(
+                f"DeviceSpec {self.name!r}: op_overhead must be >= 0 seconds, "
+                f"got {self.op_overhead!r}"
+            )
+
+    def ridge_point(self, dtype: str = "bf16") -> float:
+        """FLOP per byte above which a matmul in ``dtype`` is compute-bound."""
+        return self.matrix.peak(dtype) / self.memory.bandwidth
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkSpec:
+    """A point-to-point link between two neighbouring devices.
+
+    Attributes:
+        name: preset name (``"nvlink4"``).
+        bandwidth: bytes/s in one direction.
+        latency: seconds per message.
+        duplex: True when both directions run at full bandwidth at once.
+        description: free text (where the numbers come from).
+    """
+
+    name: str
+    bandwidth: float
+    latency: float
+    duplex: bool = True
+    description: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        _positive(f"LinkSpec {self.name!r}", "bandwidth", self.bandwidth, "give bytes/s")
+        if not math.isfinite(self.latency) or self.latency < 0:
+            raise SpecError(
+                f"LinkSpec {self.name!r}: latency must be >= 0 seconds, got {self.latency!r}"
+            )
+
+    def time(self, nbytes: float) -> float:
+        """Seconds to send ``nbytes`` one way."""
+        return self.latency + nbytes / self.bandwidth

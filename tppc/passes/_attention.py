@@ -1,0 +1,111 @@
+"""Recognise attention nodes and tell causal from bidirectional attention.
+
+An SDPA node is causal when ``is_causal=True``, bidirectional when it has neither a mask nor
+``is_causal``, and otherwise classified by evaluating its mask (a positional value) at the
+example length: a lower-triangular pattern is causal, an all-true one bidirectional.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx
+
+from tppc.context import CompileContext
+from tppc.errors import AnnotationError
+from tppc.ir import TOKEN, AttentionKind
+from tppc.passes._shapes import module_path
+
+__all__ = ["ATTENTION_OPS", "attention_kind", "evaluate_positional"]
+
+_aten = torch.ops.aten
+ATTENTION_OPS = {
+    _aten.scaled_dot_product_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def attention_kind(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext) -> AttentionKind:
+    """Causal or bidirectional, from ``is_causal`` or the mask's values."""
+    args = list(node.args) + [None] * 8
+    mask = node.kwargs.get("attn_mask", args[3])
+    is_causal = bool(node.kwargs.get("is_causal", args[5] or False))
+    if is_causal:
+        return "causal"
+    if mask is None:
+        return "bidirectional"
+    if not isinstance(mask, fx.Node) or mask.meta[TOKEN].role not in ("positional", "const"):
+        raise AnnotationError(
+            f"attention node {node.name!r} (module {module_path(node)}) has a mask that depends "
+            "on token values, not only on positions; tppc supports causal and unmasked "
+            "attention. fix: drop the padding mask (pass one sequence without padding)"
+        )
+    allowed = _allowed(evaluate_positional(mask, gm, ctx))
+    n_q, n_k = allowed.shape[-2], allowed.shape[-1]
+    causal = torch.ones(n_q, n_k, dtype=torch.bool).tril(diagonal=n_k - n_q)
+    if bool((allowed == causal).all()):
+        return "causal"
+    if bool(allowed.all()):
+        return "bidirectional"
+    raise AnnotationError(
+        f"attention node {node.name!r} (module {module_path(node)}) has a mask that is neither "
+        f"causal nor all-visible (first row allows {allowed.reshape(-1, n_k)[0].sum()} of "
+        f"{n_k} keys: a sliding window or padding?); tppc cannot chunk it yet. fix: use "
+        "full causal or bidirectional attention"
+    )
+
+
+def _allowed(mask: torch.Tensor) -> torch.Tensor:
+    if mask.dtype == torch.bool:
+        allowed = mask
+    else:
+        allowed = mask > torch.finfo(mask.dtype).min / 2
+    return allowed.reshape(-1, *allowed.shape[-2:]).all(dim=0)
+
+
+def evaluate_positional(target: fx.Node, gm: fx.GraphModule, ctx: CompileContext) -> Any:
+    """Evaluate a positional value at the example length on CPU, with zero-valued inputs."""
+    needed: set[fx.Node] = set()
+    todo = [target]
+    while todo:
+        n = todo.pop()
+        if n not in needed:
+            needed.add(n)
+            todo.extend(n.all_input_nodes)
+    env: dict[fx.Node, Any] = {}
+    for n in gm.graph.nodes:
+        if n not in needed:
+            continue
+        if n.op == "placeholder":
+            env[n] = _concrete(n, ctx)
+        elif n.op == "get_attr":
+            value = _fetch(gm, str(n.target))
+            env[n] = _concrete(n, ctx) if value.device.type == "meta" else value
+        elif n.op == "call_function":
+            args = fx.node.map_arg(n.args, lambda a: env[a])
+            kwargs = fx.node.map_arg(n.kwargs, lambda a: env[a])
+            env[n] = n.target(*args, **kwargs)
+        else:
+            raise AnnotationError(f"cannot evaluate {n.op} node {n.name!r} of a mask")
+        if n is target:
+            return env[n]
+    raise AssertionError("unreachable")
+
+
+def _concrete(node: fx.Node, ctx: CompileContext) -> Any:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return val
+    shape = [int(s.node.expr.subs(ctx.seq_symbol, ctx.example_seq))
+             if isinstance(s, torch.SymInt) else int(s) for s in val.shape]
+    return torch.zeros(shape, dtype=val.dtype)
+
+
+def _fetch(gm: fx.GraphModule, path: str) -> torch.Tensor:
+    obj: Any = gm
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+

@@ -1,0 +1,217 @@
+"""Pass: find the token axis and the role of every node (writes ``meta[TOKEN]``).
+
+Roles (see :data:`tppc.ir.Role`) flow forward through the graph: a node that reads a token
+value is ``token`` (row-wise), ``mixing`` (recognised attention), ``global`` (a reduction
+over tokens, or a reshape that breaks their order) — or an error when it mixes along the
+token axis in a way tppc cannot pipeline. Nodes without token inputs are ``positional``
+when their shape or value depends on the sequence length, else ``const``. A value's token
+axis is the axis whose size depends on the sequence symbol, so transposes, views and
+merges of the token axis are followed by the symbolic shapes themselves.
+
+Example:
+    >>> gm, ctx = tppc.capture(tppc.models.GPT(), (ids,))          # doctest: +SKIP
+    >>> annotate_seq_dims_pass(gm, ctx)
+    >>> [n.meta[TOKEN].role for n in gm.graph.nodes][-3:]
+    ['token', 'token', 'token']
+"""
+
+from __future__ import annotations
+
+import sympy
+import torch
+from torch import fx
+
+from tppc.context import CompileContext
+from tppc.errors import AnnotationError
+from tppc.ir import TOKEN, TokenInfo
+from tppc.passes._attention import ATTENTION_OPS, attention_kind
+from tppc.passes._shapes import module_path, op_dims, seq_axes, tensor_val
+
+__all__ = ["annotate_seq_dims_pass"]
+
+_aten = torch.ops.aten
+
+_SHAPE_ONLY = {
+    _aten.sym_size.int, _aten.sym_numel.default, _aten.new_ones.default,
+    _aten.new_zeros.default, _aten.new_empty.default, _aten.new_full.default,
+    _aten.zeros_like.default, _aten.ones_like.default, _aten.empty_like.default,
+    _aten.full_like.default, _aten._assert_tensor_metadata.default,
+}
+_REDUCTIONS = {
+    "sum", "mean", "amax", "amin", "max", "min", "var", "std", "prod", "argmax", "argmin",
+    "logsumexp", "norm", "linalg_vector_norm", "any", "all", "var_mean", "std_mean",
+}
+_MIXING_ALONG_DIM = {
+    "softmax", "_softmax", "log_softmax", "_log_softmax", "cumsum", "cumprod", "cummax",
+    "cummin", "logcumsumexp", "sort", "topk", "diff", "flip", "roll", "gather", "scatter",
+    "index_select", "kthvalue", "median", "mode",
+}
+_SELECTING = {"select", "slice", "narrow", "split", "split_with_sizes", "chunk", "unbind",
+              "cat", "stack", "unsafe_split", "tensor_split", "index"}
+_RESHAPES = {"view", "reshape", "_unsafe_view", "flatten", "unflatten", "view_as", "reshape_as"}
+_CONVS = {"conv1d", "conv2d", "conv3d", "convolution", "_convolution"}
+_MATMULS = {"matmul", "bmm", "mm", "baddbmm", "einsum"}
+
+
+def annotate_seq_dims_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    """Annotate every node with a :class:`TokenInfo`; set ``ctx.token_count``."""
+    sym = ctx.seq_symbol
+    for node in gm.graph.nodes:
+        node.meta[TOKEN] = _annotate(node, gm, ctx, sym)
+    return gm
+
+
+def _annotate(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext,
+              sym: sympy.Symbol) -> TokenInfo:
+    axes, sizes = seq_axes(node, sym)
+    where = module_path(node)
+    if node.op == "get_attr":
+        return TokenInfo("const", module=where)
+    if node.op == "placeholder":
+        if node.name in ctx.seq_inputs and axes:
+            return _info("token", axes, sizes, where)
+        return TokenInfo("const", module=where)
+    if node.op == "output":
+        roles = {_role(a) for a in node.all_input_nodes}
+        return TokenInfo("global" if "global" in roles else "token", module=where)
+    ins = [a.meta[TOKEN] for a in node.all_input_nodes]
+    roles = {i.role for i in ins}
+    if "global" in roles:
+        return _info("global", axes, sizes, where)
+    if node.target in ATTENTION_OPS:
+        return _attention(node, gm, ctx, axes, sizes, where)
+    if not roles & {"token", "mixing"} or node.target in _SHAPE_ONLY:
+        dependent = bool(axes) or "positional" in roles or _symbolic_scalar(node, sym)
+        role = "positional" if dependent else "const"
+        return _info(role, axes, sizes, where)
+    return _token_op(node, axes, sizes, where)
+
+
+def _token_op(node: fx.Node, axes: list[int], sizes: list[sympy.Expr], where: str) -> TokenInfo:
+    """Classify a node that reads token values: token, global, or an AnnotationError."""
+    name = _op_name(node)
+    src = _token_input(node)
+    src_info: TokenInfo = src.meta[TOKEN]
+    dims = op_dims(node, src)
+    if name in _MIXING_ALONG_DIM and src_info.axis in dims:
+        hint = " Eager attention (matmul → softmax → matmul) is not supported; load the model " \
+            "with attn_implementation='sdpa'." if "softmax" in name else ""
+        raise _mix_error(node, name, where, f"{name} along the token axis {src_info.axis}.{hint}")
+    if name in _CONVS:
+        _check_conv(node, src_info, name, where)
+    if name in _REDUCTIONS and (src_info.axis in dims or not dims):
+        return _info("global", axes, sizes, where)
+    if name in _SELECTING and src_info.axis in dims and not _full_slice(node, src_info):
+        return _info("global", axes, sizes, where)
+    if name in _RESHAPES and not _keeps_token_order(node, src, axes):
+        return _info("global", axes, sizes, where)
+    if len(axes) > 1 and name in _MATMULS:
+        raise _mix_error(node, name, where, f"its value has {len(axes)} token axes {axes}: the "
+                         "score matrix of eager attention. fix: load the model with "
+                         "attn_implementation='sdpa' (or call F.scaled_dot_product_attention)")
+    if name in _MATMULS and not axes:
+        raise _mix_error(node, name, where, "a matmul contracts over the token axis")
+    if not axes and _has_tensor(node):
+        return _info("global", axes, sizes, where)
+    return _info("token", axes, sizes, where)
+
+
+def _attention(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext, axes: list[int],
+               sizes: list[sympy.Expr], where: str) -> TokenInfo:
+    kind = attention_kind(node, gm, ctx)
+    if ctx.token_count is None and sizes:
+        ctx.token_count = sizes[0]
+    info = _info("mixing", axes, sizes, where)
+    return TokenInfo("mixing", info.axis, info.axis_size, info.other_axes, kind, where)
+
+
+def _check_conv(node: fx.Node, src: TokenInfo, name: str, where: str) -> None:
+    weight = node.args[1]
+    spatial = (src.axis or 0) - 2
+    if spatial < 0:
+        raise _mix_error(node, name, where, "the token axis is the batch or channel axis")
+    kernel = int(tensor_val(weight).shape[src.axis])
+    stride, padding, dilation = (_conv_param(node, i, spatial) for i in (3, 4, 5))
+    if not (kernel == stride and padding == 0 and (dilation == 1 or kernel == 1)):
+        raise _mix_error(
+            node, name, where,
+            f"a convolution over the token axis (kernel {kernel}, stride {stride}, padding "
+            f"{padding}) mixes neighbouring tokens; only patchify convolutions (kernel == "
+            "stride, no padding) are row-wise",
+        )
+
+
+def _conv_param(node: fx.Node, index: int, spatial: int) -> int:
+    default = 0 if index == 4 else 1
+    value = node.args[index] if len(node.args) > index else default
+    if isinstance(value, list | tuple):
+        value = value[spatial] if len(value) > spatial else value[0]
+    return int(value) if isinstance(value, int) else default
+
+
+def _keeps_token_order(node: fx.Node, src: fx.Node, out_axes: list[int]) -> bool:
+    """A reshape keeps token order when the extent of all axes before the token axis matches."""
+    info: TokenInfo = src.meta[TOKEN]
+    if info.axis is None or len(out_axes) != 1:
+        return False
+    in_shape = tensor_val(src).shape
+    out_shape = tensor_val(node).shape
+    before_in = sympy.Mul(*[_expr(s) for s in in_shape[: info.axis]])
+    before_out = sympy.Mul(*[_expr(s) for s in out_shape[: out_axes[0]]])
+    return sympy.simplify(before_in - before_out) == 0
+
+
+def _full_slice(node: fx.Node, src: TokenInfo) -> bool:
+    if _op_name(node) != "slice":
+        return False
+    start = node.args[2] if len(node.args) > 2 else 0
+    end = node.args[3] if len(node.args) > 3 else None
+    step = node.args[4] if len(node.args) > 4 else 1
+    big = end is None or (isinstance(end, int) and end >= 2**62)
+    return start in (0, None) and big and step == 1
+
+
+def _mix_error(node: fx.Node, name: str, where: str, why: str) -> AnnotationError:
+    return AnnotationError(
+        f"node {node.name!r} (op {name}, module {where or '<top level>'}) mixes values along "
+        f"the token axis: {why} tppc can pipeline only row-wise ops and recognised attention "
+        "(scaled_dot_product_attention) inside the blocks."
+    )
+
+
+def _info(role: str, axes: list[int], sizes: list[sympy.Expr], where: str) -> TokenInfo:
+    if not axes:
+        return TokenInfo(role, module=where)  # type: ignore[arg-type]
+    return TokenInfo(role, axes[0], sizes[0], tuple(axes[1:]), module=where)  # type: ignore[arg-type]
+
+
+def _role(node: fx.Node) -> str:
+    info = node.meta.get(TOKEN)
+    return info.role if info else "const"
+
+
+def _token_input(node: fx.Node) -> fx.Node:
+    for arg in node.all_input_nodes:
+        if arg.meta[TOKEN].role in ("token", "mixing") and arg.meta[TOKEN].axis is not None:
+            return arg
+    return next(a for a in node.all_input_nodes if a.meta[TOKEN].role in ("token", "mixing"))
+
+
+def _op_name(node: fx.Node) -> str:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target.overloadpacket.__name__
+    return getattr(target, "__name__", str(target))
+
+
+def _has_tensor(node: fx.Node) -> bool:
+    return tensor_val(node) is not None
+
+
+def _symbolic_scalar(node: fx.Node, sym: sympy.Symbol) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.SymInt) and sym in val.node.expr.free_symbols
+
+
+def _expr(size: int | torch.SymInt) -> sympy.Expr:
+    return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size)

@@ -1,0 +1,163 @@
+"""Pass: group nodes into ordered layers (writes ``meta[LAYER]`` and ``ctx.layers``).
+
+Blocks are the children of the outermost module list with at least two numbered children
+(``model.layers.0``, ``model.layers.1``, ... found in ``nn_module_stack``). Nodes before the
+first block form the ``prologue``, nodes after the last one the ``epilogue``; a node between
+two blocks that belongs to neither joins the block before it. Parameters belong to every
+layer that reads them.
+
+Example:
+    >>> group_layers_pass(gm, ctx)                                       # doctest: +SKIP
+    >>> [layer.name for layer in ctx.layers]
+    ['prologue', 'blocks.0', 'blocks.1', 'epilogue']
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+from typing import Any
+
+import torch
+from torch import fx
+
+from tppc.context import CompileContext
+from tppc.errors import AnnotationError
+from tppc.ir import LAYER, TOKEN, LayerInfo
+
+__all__ = ["group_layers_pass"]
+
+_NUMBERED = re.compile(r"^(?P<prefix>.+)\.(?P<index>\d+)$")
+
+
+def group_layers_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    """Assign every node to a layer and record the layers on ``ctx.layers``."""
+    prefix = _block_prefix(gm)
+    nodes = list(gm.graph.nodes)
+    block_of = {n: _block_name(n, prefix) for n in nodes if n.op == "call_function"}
+    order = [b for b in dict.fromkeys(block_of.values()) if b is not None]
+    if not order:
+        raise AnnotationError(
+            f"no repeated blocks found in {ctx.model_name}: tppc pipelines models whose layers "
+            "live in an nn.ModuleList (model.layers.0, model.layers.1, ...). fix: keep the "
+            "transformer blocks in an nn.ModuleList"
+        )
+    names = _assign(nodes, block_of, order)
+    for node, name in names.items():
+        node.meta[LAYER] = name
+    ctx.layers = _layer_infos(gm, nodes, names, order)
+    return gm
+
+
+def _block_prefix(gm: fx.GraphModule) -> str | None:
+    counts: dict[str, set[int]] = defaultdict(set)
+    for node in gm.graph.nodes:
+        for path, _cls in (node.meta.get("nn_module_stack") or {}).values():
+            match = _NUMBERED.match(path or "")
+            if match:
+                counts[match["prefix"]].add(int(match["index"]))
+    if not counts:
+        return None
+    repeated = [p for p in counts if len(counts[p]) >= 2] or list(counts)
+    return min(repeated, key=lambda p: (p.count("."), -len(counts[p])))
+
+
+def _block_name(node: fx.Node, prefix: str | None) -> str | None:
+    if prefix is None:
+        return None
+    for path, _cls in (node.meta.get("nn_module_stack") or {}).values():
+        match = _NUMBERED.match(path or "")
+        if match and match["prefix"] == prefix:
+            return path
+    return None
+
+
+def _assign(nodes: list[fx.Node], block_of: dict[fx.Node, str | None],
+            order: list[str]) -> dict[fx.Node, str]:
+    first = next(i for i, n in enumerate(nodes) if block_of.get(n))
+    last = max(i for i, n in enumerate(nodes) if block_of.get(n))
+    names: dict[fx.Node, str] = {}
+    current = "prologue"
+    for i, node in enumerate(nodes):
+        if node.op in ("placeholder", "get_attr"):
+            continue
+        block = block_of.get(node)
+        if block:
+            current = block
+        elif i < first:
+            current = "prologue"
+        elif i > last:
+            current = "epilogue"
+        names[node] = current
+        info = node.meta.get(TOKEN)
+        if info is not None and info.role == "global" and current != "epilogue":
+            raise AnnotationError(
+                f"node {node.name!r} (module {info.module or '<top level>'}) needs the whole "
+                f"sequence (role global) but runs in layer {current!r}; tppc can run such ops "
+                "only after the last block. fix: move it after the blocks"
+            )
+    for node in nodes:
+        if node.op in ("placeholder", "get_attr"):
+            users = [names[u] for u in node.users if u in names]
+            names[node] = users[0] if users else "prologue"
+    return names
+
+
+def _layer_infos(gm: fx.GraphModule, nodes: list[fx.Node], names: dict[fx.Node, str],
+                 order: list[str]) -> list[LayerInfo]:
+    layer_names = [n for n in ["prologue", *order, "epilogue"] if n in set(names.values())]
+    rank = {name: i for i, name in enumerate(layer_names)}
+    members: dict[str, list[fx.Node]] = defaultdict(list)
+    for node in nodes:
+        members[names[node]].append(node)
+    infos = []
+    for index, name in enumerate(layer_names):
+        own = [n for n in members[name] if n.op not in ("placeholder", "get_attr")]
+        params = _params(gm, own)
+        attn = [n for n in own if n.meta[TOKEN].role == "mixing"]
+        infos.append(LayerInfo(
+            index=index, name=name,
+            kind="prologue" if name == "prologue" else "epilogue" if name == "epilogue" else "block",
+            nodes=tuple(n.name for n in own),
+            params=tuple(params),
+            param_count=sum(t.numel() for t in params.values() if isinstance(t, torch.nn.Parameter)),
+            param_bytes=sum(t.numel() * t.element_size() for t in params.values()),
+            attention_nodes=tuple(n.name for n in attn),
+            attention_kinds=tuple(n.meta[TOKEN].attention for n in attn),
+            inputs=tuple(_crossing(own, names, rank, name, incoming=True)),
+            outputs=tuple(_crossing(own, names, rank, name, incoming=False)),
+        ))
+    return infos
+
+
+def _params(gm: fx.GraphModule, own: list[fx.Node]) -> dict[str, torch.Tensor]:
+    found: dict[str, torch.Tensor] = {}
+    for node in own:
+        for arg in node.all_input_nodes:
+            if arg.op == "get_attr":
+                found[str(arg.target)] = _fetch(gm, str(arg.target))
+    return found
+
+
+def _crossing(own: list[fx.Node], names: dict[fx.Node, str], rank: dict[str, int],
+              name: str, *, incoming: bool) -> list[str]:
+    out: Counter[str] = Counter()
+    for node in own:
+        for other in (node.all_input_nodes if incoming else list(node.users)):
+            src, dst = (other, node) if incoming else (node, other)
+            if src.meta[TOKEN].role not in ("token", "mixing"):
+                continue
+            if dst.op == "output" and not incoming:
+                out[src.name] += 1
+            elif src.op == "placeholder" and incoming:
+                out[src.name] += 1
+            elif names.get(src) != names.get(dst) and rank.get(names[src], -1) < rank.get(names[dst], -1):
+                out[src.name] += 1
+    return list(out)
+
+
+def _fetch(gm: fx.GraphModule, path: str) -> Any:
+    obj: Any = gm
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj

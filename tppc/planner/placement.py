@@ -1,0 +1,372 @@
+"""Stage placement: which contiguous layer range each device of the chain runs.
+
+Terms:
+    cuts: ``(0, e_0, ..., N)``; stage ``s`` runs layers ``[cuts[s], cuts[s+1])`` on device
+        ``s`` of the chain (the first ``S`` devices are used, in chain order).
+    ``t[s, i]``: stage ``s``'s time on chunk ``i``, the sum of its layers priced on device
+        ``s`` (heterogeneous chains price each layer on its own device).
+    ``link[s, i]``: time to send chunk ``i``'s output of stage ``s`` (the act bytes per token
+        of its last layer × the chunk's tokens) to device ``s + 1``.
+    memory of a stage: weights + K/V buffers of the full sequence + in-flight activations
+        (``IN_FLIGHT`` chunks of the largest chunk at the widest layer of the stage).
+    objective (an upper bound on the flow-shop makespan, exact for identical stages):
+        ``warm-up + K·Σ_i max_s t[s, i] + (S-1)·max_{i,s} (t[s, i] + link[s, i])``.
+
+For a fixed split, :func:`place_layers` solves this as a MILP (``x[j, s]`` = layer ``j`` on
+stage ``s``; ``x[j+1, s] ≤ x[j, s] + x[j, s-1]`` and non-empty stages make the ranges
+contiguous and ordered), warm-started from :func:`balanced_placement`, a DP that minimises
+the busiest stage's total time under the memory limits.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+
+import numpy as np
+import pulp
+
+from tppc.cost_models.table import CostTable
+from tppc.errors import PlanInfeasible
+from tppc.planner._solver import available_solver, solve
+from tppc.planner.plan import SolverInfo, Workload
+
+__all__ = [
+    "IN_FLIGHT",
+    "balanced_placement",
+    "chunk_layer_times",
+    "infeasible_error",
+    "place_layers",
+    "placement_objective",
+    "stage_memory",
+]
+
+IN_FLIGHT = 2
+"""Chunks whose activations a stage holds at once (the one it runs and the one it sends)."""
+
+
+def chunk_layer_times(table: CostTable, device: int, boundaries: tuple[int, ...]) -> np.ndarray:
+    """``(N, M)`` seconds of every layer on ``device`` for every chunk of ``boundaries``."""
+    a = np.asarray(boundaries[:-1], dtype=float)
+    c = np.diff(np.asarray(boundaries, dtype=float))
+    return np.stack([np.broadcast_to(lc.time(c, a), c.shape) for lc in table.layers[device]])
+
+
+def _memory_parts(table: CostTable, device: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-layer static bytes (weights + full K/V) and act bytes per token on ``device``."""
+    layers = table.layers[device]
+    static = np.array(
+        [lc.weight_bytes + lc.kv_bytes_per_token * table.seq_len for lc in layers], float
+    )
+    act = np.array([lc.act_bytes_per_token for lc in layers], float)
+    return static, act
+
+
+def stage_memory(table: CostTable, device: int, lo: int, hi: int, max_chunk: int) -> int:
+    """Predicted peak bytes of layers ``[lo, hi)`` on ``device`` with chunks ≤ ``max_chunk``."""
+    static, act = _memory_parts(table, device)
+    return int(static[lo:hi].sum() + IN_FLIGHT * max_chunk * act[lo:hi].max())
+
+
+def _links(table: CostTable, cuts: tuple[int, ...], boundaries: tuple[int, ...]) -> np.ndarray:
+    c = np.diff(np.asarray(boundaries, dtype=float))
+    out = np.zeros((len(cuts) - 2, c.size))
+    for s in range(len(cuts) - 2):
+        last = table.layers[s][cuts[s + 1] - 1]
+        out[s] = table.links[s].time(last.act_bytes_per_token * c)
+    return out
+
+
+def stage_times(
+    table: CostTable, cuts: tuple[int, ...], boundaries: tuple[int, ...]
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(times (S, M), links (S-1, M))`` of a placement on a split."""
+    rows = [
+        chunk_layer_times(table, s, boundaries)[lo:hi].sum(axis=0)
+        for s, (lo, hi) in enumerate(itertools.pairwise(cuts))
+    ]
+    return np.stack(rows), _links(table, cuts, boundaries)
+
+
+def placement_objective(
+    times: np.ndarray, links: np.ndarray, repeats: float, warmup: float = 0.0
+) -> float:
+    """``warm-up + K·Σ_i max_s t + (S-1)·max (t + link)`` (see the module docstring)."""
+    fill = times.copy()
+    fill[:-1] += links
+    return (
+        warmup + repeats * float(times.max(axis=0).sum()) + (times.shape[0] - 1) * float(fill.max())
+    )
+
+
+def balanced_placement(
+    table: CostTable, num_stages: int, busy: list[np.ndarray], max_chunk: int
+) -> tuple[int, ...] | None:
+    """Cuts minimising the busiest stage's total time, within memory; None if none fits.
+
+    Args:
+        table: the cost table.
+        num_stages: ``S``; stage ``s`` runs on device ``s``.
+        busy: ``busy[s][j]`` total time of layer ``j`` on device ``s`` (any weighting).
+        max_chunk: largest chunk in tokens (sizes in-flight activations).
+    """
+
+    def score(s: int, lo: np.ndarray, e: int, mem: np.ndarray) -> np.ndarray:
+        pre = np.concatenate([[0.0], np.cumsum(busy[s])])
+        return np.where(mem <= table.capacities[s], pre[e] - pre[lo], np.inf)
+
+    return _partition(table, num_stages, max_chunk, score)
+
+
+def _partition(table: CostTable, num_stages: int, max_chunk: int, score) -> tuple[int, ...] | None:
+    """Contiguous cuts minimising ``max_s score(s, lo, e, memory)`` by DP (None: all inf)."""
+    n_layers = table.num_layers
+    best = np.full(n_layers + 1, np.inf)
+    best[0] = 0.0
+    args = np.zeros((num_stages, n_layers + 1), dtype=int)
+    for s in range(num_stages):
+        static, act = _memory_parts(table, s)
+        pre_mem = np.concatenate([[0.0], np.cumsum(static)])
+        nxt = np.full(n_layers + 1, np.inf)
+        for e in range(1, n_layers + 1):
+            lo = np.arange(e)
+            widest = np.maximum.accumulate(act[:e][::-1])[::-1]  # max act over [b, e)
+            mem = pre_mem[e] - pre_mem[lo] + IN_FLIGHT * max_chunk * widest
+            cand = np.maximum(best[lo], score(s, lo, e, mem))
+            k = int(np.argmin(cand))
+            nxt[e], args[s, e] = cand[k], k
+        best = nxt
+    if not math.isfinite(best[n_layers]):
+        return None
+    cuts, e = [n_layers], n_layers
+    for s in range(num_stages - 1, -1, -1):
+        e = int(args[s, e])
+        cuts.append(e)
+    return tuple(reversed(cuts))
+
+
+def place_layers(
+    table: CostTable,
+    boundaries: tuple[int, ...],
+    num_stages: int,
+    workload: Workload,
+    *,
+    time_limit: float,
+    start: tuple[int, ...] | None = None,
+) -> tuple[tuple[int, ...], float, SolverInfo]:
+    """Best contiguous placement for a fixed split (MILP).
+
+    Args:
+        table: the cost table.
+        boundaries: token boundaries of the chunks.
+        num_stages: ``S`` (devices ``0..S-1`` of the chain).
+        workload: sets ``K`` and the warm-up term.
+        time_limit: seconds for the solver.
+        start: cuts to warm-start from (default: :func:`balanced_placement`).
+
+    Returns:
+        ``(cuts, objective, provenance)``.
+
+    Raises:
+        PlanInfeasible: when no placement fits in memory.
+    """
+    t0 = time.perf_counter()
+    n_layers, n_chunks = table.num_layers, len(boundaries) - 1
+    max_chunk = _max_chunk(boundaries, workload, table.seq_len)
+    per = [chunk_layer_times(table, s, boundaries) for s in range(num_stages)]
+    warm = [_warmup_layer_times(table, s, workload) for s in range(num_stages)]
+    if start is None:
+        start = balanced_placement(table, num_stages, [p.sum(axis=1) for p in per], max_chunk)
+    if start is None:
+        raise infeasible_error(table, num_stages, max_chunk)
+    rep = float(workload.pipelined_steps)
+    prob = pulp.LpProblem("placement", pulp.LpMinimize)
+    x = {
+        (j, s): pulp.LpVariable(f"x_{j}_{s}", cat="Binary")
+        for j in range(n_layers)
+        for s in range(num_stages)
+    }
+    for j in range(n_layers):
+        prob += pulp.lpSum(x[j, s] for s in range(num_stages)) == 1
+        if j + 1 < n_layers:
+            for s in range(num_stages):
+                prob += x[j + 1, s] <= x[j, s] + (x[j, s - 1] if s > 0 else 0)
+    prob += x[0, 0] == 1
+    for s in range(num_stages):
+        prob += pulp.lpSum(x[j, s] for j in range(n_layers)) >= 1
+    # e[j, s]: layer j is the last of stage s (s < S-1); prices the link of boundary s.
+    e = {
+        (j, s): pulp.LpVariable(f"e_{j}_{s}", 0, 1)
+        for j in range(n_layers - 1)
+        for s in range(num_stages - 1)
+    }
+    for (j, s), var in e.items():
+        prob += var >= x[j, s] + x[j + 1, s + 1] - 1
+    chunk_c = np.diff(np.asarray(boundaries, dtype=float))
+    row = [pulp.LpVariable(f"m_{i}", 0) for i in range(n_chunks)]
+    top = pulp.LpVariable("t_max", 0)
+    for s in range(num_stages):
+        static, act = _memory_parts(table, s)
+        widest = pulp.LpVariable(f"act_{s}", 0)
+        for j in range(n_layers):
+            prob += widest >= float(act[j]) * x[j, s]
+        prob += (
+            pulp.lpSum(float(static[j]) * x[j, s] for j in range(n_layers))
+            + (IN_FLIGHT * max_chunk * widest)
+            <= table.capacities[s]
+        )
+        for i in range(n_chunks):
+            t_si = pulp.lpSum(float(per[s][j, i]) * x[j, s] for j in range(n_layers))
+            prob += row[i] >= t_si
+            if s < num_stages - 1:
+                link = table.links[s]
+                bytes_ = [
+                    table.layers[s][j].act_bytes_per_token * chunk_c[i] for j in range(n_layers - 1)
+                ]
+                prob += top >= t_si + pulp.lpSum(
+                    float(link.time(b)) * e[j, s] for j, b in enumerate(bytes_)
+                )
+            else:
+                prob += top >= t_si
+    warm_term = pulp.lpSum(
+        float(warm[s][0][j]) * x[j, s] for s in range(num_stages) for j in range(n_layers)
+    ) + pulp.lpSum(
+        float(warm[s][1][j]) * e[j, s] for s in range(num_stages - 1) for j in range(n_layers - 1)
+    )
+    prob += rep * pulp.lpSum(row) + (num_stages - 1) * top + warm_term
+    _set_start(x, e, start, n_layers, num_stages)
+    out = solve(prob, time_limit=max(time_limit, 0.05), warm_start=True)
+    cuts = start
+    if out.status in ("optimal", "time_limit"):
+        got = _cuts_from(x, n_layers, num_stages)
+        if got is not None:
+            cuts = got
+    times, links = stage_times(table, cuts, boundaries)
+    objective = placement_objective(times, links, rep, _warmup_seconds(warm, cuts))
+    start_obj = placement_objective(
+        *stage_times(table, start, boundaries), rep, _warmup_seconds(warm, start)
+    )
+    if start_obj < objective:
+        cuts, objective = start, start_obj
+    status = "optimal" if out.status == "optimal" else "time_limit"
+    bound = out.bound if status != "optimal" else objective
+    gap = 0.0 if status == "optimal" else max(0.0, (objective - bound) / objective)
+    info = SolverInfo(
+        solver=f"milp-{available_solver()}",
+        status=status,
+        objective=objective,
+        bound=bound,
+        gap=gap,
+        seconds=time.perf_counter() - t0,
+        detail=f"placement of {n_layers} layers on {num_stages} stages",
+    )
+    return cuts, objective, info
+
+
+def _max_chunk(boundaries: tuple[int, ...], workload: Workload, seq_len: int) -> int:
+    if workload.warmup_steps > 0:
+        return seq_len
+    return int(max(b - a for a, b in itertools.pairwise(boundaries)))
+
+
+def _warmup_layer_times(
+    table: CostTable, device: int, workload: Workload
+) -> tuple[np.ndarray, np.ndarray]:
+    """Warm-up seconds per layer on ``device`` and per possible last layer's link."""
+    n = table.num_layers
+    if workload.warmup_steps == 0:
+        return np.zeros(n), np.zeros(max(n - 1, 0))
+    full = chunk_layer_times(table, device, (0, table.seq_len))[:, 0]
+    link = np.zeros(max(n - 1, 0))
+    if device < len(table.links):
+        bytes_ = np.array([lc.act_bytes_per_token * table.seq_len for lc in table.layers[device]])
+        link = table.links[device].time(bytes_[: n - 1])
+    return workload.warmup_steps * full, workload.warmup_steps * link
+
+
+def _warmup_seconds(warm: list[tuple[np.ndarray, np.ndarray]], cuts: tuple[int, ...]) -> float:
+    total = 0.0
+    for s, (lo, hi) in enumerate(itertools.pairwise(cuts)):
+        total += float(warm[s][0][lo:hi].sum())
+        if s < len(cuts) - 2:
+            total += float(warm[s][1][hi - 1])
+    return total
+
+
+def _set_start(x, e, cuts: tuple[int, ...], n_layers: int, num_stages: int) -> None:
+    for (j, s), var in x.items():
+        var.setInitialValue(1 if cuts[s] <= j < cuts[s + 1] else 0)
+    for (j, s), var in e.items():
+        var.setInitialValue(1 if j == cuts[s + 1] - 1 else 0)
+
+
+def _cuts_from(x, n_layers: int, num_stages: int) -> tuple[int, ...] | None:
+    stage_of = []
+    for j in range(n_layers):
+        vals = [x[j, s].value() or 0 for s in range(num_stages)]
+        stage_of.append(int(np.argmax(vals)))
+    if stage_of[0] != 0 or any(b - a not in (0, 1) for a, b in itertools.pairwise(stage_of)):
+        return None
+    if stage_of[-1] != num_stages - 1:
+        return None
+    cuts = [0] + [j + 1 for j in range(n_layers - 1) if stage_of[j + 1] != stage_of[j]]
+    return (*cuts, n_layers)
+
+
+def infeasible_error(table: CostTable, num_stages: int, max_chunk: int) -> PlanInfeasible:
+    """A :class:`PlanInfeasible` naming each device's capacity and need, and a cluster that fits.
+
+    Needs are those of the placement that minimises the largest need-to-capacity ratio.
+    """
+    cuts = _min_ratio_cuts(table, num_stages, max_chunk)
+    lines = [
+        f"the model does not fit on {num_stages} devices with chunks of up to {max_chunk} tokens:"
+    ]
+    for s, (lo, hi) in enumerate(itertools.pairwise(cuts)):
+        need = stage_memory(table, s, lo, hi, max_chunk)
+        cap = table.capacities[s]
+        mark = "  <-- over" if need > cap else ""
+        lines.append(
+            f"  device {s} ({table.device_names[s]}): layers [{lo}, {hi}) need "
+            f"{need / 1e9:.2f} GB, capacity {cap / 1e9:.2f} GB{mark}"
+        )
+    name, cap = table.device_names[0], table.capacities[0]
+    fit = _smallest_fit(table, cap, max_chunk)
+    if fit is None:
+        lines.append(
+            f"no number of {name} devices fits: a single layer needs more than "
+            f"{cap / 1e9:.2f} GB; use a device with more memory"
+        )
+    else:
+        lines.append(
+            f"smallest cluster of the same device that fits: {fit}x{name}; or use "
+            "devices with more memory, or a shorter sequence"
+        )
+    return PlanInfeasible("\n".join(lines))
+
+
+def _min_ratio_cuts(table: CostTable, num_stages: int, max_chunk: int) -> tuple[int, ...]:
+    """Cuts minimising max(need / capacity) over the stages."""
+
+    def score(s: int, lo: np.ndarray, e: int, mem: np.ndarray) -> np.ndarray:
+        return mem / table.capacities[s]
+
+    cuts = _partition(table, num_stages, max_chunk, score)
+    assert cuts is not None  # every score is finite
+    return cuts
+
+
+def _smallest_fit(table: CostTable, capacity: int, max_chunk: int) -> int | None:
+    """Fewest devices of ``capacity`` (priced as device 0) holding all layers, greedily."""
+    static, act = _memory_parts(table, 0)
+    count, used, widest = 1, 0.0, 0.0
+    for j in range(table.num_layers):
+        alone = static[j] + IN_FLIGHT * max_chunk * act[j]
+        if alone > capacity:
+            return None
+        w = max(widest, act[j])
+        if used + static[j] + IN_FLIGHT * max_chunk * w > capacity:
+            count, used, w = count + 1, 0.0, act[j]
+        used, widest = used + static[j], w
+    return count

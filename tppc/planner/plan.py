@@ -1,0 +1,240 @@
+"""The plan: which device runs which layers, where the sequence is cut, and what it costs.
+
+Terms:
+    stage: a contiguous range of layers ``[start, end)`` on one device of the chain; stage
+        ``s`` sends its output activations to stage ``s + 1``.
+    chunk: a contiguous range of tokens ``[a, b)``; chunks enter stage 0 in order.
+    job: one chunk of one pipelined step (prefill: the chunk; diffusion: step × chunk).
+    latency: the makespan of the flow-shop simulation (:mod:`tppc.planner.schedule`),
+        warm-up steps included.
+    lower bound: no plan on these devices can be faster (under the roofline assumption that
+        cutting a chunk never reduces its work): the larger of the serial time divided by
+        the number of stages and the time for the last chunk to cross every layer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from tppc.errors import PlanError
+
+__all__ = ["PLAN_SCHEMA", "Plan", "SolverInfo", "StagePlan", "Workload"]
+
+PLAN_SCHEMA = "tppc.plan/1"
+"""Schema tag written by :meth:`Plan.to_json`; bumped on incompatible changes."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """What one call of the pipeline computes.
+
+    Attributes:
+        kind: ``"causal_prefill"`` (one pass, attention cost grows with the prefix) or
+            ``"diffusion"`` (``steps`` denoising steps over every chunk, bidirectional).
+        steps: denoising steps ``D`` (1 for prefill).
+        warmup_steps: leading steps that run the full sequence synchronously (diffusion).
+    """
+
+    kind: Literal["causal_prefill", "diffusion"] = "causal_prefill"
+    steps: int = 1
+    warmup_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("causal_prefill", "diffusion"):
+            raise PlanError(f"Workload.kind={self.kind!r}; use 'causal_prefill' or 'diffusion'")
+        if self.steps < 1:
+            raise PlanError(f"Workload.steps={self.steps} must be at least 1")
+        if not 0 <= self.warmup_steps <= self.steps:
+            raise PlanError(
+                f"Workload.warmup_steps={self.warmup_steps} must lie in [0, steps={self.steps}]"
+            )
+        if self.kind == "causal_prefill" and (self.steps != 1 or self.warmup_steps != 0):
+            raise PlanError(
+                f"causal_prefill runs one step; got steps={self.steps}, "
+                f"warmup_steps={self.warmup_steps} (use kind='diffusion' for multi-step)"
+            )
+
+    @property
+    def pipelined_steps(self) -> int:
+        """Steps that run chunk by chunk through the pipeline (``steps - warmup_steps``)."""
+        return self.steps - self.warmup_steps
+
+
+@dataclass(frozen=True, kw_only=True)
+class SolverInfo:
+    """Provenance of a solve.
+
+    Attributes:
+        solver: e.g. ``"milp-highs"``, ``"milp-cbc"``, ``"terapipe-dp"``, ``"exhaustive"``.
+        status: ``"optimal"``, ``"time_limit"`` (incumbent, see ``gap``) or ``"heuristic"``.
+        objective: the minimised objective (seconds; the latency bound of the model).
+        bound: best proven lower bound on that objective.
+        gap: relative gap ``(objective - bound) / objective``.
+        seconds: wall-clock solve time.
+        detail: free text (pruning statistics, decomposition rounds...).
+    """
+
+    solver: str
+    status: str
+    objective: float
+    bound: float
+    gap: float
+    seconds: float
+    detail: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagePlan:
+    """One pipeline stage.
+
+    Attributes:
+        index: stage number (0 is the first).
+        layer_start: first layer (inclusive).
+        layer_end: last layer (exclusive).
+        device_index: position of the device in the cluster chain.
+        device_name: the device's preset name.
+        memory_bytes: predicted peak memory (weights + K/V buffers + in-flight activations).
+        capacity_bytes: the device's usable memory.
+        layer_names: names of the layers ``layer_start .. layer_end - 1``.
+    """
+
+    index: int
+    layer_start: int
+    layer_end: int
+    device_index: int
+    device_name: str
+    memory_bytes: int
+    capacity_bytes: int
+    layer_names: tuple[str, ...] = ()
+
+    @property
+    def num_layers(self) -> int:
+        """Layers in this stage."""
+        return self.layer_end - self.layer_start
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """A complete pipeline plan (see the module docstring for the terms).
+
+    Attributes:
+        workload: what one call computes.
+        seq_len: tokens in the sequence.
+        granularity: chunk sizes are multiples of this.
+        boundaries: token offsets ``(0, b_1, ..., seq_len)`` of the chunks.
+        stages: the stages in pipeline order.
+        start: ``start[s][j]`` predicted start (seconds) of job ``j`` on stage ``s``.
+        end: ``end[s][j]`` predicted end.
+        latency: predicted seconds for one call (the simulated makespan plus warm-up).
+        warmup_seconds: part of ``latency`` spent in synchronous warm-up steps.
+        lower_bound: ``max(lower_bound_work, lower_bound_path)``.
+        lower_bound_work: serial time (fastest device per layer) / number of stages.
+        lower_bound_path: time for the last ``granularity`` tokens to cross every layer
+            (at least one read of every weight).
+        solver: provenance of the plan's solve.
+    """
+
+    workload: Workload
+    seq_len: int
+    granularity: int
+    boundaries: tuple[int, ...]
+    stages: tuple[StagePlan, ...]
+    start: tuple[tuple[float, ...], ...]
+    end: tuple[tuple[float, ...], ...]
+    latency: float
+    warmup_seconds: float
+    lower_bound: float
+    lower_bound_work: float
+    lower_bound_path: float
+    solver: SolverInfo
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def chunks(self) -> tuple[tuple[int, int], ...]:
+        """Chunks as ``(start, end)`` token ranges."""
+        return tuple(itertools.pairwise(self.boundaries))
+
+    @property
+    def chunk_sizes(self) -> tuple[int, ...]:
+        """Chunk sizes in tokens."""
+        return tuple(b - a for a, b in self.chunks)
+
+    @property
+    def num_stages(self) -> int:
+        """Number of stages."""
+        return len(self.stages)
+
+    @property
+    def ratio_to_bound(self) -> float:
+        """``latency / lower_bound`` (1.0 would be perfect)."""
+        return self.latency / self.lower_bound if self.lower_bound > 0 else float("inf")
+
+    def to_json(self) -> str:
+        """Serialise to JSON (with ``"schema": PLAN_SCHEMA``)."""
+        data: dict[str, Any] = {"schema": PLAN_SCHEMA, **asdict(self)}
+        return json.dumps(data, indent=1, allow_nan=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """Inverse of :meth:`to_json`.
+
+        Raises:
+            PlanError: when the schema tag is missing or not :data:`PLAN_SCHEMA`.
+        """
+        data = json.loads(text)
+        schema = data.pop("schema", None)
+        if schema != PLAN_SCHEMA:
+            raise PlanError(
+                f"plan.json has schema {schema!r}, this tppc reads {PLAN_SCHEMA!r}; "
+                "re-plan with this version"
+            )
+        stages = tuple(
+            StagePlan(**{**s, "layer_names": tuple(s["layer_names"])}) for s in data["stages"]
+        )
+        return cls(
+            **{
+                **data,
+                "workload": Workload(**data["workload"]),
+                "boundaries": tuple(data["boundaries"]),
+                "stages": stages,
+                "start": tuple(tuple(r) for r in data["start"]),
+                "end": tuple(tuple(r) for r in data["end"]),
+                "solver": SolverInfo(**data["solver"]),
+                "notes": tuple(data["notes"]),
+            }
+        )
+
+    def summary(self) -> str:
+        """A readable table of the plan (stages, memory, busy time, chunks, solver)."""
+        w = self.workload
+        steps = (
+            "" if w.kind == "causal_prefill" else f", {w.steps} steps ({w.warmup_steps} warm-up)"
+        )
+        s = self.solver
+        lines = [
+            f"tppc plan: {w.kind}{steps}, seq_len={self.seq_len} (granularity "
+            f"{self.granularity}), {self.num_stages} stages, {len(self.boundaries) - 1} chunks",
+            f"predicted latency {_ms(self.latency)}   lower bound {_ms(self.lower_bound)} "
+            f"(work {_ms(self.lower_bound_work)}, path {_ms(self.lower_bound_path)})   "
+            f"ratio {self.ratio_to_bound:.3f}",
+            f"solver {s.solver}: {s.status}, objective {_ms(s.objective)}, gap "
+            f"{100 * s.gap:.2f}%, {s.seconds:.2f} s" + (f"  [{s.detail}]" if s.detail else ""),
+            "",
+            f"{'stage':>5}  {'device':<12} {'layers':<12} {'memory used / capacity':<24} "
+            f"{'busy':>10}",
+        ]
+        for st in self.stages:
+            busy = sum(e - b for b, e in zip(self.start[st.index], self.end[st.index]))
+            mem = f"{st.memory_bytes / 1e9:.2f} / {st.capacity_bytes / 1e9:.2f} GB"
+            rng = f"[{st.layer_start}, {st.layer_end})"
+            lines.append(f"{st.index:>5}  {st.device_name:<12} {rng:<12} {mem:<24} {_ms(busy):>10}")
+        lines += ["", "chunks (tokens): " + " ".join(str(c) for c in self.chunk_sizes)]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms"

@@ -1,0 +1,319 @@
+"""Optimal token split as a MILP: where to cut one sequence into pipelined chunks.
+
+Terms (see :mod:`tppc.planner.dp` for the grid and the objective):
+    ``y[a, b]``: 1 when chunk ``[a·g, b·g)`` is used; flow constraints make the chosen
+        chunks tile ``[0, L)``.
+    levels ``ℓ_0 < ℓ_1 < ...``: the distinct max-term costs of the candidate chunks.
+    ``w_k``: 1 when ``t_max ≥ ℓ_k`` (cumulative, ``w_k ≥ w_{k+1}``); a chunk at level ``k``
+        needs ``w_k``; ``t_max = ℓ_0 + Σ_k (ℓ_k - ℓ_{k-1})·w_k``.
+
+The naive model (one ``t_max ≥ t·y`` row per chunk over all ``n(n+1)/2`` chunks) takes
+minutes at ``L = 32768, g = 128``. Three things make it fast and keep it exact:
+
+1. An upper bound ``UB`` first (TeraPipe's DP, exact and cheap, or the best uniform split).
+2. Pruning: with ``F(a)`` / ``G(b)`` the cheapest unconstrained tilings of ``[0, a)`` and
+   ``[b, L)``, any split that uses chunk ``(a, b)`` costs at least
+   ``K·(F(a) + m(a,b) + G(b)) + (S-1)·f(a,b)``; chunks where that exceeds ``UB`` cannot be
+   in an optimal split and are dropped (this subsumes TeraPipe's ``t > UB/S`` rule).
+3. Cumulative ``t_max`` levels (a tight LP relaxation) and a warm start from the bound's
+   split.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import pulp
+
+from tppc.errors import PlanError
+from tppc.planner._solver import available_solver, solve
+from tppc.planner.dp import SplitSolution, chunk_matrix, evaluate_split, terapipe_dp
+from tppc.planner.plan import SolverInfo
+
+__all__ = ["MAX_GRID_POINTS", "TokenSplit", "solve_split", "split_tokens"]
+
+MAX_GRID_POINTS = 4096
+"""Largest ``seq_len / granularity`` the planner accepts (the chunk table is n²)."""
+
+CostFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+
+@dataclass(frozen=True)
+class TokenSplit:
+    """The chosen chunks of one sequence.
+
+    Attributes:
+        boundaries: token offsets ``(0, b_1, ..., L)``; chunk ``i`` is
+            ``[boundaries[i], boundaries[i+1])``.
+        objective: ``K·Σ t_i + (S-1)·max t_i`` at these chunks (seconds).
+        t_max: the max term.
+        solver: provenance of the solve.
+    """
+
+    boundaries: tuple[int, ...]
+    objective: float
+    t_max: float
+    solver: SolverInfo
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        """Chunk sizes in tokens."""
+        return tuple(b - a for a, b in itertools.pairwise(self.boundaries))
+
+
+def check_grid(seq_len: int, granularity: int) -> int:
+    """Validate the grid and return ``n = seq_len / granularity``.
+
+    Raises:
+        PlanError: naming the bad value and a fix.
+    """
+    if granularity <= 0:
+        raise PlanError(f"granularity={granularity} must be a positive number of tokens")
+    if seq_len <= 0:
+        raise PlanError(f"seq_len={seq_len} must be positive")
+    if seq_len % granularity:
+        lo = seq_len // granularity * granularity
+        raise PlanError(
+            f"seq_len={seq_len} is not a multiple of granularity={granularity}; pad the "
+            f"sequence to {lo + granularity} or pick a granularity dividing {seq_len}"
+        )
+    n = seq_len // granularity
+    if n > MAX_GRID_POINTS:
+        raise PlanError(
+            f"seq_len / granularity = {n} grid points exceeds {MAX_GRID_POINTS}; use "
+            f"granularity >= {math.ceil(seq_len / MAX_GRID_POINTS)}"
+        )
+    return n
+
+
+def split_tokens(
+    cost: CostFn,
+    seq_len: int,
+    num_stages: int,
+    *,
+    granularity: int = 128,
+    max_chunks: int | None = None,
+    time_limit: float = 10.0,
+    solver: Literal["milp", "dp"] = "milp",
+    warm_start: Literal["dp", "uniform"] = "dp",
+) -> TokenSplit:
+    """Split a sequence into chunks minimising TeraPipe's latency ``Σ t_i + (S-1)·max t_i``.
+
+    Args:
+        cost: ``cost(c, p)``, vectorised over numpy arrays: the slowest stage's seconds for
+            a chunk of ``c`` tokens after ``p`` prefix tokens.
+        seq_len: sequence length ``L``; a multiple of ``granularity``.
+        num_stages: pipeline stages ``S`` (≥ 1).
+        granularity: chunk sizes are multiples of this many tokens.
+        max_chunks: at most this many chunks (``None``: no limit).
+        time_limit: seconds for the MILP; on expiry the incumbent is returned with status
+            ``"time_limit"`` and its gap.
+        solver: ``"milp"`` (PuLP, HiGHS or CBC) or ``"dp"`` (TeraPipe's DP only).
+        warm_start: upper bound and start for the MILP: the exact DP (``"dp"``) or the best
+            uniform split (``"uniform"``).
+
+    Returns:
+        The split, its objective and the solver's provenance.
+
+    Raises:
+        PlanError: bad ``seq_len``, ``granularity``, ``num_stages`` or ``max_chunks``.
+
+    Example:
+        >>> causal = lambda c, p: 1e-4 + c * (1 + (p + c / 2) / 2048) * 1e-6
+        >>> split_tokens(causal, 2048, 4, granularity=256).chunks
+        (512, 512, 256, 256, 256, 256)
+    """
+    n = check_grid(seq_len, granularity)
+    if num_stages < 1:
+        raise PlanError(f"num_stages={num_stages} must be at least 1")
+    if max_chunks is not None and max_chunks < 1:
+        raise PlanError(f"max_chunks={max_chunks} must be at least 1 (or None for no limit)")
+    m = chunk_matrix(cost, n, granularity)
+    bad = ~np.isfinite(m[np.triu_indices(n + 1, 1)]) | (m[np.triu_indices(n + 1, 1)] < 0)
+    if bad.any():
+        raise PlanError("cost(c, p) returned a negative or non-finite time; fix the cost")
+    result = solve_split(
+        m,
+        m,
+        num_stages,
+        max_chunks=max_chunks,
+        time_limit=time_limit,
+        solver=solver,
+        warm_start=warm_start,
+    )
+    bounds, objective, info = result
+    return TokenSplit(
+        boundaries=tuple(b * granularity for b in bounds),
+        objective=objective,
+        t_max=max(float(m[a, b]) for a, b in itertools.pairwise(bounds)),
+        solver=info,
+    )
+
+
+def solve_split(
+    m: np.ndarray,
+    f: np.ndarray,
+    num_stages: int,
+    *,
+    repeats: float = 1.0,
+    max_chunks: int | None = None,
+    time_limit: float = 10.0,
+    solver: Literal["milp", "dp"] = "milp",
+    warm_start: Literal["dp", "uniform"] = "dp",
+) -> tuple[tuple[int, ...], float, SolverInfo]:
+    """Minimise ``K·Σ m + (S-1)·max f`` over grid splits (the engine of :func:`split_tokens`).
+
+    Returns:
+        ``(grid bounds, objective, provenance)``.
+
+    Raises:
+        PlanError: when no split satisfies ``max_chunks``.
+    """
+    t0 = time.perf_counter()
+    if solver == "dp" or warm_start == "dp":
+        start = terapipe_dp(m, f, num_stages, repeats=repeats, max_chunks=max_chunks)
+        how = f"terapipe-dp ({start.dps} DPs)"
+    else:
+        start = _best_uniform(m, f, num_stages, repeats, max_chunks)
+        how = "uniform"
+    if not math.isfinite(start.objective):
+        raise PlanError(f"no split of the sequence into at most max_chunks={max_chunks} chunks")
+    if solver == "dp":
+        info = SolverInfo(
+            "terapipe-dp",
+            "optimal",
+            start.objective,
+            start.objective,
+            0.0,
+            time.perf_counter() - t0,
+            detail=how,
+        )
+        return start.bounds, start.objective, info
+    return _solve_milp(m, f, num_stages, repeats, max_chunks, time_limit, start, how, t0)
+
+
+def _best_uniform(
+    m: np.ndarray, f: np.ndarray, num_stages: int, repeats: float, max_chunks: int | None
+) -> SplitSolution:
+    """Best split into ``k`` near-equal grid chunks over all ``k`` (an upper bound)."""
+    n = m.shape[0] - 1
+    best = SplitSolution((), math.inf, math.inf)
+    for k in range(1, (max_chunks or n) + 1):
+        bounds = tuple(sorted({round(i * n / k) for i in range(k + 1)}))
+        value = evaluate_split(bounds, m, f, num_stages, repeats)
+        if value < best.objective:
+            best = SplitSolution(bounds, value, max(f[a, b] for a, b in itertools.pairwise(bounds)))
+    return best
+
+
+def _reach(m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``F[a]``: cheapest Σ m tiling ``[0, a)``; ``G[b]``: cheapest tiling ``[b, n)``."""
+    n = m.shape[0] - 1
+    fwd = np.full(n + 1, np.inf)
+    bwd = np.full(n + 1, np.inf)
+    fwd[0] = bwd[n] = 0.0
+    for b in range(1, n + 1):
+        fwd[b] = np.min(fwd[:b] + m[:b, b])
+    for a in range(n - 1, -1, -1):
+        bwd[a] = np.min(m[a, a + 1 :] + bwd[a + 1 :])
+    return fwd, bwd
+
+
+def _solve_milp(
+    m: np.ndarray,
+    f: np.ndarray,
+    num_stages: int,
+    repeats: float,
+    max_chunks: int | None,
+    time_limit: float,
+    start: SplitSolution,
+    how: str,
+    t0: float,
+) -> tuple[tuple[int, ...], float, SolverInfo]:
+    n = m.shape[0] - 1
+    s1 = num_stages - 1
+    fwd, bwd = _reach(m)
+    ub = start.objective * (1 + 1e-9) + 1e-15
+    a_idx, b_idx = np.triu_indices(n + 1, 1)
+    lower = repeats * (fwd[a_idx] + m[a_idx, b_idx] + bwd[b_idx]) + s1 * f[a_idx, b_idx]
+    keep = np.isfinite(lower) & (lower <= ub)
+    for a, b in itertools.pairwise(start.bounds):  # the start must stay representable
+        keep |= (a_idx == a) & (b_idx == b)
+    cand = list(zip(a_idx[keep].tolist(), b_idx[keep].tolist()))
+    prob = pulp.LpProblem("token_split", pulp.LpMinimize)
+    y = {ab: pulp.LpVariable(f"y_{ab[0]}_{ab[1]}", cat="Binary") for ab in cand}
+    levels = np.unique([f[a, b] for a, b in cand])
+    w = [pulp.LpVariable(f"w_{k}", cat="Binary") for k in range(1, levels.size)]
+    for k in range(len(w) - 1):
+        prob += w[k] >= w[k + 1]
+    level_of = {ab: int(np.searchsorted(levels, f[ab])) for ab in cand}
+    for ab, var in y.items():
+        if level_of[ab] > 0:
+            prob += var <= w[level_of[ab] - 1]
+    outgoing: dict[int, list] = {i: [] for i in range(n + 1)}
+    incoming: dict[int, list] = {i: [] for i in range(n + 1)}
+    for (a, b), var in y.items():
+        outgoing[a].append(var)
+        incoming[b].append(var)
+    prob += pulp.lpSum(outgoing[0]) == 1
+    for i in range(1, n):
+        prob += pulp.lpSum(incoming[i]) == pulp.lpSum(outgoing[i])
+    if max_chunks is not None:
+        prob += pulp.lpSum(y.values()) <= max_chunks
+    t_max = float(levels[0]) + pulp.lpSum(
+        float(levels[k + 1] - levels[k]) * w[k] for k in range(len(w))
+    )
+    prob += repeats * pulp.lpSum(float(m[ab]) * var for ab, var in y.items()) + s1 * t_max
+    chosen = set(itertools.pairwise(start.bounds))
+    for ab, var in y.items():
+        var.setInitialValue(1 if ab in chosen else 0)
+    start_level = int(np.searchsorted(levels, max(f[ab] for ab in chosen)))
+    for k, var in enumerate(w):
+        var.setInitialValue(1 if k < start_level else 0)
+    remaining = max(time_limit - (time.perf_counter() - t0), 0.05)
+    out = solve(prob, time_limit=remaining, warm_start=True)
+    bounds, objective = start.bounds, start.objective
+    if out.status in ("optimal", "time_limit"):
+        picked = sorted(ab for ab, var in y.items() if (var.value() or 0) > 0.5)
+        cand_bounds = _chain(picked, n)
+        if cand_bounds is not None:
+            value = evaluate_split(cand_bounds, m, f, num_stages, repeats)
+            if value <= objective * (1 + 1e-9):
+                bounds, objective = cand_bounds, value
+    status = "optimal" if out.status == "optimal" else "time_limit"
+    bound = out.bound if math.isfinite(out.bound) else -math.inf
+    gap = 0.0 if status == "optimal" else _rel_gap(objective, bound)
+    info = SolverInfo(
+        solver=f"milp-{available_solver()}",
+        status=status,
+        objective=objective,
+        bound=objective if status == "optimal" else bound,
+        gap=gap,
+        seconds=time.perf_counter() - t0,
+        detail=f"{len(cand)}/{a_idx.size} chunks after pruning, {levels.size} levels, start {how}",
+    )
+    return bounds, objective, info
+
+
+def _chain(picked: list[tuple[int, int]], n: int) -> tuple[int, ...] | None:
+    """Grid bounds from the chosen chunks, or None when they do not tile ``[0, n)``."""
+    nxt = dict(picked)
+    bounds, at = [0], 0
+    while at != n:
+        if at not in nxt:
+            return None
+        at = nxt[at]
+        bounds.append(at)
+    return tuple(bounds)
+
+
+def _rel_gap(objective: float, bound: float) -> float:
+    if not math.isfinite(bound) or objective <= 0:
+        return math.inf
+    return max(0.0, (objective - bound) / objective)
