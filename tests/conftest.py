@@ -1,0 +1,11 @@
+"""Shared fixtures: seeded small models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
