@@ -83,14 +83,21 @@ def evaluate_positional(target: fx.Node, gm: fx.GraphModule, ctx: CompileContext
             value = _fetch(gm, str(n.target))
             env[n] = _concrete(n, ctx) if value.device.type == "meta" else value
         elif n.op == "call_function":
-            args = fx.node.map_arg(n.args, lambda a: env[a])
-            kwargs = fx.node.map_arg(n.kwargs, lambda a: env[a])
+            args = _on_cpu(fx.node.map_arg(n.args, lambda a: env[a]))
+            kwargs = _on_cpu(fx.node.map_arg(n.kwargs, lambda a: env[a]))
             env[n] = n.target(*args, **kwargs)
         else:
             raise AnnotationError(f"cannot evaluate {n.op} node {n.name!r} of a mask")
         if n is target:
             return env[n]
     raise AssertionError("unreachable")
+
+
+def _on_cpu(tree: Any) -> Any:
+    """Replace device arguments (meta models build their masks on ``meta``) with the CPU."""
+    def fix(v: Any) -> Any:
+        return torch.device("cpu") if isinstance(v, torch.device) else v
+    return torch.utils._pytree.tree_map(fix, tree)
 
 
 def _concrete(node: fx.Node, ctx: CompileContext) -> Any:

@@ -1,0 +1,94 @@
+"""``tppc.plan``: capture, annotate, price and plan a model without running it.
+
+Works on a model built on the meta device (no weights allocated), so a user can plan a
+70B model for a cluster they do not have.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from tppc.analysis import annotate
+from tppc.cost_models.cluster import Cluster
+from tppc.cost_models.layer_costs import build_cost_table
+from tppc.errors import PlanError
+from tppc.planner import Plan, Workload, plan_from_costs
+
+__all__ = ["plan"]
+
+
+def plan(
+    model: torch.nn.Module,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    cluster: Cluster | str = "2xcpu",
+    seq_len: int | None = None,
+    workload: Workload | None = None,
+    granularity: int | None = None,
+    num_stages: int | None = None,
+    time_limit: float = 10.0,
+    seq_dims: Mapping[str, int | tuple[int, ...]] | None = None,
+    verbose: bool = False,
+) -> Plan:
+    """Plan ``model`` on ``cluster``: chunk boundaries and the layer range of every device.
+
+    Args:
+        model: the model; parameters may live on the meta device.
+        args: example inputs (moved to the meta device when the model is there).
+        kwargs: example keyword inputs.
+        cluster: a :class:`Cluster` or a string such as ``"8xh100-sxm"``.
+        seq_len: sequence length to plan for, in tokens (default: the example's).
+        workload: causal prefill (default) or multi-step diffusion.
+        granularity: chunk sizes are multiples of this (default: 128 when ``seq_len`` allows,
+            else the largest power of two dividing it, at most ``seq_len // 8``).
+        num_stages: number of stages (default: every device of the cluster).
+        time_limit: seconds for the solver.
+        seq_dims: input name -> sequence axis, when not found automatically.
+        verbose: print the time of each phase to stderr.
+
+    Returns:
+        The :class:`Plan`.
+    """
+    t0 = time.perf_counter()
+    if _on_meta(model):
+        args, kwargs = _to_meta((tuple(args), dict(kwargs or {})))
+    gm, ctx = annotate(model, args, kwargs, seq_dims=seq_dims)
+    t1 = time.perf_counter()
+    tokens = seq_len or int(ctx.token_count.subs(ctx.seq_symbol, ctx.example_seq)) \
+        if ctx.token_count is not None else seq_len
+    if not tokens:
+        raise PlanError(f"{ctx.model_name} has no attention node; nothing to pipeline")
+    gran = granularity or _default_granularity(tokens)
+    table = build_cost_table(gm, ctx.layers, cluster, tokens, seq_symbol=ctx.seq_symbol,
+                             token_count=ctx.token_count)
+    t2 = time.perf_counter()
+    result = plan_from_costs(table, workload=workload, granularity=gran, num_stages=num_stages,
+                             time_limit=time_limit)
+    if verbose:
+        print(f"[tppc plan] capture+annotate {t1 - t0:.1f} s, costing {t2 - t1:.2f} s, "
+              f"solving {time.perf_counter() - t2:.2f} s", file=sys.stderr)
+    return result
+
+
+def _default_granularity(tokens: int) -> int:
+    if tokens % 128 == 0 and tokens >= 1024:
+        return 128
+    g = 1
+    while tokens % (g * 2) == 0 and g * 2 <= max(1, tokens // 8):
+        g *= 2
+    return g
+
+
+def _on_meta(model: torch.nn.Module) -> bool:
+    return any(p.device.type == "meta" for p in model.parameters())
+
+
+def _to_meta(tree: Any) -> Any:
+    return torch.utils._pytree.tree_map(
+        lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, tree)
