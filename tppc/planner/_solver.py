@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
 import pulp
 
-__all__ = ["SolveOutcome", "SolveStatus", "available_solver", "solve"]
+__all__ = ["SolveOutcome", "SolveStatus", "available_solver", "solve", "variable"]
 
 SolveStatus = Literal["optimal", "time_limit", "infeasible", "no_solution"]
 
@@ -46,23 +47,12 @@ def available_solver() -> str:
     return "highs" if pulp.HiGHS().available() else "cbc"
 
 
-class _WarmHighs(pulp.HiGHS):
-    """``pulp.HiGHS`` that hands the variables' initial values to HiGHS as a start."""
-
-    def callSolver(self, lp: pulp.LpProblem) -> None:
-        cols = [v for v in lp.variables() if v.varValue is not None]
-        if cols:
-            idx = [v.index for v in cols]
-            vals = [float(v.varValue) for v in cols]
-            lp.solverModel.setSolution(len(idx), idx, vals)
-        lp.solverModel.run()
-
-
 def solve(
     prob: pulp.LpProblem,
     *,
     time_limit: float,
     warm_start: bool = False,
+    cutoff: float | None = None,
     rel_gap: float = 1e-7,
 ) -> SolveOutcome:
     """Solve ``prob`` (a minimisation) under a time limit.
@@ -71,8 +61,13 @@ def solve(
         prob: the model; variables set with ``setInitialValue`` seed the search when
             ``warm_start`` is True.
         time_limit: seconds; must be positive.
-        warm_start: pass the variables' initial values to the solver.
-        rel_gap: relative MIP gap at which the solver stops.
+        warm_start: pass the variables' initial values to CBC. (HiGHS 1.16 reports wrong
+            objectives after ``setSolution`` on these models, so it gets ``cutoff`` instead.)
+        cutoff: objective of a known solution; HiGHS prunes every node that cannot beat
+            it. When nothing beats it the status is ``"infeasible"``: the known solution is
+            optimal.
+        rel_gap: relative MIP gap at which the solver stops. (The absolute gap is 1e-9:
+            callers scale objectives to about 1, HiGHS's default 1e-6 would stop early.)
 
     Returns:
         The outcome; variable values are readable with ``pulp.value`` when it has a solution.
@@ -80,8 +75,10 @@ def solve(
     name = available_solver()
     t0 = time.perf_counter()
     if name == "highs":
-        cls = _WarmHighs if warm_start else pulp.HiGHS
-        solver = cls(msg=False, timeLimit=time_limit, gapRel=rel_gap, threads=1)
+        options = {} if cutoff is None else {"objective_bound": float(cutoff)}
+        solver = pulp.HiGHS(
+            msg=False, timeLimit=time_limit, gapRel=rel_gap, gapAbs=1e-9, threads=1, **options
+        )
         prob.solve(solver)
         seconds = time.perf_counter() - t0
         model = prob.solverModel
@@ -122,3 +119,12 @@ def _gap(objective: float, bound: float) -> float:
     if objective <= 0:
         return 0.0 if objective <= bound else math.inf
     return max(0.0, (objective - bound) / abs(objective))
+
+
+def variable(
+    name: str, low: float | None = None, up: float | None = None, cat: str = "Continuous"
+) -> pulp.LpVariable:
+    """``pulp.LpVariable`` without PuLP 3's deprecation warning (the 2.x API we support)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return pulp.LpVariable(name, low, up, cat=cat)

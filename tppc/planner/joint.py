@@ -28,6 +28,7 @@ import numpy as np
 
 from tppc.cost_models.table import CostTable
 from tppc.errors import PlanError
+from tppc.planner._solver import available_solver
 from tppc.planner.dp import chunk_matrix, terapipe_dp
 from tppc.planner.placement import (
     IN_FLIGHT,
@@ -248,8 +249,9 @@ def _alternate(ctx: _Ctx, max_rounds: int) -> tuple[tuple[int, ...], tuple[int, 
         best, cuts = obj, new_cuts
     exact = ctx.S == 1 or ctx.S == table.num_layers
     status = "time_limit" if "time_limit" in statuses else ("optimal" if exact else "decomposed")
+    placer = "local-search" if "heuristic" in statuses else available_solver()
     info = SolverInfo(
-        solver=f"alternate({info.solver})",
+        solver=f"alternate(split: exact, placement: {placer})",
         status=status,
         objective=best,
         bound=best if exact else -math.inf,

@@ -32,14 +32,19 @@ import numpy as np
 import pulp
 
 from tppc.errors import PlanError
-from tppc.planner._solver import available_solver, solve
+from tppc.planner._solver import SolveOutcome, available_solver, solve, variable
 from tppc.planner.dp import SplitSolution, chunk_matrix, evaluate_split, terapipe_dp
 from tppc.planner.plan import SolverInfo
 
-__all__ = ["MAX_GRID_POINTS", "TokenSplit", "solve_split", "split_tokens"]
+__all__ = ["MAX_GRID_POINTS", "MILP_MAX_GRID", "TokenSplit", "solve_split", "split_tokens"]
 
 MAX_GRID_POINTS = 4096
 """Largest ``seq_len / granularity`` the planner accepts (the chunk table is n²)."""
+
+MILP_MAX_GRID = 128
+"""``solver="auto"`` solves grids of more points with the (exact) DP alone: at ``n = 256``
+the pruned MILP still has ~4500 binaries and HiGHS needs ~15 s to prove what the DP proves
+in 0.06 s (see BENCHMARKS.md)."""
 
 CostFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
@@ -100,34 +105,37 @@ def split_tokens(
     granularity: int = 128,
     max_chunks: int | None = None,
     time_limit: float = 10.0,
-    solver: Literal["milp", "dp"] = "milp",
+    solver: Literal["auto", "milp", "dp"] = "auto",
     warm_start: Literal["dp", "uniform"] = "dp",
 ) -> TokenSplit:
     """Split a sequence into chunks minimising TeraPipe's latency ``Σ t_i + (S-1)·max t_i``.
 
-    Args:
-        cost: ``cost(c, p)``, vectorised over numpy arrays: the slowest stage's seconds for
-            a chunk of ``c`` tokens after ``p`` prefix tokens.
-        seq_len: sequence length ``L``; a multiple of ``granularity``.
-        num_stages: pipeline stages ``S`` (≥ 1).
-        granularity: chunk sizes are multiples of this many tokens.
-        max_chunks: at most this many chunks (``None``: no limit).
-        time_limit: seconds for the MILP; on expiry the incumbent is returned with status
-            ``"time_limit"`` and its gap.
-        solver: ``"milp"`` (PuLP, HiGHS or CBC) or ``"dp"`` (TeraPipe's DP only).
-        warm_start: upper bound and start for the MILP: the exact DP (``"dp"``) or the best
-            uniform split (``"uniform"``).
+        Args:
+            cost: ``cost(c, p)``, vectorised over numpy arrays: the slowest stage's seconds for
+                a chunk of ``c`` tokens after ``p`` prefix tokens.
+            seq_len: sequence length ``L``; a multiple of ``granularity``.
+            num_stages: pipeline stages ``S`` (≥ 1).
+            granularity: chunk sizes are multiples of this many tokens.
+            max_chunks: at most this many chunks (``None``: no limit).
+            time_limit: seconds for the MILP; on expiry the incumbent is returned with status
+                ``"time_limit"`` and its gap.
+            solver: ``"milp"`` (PuLP, HiGHS or CBC), ``"dp"`` (TeraPipe's DP only), or
+                ``"auto"``: the MILP unless the grid has more than
+    :data:`MILP_MAX_GRID` points; then the DP's answer, which is
+                exact too (its branch and bound proves optimality), is returned.
+            warm_start: upper bound and start for the MILP: the exact DP (``"dp"``) or the best
+                uniform split (``"uniform"``).
 
-    Returns:
-        The split, its objective and the solver's provenance.
+        Returns:
+            The split, its objective and the solver's provenance.
 
-    Raises:
-        PlanError: bad ``seq_len``, ``granularity``, ``num_stages`` or ``max_chunks``.
+        Raises:
+            PlanError: bad ``seq_len``, ``granularity``, ``num_stages`` or ``max_chunks``.
 
-    Example:
-        >>> causal = lambda c, p: 1e-4 + c * (1 + (p + c / 2) / 2048) * 1e-6
-        >>> split_tokens(causal, 2048, 4, granularity=256).chunks
-        (512, 512, 256, 256, 256, 256)
+        Example:
+            >>> causal = lambda c, p: 1e-4 + c * (1 + (p + c / 2) / 2048) * 1e-6
+            >>> split_tokens(causal, 2048, 4, granularity=256).chunks
+            (512, 512, 256, 256, 256, 256)
     """
     n = check_grid(seq_len, granularity)
     if num_stages < 1:
@@ -164,7 +172,7 @@ def solve_split(
     repeats: float = 1.0,
     max_chunks: int | None = None,
     time_limit: float = 10.0,
-    solver: Literal["milp", "dp"] = "milp",
+    solver: Literal["auto", "milp", "dp"] = "auto",
     warm_start: Literal["dp", "uniform"] = "dp",
 ) -> tuple[tuple[int, ...], float, SolverInfo]:
     """Minimise ``K·Σ m + (S-1)·max f`` over grid splits (the engine of :func:`split_tokens`).
@@ -184,14 +192,16 @@ def solve_split(
         how = "uniform"
     if not math.isfinite(start.objective):
         raise PlanError(f"no split of the sequence into at most max_chunks={max_chunks} chunks")
+    if solver == "auto" and warm_start == "dp" and m.shape[0] - 1 > MILP_MAX_GRID:
+        solver = "dp"
     if solver == "dp":
         info = SolverInfo(
-            "terapipe-dp",
-            "optimal",
-            start.objective,
-            start.objective,
-            0.0,
-            time.perf_counter() - t0,
+            solver="terapipe-dp",
+            status="optimal",
+            objective=start.objective,
+            bound=start.objective,
+            gap=0.0,
+            seconds=time.perf_counter() - t0,
             detail=how,
         )
         return start.bounds, start.objective, info
@@ -225,6 +235,46 @@ def _reach(m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return fwd, bwd
 
 
+@dataclass(frozen=True)
+class _Bucket:
+    """A ``t_max`` range ``(lo, hi]`` and the chunks that may appear when ``t_max`` is in it."""
+
+    lo: float
+    hi: float
+    chunks: tuple[tuple[int, int], ...]
+
+
+def _buckets(
+    m: np.ndarray, f: np.ndarray, num_stages: int, repeats: float, ub: float, count: int
+) -> list[_Bucket]:
+    """Split the ``t_max`` range into ``count`` buckets and prune each (see module doc)."""
+    s1 = num_stages - 1
+    n = m.shape[0] - 1
+    finite = np.isfinite(m) & np.isfinite(f)
+    levels = np.unique(f[finite])
+    _, base = _reach(np.where(finite, m, np.inf))
+    if s1 > 0:  # t_max ≤ (UB - K·min Σ m) / (S-1)
+        levels = levels[levels <= (ub - repeats * base[0]) / s1 * (1 + 1e-12)]
+    edges = np.unique(
+        levels[np.linspace(0, levels.size - 1, min(count, levels.size) + 1).astype(int)]
+    )
+    a_idx, b_idx = np.triu_indices(n + 1, 1)
+    out: list[_Bucket] = []
+    lows = [-math.inf, *edges[:-1].tolist()] if s1 > 0 else [-math.inf]
+    highs = edges.tolist() if s1 > 0 else [float(levels[-1])]
+    for lo, hi in zip(lows, highs):
+        allowed = np.where(finite & (f <= hi), m, np.inf)
+        fwd, bwd = _reach(allowed)
+        floor = max(lo, 0.0) if math.isfinite(lo) else 0.0
+        bound = repeats * (fwd[a_idx] + allowed[a_idx, b_idx] + bwd[b_idx]) + s1 * np.maximum(
+            f[a_idx, b_idx], floor
+        )
+        keep = np.isfinite(bound) & (bound <= ub)
+        if keep.any():
+            out.append(_Bucket(lo, hi, tuple(zip(a_idx[keep].tolist(), b_idx[keep].tolist()))))
+    return out
+
+
 def _solve_milp(
     m: np.ndarray,
     f: np.ndarray,
@@ -236,69 +286,90 @@ def _solve_milp(
     how: str,
     t0: float,
 ) -> tuple[tuple[int, ...], float, SolverInfo]:
+    """MILP disaggregated by ``t_max`` bucket: one tiling flow per bucket, one bucket chosen.
+
+    ``z_β`` picks bucket ``β = (lo, hi]``; ``y_β[a, b]`` tile the sequence with chunks whose
+    ``f ≤ hi`` (flow ``z_β``); ``t_β ≥ f·y_β``, ``t_β ≥ lo·z_β``. Buckets whose bound
+    ``K·minsum(hi) + (S-1)·lo`` exceeds the incumbent are dropped and, inside a bucket,
+    chunks that cannot lie on a path beating the incumbent. Each bucket's relaxation is a
+    shortest-path LP (integral) up to its ``t_max`` range, so the LP bound is tight.
+    """
     n = m.shape[0] - 1
     s1 = num_stages - 1
-    fwd, bwd = _reach(m)
-    ub = start.objective * (1 + 1e-9) + 1e-15
-    a_idx, b_idx = np.triu_indices(n + 1, 1)
-    lower = repeats * (fwd[a_idx] + m[a_idx, b_idx] + bwd[b_idx]) + s1 * f[a_idx, b_idx]
-    keep = np.isfinite(lower) & (lower <= ub)
-    for a, b in itertools.pairwise(start.bounds):  # the start must stay representable
-        keep |= (a_idx == a) & (b_idx == b)
-    cand = list(zip(a_idx[keep].tolist(), b_idx[keep].tolist()))
+    scale = start.objective if start.objective > 0 else 1.0  # solve in units of the start
+    m_s, f_s = m / scale, f / scale
+    ub = 1.0 + 1e-9
+    buckets = _buckets(m_s, f_s, num_stages, repeats, ub, count=16)
     prob = pulp.LpProblem("token_split", pulp.LpMinimize)
-    y = {ab: pulp.LpVariable(f"y_{ab[0]}_{ab[1]}", cat="Binary") for ab in cand}
-    levels = np.unique([f[a, b] for a, b in cand])
-    w = [pulp.LpVariable(f"w_{k}", cat="Binary") for k in range(1, levels.size)]
-    for k in range(len(w) - 1):
-        prob += w[k] >= w[k + 1]
-    level_of = {ab: int(np.searchsorted(levels, f[ab])) for ab in cand}
-    for ab, var in y.items():
-        if level_of[ab] > 0:
-            prob += var <= w[level_of[ab] - 1]
-    outgoing: dict[int, list] = {i: [] for i in range(n + 1)}
-    incoming: dict[int, list] = {i: [] for i in range(n + 1)}
-    for (a, b), var in y.items():
-        outgoing[a].append(var)
-        incoming[b].append(var)
-    prob += pulp.lpSum(outgoing[0]) == 1
-    for i in range(1, n):
-        prob += pulp.lpSum(incoming[i]) == pulp.lpSum(outgoing[i])
+    z = [variable(f"z_{k}", cat="Binary") for k in range(len(buckets))]
+    prob += pulp.lpSum(z) == 1
+    y: dict[tuple[int, int, int], pulp.LpVariable] = {}
+    tvars, objective_terms = [], []
+    for k, bucket in enumerate(buckets):
+        t_k = variable(f"t_{k}", 0)
+        tvars.append(t_k)
+        out_of: dict[int, list] = {i: [] for i in range(n + 1)}
+        into: dict[int, list] = {i: [] for i in range(n + 1)}
+        for a, b in bucket.chunks:
+            var = y[k, a, b] = variable(f"y_{k}_{a}_{b}", cat="Binary")
+            out_of[a].append(var)
+            into[b].append(var)
+            if f_s[a, b] > bucket.lo:
+                prob += t_k >= float(f_s[a, b]) * var
+            objective_terms.append(float(m_s[a, b]) * var)
+        prob += pulp.lpSum(out_of[0]) == z[k]
+        for i in range(1, n):
+            prob += pulp.lpSum(into[i]) == pulp.lpSum(out_of[i])
+        if math.isfinite(bucket.lo):
+            prob += t_k >= bucket.lo * z[k]
+        prob += t_k <= bucket.hi * z[k]
     if max_chunks is not None:
         prob += pulp.lpSum(y.values()) <= max_chunks
-    t_max = float(levels[0]) + pulp.lpSum(
-        float(levels[k + 1] - levels[k]) * w[k] for k in range(len(w))
-    )
-    prob += repeats * pulp.lpSum(float(m[ab]) * var for ab, var in y.items()) + s1 * t_max
-    chosen = set(itertools.pairwise(start.bounds))
-    for ab, var in y.items():
-        var.setInitialValue(1 if ab in chosen else 0)
-    start_level = int(np.searchsorted(levels, max(f[ab] for ab in chosen)))
-    for k, var in enumerate(w):
-        var.setInitialValue(1 if k < start_level else 0)
+    prob += repeats * pulp.lpSum(objective_terms) + s1 * pulp.lpSum(tvars)
+    _warm(start, buckets, f_s, z, y, tvars, scale)
     remaining = max(time_limit - (time.perf_counter() - t0), 0.05)
-    out = solve(prob, time_limit=remaining, warm_start=True)
+    out = solve(prob, time_limit=remaining, warm_start=True, cutoff=ub)
     bounds, objective = start.bounds, start.objective
+    if out.status == "infeasible":  # nothing beats the start under the cutoff
+        out = SolveOutcome(out.solver, "optimal", 1.0, 1.0, 0.0, out.seconds)
     if out.status in ("optimal", "time_limit"):
-        picked = sorted(ab for ab, var in y.items() if (var.value() or 0) > 0.5)
-        cand_bounds = _chain(picked, n)
-        if cand_bounds is not None:
-            value = evaluate_split(cand_bounds, m, f, num_stages, repeats)
+        picked = sorted((a, b) for (_, a, b), var in y.items() if (var.value() or 0) > 0.5)
+        got = _chain(picked, n)
+        if got is not None:
+            value = evaluate_split(got, m, f, num_stages, repeats)
             if value <= objective * (1 + 1e-9):
-                bounds, objective = cand_bounds, value
+                bounds, objective = got, value
     status = "optimal" if out.status == "optimal" else "time_limit"
-    bound = out.bound if math.isfinite(out.bound) else -math.inf
-    gap = 0.0 if status == "optimal" else _rel_gap(objective, bound)
+    bound = out.bound * scale if math.isfinite(out.bound) else -math.inf
     info = SolverInfo(
         solver=f"milp-{available_solver()}",
         status=status,
         objective=objective,
         bound=objective if status == "optimal" else bound,
-        gap=gap,
+        gap=0.0 if status == "optimal" else _rel_gap(objective, bound),
         seconds=time.perf_counter() - t0,
-        detail=f"{len(cand)}/{a_idx.size} chunks after pruning, {levels.size} levels, start {how}",
+        detail=f"{len(y)} chunk variables in {len(buckets)} t_max buckets "
+        f"({(n + 1) * n // 2} candidate chunks), start {how}",
     )
     return bounds, objective, info
+
+
+def _warm(start: SplitSolution, buckets, f: np.ndarray, z, y, tvars, scale: float) -> None:
+    """Set the start split as the initial solution (in the bucket holding its ``t_max``)."""
+    chosen = set(itertools.pairwise(start.bounds))
+    home = next(
+        (
+            k
+            for k, bk in enumerate(buckets)
+            if bk.lo < start.t_max / scale <= bk.hi and chosen <= set(bk.chunks)
+        ),
+        None,
+    )
+    for k, var in enumerate(z):
+        var.setInitialValue(1 if k == home else 0)
+        tvars[k].setInitialValue(start.t_max / scale if k == home else 0.0)
+    for (k, a, b), var in y.items():
+        var.setInitialValue(1 if k == home and (a, b) in chosen else 0)
 
 
 def _chain(picked: list[tuple[int, int]], n: int) -> tuple[int, ...] | None:

@@ -1,0 +1,169 @@
+"""Schedule simulation, placement, joint plans, errors and the Plan's JSON."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from planner_helpers import table
+
+from tppc.errors import PlanError, PlanInfeasible
+from tppc.planner import Plan, Workload, plan_for, plan_from_costs, simulate
+from tppc.planner.dp import evaluate_split
+from tppc.planner.joint import _Ctx, _split_matrices
+from tppc.planner.placement import place_layers, placement_objective, stage_times
+
+
+def test_schedule_two_stages_by_hand() -> None:
+    # stage 0: 1, 2 ; stage 1: 3, 1 ; link 0.5 -> chunk0 s1 [1.5, 4.5], chunk1 s1 [4.5, 5.5]
+    sched = simulate(np.array([[1.0, 2.0], [3.0, 1.0]]), np.full((1, 2), 0.5))
+    assert sched.start.tolist() == [[0.0, 1.0], [1.5, 4.5]]
+    assert sched.makespan == 5.5
+
+
+def test_schedule_identical_stages_matches_terapipe_formula() -> None:
+    t = np.array([3.0, 2.0, 1.0])
+    sched = simulate(np.tile(t, (4, 1)))
+    assert sched.makespan == pytest.approx(t.sum() + 3 * t.max())
+
+
+def test_diffusion_steps_do_not_drain_the_pipeline() -> None:
+    # 2 stages, 2 chunks of 1 s, 2 steps: step 2 chunk 0 enters stage 0 at max(2, 2) = 2.
+    sched = simulate(np.ones((2, 2)), steps=2)
+    assert sched.start[0].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert sched.makespan == 5.0
+
+
+def test_diffusion_waits_for_the_chunk_of_the_previous_step() -> None:
+    # 1 chunk, 2 stages: step 2 needs the chunk back from stage 1 (+0.5 s return link).
+    sched = simulate(np.ones((2, 1)), steps=2, back=np.array([0.5]))
+    assert sched.start[0].tolist() == [0.0, 2.5]
+    assert sched.makespan == 4.5
+
+
+def test_objective_bounds_the_simulated_prefill_latency() -> None:
+    t = table(num_layers=5, speeds=(1.0, 3.0, 1.5), seq_len=1024)
+    for cuts in [(0, 1, 3, 5), (0, 2, 4, 5)]:
+        bounds = (0, 512, 768, 1024)
+        times, links = stage_times(t, cuts, bounds)
+        assert simulate(times, links).makespan <= placement_objective(times, links, 1.0) + 1e-12
+
+
+def test_split_matrices_agree_with_placement_objective() -> None:
+    t = table(num_layers=4, speeds=(1.0, 2.0), seq_len=512, link_bw=1e9)
+    ctx = _Ctx(t, Workload(), 128, 2, None, float("inf"))
+    m, f, _warm = _split_matrices(ctx, (0, 1, 4))
+    bounds = (0, 2, 3, 4)
+    times, links = stage_times(t, (0, 1, 4), tuple(b * 128 for b in bounds))
+    assert evaluate_split(bounds, m, f, 2) == pytest.approx(placement_objective(times, links, 1.0))
+
+
+def test_placement_milp_matches_enumeration() -> None:
+    t = table(num_layers=6, speeds=(1.0, 2.5, 0.7), seq_len=1024, layer_scales=(1, 3, 1, 2, 1, 4))
+    bounds = (0, 384, 640, 1024)
+    _cuts, obj, info = place_layers(t, bounds, 3, Workload(), time_limit=10)
+    best = min(
+        placement_objective(*stage_times(t, (0, *inner, 6), bounds), 1.0)
+        for inner in itertools.combinations(range(1, 6), 2)
+    )
+    assert obj == pytest.approx(best, rel=1e-6)
+    assert info.status == "optimal"
+
+
+def test_placement_respects_memory() -> None:
+    # 8 layers of 1 GB on 2 devices of 5 GB: the fast device cannot take more than 4 layers.
+    t = table(
+        num_layers=8,
+        speeds=(10.0, 1.0),
+        seq_len=1024,
+        capacity=5 * 10**9,
+        weight_bytes=10**9,
+        kv_per_token=0,
+        act_per_token=10,
+    )
+    plan = plan_from_costs(t, granularity=256)
+    for st in plan.stages:
+        assert st.memory_bytes <= st.capacity_bytes
+    assert [st.num_layers for st in plan.stages] == [4, 4]
+
+
+def test_infeasible_names_devices_capacity_need_and_a_cluster_that_fits() -> None:
+    t = table(
+        num_layers=8,
+        speeds=(1.0, 1.0),
+        seq_len=1024,
+        capacity=3 * 10**9,
+        weight_bytes=10**9,
+        kv_per_token=0,
+        act_per_token=10,
+    )
+    with pytest.raises(PlanInfeasible) as err:
+        plan_from_costs(t, granularity=256)
+    msg = str(err.value)
+    assert "device 0 (dev0)" in msg and "device 1 (dev1)" in msg
+    assert "capacity 3.00 GB" in msg and "need 4.00 GB" in msg
+    assert "4xdev0" in msg  # 3 layers + activations exceed 3 GB
+
+
+def test_exhaustive_and_alternate_agree_on_a_homogeneous_chain() -> None:
+    t = table(num_layers=6, speeds=(1.0, 1.0, 1.0), seq_len=1024)
+    exact = plan_from_costs(t, granularity=128, method="exhaustive")
+    alt = plan_from_costs(t, granularity=128, method="alternate")
+    assert alt.solver.objective <= exact.solver.objective * 1.05
+    assert exact.solver.status == "optimal"
+
+
+def test_heterogeneous_chain_gives_the_fast_device_more_layers() -> None:
+    t = table(num_layers=8, speeds=(3.0, 1.0), seq_len=1024)
+    plan = plan_from_costs(t, granularity=128)
+    assert plan.stages[0].num_layers > plan.stages[1].num_layers
+
+
+def test_plan_latency_is_the_simulated_makespan_and_above_the_lower_bound() -> None:
+    t = table(num_layers=4, speeds=(1.0, 1.0), seq_len=1024)
+    plan = plan_from_costs(t, granularity=128)
+    assert plan.latency == pytest.approx(plan.end[-1][-1])
+    assert plan.latency >= plan.lower_bound
+
+
+def test_plan_json_round_trip() -> None:
+    t = table(num_layers=4, speeds=(1.0, 2.0), seq_len=1024)
+    plan = plan_from_costs(
+        t, granularity=128, workload=Workload(kind="diffusion", steps=3, warmup_steps=1)
+    )
+    again = Plan.from_json(plan.to_json())
+    assert again == plan
+    assert "stage" in plan.summary()
+
+
+def test_plan_json_with_wrong_schema_is_rejected() -> None:
+    plan = plan_for(table(num_layers=2, speeds=(1.0, 1.0)), (0, 1, 2), (0, 512, 1024))
+    bad = plan.to_json().replace("tppc.plan/1", "tppc.plan/0")
+    with pytest.raises(PlanError, match="schema"):
+        Plan.from_json(bad)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"num_stages": 5}, "exceeds the model's 4 layers"),
+        ({"num_stages": 3}, "exceeds the cluster's 2 devices"),
+        ({"granularity": 100}, "not a multiple of granularity=100"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, match) -> None:
+    with pytest.raises(PlanError, match=match):
+        plan_from_costs(table(num_layers=4, speeds=(1.0, 1.0)), **kwargs)
+
+
+def test_empty_cluster_is_rejected() -> None:
+    t = table(num_layers=2, speeds=(1.0,))
+    empty = type(t)((), (), (), (), 1024, True)
+    with pytest.raises(PlanError, match="no devices"):
+        plan_from_costs(empty)
+
+
+def test_workload_validation() -> None:
+    with pytest.raises(PlanError, match="warmup_steps=5"):
+        Workload(kind="diffusion", steps=4, warmup_steps=5)
