@@ -1,7 +1,8 @@
 """``tppc.plan``: capture, annotate, price and plan a model without running it.
 
 Works on a model built on the meta device (no weights allocated), so a user can plan a
-70B model for a cluster they do not have.
+70B model for a cluster they do not have. A model whose blocks are all the same computation
+is captured with two of them and the layer list re-expanded (see ``tppc._blocks``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 import torch
 
+from tppc._blocks import expand_layers, few_blocks
 from tppc.analysis import annotate
 from tppc.cost_models.cluster import Cluster
 from tppc.cost_models.layer_costs import build_cost_table
@@ -58,7 +60,10 @@ def plan(
     t0 = time.perf_counter()
     if _on_meta(model):
         args, kwargs = _to_meta((tuple(args), dict(kwargs or {})))
-    gm, ctx = annotate(model, args, kwargs, seq_dims=seq_dims)
+    with few_blocks(model) as truncated:
+        gm, ctx = annotate(model, args, kwargs, seq_dims=seq_dims)
+    if truncated is not None:
+        ctx.layers = expand_layers(ctx.layers, *truncated)
     t1 = time.perf_counter()
     tokens = seq_len or int(ctx.token_count.subs(ctx.seq_symbol, ctx.example_seq)) \
         if ctx.token_count is not None else seq_len
