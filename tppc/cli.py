@@ -1,4 +1,4 @@
-"""The ``tppc`` command: ``tppc demo``, ``tppc graph MODULE:FACTORY``."""
+"""The ``tppc`` command: ``tppc demo``, ``tppc graph``, ``tppc plan`` (MODULE:FACTORY)."""
 
 from __future__ import annotations
 
@@ -49,6 +49,19 @@ def _graph(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(ns: argparse.Namespace) -> int:
+    from tppc.planner import Workload
+    from tppc.planning import plan
+
+    model, args, kwargs = load_factory(ns.factory)
+    workload = Workload(kind="diffusion", steps=ns.steps) if ns.steps else None
+    result = plan(model, args, kwargs, cluster=ns.cluster, seq_len=ns.seq_len,
+                  granularity=ns.granularity, workload=workload, time_limit=ns.time_limit,
+                  verbose=True)
+    print(result.to_json() if ns.json else result.summary())
+    return 0
+
+
 def _demo(ns: argparse.Namespace) -> int:
     from tppc.demo import run_demo
 
@@ -65,6 +78,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     graph = sub.add_parser("graph", help="print the layer table of MODULE:FACTORY")
     graph.add_argument("factory", help="e.g. tppc.examples:hf_llama")
     graph.set_defaults(fn=_graph)
+    pl = sub.add_parser("plan", help="capture, price and plan MODULE:FACTORY on a cluster")
+    pl.add_argument("factory", help="e.g. tppc.examples:hf_llama")
+    pl.add_argument("--cluster", default="2xcpu", help="e.g. 8xh100-sxm, 2xh100-sxm+2xa100-80gb")
+    pl.add_argument("--seq-len", type=int, default=None, help="tokens (default: the example's)")
+    pl.add_argument("--granularity", type=int, default=None, help="chunk sizes are multiples")
+    pl.add_argument("--steps", type=int, default=0, help="diffusion steps (DiT workloads)")
+    pl.add_argument("--time-limit", type=float, default=10.0, help="solver seconds")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.set_defaults(fn=_plan)
     ns = parser.parse_args(argv)
     fn: Callable[[argparse.Namespace], int] = ns.fn
     start = time.perf_counter()

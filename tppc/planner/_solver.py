@@ -7,7 +7,10 @@ relative gap between the incumbent and the best bound.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -42,9 +45,27 @@ class SolveOutcome:
     seconds: float
 
 
+@functools.cache
 def available_solver() -> str:
-    """Name of the solver :func:`solve` will use: ``"highs"`` or ``"cbc"``."""
-    return "highs" if pulp.HiGHS().available() else "cbc"
+    """Name of the solver :func:`solve` will use: ``"highs"`` or ``"cbc"``.
+
+    The first HiGHS model a process builds prints a banner from C code; it is built here once
+    with the process' standard output pointed at /dev/null, so plans print only their own text.
+    """
+    if not pulp.HiGHS().available():
+        return "cbc"
+    import highspy
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    return "highs"
 
 
 def solve(
