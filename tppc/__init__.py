@@ -1,7 +1,8 @@
 """tppc: a token-level pipeline parallelism compiler for PyTorch transformers.
 
-``tppc.capture`` traces a model with a symbolic sequence length, ``tppc.annotate`` finds the
-token axis and role of every value and groups the layers; see DESIGN.md for the rest.
+``capture`` traces a model with a symbolic sequence length; ``annotate`` finds the token axis
+and role of every value and groups the layers; ``cost_report`` prices each layer on a
+device; ``plan`` chooses the chunk boundaries and the stage placement on a ``Cluster``.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 from tppc.analysis import annotate
 from tppc.capture import capture
 from tppc.context import CompileContext, PassRecord
+from tppc.cost_models import Cluster, CostTable, DeviceSpec, LinkSpec, calibrate
+from tppc.costing import cost_report
 from tppc.errors import (
     AnnotationError,
     CaptureError,
@@ -21,22 +24,35 @@ from tppc.errors import (
     TppcError,
 )
 from tppc.inspect import layer_table
+from tppc.planner import Plan, Workload, plan_from_costs, split_tokens
+from tppc.planning import plan
 
 __all__ = [
     "AnnotationError",
     "CaptureError",
+    "Cluster",
     "CompileContext",
     "CostModelError",
+    "CostTable",
+    "DeviceSpec",
+    "LinkSpec",
     "PassError",
     "PassRecord",
+    "Plan",
     "PlanError",
     "PlanInfeasible",
     "RuntimeInputError",
     "SpecError",
     "TppcError",
+    "Workload",
     "annotate",
+    "calibrate",
     "capture",
+    "cost_report",
     "layer_table",
+    "plan",
+    "plan_from_costs",
+    "split_tokens",
 ]
 
 __version__ = "0.1.0"

@@ -1,42 +1,16 @@
-"""The ``tppc`` command: ``tppc demo``, ``tppc graph``, ``tppc plan`` (MODULE:FACTORY)."""
+"""The ``tppc`` command: ``demo``, and ``graph`` / ``cost`` / ``plan`` of a MODULE:FACTORY."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from tppc.errors import TppcError
+from tppc.factory import load_factory
 
-__all__ = ["load_factory", "main"]
-
-
-def load_factory(spec: str) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
-    """Import ``MODULE:FACTORY`` and call it; returns ``(model, args, kwargs)``."""
-    if ":" not in spec:
-        raise TppcError(
-            f"{spec!r} is not MODULE:FACTORY; fix: e.g. tppc.examples:gpt or mypkg.models:make"
-        )
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise TppcError(f"cannot import module {module_name!r} of {spec!r}: {exc}") from exc
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        names = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
-        raise TppcError(f"{module_name} has no callable {attr!r}; callables there: {names}")
-    result = factory()
-    if not isinstance(result, tuple) or len(result) not in (2, 3):
-        raise TppcError(
-            f"{spec} returned {type(result).__name__}; it must return (model, args) or "
-            "(model, args, kwargs)"
-        )
-    model, args, *rest = result
-    return model, tuple(args), dict(rest[0]) if rest else {}
+__all__ = ["main"]
 
 
 def _graph(ns: argparse.Namespace) -> int:
@@ -78,6 +52,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     graph = sub.add_parser("graph", help="print the layer table of MODULE:FACTORY")
     graph.add_argument("factory", help="e.g. tppc.examples:hf_llama")
     graph.set_defaults(fn=_graph)
+    from tppc.cost_models.report import add_cost_arguments, cost_command
+
+    cost = sub.add_parser("cost", help="per-layer cost report of MODULE:FACTORY on a device")
+    add_cost_arguments(cost).set_defaults(fn=cost_command)
     pl = sub.add_parser("plan", help="capture, price and plan MODULE:FACTORY on a cluster")
     pl.add_argument("factory", help="e.g. tppc.examples:hf_llama")
     pl.add_argument("--cluster", default="2xcpu", help="e.g. 8xh100-sxm, 2xh100-sxm+2xa100-80gb")

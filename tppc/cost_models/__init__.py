@@ -1,0 +1,42 @@
+"""Hardware cost model: device and link specs, presets, calibration, per-layer prices.
+
+Modules (one concern each):
+    specs        MatrixUnit, VectorUnit, Memory, DeviceSpec, LinkSpec (validated records)
+    presets      H100/H200/A100/V100/TPU v4-v5p devices; NVLink, PCIe, ICI, Ethernet links
+    cluster      Cluster: a chain of devices and links, ``Cluster.parse("2xh100-sxm")``
+    calibration  ``calibrate("cpu")``: micro-benchmarks → DeviceSpec (cached JSON)
+    node_costs   FLOPs and bytes of one fx node as sympy in (c, p, L)
+    layer_costs  per-layer roofline time(c, p) → :class:`CostTable` for the planner
+    report       ``report_from_graph``: a per-layer table, formulas and JSON
+    table        the CostTable contract read by the planner
+"""
+
+from __future__ import annotations
+
+from .calibration import calibrate
+from .cluster import Cluster
+from .layer_costs import build_cost_table, layer_expressions
+from .presets import DEVICE_PRESETS, LINK_PRESETS
+from .report import CostReport, cost_command, report_from_graph
+from .specs import DeviceSpec, LinkSpec, MatrixUnit, Memory, VectorUnit
+from .table import CostTable, LayerCost, LinkCost
+
+__all__ = [
+    "DEVICE_PRESETS",
+    "LINK_PRESETS",
+    "Cluster",
+    "CostReport",
+    "CostTable",
+    "DeviceSpec",
+    "LayerCost",
+    "LinkCost",
+    "LinkSpec",
+    "MatrixUnit",
+    "Memory",
+    "VectorUnit",
+    "build_cost_table",
+    "calibrate",
+    "cost_command",
+    "layer_expressions",
+    "report_from_graph",
+]

@@ -45,7 +45,7 @@ def device_preset(name: str) -> DeviceSpec:
     """
     key = name.strip().lower()
     if key == "cpu":
-        from .calibrate import calibrate
+        from .calibration import calibrate
 
         return calibrate("cpu")
     if key not in DEVICE_PRESETS:

@@ -33,8 +33,8 @@ from .cluster import Cluster
 from .node_costs import (
     C,
     L,
-    P,
     NodeCost,
+    P,
     TokenSubstitution,
     _Shapes,
     _tensors,
@@ -161,14 +161,22 @@ def _seq_dependent(node: fx.Node) -> bool:
                for t in _tensors(node.meta.get("val")) for s in t.shape)
 
 
-def _node_signature(node: fx.Node) -> tuple:
+def _raw_dim(size: object) -> object:
+    """A hashable size, cheaper than ``SymNode.expr`` (which applies the shape env)."""
+    node = getattr(size, "node", None)
+    return getattr(node, "_expr", None) if node is not None else size
+
+
+def _describe(n: fx.Node) -> tuple:
+    info = n.meta.get(TOKEN)
+    axes = (info.role, info.axis, info.other_axes, info.attention) \
+        if isinstance(info, TokenInfo) else None
+    shapes = tuple((tuple(map(_raw_dim, t.shape)), t.dtype) for t in _tensors(n.meta.get("val")))
+    return (n.op, shapes, axes)
+
+
+def _node_signature(node: fx.Node, describe) -> tuple:
     """Ops, shapes, dtypes and token axes: equal signatures give equal costs."""
-    def describe(n: fx.Node) -> tuple:
-        info = n.meta.get(TOKEN)
-        axes = (info.role, info.axis, info.other_axes, info.attention) \
-            if isinstance(info, TokenInfo) else None
-        return (n.op, tuple((str(tuple(t.shape)), str(t.dtype)) for t in _tensors(n.meta.get("val"))),
-                axes)
     consts = tuple(repr(a) for a in node.args if not isinstance(a, fx.Node | list | tuple))
     return (str(node.target), describe(node), consts, node.kwargs.get("is_causal"),
             tuple(describe(a) for a in node.all_input_nodes))
@@ -188,10 +196,18 @@ class _Pricer:
         self.shapes = _Shapes(subs, default_attention)
         self._node_cache: dict[tuple, NodeCost] = {}
         self._layer_cache: dict[tuple, tuple] = {}
+        self._priced: dict[str, list[tuple[tuple, NodeCost]]] = {}
+        self._descriptions: dict[str, tuple] = {}
+        self._acts: dict[str, int] = {}
+
+    def _describe(self, node: fx.Node) -> tuple:
+        if node.name not in self._descriptions:
+            self._descriptions[node.name] = _describe(node)
+        return self._descriptions[node.name]
 
     def node(self, name: str) -> tuple[tuple, NodeCost]:
         node = self.nodes[name]
-        sig = _node_signature(node)
+        sig = _node_signature(node, self._describe)
         if sig not in self._node_cache:
             self._node_cache[sig] = node_cost(
                 node, self.subs, default_attention=self.default_attention,
@@ -206,7 +222,9 @@ class _Pricer:
                 f"layer {info.name!r} names nodes {missing[:3]} that are not in the graph; "
                 "rebuild the layers after the last graph transform"
             )
-        priced = [self.node(n) for n in info.nodes]
+        if info.name not in self._priced:
+            self._priced[info.name] = [self.node(n) for n in info.nodes]
+        priced = self._priced[info.name]
         costs = tuple(c for _, c in priced)
         key = (tuple(s for s, _ in priced), device, fuse)
         if key not in self._layer_cache:
@@ -228,7 +246,7 @@ class _Pricer:
             overhead += over
             terms = [t for t in (t_mat, t_vec, t_mem) if t != 0]
             if terms:
-                total.append(sympy.Max(*terms) if len(terms) > 1 else terms[0])
+                total.append(sympy.Max(*terms, evaluate=False) if len(terms) > 1 else terms[0])
         time = (sympy.Add(*total) + overhead).subs(full)
         live = [c for c in costs if c.kind not in ("view", "const")]
         matrix = sympy.Add(*[c.matrix_flops for c in live]).subs(full)
@@ -243,10 +261,17 @@ class _Pricer:
         return time, matrix, vector, nbytes, _vectorise(time)
 
     def _act_bytes(self, info: LayerInfo) -> int:
+        if info.name not in self._acts:
+            self._acts[info.name] = self._compute_act_bytes(info)
+        return self._acts[info.name]
+
+    def _compute_act_bytes(self, info: LayerInfo) -> int:
         total = sympy.Integer(0)
         for name in info.outputs:
             node = self.nodes.get(name)
-            if node is None or not _tensors(node.meta.get("val")):
+            info_out = node.meta.get(TOKEN) if node is not None else None
+            if node is None or not _tensors(node.meta.get("val")) or (
+                    isinstance(info_out, TokenInfo) and info_out.role != "token"):
                 continue
             shape = self.shapes.shape(node)
             size = sympy.Mul(*shape) * _tensors(node.meta["val"])[0].element_size()

@@ -41,8 +41,8 @@ from .specs import DeviceSpec
 __all__ = [
     "C",
     "L",
-    "P",
     "NodeCost",
+    "P",
     "TokenSubstitution",
     "find_seq_symbol",
     "graph_node_costs",
@@ -299,13 +299,37 @@ def _attention(node: fx.Node, shapes: _Shapes, args: list[fx.Node], attention: s
     pv = (heads, q[-2], v[-1], key_len)
     vector = 5 * heads * q[-2] * key_len
     item = _itemsize(_tensors(q_node.meta["val"])[0])
-    kv_per_key = (_numel(k[:-2]) * k[-1] + _numel(v[:-2]) * v[-1]) * item
+    seen_per_key = (_numel(k[:-2]) * k[-1] + _numel(v[:-2]) * v[-1]) * item
+    kv_per_key = _per_token(shapes, _before_repeat(k_node)) \
+        + _per_token(shapes, _before_repeat(v_node))
+    kv_per_key = kv_per_key * item if kv_per_key else seen_per_key
     nbytes = _bytes(shapes, [q_node, k_node, v_node, node]) + kv_per_key * key_len
+    if sympy.simplify(seen_per_key - kv_per_key) != 0:  # GQA: eager repeat copies the keys
+        nbytes += 2 * seen_per_key * key_len
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
     if isinstance(mask, fx.Node):
         mt = _tensors(mask.meta.get("val"))[0]
         nbytes += _numel(shapes.shape(mask)[:-1]) * key_len * _itemsize(mt)
     return [qk, pv], vector, nbytes, int(kv_per_key)
+
+
+_REPEAT = frozenset({"reshape", "expand", "unsqueeze", "view", "_unsafe_view", "clone",
+                     "contiguous", "repeat_interleave"})
+
+
+def _before_repeat(node: fx.Node) -> fx.Node:
+    """The K/V value before grouped-query repetition (unsqueeze → expand → reshape)."""
+    while _op_name(node) in _REPEAT and node.args and isinstance(node.args[0], fx.Node) \
+            and _tensors(node.args[0].meta.get("val")):
+        node = node.args[0]
+    return node
+
+
+def _per_token(shapes: _Shapes, node: fx.Node) -> sympy.Expr:
+    """Elements of ``node``'s value per token (0 when it has no token axis)."""
+    numel = _numel(shapes.shape(node) or ())
+    per = sympy.cancel(numel / C)
+    return per if not per.free_symbols else sympy.Integer(0)
 
 
 def _dtype_name(node: fx.Node, args: list[fx.Node], compute_dtype: str | None) -> str:

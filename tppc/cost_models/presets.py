@@ -3,7 +3,7 @@
 Numbers are dense (no sparsity) datasheet peaks; ANCHORS.md (shared) lists them. Datasheet
 peaks are upper bounds: real kernels reach 60-80 % of them, which is why ``calibrate`` exists
 for the machine you are on. Per-op overheads are typical eager launch costs, not datasheet
-numbers. The ``cpu`` device is not here: it is measured (see :mod:`.calibrate`).
+numbers. The ``cpu`` device is not here: it is measured (see :mod:`.calibration`).
 
 Example:
     >>> DEVICE_PRESETS["h100-sxm"].ridge_point("bf16")  # FLOP per byte

@@ -8,7 +8,8 @@ Measured, for one thread count (a pipeline stage on CPU runs with
     memory bandwidth: ``out = a + b`` on arrays well above the last-level cache
         (3 arrays of 64 MiB on CPU), bytes moved / time;
     vector throughput: elementwise ops on an L2-resident array, overhead subtracted;
-    op overhead: the time of an elementwise op on a 1-element tensor.
+    op overhead: the time per op of a block-like sequence of ops on tiny tensors
+        (Python dispatch + launch; views included in the sequence but not counted).
 
 Results are cached as JSON in ``$TPPC_CACHE_DIR`` or ``$XDG_CACHE_HOME/tppc`` or
 ``~/.cache/tppc``, keyed by device, thread count, CPU model and torch version;
@@ -37,7 +38,7 @@ from .specs import DeviceSpec, MatrixUnit, Memory, VectorUnit
 
 __all__ = ["cache_dir", "calibrate"]
 
-_SCHEMA = 1
+_SCHEMA = 2
 
 
 def cache_dir() -> Path:
@@ -92,6 +93,29 @@ def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]
     return measure
 
 
+_TINY_BLOCK_OPS = 12
+
+
+def _tiny_block(device: torch.device) -> Callable[[], object]:
+    """A transformer-block-like op sequence on tiny tensors: its time is pure overhead.
+
+    The per-op overhead of eager execution is Python dispatch plus kernel launch; a
+    1-element ``add`` underestimates it, so time a realistic mix (linear, norm, rope-like
+    elementwise, softmax) and divide by its ``_TINY_BLOCK_OPS`` kernel-launching ops.
+    """
+    x = torch.ones(1, 4, 8, device=device)
+    w = torch.ones(8, 8, device=device)
+
+    def block() -> torch.Tensor:
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)  # 5 ops
+        q = torch.nn.functional.linear(h, w).view(1, 4, 2, 4).transpose(1, 2)  # 1 op
+        a = torch.softmax(q * 0.5, dim=-1)  # 2 ops
+        g = torch.nn.functional.silu(torch.nn.functional.linear(h, w))  # 2 ops
+        return a.transpose(1, 2).reshape(1, 4, 8) * g + x  # 2 ops
+
+    return block
+
+
 def _matmul_peak(device: torch.device, dtype: torch.dtype, measure, sizes) -> float:
     best = 0.0
     for m, k, n in sizes:
@@ -121,8 +145,7 @@ def _measure(device: torch.device) -> dict[str, float]:
         if bf16 > out["fp32"]:  # only native bf16 (AMX, AVX512-BF16) beats fp32
             out["bf16"] = bf16
 
-    tiny = torch.ones(1, device=device)
-    out["op_overhead"] = measure(lambda: torch.add(tiny, tiny), 7)
+    out["op_overhead"] = measure(_tiny_block(device), 7) / _TINY_BLOCK_OPS
 
     n = (256 if gpu else 16) * 2**20 // 4 * 4  # 3 × 64 MiB on CPU, 3 × 1 GiB on GPU
     a = torch.ones(n, device=device)

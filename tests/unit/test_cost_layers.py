@@ -1,0 +1,109 @@
+"""Layer costs and the cost table, on HF Llama graphs annotated by tppc's own passes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import sympy
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tppc.analysis import annotate
+from tppc.cost_models.cluster import Cluster
+from tppc.cost_models.layer_costs import build_cost_table, layer_expressions
+from tppc.cost_models.node_costs import C, P
+from tppc.cost_models.presets import DEVICE_PRESETS
+
+D, FF, H, KV, HD, VOCAB = 64, 128, 4, 2, 16, 128
+
+
+@pytest.fixture(scope="module")
+def llama():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=D, intermediate_size=FF,
+                      num_hidden_layers=3, num_attention_heads=H, num_key_value_heads=KV,
+                      max_position_embeddings=1024)
+    model = LlamaForCausalLM(cfg).eval()
+    return annotate(model, (torch.randint(0, VOCAB, (1, 32)),))
+
+
+def _exprs(llama, device="h100-sxm"):
+    gm, ctx = llama
+    return layer_expressions(gm, ctx.layers, DEVICE_PRESETS[device], 1024,
+                             seq_symbol=ctx.seq_symbol, token_count=ctx.token_count)
+
+
+def test_llama_block_matrix_flops_match_hand_formula(llama):
+    block = next(e for e in _exprs(llama) if e.info.kind == "block")
+    projections = D * D + 2 * D * KV * HD + D * D + 3 * D * FF  # q, k, v, o, gate/up/down
+    attention = 4 * H * C * (P + C) * HD  # QK^T and PV over p + c keys
+    assert sympy.expand(block.matrix_flops - (2 * C * projections + attention)) == 0
+
+
+def test_llama_block_memory_needs(llama):
+    block = next(e for e in _exprs(llama) if e.info.kind == "block")
+    assert block.weight_bytes == 4 * (2 * D * D + 2 * D * KV * HD + 3 * D * FF + 2 * D)
+    # K and V buffers hold the model's KV heads (before the GQA repeat), fp32
+    assert block.kv_bytes_per_token == 2 * KV * HD * 4
+    assert block.act_bytes_per_token == D * 4
+
+
+def test_identical_blocks_share_one_compiled_function(llama):
+    blocks = [e for e in _exprs(llama) if e.info.kind == "block"]
+    assert len(blocks) == 3 and len({id(e.fn) for e in blocks}) == 1
+
+
+def test_cost_table_prices_every_device_and_link(llama):
+    gm, ctx = llama
+    table = build_cost_table(gm, ctx.layers, Cluster.parse("2xh100-sxm+1xa100-80gb@pcie4"),
+                             1024, seq_symbol=ctx.seq_symbol, token_count=ctx.token_count)
+    assert table.device_names == ("h100-sxm", "h100-sxm", "a100-80gb")
+    assert table.num_layers == len(ctx.layers) and table.causal
+    assert [lk.bandwidth for lk in table.links] == [450e9, 32e9]
+    c = np.array([4096.0])
+    h100, a100 = table.layers[0][1].time(c, c * 0), table.layers[2][1].time(c, c * 0)
+    assert a100[0] > h100[0]
+
+
+def test_layer_time_is_vectorised_over_a_grid_and_grows_with_prefix(llama):
+    gm, ctx = llama
+    table = build_cost_table(gm, ctx.layers, "1xh100-sxm", 1024, seq_symbol=ctx.seq_symbol,
+                             token_count=ctx.token_count)
+    c, p = np.meshgrid(np.arange(16, 1025, 16.0), np.arange(0, 1024, 64.0))
+    for layer in table.layers[0]:
+        t = layer.time(c, p)
+        assert t.shape == c.shape and np.all(t > 0) and np.all(np.isfinite(t))
+    block = table.layers[0][1]
+    big = np.array([4096.0])
+    assert block.time(big, np.array([8192.0]))[0] > block.time(big, np.array([0.0]))[0]
+
+
+def test_bidirectional_attention_does_not_depend_on_prefix():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(D, 3 * D)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(1, -1, 3, H, HD).permute(2, 0, 3, 1, 4)
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            return x + out.transpose(1, 2).reshape(1, -1, D)
+
+    class Encoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Block(), Block()])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    gm, ctx = annotate(Encoder().eval(), (torch.randn(1, 32, D),))
+    table = build_cost_table(gm, ctx.layers, "1xh100-sxm", 512, seq_symbol=ctx.seq_symbol,
+                             token_count=ctx.token_count)
+    assert not table.causal
+    c = np.array([64.0, 64.0])
+    for layer in table.layers[0]:
+        t = layer.time(c, np.array([0.0, 448.0]))
+        assert t[0] == pytest.approx(t[1])

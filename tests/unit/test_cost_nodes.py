@@ -1,0 +1,118 @@
+"""Node costs: FLOPs and bytes match hand formulas; tile padding; token substitution."""
+
+from __future__ import annotations
+
+import pytest
+import sympy
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.export import Dim
+
+from tppc.cost_models.node_costs import (
+    C,
+    L,
+    P,
+    TokenSubstitution,
+    find_seq_symbol,
+    graph_node_costs,
+    node_time_terms,
+)
+from tppc.cost_models.presets import DEVICE_PRESETS
+from tppc.errors import CostModelError
+from tppc.ir import TOKEN, TokenInfo
+
+
+def _export(module: nn.Module, *args: torch.Tensor, axis: int = 1, max_len: int = 1024):
+    dims = tuple({axis: Dim("seq", min=2, max=max_len)} if a.dim() > axis else None for a in args)
+    return torch.export.export(module, args, dynamic_shapes=dims).graph_module
+
+
+def _only(costs, op):
+    found = [c for c in costs.values() if c.op == op]
+    assert len(found) == 1, [c.op for c in costs.values()]
+    return found[0]
+
+
+class _Attention(nn.Module):
+    def __init__(self, causal: bool):
+        super().__init__()
+        self.causal = causal
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+
+
+def test_linear_flops_and_bytes_match_hand_formula():
+    gm = _export(nn.Linear(64, 96, bias=False), torch.randn(1, 8, 64))
+    cost = _only(graph_node_costs(gm), "linear")
+    assert cost.matrix_flops == 2 * C * 64 * 96
+    assert cost.bytes == 4 * (C * 64 + 64 * 96 + C * 96)  # in, weight, out (fp32)
+    assert cost.kind == "matrix" and cost.dtype == "fp32"
+
+
+@pytest.mark.parametrize(("causal", "keys"), [(True, P + C), (False, L)])
+def test_sdpa_flops_use_prefix_plus_chunk_keys_when_causal_and_L_otherwise(causal, keys):
+    b, h, d = 1, 4, 16
+    q = torch.randn(b, h, 8, d)
+    gm = _export(_Attention(causal), q, q, q, axis=2)
+    for node in gm.graph.nodes:  # what annotate_seq_dims writes on attention nodes
+        if "scaled_dot_product" in str(node.target):
+            node.meta[TOKEN] = TokenInfo(role="mixing", axis=2, axis_size=None,
+                                         attention="causal" if causal else "bidirectional")
+    cost = _only(graph_node_costs(gm), "scaled_dot_product_attention")
+    assert sympy.expand(cost.matrix_flops - 4 * b * h * C * keys * d) == 0
+    # q and out (chunk), the chunk's k/v written, the k/v buffer of `keys` tokens read
+    expected_bytes = 4 * (2 * b * h * C * d + 2 * b * h * C * d + 2 * b * h * keys * d)
+    assert sympy.expand(cost.bytes - expected_bytes) == 0
+    assert cost.kv_bytes_per_key == 2 * b * h * d * 4
+
+
+def test_conv_flops_match_hand_formula_with_a_non_identity_token_count():
+    conv = nn.Conv2d(3, 16, kernel_size=3, padding=1, bias=False)
+    gm = _export(conv, torch.randn(1, 3, 8, 32), axis=3)
+    sym = find_seq_symbol(gm)
+    # tokens are the 8 × W output pixels: T(W) = 8 W, so W = c / 8
+    costs = graph_node_costs(gm, seq_symbol=sym, token_count=8 * sym)
+    cost = _only(costs, "conv2d")
+    assert sympy.simplify(cost.matrix_flops - 2 * C * 16 * 3 * 3 * 3) == 0
+
+
+def test_views_are_free_and_elementwise_is_vector_work():
+    class M(nn.Module):
+        def forward(self, x):
+            return F.silu(x.view(1, -1, 4, 16).transpose(1, 2)) + 1.0
+
+    costs = graph_node_costs(_export(M(), torch.randn(1, 8, 64)))
+    assert all(c.bytes == 0 for c in costs.values() if c.op in ("view", "transpose"))
+    silu = _only(costs, "silu")
+    assert silu.kind == "vector" and silu.matrix_flops == 0
+    assert silu.vector_flops == 5 * C * 64 and silu.bytes == 2 * 4 * C * 64
+
+
+def test_tile_padding_makes_130_tokens_cost_like_256_on_a_tpu():
+    gm = _export(nn.Linear(256, 256, bias=False).to(torch.bfloat16),
+                 torch.randn(1, 8, 256, dtype=torch.bfloat16))
+    cost = _only(graph_node_costs(gm), "linear")
+    t_mat = node_time_terms(cost, DEVICE_PRESETS["tpu-v5p"])[0]
+    at = {n: float(t_mat.subs(C, n)) for n in (128, 130, 256)}
+    assert at[130] == pytest.approx(at[256]) and at[256] == pytest.approx(2 * at[128])
+    assert at[128] == pytest.approx(2 * 128 * 256 * 256 / 459e12)
+
+
+def test_token_substitution_inverts_a_square_token_count():
+    s = sympy.Symbol("s0", positive=True, integer=True)
+    subs = TokenSubstitution.build(s, s**2 / 4)  # DiT: (s/2)² patches
+    assert sympy.simplify((subs.chunk / 2) ** 2 - C) == 0
+    assert sympy.simplify((subs.full / 2) ** 2 - L) == 0
+
+
+def test_two_dynamic_symbols_need_an_explicit_sequence_symbol():
+    class M(nn.Module):
+        def forward(self, x, y):
+            return x.sum() + y.sum()
+
+    gm = torch.export.export(M(), (torch.randn(4, 8), torch.randn(4, 8)), dynamic_shapes=(
+        {1: Dim("a", min=2, max=64)}, {1: Dim("b", min=2, max=64)})).graph_module
+    with pytest.raises(CostModelError, match="several dynamic symbols"):
+        graph_node_costs(gm)

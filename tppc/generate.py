@@ -1,0 +1,102 @@
+"""Greedy generation through a compiled pipeline: pipelined prefill, then decoding steps.
+
+The prefill runs the prompt's chunks through the stages with the compiled executor and
+fills every stage's K/V buffers. Each decoding step is a one-token chunk at position ``t``
+that runs through the stages in order (one sequence cannot overlap with itself), reading
+the buffers. The positional values (rope tables, masks) are evaluated once, at the final
+length, and sliced per step. The rule for ending matches HF's ``generate(do_sample=False)``:
+argmax of the last position's logits; a sequence that produced an end-of-sequence token is
+padded; generation stops when every sequence has ended or ``max_new_tokens`` were produced.
+
+Example:
+    >>> cp.generate(input_ids, max_new_tokens=8).shape                  # doctest: +SKIP
+    torch.Size([1, 24])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tppc.backends.torch_local import Call
+from tppc.errors import RuntimeInputError
+
+if TYPE_CHECKING:
+    from tppc.pipeline import CompiledPipeline
+
+__all__ = ["greedy_generate"]
+
+_DEFAULT = object()
+
+
+def greedy_generate(cp: CompiledPipeline, input_ids: torch.Tensor, max_new_tokens: int = 20,
+                    *, eos_token_id: int | Sequence[int] | Any | None = _DEFAULT,
+                    pad_token_id: int | Any | None = _DEFAULT) -> torch.Tensor:
+    """Generate up to ``max_new_tokens`` tokens greedily; returns prompt + new tokens.
+
+    Args:
+        cp: a pipeline compiled from a causal LM whose first per-token output is the logits.
+        input_ids: ``(batch, prompt)`` token ids.
+        max_new_tokens: tokens to generate at most.
+        eos_token_id: end-of-sequence id(s) (default: the model's ``generation_config``).
+        pad_token_id: id appended to ended sequences (default: the model's, else the EOS).
+
+    Raises:
+        RuntimeInputError: bad inputs (see :meth:`CompiledPipeline.flatten_inputs`).
+    """
+    if max_new_tokens < 1:
+        raise RuntimeInputError(f"max_new_tokens={max_new_tokens} must be at least 1")
+    eos = cp.eos_token_id if eos_token_id is _DEFAULT else eos_token_id
+    eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    pad = cp.pad_token_id if pad_token_id is _DEFAULT else pad_token_id
+    pad = eos_ids[0] if pad is None and eos_ids else pad
+    flat, prompt = cp.flatten_inputs((input_ids,), {})
+    total = prompt + max_new_tokens
+    program = cp.program(prompt)
+    cp.reserve(total)
+    index = _token_input_index(cp, flat)
+    ids = torch.zeros(input_ids.shape[0], total, dtype=input_ids.dtype,
+                      device=input_ids.device)
+    ids[:, :prompt] = input_ids
+    flat[index] = ids
+    epoch = cp.next_epoch()
+    logits_at = _logits_output(cp)
+    call = Call(tuple(flat), program.plan.chunks, total, total, epoch)
+    results = cp.run(call, program)
+    cp.set_filled(prompt)
+    logits = results[-1][logits_at]
+    unfinished = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
+    length = prompt
+    while True:
+        token = logits.select(1, -1).float().argmax(dim=-1).to(ids.device)
+        if pad is not None:
+            token = torch.where(unfinished, token, torch.full_like(token, pad))
+        ids[:, length] = token
+        length += 1
+        cp.set_filled(length - 1)
+        if eos_ids:
+            unfinished &= ~torch.isin(token, torch.tensor(eos_ids, device=token.device))
+        if length == total or not bool(unfinished.any()):
+            break
+        step = Call(tuple(flat), ((length - 1, length),), total, total, epoch)
+        logits = cp.run(step, program, "local")[-1][logits_at]
+    return ids[:, :length].clone()
+
+
+def _token_input_index(cp: CompiledPipeline, flat: list[Any]) -> int:
+    names = cp._signature.user_inputs
+    seq = [i for i, n in enumerate(names) if n in cp.context.seq_inputs]
+    if len(seq) != 1:
+        raise RuntimeInputError(
+            f"generate needs exactly one sequence input (token ids); {cp.model_name} has "
+            f"{[names[i] for i in seq]}. fix: compile with the token ids as the only one")
+    return seq[0]
+
+
+def _logits_output(cp: CompiledPipeline) -> int:
+    for j, axis in enumerate(cp._signature.output_axes):
+        if axis is not None:
+            return j
+    raise RuntimeInputError(f"{cp.model_name} returns no per-token output (logits) to decode")

@@ -1,0 +1,396 @@
+"""Pass: rewrite the annotated graph into a chunk-step graph with full-length K/V buffers.
+
+Terms:
+    chunk: the tokens ``[chunk_start, chunk_start + chunk_size)`` of one sequence of length
+        ``seq_len``; one call of the chunk-step graph processes one chunk.
+    frontier value: a ``positional`` tensor read by a ``token``/``mixing`` node (rope tables,
+        position embeddings, masks). It depends only on shapes, so it is evaluated once per
+        call at the full length by the *positional program* (``gm.tppc_positional``, given
+        zero-valued inputs of that length) and every chunk step receives its rows
+        ``[chunk_start, chunk_start + chunk_size)`` along its token axis (a mask keeps all of
+        its key columns).
+    K/V buffer: one full-length tensor per attention input (key, value), holding the
+        attention's K (V) as the model computes it *before* grouped-query repetition. The
+        unsqueeze → expand → reshape that HF inserts before SDPA is re-applied after reading
+        the buffer, so a buffer costs the bytes of the model's K/V heads, like HF's cache.
+
+Each attention node becomes: write the chunk's K and V into the buffers at
+``[chunk_start, chunk_start + chunk_size)``; read keys ``[0, kv_len)`` back, where ``kv_len``
+is ``chunk_start + chunk_size`` for causal attention (later positions are masked anyway)
+and ``seq_len`` for bidirectional attention; slice the mask's key columns to ``kv_len``;
+``is_causal=True`` becomes the explicit offset-causal mask ``key j ≤ chunk_start + row i``.
+For causal models the result equals the unsplit model exactly (chunked prefill).
+
+Symbolic sizes the model derives from the sequence length (``view(x, [1, s, -1, 8])``)
+become ``chunk_size``; ``const`` nodes (weights, conditioning) are kept as they are.
+
+Inputs of the chunk-step graph (each placeholder carries a :class:`ChunkInput` under
+:data:`CHUNK_INPUT`): the chunk of every token input, the const inputs it reads,
+``chunk_start``, ``chunk_size``, ``seq_len``, the frontier slices, the K/V buffers.
+
+Example:
+    >>> gm = run_passes(gm, ctx, [annotate_seq_dims_pass, group_layers_pass,
+    ...                           chunk_attention_pass])                   # doctest: +SKIP
+    >>> [p.meta[CHUNK_INPUT].kind for p in gm.graph.find_nodes(op="placeholder")][:4]
+    ['token', 'chunk_start', 'chunk_size', 'seq_len']
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import fx
+from torch.fx.operator_schemas import normalize_function
+
+from tppc.context import CompileContext
+from tppc.errors import PassError
+from tppc.ir import LAYER, TOKEN, TokenInfo
+from tppc.passes._attention import ATTENTION_OPS
+from tppc.passes._shapes import module_path, size_expr, tensor_val
+
+__all__ = [
+    "CHUNK_INPUT",
+    "CHUNK_SIGNATURE",
+    "ChunkInput",
+    "ChunkSignature",
+    "KVBuffer",
+    "chunk_attention_pass",
+]
+
+CHUNK_INPUT = "tppc.chunk_input"
+"""Placeholder-meta key of a :class:`ChunkInput`."""
+
+CHUNK_SIGNATURE = "tppc.chunk_signature"
+"""``GraphModule.meta`` key of the :class:`ChunkSignature` of a chunk-step graph."""
+
+InputKind = Literal["token", "const", "chunk_start", "chunk_size", "seq_len", "positional",
+                    "key", "value", "boundary"]
+
+_aten = torch.ops.aten
+_REPEAT_OPS = {_aten.unsqueeze.default, _aten.expand.default, _aten.reshape.default,
+               _aten.view.default, _aten._unsafe_view.default, _aten.clone.default}
+"""Layout-only ops between a K/V value and SDPA that are re-applied after the buffer read."""
+_SIZE_ARG_OPS = {_aten.expand.default, _aten.reshape.default, _aten.view.default,
+                 _aten._unsafe_view.default}
+
+
+@dataclass(frozen=True)
+class ChunkInput:
+    """What a placeholder of a chunk-step (or stage) graph receives.
+
+    Attributes:
+        kind: ``token`` (a chunk of a user input), ``const`` (a whole user input),
+            ``chunk_start`` / ``chunk_size`` / ``seq_len`` (ints), ``positional`` (a slice of
+            a frontier value), ``key`` / ``value`` (a K/V buffer), ``boundary`` (a token value
+            sent by the previous stage; only in stage graphs).
+        source: the user input's name, the frontier node's name, the attention node's name,
+            or the boundary value's name.
+        index: flat user-input index (token, const) or positional-program output index.
+        axis: the token axis to slice (token, positional) or the buffer's token axis.
+        shape: key/value buffers: the buffer shape with ``None`` at the token axis.
+        dtype: key/value buffers: the element type.
+        layer: key/value buffers: the layer that owns the buffer.
+    """
+
+    kind: InputKind
+    source: str = ""
+    index: int | None = None
+    axis: int | None = None
+    shape: tuple[int | None, ...] = ()
+    dtype: torch.dtype | None = None
+    layer: str = ""
+
+
+@dataclass(frozen=True)
+class KVBuffer:
+    """One K or V buffer: placeholder name and its :class:`ChunkInput`."""
+
+    name: str
+    spec: ChunkInput
+
+
+@dataclass(frozen=True)
+class ChunkSignature:
+    """How to call a chunk-step graph and assemble its outputs.
+
+    Attributes:
+        user_inputs: names of the captured graph's flat user inputs, in order.
+        in_spec: pytree spec of ``(args, kwargs)`` of the model's forward.
+        out_spec: pytree spec of the model's outputs.
+        output_axes: per flat output, the token axis along which chunks are concatenated
+            (``None``: not a token value; the last chunk's value is returned).
+        frontier: names of the positional program's outputs, in order.
+        buffers: every K/V buffer, in graph order.
+        attention: names of the attention nodes, in graph order.
+    """
+
+    user_inputs: tuple[str, ...]
+    in_spec: Any
+    out_spec: Any
+    output_axes: tuple[int | None, ...]
+    frontier: tuple[str, ...]
+    buffers: tuple[KVBuffer, ...]
+    attention: tuple[str, ...]
+
+
+def chunk_attention_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    """Return the chunk-step graph of an annotated, grouped graph (see the module docstring).
+
+    Raises:
+        PassError: a construct that cannot be chunked (names the node and the fix).
+    """
+    if ctx.token_count is not None and ctx.token_count != ctx.seq_symbol:
+        raise PassError(
+            f"the token count of {ctx.model_name} is {ctx.token_count}, not the sequence "
+            f"length {ctx.seq_symbol}; chunk_attention supports models whose token axis is "
+            "the input's sequence axis (causal LLMs). fix: pipeline a causal LM"
+        )
+    return _Rewriter(gm, ctx).run()
+
+
+class _Rewriter:
+    """Builds the chunk-step graph and the positional program from an annotated graph."""
+
+    def __init__(self, gm: fx.GraphModule, ctx: CompileContext) -> None:
+        self.gm, self.ctx, self.sym = gm, ctx, ctx.seq_symbol
+        self.graph = fx.Graph()
+        self.env: dict[fx.Node, Any] = {}
+        self.mode: dict[fx.Node, str] = {}
+        self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.kv_end: fx.Node | None = None
+        self.buffers: list[KVBuffer] = []
+        self.buffer_nodes: dict[tuple[str, str], fx.Node] = {}
+
+    def run(self) -> fx.GraphModule:
+        output = next(n for n in self.gm.graph.nodes if n.op == "output")
+        self._classify(output)
+        frontier = [n for n in self.gm.graph.nodes if self.mode.get(n) == "frontier"]
+        attention = [n for n in self.gm.graph.nodes
+                     if self.mode.get(n) == "copy" and n.target in ATTENTION_OPS]
+        self._placeholders(frontier, attention)
+        for node in self.gm.graph.nodes:
+            if self.mode.get(node) == "copy" and node not in self.env:
+                self.env[node] = self._emit(node)
+        axes = self._output(output)
+        self.graph.eliminate_dead_code()
+        chunk_gm = fx.GraphModule(self.gm, self.graph, class_name="ChunkStep")
+        chunk_gm.add_submodule("tppc_positional", _positional_program(self.gm, frontier))
+        pytree = self.gm.graph._codegen.pytree_info  # type: ignore[attr-defined]
+        chunk_gm.meta[CHUNK_SIGNATURE] = ChunkSignature(
+            user_inputs=tuple(p.name for p in self.placeholders),
+            in_spec=pytree.in_spec if pytree else None,
+            out_spec=pytree.out_spec if pytree else None,
+            output_axes=axes,
+            frontier=tuple(n.name for n in frontier),
+            buffers=tuple(self.buffers),
+            attention=tuple(n.name for n in attention),
+        )
+        return chunk_gm
+
+    # -- which original nodes the chunk step needs, and how ---------------------------------
+    def _classify(self, output: fx.Node) -> None:
+        todo = list(output.all_input_nodes)
+        while todo:
+            node = todo.pop()
+            if node in self.mode:
+                continue
+            self.mode[node] = mode = self._mode_of(node)
+            if mode == "copy":
+                todo.extend(node.all_input_nodes)
+
+    def _mode_of(self, node: fx.Node) -> str:
+        info: TokenInfo = node.meta[TOKEN]
+        if node.op == "placeholder":
+            return "token_input" if info.role == "token" else "const_input"
+        if info.role == "global":
+            raise PassError(
+                f"node {node.name!r} (module {info.module or '<top level>'}) needs the whole "
+                "sequence (role global); pipelined outputs must be row-wise. fix: return "
+                "the per-token outputs (logits) and reduce them outside the model"
+            )
+        if info.role != "positional":
+            return "copy"
+        val = node.meta.get("val")
+        if isinstance(val, torch.SymInt):
+            expr = size_expr(val)
+            if expr == self.sym:
+                return "chunk_size"
+            if node.target is _aten.sym_size.int:
+                raise PassError(
+                    f"node {node.name!r} (module {module_path(node) or '<top level>'}) is a "
+                    f"size {expr} of the sequence length {self.sym}; chunk_attention supports "
+                    "sizes equal to the sequence length. fix: index the sequence axis directly"
+                )
+            return "copy"
+        if isinstance(val, torch.Tensor):
+            if info.axis is not None and info.axis_size != self.sym:
+                raise PassError(
+                    f"positional node {node.name!r} has token axis {info.axis} of size "
+                    f"{info.axis_size}, not the sequence length {self.sym}; it cannot be "
+                    "sliced per chunk. fix: build position tables of the sequence length"
+                )
+            return "frontier"
+        return "copy"
+
+    # -- placeholders ------------------------------------------------------------------------
+    def _placeholders(self, frontier: list[fx.Node], attention: list[fx.Node]) -> None:
+        for index, p in enumerate(self.placeholders):
+            mode = self.mode.get(p)
+            if mode == "token_input":
+                axis = self.ctx.seq_inputs[p.name][0]
+                self.env[p] = self._input(p.name, ChunkInput("token", p.name, index, axis), p)
+            elif mode == "const_input":
+                self.env[p] = self._input(p.name, ChunkInput("const", p.name, index), p)
+        self.start = self._input("chunk_start", ChunkInput("chunk_start"))
+        self.size = self._input("chunk_size", ChunkInput("chunk_size"))
+        self.seq_len = self._input("seq_len", ChunkInput("seq_len"))
+        for n in (n for n in self.mode if self.mode[n] == "chunk_size"):
+            self.env[n] = self.size
+        for index, node in enumerate(frontier):
+            spec = ChunkInput("positional", node.name, index, node.meta[TOKEN].axis)
+            self.env[node] = self._input(f"pos_{node.name}", spec, node)
+        for attn in attention:
+            for which, arg in (("key", 1), ("value", 2)):
+                source, _ = _cache_source(attn.args[arg], self.sym)
+                val = tensor_val(source)
+                axis = source.meta[TOKEN].axis
+                shape = tuple(None if i == axis else int(s) for i, s in enumerate(val.shape))
+                spec = ChunkInput(which, attn.name, axis=axis, shape=shape, dtype=val.dtype,
+                                  layer=attn.meta.get(LAYER, ""))
+                name = f"{attn.name}_{which}_buffer"
+                ph = self._input(name, spec)
+                ph.meta[LAYER] = spec.layer
+                self.buffers.append(KVBuffer(name, spec))
+                self.buffer_nodes[attn.name, which] = ph
+
+    def _input(self, name: str, spec: ChunkInput, like: fx.Node | None = None) -> fx.Node:
+        ph = self.graph.placeholder(name)
+        if like is not None:
+            ph.meta.update(like.meta)
+        ph.meta[CHUNK_INPUT] = spec
+        return ph
+
+    # -- body --------------------------------------------------------------------------------
+    def _emit(self, node: fx.Node) -> fx.Node:
+        if node.target in ATTENTION_OPS:
+            return self._attention(node)
+        return self.graph.node_copy(node, lambda a: self.env[a])
+
+    def _attention(self, node: fx.Node) -> fx.Node:
+        norm = normalize_function(node.target, tuple(node.args), dict(node.kwargs),
+                                  normalize_to_only_use_kwargs=True)
+        if norm is None:
+            raise PassError(f"cannot read the arguments of attention node {node.name!r}")
+        kwargs = dict(norm.kwargs)
+        layer = node.meta.get(LAYER, "")
+        causal = node.meta[TOKEN].attention == "causal"
+        kv_len = self._kv_end() if causal else self.seq_len
+        for which in ("key", "value"):
+            buf = self.buffer_nodes[node.name, which]
+            axis = buf.meta[CHUNK_INPUT].axis
+            kwargs[which] = self._read_buffer(kwargs[which], buf, axis, kv_len, layer)
+        mask = kwargs.get("attn_mask")
+        if kwargs.get("is_causal"):
+            ones = self._new(_aten.new_ones.default, (self.env[kwargs["query"]],
+                             [self.size, kv_len]), layer, {"dtype": torch.bool})
+            kwargs["attn_mask"] = self._new(_aten.tril.default, (ones, self.start), layer)
+            kwargs["is_causal"] = False
+        elif isinstance(mask, fx.Node):
+            val = tensor_val(mask)
+            new_mask = self.env[mask]
+            if val is not None and self.sym in size_expr(val.shape[-1]).free_symbols:
+                new_mask = self._new(_aten.narrow.default, (new_mask, -1, 0, kv_len), layer)
+            kwargs["attn_mask"] = new_mask
+        kwargs = {k: (self.env[v] if isinstance(v, fx.Node) and k not in ("key", "value",
+                                                                          "attn_mask") else v)
+                  for k, v in kwargs.items()}
+        out = self.graph.call_function(node.target, (), kwargs)
+        out.meta.update(node.meta)
+        return out
+
+    def _read_buffer(self, arg: fx.Node, buf: fx.Node, axis: int, kv_len: Any,
+                     layer: str) -> fx.Node:
+        source, chain = _cache_source(arg, self.sym)
+        window = self._new(_aten.narrow.default, (buf, axis, self.start, self.size), layer)
+        self._new(_aten.copy_.default, (window, self.env[source]), layer)
+        value = self._new(_aten.narrow.default, (buf, axis, 0, kv_len), layer)
+        for step in chain:
+            args = [value, *(self.env[a] if isinstance(a, fx.Node) else a for a in step.args[1:])]
+            if step.target in _SIZE_ARG_OPS:
+                sizes = list(args[1])
+                token_axis = step.meta[TOKEN].axis
+                if sizes[token_axis] != -1:
+                    sizes[token_axis] = kv_len
+                args[1] = sizes
+            value = self._new(step.target, tuple(args), layer, dict(step.kwargs))
+        return value
+
+    def _kv_end(self) -> fx.Node:
+        if self.kv_end is None:
+            self.kv_end = self.graph.call_function(operator.add, (self.start, self.size))
+            self.kv_end.meta[TOKEN] = TokenInfo("positional")
+        return self.kv_end
+
+    def _new(self, target: Any, args: tuple, layer: str,
+             kwargs: dict[str, Any] | None = None) -> fx.Node:
+        node = self.graph.call_function(target, args, kwargs or {})
+        node.meta[TOKEN] = TokenInfo("token")
+        node.meta[LAYER] = layer
+        return node
+
+    def _output(self, output: fx.Node) -> tuple[int | None, ...]:
+        leaves = output.args[0]
+        flat = leaves if isinstance(leaves, list | tuple) else (leaves,)
+        axes: list[int | None] = []
+        outs: list[Any] = []
+        for leaf in flat:
+            if isinstance(leaf, fx.Node):
+                info: TokenInfo = leaf.meta[TOKEN]
+                if info.role == "positional":
+                    raise PassError(f"output {leaf.name!r} is a positional value; tppc "
+                                    "pipelines models whose outputs are per-token values")
+                axes.append(info.axis if info.role in ("token", "mixing") else None)
+                outs.append(self.env[leaf])
+            else:
+                axes.append(None)
+                outs.append(leaf)
+        self.graph.output(tuple(outs))
+        return tuple(axes)
+
+
+def _cache_source(arg: fx.Node, sym: Any) -> tuple[fx.Node, list[fx.Node]]:
+    """The value a K/V buffer stores, and the layout ops that lead from it to SDPA."""
+    chain: list[fx.Node] = []
+    best: tuple[fx.Node, list[fx.Node]] = (arg, [])
+    cur = arg
+    while True:
+        info = cur.meta.get(TOKEN)
+        if info is not None and info.axis is not None and info.axis_size == sym \
+                and not info.other_axes:
+            best = (cur, list(reversed(chain)))
+        if cur.op != "call_function" or cur.target not in _REPEAT_OPS:
+            break
+        chain.append(cur)
+        cur = cur.args[0]
+    return best
+
+
+def _positional_program(gm: fx.GraphModule, frontier: list[fx.Node]) -> fx.GraphModule:
+    """Flat user inputs (zero-valued at the full length) → the frontier values."""
+    needed: set[fx.Node] = set()
+    todo = list(frontier)
+    while todo:
+        n = todo.pop()
+        if n not in needed:
+            needed.add(n)
+            todo.extend(n.all_input_nodes)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" or node in needed:
+            env[node] = graph.node_copy(node, lambda a: env[a])
+    graph.output(tuple(env[n] for n in frontier))
+    return fx.GraphModule(gm, graph, class_name="PositionalProgram")

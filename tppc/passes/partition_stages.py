@@ -1,0 +1,241 @@
+"""Pass: split a chunk-step graph by a Plan into one GraphModule per stage.
+
+Terms:
+    owned node: a ``token``/``mixing`` node (and each K/V buffer); it runs in the stage whose
+        layer range holds its layer.
+    shared node: a ``const`` node (weights, conditioning, symbolic sizes); it is recomputed
+        in every stage that needs it and never sent.
+    boundary value: a token value produced in stage ``≤ s`` and read after stage ``s``;
+        stage ``s`` sends it to stage ``s + 1`` (values needed further on pass through).
+
+Every stage graph takes its boundary inputs first (placeholders of kind ``boundary``), then
+the chunk inputs it reads (chunk of a token input, ints, frontier slices, its own K/V
+buffers; see :class:`tppc.passes.chunk_attention.ChunkInput`), and returns its boundary
+outputs (the last stage: the model's flat outputs). Each stage module holds only the
+parameters its nodes read, and ``stage.tppc_positional`` computes only its frontier values.
+
+The pass returns a GraphModule whose graph calls ``stage_0 … stage_{S-1}`` in order: one
+chunk step of the whole model, equal to the chunk-step graph it was made from.
+
+Example:
+    >>> gm = run_passes(gm, ctx, [..., chunk_attention_pass, partition_stages(plan)])
+    >>> [type(m).__name__ for m in gm.children()]                      # doctest: +SKIP
+    ['Stage', 'Stage']
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+from tppc.context import CompileContext
+from tppc.errors import PassError, PlanError
+from tppc.ir import LAYER, TOKEN
+from tppc.passes.chunk_attention import CHUNK_INPUT, CHUNK_SIGNATURE, ChunkInput
+from tppc.passes.runner import Pass
+from tppc.planner.plan import Plan
+
+__all__ = ["STAGE_INFO", "StageInfo", "partition_stages", "split_stages"]
+
+STAGE_INFO = "tppc.stage_info"
+"""``GraphModule.meta`` key of the :class:`StageInfo` of a stage graph."""
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """What a stage graph is.
+
+    Attributes:
+        index: stage number.
+        layers: names of its layers.
+        inputs: names of its boundary inputs (sent by the previous stage), in order.
+        outputs: names of its boundary outputs (the last stage: ``()``; it returns the
+            model's flat outputs).
+        buffers: names of the K/V buffer placeholders it owns.
+    """
+
+    index: int
+    layers: tuple[str, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    buffers: tuple[str, ...]
+
+
+def partition_stages(plan: Plan) -> Pass:
+    """The partition pass for ``plan`` (a ``(gm, ctx) -> gm`` pass; see the module docstring)."""
+
+    def partition_stages_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+        return split_stages(gm, [layer.name for layer in ctx.layers], plan)
+
+    return partition_stages_pass
+
+
+def split_stages(gm: fx.GraphModule, layer_names: Sequence[str], plan: Plan) -> fx.GraphModule:
+    """Split the chunk-step graph ``gm`` into the stages of ``plan``.
+
+    Args:
+        gm: output of ``chunk_attention_pass``.
+        layer_names: names of the layers in order (``ctx.layers``), as the plan indexes them.
+        plan: the plan; stage ``s`` runs layers ``[layer_start, layer_end)``.
+
+    Raises:
+        PlanError: the plan's stages do not cover the layers contiguously.
+        PassError: a node would read a value from a later stage.
+    """
+    stage_of_layer = _stage_of_layer(layer_names, plan)
+    nodes = list(gm.graph.nodes)
+    owner = {n: _owner(n, stage_of_layer) for n in nodes}
+    num = plan.num_stages
+    output = nodes[-1]
+    needs = [_closure(nodes, owner, s, output if s == num - 1 else None) for s in range(num)]
+    final = {a for a in output.all_input_nodes if owner[a] is not None}
+    boundaries = []
+    for s in range(num - 1):
+        later = set().union(*(needs[t][1] for t in range(s + 1, num))) | final
+        boundaries.append([n for n in nodes if n in later and owner[n] is not None
+                           and owner[n] <= s])
+    top = fx.Graph()
+    top_env = {n.name: top.node_copy(n) for n in nodes if n.op == "placeholder"}
+    root = torch.nn.Module()
+    prev: list[fx.Node] = []
+    for s in range(num):
+        inputs = boundaries[s - 1] if s else []
+        outs = boundaries[s] if s < num - 1 else None
+        stage = _stage_module(gm, nodes, owner, s, needs[s][0], inputs, outs, output,
+                              tuple(layer_names[i] for i in _layers_of(plan, s)))
+        name = f"stage_{s}"
+        root.add_module(name, stage)
+        args = [*prev, *(top_env[p] for p in _driver_placeholders(stage))]
+        call = top.call_module(name, tuple(args))
+        count = len(outs) if outs is not None else len(output.args[0])
+        prev = [top.call_function(operator.getitem, (call, i)) for i in range(count)]
+    top.output(tuple(prev))
+    result = fx.GraphModule(root, top, class_name="Pipeline")
+    result.meta.update(gm.meta)
+    return result
+
+
+def _layers_of(plan: Plan, s: int) -> range:
+    st = plan.stages[s]
+    return range(st.layer_start, st.layer_end)
+
+
+def _stage_of_layer(layer_names: Sequence[str], plan: Plan) -> dict[str, int]:
+    expected = 0
+    out: dict[str, int] = {}
+    for s, st in enumerate(plan.stages):
+        if st.layer_start != expected or st.layer_end <= st.layer_start:
+            raise PlanError(
+                f"plan stage {s} runs layers [{st.layer_start}, {st.layer_end}); stages must "
+                f"be non-empty and contiguous from layer {expected}. fix: re-plan"
+            )
+        for i in range(st.layer_start, st.layer_end):
+            out[layer_names[i]] = s
+        expected = st.layer_end
+    if expected != len(layer_names):
+        raise PlanError(
+            f"the plan's stages cover {expected} layers, the model has {len(layer_names)} "
+            f"({', '.join(layer_names[:3])}, ...). fix: plan for this model"
+        )
+    return out
+
+
+def _owner(node: fx.Node, stage_of_layer: dict[str, int]) -> int | None:
+    if node.op == "placeholder":
+        spec: ChunkInput = node.meta[CHUNK_INPUT]
+        return stage_of_layer[spec.layer] if spec.kind in ("key", "value") else None
+    if node.op != "call_function":
+        return None
+    info = node.meta.get(TOKEN)
+    if info is None or info.role not in ("token", "mixing"):
+        return None
+    return stage_of_layer[node.meta[LAYER]]
+
+
+def _closure(nodes: list[fx.Node], owner: dict[fx.Node, int | None], s: int,
+             output: fx.Node | None) -> tuple[set[fx.Node], set[fx.Node]]:
+    """(nodes stage ``s`` runs or reads, owned values it receives from earlier stages)."""
+    local: set[fx.Node] = set()
+    received: set[fx.Node] = set()
+    todo = [n for n in nodes if owner[n] == s]
+    todo += output.all_input_nodes if output is not None else []
+    while todo:
+        n = todo.pop()
+        if n in local or n in received:
+            continue
+        o = owner[n]
+        if o is not None and o < s and n.op != "placeholder":
+            received.add(n)
+            continue
+        if o is not None and o > s:
+            raise PassError(f"node {n.name!r} of stage {o} is read by stage {s}; layers must "
+                            "be ordered in the graph as in the plan")
+        local.add(n)
+        todo.extend(n.all_input_nodes)
+    return local, received
+
+
+def _stage_module(gm: fx.GraphModule, nodes: list[fx.Node], owner: dict[fx.Node, int | None],
+                  s: int, local: set[fx.Node], inputs: list[fx.Node],
+                  outs: list[fx.Node] | None, output: fx.Node,
+                  layers: tuple[str, ...]) -> fx.GraphModule:
+    graph = fx.Graph()
+    env: dict[fx.Node, Any] = {}
+    for n in inputs:
+        ph = graph.placeholder(n.name)
+        ph.meta.update(n.meta)
+        ph.meta[CHUNK_INPUT] = ChunkInput("boundary", n.name, axis=n.meta[TOKEN].axis)
+        env[n] = ph
+    frontier = [n for n in nodes if n in local and n.op == "placeholder"
+                and n.meta[CHUNK_INPUT].kind == "positional"]
+    for n in nodes:
+        if n in local and n.op == "placeholder":
+            env[n] = graph.node_copy(n)
+            if n in frontier:
+                spec: ChunkInput = n.meta[CHUNK_INPUT]
+                env[n].meta[CHUNK_INPUT] = ChunkInput(spec.kind, spec.source,
+                                                      frontier.index(n), spec.axis)
+    for n in nodes:
+        if n in local and n.op not in ("placeholder", "output"):
+            env[n] = graph.node_copy(n, lambda a: env[a])
+    if outs is None:
+        graph.output(tuple(fx.node.map_arg(output.args[0], lambda a: env[a])))
+    else:
+        graph.output(tuple(env[n] for n in outs))
+    stage = fx.GraphModule(gm, graph, class_name="Stage")
+    stage.add_submodule("tppc_positional", _prune(gm.tppc_positional,
+                                                  [n.meta[CHUNK_INPUT].source for n in frontier]))
+    buffers = tuple(n.name for n in nodes if n in local and n.op == "placeholder"
+                    and n.meta[CHUNK_INPUT].kind in ("key", "value"))
+    stage.meta[STAGE_INFO] = StageInfo(
+        index=s, layers=layers, inputs=tuple(n.name for n in inputs),
+        outputs=tuple(n.name for n in outs) if outs is not None else (), buffers=buffers)
+    stage.meta[CHUNK_SIGNATURE] = gm.meta[CHUNK_SIGNATURE]
+    return stage
+
+
+def _driver_placeholders(stage: fx.GraphModule) -> list[str]:
+    return [p.name for p in stage.graph.find_nodes(op="placeholder")
+            if p.meta[CHUNK_INPUT].kind != "boundary"]
+
+
+def _prune(positional: fx.GraphModule, names: list[str]) -> fx.GraphModule:
+    """A copy of the positional program that returns only the frontier values ``names``."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    outputs: dict[str, fx.Node] = {}
+    src_out = next(n for n in positional.graph.nodes if n.op == "output")
+    by_name = {n.name: n for n in src_out.args[0]}
+    for n in positional.graph.nodes:
+        if n.op != "output":
+            env[n] = graph.node_copy(n, lambda a: env[a])
+    for name in names:
+        outputs[name] = env[by_name[name]]
+    graph.output(tuple(outputs[name] for name in names))
+    graph.eliminate_dead_code()
+    return fx.GraphModule(positional, graph, class_name="PositionalProgram")
