@@ -6,7 +6,7 @@ a chunk of c tokens after p tokens, with the chunk semantics of ``chunk_attentio
 chunk's K/V are written into full-length buffers, keys [0, p + c) are read back, and an
 explicit offset-causal mask of c × (p + c) is passed. One thread, fastest of repeated batches (the CPU is shared).
 
-Run:  .venv/bin/python benchmarks/cost_accuracy.py [--hidden 512] [--reps 5]
+Run:  .venv/bin/python benchmarks/cost_accuracy.py [--hidden 512] [--reps 5] [--force-calibration]
 """
 
 from __future__ import annotations
@@ -89,7 +89,8 @@ def main() -> None:
     print(f"calibration {time.perf_counter() - t0:.1f} s: {device.description}")
     print(f"  fp32 matmul {device.matrix.peak('fp32') / 1e9:.1f} GFLOP/s, memory "
           f"{device.memory.bandwidth / 1e9:.1f} GB/s, vector {device.vector.peak_flops / 1e9:.1f}"
-          f" GFLOP/s, op overhead {device.op_overhead * 1e6:.2f} us")
+          f" GFLOP/s, op overhead {device.op_overhead * 1e6:.2f} us, matmul half rows "
+          f"{device.matrix.half_rows:.1f}, attention efficiency {device.attention_efficiency:.2f}")
     gm, ctx = annotate(model, (torch.randint(0, 1024, (1, 64)),))
     block = next(e for e in layer_expressions(gm, ctx.layers, device, 8192,
                                               seq_symbol=ctx.seq_symbol,

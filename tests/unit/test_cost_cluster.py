@@ -70,7 +70,8 @@ def test_calibration_is_cached_and_forced_on_request(tmp_path, monkeypatch):
 
     def measure(device):
         calls.append(device)
-        return {"fp32": 1e11, "op_overhead": 1e-6, "bandwidth": 2e10, "vector": 5e9,
+        return {"fp32": 1e11, "half_rows": 8.0, "attention_efficiency": 0.7,
+                "op_overhead": 1e-6, "bandwidth": 2e10, "vector": 5e9,
                 "capacity": 2.0**34} if len(calls) > 1 else real(device)
 
     monkeypatch.setattr(calibrate_module, "_measure", measure)
@@ -82,6 +83,30 @@ def test_calibration_is_cached_and_forced_on_request(tmp_path, monkeypatch):
     assert len(files) == 1 and json.loads(files[0].read_text())["measured"]["fp32"] > 0
     forced = calibrate_module.calibrate("cpu", threads=1, force=True)
     assert len(calls) == 2 and forced.matrix.peak("fp32") == 1e11
+    assert forced.matrix.half_rows == 8.0 and forced.attention_efficiency == 0.7
+
+
+def test_real_calibration_measures_skinny_matmuls_attention_and_overhead(tmp_path,
+                                                                         monkeypatch):
+    monkeypatch.setenv("TPPC_CACHE_DIR", str(tmp_path))
+    spec = calibrate_module.calibrate("cpu", threads=1)
+    assert spec.matrix.half_rows > 0  # a 16-row matmul is slower per FLOP than a 512-row one
+    assert 0 < spec.attention_efficiency <= 1
+    assert 1e-7 < spec.op_overhead < 1e-3
+
+
+def test_stale_calibration_cache_is_measured_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("TPPC_CACHE_DIR", str(tmp_path))
+    fake = {"fp32": 1e11, "half_rows": 8.0, "attention_efficiency": 0.7, "op_overhead": 1e-6,
+            "bandwidth": 2e10, "vector": 5e9, "capacity": 2.0**34}
+    monkeypatch.setattr(calibrate_module, "_measure", lambda device: dict(fake))
+    calibrate_module.calibrate("cpu", threads=1)
+    path = next((tmp_path / "calibration").glob("*.json"))
+    data = json.loads(path.read_text())
+    data["schema"] -= 1
+    data["measured"]["fp32"] = 3e9
+    path.write_text(json.dumps(data))
+    assert calibrate_module.calibrate("cpu", threads=1).matrix.peak("fp32") == 1e11
 
 
 def test_calibrate_rejects_unknown_device():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import sympy
 import torch
@@ -9,6 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.export import Dim
 
+from tppc.cost_models import op_tables
+from tppc.cost_models.layer_costs import build_cost_table
 from tppc.cost_models.node_costs import (
     C,
     L,
@@ -16,9 +20,12 @@ from tppc.cost_models.node_costs import (
     TokenSubstitution,
     find_seq_symbol,
     graph_node_costs,
-    node_time_terms,
 )
+from tppc.cost_models.op_tables import UnpricedOpWarning
 from tppc.cost_models.presets import DEVICE_PRESETS
+from tppc.cost_models.report import report_from_graph
+from tppc.cost_models.roofline import node_time_terms
+from tppc.cost_models.specs import DeviceSpec, MatrixUnit, Memory, VectorUnit
 from tppc.errors import CostModelError
 from tppc.ir import TOKEN, TokenInfo
 
@@ -116,3 +123,75 @@ def test_two_dynamic_symbols_need_an_explicit_sequence_symbol():
         {1: Dim("a", min=2, max=64)}, {1: Dim("b", min=2, max=64)})).graph_module
     with pytest.raises(CostModelError, match="several dynamic symbols"):
         graph_node_costs(gm)
+
+
+def _cpu_like(**matrix) -> DeviceSpec:
+    return DeviceSpec(name="cpu-like", matrix=MatrixUnit(peak_flops={"fp32": 1e11}, **matrix),
+                      vector=VectorUnit(peak_flops=1e10),
+                      memory=Memory(bandwidth=1e10, capacity=2**34), attention_efficiency=0.5)
+
+
+def test_half_rows_price_a_skinny_matmul_as_if_it_had_more_rows():
+    cost = _only(graph_node_costs(_export(nn.Linear(64, 64, bias=False), torch.randn(1, 8, 64))),
+                 "linear")
+    t_mat = node_time_terms(cost, _cpu_like(half_rows=16.0)).matrix
+    assert float(t_mat.subs(C, 16)) == pytest.approx(2 * (16 + 16) * 64 * 64 / 1e11)
+    # efficiency m / (m + m½): half of peak at 16 rows, 94 % at 256
+    assert float(t_mat.subs(C, 256)) == pytest.approx(2 * 272 * 64 * 64 / 1e11)
+
+
+def test_attention_runs_at_the_device_attention_efficiency():
+    q = torch.randn(1, 2, 8, 16)
+    cost = _only(graph_node_costs(_export(_Attention(True), q, q, q, axis=2)),
+                 "scaled_dot_product_attention")
+    t_mat = node_time_terms(cost, _cpu_like()).matrix
+    assert sympy.simplify(t_mat - cost.matrix_flops / (0.5 * 1e11)) == 0
+
+
+def test_op_without_a_rule_is_recorded_and_warned_once(monkeypatch):
+    class M(nn.Module):
+        def forward(self, x):
+            return torch.special.i0(x) * 2
+
+    monkeypatch.setattr(op_tables, "_WARNED", set())
+    gm = _export(M(), torch.randn(1, 8, 64))
+    with pytest.warns(UnpricedOpWarning, match="'special_i0'"):
+        costs = graph_node_costs(gm)
+    i0 = _only(costs, "special_i0")
+    assert i0.unpriced and i0.kind == "memory" and i0.vector_flops == 0
+    assert not _only(costs, "mul").unpriced
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second pricing of the same op stays silent
+        table = build_cost_table(gm, None, "1xh100-sxm", 64)
+        report = report_from_graph(gm, cluster="1xh100-sxm", chunk=8)
+    assert table.unpriced_ops == ("special_i0",) and report.unpriced_ops == ("special_i0",)
+    assert "special_i0" in str(report)
+
+
+def test_known_memory_ops_are_not_reported_as_unpriced():
+    class M(nn.Module):
+        def forward(self, x):
+            return torch.cat([x, x], dim=-1).flip(-1)
+
+    costs = graph_node_costs(_export(M(), torch.randn(1, 8, 64)))
+    assert not any(c.unpriced for c in costs.values())
+
+
+def test_gqa_key_repeat_is_priced_as_a_serial_copy():
+    class Gqa(nn.Module):
+        def forward(self, q, k, v):
+            k = k[:, :, None].expand(1, 2, 2, k.shape[2], 16).reshape(1, 4, k.shape[2], 16)
+            v = v[:, :, None].expand(1, 2, 2, v.shape[2], 16).reshape(1, 4, v.shape[2], 16)
+            return F.scaled_dot_product_attention(q, k, v)
+
+    q, kv = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16)
+    cost = _only(graph_node_costs(_export(Gqa(), q, kv, kv, axis=2)),
+                 "scaled_dot_product_attention")
+    keys = P + C
+    # the repeat reads 2 K/V heads per key from the buffer and writes 4 (fp32, K and V)
+    assert sympy.expand(cost.serial_bytes - (2 * 2 * 16 + 2 * 4 * 16) * 4 * keys) == 0
+    terms = node_time_terms(cost, _cpu_like())
+    assert sympy.expand(terms.serial - cost.serial_bytes / 1e10) == 0
+    assert sympy.expand(terms.memory - (cost.bytes - cost.serial_bytes) / 1e10) == 0
+    fused = node_time_terms(cost, _cpu_like(), fuse_elementwise=True)
+    assert fused.serial == 0

@@ -76,3 +76,16 @@ def test_every_preset_names_its_source():
         assert "Source" in spec.description, spec.name
     for link in LINK_PRESETS.values():
         assert link.description, link.name
+
+
+def test_matrix_unit_rejects_negative_half_rows():
+    with pytest.raises(SpecError, match="half_rows must be >= 0 rows, got -1"):
+        MatrixUnit(peak_flops={"fp32": 1e11}, half_rows=-1)
+
+
+@pytest.mark.parametrize("value", [0, 1.5, float("nan")])
+def test_device_rejects_attention_efficiency_outside_zero_one(value):
+    with pytest.raises(SpecError, match="attention_efficiency must be in"):
+        DeviceSpec(name="x", matrix=MatrixUnit(peak_flops={"fp32": 1e11}),
+                   vector=VectorUnit(peak_flops=1e10),
+                   memory=Memory(bandwidth=1e10, capacity=2**30), attention_efficiency=value)

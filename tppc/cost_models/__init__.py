@@ -5,7 +5,9 @@ Modules (one concern each):
     presets      H100/H200/A100/V100/TPU v4-v5p devices; NVLink, PCIe, ICI, Ethernet links
     cluster      Cluster: a chain of devices and links, ``Cluster.parse("2xh100-sxm")``
     calibration  ``calibrate("cpu")``: micro-benchmarks → DeviceSpec (cached JSON)
+    op_tables    which ATen ops are views, matmuls, attention, vector or memory work
     node_costs   FLOPs and bytes of one fx node as sympy in (c, p, L)
+    roofline     a node's time terms on a device (tile padding, skinny matmuls, attention)
     layer_costs  per-layer roofline time(c, p) → :class:`CostTable` for the planner
     report       ``report_from_graph``: a per-layer table, formulas and JSON
     table        the CostTable contract read by the planner
@@ -16,6 +18,7 @@ from __future__ import annotations
 from .calibration import calibrate
 from .cluster import Cluster
 from .layer_costs import build_cost_table, layer_expressions
+from .op_tables import UnpricedOpWarning
 from .presets import DEVICE_PRESETS, LINK_PRESETS
 from .report import CostReport, cost_command, report_from_graph
 from .specs import DeviceSpec, LinkSpec, MatrixUnit, Memory, VectorUnit
@@ -33,6 +36,7 @@ __all__ = [
     "LinkSpec",
     "MatrixUnit",
     "Memory",
+    "UnpricedOpWarning",
     "VectorUnit",
     "build_cost_table",
     "calibrate",

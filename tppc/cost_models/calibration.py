@@ -3,17 +3,24 @@
 Measured, for one thread count (a pipeline stage on CPU runs with
 ``torch.set_num_threads(1)`` by default, so that is the default here):
 
-    matrix peak: the best FLOP/s of square and skinny fp32 matmuls (and bf16 where the
-        CPU or GPU runs it natively fast), several sizes, median of repeats;
+    matrix peak and half rows (CPU): fp32 linears of m = 16 ... 512 rows on weights that do
+        not fit in L2 (16 MiB); ``t(m) = 2·n·k·(m + m½) / peak`` fitted to the times, so
+        skinny matmuls are priced at m / (m + m½) of peak. bf16 where the CPU runs it
+        natively fast. On GPUs: the best of large matmuls per dtype, m½ = 0;
+    attention efficiency: SDPA (8 heads of 64, 256 queries, 1024 keys, boolean
+        offset-causal mask) against the matmul model of its two matmuls;
     memory bandwidth: ``out = a + b`` on arrays well above the last-level cache
         (3 arrays of 64 MiB on CPU), bytes moved / time;
     vector throughput: elementwise ops on an L2-resident array, overhead subtracted;
-    op overhead: the time per op of a block-like sequence of ops on tiny tensors
-        (Python dispatch + launch; views included in the sequence but not counted).
+    op overhead: the time per op of a tiny pre-norm transformer block of ``nn.Module``
+        calls (module ``__call__``, Python dispatch, launch; views free, as in the graph).
+
+Every timing is the fastest of a few ~20 ms batches: on a shared machine the least
+disturbed batch is the best estimate of what the device can do.
 
 Results are cached as JSON in ``$TPPC_CACHE_DIR`` or ``$XDG_CACHE_HOME/tppc`` or
 ``~/.cache/tppc``, keyed by device, thread count, CPU model and torch version;
-``force=True`` measures again. One calibration takes about 5-10 s.
+``force=True`` measures again. One CPU calibration takes about 2 s.
 
 Example:
     >>> spec = calibrate("cpu")            # doctest: +SKIP
@@ -31,6 +38,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..errors import SpecError
@@ -38,7 +46,7 @@ from .specs import DeviceSpec, MatrixUnit, Memory, VectorUnit
 
 __all__ = ["cache_dir", "calibrate"]
 
-_SCHEMA = 2
+_SCHEMA = 3  # 3: half_rows, attention_efficiency, nn.Module op overhead, min timer
 
 
 def cache_dir() -> Path:
@@ -65,7 +73,7 @@ def _slug(text: str) -> str:
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]:
-    """A function that returns the median seconds of ``fn`` over ``reps`` timed batches."""
+    """A function that returns the fastest per-call seconds of ``fn`` over ``reps`` batches."""
 
     def sync() -> None:
         if device.type == "cuda":
@@ -87,33 +95,76 @@ def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]
                 fn()
             sync()
             samples.append((time.perf_counter() - t0) / inner)
-        samples.sort()
-        return samples[len(samples) // 2]
+        return min(samples)
 
     return measure
 
 
-_TINY_BLOCK_OPS = 12
+class _Norm(torch.nn.Module):
+    """RMS norm written out as eager ops: pow, mean, add, rsqrt, mul, mul (6 ops)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
 
 
-def _tiny_block(device: torch.device) -> Callable[[], object]:
-    """A transformer-block-like op sequence on tiny tensors: its time is pure overhead.
+class _TinyBlock(torch.nn.Module):
+    """A pre-norm transformer block of ``nn.Module`` calls on tiny tensors (34 ops).
 
-    The per-op overhead of eager execution is Python dispatch plus kernel launch; a
-    1-element ``add`` underestimates it, so time a realistic mix (linear, norm, rope-like
-    elementwise, softmax) and divide by its ``_TINY_BLOCK_OPS`` kernel-launching ops.
+    Its time is per-op overhead: Python dispatch, module ``__call__``, kernel launch.
+    Ops (as an exported graph counts them; views are free): 2 norms (12), q/k/v/o and
+    gate/up/down linears (7), rotary on q and k (10: neg, cat, 3 mul/add each), SDPA with
+    a boolean mask (1), silu and the gating mul (2), two residual adds (2).
     """
-    x = torch.ones(1, 4, 8, device=device)
-    w = torch.ones(8, 8, device=device)
 
-    def block() -> torch.Tensor:
-        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)  # 5 ops
-        q = torch.nn.functional.linear(h, w).view(1, 4, 2, 4).transpose(1, 2)  # 1 op
-        a = torch.softmax(q * 0.5, dim=-1)  # 2 ops
-        g = torch.nn.functional.silu(torch.nn.functional.linear(h, w))  # 2 ops
-        return a.transpose(1, 2).reshape(1, 4, 8) * g + x  # 2 ops
+    ops = 34
 
-    return block
+    def __init__(self, device: torch.device, dim: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        lin = lambda i, o: torch.nn.Linear(i, o, bias=False)  # noqa: E731
+        self.heads, self.head_dim = heads, dim // heads
+        self.norm1, self.norm2 = _Norm(dim), _Norm(dim)
+        self.q, self.k, self.v, self.o = lin(dim, dim), lin(dim, dim), lin(dim, dim), \
+            lin(dim, dim)
+        self.gate, self.up, self.down = lin(dim, 2 * dim), lin(dim, 2 * dim), lin(2 * dim, dim)
+        self.to(device)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+    def _attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   mask: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        split = lambda y: y.view(b, t, self.heads, self.head_dim).transpose(1, 2)  # noqa: E731
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o(a.transpose(1, 2).reshape(b, t, -1))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        h = x + self._attention(self.norm1(x), cos, sin, mask)
+        n = self.norm2(h)
+        return h + self.down(torch.nn.functional.silu(self.gate(n)) * self.up(n))
+
+
+def _op_overhead(device: torch.device, measure) -> float:
+    """Seconds per op of :class:`_TinyBlock` run eagerly under ``inference_mode``."""
+    block, t = _TinyBlock(device), 4
+    x = torch.randn(1, t, 8, device=device)
+    cos, sin = torch.ones(t, block.head_dim, device=device), torch.zeros(t, block.head_dim,
+                                                                         device=device)
+    mask = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+
+    def run() -> None:
+        with torch.inference_mode():
+            block(x, cos, sin, mask)
+
+    return measure(run, 7) / _TinyBlock.ops
 
 
 def _matmul_peak(device: torch.device, dtype: torch.dtype, measure, sizes) -> float:
@@ -126,13 +177,62 @@ def _matmul_peak(device: torch.device, dtype: torch.dtype, measure, sizes) -> fl
     return best
 
 
+_ROWS = (16, 32, 64, 128, 512)
+
+
+def _matmul_curve(device: torch.device, measure) -> tuple[float, float]:
+    """``(peak FLOP/s, half_rows)`` of fp32 linears whose weights do not fit in L2.
+
+    Four 1024 × 1024 weights (16 MiB, as a layer's weights stream from L3 or DRAM) are
+    applied to m rows for m in ``_ROWS``; ``t(m) = 2·n·k·(m + m½) / peak`` is fitted by
+    least squares on relative error: the slope gives the peak, the intercept m½.
+    """
+    n = k = 1024
+    weights = [torch.randn(n, k, device=device) for _ in range(4)]
+    rows = np.array(_ROWS, dtype=float)
+    times = []
+    for m in _ROWS:
+        x = torch.randn(m, k, device=device)
+
+        def chain(x: torch.Tensor = x) -> None:
+            for w in weights:
+                torch.nn.functional.linear(x, w)
+
+        times.append(measure(chain, 5) / len(weights))
+    t = np.array(times)
+    slope, intercept = np.polyfit(rows, t, 1, w=1.0 / t)
+    peak = 2.0 * n * k / slope
+    return peak, float(max(intercept / slope, 0.0))
+
+
+def _attention_efficiency(device: torch.device, measure, peak: float, half_rows: float
+                          ) -> float:
+    """Fraction of ``peak`` SDPA reaches: 8 heads of 64, 256 queries, 1024 keys, bool mask.
+
+    The boolean mask is offset-causal (what HF models and tppc's chunk attention pass);
+    the skinny-matmul curve is applied as for any matmul, so this is what is left.
+    """
+    heads, dim, rows, keys = 8, 64, 256, 1024
+    q = torch.randn(1, heads, rows, dim, device=device)
+    k = torch.randn(1, heads, keys, dim, device=device)
+    v = torch.randn(1, heads, keys, dim, device=device)
+    offset = keys - rows
+    mask = (torch.arange(keys, device=device)[None]
+            <= torch.arange(offset, keys, device=device)[:, None])[None, None]
+    with torch.inference_mode():
+        seconds = measure(lambda: torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask), 9)
+    modelled = 4.0 * heads * (rows + half_rows) * keys * dim / peak
+    return float(min(1.0, max(0.05, modelled / seconds)))
+
+
 def _measure(device: torch.device) -> dict[str, float]:
     measure = _timer(device)
     gpu = device.type == "cuda"
-    sizes = ([(4096, 4096, 4096), (8192, 8192, 8192), (2048, 8192, 8192)] if gpu
-             else [(256, 1024, 1024), (512, 512, 2048), (1024, 1024, 1024)])
-    out: dict[str, float] = {"fp32": _matmul_peak(device, torch.float32, measure, sizes)}
+    out: dict[str, float] = {}
     if gpu:
+        sizes = [(4096, 4096, 4096), (8192, 8192, 8192), (2048, 8192, 8192)]
+        out["fp32"] = _matmul_peak(device, torch.float32, measure, sizes)
         for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
             out[name] = _matmul_peak(device, dtype, measure, sizes)
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -140,12 +240,15 @@ def _measure(device: torch.device) -> dict[str, float]:
             out["tf32"] = _matmul_peak(device, torch.float32, measure, sizes[:1])
         finally:
             torch.backends.cuda.matmul.allow_tf32 = False
+        out["half_rows"] = 0.0  # GPU skinny matmuls: tile padding of the presets, not fitted
     else:
-        bf16 = _matmul_peak(device, torch.bfloat16, measure, sizes[:1])
+        out["fp32"], out["half_rows"] = _matmul_curve(device, measure)
+        bf16 = _matmul_peak(device, torch.bfloat16, measure, [(256, 1024, 1024)])
         if bf16 > out["fp32"]:  # only native bf16 (AMX, AVX512-BF16) beats fp32
             out["bf16"] = bf16
-
-    out["op_overhead"] = measure(_tiny_block(device), 7) / _TINY_BLOCK_OPS
+    out["attention_efficiency"] = _attention_efficiency(device, measure, out["fp32"],
+                                                        out["half_rows"])
+    out["op_overhead"] = _op_overhead(device, measure)
 
     n = (256 if gpu else 16) * 2**20 // 4 * 4  # 3 × 64 MiB on CPU, 3 × 1 GiB on GPU
     a = torch.ones(n, device=device)
@@ -171,10 +274,11 @@ def _spec_from(name: str, measured: dict[str, float], description: str) -> Devic
     peaks = {k: measured[k] for k in ("fp32", "tf32", "bf16", "fp16") if k in measured}
     return DeviceSpec(
         name=name,
-        matrix=MatrixUnit(peak_flops=peaks),
+        matrix=MatrixUnit(peak_flops=peaks, half_rows=measured.get("half_rows", 0.0)),
         vector=VectorUnit(peak_flops=measured["vector"]),
         memory=Memory(bandwidth=measured["bandwidth"], capacity=int(measured["capacity"])),
         op_overhead=measured["op_overhead"],
+        attention_efficiency=measured.get("attention_efficiency", 1.0),
         description=description,
     )
 

@@ -4,9 +4,10 @@ Terms:
     layer: a :class:`tppc.ir.LayerInfo` (prologue, repeated block, epilogue); without
         them, layers are read from ``node.meta["tppc.layer"]``, else from the
         ``nn_module_stack`` (the outermost numbered module such as ``model.layers.3``).
-    layer time: ``Σ_nodes max(matrix_s, vector_s, memory_s) + overhead`` on one device,
-        a sympy expression in c and p (L is replaced by the table's ``seq_len``), then
-        lambdified to numpy so the planner evaluates a whole (c, p) grid at once.
+    layer time: ``Σ_nodes max(matrix_s, vector_s, memory_s) + serial_s + overhead`` on one
+        device (see :mod:`.roofline`), a sympy expression in c and p (L is replaced by the
+        table's ``seq_len``), then lambdified to numpy so the planner evaluates a whole
+        (c, p) grid at once.
 
 Identical blocks (same ops, shapes and dtypes, node by node) share one expression and one
 compiled function, so an 80-block model costs about as much to price as one block.
@@ -40,8 +41,8 @@ from .node_costs import (
     _tensors,
     find_seq_symbol,
     node_cost,
-    node_time_terms,
 )
+from .roofline import node_time_terms
 from .specs import DeviceSpec
 from .table import CostTable, LayerCost, LinkCost, TimeFn
 
@@ -63,6 +64,8 @@ class LayerExpr:
         weight_bytes: parameter and buffer bytes the layer holds.
         kv_bytes_per_token: K/V buffer bytes per sequence token.
         act_bytes_per_token: bytes per token of the values leaving the layer.
+        unpriced: names of the layer's ops that have no pricing rule (priced as memory
+            traffic only), sorted; empty when every op was priced.
     """
 
     info: LayerInfo
@@ -75,6 +78,7 @@ class LayerExpr:
     weight_bytes: int
     kv_bytes_per_token: int
     act_bytes_per_token: int
+    unpriced: tuple[str, ...] = ()
 
 
 def _vectorise(expr: sympy.Expr) -> TimeFn:
@@ -235,18 +239,17 @@ class _Pricer:
                          vector_flops=vector, bytes=nbytes, fn=fn,
                          weight_bytes=int(info.param_bytes),
                          kv_bytes_per_token=int(kv),
-                         act_bytes_per_token=self._act_bytes(info))
+                         act_bytes_per_token=self._act_bytes(info),
+                         unpriced=tuple(sorted({c.op for c in costs if c.unpriced})))
 
     def _sum(self, costs: Sequence[NodeCost], device: DeviceSpec, fuse: bool) -> tuple:
         full = {L: self.seq_len}
         total = []
         overhead = 0.0
         for cost in costs:
-            t_mat, t_vec, t_mem, over = node_time_terms(cost, device, fuse_elementwise=fuse)
-            overhead += over
-            terms = [t for t in (t_mat, t_vec, t_mem) if t != 0]
-            if terms:
-                total.append(sympy.Max(*terms, evaluate=False) if len(terms) > 1 else terms[0])
+            terms = node_time_terms(cost, device, fuse_elementwise=fuse)
+            overhead += terms.overhead
+            total.append(terms._replace(overhead=0.0).total())
         time = (sympy.Add(*total) + overhead).subs(full)
         live = [c for c in costs if c.kind not in ("view", "const")]
         matrix = sympy.Add(*[c.matrix_flops for c in live]).subs(full)
@@ -332,6 +335,9 @@ def build_cost_table(gm: fx.GraphModule, layers: Sequence[LayerInfo] | None,
         fuse_elementwise: vector ops fused into matmuls (no memory traffic, no launch);
             None means True on TPUs (XLA) and False elsewhere (eager torch).
 
+    Ops without a pricing rule are priced as memory traffic only, listed in the table's
+    ``unpriced_ops`` and warned about once per op name (:class:`UnpricedOpWarning`).
+
     Raises:
         CostModelError: a node cannot be priced, or a layer depends on extra symbols.
     """
@@ -339,9 +345,11 @@ def build_cost_table(gm: fx.GraphModule, layers: Sequence[LayerInfo] | None,
     pricer, layer_list = _setup(gm, layers, seq_len, seq_symbol, token_count,
                                 default_attention, compute_dtype)
     per_device: list[tuple[LayerCost, ...]] = []
+    unpriced: set[str] = set()
     for device in cluster.devices:
         fuse = device.name.startswith("tpu") if fuse_elementwise is None else fuse_elementwise
         exprs = [pricer.layer(info, device, fuse) for info in layer_list]
+        unpriced.update(op for e in exprs for op in e.unpriced)
         per_device.append(tuple(
             LayerCost(name=e.info.name, time=e.fn, weight_bytes=e.weight_bytes,
                       kv_bytes_per_token=e.kv_bytes_per_token,
@@ -355,6 +363,7 @@ def build_cost_table(gm: fx.GraphModule, layers: Sequence[LayerInfo] | None,
                     for link in cluster.links),
         seq_len=seq_len,
         causal=causal,
+        unpriced_ops=tuple(sorted(unpriced)),
     )
 
 

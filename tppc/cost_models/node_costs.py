@@ -12,8 +12,13 @@ What is counted (eager execution, the torch backend's default):
       views, reshapes, expands, dtype-preserving ``to`` and shape queries are free;
     * a matmul's bias add and an attention's softmax are fused into it (SDPA is one
       flash-style kernel: scores never reach memory; the K/V buffer of the key length is
-      read, the chunk's K/V are written into the buffer);
-    * ``embedding`` reads only the gathered rows.
+      read, the chunk's K/V are written into the buffer; with grouped-query attention the
+      eager repeat of K/V is a separate copy, priced serially: see ``serial_bytes``);
+    * ``embedding`` reads only the gathered rows;
+    * copies, gathers, concatenations and creation ops move memory and do no arithmetic.
+An op that none of these rules knows is priced as memory traffic only (its inputs and
+outputs), marked ``unpriced`` on its :class:`NodeCost`, and an :class:`UnpricedOpWarning`
+is raised once per op name (the cost table and report list such ops).
 ``fuse_elementwise=True`` (XLA / torch.compile) additionally drops the memory traffic and
 launch overhead of vector ops (norms, activations, elementwise): they ride on a matmul.
 
@@ -36,7 +41,19 @@ from torch import fx
 
 from ..errors import CostModelError
 from ..ir import TOKEN, TokenInfo
-from .specs import DeviceSpec
+from .op_tables import (
+    ATTENTION,
+    CONVERT,
+    CREATE,
+    DTYPE_NAMES,
+    MATMUL,
+    MEMORY,
+    PER_IN,
+    PER_OUT,
+    VIEW,
+    UnpricedOpWarning,
+    warn_unpriced,
+)
 
 __all__ = [
     "C",
@@ -44,55 +61,14 @@ __all__ = [
     "NodeCost",
     "P",
     "TokenSubstitution",
+    "UnpricedOpWarning",
     "find_seq_symbol",
     "graph_node_costs",
     "node_cost",
-    "node_time_terms",
 ]
 
 C, P, L = sympy.symbols("c p L", positive=True, integer=True)
 Kind = Literal["matrix", "attention", "vector", "memory", "view", "const"]
-
-_VIEW = frozenset({
-    "view", "_unsafe_view", "reshape", "_reshape_alias", "expand", "expand_as", "transpose",
-    "permute", "unsqueeze", "squeeze", "slice", "select", "alias", "t", "as_strided", "detach",
-    "unbind", "split", "split_with_sizes", "chunk", "narrow", "flatten", "unflatten", "view_as",
-    "dropout", "_assert_tensor_metadata", "sym_size", "sym_numel", "sym_stride", "getitem",
-    "lift_fresh_copy", "movedim", "_assert_async", "sym_constrain_range_for_size",
-})
-_CONVERT = frozenset({"to", "_to_copy", "type_as", "contiguous", "clone"})
-_MATMUL = frozenset({"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "einsum",
-                     "conv1d", "conv2d", "conv3d", "convolution", "_convolution"})
-_ATTENTION = frozenset({
-    "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention",
-})
-# Vector FLOPs per output element (transcendentals count as several FLOPs).
-_PER_OUT = {
-    **dict.fromkeys(("add", "sub", "mul", "div", "neg", "rsub", "where", "clamp", "maximum",
-                     "minimum", "abs", "relu", "eq", "ne", "lt", "le", "gt", "ge",
-                     "masked_fill", "__and__", "__or__", "bitwise_and", "bitwise_or",
-                     "logical_and", "logical_not", "square", "cumsum", "remainder",
-                     "floor_divide", "hardtanh"), 1),
-    **dict.fromkeys(("exp", "log", "rsqrt", "sqrt", "sigmoid", "tanh", "sin", "cos",
-                     "reciprocal", "erf"), 4),
-    "pow": 2,
-    "silu": 5, "gelu": 8, "mish": 10,
-}
-# Vector FLOPs per element of the first input.
-_PER_IN = {"sum": 1, "mean": 1, "amax": 1, "amin": 1, "max": 1, "min": 1, "var": 3,
-           "var_mean": 3, "_softmax": 5, "softmax": 5, "_log_softmax": 6, "log_softmax": 6,
-           "layer_norm": 8, "native_layer_norm": 8, "group_norm": 8, "native_group_norm": 8,
-           "rms_norm": 4, "_fused_rms_norm": 4, "batch_norm": 4}
-_CREATE = frozenset({"zeros", "ones", "full", "empty", "arange", "zeros_like", "ones_like",
-                     "full_like", "empty_like", "new_ones", "new_zeros", "new_full",
-                     "new_empty", "scalar_tensor", "rand", "randn"})
-_DTYPE_NAMES = {torch.float32: "fp32", torch.float64: "fp32", torch.bfloat16: "bf16",
-                torch.float16: "fp16", torch.int8: "int8", torch.uint8: "int8"}
-for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
-    if hasattr(torch, _name):
-        _DTYPE_NAMES[getattr(torch, _name)] = "fp8"
 
 
 @dataclass(frozen=True)
@@ -154,6 +130,10 @@ class NodeCost:
         bytes: bytes read and written.
         dtype: the compute dtype name (``"bf16"``) used to pick the matrix rate.
         kv_bytes_per_key: for attention, K/V buffer bytes per key token (0 otherwise).
+        unpriced: True when no rule knows the op and it was priced as memory traffic only.
+        serial_bytes: the part of ``bytes`` moved by separate copy kernels the op implies in
+            eager execution (the K/V repeat of grouped-query attention); they cannot overlap
+            the op's compute, so the roofline adds their time instead of taking the max.
     """
 
     name: str
@@ -165,6 +145,8 @@ class NodeCost:
     bytes: sympy.Expr
     dtype: str
     kv_bytes_per_key: int = 0
+    unpriced: bool = False
+    serial_bytes: sympy.Expr = sympy.S.Zero
 
 
 def _op_name(node: fx.Node) -> str:
@@ -288,7 +270,7 @@ def _matmul_dims(op: str, node: fx.Node, shapes: _Shapes, args: list[fx.Node]
 
 
 def _attention(node: fx.Node, shapes: _Shapes, args: list[fx.Node], attention: str
-               ) -> tuple[list, sympy.Expr, sympy.Expr, int]:
+               ) -> tuple[list, sympy.Expr, sympy.Expr, sympy.Expr, int]:
     q_node, k_node, v_node = node.args[0], node.args[1], node.args[2]
     q, k, v = shapes.shape(q_node), shapes.shape(k_node), shapes.shape(v_node)
     key_len = shapes.subs.key(attention)
@@ -304,13 +286,15 @@ def _attention(node: fx.Node, shapes: _Shapes, args: list[fx.Node], attention: s
         + _per_token(shapes, _before_repeat(v_node))
     kv_per_key = kv_per_key * item if kv_per_key else seen_per_key
     nbytes = _bytes(shapes, [q_node, k_node, v_node, node]) + kv_per_key * key_len
+    copy = sympy.Integer(0)
     if sympy.simplify(seen_per_key - kv_per_key) != 0:  # GQA: eager repeat copies the keys
-        nbytes += 2 * seen_per_key * key_len
+        copy = (kv_per_key + seen_per_key) * key_len  # read the buffer, write the copy
+        nbytes += seen_per_key * key_len  # the kernel reads the repeated keys
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
     if isinstance(mask, fx.Node):
         mt = _tensors(mask.meta.get("val"))[0]
         nbytes += _numel(shapes.shape(mask)[:-1]) * key_len * _itemsize(mt)
-    return [qk, pv], vector, nbytes, int(kv_per_key)
+    return [qk, pv], vector, nbytes + copy, copy, int(kv_per_key)
 
 
 _REPEAT = frozenset({"reshape", "expand", "unsqueeze", "view", "_unsafe_view", "clone",
@@ -337,8 +321,8 @@ def _dtype_name(node: fx.Node, args: list[fx.Node], compute_dtype: str | None) -
         return compute_dtype
     for n in [*args, node]:
         ts = _tensors(n.meta.get("val"))
-        if ts and ts[0].dtype in _DTYPE_NAMES and ts[0].is_floating_point():
-            return _DTYPE_NAMES[ts[0].dtype]
+        if ts and ts[0].dtype in DTYPE_NAMES and ts[0].is_floating_point():
+            return DTYPE_NAMES[ts[0].dtype]
     return "fp32"
 
 
@@ -355,9 +339,9 @@ def node_cost(node: fx.Node, subs: TokenSubstitution, *, default_attention: str 
     args = _arg_nodes(node)
     outs = _tensors(node.meta.get("val"))
     dtype = _dtype_name(node, args, compute_dtype)
-    if node.op in ("placeholder", "output", "get_attr") or not outs or op in _VIEW:
+    if node.op in ("placeholder", "output", "get_attr") or not outs or op in VIEW:
         return NodeCost(node.name, op, "view", zero, (), zero, zero, dtype)
-    if op in _CONVERT and args and outs[0].dtype == _tensors(args[0].meta["val"])[0].dtype \
+    if op in CONVERT and args and outs[0].dtype == _tensors(args[0].meta["val"])[0].dtype \
             and op != "clone":
         return NodeCost(node.name, op, "view", zero, (), zero, zero, dtype)
     info = node.meta.get(TOKEN)
@@ -365,13 +349,15 @@ def node_cost(node: fx.Node, subs: TokenSubstitution, *, default_attention: str 
     const = role == "const" or (role is None and not _depends(shapes, [node, *args]))
     out_bytes = _bytes(shapes, [node])
     kv = 0
+    serial = zero
+    unpriced = False
     try:
-        if op in _ATTENTION:
+        if op in ATTENTION:
             attention = (info.attention if isinstance(info, TokenInfo) and info.attention
                          else ("causal" if node.kwargs.get("is_causal") else default_attention))
-            matmuls, vector, nbytes, kv = _attention(node, shapes, args, attention)
+            matmuls, vector, nbytes, serial, kv = _attention(node, shapes, args, attention)
             kind: Kind = "attention"
-        elif op in _MATMUL:
+        elif op in MATMUL:
             matmuls = _matmul_dims(op, node, shapes, args)
             vector, nbytes, kind = zero, _bytes(shapes, args) + out_bytes, "matrix"
         elif op == "embedding":
@@ -380,23 +366,28 @@ def node_cost(node: fx.Node, subs: TokenSubstitution, *, default_attention: str 
             nbytes = 2 * out_bytes + _bytes(shapes, [idx])
         else:
             matmuls, kind = [], "vector"
-            nbytes = (zero if op in _CREATE else _bytes(shapes, args)) + out_bytes
+            nbytes = (zero if op in CREATE else _bytes(shapes, args)) + out_bytes
             out_n = _numel(shapes.shape(node) or ())
-            if op in _PER_IN and args:
-                vector = _PER_IN[op] * _numel(shapes.shape(args[0]) or ())
-            elif op in _PER_OUT:
-                vector = _PER_OUT[op] * out_n
+            if op in PER_IN and args:
+                vector = PER_IN[op] * _numel(shapes.shape(args[0]) or ())
+            elif op in PER_OUT:
+                vector = PER_OUT[op] * out_n
             else:  # copies, gathers, concatenations, creation and unknown ops: memory only
                 vector, kind = zero, "memory"
+                unpriced = op not in MEMORY and op not in CREATE
     except (IndexError, TypeError, AttributeError, ValueError) as exc:
         raise CostModelError(
             f"node {node.name} ({op}): cannot read its shapes ({exc}); check that "
             "meta['val'] holds tensors for the node and its inputs"
         ) from exc
+    if unpriced and not const:  # const nodes cost nothing per chunk: nothing is mis-priced
+        warn_unpriced(op, node.name)
+    unpriced = unpriced and not const
     matrix = sum((2 * b * m * n * k for b, m, n, k in matmuls), zero)
     return NodeCost(node.name, op, "const" if const else kind, sympy.expand(matrix),
                     tuple(tuple(sympy.expand(d) for d in mm) for mm in matmuls),
-                    sympy.expand(vector), sympy.expand(nbytes), dtype, kv)
+                    sympy.expand(vector), sympy.expand(nbytes), dtype, kv, unpriced,
+                    sympy.expand(serial))
 
 
 def graph_node_costs(gm: fx.GraphModule, *, seq_symbol: sympy.Symbol | None = None,
@@ -430,30 +421,3 @@ def find_seq_symbol(gm: fx.GraphModule) -> sympy.Symbol | None:
         )
     return next(iter(found), None)
 
-
-def _pad(x: sympy.Expr, tile: int) -> sympy.Expr:
-    if tile <= 1 or (x.is_Integer and int(x) % tile == 0):
-        return x
-    return sympy.ceiling(x / tile) * tile
-
-
-def node_time_terms(cost: NodeCost, device: DeviceSpec, *, fuse_elementwise: bool = False
-                    ) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr, float]:
-    """``(matrix_seconds, vector_seconds, memory_seconds, overhead)`` of a node on a device.
-
-    Matrix seconds use tile-padded dims; the node's time is ``max`` of the first three plus
-    the overhead. Views and const nodes cost nothing per chunk.
-    """
-    zero = sympy.Integer(0)
-    if cost.kind in ("view", "const"):
-        return zero, zero, zero, 0.0
-    unit = device.matrix
-    padded = sum((2 * b * _pad(m, unit.tile_m) * _pad(n, unit.tile_n) * _pad(k, unit.tile_k)
-                  for b, m, n, k in cost.matmuls), zero)
-    t_mat = padded / unit.peak(cost.dtype)
-    t_vec = cost.vector_flops / device.vector.peak_flops
-    t_mem = cost.bytes / device.memory.bandwidth
-    overhead = device.op_overhead
-    if fuse_elementwise and cost.kind == "vector":
-        t_mem, overhead = zero, 0.0
-    return t_mat, t_vec, t_mem, overhead

@@ -29,7 +29,8 @@ from ..errors import CostModelError, SpecError
 from ..ir import LayerInfo
 from .cluster import Cluster
 from .layer_costs import LayerExpr, layer_expressions
-from .node_costs import C, P, node_time_terms
+from .node_costs import C, P
+from .roofline import node_time_terms
 
 __all__ = ["CostReport", "LayerReport", "add_cost_arguments", "cost_command",
            "report_from_graph"]
@@ -80,6 +81,7 @@ class CostReport:
         ridge_point: the device's FLOP per byte above which matmuls are compute-bound.
         layers: one row per layer.
         formulas: per layer, the sympy expressions (matrix_flops, vector_flops, bytes, time).
+        unpriced_ops: op names with no pricing rule (priced as memory traffic only).
     """
 
     device: str
@@ -91,6 +93,7 @@ class CostReport:
     ridge_point: float
     layers: tuple[LayerReport, ...]
     formulas: dict[str, dict[str, sympy.Expr]]
+    unpriced_ops: tuple[str, ...] = ()
 
     @property
     def total_time(self) -> float:
@@ -128,6 +131,7 @@ class CostReport:
             "total_flops": self.total_flops, "total_bytes": self.total_bytes,
             "layers": [asdict(r) for r in self.layers],
             "formulas": {k: {n: str(e) for n, e in v.items()} for k, v in self.formulas.items()},
+            "unpriced_ops": list(self.unpriced_ops),
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -150,6 +154,9 @@ class CostReport:
         rows.append(f"{'total':<28} {self.total_flops / 1e9:>10.3f} "
                     f"{self.total_bytes / 1e6:>10.3f} {intensity:>8.1f} {'':>9} "
                     f"{_fmt_time(self.total_time):>11}")
+        if self.unpriced_ops:
+            rows.append(f"unpriced ops (memory traffic only, may be under-priced): "
+                        f"{', '.join(self.unpriced_ops)}")
         return "\n".join(rows)
 
 
@@ -182,10 +189,11 @@ def _layer_row(expr: LayerExpr, device, chunk: int, prefix: int, fuse: bool,
     if key not in cache:
         split = {"compute": 0.0, "memory": 0.0, "overhead": 0.0}
         for cost in expr.nodes:
-            t_mat, t_vec, t_mem, over = node_time_terms(cost, device, fuse_elementwise=fuse)
-            terms = [float(sympy.sympify(t).subs(point)) for t in (t_mat, t_vec, t_mem)]
+            t = node_time_terms(cost, device, fuse_elementwise=fuse)
+            terms = [float(sympy.sympify(x).subs(point)) for x in (t.matrix, t.vector, t.memory)]
             split["compute" if max(terms[:2]) >= terms[2] else "memory"] += max(terms)
-            split["overhead"] += over
+            split["memory"] += float(sympy.sympify(t.serial).subs(point))
+            split["overhead"] += t.overhead
         cache[key] = (split, float(expr.time.subs(point)), float(expr.matrix_flops.subs(point)),
                       float(expr.vector_flops.subs(point)), float(expr.bytes.subs(point)))
     split, time, matrix, vector, nbytes = cache[key]
@@ -248,7 +256,8 @@ def report_from_graph(gm: fx.GraphModule, ctx: Any = None, *, cluster: Cluster |
         dtype = next((c.dtype for e in exprs for c in e.nodes if c.matmuls), "fp32")
     return CostReport(device=device.name, cluster=str(cluster), chunk=chunk, prefix=prefix,
                       seq_len=seq_len, dtype=dtype, ridge_point=device.ridge_point(dtype),
-                      layers=tuple(rows), formulas=formulas)
+                      layers=tuple(rows), formulas=formulas,
+                      unpriced_ops=tuple(sorted({op for e in exprs for op in e.unpriced})))
 
 
 def add_cost_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -10,6 +10,11 @@ Terms:
     op overhead: seconds added to every op that launches a kernel (views are free).
     ridge point: peak matrix FLOP/s / memory bandwidth, in FLOP per byte. Below it an op is
         memory-bound.
+    half rows (m½): a matmul of m rows reaches m / (m + m½) of peak, i.e. it costs as if it
+        had m + m½ rows (skinny matmuls re-stream the weights for few rows; 0 on the
+        datasheet presets, where tile padding models the same effect).
+    attention efficiency: the fraction of the matrix peak a fused attention kernel reaches
+        (its softmax, masking and rescaling run on the same cores between two small matmuls).
     link: bandwidth per direction (bytes/s) and latency (s) between two neighbouring devices.
 
 Example:
@@ -68,12 +73,15 @@ class MatrixUnit:
         tile_m: rows (tokens) a matmul is padded to a multiple of.
         tile_n: output columns a matmul is padded to a multiple of.
         tile_k: reduction length a matmul is padded to a multiple of.
+        half_rows: m½, rows added to every matmul's (padded) row count: a matmul of m rows
+            runs at m / (m + m½) of peak. 0 means size-independent throughput.
     """
 
     peak_flops: Mapping[str, float]
     tile_m: int = 1
     tile_n: int = 1
     tile_k: int = 1
+    half_rows: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.peak_flops:
@@ -88,6 +96,9 @@ class MatrixUnit:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise SpecError(f"MatrixUnit: {name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.half_rows, int | float) or not math.isfinite(self.half_rows) \
+                or self.half_rows < 0:
+            raise SpecError(f"MatrixUnit: half_rows must be >= 0 rows, got {self.half_rows!r}")
         object.__setattr__(self, "peak_flops", dict(self.peak_flops))
 
     def peak(self, dtype: str) -> float:
@@ -103,7 +114,8 @@ class MatrixUnit:
         )
 
     def __hash__(self) -> int:
-        return hash((tuple(sorted(self.peak_flops.items())), self.tile_m, self.tile_n, self.tile_k))
+        return hash((tuple(sorted(self.peak_flops.items())), self.tile_m, self.tile_n, self.tile_k,
+                     self.half_rows))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,6 +159,8 @@ class DeviceSpec:
         vector: the vector unit.
         memory: the memory.
         op_overhead: seconds added per kernel-launching op (launch, dispatch).
+        attention_efficiency: fraction of the matrix peak fused attention (SDPA) reaches,
+            in (0, 1]; 1 prices attention like any matmul.
         description: free text (full product name, where the numbers come from).
     """
 
@@ -155,11 +169,18 @@ class DeviceSpec:
     vector: VectorUnit
     memory: Memory
     op_overhead: float = 0.0
+    attention_efficiency: float = 1.0
     description: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if not self.name:
             raise SpecError("DeviceSpec: name is empty; give a preset-like name such as 'h100-sxm'")
+        eff = self.attention_efficiency
+        if not isinstance(eff, int | float) or not math.isfinite(eff) or not 0 < eff <= 1:
+            raise SpecError(
+                f"DeviceSpec {self.name!r}: attention_efficiency must be in (0, 1], got "
+                f"{eff!r}; it is the fraction of the matrix peak that SDPA reaches"
+            )
         if not math.isfinite(self.op_overhead) or self.op_overhead < 0:
             raise SpecError(
                 f"DeviceSpec {self.name!r}: op_overhead must be >= 0 seconds, "

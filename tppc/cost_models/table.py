@@ -71,6 +71,8 @@ class CostTable:
         seq_len: the full sequence length L the table was built for.
         causal: True when attention is causal (cost grows with the prefix), False for
             bidirectional (DiT) attention, whose cost does not depend on ``p``.
+        unpriced_ops: op names the cost model has no rule for (priced as memory traffic
+            only, so those layers may be under-priced); empty when every op was priced.
     """
 
     device_names: tuple[str, ...]
@@ -79,6 +81,7 @@ class CostTable:
     links: tuple[LinkCost, ...]
     seq_len: int
     causal: bool
+    unpriced_ops: tuple[str, ...] = ()
 
     @property
     def num_devices(self) -> int:

@@ -1,0 +1,91 @@
+"""Roofline time of one priced node on one device: the terms the layer time sums.
+
+Terms:
+    padded matmul: every matmul dimension rounded up to the matrix unit's tile, then the
+        device's ``half_rows`` (m½) added to the row count: a skinny matmul of m rows runs
+        at m / (m + m½) of peak (measured by calibration on CPUs; 0 on datasheet presets).
+    attention rate: ``peak × attention_efficiency`` for fused attention (SDPA), whose
+        softmax and masking share the cores with its two matmuls.
+
+A node's time is ``max(matrix_s, vector_s, memory_s) + serial_s + overhead``: serial
+seconds are copies done by separate kernels (eager K/V repeat), which cannot overlap the
+node's compute. Views and const nodes (no token dependence, run once per call) cost nothing
+per chunk.
+
+Example:
+    >>> terms = node_time_terms(cost, DEVICE_PRESETS["tpu-v5p"])  # doctest: +SKIP
+    >>> terms.matrix, terms.overhead                                # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import sympy
+
+from .node_costs import NodeCost
+from .specs import DeviceSpec
+
+__all__ = ["TimeTerms", "node_time_terms"]
+
+
+class TimeTerms(NamedTuple):
+    """Seconds of one node on one device; its time is ``max(matrix, vector, memory) +
+    serial + overhead``.
+
+    Attributes:
+        matrix: padded matmul FLOPs / rate.
+        vector: vector FLOPs / vector rate.
+        memory: bytes the op's own kernel moves / bandwidth.
+        serial: bytes of separate copy kernels (not overlapped) / bandwidth.
+        overhead: per-op launch and dispatch seconds.
+    """
+
+    matrix: sympy.Expr
+    vector: sympy.Expr
+    memory: sympy.Expr
+    serial: sympy.Expr
+    overhead: float
+
+    def total(self) -> sympy.Expr:
+        """``max(matrix, vector, memory) + serial + overhead`` (zero terms dropped)."""
+        terms = [t for t in (self.matrix, self.vector, self.memory) if t != 0]
+        body = sympy.Max(*terms, evaluate=False) if len(terms) > 1 else \
+            (terms[0] if terms else sympy.Integer(0))
+        return body + self.serial + self.overhead
+
+
+def _pad(x: sympy.Expr, tile: int) -> sympy.Expr:
+    if tile <= 1 or (x.is_Integer and int(x) % tile == 0):
+        return x
+    return sympy.ceiling(x / tile) * tile
+
+
+def node_time_terms(cost: NodeCost, device: DeviceSpec, *, fuse_elementwise: bool = False
+                    ) -> TimeTerms:
+    """The :class:`TimeTerms` of a node on a device.
+
+    Matrix seconds use tile-padded dims plus the unit's ``half_rows``; attention runs at
+    ``attention_efficiency`` of the peak. With ``fuse_elementwise`` (XLA) vector ops lose
+    their memory traffic and launch, and copies fuse into their consumer (no serial term).
+    Views and const nodes cost nothing per chunk.
+    """
+    zero = sympy.Integer(0)
+    if cost.kind in ("view", "const"):
+        return TimeTerms(zero, zero, zero, zero, 0.0)
+    unit = device.matrix
+    extra = sympy.Float(unit.half_rows) if unit.half_rows else zero
+    padded = sum((2 * b * (_pad(m, unit.tile_m) + extra) * _pad(n, unit.tile_n)
+                  * _pad(k, unit.tile_k) for b, m, n, k in cost.matmuls), zero)
+    rate = unit.peak(cost.dtype)
+    if cost.kind == "attention":
+        rate *= device.attention_efficiency
+    t_mat = padded / rate
+    t_vec = cost.vector_flops / device.vector.peak_flops
+    serial = zero if fuse_elementwise else cost.serial_bytes
+    t_mem = (cost.bytes - serial) / device.memory.bandwidth
+    t_serial = serial / device.memory.bandwidth
+    overhead = device.op_overhead
+    if fuse_elementwise and cost.kind == "vector":
+        t_mem, overhead = zero, 0.0
+    return TimeTerms(t_mat, t_vec, t_mem, t_serial, overhead)
