@@ -15,9 +15,22 @@ from torch.utils import _pytree as pytree
 from tppc.context import CompileContext
 from tppc.errors import CaptureError
 
-__all__ = ["export_dynamic"]
+__all__ = ["ExportFailed", "example_units", "export_dynamic", "is_latent"]
 
 _DEFAULT_MAX_FACTOR = 64
+
+
+class ExportFailed(CaptureError):
+    """torch.export refused the model; ``fx_may_help`` says whether to try symbolic_trace.
+
+    Data-dependent control flow and key/value cache objects defeat ``torch.fx.symbolic_trace``
+    too, so for those the error is final; other failures (an op fake tensors cannot run, a
+    ``torch.fx.wrap``-ed helper calling numpy) may be captured by the fx fallback.
+    """
+
+    def __init__(self, message: str, *, fx_may_help: bool) -> None:
+        super().__init__(message)
+        self.fx_may_help = fx_may_help
 
 
 def export_dynamic(
@@ -34,7 +47,7 @@ def export_dynamic(
     Returns the unlifted, runnable GraphModule (parameters as ``get_attr``) and a context
     whose ``specialization`` is set when torch.export fixed the sequence size.
     """
-    units = _example_units(bound, axes, patch)
+    units = example_units(bound, axes, patch)
     upper = max_seq or max(units * _DEFAULT_MAX_FACTOR, 4096)
     dim = torch.export.Dim("seq", min=2, max=max(upper, units + 1))
     shapes = _dynamic_shapes(bound, axes, dim, patch, square=mode == "dynamic-square")
@@ -44,7 +57,7 @@ def export_dynamic(
     except CaptureError:
         raise
     except Exception as exc:  # torch raises many types; we name the construct
-        raise CaptureError(_explain(model, exc)) from exc
+        raise ExportFailed(_explain(model, exc), fx_may_help=_fx_may_help(exc)) from exc
     gm = ep.module()
     guard = _check_guards(gm, bound, axes, patch, mode == "dynamic-square", units)
     _drop_guards(gm)
@@ -63,14 +76,15 @@ def export_dynamic(
     return gm, ctx
 
 
-def _example_units(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]],
-                   patch: int) -> int:
+def example_units(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]],
+                  patch: int) -> int:
+    """The example's sequence length in units (tokens, or patch rows of a latent)."""
     sizes: dict[str, int] = {}
     for name, dims in axes.items():
         t = bound.arguments[name]
         for d in dims:
             size = int(t.shape[d])
-            if _is_latent(t, dims):
+            if is_latent(t, dims):
                 if size % patch:
                     raise CaptureError(
                         f"input {name!r} axis {d} has size {size}, not a multiple of the patch "
@@ -92,7 +106,8 @@ def _example_units(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...
     return units
 
 
-def _is_latent(t: torch.Tensor, dims: tuple[int, ...]) -> bool:
+def is_latent(t: torch.Tensor, dims: tuple[int, ...]) -> bool:
+    """Whether ``t`` is an image latent ``(b, c, h, w)`` whose height is the sequence axis."""
     return t.dim() == 4 and dims == (2,) and t.is_floating_point()
 
 
@@ -118,7 +133,7 @@ def _spec_for(name: str, value: Any, axes: dict[str, tuple[int, ...]], dim: Any,
             else None
     if name not in axes:
         return None
-    if _is_latent(value, axes[name]):
+    if is_latent(value, axes[name]):
         spec = {2: patch * dim if patch > 1 else dim}
         if square:
             spec[3] = spec[2]
@@ -138,8 +153,8 @@ def _check_guards(gm: fx.GraphModule, bound: inspect.BoundArguments,
         if not isinstance(value, torch.Tensor) or name not in axes:
             return value
         shape = list(value.shape)
-        step = patch if _is_latent(value, axes[name]) else 1
-        grown = list(axes[name]) + ([3] if square and _is_latent(value, axes[name]) else [])
+        step = patch if is_latent(value, axes[name]) else 1
+        grown = list(axes[name]) + ([3] if square and is_latent(value, axes[name]) else [])
         for d in grown:
             shape[d] += step
         return torch.empty(shape, dtype=value.dtype, device="meta")
@@ -177,8 +192,10 @@ def _seq_symbol(gm: fx.GraphModule, axes: dict[str, tuple[int, ...]]) -> sympy.S
     return None
 
 
+_DATA_DEPENDENT = r"GuardOnDataDependentSymNode|data-dependent|Could not guard on data-dependent"
+_CACHE = r"cache|past_key_values|DynamicCache"
 _HINTS: list[tuple[str, str, str]] = [
-    (r"GuardOnDataDependentSymNode|data-dependent|Could not guard on data-dependent",
+    (_DATA_DEPENDENT,
      "data-dependent control flow (a Python branch or size that depends on tensor values)",
      "replace the branch with torch.where / torch.cond, or move it out of forward"),
     (r"Unsupported|not supported|NotImplementedError|No registered",
@@ -187,19 +204,31 @@ _HINTS: list[tuple[str, str, str]] = [
     (r"Constraints violated|specializ",
      "the sequence length was fixed to its example value by the model code",
      "avoid int()/math on sizes, or pass seq_dims= with the right axes"),
-    (r"cache|past_key_values|DynamicCache",
+    (_CACHE,
      "a key/value cache object in the inputs or outputs",
      "do not pass past_key_values; tppc builds its own K/V buffers"),
 ]
 
 
+def _hint(exc: Exception) -> tuple[str, str, str] | None:
+    """The first entry of ``_HINTS`` whose pattern matches the error, or None."""
+    text = f"{type(exc).__name__}: {exc}"
+    return next((h for h in _HINTS if re.search(h[0], text, flags=re.IGNORECASE)), None)
+
+
+def _fx_may_help(exc: Exception) -> bool:
+    hint = _hint(exc)
+    return hint is None or hint[0] not in (_DATA_DEPENDENT, _CACHE)
+
+
 def _explain(model: torch.nn.Module, exc: Exception) -> str:
     text = f"{type(exc).__name__}: {exc}"
     where = _user_frame(exc)
-    for pattern, what, fix in _HINTS:
-        if re.search(pattern, text, flags=re.IGNORECASE):
-            return (f"torch.export could not capture {type(model).__name__}: {what}{where}.\n"
-                    f"fix: {fix}.\noriginal error: {_first_lines(text)}")
+    hint = _hint(exc)
+    if hint is not None:
+        _pattern, what, fix = hint
+        return (f"torch.export could not capture {type(model).__name__}: {what}{where}.\n"
+                f"fix: {fix}.\noriginal error: {_first_lines(text)}")
     return (f"torch.export could not capture {type(model).__name__}{where}.\n"
             f"original error: {_first_lines(text)}")
 

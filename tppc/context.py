@@ -9,7 +9,8 @@ import sympy
 
 __all__ = ["CaptureMode", "CompileContext", "PassRecord"]
 
-CaptureMode = Literal["dynamic", "dynamic-square", "specialized"]
+CaptureMode = Literal["dynamic", "dynamic-square", "specialized", "fx"]
+"""How capture succeeded: torch.export strategies, or the ``torch.fx.symbolic_trace`` fallback."""
 
 
 @dataclass(frozen=True)

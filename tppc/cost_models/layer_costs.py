@@ -289,11 +289,24 @@ def _renamed(cost: NodeCost, name: str) -> NodeCost:
     return replace(cost, name=name)
 
 
+def _refuse_fx_graphs(gm: fx.GraphModule) -> None:
+    """The cost model prices ATen graphs (torch.export); fx fallback graphs hold module calls."""
+    for node in gm.graph.nodes:
+        if node.op == "call_module" or type(node.meta.get("val")).__name__ == "ShapeVal":
+            raise CostModelError(
+                f"node {node.name!r} ({node.op} {node.target}) comes from a graph captured with "
+                "the torch.fx.symbolic_trace fallback; the cost model prices the ATen graphs "
+                "torch.export produces. fix: make the model exportable with torch.export (move "
+                "the code export rejects out of forward, or register it as a custom op)"
+            )
+
+
 def _setup(gm: fx.GraphModule, layers: Sequence[LayerInfo] | None, seq_len: int,
            seq_symbol: sympy.Symbol | None, token_count: sympy.Expr | None,
            default_attention: str, compute_dtype: str | None) -> tuple[_Pricer, list[LayerInfo]]:
     if not isinstance(seq_len, int) or seq_len < 1:
         raise CostModelError(f"seq_len must be a positive int, got {seq_len!r}")
+    _refuse_fx_graphs(gm)
     sym = seq_symbol if seq_symbol is not None else find_seq_symbol(gm)
     subs = TokenSubstitution.build(sym, token_count)
     layer_list = list(layers) if layers else infer_layers(gm)

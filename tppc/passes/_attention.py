@@ -1,7 +1,9 @@
 """Recognise attention nodes and tell causal from bidirectional attention.
 
-An SDPA node is causal when ``is_causal=True``, bidirectional when it has neither a mask nor
-``is_causal``, and otherwise classified by evaluating its mask (a positional value) at the
+Attention nodes are aten SDPA ops (torch.export captures) or calls of
+``torch.nn.functional.scaled_dot_product_attention`` (fx captures). An SDPA node is causal
+when ``is_causal=True``, bidirectional when it has neither a mask nor ``is_causal``, and
+otherwise classified by evaluating its mask (a positional value) at the
 example length: a lower-triangular pattern is causal, an all-true one bidirectional.
 """
 
@@ -11,11 +13,12 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.nn import functional as F
 
 from tppc.context import CompileContext
 from tppc.errors import AnnotationError
 from tppc.ir import TOKEN, AttentionKind
-from tppc.passes._shapes import module_path
+from tppc.passes._shapes import call_module_of, module_path, size_expr, tensor_val
 
 __all__ = ["ATTENTION_OPS", "attention_kind", "evaluate_positional"]
 
@@ -23,6 +26,7 @@ _aten = torch.ops.aten
 ATTENTION_OPS = {
     _aten.scaled_dot_product_attention.default,
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    F.scaled_dot_product_attention,
 }
 
 
@@ -82,15 +86,23 @@ def evaluate_positional(target: fx.Node, gm: fx.GraphModule, ctx: CompileContext
         elif n.op == "get_attr":
             value = _fetch(gm, str(n.target))
             env[n] = _concrete(n, ctx) if value.device.type == "meta" else value
-        elif n.op == "call_function":
+        elif n.op in ("call_function", "call_method", "call_module"):
             args = _on_cpu(fx.node.map_arg(n.args, lambda a: env[a]))
             kwargs = _on_cpu(fx.node.map_arg(n.kwargs, lambda a: env[a]))
-            env[n] = n.target(*args, **kwargs)
+            env[n] = _call(n, args, kwargs)
         else:
             raise AnnotationError(f"cannot evaluate {n.op} node {n.name!r} of a mask")
         if n is target:
             return env[n]
     raise AssertionError("unreachable")
+
+
+def _call(node: fx.Node, args: Any, kwargs: Any) -> Any:
+    if node.op == "call_method":
+        return getattr(args[0], str(node.target))(*args[1:], **kwargs)
+    if node.op == "call_module":
+        return call_module_of(node)(*args, **kwargs)
+    return node.target(*args, **kwargs)
 
 
 def _on_cpu(tree: Any) -> Any:
@@ -101,11 +113,10 @@ def _on_cpu(tree: Any) -> Any:
 
 
 def _concrete(node: fx.Node, ctx: CompileContext) -> Any:
-    val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        return val
-    shape = [int(s.node.expr.subs(ctx.seq_symbol, ctx.example_seq))
-             if isinstance(s, torch.SymInt) else int(s) for s in val.shape]
+    val = tensor_val(node)
+    if val is None:
+        return node.meta.get("val")
+    shape = [int(size_expr(s).subs(ctx.seq_symbol, ctx.example_seq)) for s in val.shape]
     return torch.zeros(shape, dtype=val.dtype)
 
 

@@ -1,7 +1,15 @@
-"""Helpers shared by the passes: symbolic shapes, module paths, op dimensions."""
+"""Helpers shared by the passes: symbolic shapes, module paths, op dimensions.
+
+Terms:
+    symbolic value: what ``node.meta["val"]`` holds for a tensor. torch.export captures store
+        a fake tensor whose sizes are ``torch.SymInt``; fx captures (``capture_mode == "fx"``)
+        store a :class:`ShapeVal` whose sizes are sympy expressions. The helpers below accept
+        both, so a pass never needs to know which capture produced the graph.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import sympy
@@ -9,22 +17,81 @@ import torch
 from torch import fx
 from torch.fx.operator_schemas import normalize_function
 
-__all__ = ["module_path", "op_dims", "seq_axes", "size_expr", "tensor_val"]
+__all__ = [
+    "ShapeVal",
+    "call_module_of",
+    "module_path",
+    "op_dims",
+    "seq_axes",
+    "size_expr",
+    "tensor_val",
+]
+
+_CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class ShapeVal:
+    """Shape and dtype of a tensor without its data: ``meta["val"]`` of fx-captured graphs.
+
+    Attributes:
+        shape: sizes as sympy expressions of the sequence symbol (``2*s + 1``, ``64``).
+        dtype: the tensor's dtype.
+        device: the device the example run produced it on.
+
+    Example:
+        >>> s = sympy.Symbol("s", positive=True, integer=True)
+        >>> ShapeVal((sympy.Integer(1), s, sympy.Integer(64)), torch.float32).dim()
+        3
+    """
+
+    shape: tuple[sympy.Expr, ...]
+    dtype: torch.dtype
+    device: torch.device = _CPU
+
+    @property
+    def ndim(self) -> int:
+        """Number of axes."""
+        return len(self.shape)
+
+    def dim(self) -> int:
+        """Number of axes (like ``Tensor.dim``)."""
+        return len(self.shape)
+
+    def size(self, axis: int | None = None) -> Any:
+        """The shape, or one size (like ``Tensor.size``)."""
+        return self.shape if axis is None else self.shape[axis]
+
+    def numel(self) -> sympy.Expr:
+        """Number of elements as a sympy expression."""
+        return sympy.Mul(*self.shape)
+
+    def element_size(self) -> int:
+        """Bytes per element."""
+        return self.dtype.itemsize
+
+    def is_floating_point(self) -> bool:
+        """Whether the dtype is a floating point type."""
+        return self.dtype.is_floating_point
 
 
 def tensor_val(node: Any) -> Any:
-    """The node's (first) tensor value from ``meta["val"]``, or None."""
+    """The node's (first) tensor value from ``meta["val"]`` (a tensor or ShapeVal), or None."""
     if not isinstance(node, fx.Node):
         return None
     val = node.meta.get("val")
     if isinstance(val, list | tuple):
-        val = next((v for v in val if isinstance(v, torch.Tensor)), None)
-    return val if isinstance(val, torch.Tensor) else None
+        val = next((v for v in val if isinstance(v, torch.Tensor | ShapeVal)), None)
+    return val if isinstance(val, torch.Tensor | ShapeVal) else None
 
 
-def size_expr(size: int | torch.SymInt) -> sympy.Expr:
-    """A tensor size as a sympy expression."""
-    return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(int(size))
+def size_expr(size: int | torch.SymInt | sympy.Expr) -> sympy.Expr:
+    """A tensor size (int, ``SymInt`` or sympy expression) as a sympy expression."""
+    if isinstance(size, torch.SymInt):
+        return size.node.expr
+    if isinstance(size, sympy.Basic):
+        return size
+    return sympy.Integer(int(size))
 
 
 def seq_axes(node: fx.Node, sym: sympy.Symbol) -> tuple[list[int], list[sympy.Expr]]:
@@ -42,28 +109,40 @@ def seq_axes(node: fx.Node, sym: sympy.Symbol) -> tuple[list[int], list[sympy.Ex
 
 
 def module_path(node: fx.Node) -> str:
-    """Innermost module path of the node (``"model.layers.0.self_attn"``), or ``""``."""
+    """Innermost module path of the node (``"model.layers.0.self_attn"``), or ``""``.
+
+    Taken from ``nn_module_stack``; a ``call_module`` node without one is its own target.
+    """
     stack = node.meta.get("nn_module_stack") or {}
     for path, _cls in reversed(list(stack.values())):
         if path and not path.startswith("_"):
             return path
+    if node.op == "call_module":
+        return str(node.target)
     return ""
 
 
+def call_module_of(node: fx.Node) -> torch.nn.Module | None:
+    """The submodule a ``call_module`` node calls, or None for other nodes."""
+    owner = node.graph.owning_module
+    if node.op != "call_module" or owner is None:
+        return None
+    return owner.get_submodule(str(node.target))
+
+
 def op_dims(node: fx.Node, src: fx.Node) -> set[int]:
-    """The dimensions of ``src`` that the op works along (normalised to be non-negative)."""
+    """The dimensions of ``src`` that the op works along (normalised to be non-negative).
+
+    Understands aten ops, torch-level functions (``torch.cumsum``, ``F.softmax``), tensor
+    methods (``x.softmax(-1)``) and ``nn.Softmax``-like modules with a ``dim`` attribute.
+    """
     val = tensor_val(src)
     rank = val.dim() if val is not None else 0
-    dims: Any = None
-    if isinstance(node.target, torch._ops.OpOverload):
-        try:
-            norm = normalize_function(node.target, tuple(node.args), dict(node.kwargs),
-                                      normalize_to_only_use_kwargs=True)
-        except Exception:
-            norm = None
-        if norm is not None:
-            kwargs = norm.kwargs
-            dims = kwargs.get("dim", kwargs.get("dims"))
+    kwargs = _normalized_kwargs(node)
+    dims: Any = kwargs.get("dim", kwargs.get("dims")) if kwargs is not None else None
+    module = call_module_of(node)
+    if module is not None:
+        dims = getattr(module, "dim", None)
     if dims is None:
         return set()
     if isinstance(dims, int):
@@ -73,3 +152,35 @@ def op_dims(node: fx.Node, src: fx.Node) -> set[int]:
         if isinstance(d, int) and rank:
             out.add(d % rank)
     return out
+
+
+def _normalized_kwargs(node: fx.Node) -> dict[str, Any] | None:
+    """The op's arguments as keywords (defaults filled in), or None when unknown."""
+    target: Any = node.target
+    if node.op == "call_method":
+        target = getattr(torch, str(node.target), None)
+    elif node.op != "call_function":
+        return None
+    if target is None:
+        return None
+    arg_types = None
+    if not isinstance(target, torch._ops.OpOverload):
+        arg_types = tuple(_arg_type(a) for a in node.args)
+    try:
+        norm = normalize_function(
+            target, tuple(node.args), dict(node.kwargs), arg_types=arg_types,
+            kwarg_types={k: _arg_type(v) for k, v in node.kwargs.items()} if arg_types else None,
+            normalize_to_only_use_kwargs=True,
+        )
+    except Exception:
+        norm = None
+    return norm.kwargs if norm is not None else None
+
+
+def _arg_type(arg: Any) -> Any:
+    if isinstance(arg, fx.Node):
+        val = arg.meta.get("val")
+        if isinstance(val, torch.Tensor | ShapeVal):
+            return torch.Tensor
+        return int if isinstance(val, sympy.Basic | int) else type(val)
+    return type(arg)

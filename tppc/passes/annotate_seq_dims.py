@@ -8,6 +8,13 @@ when their shape or value depends on the sequence length, else ``const``. A valu
 axis is the axis whose size depends on the sequence symbol, so transposes, views and
 merges of the token axis are followed by the symbolic shapes themselves.
 
+Graphs from torch.export hold aten ops; graphs from the fx fallback (``capture_mode ==
+"fx"``) hold torch-level functions, tensor methods (``"softmax"``, ``"view"``) and calls of
+torch.nn modules. Modules are classified by type: linear, norm, embedding, dropout and
+activation modules are row-wise, convolutions follow the patchify rule, softmax-like modules
+their ``dim``; any other module that reads token values is refused, since tppc cannot see
+inside it.
+
 Example:
     >>> gm, ctx = tppc.capture(tppc.models.GPT(), (ids,))          # doctest: +SKIP
     >>> annotate_seq_dims_pass(gm, ctx)
@@ -17,15 +24,24 @@ Example:
 
 from __future__ import annotations
 
+import operator
+
 import sympy
 import torch
-from torch import fx
+from torch import fx, nn
 
 from tppc.context import CompileContext
 from tppc.errors import AnnotationError
 from tppc.ir import TOKEN, TokenInfo
 from tppc.passes._attention import ATTENTION_OPS, attention_kind
-from tppc.passes._shapes import module_path, op_dims, seq_axes, tensor_val
+from tppc.passes._shapes import (
+    call_module_of,
+    module_path,
+    op_dims,
+    seq_axes,
+    size_expr,
+    tensor_val,
+)
 
 __all__ = ["annotate_seq_dims_pass"]
 
@@ -36,7 +52,10 @@ _SHAPE_ONLY = {
     _aten.new_zeros.default, _aten.new_empty.default, _aten.new_full.default,
     _aten.zeros_like.default, _aten.ones_like.default, _aten.empty_like.default,
     _aten.full_like.default, _aten._assert_tensor_metadata.default,
+    "size", "dim", "numel", "new_ones", "new_zeros", "new_empty", "new_full",  # tensor methods
+    torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.numel,
 }
+_SHAPE_ATTRS = {"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "layout"}
 _REDUCTIONS = {
     "sum", "mean", "amax", "amin", "max", "min", "var", "std", "prod", "argmax", "argmin",
     "logsumexp", "norm", "linalg_vector_norm", "any", "all", "var_mean", "std_mean",
@@ -44,13 +63,22 @@ _REDUCTIONS = {
 _MIXING_ALONG_DIM = {
     "softmax", "_softmax", "log_softmax", "_log_softmax", "cumsum", "cumprod", "cummax",
     "cummin", "logcumsumexp", "sort", "topk", "diff", "flip", "roll", "gather", "scatter",
-    "index_select", "kthvalue", "median", "mode",
+    "index_select", "kthvalue", "median", "mode", "softmin", "glu",
 }
 _SELECTING = {"select", "slice", "narrow", "split", "split_with_sizes", "chunk", "unbind",
               "cat", "stack", "unsafe_split", "tensor_split", "index"}
 _RESHAPES = {"view", "reshape", "_unsafe_view", "flatten", "unflatten", "view_as", "reshape_as"}
 _CONVS = {"conv1d", "conv2d", "conv3d", "convolution", "_convolution"}
 _MATMULS = {"matmul", "bmm", "mm", "baddbmm", "einsum"}
+_ROW_WISE_MODULES = (nn.Linear, nn.Bilinear, nn.LayerNorm, nn.RMSNorm, nn.Embedding,
+                     nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d,
+                     nn.AlphaDropout, nn.FeatureAlphaDropout)
+_MODULE_OPS: dict[type[nn.Module], str] = {
+    nn.Softmax: "softmax", nn.Softmin: "softmin", nn.LogSoftmax: "log_softmax", nn.GLU: "glu",
+    nn.Flatten: "flatten", nn.Unflatten: "unflatten",
+    nn.Conv1d: "conv1d", nn.Conv2d: "conv2d", nn.Conv3d: "conv3d",
+}
+_NOT_ROW_WISE_ACTIVATIONS = (nn.MultiheadAttention, nn.Softmax2d)
 
 
 def annotate_seq_dims_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
@@ -68,7 +96,7 @@ def _annotate(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext,
     if node.op == "get_attr":
         return TokenInfo("const", module=where)
     if node.op == "placeholder":
-        if node.name in ctx.seq_inputs and axes:
+        if (node.name in ctx.seq_inputs or node.target in ctx.seq_inputs) and axes:
             return _info("token", axes, sizes, where)
         return TokenInfo("const", module=where)
     if node.op == "output":
@@ -80,7 +108,7 @@ def _annotate(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext,
         return _info("global", axes, sizes, where)
     if node.target in ATTENTION_OPS:
         return _attention(node, gm, ctx, axes, sizes, where)
-    if not roles & {"token", "mixing"} or node.target in _SHAPE_ONLY:
+    if not roles & {"token", "mixing"} or _shape_only(node):
         dependent = bool(axes) or "positional" in roles or _symbolic_scalar(node, sym)
         role = "positional" if dependent else "const"
         return _info(role, axes, sizes, where)
@@ -93,15 +121,19 @@ def _token_op(node: fx.Node, axes: list[int], sizes: list[sympy.Expr], where: st
     src = _token_input(node)
     src_info: TokenInfo = src.meta[TOKEN]
     dims = op_dims(node, src)
+    if node.op == "call_module":
+        _check_module(node, where)
     if name in _MIXING_ALONG_DIM and src_info.axis in dims:
         hint = " Eager attention (matmul → softmax → matmul) is not supported; load the model " \
             "with attn_implementation='sdpa'." if "softmax" in name else ""
         raise _mix_error(node, name, where, f"{name} along the token axis {src_info.axis}.{hint}")
     if name in _CONVS:
         _check_conv(node, src_info, name, where)
-    if name in _REDUCTIONS and (src_info.axis in dims or not dims):
+    if name in _REDUCTIONS and (src_info.axis in dims or not dims) and not _binary(node):
         return _info("global", axes, sizes, where)
     if name in _SELECTING and src_info.axis in dims and not _full_slice(node, src_info):
+        return _info("global", axes, sizes, where)
+    if node.target is operator.getitem and not _getitem_keeps_tokens(node):
         return _info("global", axes, sizes, where)
     if name in _RESHAPES and not _keeps_token_order(node, src, axes):
         return _info("global", axes, sizes, where)
@@ -126,12 +158,10 @@ def _attention(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext, axes: lis
 
 
 def _check_conv(node: fx.Node, src: TokenInfo, name: str, where: str) -> None:
-    weight = node.args[1]
     spatial = (src.axis or 0) - 2
     if spatial < 0:
         raise _mix_error(node, name, where, "the token axis is the batch or channel axis")
-    kernel = int(tensor_val(weight).shape[src.axis])
-    stride, padding, dilation = (_conv_param(node, i, spatial) for i in (3, 4, 5))
+    kernel, stride, padding, dilation = _conv_geometry(node, spatial)
     if not (kernel == stride and padding == 0 and (dilation == 1 or kernel == 1)):
         raise _mix_error(
             node, name, where,
@@ -141,12 +171,45 @@ def _check_conv(node: fx.Node, src: TokenInfo, name: str, where: str) -> None:
         )
 
 
-def _conv_param(node: fx.Node, index: int, spatial: int) -> int:
-    default = 0 if index == 4 else 1
-    value = node.args[index] if len(node.args) > index else default
+def _conv_geometry(node: fx.Node, spatial: int) -> tuple[int, int, int, int]:
+    """Kernel, stride, padding and dilation of a convolution along one spatial axis."""
+    module = call_module_of(node)
+    if module is not None:
+        kernel = int(module.weight.shape[spatial + 2])
+        values = [module.stride, module.padding, module.dilation]
+    else:
+        kernel = int(size_expr(tensor_val(node.args[1]).shape[spatial + 2]))
+        values = [node.args[i] if len(node.args) > i else node.kwargs.get(key)
+                  for i, key in ((3, "stride"), (4, "padding"), (5, "dilation"))]
+    if isinstance(values[1], str):  # "valid" or "same"
+        values[1] = 0 if values[1] == "valid" else kernel - 1
+    stride, padding, dilation = (_conv_param(v, spatial, 0 if i == 1 else 1)
+                                 for i, v in enumerate(values))
+    return kernel, stride, padding, dilation
+
+
+def _conv_param(value: object, spatial: int, default: int) -> int:
     if isinstance(value, list | tuple):
         value = value[spatial] if len(value) > spatial else value[0]
     return int(value) if isinstance(value, int) else default
+
+
+def _check_module(node: fx.Node, where: str) -> None:
+    """Refuse a torch.nn module call on token values that tppc cannot classify."""
+    module = call_module_of(node)
+    if isinstance(module, _ROW_WISE_MODULES) or type(module) in _MODULE_OPS:
+        return
+    if type(module).__module__ == "torch.nn.modules.activation" and \
+            not isinstance(module, _NOT_ROW_WISE_ACTIVATIONS):
+        return
+    fix = "call F.scaled_dot_product_attention" if isinstance(module, nn.MultiheadAttention) \
+        else "write it with torch functions so tppc can see inside it"
+    raise AnnotationError(
+        f"node {node.name!r} (module {where}, nn.{type(module).__name__}) reads token values, "
+        f"and tppc does not know whether nn.{type(module).__name__} is row-wise along the "
+        f"token axis; it pipelines linear, norm, embedding, activation, patchify convolution "
+        f"and attention (scaled_dot_product_attention) ops. fix: {fix}"
+    )
 
 
 def _keeps_token_order(node: fx.Node, src: fx.Node, out_axes: list[int]) -> bool:
@@ -156,9 +219,40 @@ def _keeps_token_order(node: fx.Node, src: fx.Node, out_axes: list[int]) -> bool
         return False
     in_shape = tensor_val(src).shape
     out_shape = tensor_val(node).shape
-    before_in = sympy.Mul(*[_expr(s) for s in in_shape[: info.axis]])
-    before_out = sympy.Mul(*[_expr(s) for s in out_shape[: out_axes[0]]])
+    before_in = sympy.Mul(*[size_expr(s) for s in in_shape[: info.axis]])
+    before_out = sympy.Mul(*[size_expr(s) for s in out_shape[: out_axes[0]]])
     return sympy.simplify(before_in - before_out) == 0
+
+
+def _getitem_keeps_tokens(node: fx.Node) -> bool:
+    """``x[...]`` on a tensor keeps the tokens unless it indexes or slices the token axis."""
+    base = node.args[0]
+    if not isinstance(base, fx.Node) or isinstance(base.meta.get("val"), list | tuple):
+        return True  # picks one value of a tuple (chunk, split, max...)
+    src: TokenInfo = base.meta[TOKEN]
+    if src.axis is None or tensor_val(base) is None:
+        return True
+    items = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    rank = tensor_val(node.args[0]).dim()
+    axis = 0
+    for item in items:
+        if item is Ellipsis:
+            axis += rank - sum(1 for i in items if i is not None and i is not Ellipsis)
+        elif isinstance(item, fx.Node) and axis <= src.axis:
+            return False  # advanced indexing before or at the token axis
+        elif item is not None:
+            if axis == src.axis:
+                return isinstance(item, slice) and item.start in (0, None) and \
+                    item.step in (1, None) and (item.stop is None or
+                                                (isinstance(item.stop, int) and item.stop >= 2**62))
+            axis += 1
+    return True
+
+
+def _binary(node: fx.Node) -> bool:
+    """``torch.max(a, b)`` and friends: elementwise, not a reduction."""
+    tensors = [a for a in node.args if isinstance(a, fx.Node) and tensor_val(a) is not None]
+    return len(tensors) > 1
 
 
 def _full_slice(node: fx.Node, src: TokenInfo) -> bool:
@@ -199,6 +293,9 @@ def _token_input(node: fx.Node) -> fx.Node:
 
 def _op_name(node: fx.Node) -> str:
     target = node.target
+    module = call_module_of(node)
+    if module is not None:
+        return _MODULE_OPS.get(type(module), type(module).__name__.lower())
     if isinstance(target, torch._ops.OpOverload):
         return target.overloadpacket.__name__
     return getattr(target, "__name__", str(target))
@@ -208,10 +305,15 @@ def _has_tensor(node: fx.Node) -> bool:
     return tensor_val(node) is not None
 
 
+def _shape_only(node: fx.Node) -> bool:
+    """Ops that read only the shape, dtype or device of their token input."""
+    if node.target is getattr:
+        return node.args[1] in _SHAPE_ATTRS
+    return node.op in ("call_function", "call_method") and node.target in _SHAPE_ONLY
+
+
 def _symbolic_scalar(node: fx.Node, sym: sympy.Symbol) -> bool:
     val = node.meta.get("val")
-    return isinstance(val, torch.SymInt) and sym in val.node.expr.free_symbols
-
-
-def _expr(size: int | torch.SymInt) -> sympy.Expr:
-    return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size)
+    items = val if isinstance(val, list | tuple) else (val,)
+    return any(isinstance(v, torch.SymInt | sympy.Basic) and sym in size_expr(v).free_symbols
+               for v in items)

@@ -1,10 +1,11 @@
 """Pass: group nodes into ordered layers (writes ``meta[LAYER]`` and ``ctx.layers``).
 
 Blocks are the children of the outermost module list with at least two numbered children
-(``model.layers.0``, ``model.layers.1``, ... found in ``nn_module_stack``). Nodes before the
+(``model.layers.0``, ``model.layers.1``, ... found in ``nn_module_stack``, or in the targets
+of ``call_module`` nodes such as ``blocks.0.attn.qkv`` in fx captures). Nodes before the
 first block form the ``prologue``, nodes after the last one the ``epilogue``; a node between
 two blocks that belongs to neither joins the block before it. Parameters belong to every
-layer that reads them.
+layer that reads them (through ``get_attr`` or a ``call_module``).
 
 Example:
     >>> group_layers_pass(gm, ctx)                                       # doctest: +SKIP
@@ -28,13 +29,14 @@ from tppc.ir import LAYER, TOKEN, LayerInfo
 __all__ = ["group_layers_pass"]
 
 _NUMBERED = re.compile(r"^(?P<prefix>.+)\.(?P<index>\d+)$")
+_OPS = ("call_function", "call_method", "call_module")
 
 
 def group_layers_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     """Assign every node to a layer and record the layers on ``ctx.layers``."""
     prefix = _block_prefix(gm)
     nodes = list(gm.graph.nodes)
-    block_of = {n: _block_name(n, prefix) for n in nodes if n.op == "call_function"}
+    block_of = {n: _block_name(n, prefix) for n in nodes if n.op in _OPS}
     order = [b for b in dict.fromkeys(block_of.values()) if b is not None]
     if not order:
         raise AnnotationError(
@@ -52,8 +54,8 @@ def group_layers_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule
 def _block_prefix(gm: fx.GraphModule) -> str | None:
     counts: dict[str, set[int]] = defaultdict(set)
     for node in gm.graph.nodes:
-        for path, _cls in (node.meta.get("nn_module_stack") or {}).values():
-            match = _NUMBERED.match(path or "")
+        for path in _module_paths(node):
+            match = _NUMBERED.match(path)
             if match:
                 counts[match["prefix"]].add(int(match["index"]))
     if not counts:
@@ -65,11 +67,20 @@ def _block_prefix(gm: fx.GraphModule) -> str | None:
 def _block_name(node: fx.Node, prefix: str | None) -> str | None:
     if prefix is None:
         return None
-    for path, _cls in (node.meta.get("nn_module_stack") or {}).values():
-        match = _NUMBERED.match(path or "")
+    for path in _module_paths(node):
+        match = _NUMBERED.match(path)
         if match and match["prefix"] == prefix:
             return path
     return None
+
+
+def _module_paths(node: fx.Node) -> list[str]:
+    """Module paths enclosing the node, outermost first (``blocks``, ``blocks.0``, ...)."""
+    paths = [path for path, _cls in (node.meta.get("nn_module_stack") or {}).values() if path]
+    if node.op == "call_module":
+        parts = str(node.target).split(".")
+        paths += [".".join(parts[: i + 1]) for i in range(len(parts))]
+    return paths
 
 
 def _assign(nodes: list[fx.Node], block_of: dict[fx.Node, str | None],
@@ -136,6 +147,10 @@ def _params(gm: fx.GraphModule, own: list[fx.Node]) -> dict[str, torch.Tensor]:
         for arg in node.all_input_nodes:
             if arg.op == "get_attr":
                 found[str(arg.target)] = _fetch(gm, str(arg.target))
+        if node.op == "call_module":
+            module = gm.get_submodule(str(node.target))
+            for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+                found[f"{node.target}.{name}"] = tensor
     return found
 
 
