@@ -64,9 +64,10 @@ def greedy_generate(cp: CompiledPipeline, input_ids: torch.Tensor, max_new_token
     epoch = cp.next_epoch()
     logits_at = _logits_output(cp)
     call = Call(tuple(flat), program.plan.chunks, total, total, epoch)
-    results = cp.run(call, program)
+    last: dict[str, Any] = {}
+    cp.run(call, program, sink=lambda i, values: last.update(values=values))
     cp.set_filled(prompt)
-    logits = results[-1][logits_at]
+    logits = last["values"][logits_at]
     unfinished = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
     length = prompt
     while True:

@@ -25,7 +25,8 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from tppc.backends.torch_local import Call, LocalExecutor, StageRunner
+from tppc._pipeline_io import OutputAssembler, check_input, device_for
+from tppc.backends.torch_local import Call, LocalExecutor, Sink, StageRunner
 from tppc.backends.torch_threads import ThreadsExecutor
 from tppc.capture import _bind, capture
 from tppc.context import CompileContext, PassRecord
@@ -161,9 +162,17 @@ class CompiledPipeline:
         flat, length = self.flatten_inputs(args, kwargs)
         program = self.program(length)
         call = Call(tuple(flat), program.plan.chunks, length, length, next(self._epoch))
-        results = self._executors[self.executor].run(program.runners, call)
+        outputs = OutputAssembler(self._signature.output_axes, call)
+        self._executors[self.executor].run(program.runners, call, outputs)
         self._filled = length
-        return self.assemble(results)
+        leaves = outputs.leaves
+        if self._signature.tail:
+            device = program.runners[-1].device
+            tail = self._chunk.tppc_tail.to(device)
+            with torch.no_grad():
+                leaves = list(tail(*(x.to(device) if isinstance(x, torch.Tensor) else x
+                                     for x in flat), *leaves))
+        return self.assemble(leaves)
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 20, **kwargs: Any
                  ) -> torch.Tensor:
@@ -221,7 +230,7 @@ class CompiledPipeline:
                 f"for {self._signature.in_spec}. fix: pass the inputs used at compile time")
         lengths = {}
         for ph, value in zip(self._placeholders, flat):
-            _check_input(ph, value)
+            check_input(ph, value)
             for axis in self.context.seq_inputs.get(ph.name, ()):
                 lengths[ph.name] = int(value.shape[axis])
         if len(set(lengths.values())) != 1:
@@ -244,10 +253,11 @@ class CompiledPipeline:
             self._programs[length] = self._build(self._planner(length))
         return self._programs[length]
 
-    def run(self, call: Call, program: _Program, executor: ExecutorName | None = None
-            ) -> list[tuple[Any, ...]]:
-        """Run ``call`` on ``program``'s stages with an executor (default: the compiled one)."""
-        return self._executors[executor or self.executor].run(program.runners, call)
+    def run(self, call: Call, program: _Program, executor: ExecutorName | None = None,
+            sink: Sink | None = None) -> list[tuple[Any, ...]]:
+        """Run ``call`` on ``program``'s stages with an executor (default: the compiled one);
+        per-chunk outputs are returned, or handed to ``sink``."""
+        return self._executors[executor or self.executor].run(program.runners, call, sink)
 
     def next_epoch(self) -> int:
         """A fresh key for positional values (see :class:`Call`)."""
@@ -268,14 +278,8 @@ class CompiledPipeline:
                 runner.buffers = {n: self._buffers[n, str(runner.device)]
                                   for n in runner.buffers}
 
-    def assemble(self, results: list[tuple[Any, ...]]) -> Any:
-        """Concatenate per-chunk outputs along their token axes; rebuild the model's output."""
-        leaves = []
-        for j, axis in enumerate(self._signature.output_axes):
-            if axis is None:
-                leaves.append(results[-1][j])
-            else:
-                leaves.append(torch.cat([r[j] for r in results], dim=axis))
+    def assemble(self, leaves: list[Any]) -> Any:
+        """The model's output structure from its flat outputs."""
         if self._signature.out_spec is None:
             return leaves[0] if len(leaves) == 1 else tuple(leaves)
         return pytree.tree_unflatten(leaves, self._signature.out_spec)
@@ -289,11 +293,15 @@ class CompiledPipeline:
         graph = run_passes(self._chunk, self.context, [partition_stages(plan)])
         runners = []
         for s, st in enumerate(plan.stages):
-            device = _device_for(st, s, self._devices)
+            device = device_for(st, s, self._devices)
             module = getattr(graph, f"stage_{s}").to(device)
             names = module.meta[STAGE_INFO].buffers
             buffers = {n: self._buffer(n, device) for n in names}
             runners.append(StageRunner(module, device, buffers))
+        reason = self._executors[self.executor].check(runners)
+        if reason is not None:
+            raise SpecError(f"executor {self.executor!r} cannot run these stages: {reason}. "
+                            "fix: use executor='local' or other devices")
         return _Program(plan, graph, tuple(runners))
 
     def _buffer(self, name: str, device: torch.device) -> torch.Tensor:
@@ -306,44 +314,6 @@ class CompiledPipeline:
     def _new_buffer(self, spec: Any, device: torch.device) -> torch.Tensor:
         shape = [self.max_seq if s is None else s for s in spec.shape]
         return torch.zeros(shape, dtype=spec.dtype, device=device)
-
-
-def _check_input(ph: fx.Node, value: Any) -> None:
-    val = ph.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        if val is not None and value != val:
-            raise RuntimeInputError(f"input {ph.name!r} is {value!r}, compiled with {val!r}. "
-                                    f"fix: pass {ph.name}={val!r}")
-        return
-    if not isinstance(value, torch.Tensor):
-        raise RuntimeInputError(f"input {ph.name!r} must be a tensor, got {type(value).__name__}")
-    if value.dtype != val.dtype or value.dim() != val.dim():
-        raise RuntimeInputError(
-            f"input {ph.name!r} is {value.dtype} of rank {value.dim()}, compiled for "
-            f"{val.dtype} of rank {val.dim()}. fix: pass a {val.dtype} tensor of rank "
-            f"{val.dim()}")
-    for axis, (got, want) in enumerate(zip(value.shape, val.shape)):
-        if not isinstance(want, torch.SymInt) and got != int(want):
-            raise RuntimeInputError(
-                f"input {ph.name!r} has size {got} on axis {axis} (shape "
-                f"{tuple(value.shape)}), compiled for {int(want)} (a batch size the plan was "
-                f"not made for?). fix: compile with an example of that shape")
-
-
-def _device_for(stage: StagePlan, s: int, devices: Sequence[str | torch.device] | None
-                ) -> torch.device:
-    if devices is not None:
-        if len(devices) < s + 1:
-            raise SpecError(f"devices={list(devices)} names {len(devices)} devices, the plan "
-                            f"has more stages. fix: give one device per stage")
-        return torch.device(devices[s])
-    if stage.device_name == "cpu":
-        return torch.device("cpu")
-    if torch.cuda.is_available() and torch.cuda.device_count() > stage.device_index:
-        return torch.device("cuda", stage.device_index)
-    raise SpecError(
-        f"stage {s} is planned for a {stage.device_name}, but cuda:{stage.device_index} is not "
-        f"available here. fix: pass devices=['cpu', ...] to run the stages on this machine")
 
 
 def _summary(runner: StageRunner) -> StageSummary:
@@ -375,6 +345,7 @@ def compile_pipeline(
     kwargs: Mapping[str, Any] | None = None,
     *,
     cluster: str = "2xcpu",
+    backend: Literal["torch"] = "torch",
     plan: Plan | None = None,
     executor: ExecutorName = "threads",
     chunks: int | Sequence[int] | None = None,
@@ -394,6 +365,7 @@ def compile_pipeline(
         args: example positional inputs (their sequence length is the planned length).
         kwargs: example keyword inputs.
         cluster: the cluster string priced by the cost model (``"2xcpu"``, ``"4xh100-sxm"``).
+        backend: ``"torch"`` (the stages run as torch GraphModules).
         plan: a plan to use as is (then other lengths are refused).
         executor: ``"threads"`` (one worker per stage) or ``"local"`` (the reference).
         chunks: override the planner's split: a number of equal chunks or the boundaries.
@@ -409,6 +381,9 @@ def compile_pipeline(
     Raises:
         CaptureError, AnnotationError, PassError, PlanError, SpecError: naming the problem.
     """
+    if backend != "torch":
+        raise SpecError(f"backend={backend!r}; this build runs backend='torch' (ONNX Runtime "
+                        "stages come with tppc.export)")
     gm, ctx = capture(model, args, kwargs, seq_dims=seq_dims)
     annotated = run_passes(gm, ctx, [annotate_seq_dims_pass, group_layers_pass])
     chunk = run_passes(annotated, ctx, [chunk_attention_pass])

@@ -13,7 +13,7 @@ steps of ``generate`` (one token through every stage).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,10 @@ from torch import fx
 from tppc.passes.chunk_attention import CHUNK_INPUT, ChunkInput
 from tppc.passes.partition_stages import STAGE_INFO, StageInfo
 
-__all__ = ["Call", "LocalExecutor", "StageRunner"]
+__all__ = ["Call", "LocalExecutor", "Sink", "StageRunner"]
+
+Sink = Callable[[int, tuple[Any, ...]], None]
+"""Receives ``(chunk index, last stage's outputs)`` in chunk order, in the calling thread."""
 
 
 @dataclass(frozen=True)
@@ -123,14 +126,21 @@ class LocalExecutor:
         """None: it can run any stages."""
         return None
 
-    def run(self, runners: Sequence[StageRunner], call: Call) -> list[tuple[Any, ...]]:
-        """Every chunk through every stage; returns the last stage's outputs per chunk."""
+    def run(self, runners: Sequence[StageRunner], call: Call, sink: Sink | None = None
+            ) -> list[tuple[Any, ...]]:
+        """Every chunk through every stage.
+
+        Returns the last stage's outputs per chunk, or ``[]`` when they go to ``sink``.
+        """
         for runner in runners:
             runner.prepare(call)
         results = []
-        for start, end in call.chunks:
+        for i, (start, end) in enumerate(call.chunks):
             values: tuple[Any, ...] = ()
             for runner in runners:
                 values = runner.run(call, start, end, values)
-            results.append(values)
+            if sink is None:
+                results.append(values)
+            else:
+                sink(i, values)
         return results

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from tppc.backends.torch_local import Call, StageRunner
+from tppc.backends.torch_local import Call, Sink, StageRunner
 
 __all__ = ["ThreadsExecutor"]
 
@@ -65,8 +65,13 @@ class ThreadsExecutor:
         bad = [str(r.device) for r in runners if r.device.type not in ("cpu", "cuda")]
         return f"devices {bad} are neither cpu nor cuda" if bad else None
 
-    def run(self, runners: Sequence[StageRunner], call: Call) -> list[tuple[Any, ...]]:
-        """Every chunk through every stage, stages concurrently; the last stage's outputs."""
+    def run(self, runners: Sequence[StageRunner], call: Call, sink: Sink | None = None
+            ) -> list[tuple[Any, ...]]:
+        """Every chunk through every stage, stages concurrently.
+
+        Returns the last stage's outputs per chunk, or ``[]`` when they go to ``sink`` (called
+        in the calling thread as each chunk leaves the last stage).
+        """
         queues = [queue.Queue(self.queue_depth) for _ in range(len(runners) + 1)]
         self.last_trace = []
         stop = threading.Event()
@@ -79,8 +84,9 @@ class ThreadsExecutor:
         for w in workers:
             w.start()
         results: list[tuple[Any, ...]] = []
+        done = 0
         try:
-            while len(results) < len(call.chunks) and not errors:
+            while done < len(call.chunks) and not errors:
                 try:
                     item = queues[-1].get(timeout=_POLL)
                 except queue.Empty:
@@ -88,9 +94,13 @@ class ThreadsExecutor:
                         break
                     continue
                 _wait_event(item.event, runners[-1].device)
-                results.append(item.values)
+                if sink is None:
+                    results.append(item.values)
+                else:
+                    sink(item.index, item.values)
+                done += 1
         finally:
-            if len(results) < len(call.chunks):
+            if done < len(call.chunks):
                 stop.set()
             for w in workers:
                 w.join()

@@ -12,7 +12,9 @@ Terms:
     K/V buffer: one full-length tensor per attention input (key, value), holding the
         attention's K (V) as the model computes it *before* grouped-query repetition. The
         unsqueeze → expand → reshape that HF inserts before SDPA is re-applied after reading
-        the buffer, so a buffer costs the bytes of the model's K/V heads, like HF's cache.
+        the buffer, so a buffer costs the bytes of the model's K/V heads, like HF's cache. When
+        that chain is exactly HF's ``repeat_kv``, SDPA is called with ``enable_gqa=True``
+        instead (same result, without repeating the prefix's K/V for every chunk).
 
 Each attention node becomes: write the chunk's K and V into the buffers at
 ``[chunk_start, chunk_start + chunk_size)``; read keys ``[0, kv_len)`` back, where ``kv_len``
@@ -20,6 +22,10 @@ is ``chunk_start + chunk_size`` for causal attention (later positions are masked
 and ``seq_len`` for bidirectional attention; slice the mask's key columns to ``kv_len``;
 ``is_causal=True`` becomes the explicit offset-causal mask ``key j ≤ chunk_start + row i``.
 For causal models the result equals the unsplit model exactly (chunked prefill).
+
+A ``global`` epilogue (a loss, pooling over tokens) becomes the *tail* (``gm.tppc_tail``):
+the chunk step returns the token values it reads, and the tail runs once on their
+concatenation over all chunks.
 
 Symbolic sizes the model derives from the sequence length (``view(x, [1, s, -1, 8])``)
 become ``chunk_size``; ``const`` nodes (weights, conditioning) are kept as they are.
@@ -49,6 +55,14 @@ from tppc.context import CompileContext
 from tppc.errors import PassError
 from tppc.ir import LAYER, TOKEN, TokenInfo
 from tppc.passes._attention import ATTENTION_OPS
+from tppc.passes._chunk_parts import (
+    SIZE_ARG_OPS,
+    cache_source,
+    is_head_repeat,
+    leaves,
+    positional_program,
+    tail_program,
+)
 from tppc.passes._shapes import module_path, size_expr, tensor_val
 
 __all__ = [
@@ -70,13 +84,6 @@ InputKind = Literal["token", "const", "chunk_start", "chunk_size", "seq_len", "p
                     "key", "value", "boundary"]
 
 _aten = torch.ops.aten
-_REPEAT_OPS = {_aten.unsqueeze.default, _aten.expand.default, _aten.reshape.default,
-               _aten.view.default, _aten._unsafe_view.default, _aten.clone.default}
-"""Layout-only ops between a K/V value and SDPA that are re-applied after the buffer read."""
-_SIZE_ARG_OPS = {_aten.expand.default, _aten.reshape.default, _aten.view.default,
-                 _aten._unsafe_view.default}
-
-
 @dataclass(frozen=True)
 class ChunkInput:
     """What a placeholder of a chunk-step (or stage) graph receives.
@@ -125,6 +132,8 @@ class ChunkSignature:
         frontier: names of the positional program's outputs, in order.
         buffers: every K/V buffer, in graph order.
         attention: names of the attention nodes, in graph order.
+        tail: True when a ``global`` epilogue (``gm.tppc_tail``) turns the full-length chunk
+            outputs into the model's outputs; False when the chunk outputs are the model's.
     """
 
     user_inputs: tuple[str, ...]
@@ -134,6 +143,7 @@ class ChunkSignature:
     frontier: tuple[str, ...]
     buffers: tuple[KVBuffer, ...]
     attention: tuple[str, ...]
+    tail: bool = False
 
 
 def chunk_attention_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
@@ -166,7 +176,9 @@ class _Rewriter:
 
     def run(self) -> fx.GraphModule:
         output = next(n for n in self.gm.graph.nodes if n.op == "output")
-        self._classify(output)
+        tail, tail_inputs = tail_program(self.gm, output, self.sym)
+        roots = tail_inputs if tail is not None else leaves(output)
+        self._classify([r for r in roots if isinstance(r, fx.Node)])
         frontier = [n for n in self.gm.graph.nodes if self.mode.get(n) == "frontier"]
         attention = [n for n in self.gm.graph.nodes
                      if self.mode.get(n) == "copy" and n.target in ATTENTION_OPS]
@@ -174,10 +186,12 @@ class _Rewriter:
         for node in self.gm.graph.nodes:
             if self.mode.get(node) == "copy" and node not in self.env:
                 self.env[node] = self._emit(node)
-        axes = self._output(output)
+        axes = self._output(roots)
         self.graph.eliminate_dead_code()
         chunk_gm = fx.GraphModule(self.gm, self.graph, class_name="ChunkStep")
-        chunk_gm.add_submodule("tppc_positional", _positional_program(self.gm, frontier))
+        chunk_gm.add_submodule("tppc_positional", positional_program(self.gm, frontier))
+        if tail is not None:
+            chunk_gm.add_submodule("tppc_tail", tail)
         pytree = self.gm.graph._codegen.pytree_info  # type: ignore[attr-defined]
         chunk_gm.meta[CHUNK_SIGNATURE] = ChunkSignature(
             user_inputs=tuple(p.name for p in self.placeholders),
@@ -187,12 +201,13 @@ class _Rewriter:
             frontier=tuple(n.name for n in frontier),
             buffers=tuple(self.buffers),
             attention=tuple(n.name for n in attention),
+            tail=tail is not None,
         )
         return chunk_gm
 
     # -- which original nodes the chunk step needs, and how ---------------------------------
-    def _classify(self, output: fx.Node) -> None:
-        todo = list(output.all_input_nodes)
+    def _classify(self, roots: list[fx.Node]) -> None:
+        todo = list(roots)
         while todo:
             node = todo.pop()
             if node in self.mode:
@@ -205,11 +220,13 @@ class _Rewriter:
         info: TokenInfo = node.meta[TOKEN]
         if node.op == "placeholder":
             return "token_input" if info.role == "token" else "const_input"
-        if info.role == "global":
+        if info.role in ("token", "mixing") and info.axis is not None \
+                and info.axis_size != self.sym:
             raise PassError(
-                f"node {node.name!r} (module {info.module or '<top level>'}) needs the whole "
-                "sequence (role global); pipelined outputs must be row-wise. fix: return "
-                "the per-token outputs (logits) and reduce them outside the model"
+                f"node {node.name!r} (op {node.target}, module {info.module or '<top level>'}) "
+                f"makes a token axis of {info.axis_size} positions from {self.sym}; it cannot "
+                "run chunk by chunk. fix: move it after the blocks (it then runs once on the "
+                "full sequence) or remove it"
             )
         if info.role != "positional":
             return "copy"
@@ -253,8 +270,9 @@ class _Rewriter:
             spec = ChunkInput("positional", node.name, index, node.meta[TOKEN].axis)
             self.env[node] = self._input(f"pos_{node.name}", spec, node)
         for attn in attention:
-            for which, arg in (("key", 1), ("value", 2)):
-                source, _ = _cache_source(attn.args[arg], self.sym)
+            args = _sdpa_kwargs(attn)
+            for which in ("key", "value"):
+                source, _ = cache_source(args[which], self.sym)
                 val = tensor_val(source)
                 axis = source.meta[TOKEN].axis
                 shape = tuple(None if i == axis else int(s) for i, s in enumerate(val.shape))
@@ -280,18 +298,19 @@ class _Rewriter:
         return self.graph.node_copy(node, lambda a: self.env[a])
 
     def _attention(self, node: fx.Node) -> fx.Node:
-        norm = normalize_function(node.target, tuple(node.args), dict(node.kwargs),
-                                  normalize_to_only_use_kwargs=True)
-        if norm is None:
-            raise PassError(f"cannot read the arguments of attention node {node.name!r}")
-        kwargs = dict(norm.kwargs)
+        kwargs = _sdpa_kwargs(node)
         layer = node.meta.get(LAYER, "")
         causal = node.meta[TOKEN].attention == "causal"
         kv_len = self._kv_end() if causal else self.seq_len
+        gqa = node.target is _aten.scaled_dot_product_attention.default and all(
+            is_head_repeat(*cache_source(kwargs[w], self.sym)) for w in ("key", "value"))
         for which in ("key", "value"):
             buf = self.buffer_nodes[node.name, which]
             axis = buf.meta[CHUNK_INPUT].axis
-            kwargs[which] = self._read_buffer(kwargs[which], buf, axis, kv_len, layer)
+            kwargs[which] = self._read_buffer(kwargs[which], buf, axis, kv_len, layer,
+                                              repeat=not gqa)
+        if gqa:
+            kwargs["enable_gqa"] = True
         mask = kwargs.get("attn_mask")
         if kwargs.get("is_causal"):
             ones = self._new(_aten.new_ones.default, (self.env[kwargs["query"]],
@@ -312,14 +331,15 @@ class _Rewriter:
         return out
 
     def _read_buffer(self, arg: fx.Node, buf: fx.Node, axis: int, kv_len: Any,
-                     layer: str) -> fx.Node:
-        source, chain = _cache_source(arg, self.sym)
+                     layer: str, *, repeat: bool) -> fx.Node:
+        source, chain = cache_source(arg, self.sym)
+        chain = chain if repeat else []
         window = self._new(_aten.narrow.default, (buf, axis, self.start, self.size), layer)
         self._new(_aten.copy_.default, (window, self.env[source]), layer)
         value = self._new(_aten.narrow.default, (buf, axis, 0, kv_len), layer)
         for step in chain:
             args = [value, *(self.env[a] if isinstance(a, fx.Node) else a for a in step.args[1:])]
-            if step.target in _SIZE_ARG_OPS:
+            if step.target in SIZE_ARG_OPS:
                 sizes = list(args[1])
                 token_axis = step.meta[TOKEN].axis
                 if sizes[token_axis] != -1:
@@ -341,9 +361,7 @@ class _Rewriter:
         node.meta[LAYER] = layer
         return node
 
-    def _output(self, output: fx.Node) -> tuple[int | None, ...]:
-        leaves = output.args[0]
-        flat = leaves if isinstance(leaves, list | tuple) else (leaves,)
+    def _output(self, flat: list[Any]) -> tuple[int | None, ...]:
         axes: list[int | None] = []
         outs: list[Any] = []
         for leaf in flat:
@@ -361,36 +379,11 @@ class _Rewriter:
         return tuple(axes)
 
 
-def _cache_source(arg: fx.Node, sym: Any) -> tuple[fx.Node, list[fx.Node]]:
-    """The value a K/V buffer stores, and the layout ops that lead from it to SDPA."""
-    chain: list[fx.Node] = []
-    best: tuple[fx.Node, list[fx.Node]] = (arg, [])
-    cur = arg
-    while True:
-        info = cur.meta.get(TOKEN)
-        if info is not None and info.axis is not None and info.axis_size == sym \
-                and not info.other_axes:
-            best = (cur, list(reversed(chain)))
-        if cur.op != "call_function" or cur.target not in _REPEAT_OPS:
-            break
-        chain.append(cur)
-        cur = cur.args[0]
-    return best
-
-
-def _positional_program(gm: fx.GraphModule, frontier: list[fx.Node]) -> fx.GraphModule:
-    """Flat user inputs (zero-valued at the full length) → the frontier values."""
-    needed: set[fx.Node] = set()
-    todo = list(frontier)
-    while todo:
-        n = todo.pop()
-        if n not in needed:
-            needed.add(n)
-            todo.extend(n.all_input_nodes)
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for node in gm.graph.nodes:
-        if node.op == "placeholder" or node in needed:
-            env[node] = graph.node_copy(node, lambda a: env[a])
-    graph.output(tuple(env[n] for n in frontier))
-    return fx.GraphModule(gm, graph, class_name="PositionalProgram")
+def _sdpa_kwargs(node: fx.Node) -> dict[str, Any]:
+    """The attention node's arguments by name (``query``, ``key``, ``attn_mask``...)."""
+    norm = normalize_function(node.target, tuple(node.args), dict(node.kwargs),
+                              normalize_to_only_use_kwargs=True)
+    if norm is None:
+        raise PassError(f"cannot read the arguments of attention node {node.name!r} "
+                        f"({node.target}); tppc supports aten.scaled_dot_product_attention")
+    return dict(norm.kwargs)
