@@ -39,7 +39,7 @@ from tppc._fx_capture import trace_fx
 from tppc.context import CompileContext
 from tppc.errors import CaptureError
 
-__all__ = ["capture"]
+__all__ = ["bind_inputs", "capture"]
 
 
 _MANAGED_KWARGS = {"use_cache": False}
@@ -70,7 +70,7 @@ def capture(
         CaptureError: naming the construct that failed and what to do.
     """
     start = time.perf_counter()
-    bound = _bind(model, args, dict(kwargs or {}))
+    bound = bind_inputs(model, args, dict(kwargs or {}))
     axes = _resolve_seq_dims(model, bound, seq_dims)
     patch = _patch_size(model)
     fallback: tuple[fx.GraphModule, CompileContext] | None = None
@@ -91,7 +91,8 @@ def capture(
     return fallback
 
 
-def _bind(model: torch.nn.Module, args: tuple, kwargs: dict) -> inspect.BoundArguments:
+def bind_inputs(model: torch.nn.Module, args: tuple, kwargs: dict) -> inspect.BoundArguments:
+    """Bind inputs to ``model.forward``, setting the kwargs tppc manages (``use_cache``)."""
     sig = inspect.signature(model.forward)
     for name, value in _MANAGED_KWARGS.items():
         if name in sig.parameters:

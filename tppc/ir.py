@@ -17,14 +17,21 @@ from dataclasses import dataclass
 from typing import Literal
 
 import sympy
+import torch
 
 __all__ = [
+    "CHUNK_INPUT",
+    "CHUNK_SIGNATURE",
     "LAYER",
+    "STAGE_INFO",
     "TOKEN",
     "AttentionKind",
+    "ChunkInput",
+    "InputKind",
     "LayerInfo",
     "LayerKind",
     "Role",
+    "StageInfo",
     "TokenInfo",
 ]
 
@@ -95,3 +102,64 @@ class LayerInfo:
     attention_kinds: tuple[AttentionKind, ...]
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+
+
+CHUNK_INPUT = "tppc.chunk_input"
+"""Placeholder-meta key of a :class:`ChunkInput`."""
+
+CHUNK_SIGNATURE = "tppc.chunk_signature"
+"""``GraphModule.meta`` key of the :class:`ChunkSignature` of a chunk-step graph."""
+
+InputKind = Literal["token", "const", "chunk_start", "chunk_size", "seq_len", "positional",
+                    "key", "value", "boundary"]
+
+
+@dataclass(frozen=True)
+class ChunkInput:
+    """What a placeholder of a chunk-step (or stage) graph receives.
+
+    Attributes:
+        kind: ``token`` (a chunk of a user input), ``const`` (a whole user input),
+            ``chunk_start`` / ``chunk_size`` / ``seq_len`` (ints), ``positional`` (a slice of
+            a frontier value), ``key`` / ``value`` (a K/V buffer), ``boundary`` (a token value
+            sent by the previous stage; only in stage graphs).
+        source: the user input's name, the frontier node's name, the attention node's name,
+            or the boundary value's name.
+        index: flat user-input index (token, const) or positional-program output index.
+        axis: the token axis to slice (token, positional) or the buffer's token axis.
+        shape: key/value buffers: the buffer shape with ``None`` at the token axis.
+        dtype: key/value buffers: the element type.
+        layer: key/value buffers: the layer that owns the buffer.
+    """
+
+    kind: InputKind
+    source: str = ""
+    index: int | None = None
+    axis: int | None = None
+    shape: tuple[int | None, ...] = ()
+    dtype: torch.dtype | None = None
+    layer: str = ""
+
+
+STAGE_INFO = "tppc.stage_info"
+"""``GraphModule.meta`` key of the :class:`StageInfo` of a stage graph."""
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """What a stage graph is.
+
+    Attributes:
+        index: stage number.
+        layers: names of its layers.
+        inputs: names of its boundary inputs (sent by the previous stage), in order.
+        outputs: names of its boundary outputs (the last stage: ``()``; it returns the
+            model's flat outputs).
+        buffers: names of the K/V buffer placeholders it owns.
+    """
+
+    index: int
+    layers: tuple[str, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    buffers: tuple[str, ...]

@@ -28,15 +28,17 @@ from torch.utils import _pytree as pytree
 from tppc._pipeline_io import OutputAssembler, check_input, device_for
 from tppc.backends.torch_local import Call, LocalExecutor, Sink, StageRunner
 from tppc.backends.torch_threads import ThreadsExecutor
-from tppc.capture import _bind, capture
+from tppc.capture import bind_inputs, capture
 from tppc.context import CompileContext, PassRecord
 from tppc.errors import CaptureError, RuntimeInputError, SpecError
+from tppc.ir import CHUNK_SIGNATURE, STAGE_INFO
 from tppc.passes.annotate_seq_dims import annotate_seq_dims_pass
-from tppc.passes.chunk_attention import CHUNK_SIGNATURE, ChunkSignature, chunk_attention_pass
+from tppc.passes.chunk_attention import ChunkSignature, chunk_attention_pass
 from tppc.passes.group_layers import group_layers_pass
-from tppc.passes.partition_stages import STAGE_INFO, partition_stages
+from tppc.passes.partition_stages import partition_stages
 from tppc.passes.runner import run_passes
 from tppc.planner.plan import Plan, SolverInfo, StagePlan, Workload
+from tppc.planning import default_granularity
 
 __all__ = ["CompiledPipeline", "ExecutorName", "StageSummary", "compile_pipeline",
            "manual_plan"]
@@ -220,7 +222,7 @@ class CompiledPipeline:
             RuntimeInputError: naming the input, what it is, and what was compiled.
         """
         try:
-            bound = _bind(self._model, tuple(args), dict(kwargs))
+            bound = bind_inputs(self._model, tuple(args), dict(kwargs))
         except CaptureError as exc:
             raise RuntimeInputError(str(exc)) from exc
         flat, spec = pytree.tree_flatten((bound.args, bound.kwargs))
@@ -328,17 +330,6 @@ def _summary(runner: StageRunner) -> StageSummary:
         kv_bytes=sum(t.numel() * t.element_size() for t in runner.buffers.values()))
 
 
-def _granularity(length: int) -> int:
-    """128 for long sequences, else the largest power of two ≤ length / 8 dividing it (as
-    :func:`tppc.planning.plan`)."""
-    if length % 128 == 0 and length >= 1024:
-        return 128
-    g = 1
-    while length % (g * 2) == 0 and g * 2 <= max(1, length // 8):
-        g *= 2
-    return g
-
-
 def compile_pipeline(
     model: torch.nn.Module,
     args: tuple[Any, ...],
@@ -406,7 +397,7 @@ def _auto_planner(gm: fx.GraphModule, ctx: CompileContext, cluster: str,
     def plan_length(length: int) -> Plan:
         table = build_cost_table(gm, ctx.layers, cluster, length, seq_symbol=ctx.seq_symbol,
                                  token_count=ctx.token_count)
-        g = granularity or _granularity(length)
+        g = granularity or default_granularity(length)
         plan = plan_from_costs(table, granularity=g, num_stages=num_stages,
                                time_limit=time_limit)
         if chunks is None:

@@ -21,7 +21,7 @@ from tppc.cost_models.layer_costs import build_cost_table
 from tppc.errors import PlanError
 from tppc.planner import Plan, Workload, plan_from_costs
 
-__all__ = ["plan"]
+__all__ = ["default_granularity", "plan"]
 
 
 def plan(
@@ -69,7 +69,7 @@ def plan(
         if ctx.token_count is not None else seq_len
     if not tokens:
         raise PlanError(f"{ctx.model_name} has no attention node; nothing to pipeline")
-    gran = granularity or _default_granularity(tokens)
+    gran = granularity or default_granularity(tokens)
     table = build_cost_table(gm, ctx.layers, cluster, tokens, seq_symbol=ctx.seq_symbol,
                              token_count=ctx.token_count)
     t2 = time.perf_counter()
@@ -81,7 +81,9 @@ def plan(
     return result
 
 
-def _default_granularity(tokens: int) -> int:
+def default_granularity(tokens: int) -> int:
+    """128 for sequences of 1024+ tokens that it divides, else the largest power of two that
+    divides ``tokens`` and is at most ``tokens // 8``."""
     if tokens % 128 == 0 and tokens >= 1024:
         return 128
     g = 1

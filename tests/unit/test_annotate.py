@@ -167,3 +167,14 @@ def test_pass_history_records_each_pass(gpt_graph) -> None:
     _, ctx = gpt_graph
     assert [r.name for r in ctx.history] == ["annotate_seq_dims", "group_layers"]
     assert all(r.seconds >= 0 and "def forward" in r.code for r in ctx.history)
+
+
+def test_padding_the_token_axis_is_global() -> None:
+    # HF's causal-LM loss pads the labels by one token: the result has s + 1 rows
+    with pytest.raises(AnnotationError, match=r"needs the whole sequence"):
+        _annotate(lambda m, x: F.pad(m.lin(x), (0, 0, 0, 1)))
+
+
+def test_padding_features_is_row_wise() -> None:
+    gm, _ = _annotate(lambda m, x: F.pad(m.lin(x), (0, 2))[..., :8])
+    assert roles_by_target(gm, "pad") == {"token"}

@@ -9,8 +9,9 @@ import torch
 
 from tppc import examples
 from tppc.analysis import annotate
+from tppc.ir import CHUNK_INPUT, CHUNK_SIGNATURE
 from tppc.models import GPT, GPTConfig
-from tppc.passes.chunk_attention import CHUNK_INPUT, CHUNK_SIGNATURE, chunk_attention_pass
+from tppc.passes.chunk_attention import chunk_attention_pass
 from tppc.passes.runner import run_passes
 from tppc.pipeline import compile_pipeline, manual_plan
 

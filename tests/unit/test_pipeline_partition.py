@@ -8,9 +8,7 @@ import pytest
 import torch
 
 from tppc import examples
-from tppc.ir import TOKEN
-from tppc.passes.chunk_attention import CHUNK_INPUT
-from tppc.passes.partition_stages import STAGE_INFO
+from tppc.ir import CHUNK_INPUT, STAGE_INFO, TOKEN
 from tppc.pipeline import compile_pipeline, manual_plan
 
 SEQ = 16

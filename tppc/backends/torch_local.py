@@ -20,8 +20,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from tppc.passes.chunk_attention import CHUNK_INPUT, ChunkInput
-from tppc.passes.partition_stages import STAGE_INFO, StageInfo
+from tppc.ir import CHUNK_INPUT, STAGE_INFO, ChunkInput, StageInfo
 
 __all__ = ["Call", "LocalExecutor", "Sink", "StageRunner"]
 

@@ -145,7 +145,22 @@ def _token_op(node: fx.Node, axes: list[int], sizes: list[sympy.Expr], where: st
         raise _mix_error(node, name, where, "a matmul contracts over the token axis")
     if not axes and _has_tensor(node):
         return _info("global", axes, sizes, where)
+    if _resizes_tokens(node, name, src_info, sizes):
+        return _info("global", axes, sizes, where)
     return _info("token", axes, sizes, where)
+
+
+def _resizes_tokens(node: fx.Node, name: str, src: TokenInfo, sizes: list[sympy.Expr]) -> bool:
+    """A row-wise op keeps the token count; one that pads, repeats or crops it is global.
+
+    Reshapes and (patchify) convolutions change the axis' extent legitimately and are checked
+    by their own rules; module calls are judged by :func:`_check_module`.
+    """
+    if node.op == "call_module" or name in _RESHAPES or name in _CONVS:
+        return False
+    if src.axis_size is None or not sizes:
+        return False
+    return sympy.simplify(sizes[0] - src.axis_size) != 0
 
 
 def _attention(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext, axes: list[int],

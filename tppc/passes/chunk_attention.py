@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import fx
@@ -53,7 +53,7 @@ from torch.fx.operator_schemas import normalize_function
 
 from tppc.context import CompileContext
 from tppc.errors import PassError
-from tppc.ir import LAYER, TOKEN, TokenInfo
+from tppc.ir import CHUNK_INPUT, CHUNK_SIGNATURE, LAYER, TOKEN, ChunkInput, TokenInfo
 from tppc.passes._attention import ATTENTION_OPS
 from tppc.passes._chunk_parts import (
     SIZE_ARG_OPS,
@@ -66,49 +66,12 @@ from tppc.passes._chunk_parts import (
 from tppc.passes._shapes import module_path, size_expr, tensor_val
 
 __all__ = [
-    "CHUNK_INPUT",
-    "CHUNK_SIGNATURE",
-    "ChunkInput",
     "ChunkSignature",
     "KVBuffer",
     "chunk_attention_pass",
 ]
 
-CHUNK_INPUT = "tppc.chunk_input"
-"""Placeholder-meta key of a :class:`ChunkInput`."""
-
-CHUNK_SIGNATURE = "tppc.chunk_signature"
-"""``GraphModule.meta`` key of the :class:`ChunkSignature` of a chunk-step graph."""
-
-InputKind = Literal["token", "const", "chunk_start", "chunk_size", "seq_len", "positional",
-                    "key", "value", "boundary"]
-
 _aten = torch.ops.aten
-@dataclass(frozen=True)
-class ChunkInput:
-    """What a placeholder of a chunk-step (or stage) graph receives.
-
-    Attributes:
-        kind: ``token`` (a chunk of a user input), ``const`` (a whole user input),
-            ``chunk_start`` / ``chunk_size`` / ``seq_len`` (ints), ``positional`` (a slice of
-            a frontier value), ``key`` / ``value`` (a K/V buffer), ``boundary`` (a token value
-            sent by the previous stage; only in stage graphs).
-        source: the user input's name, the frontier node's name, the attention node's name,
-            or the boundary value's name.
-        index: flat user-input index (token, const) or positional-program output index.
-        axis: the token axis to slice (token, positional) or the buffer's token axis.
-        shape: key/value buffers: the buffer shape with ``None`` at the token axis.
-        dtype: key/value buffers: the element type.
-        layer: key/value buffers: the layer that owns the buffer.
-    """
-
-    kind: InputKind
-    source: str = ""
-    index: int | None = None
-    axis: int | None = None
-    shape: tuple[int | None, ...] = ()
-    dtype: torch.dtype | None = None
-    layer: str = ""
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,36 +34,11 @@ from torch import fx
 
 from tppc.context import CompileContext
 from tppc.errors import PassError, PlanError
-from tppc.ir import LAYER, TOKEN
-from tppc.passes.chunk_attention import CHUNK_INPUT, CHUNK_SIGNATURE, ChunkInput
+from tppc.ir import CHUNK_INPUT, CHUNK_SIGNATURE, LAYER, STAGE_INFO, TOKEN, ChunkInput, StageInfo
 from tppc.passes.runner import Pass
 from tppc.planner.plan import Plan
 
-__all__ = ["STAGE_INFO", "StageInfo", "partition_stages", "split_stages"]
-
-STAGE_INFO = "tppc.stage_info"
-"""``GraphModule.meta`` key of the :class:`StageInfo` of a stage graph."""
-
-
-@dataclass(frozen=True)
-class StageInfo:
-    """What a stage graph is.
-
-    Attributes:
-        index: stage number.
-        layers: names of its layers.
-        inputs: names of its boundary inputs (sent by the previous stage), in order.
-        outputs: names of its boundary outputs (the last stage: ``()``; it returns the
-            model's flat outputs).
-        buffers: names of the K/V buffer placeholders it owns.
-    """
-
-    index: int
-    layers: tuple[str, ...]
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-    buffers: tuple[str, ...]
-
+__all__ = ["partition_stages", "split_stages"]
 
 def partition_stages(plan: Plan) -> Pass:
     """The partition pass for ``plan`` (a ``(gm, ctx) -> gm`` pass; see the module docstring)."""
