@@ -2,7 +2,9 @@
 
 ``capture`` traces a model with a symbolic sequence length; ``annotate`` finds the token axis
 and role of every value and groups the layers; ``cost_report`` prices each layer on a
-device; ``plan`` chooses the chunk boundaries and the stage placement on a ``Cluster``.
+device; ``plan`` chooses the chunk boundaries and the stage placement on a ``Cluster``;
+``compile`` does all of that and returns a :class:`CompiledPipeline` that runs the stages
+concurrently and returns what the model returns.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from tppc.errors import (
     TppcError,
 )
 from tppc.inspect import layer_table
+from tppc.pipeline import CompiledPipeline, StageSummary, manual_plan
+from tppc.pipeline import compile_pipeline as compile
 from tppc.planner import Plan, Workload, plan_from_costs, split_tokens
 from tppc.planning import plan
 
@@ -32,6 +36,7 @@ __all__ = [
     "CaptureError",
     "Cluster",
     "CompileContext",
+    "CompiledPipeline",
     "CostModelError",
     "CostTable",
     "DeviceSpec",
@@ -43,13 +48,16 @@ __all__ = [
     "PlanInfeasible",
     "RuntimeInputError",
     "SpecError",
+    "StageSummary",
     "TppcError",
     "Workload",
     "annotate",
     "calibrate",
     "capture",
+    "compile",
     "cost_report",
     "layer_table",
+    "manual_plan",
     "plan",
     "plan_from_costs",
     "split_tokens",

@@ -39,7 +39,7 @@ def few_blocks(model: nn.Module, keep: int = 2) -> Iterator[tuple[str, int] | No
 def expand_layers(layers: list[LayerInfo], path: str, count: int) -> list[LayerInfo]:
     """Repeat the last captured block up to ``count`` blocks, renaming and renumbering."""
     blocks = [layer for layer in layers if layer.kind == "block"]
-    if not blocks or len(blocks) >= count:
+    if not blocks or len(blocks) >= count or not blocks[-1].name.startswith(f"{path}."):
         return layers
     template = blocks[-1]
     extra = [dataclasses.replace(template, name=f"{path}.{i}") for i in range(len(blocks), count)]

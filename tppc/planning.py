@@ -63,7 +63,11 @@ def plan(
     with few_blocks(model) as truncated:
         gm, ctx = annotate(model, args, kwargs, seq_dims=seq_dims)
     if truncated is not None:
-        ctx.layers = expand_layers(ctx.layers, *truncated)
+        layers = expand_layers(ctx.layers, *truncated)
+        if sum(layer.kind == "block" for layer in layers) == truncated[1]:
+            ctx.layers = layers
+        else:  # the blocks group_layers found are not the list we shortened: capture it all
+            gm, ctx = annotate(model, args, kwargs, seq_dims=seq_dims)
     t1 = time.perf_counter()
     tokens = seq_len or int(ctx.token_count.subs(ctx.seq_symbol, ctx.example_seq)) \
         if ctx.token_count is not None else seq_len

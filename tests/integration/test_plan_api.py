@@ -62,3 +62,25 @@ def test_models_with_per_layer_attention_types_are_not_truncated() -> None:
     with few_blocks(model) as truncated:
         assert truncated is None
         assert len(model.model.layers) == 4
+
+
+def test_dit_blocks_win_over_a_numbered_sequential_when_truncated() -> None:
+    from tppc import examples
+
+    model, args, _ = examples.dit(size=16)
+    with few_blocks(model) as truncated:
+        _, ctx = annotate(model, args)
+    layers = expand_layers(ctx.layers, *truncated)
+    assert [layer.name for layer in layers if layer.kind == "block"] == \
+        [f"blocks.{i}" for i in range(4)]
+
+
+def test_diffusion_plan_prices_every_stage() -> None:
+    from tppc import examples
+    from tppc.planner import Workload
+
+    model, args, _ = examples.dit(size=32)
+    p = plan(model, args, cluster="4xa100-80gb@pcie4",
+             workload=Workload(kind="diffusion", steps=20, warmup_steps=1))
+    busy = [sum(e - s for s, e in zip(p.start[i], p.end[i])) for i in range(p.num_stages)]
+    assert all(b > 0 for b in busy)

@@ -99,3 +99,15 @@ def test_cost_command_prints_the_report(capsys):
     assert cost_command(ns) == 0
     out = capsys.readouterr().out
     assert "64-token chunk after 32 tokens" in out and "model.layers.1 on h100-sxm" in out
+
+
+def test_report_of_a_bidirectional_dit_substitutes_the_full_length() -> None:
+    from tppc import examples
+    from tppc.costing import cost_report
+
+    model, args, kwargs = examples.dit(size=16)
+    short = cost_report(model, args, kwargs, cluster="1xa100-80gb", chunk=16, seq_len=64)
+    long = cost_report(model, args, kwargs, cluster="1xa100-80gb", chunk=16, seq_len=4096)
+    assert "blocks.0" in str(short)
+    # bidirectional attention reads all L keys: a longer sequence costs the chunk more
+    assert long.total_time > short.total_time

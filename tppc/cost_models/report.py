@@ -29,7 +29,7 @@ from ..errors import CostModelError, SpecError
 from ..ir import LayerInfo
 from .cluster import Cluster
 from .layer_costs import LayerExpr, layer_expressions
-from .node_costs import C, P
+from .node_costs import C, L, P
 from .roofline import node_time_terms
 
 __all__ = ["CostReport", "LayerReport", "add_cost_arguments", "cost_command",
@@ -182,9 +182,9 @@ def _merge(rows: Sequence[LayerReport]) -> list[tuple[LayerReport, int]]:
     return merged
 
 
-def _layer_row(expr: LayerExpr, device, chunk: int, prefix: int, fuse: bool,
+def _layer_row(expr: LayerExpr, device, chunk: int, prefix: int, seq_len: int, fuse: bool,
                cache: dict) -> tuple[LayerReport, dict[str, sympy.Expr]]:
-    point = {C: chunk, P: prefix}
+    point = {C: chunk, P: prefix, L: seq_len}
     key = (expr.time, expr.matrix_flops, expr.vector_flops, expr.bytes)
     if key not in cache:
         split = {"compute": 0.0, "memory": 0.0, "overhead": 0.0}
@@ -249,7 +249,7 @@ def report_from_graph(gm: fx.GraphModule, ctx: Any = None, *, cluster: Cluster |
     cache: dict = {}
     rows, formulas = [], {}
     for expr in exprs:
-        row, formula = _layer_row(expr, device, chunk, prefix, fuse, cache)
+        row, formula = _layer_row(expr, device, chunk, prefix, seq_len, fuse, cache)
         rows.append(row)
         formulas[row.name] = formula
     if dtype is None:

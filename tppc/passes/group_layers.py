@@ -52,15 +52,26 @@ def group_layers_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule
 
 
 def _block_prefix(gm: fx.GraphModule) -> str | None:
+    """The module list whose numbered children are the blocks.
+
+    Preferred: lists whose children hold attention (``mixing`` nodes), then lists with at
+    least two children; among those the outermost, then the longest. So a DiT's
+    ``t_mlp = nn.Sequential(...)`` never wins over its attention ``blocks``.
+    """
     counts: dict[str, set[int]] = defaultdict(set)
+    attention: set[str] = set()
     for node in gm.graph.nodes:
+        info = node.meta.get(TOKEN)
         for path in _module_paths(node):
             match = _NUMBERED.match(path)
             if match:
                 counts[match["prefix"]].add(int(match["index"]))
+                if info is not None and info.role == "mixing":
+                    attention.add(match["prefix"])
     if not counts:
         return None
-    repeated = [p for p in counts if len(counts[p]) >= 2] or list(counts)
+    candidates = [p for p in counts if p in attention] or list(counts)
+    repeated = [p for p in candidates if len(counts[p]) >= 2] or candidates
     return min(repeated, key=lambda p: (p.count("."), -len(counts[p])))
 
 
