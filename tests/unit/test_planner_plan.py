@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from planner_helpers import table
 
+from tppc.cost_models.table import CostTable, LayerCost, LinkCost
 from tppc.errors import PlanError, PlanInfeasible
 from tppc.planner import Plan, Workload, plan_for, plan_from_costs, simulate
 from tppc.planner.dp import evaluate_split
@@ -167,3 +168,36 @@ def test_empty_cluster_is_rejected() -> None:
 def test_workload_validation() -> None:
     with pytest.raises(PlanError, match="warmup_steps=5"):
         Workload(kind="diffusion", steps=4, warmup_steps=5)
+
+
+def _bidirectional_table(stages: int, fixed: float) -> CostTable:
+    def time(c, p):
+        c = np.asarray(c, dtype=float)
+        return fixed + 1e-6 * c + 0 * np.asarray(p, dtype=float)
+
+    layers = tuple(tuple(LayerCost(name=f"layer{j}", time=time, weight_bytes=10**6,
+                                   kv_bytes_per_token=100, act_bytes_per_token=1000)
+                         for j in range(stages)) for _ in range(stages))
+    return CostTable(device_names=("dev",) * stages, capacities=(10**12,) * stages,
+                     layers=layers, links=(LinkCost(latency=1e-6, bandwidth=1e12),) * (stages - 1),
+                     seq_len=1024, causal=False)
+
+
+def test_diffusion_plan_fills_the_ring() -> None:
+    # TeraPipe's objective prefers one chunk here (10 steps x overhead), but with fewer chunks
+    # than stages every step runs serially around PipeFusion's ring: 4 chunks are faster
+    table = _bidirectional_table(4, fixed=1e-3)
+    workload = Workload(kind="diffusion", steps=10)
+    p = plan_from_costs(table, workload=workload, granularity=64)
+    serial = plan_for(table, (0, 1, 2, 3, 4), (0, 1024), workload)
+    assert len(p.chunks) >= 4
+    assert p.latency < 0.75 * serial.latency
+
+
+def test_diffusion_plan_keeps_one_chunk_when_overhead_dominates() -> None:
+    table = _bidirectional_table(4, fixed=1e-2)
+    p = plan_from_costs(table, workload=Workload(kind="diffusion", steps=10), granularity=64)
+    for m in (4, 8):
+        grid = tuple(round(i * 1024 / m / 64) * 64 for i in range(m + 1))
+        other = plan_for(table, (0, 1, 2, 3, 4), grid, Workload(kind="diffusion", steps=10))
+        assert p.latency <= other.latency

@@ -95,7 +95,7 @@ def plan_from_costs(
     else:
         raise PlanError(f"method={method!r}; use 'auto', 'exhaustive' or 'alternate'")
     info = SolverInfo(**{**info.__dict__, "seconds": time.perf_counter() - t0})
-    return plan_for(
+    best = plan_for(
         table,
         cuts,
         tuple(b * granularity for b in bounds),
@@ -103,6 +103,46 @@ def plan_from_costs(
         granularity=granularity,
         solver=info,
     )
+    if workload.kind == "diffusion" and workload.pipelined_steps and num_stages > 1:
+        best = _diffusion_candidates(best, table, cuts, n, granularity, workload, max_chunks)
+    return best
+
+
+def _diffusion_candidates(
+    best: Plan,
+    table: CostTable,
+    cuts: tuple[int, ...],
+    n: int,
+    granularity: int,
+    workload: Workload,
+    max_chunks: int | None,
+) -> Plan:
+    """Keep the fastest simulated plan among the solver's split and near-uniform splits.
+
+    The split objective ``J`` ignores PipeFusion's ring: chunk ``m`` of step ``t + 1`` waits
+    for chunk ``m`` of step ``t`` to leave the last stage, so with fewer chunks than stages
+    every step runs serially. Splits of ``M = S .. 8·S`` near-equal chunks are simulated on the
+    same placement and the fastest (by simulated latency, the plan's definition) is kept.
+    """
+    num_stages = len(cuts) - 1
+    top = min(n, 8 * num_stages, max_chunks or n)
+    for m in range(num_stages, top + 1):
+        grid = sorted({round(i * n / m) for i in range(m + 1)})
+        candidate = plan_for(table, cuts, tuple(b * granularity for b in grid), workload,
+                             granularity=granularity, solver=best.solver)
+        if candidate.latency < best.latency * (1 - 1e-9):
+            best = candidate
+    if best.solver.detail.endswith("(simulated M chunks)"):
+        return best
+    detail = f"{best.solver.detail}; best of the split and near-uniform M = {num_stages}..{top} " \
+        "(simulated M chunks)"
+    return _with_detail(best, detail)
+
+
+def _with_detail(plan: Plan, detail: str) -> Plan:
+    import dataclasses
+
+    return dataclasses.replace(plan, solver=dataclasses.replace(plan.solver, detail=detail))
 
 
 def _check(table: CostTable, num_stages: int | None) -> int:
