@@ -269,3 +269,10 @@ def test_fx_captured_graphs_are_refused_by_the_cost_model(numpy_gpt) -> None:
     with pytest.raises(CostModelError, match=r"symbolic_trace fallback.*torch.export"):
         build_cost_table(gm, ctx.layers, "1xh100-sxm", 64, seq_symbol=ctx.seq_symbol,
                          token_count=ctx.token_count)
+
+
+def test_fx_captured_models_are_refused_by_compile() -> None:
+    from tppc.errors import PassError
+
+    with pytest.raises(PassError, match=r"captured in 'fx' mode.*fix"):
+        tppc.compile(_NumpyGPT().eval(), (_ids(8),))

@@ -115,6 +115,13 @@ def chunk_attention_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
     Raises:
         PassError: a construct that cannot be chunked (names the node and the fix).
     """
+    if ctx.capture_mode in ("fx", "specialized"):
+        raise PassError(
+            f"{ctx.model_name} was captured in {ctx.capture_mode!r} mode (its graph is not an "
+            "ATen graph with a symbolic sequence length that runs at every length); "
+            "chunk_attention needs a 'dynamic' torch.export capture. fix: make the model "
+            "exportable with a dynamic sequence length (see README, Capture)"
+        )
     if ctx.token_count is not None and ctx.token_count != ctx.seq_symbol:
         raise PassError(
             f"the token count of {ctx.model_name} is {ctx.token_count}, not the sequence "
