@@ -30,6 +30,7 @@ from tppc.pipeline import CompiledPipeline, StageSummary, manual_plan
 from tppc.pipeline import compile_pipeline as compile
 from tppc.planner import Plan, Workload, plan_from_costs, split_tokens
 from tppc.planning import plan
+from tppc.trace import plan_trace
 
 __all__ = [
     "AnnotationError",
@@ -60,6 +61,7 @@ __all__ = [
     "manual_plan",
     "plan",
     "plan_from_costs",
+    "plan_trace",
     "split_tokens",
 ]
 

@@ -33,6 +33,12 @@ def _plan(ns: argparse.Namespace) -> int:
                   granularity=ns.granularity, workload=workload, time_limit=ns.time_limit,
                   verbose=True)
     print(result.to_json() if ns.json else result.summary())
+    if ns.trace:
+        from tppc.trace import write_plan_trace
+
+        path = write_plan_trace(result, ns.trace)
+        print(f"predicted schedule written to {path} (open it in ui.perfetto.dev)",
+              file=sys.stderr)
     return 0
 
 
@@ -64,6 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     pl.add_argument("--steps", type=int, default=0, help="diffusion steps (DiT workloads)")
     pl.add_argument("--time-limit", type=float, default=10.0, help="solver seconds")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.add_argument("--trace", default=None, metavar="FILE",
+                    help="write the predicted schedule as a Chrome trace (JSON)")
     pl.set_defaults(fn=_plan)
     ns = parser.parse_args(argv)
     fn: Callable[[argparse.Namespace], int] = ns.fn

@@ -33,6 +33,13 @@ def test_plan_prints_json(capsys) -> None:
     assert data["seq_len"] == 64
 
 
+def test_plan_writes_a_chrome_trace(tmp_path, capsys) -> None:
+    out = tmp_path / "plan.json"
+    assert main(["plan", "tppc.examples:gpt", "--cluster", "2xh100-sxm", "--trace", str(out)]) == 0
+    events = json.loads(out.read_text())["traceEvents"]
+    assert any(e["ph"] == "X" and e["name"].startswith("chunk 0") for e in events)
+
+
 def test_bad_factory_is_a_clear_error(capsys) -> None:
     assert main(["graph", "tppc.examples:nope"]) == 2
     assert "no callable 'nope'" in capsys.readouterr().err

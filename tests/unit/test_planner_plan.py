@@ -201,3 +201,25 @@ def test_diffusion_plan_keeps_one_chunk_when_overhead_dominates() -> None:
         grid = tuple(round(i * 1024 / m / 64) * 64 for i in range(m + 1))
         other = plan_for(table, (0, 1, 2, 3, 4), grid, Workload(kind="diffusion", steps=10))
         assert p.latency <= other.latency
+
+
+def test_plan_trace_has_one_slice_per_job_with_predicted_times() -> None:
+    from tppc.trace import plan_trace
+
+    t = table(4, (1.0, 1.0))
+    p = plan_from_costs(t, granularity=128)
+    events = [e for e in plan_trace(p)["traceEvents"] if e["ph"] == "X"]
+    assert len(events) == p.num_stages * len(p.chunks)
+    last = max(e["ts"] + e["dur"] for e in events)
+    assert last == pytest.approx(p.latency * 1e6)
+    assert {e["tid"] for e in events} == set(range(p.num_stages))
+
+
+def test_diffusion_trace_names_steps_and_warm_up() -> None:
+    from tppc.trace import plan_trace
+
+    t = _bidirectional_table(4, fixed=1e-3)
+    p = plan_from_costs(t, workload=Workload(kind="diffusion", steps=5, warmup_steps=1),
+                        granularity=64)
+    names = [e["name"] for e in plan_trace(p)["traceEvents"] if e["ph"] == "X"]
+    assert "warm-up" in names and any(n.startswith("step 4 ") for n in names)
