@@ -16,11 +16,14 @@ __all__ = ["OutputAssembler", "check_input", "device_for"]
 
 
 class OutputAssembler:
-    """Writes each chunk's outputs into full-length outputs as the chunk arrives (a sink)."""
+    """Writes each chunk's outputs into full-length outputs as the chunk arrives (a sink).
+
+    Outputs the last stage already wrote in place (``call.outputs``) are not copied.
+    """
 
     def __init__(self, axes: tuple[int | None, ...], call: Call) -> None:
         self.axes, self.call = axes, call
-        self.leaves: list[Any] = [None] * len(axes)
+        self.leaves: list[Any] = list(call.outputs) if call.outputs else [None] * len(axes)
 
     def __call__(self, index: int, values: tuple[Any, ...]) -> None:
         start, end = self.call.chunks[index]
@@ -32,7 +35,14 @@ class OutputAssembler:
                 shape = list(value.shape)
                 shape[axis] = self.call.seq_len
                 self.leaves[j] = value.new_empty(shape)
-            self.leaves[j].narrow(axis, start, end - start).copy_(value)
+            target = self.leaves[j].narrow(axis, start, end - start)
+            if not _same_view(target, value):
+                target.copy_(value)
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype and a.device == b.device)
 
 
 def check_input(ph: fx.Node, value: Any) -> None:

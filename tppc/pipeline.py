@@ -163,7 +163,8 @@ class CompiledPipeline:
         """
         flat, length = self.flatten_inputs(args, kwargs)
         program = self.program(length)
-        call = Call(tuple(flat), program.plan.chunks, length, length, next(self._epoch))
+        full = program.runners[-1].new_outputs(length, len(self._signature.output_axes))
+        call = Call(tuple(flat), program.plan.chunks, length, length, next(self._epoch), full)
         outputs = OutputAssembler(self._signature.output_axes, call)
         self._executors[self.executor].run(program.runners, call, outputs)
         self._filled = length

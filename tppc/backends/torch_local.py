@@ -7,6 +7,9 @@ Terms:
     stage runner: a stage graph on its device with its K/V buffers and, per call, its
         full-length positional values; ``run`` executes one chunk.
 
+The last stage writes a bias-free linear output (an LM head) straight into the call's
+full-length output when the call carries one (:mod:`tppc.backends._direct_output`).
+
 This executor is the reference the others are tested against; it also runs the decoding
 steps of ``generate`` (one token through every stage).
 """
@@ -20,7 +23,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from tppc.ir import CHUNK_INPUT, STAGE_INFO, ChunkInput, StageInfo
+from tppc.backends._direct_output import OutSlot, write_outputs_in_place
+from tppc.ir import CHUNK_INPUT, CHUNK_SIGNATURE, STAGE_INFO, ChunkInput, StageInfo
 
 __all__ = ["Call", "LocalExecutor", "Sink", "StageRunner"]
 
@@ -39,6 +43,8 @@ class Call:
         pos_len: length the positional values are evaluated at (``≥`` every chunk's end).
         epoch: calls with the same ``(epoch, pos_len)`` reuse the positional values (they
             depend only on shapes; ``generate`` evaluates them once for all its steps).
+        outputs: full-length model outputs (by flat output index, ``None`` where absent)
+            that the last stage writes its out slots into; empty: fresh tensors per chunk.
     """
 
     flat_inputs: tuple[Any, ...]
@@ -46,10 +52,17 @@ class Call:
     seq_len: int
     pos_len: int
     epoch: int
+    outputs: tuple[Any, ...] = ()
 
 
 class StageRunner:
-    """A stage graph on its device, with its K/V buffers and positional values."""
+    """A stage graph on its device, with its K/V buffers and positional values.
+
+    Attributes:
+        module: the stage graph.
+        program: what runs: the stage graph, or (last stage) its copy with out slots.
+        out_slots: the last stage's outputs written in place, by placeholder name.
+    """
 
     def __init__(self, module: fx.GraphModule, device: torch.device,
                  buffers: dict[str, torch.Tensor]) -> None:
@@ -62,6 +75,19 @@ class StageRunner:
             (p.name, p.meta[CHUNK_INPUT]) for p in module.graph.find_nodes(op="placeholder")]
         self._positional: tuple[Any, ...] = ()
         self._prepared: tuple[int, int] | None = None
+        self.out_slots: dict[str, OutSlot] = {}
+        self.program = module
+        if not self.info.outputs:  # the last stage: its outputs are the model's
+            axes = module.meta[CHUNK_SIGNATURE].output_axes
+            self.program, self.out_slots = write_outputs_in_place(module, axes)
+
+    def new_outputs(self, seq_len: int, count: int) -> tuple[Any, ...]:
+        """Empty full-length outputs for this (last) stage's out slots, by flat index."""
+        outputs: list[Any] = [None] * count
+        for slot in self.out_slots.values():
+            outputs[slot.index] = torch.empty(slot.full_shape(seq_len), dtype=slot.dtype,
+                                              device=self.device)
+        return tuple(outputs)
 
     def prepare(self, call: Call) -> None:
         """Evaluate this stage's positional values at ``call.pos_len`` (zero-valued inputs)."""
@@ -101,8 +127,12 @@ class StageRunner:
             else:
                 args.append({"chunk_start": start, "chunk_size": size,
                              "seq_len": call.seq_len}[kind])
+        for slot in self.out_slots.values():
+            full = call.outputs[slot.index] if call.outputs else None
+            args.append(torch.empty(slot.full_shape(size), dtype=slot.dtype, device=self.device)
+                        if full is None else full.narrow(slot.axis, start, size))
         with torch.no_grad():
-            return tuple(self.module(*args))
+            return tuple(self.program(*args))
 
 
 def _zeros_like_at(value: Any, placeholder: fx.Node, length: int, device: torch.device) -> Any:
