@@ -62,3 +62,17 @@ def test_a_failing_stage_raises_in_the_caller(gpt, monkeypatch):
     monkeypatch.setattr(stage, "forward", broken)
     with pytest.raises(ValueError, match="stage 1 broke"):
         cp(ids)
+
+
+def test_threads_executor_runs_under_the_callers_inference_mode() -> None:
+    import tppc
+    from tppc import examples
+
+    model, args, _ = examples.gpt(seq_len=32, n_layer=2)
+    cp = tppc.compile(model, args, executor="threads", chunks=2)
+    with torch.inference_mode():
+        inside = cp(*args)
+    assert inside.is_inference()
+    outside = cp(*args)  # buffers and outputs made in inference mode must not leak out
+    torch.testing.assert_close(outside, inside)
+    assert not outside.requires_grad or outside.grad_fn is not None

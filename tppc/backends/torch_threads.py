@@ -76,9 +76,10 @@ class ThreadsExecutor:
         self.last_trace = []
         stop = threading.Event()
         errors: list[BaseException] = []
+        mode = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
         workers = [
-            threading.Thread(target=self._work, name=f"tppc-stage-{s}", daemon=True,
-                             args=(runners, s, call, queues, stop, errors))
+            threading.Thread(target=self._work_in_mode, name=f"tppc-stage-{s}", daemon=True,
+                             args=(mode, runners, s, call, queues, stop, errors))
             for s in range(len(runners))
         ]
         for w in workers:
@@ -107,6 +108,12 @@ class ThreadsExecutor:
         if errors:
             raise errors[0]
         return results
+
+    def _work_in_mode(self, mode: tuple[bool, bool], *args: Any) -> None:
+        """Run :meth:`_work` under the caller's inference / grad mode (both are per thread)."""
+        inference, grad = mode
+        with torch.inference_mode() if inference else torch.set_grad_enabled(grad):
+            self._work(*args)
 
     def _work(self, runners: Sequence[StageRunner], s: int, call: Call,
               queues: list[queue.Queue], stop: threading.Event,
