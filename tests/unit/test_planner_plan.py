@@ -223,3 +223,13 @@ def test_diffusion_trace_names_steps_and_warm_up() -> None:
                         granularity=64)
     names = [e["name"] for e in plan_trace(p)["traceEvents"] if e["ph"] == "X"]
     assert "warm-up" in names and any(n.startswith("step 4 ") for n in names)
+
+
+def test_plan_is_never_slower_than_the_plan_on_a_coarser_grid() -> None:
+    t = table(6, (1.0, 1.0, 1.0), seq_len=2048)
+    fine = plan_from_costs(t, granularity=64)
+    for coarse in (128, 256):
+        other = plan_from_costs(t, granularity=coarse, coarser_grids=0)
+        assert fine.latency <= other.latency * (1 + 1e-9)
+    assert fine.granularity == 64
+    assert all(size % 64 == 0 for size in fine.chunk_sizes)

@@ -19,6 +19,7 @@ Methods:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
@@ -58,6 +59,7 @@ def plan_from_costs(
     max_chunks: int | None = None,
     method: Literal["auto", "exhaustive", "alternate"] = "auto",
     max_rounds: int = 6,
+    coarser_grids: int = 2,
 ) -> Plan:
     """Choose stage placement and chunk boundaries for a priced model.
 
@@ -72,6 +74,10 @@ def plan_from_costs(
         max_chunks: at most this many chunks per step.
         method: ``"exhaustive"``, ``"alternate"``, or ``"auto"`` (exhaustive when small).
         max_rounds: alternation rounds at most.
+        coarser_grids: also plan on the grids ``2·g, 4·g, ...`` (this many) and keep the plan
+            with the smallest simulated latency. The split objective ``J`` is an upper bound
+            of the simulated makespan, so a finer grid can return a plan that simulates
+            slower than a coarser one; every candidate is still a plan on the ``g`` grid.
 
     Returns:
         The plan, with its simulated schedule, lower bound and provenance.
@@ -105,6 +111,20 @@ def plan_from_costs(
     )
     if workload.kind == "diffusion" and workload.pipelined_steps and num_stages > 1:
         best = _diffusion_candidates(best, table, cuts, n, granularity, workload, max_chunks)
+    for k in range(1, coarser_grids + 1):
+        coarse, left = granularity * 2**k, t0 + time_limit - time.perf_counter()
+        if table.seq_len % coarse or left <= 0:
+            break
+        other = plan_from_costs(table, workload=workload, granularity=coarse,
+                                num_stages=num_stages, time_limit=left, max_chunks=max_chunks,
+                                method=method, max_rounds=max_rounds, coarser_grids=0)
+        if other.latency < best.latency * (1 - 1e-9):
+            detail = f"{other.solver.detail}; grid {coarse} simulated faster than {granularity}"
+            best = dataclasses.replace(
+                other, granularity=granularity, lower_bound=best.lower_bound,
+                lower_bound_work=best.lower_bound_work, lower_bound_path=best.lower_bound_path,
+                solver=dataclasses.replace(other.solver, detail=detail,
+                                           seconds=time.perf_counter() - t0))
     return best
 
 
@@ -140,8 +160,6 @@ def _diffusion_candidates(
 
 
 def _with_detail(plan: Plan, detail: str) -> Plan:
-    import dataclasses
-
     return dataclasses.replace(plan, solver=dataclasses.replace(plan.solver, detail=detail))
 
 
