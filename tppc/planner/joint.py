@@ -111,12 +111,14 @@ def plan_from_costs(
     )
     if workload.kind == "diffusion" and workload.pipelined_steps and num_stages > 1:
         best = _diffusion_candidates(best, table, cuts, n, granularity, workload, max_chunks)
+    first = time.perf_counter() - t0
     for k in range(1, coarser_grids + 1):
         coarse, left = granularity * 2**k, t0 + time_limit - time.perf_counter()
         if table.seq_len % coarse or left <= 0:
             break
+        budget = min(left, max(0.5, first / 2))  # coarser grids are smaller problems
         other = plan_from_costs(table, workload=workload, granularity=coarse,
-                                num_stages=num_stages, time_limit=left, max_chunks=max_chunks,
+                                num_stages=num_stages, time_limit=budget, max_chunks=max_chunks,
                                 method=method, max_rounds=max_rounds, coarser_grids=0)
         if other.latency < best.latency * (1 - 1e-9):
             detail = f"{other.solver.detail}; grid {coarse} simulated faster than {granularity}"
