@@ -45,6 +45,10 @@ from tppc.planner.split import check_grid, solve_split
 
 __all__ = ["plan_for", "plan_from_costs"]
 
+PLACEMENT_STEP_LIMIT = 2.0
+"""Seconds for one placement MILP of the alternation; on expiry its incumbent (never worse
+than the current placement, which seeds it) is kept and the status says ``time_limit``."""
+
 EXHAUSTIVE_LIMIT = 400
 """``method="auto"`` searches exhaustively up to this many placements (and ≤ 64 grid points)."""
 
@@ -291,8 +295,9 @@ def _alternate(ctx: _Ctx, max_rounds: int) -> tuple[tuple[int, ...], tuple[int, 
     statuses, rounds = [], 0
     for rounds in range(1, max_rounds + 1):  # noqa: B007 - rounds is reported
         m, f, warm = _split_matrices(ctx, cuts)
-        new_bounds, obj, info = solve_split(
-            m, f, ctx.S, repeats=ctx.K, max_chunks=ctx.max_chunks, time_limit=ctx.left()
+        new_bounds, obj, info = solve_split(  # the DP is exact and far faster than the MILP
+            m, f, ctx.S, repeats=ctx.K, max_chunks=ctx.max_chunks, time_limit=ctx.left(),
+            solver="dp",
         )
         statuses.append(info.status)
         if warm + obj < best * (1 - 1e-9):
@@ -301,7 +306,8 @@ def _alternate(ctx: _Ctx, max_rounds: int) -> tuple[tuple[int, ...], tuple[int, 
             break
         tokens = tuple(b * ctx.g for b in bounds)
         new_cuts, obj, info = place_layers(
-            table, tokens, ctx.S, ctx.workload, time_limit=ctx.left(), start=cuts
+            table, tokens, ctx.S, ctx.workload, start=cuts,
+            time_limit=min(ctx.left(), PLACEMENT_STEP_LIMIT),
         )
         statuses.append(info.status)
         if obj >= best * (1 - 1e-9):
