@@ -40,6 +40,7 @@ from tppc.planner.placement import (
     stage_times,
 )
 from tppc.planner.plan import Plan, SolverInfo, StagePlan, Workload
+from tppc.planner.refine import diffusion_candidates
 from tppc.planner.schedule import simulate
 from tppc.planner.split import check_grid, solve_split
 
@@ -114,7 +115,12 @@ def plan_from_costs(
         solver=info,
     )
     if workload.kind == "diffusion" and workload.pipelined_steps and num_stages > 1:
-        best = _diffusion_candidates(best, table, cuts, n, granularity, workload, max_chunks)
+        solver = best.solver
+        best = diffusion_candidates(
+            best,
+            lambda b: plan_for(table, cuts, b, workload, granularity=granularity, solver=solver),
+            n, granularity, max_chunks,
+        )
     first = time.perf_counter() - t0
     for k in range(1, coarser_grids + 1):
         coarse, left = granularity * 2**k, t0 + time_limit - time.perf_counter()
@@ -132,41 +138,6 @@ def plan_from_costs(
                 solver=dataclasses.replace(other.solver, detail=detail,
                                            seconds=time.perf_counter() - t0))
     return best
-
-
-def _diffusion_candidates(
-    best: Plan,
-    table: CostTable,
-    cuts: tuple[int, ...],
-    n: int,
-    granularity: int,
-    workload: Workload,
-    max_chunks: int | None,
-) -> Plan:
-    """Keep the fastest simulated plan among the solver's split and near-uniform splits.
-
-    The split objective ``J`` ignores PipeFusion's ring: chunk ``m`` of step ``t + 1`` waits
-    for chunk ``m`` of step ``t`` to leave the last stage, so with fewer chunks than stages
-    every step runs serially. Splits of ``M = S .. 8·S`` near-equal chunks are simulated on the
-    same placement and the fastest (by simulated latency, the plan's definition) is kept.
-    """
-    num_stages = len(cuts) - 1
-    top = min(n, 8 * num_stages, max_chunks or n)
-    for m in range(num_stages, top + 1):
-        grid = sorted({round(i * n / m) for i in range(m + 1)})
-        candidate = plan_for(table, cuts, tuple(b * granularity for b in grid), workload,
-                             granularity=granularity, solver=best.solver)
-        if candidate.latency < best.latency * (1 - 1e-9):
-            best = candidate
-    if best.solver.detail.endswith("(simulated M chunks)"):
-        return best
-    detail = f"{best.solver.detail}; best of the split and near-uniform M = {num_stages}..{top} " \
-        "(simulated M chunks)"
-    return _with_detail(best, detail)
-
-
-def _with_detail(plan: Plan, detail: str) -> Plan:
-    return dataclasses.replace(plan, solver=dataclasses.replace(plan.solver, detail=detail))
 
 
 def _check(table: CostTable, num_stages: int | None) -> int:
