@@ -9,6 +9,7 @@ example length: a lower-triangular pattern is causal, an all-true one bidirectio
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -84,7 +85,7 @@ def evaluate_positional(target: fx.Node, gm: fx.GraphModule, ctx: CompileContext
         if n.op == "placeholder":
             env[n] = _concrete(n, ctx)
         elif n.op == "get_attr":
-            value = _fetch(gm, str(n.target))
+            value = operator.attrgetter(str(n.target))(gm)
             env[n] = _concrete(n, ctx) if value.device.type == "meta" else value
         elif n.op in ("call_function", "call_method", "call_module"):
             args = _on_cpu(fx.node.map_arg(n.args, lambda a: env[a]))
@@ -119,11 +120,5 @@ def _concrete(node: fx.Node, ctx: CompileContext) -> Any:
     shape = [int(size_expr(s).subs(ctx.seq_symbol, ctx.example_seq)) for s in val.shape]
     return torch.zeros(shape, dtype=val.dtype)
 
-
-def _fetch(gm: fx.GraphModule, path: str) -> torch.Tensor:
-    obj: Any = gm
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 

@@ -15,9 +15,9 @@ Example:
 
 from __future__ import annotations
 
+import operator
 import re
 from collections import Counter, defaultdict
-from typing import Any
 
 import torch
 from torch import fx
@@ -157,7 +157,7 @@ def _params(gm: fx.GraphModule, own: list[fx.Node]) -> dict[str, torch.Tensor]:
     for node in own:
         for arg in node.all_input_nodes:
             if arg.op == "get_attr":
-                found[str(arg.target)] = _fetch(gm, str(arg.target))
+                found[str(arg.target)] = operator.attrgetter(str(arg.target))(gm)
         if node.op == "call_module":
             module = gm.get_submodule(str(node.target))
             for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
@@ -180,10 +180,3 @@ def _crossing(own: list[fx.Node], names: dict[fx.Node, str], rank: dict[str, int
             elif names.get(src) != names.get(dst) and rank.get(names[src], -1) < rank.get(names[dst], -1):
                 out[src.name] += 1
     return list(out)
-
-
-def _fetch(gm: fx.GraphModule, path: str) -> Any:
-    obj: Any = gm
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj

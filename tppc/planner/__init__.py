@@ -11,7 +11,8 @@ Entry points:
 from __future__ import annotations
 
 from tppc.planner.dp import brute_force_split, terapipe_dp
-from tppc.planner.joint import plan_for, plan_from_costs
+from tppc.planner.evaluate import plan_for
+from tppc.planner.joint import plan_from_costs
 from tppc.planner.plan import PLAN_SCHEMA, Plan, SolverInfo, StagePlan, Workload
 from tppc.planner.schedule import Schedule, simulate
 from tppc.planner.split import TokenSplit, split_tokens

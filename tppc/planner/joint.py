@@ -31,17 +31,11 @@ from tppc.cost_models.table import CostTable
 from tppc.errors import PlanError
 from tppc.planner._solver import available_solver
 from tppc.planner.dp import chunk_matrix, terapipe_dp
-from tppc.planner.placement import (
-    IN_FLIGHT,
-    balanced_placement,
-    infeasible_error,
-    place_layers,
-    stage_memory,
-    stage_times,
-)
-from tppc.planner.plan import Plan, SolverInfo, StagePlan, Workload
+from tppc.planner.evaluate import plan_for
+from tppc.planner.memory import IN_FLIGHT, stage_memory
+from tppc.planner.placement import balanced_placement, infeasible_error, place_layers
+from tppc.planner.plan import Plan, SolverInfo, Workload
 from tppc.planner.refine import diffusion_candidates
-from tppc.planner.schedule import simulate
 from tppc.planner.split import check_grid, solve_split
 
 __all__ = ["plan_for", "plan_from_costs"]
@@ -297,126 +291,3 @@ def _alternate(ctx: _Ctx, max_rounds: int) -> tuple[tuple[int, ...], tuple[int, 
         detail=f"{rounds} rounds",
     )
     return cuts, bounds, info
-
-
-def plan_for(
-    table: CostTable,
-    cuts: tuple[int, ...],
-    boundaries: tuple[int, ...],
-    workload: Workload | None = None,
-    *,
-    granularity: int = 1,
-    solver: SolverInfo | None = None,
-) -> Plan:
-    """Simulate a given placement and split and package it as a :class:`Plan`.
-
-    Also used to price baselines (an even layer split, uniform chunks...).
-
-    Args:
-        table: the cost table.
-        cuts: ``(0, e_0, ..., N)``; stage ``s`` runs layers ``[cuts[s], cuts[s+1])`` on
-            device ``s``.
-        boundaries: token offsets ``(0, ..., seq_len)`` of the chunks.
-        workload: what one call computes (default causal prefill).
-        granularity: recorded in the plan.
-        solver: provenance (default: ``"given"``).
-    """
-    workload = workload or Workload()
-    num_stages = len(cuts) - 1
-    if boundaries[0] != 0 or boundaries[-1] != table.seq_len:
-        raise PlanError(f"boundaries {boundaries[:3]}... must run from 0 to {table.seq_len}")
-    steps = workload.pipelined_steps
-    if steps == 0:
-        boundaries = (0, table.seq_len)  # every step is a synchronous warm-up step
-    times, links = stage_times(table, cuts, boundaries)
-    full_t, full_l = stage_times(table, cuts, (0, table.seq_len))
-    warmup = workload.warmup_steps * float(full_t.sum() + full_l.sum())
-    back = None
-    if workload.kind == "diffusion" and num_stages > 1:  # return link priced as the slowest
-        act = table.layers[num_stages - 1][cuts[-1] - 1].act_bytes_per_token
-        sizes = np.diff(np.asarray(boundaries, dtype=float))
-        back = np.max([lk.time(act * sizes) for lk in table.links[: num_stages - 1]], axis=0)
-    if steps:
-        sched = simulate(times, links, steps=steps, back=back)
-        start, end = sched.start + warmup, sched.end + warmup
-        latency = warmup + sched.makespan
-    else:
-        start = end = np.zeros((num_stages, 0))
-        latency = warmup
-    work, path = _lower_bounds(table, num_stages, workload, granularity)
-    max_chunk = table.seq_len if workload.warmup_steps else max(np.diff(boundaries))
-    stages = tuple(
-        StagePlan(
-            index=s,
-            layer_start=lo,
-            layer_end=hi,
-            device_index=s,
-            device_name=table.device_names[s],
-            memory_bytes=stage_memory(table, s, lo, hi, int(max_chunk)),
-            capacity_bytes=int(table.capacities[s]),
-            layer_names=tuple(lc.name for lc in table.layers[s][lo:hi]),
-        )
-        for s, (lo, hi) in enumerate(itertools.pairwise(cuts))
-    )
-    lower = max(work, path)
-    solver = solver or SolverInfo(
-        solver="given", status="given", objective=latency, bound=lower, gap=0.0, seconds=0.0
-    )
-    if solver.status == "decomposed":  # state the gap against the plan's lower bound
-        gap = max(0.0, (solver.objective - lower) / solver.objective)
-        solver = SolverInfo(**{**solver.__dict__, "bound": lower, "gap": gap})
-    notes = tuple(
-        f"stage {st.index} on {st.device_name} needs {st.memory_bytes / 1e9:.2f} GB of "
-        f"{st.capacity_bytes / 1e9:.2f} GB"
-        for st in stages
-        if st.memory_bytes > st.capacity_bytes
-    )
-    return Plan(
-        workload=workload,
-        seq_len=table.seq_len,
-        granularity=granularity,
-        boundaries=tuple(int(b) for b in boundaries),
-        stages=stages,
-        start=tuple(tuple(map(float, r)) for r in start),
-        end=tuple(tuple(map(float, r)) for r in end),
-        latency=float(latency),
-        warmup_seconds=warmup,
-        lower_bound=lower,
-        lower_bound_work=work,
-        lower_bound_path=path,
-        solver=solver,
-        notes=notes,
-    )
-
-
-def _lower_bounds(
-    table: CostTable, num_stages: int, workload: Workload, granularity: int
-) -> tuple[float, float]:
-    """``(serial / S, last chunk across every layer)``, both with warm-up included.
-
-    Each layer is priced on the fastest of the ``S`` devices; valid when cutting a chunk
-    never reduces its work (true of roofline costs: weights re-read, padding, same FLOPs).
-    """
-    L = float(table.seq_len)
-    c = min(float(granularity), L)
-
-    def fastest(cc: float, pp: float) -> float:
-        per = np.array(
-            [
-                [
-                    float(np.asarray(lc.time(np.array([cc]), np.array([pp]))).ravel()[0])
-                    for lc in table.layers[d]
-                ]
-                for d in range(num_stages)
-            ]
-        )
-        return float(per.min(axis=0).sum())
-
-    serial = fastest(L, 0.0)
-    warm = workload.warmup_steps * serial
-    steps = workload.pipelined_steps
-    work = warm + steps * serial / num_stages
-    path = warm + (fastest(c, L - c) if steps else 0.0)
-    if steps > 1:  # every step's chunks cross every layer, one step after the other
-        path = max(path, warm + steps * serial / num_stages)
-    return work, path

@@ -30,24 +30,20 @@ import pulp
 from tppc.cost_models.table import CostTable
 from tppc.errors import PlanInfeasible
 from tppc.planner._solver import available_solver, solve, variable
+from tppc.planner.memory import IN_FLIGHT, memory_parts, smallest_fit, stage_memory
 from tppc.planner.plan import SolverInfo, Workload
 
 __all__ = [
-    "IN_FLIGHT",
     "balanced_placement",
     "chunk_layer_times",
     "infeasible_error",
     "place_layers",
     "placement_objective",
-    "stage_memory",
 ]
-
-IN_FLIGHT = 2
 
 MILP_MAX_TERMS = 20_000
 """Above ``layers × stages × chunks`` terms :func:`place_layers` uses a local search (the
 MILP on 80 layers × 8 stages × 116 chunks does not close in 20 s here)."""
-"""Chunks whose activations a stage holds at once (the one it runs and the one it sends)."""
 
 
 def chunk_layer_times(table: CostTable, device: int, boundaries: tuple[int, ...]) -> np.ndarray:
@@ -55,22 +51,6 @@ def chunk_layer_times(table: CostTable, device: int, boundaries: tuple[int, ...]
     a = np.asarray(boundaries[:-1], dtype=float)
     c = np.diff(np.asarray(boundaries, dtype=float))
     return np.stack([np.broadcast_to(lc.time(c, a), c.shape) for lc in table.layers[device]])
-
-
-def _memory_parts(table: CostTable, device: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per-layer static bytes (weights + full K/V) and act bytes per token on ``device``."""
-    layers = table.layers[device]
-    static = np.array(
-        [lc.weight_bytes + lc.kv_bytes_per_token * table.seq_len for lc in layers], float
-    )
-    act = np.array([lc.act_bytes_per_token for lc in layers], float)
-    return static, act
-
-
-def stage_memory(table: CostTable, device: int, lo: int, hi: int, max_chunk: int) -> int:
-    """Predicted peak bytes of layers ``[lo, hi)`` on ``device`` with chunks ≤ ``max_chunk``."""
-    static, act = _memory_parts(table, device)
-    return int(static[lo:hi].sum() + IN_FLIGHT * max_chunk * act[lo:hi].max())
 
 
 def _links(table: CostTable, cuts: tuple[int, ...], boundaries: tuple[int, ...]) -> np.ndarray:
@@ -130,7 +110,7 @@ def _partition(table: CostTable, num_stages: int, max_chunk: int, score) -> tupl
     best[0] = 0.0
     args = np.zeros((num_stages, n_layers + 1), dtype=int)
     for s in range(num_stages):
-        static, act = _memory_parts(table, s)
+        static, act = memory_parts(table, s)
         pre_mem = np.concatenate([[0.0], np.cumsum(static)])
         nxt = np.full(n_layers + 1, np.inf)
         for e in range(1, n_layers + 1):
@@ -219,7 +199,7 @@ def place_layers(
     row = [variable(f"m_{i}", 0) for i in range(n_chunks)]
     top = variable("t_max", 0)
     for s in range(num_stages):
-        static, act = _memory_parts(table, s)
+        static, act = memory_parts(table, s)
         widest = variable(f"act_{s}", 0)
         for j in range(n_layers):
             prob += widest >= float(act[j]) * x[j, s]
@@ -386,7 +366,7 @@ def infeasible_error(table: CostTable, num_stages: int, max_chunk: int) -> PlanI
             f"{need / 1e9:.2f} GB, capacity {cap / 1e9:.2f} GB{mark}"
         )
     name, cap = table.device_names[0], table.capacities[0]
-    fit = _smallest_fit(table, cap, max_chunk)
+    fit = smallest_fit(table, cap, max_chunk)
     if fit is None:
         lines.append(
             f"no number of {name} devices fits: a single layer needs more than "
@@ -409,18 +389,3 @@ def _min_ratio_cuts(table: CostTable, num_stages: int, max_chunk: int) -> tuple[
     cuts = _partition(table, num_stages, max_chunk, score)
     assert cuts is not None  # every score is finite
     return cuts
-
-
-def _smallest_fit(table: CostTable, capacity: int, max_chunk: int) -> int | None:
-    """Fewest devices of ``capacity`` (priced as device 0) holding all layers, greedily."""
-    static, act = _memory_parts(table, 0)
-    count, used, widest = 1, 0.0, 0.0
-    for j in range(table.num_layers):
-        alone = static[j] + IN_FLIGHT * max_chunk * act[j]
-        if alone > capacity:
-            return None
-        w = max(widest, act[j])
-        if used + static[j] + IN_FLIGHT * max_chunk * w > capacity:
-            count, used, w = count + 1, 0.0, act[j]
-        used, widest = used + static[j], w
-    return count
