@@ -104,8 +104,7 @@ def test_grouped_query_attention_reads_the_kv_heads_without_repeating_them():
     cp = compile_pipeline(model, args, plan=manual_plan(4, SEQ, cuts=(0, 4),
                                                         boundaries=(0, SEQ)))
     module = cp.stages[0].module
-    sdpa = [n for n in module.graph.nodes
-            if n.target == torch.ops.aten.scaled_dot_product_attention.default]
-    assert len(sdpa) == 2 and all(n.kwargs.get("enable_gqa") for n in sdpa)
+    sdpa = [n for n in module.graph.nodes if n.target == torch.ops.tppc.chunk_attention.default]
+    assert len(sdpa) == 2 and all(n.args[6] is True for n in sdpa)  # enable_gqa
     assert not [n for n in module.graph.nodes if n.target == torch.ops.aten.expand.default
                 and n.args[0].target == torch.ops.aten.unsqueeze.default]

@@ -55,12 +55,27 @@ def test_chunk_step_inputs_are_the_chunk_its_offset_and_the_kv_buffers(gpt_chunk
     assert "positional" in kinds  # the learned position embedding, sliced per chunk
 
 
-def test_is_causal_becomes_an_offset_causal_mask(gpt_chunk):
+def test_causal_attention_becomes_the_chunk_op_without_any_mask(gpt_chunk):
     _, _, chunk = gpt_chunk
-    sdpa = [n for n in chunk.graph.nodes
-            if n.target == torch.ops.aten.scaled_dot_product_attention.default]
-    assert sdpa and all(not n.kwargs.get("is_causal") for n in sdpa)
-    assert all(n.kwargs["attn_mask"].target == torch.ops.aten.tril.default for n in sdpa)
+    ops = [n for n in chunk.graph.nodes if n.target == torch.ops.tppc.chunk_attention.default]
+    assert len(ops) == 2
+    assert all(n.args[4] is True for n in ops)  # causal
+    assert not any(n.target in (torch.ops.aten.tril.default,
+                                torch.ops.aten.scaled_dot_product_attention.default)
+                   for n in chunk.graph.nodes)
+
+
+def test_hf_full_length_mask_is_dropped_from_the_chunk_step():
+    model, args, kwargs = examples.hf_llama(seq_len=16)
+    gm, ctx = annotate(model, args, kwargs)
+    chunk = run_passes(gm, ctx, [chunk_attention_pass])
+    ops = [n for n in chunk.graph.nodes if n.target == torch.ops.tppc.chunk_attention.default]
+    assert ops and all(n.args[4] is True and n.args[6] is True for n in ops)  # causal, GQA
+    positional = chunk.meta[CHUNK_SIGNATURE].frontier
+    vals = [n.meta["val"] for n in chunk.tppc_positional.graph.nodes if "val" in n.meta
+            and isinstance(n.meta["val"], torch.Tensor)]
+    symbolic = [v for v in vals if sum(not isinstance(s, int) for s in v.shape) >= 2]
+    assert positional and not symbolic  # no (L, L) value is computed per call
 
 
 @pytest.mark.parametrize("bounds", [(0, 16), (0, 1, 16), (0, 5, 6, 16), tuple(range(17))])

@@ -3,8 +3,12 @@
 Attention nodes are aten SDPA ops (torch.export captures) or calls of
 ``torch.nn.functional.scaled_dot_product_attention`` (fx captures). An SDPA node is causal
 when ``is_causal=True``, bidirectional when it has neither a mask nor ``is_causal``, and
-otherwise classified by evaluating its mask (a positional value) at the
-example length: a lower-triangular pattern is causal, an all-true one bidirectional.
+otherwise classified by evaluating its mask (a positional value) at small *probe lengths*,
+never at the example length (so classifying costs the same for a 32k-token example as for
+a 16-token one): a lower-triangular pattern at every probe is causal, an all-true one
+bidirectional. The probes are a short length and one longer than every integer constant
+the mask's computation uses (a sliding window of ``w`` tokens shows at lengths ``> w``), at
+most :data:`MAX_PROBE`.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from tppc.errors import AnnotationError
 from tppc.ir import TOKEN, AttentionKind
 from tppc.passes._shapes import call_module_of, module_path, size_expr, tensor_val
 
-__all__ = ["ATTENTION_OPS", "attention_kind", "evaluate_positional"]
+__all__ = ["ATTENTION_OPS", "MAX_PROBE", "attention_kind", "evaluate_positional",
+           "probe_lengths"]
 
 _aten = torch.ops.aten
 ATTENTION_OPS = {
@@ -29,6 +34,11 @@ ATTENTION_OPS = {
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
     F.scaled_dot_product_attention,
 }
+MAX_PROBE = 8192
+"""Longest probe length at which a mask is evaluated (its ``L × L`` pattern: 64 MiB)."""
+_SHORT_PROBE = 7
+_SENTINEL = 1 << 30
+"""Integer constants this large are slice ends and dtype limits, not window sizes."""
 
 
 def attention_kind(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext) -> AttentionKind:
@@ -46,19 +56,51 @@ def attention_kind(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext) -> At
             "on token values, not only on positions; tppc supports causal and unmasked "
             "attention. fix: drop the padding mask (pass one sequence without padding)"
         )
-    allowed = _allowed(evaluate_positional(mask, gm, ctx))
+    kinds = {_classify(_allowed(evaluate_positional(mask, gm, ctx, length)))
+             for length in probe_lengths(mask)}
+    if kinds == {"causal"} or kinds == {"bidirectional"}:
+        return kinds.pop()  # type: ignore[return-value]
+    raise AnnotationError(
+        f"attention node {node.name!r} (module {module_path(node)}) has a mask that is neither "
+        f"causal nor all-visible at the probe lengths {probe_lengths(mask)} (a sliding window "
+        "or padding?); tppc cannot chunk it yet. fix: use full causal or bidirectional "
+        "attention"
+    )
+
+
+def probe_lengths(mask: fx.Node) -> tuple[int, ...]:
+    """Sequence lengths at which to evaluate ``mask``: a short one and one beyond every
+    integer constant of its computation (capped at :data:`MAX_PROBE`)."""
+    literals = [abs(a) for n in _closure(mask) for a in _int_args(n)]
+    long = min(MAX_PROBE, max([2 * _SHORT_PROBE + 1, *(v + 2 for v in literals)]))
+    return (_SHORT_PROBE, long)
+
+
+def _int_args(node: fx.Node) -> list[int]:
+    flat = torch.utils._pytree.tree_leaves((node.args, node.kwargs))
+    return [a for a in flat if isinstance(a, int) and not isinstance(a, bool)
+            and abs(a) < _SENTINEL]
+
+
+def _closure(target: fx.Node) -> set[fx.Node]:
+    needed: set[fx.Node] = set()
+    todo = [target]
+    while todo:
+        n = todo.pop()
+        if n not in needed:
+            needed.add(n)
+            todo.extend(n.all_input_nodes)
+    return needed
+
+
+def _classify(allowed: torch.Tensor) -> str:
     n_q, n_k = allowed.shape[-2], allowed.shape[-1]
     causal = torch.ones(n_q, n_k, dtype=torch.bool).tril(diagonal=n_k - n_q)
     if bool((allowed == causal).all()):
         return "causal"
     if bool(allowed.all()):
         return "bidirectional"
-    raise AnnotationError(
-        f"attention node {node.name!r} (module {module_path(node)}) has a mask that is neither "
-        f"causal nor all-visible (first row allows {allowed.reshape(-1, n_k)[0].sum()} of "
-        f"{n_k} keys: a sliding window or padding?); tppc cannot chunk it yet. fix: use "
-        "full causal or bidirectional attention"
-    )
+    return "other"
 
 
 def _allowed(mask: torch.Tensor) -> torch.Tensor:
@@ -69,24 +111,21 @@ def _allowed(mask: torch.Tensor) -> torch.Tensor:
     return allowed.reshape(-1, *allowed.shape[-2:]).all(dim=0)
 
 
-def evaluate_positional(target: fx.Node, gm: fx.GraphModule, ctx: CompileContext) -> Any:
-    """Evaluate a positional value at the example length on CPU, with zero-valued inputs."""
-    needed: set[fx.Node] = set()
-    todo = [target]
-    while todo:
-        n = todo.pop()
-        if n not in needed:
-            needed.add(n)
-            todo.extend(n.all_input_nodes)
+def evaluate_positional(target: fx.Node, gm: fx.GraphModule, ctx: CompileContext,
+                        length: int | None = None) -> Any:
+    """Evaluate a positional value on CPU with zero-valued inputs, the sequence length set to
+    ``length`` (default: the example's)."""
+    needed = _closure(target)
+    length = ctx.example_seq if length is None else length
     env: dict[fx.Node, Any] = {}
     for n in gm.graph.nodes:
         if n not in needed:
             continue
         if n.op == "placeholder":
-            env[n] = _concrete(n, ctx)
+            env[n] = _concrete(n, ctx, length)
         elif n.op == "get_attr":
             value = operator.attrgetter(str(n.target))(gm)
-            env[n] = _concrete(n, ctx) if value.device.type == "meta" else value
+            env[n] = _concrete(n, ctx, length) if value.device.type == "meta" else value
         elif n.op in ("call_function", "call_method", "call_module"):
             args = _on_cpu(fx.node.map_arg(n.args, lambda a: env[a]))
             kwargs = _on_cpu(fx.node.map_arg(n.kwargs, lambda a: env[a]))
@@ -113,11 +152,11 @@ def _on_cpu(tree: Any) -> Any:
     return torch.utils._pytree.tree_map(fix, tree)
 
 
-def _concrete(node: fx.Node, ctx: CompileContext) -> Any:
+def _concrete(node: fx.Node, ctx: CompileContext, length: int) -> Any:
     val = tensor_val(node)
     if val is None:
         return node.meta.get("val")
-    shape = [int(size_expr(s).subs(ctx.seq_symbol, ctx.example_seq)) for s in val.shape]
+    shape = [int(size_expr(s).subs(ctx.seq_symbol, length)) for s in val.shape]
     return torch.zeros(shape, dtype=val.dtype)
 
 

@@ -51,6 +51,7 @@ import torch
 from torch import fx
 from torch.fx.operator_schemas import normalize_function
 
+import tppc.ops  # noqa: F401  (registers torch.ops.tppc)
 from tppc.context import CompileContext
 from tppc.errors import PassError
 from tppc.ir import CHUNK_INPUT, CHUNK_SIGNATURE, LAYER, TOKEN, ChunkInput, TokenInfo
@@ -184,7 +185,7 @@ class _Rewriter:
                 continue
             self.mode[node] = mode = self._mode_of(node)
             if mode == "copy":
-                todo.extend(node.all_input_nodes)
+                todo.extend(_inputs_read(node))
 
     def _mode_of(self, node: fx.Node) -> str:
         info: TokenInfo = node.meta[TOKEN]
@@ -279,6 +280,8 @@ class _Rewriter:
             axis = buf.meta[CHUNK_INPUT].axis
             kwargs[which] = self._read_buffer(kwargs[which], buf, axis, kv_len, layer,
                                               repeat=not gqa)
+        if node.target is _aten.scaled_dot_product_attention.default:
+            return self._chunk_op(node, kwargs, causal, gqa or kwargs.get("enable_gqa", False))
         if gqa:
             kwargs["enable_gqa"] = True
         mask = kwargs.get("attn_mask")
@@ -297,6 +300,19 @@ class _Rewriter:
                                                                           "attn_mask") else v)
                   for k, v in kwargs.items()}
         out = self.graph.call_function(node.target, (), kwargs)
+        out.meta.update(node.meta)
+        return out
+
+    def _chunk_op(self, node: fx.Node, kwargs: dict[str, Any], causal: bool,
+                  gqa: bool) -> fx.Node:
+        """``tppc::chunk_attention`` over the buffer: annotation proved the mask causal or
+        all-visible at every probe length, so it is dropped (nothing ``L × L`` remains)."""
+        if kwargs.get("dropout_p", 0.0):
+            raise PassError(f"attention node {node.name!r} has dropout_p="
+                            f"{kwargs['dropout_p']}; fix: put the model in eval mode")
+        args = (self.env[kwargs["query"]], kwargs["key"], kwargs["value"], self.start, causal,
+                kwargs.get("scale"), bool(gqa))
+        out = self.graph.call_function(torch.ops.tppc.chunk_attention.default, args)
         out.meta.update(node.meta)
         return out
 
@@ -347,6 +363,15 @@ class _Rewriter:
                 outs.append(leaf)
         self.graph.output(tuple(outs))
         return tuple(axes)
+
+
+def _inputs_read(node: fx.Node) -> list[fx.Node]:
+    """The nodes the chunk step reads for ``node``: SDPA's mask is not read (its node becomes
+    ``tppc::chunk_attention``, causal or unmasked by annotation's proof)."""
+    if node.target is not _aten.scaled_dot_product_attention.default:
+        return node.all_input_nodes
+    mask = _sdpa_kwargs(node).get("attn_mask")
+    return [a for a in node.all_input_nodes if a is not mask]
 
 
 def _sdpa_kwargs(node: fx.Node) -> dict[str, Any]:

@@ -1,0 +1,90 @@
+"""tppc's own operators: attention of one chunk over the K/V buffer, in O(c · L) memory.
+
+Terms:
+    chunk attention: the queries of a chunk ``[chunk_start, chunk_start + c)`` attending to
+        the keys ``[0, kv_len)`` read from a K/V buffer. Causal: query row ``i`` (absolute
+        position ``chunk_start + i``) sees keys ``j ≤ chunk_start + i`` (SDPA's
+        lower-right-aligned causal mask when ``kv_len = chunk_start + c``). Bidirectional: every
+        key is visible.
+
+``torch.ops.tppc.chunk_attention`` is a ``torch.library`` custom op, so a stage graph that
+calls it can be exported (``torch.export`` keeps it as one node) and priced as one node.
+It never builds an ``L × L`` mask: the first chunk of a causal sequence is SDPA with
+``is_causal=True``; a later chunk is cut into query blocks whose boolean mask holds at
+most :data:`MASK_ELEMENTS` elements, each block reading only the keys it may see.
+
+Example:
+    >>> q = k = v = torch.randn(1, 2, 8, 4)
+    >>> out = torch.ops.tppc.chunk_attention(q[:, :, 4:], k, v, 4, True)
+    >>> torch.allclose(out, F.scaled_dot_product_attention(q, k, v, is_causal=True)[:, :, 4:])
+    True
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+__all__ = ["MASK_ELEMENTS", "chunk_attention", "chunk_attention_eager"]
+
+MASK_ELEMENTS = 1 << 24
+"""Largest boolean mask (query rows × keys) one block of a causal chunk builds (16 MiB)."""
+
+
+def chunk_attention_eager(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    chunk_start: int, causal: bool, scale: float | None = None,
+                    enable_gqa: bool = False, attn_mask: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    """Attention of a chunk's queries over the buffer's keys (see the module docstring);
+    the body of the ``tppc::chunk_attention`` op.
+
+    Args:
+        query: ``(..., c, d)`` the chunk's queries.
+        key: ``(..., kv_len, d)`` the keys ``[0, kv_len)`` of the buffer.
+        value: ``(..., kv_len, d_v)`` the values, likewise.
+        chunk_start: absolute position of the chunk's first query.
+        causal: mask keys after each query's position (then ``attn_mask`` must be None).
+        scale: SDPA's scale (None: ``1/sqrt(d)``).
+        enable_gqa: SDPA's grouped-query attention (fewer K/V heads than query heads).
+        attn_mask: a mask of the chunk's rows over ``kv_len`` keys (bidirectional only).
+    """
+    if not causal:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
+                                              scale=scale, enable_gqa=enable_gqa)
+    if attn_mask is not None:
+        raise ValueError("tppc::chunk_attention: causal=True takes no attn_mask")
+    c, kv_len = query.shape[-2], key.shape[-2]
+    if chunk_start + c > kv_len:
+        raise ValueError(f"tppc::chunk_attention: chunk [{chunk_start}, {chunk_start + c}) "
+                         f"reads beyond the {kv_len} keys given")
+    if chunk_start == 0 and c == kv_len:
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale,
+                                              enable_gqa=enable_gqa)
+    out = query.new_empty((*query.shape[:-1], value.shape[-1]))
+    rows = max(1, min(c, MASK_ELEMENTS // max(1, chunk_start + c)))
+    for r0 in range(0, c, rows):
+        r1 = min(c, r0 + rows)
+        keys = chunk_start + r1  # the last row of this block sees keys [0, keys)
+        positions = torch.arange(chunk_start + r0, chunk_start + r1, device=query.device)
+        mask = torch.arange(keys, device=query.device) <= positions[:, None]
+        out[..., r0:r1, :] = F.scaled_dot_product_attention(
+            query[..., r0:r1, :], key[..., :keys, :], value[..., :keys, :], attn_mask=mask,
+            scale=scale, enable_gqa=enable_gqa)
+    return out
+
+
+@torch.library.custom_op("tppc::chunk_attention", mutates_args=())
+def chunk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    chunk_start: int, causal: bool, scale: float | None = None,
+                    enable_gqa: bool = False, attn_mask: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    """``torch.ops.tppc.chunk_attention``: :func:`chunk_attention_eager` as one graph node."""
+    return chunk_attention_eager(query, key, value, chunk_start, causal, scale, enable_gqa,
+                                 attn_mask)
+
+
+@chunk_attention.register_fake
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunk_start: int,
+      causal: bool, scale: float | None = None, enable_gqa: bool = False,
+      attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    return query.new_empty((*query.shape[:-1], value.shape[-1]))
