@@ -15,6 +15,7 @@ __all__ = [
     "PlanInfeasible",
     "RuntimeInputError",
     "SpecError",
+    "StageTimeout",
     "TppcError",
 ]
 
@@ -53,3 +54,7 @@ class PlanInfeasible(PlanError):
 
 class RuntimeInputError(TppcError, ValueError):
     """Inputs given to a compiled pipeline do not match what it was compiled for."""
+
+
+class StageTimeout(TppcError, TimeoutError):
+    """A pipeline call did not finish in time; the message names the stage that is behind."""

@@ -7,8 +7,8 @@ import torch
 
 from tppc import examples
 from tppc.backends._direct_output import write_outputs_in_place
-from tppc.backends.torch_local import Call
 from tppc.pipeline import compile_pipeline, manual_plan
+from tppc.runtime.state import Call, next_epoch
 
 pytest.importorskip("transformers")
 
@@ -25,25 +25,28 @@ def llama():
 
 def test_the_lm_head_gets_an_out_slot_and_only_the_last_stage(llama):
     _, _, cp = llama
-    first, last = cp.program(SEQ).runners
-    assert first.out_slots == {}
-    (slot,) = last.out_slots.values()
+    first, last = cp.program(SEQ).stages
+    assert first.out_slots == ()
+    (slot,) = last.out_slots
     assert slot.index == 0 and slot.axis == 1 and slot.shape[1] is None
     assert slot.shape[2] == 128 and slot.dtype == torch.float32  # tiny Llama's vocabulary
-    ops = [n.target for n in last.program.graph.nodes if n.op == "call_function"]
+    ops = [n.target for n in last.runnable.graph.nodes if n.op == "call_function"]
     assert torch.ops.aten.linear.out in ops
     assert torch.ops.aten.linear.out not in [n.target for n in last.module.graph.nodes]
 
 
 @pytest.mark.parametrize("executor", ["local", "threads"])
 def test_logits_written_in_place_equal_the_fresh_per_chunk_logits_bit_for_bit(llama, executor):
-    model, ids, cp = llama
+    model, ids, base = llama
+    cp = base.with_plan(base.plan, executor=executor)  # same threads: same kernels' splits
     with torch.no_grad():
         got = cp(ids).logits
-        program = cp.program(SEQ)
-        flat, _ = cp.flatten_inputs((ids,), {})
-        call = Call(tuple(flat), program.plan.chunks, SEQ, SEQ, cp.next_epoch())  # no outputs
-        fresh = torch.cat([values[0] for values in cp.run(call, program, executor)], dim=1)
+        front, bound = cp.bind((ids,), {})
+        program = cp.program(SEQ, front)
+        call = Call(tuple(bound.flat), program.chunks, SEQ, SEQ, next_epoch())  # no outputs
+        state = front.pool.acquire(SEQ)
+        fresh = torch.cat([values[0] for values in cp.execute(program, call, state,
+                                                              executor=executor)], dim=1)
         expected = model(ids).logits
     assert torch.equal(got, fresh)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

@@ -54,7 +54,7 @@ def test_a_failing_stage_raises_in_the_caller(gpt, monkeypatch):
     ids, _, base = gpt
     plan = manual_plan(LAYERS, SEQ, cuts=(0, 3, LAYERS), boundaries=(0, 8, SEQ))
     cp = base.with_plan(plan, executor="threads")
-    stage = cp.program(SEQ).runners[1].program  # what runs (the stage graph + out slots)
+    stage = cp.program(SEQ).stages[1].runnable  # what runs (the stage graph + out slots)
 
     def broken(*args, **kwargs):
         raise ValueError("stage 1 broke")

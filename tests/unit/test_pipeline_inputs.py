@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tppc import examples
-from tppc.backends.torch_local import StageRunner
+from tppc.backends import torch_local
 from tppc.errors import RuntimeInputError
 from tppc.pipeline import compile_pipeline, manual_plan
 
@@ -25,16 +25,16 @@ def no_stage_runs(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("a stage ran")
 
-    monkeypatch.setattr(StageRunner, "run", fail)
-    monkeypatch.setattr(StageRunner, "prepare", fail)
+    monkeypatch.setattr(torch_local, "run_stage", fail)
+    monkeypatch.setattr(torch_local, "prepare_stage", fail)
+    monkeypatch.setattr("tppc.backends.torch_threads.run_stage", fail)
 
 
 @pytest.mark.parametrize(("ids", "message"), [
     (torch.zeros(1, SEQ), "float32 of rank 2, compiled for torch.int64"),
     (torch.zeros(SEQ, dtype=torch.long), "rank 1"),
     (torch.zeros(1, SEQ, 1, dtype=torch.long), "rank 3"),
-    (torch.zeros(2, SEQ, dtype=torch.long), "size 2 on axis 0"),
-    (torch.zeros(1, 2 * SEQ, dtype=torch.long), "max_seq=32"),
+    (torch.zeros(1, 2 * SEQ, dtype=torch.long), "the given plan is for 16"),
 ])
 def test_bad_inputs_are_refused_before_any_stage_runs(gpt, no_stage_runs, ids, message):
     _, cp = gpt

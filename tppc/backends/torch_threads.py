@@ -10,7 +10,11 @@ on a side stream after its compute (``non_blocking``) and sends a CUDA event wit
 next worker's stream waits on that event, so the copy of chunk ``i`` overlaps the compute
 of chunk ``i + 1``. On CPU a transfer is a hand-over of the tensor.
 
-A failure in any worker stops every worker and is re-raised in the calling thread.
+A failure in any worker stops every worker and is re-raised in the calling thread, with a
+note naming the stage and the chunk. A run returns only when every chunk has left the last
+stage; ``timeout`` (seconds) raises :class:`tppc.errors.StageTimeout` naming the stage that
+has not answered. Each call gets its own queues, workers and trace, so concurrent calls (on
+their own call states) do not interfere.
 """
 
 from __future__ import annotations
@@ -24,7 +28,10 @@ from typing import Any
 
 import torch
 
-from tppc.backends.torch_local import Call, Sink, StageRunner
+from tppc.backends.torch_local import Sink, run_stage
+from tppc.errors import StageTimeout
+from tppc.program import Program
+from tppc.runtime.state import Call, CallState
 
 __all__ = ["ThreadsExecutor"]
 
@@ -56,58 +63,89 @@ class ThreadsExecutor:
     def __init__(self, threads_per_stage: int | Sequence[int] | None = None,
                  queue_depth: int = 2) -> None:
         self.threads_per_stage = threads_per_stage
-        self.queue_depth = max(1, int(queue_depth))
+        self.queue_depth = queue_depth
         self.last_trace: list[tuple[int, int, float, float]] = []
         """``(stage, chunk, start, end)`` (``time.perf_counter``) of every job of the last run."""
 
-    def check(self, runners: Sequence[StageRunner]) -> str | None:
-        """None when it can run the stages (any CPU or CUDA devices)."""
-        bad = [str(r.device) for r in runners if r.device.type not in ("cpu", "cuda")]
-        return f"devices {bad} are neither cpu nor cuda" if bad else None
+    def check(self, program: Program) -> str | None:
+        """None when it can run the program (CPU or CUDA stages, a thread count per stage)."""
+        bad = [str(st.device) for st in program.stages if st.device.type not in ("cpu", "cuda")]
+        if bad:
+            return f"devices {bad} are neither cpu nor cuda"
+        t = self.threads_per_stage
+        if t is not None and not isinstance(t, int) and len(t) < len(program.stages):
+            return (f"threads_per_stage={list(t)} names {len(t)} stages, the plan has "
+                    f"{len(program.stages)}")
+        return None
 
-    def run(self, runners: Sequence[StageRunner], call: Call, sink: Sink | None = None
-            ) -> list[tuple[Any, ...]]:
+    def run(self, program: Program, call: Call, state: CallState, sink: Sink | None = None,
+            timeout: float | None = None) -> list[tuple[Any, ...]]:
         """Every chunk through every stage, stages concurrently.
 
         Returns the last stage's outputs per chunk, or ``[]`` when they go to ``sink`` (called
         in the calling thread as each chunk leaves the last stage).
+
+        Raises:
+            StageTimeout: ``timeout`` seconds passed before the last chunk left the last stage.
         """
-        queues = [queue.Queue(self.queue_depth) for _ in range(len(runners) + 1)]
-        self.last_trace = []
-        stop = threading.Event()
-        errors: list[BaseException] = []
+        stages = program.stages
+        run = _Run(call, state, len(stages), self.queue_depth)
         mode = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
-        workers = [
-            threading.Thread(target=self._work_in_mode, name=f"tppc-stage-{s}", daemon=True,
-                             args=(mode, runners, s, call, queues, stop, errors))
-            for s in range(len(runners))
-        ]
+        workers = [threading.Thread(target=self._work_in_mode, name=f"tppc-stage-{s}",
+                                    daemon=True, args=(mode, program, s, run))
+                   for s in range(len(stages))]
         for w in workers:
             w.start()
+        deadline = None if timeout is None else time.perf_counter() + timeout
         results: list[tuple[Any, ...]] = []
-        done = 0
+        timed_out = False
         try:
-            while done < len(call.chunks) and not errors:
-                try:
-                    item = queues[-1].get(timeout=_POLL)
-                except queue.Empty:
-                    if not any(w.is_alive() for w in workers):
-                        break
-                    continue
-                _wait_event(item.event, runners[-1].device)
+            for index in range(len(call.chunks)):
+                item = self._next(run, workers, deadline, program, timeout)
+                if item is None:
+                    break
+                _wait_event(item.event, stages[-1].device)
                 if sink is None:
                     results.append(item.values)
                 else:
-                    sink(item.index, item.values)
-                done += 1
+                    sink(index, item.values)
+        except StageTimeout:
+            timed_out = True
+            raise
         finally:
-            if done < len(call.chunks):
-                stop.set()
-            for w in workers:
-                w.join()
-        if errors:
-            raise errors[0]
+            run.stop.set()
+            for w in workers:  # a worker stuck in an op cannot be interrupted: not waited for
+                w.join(timeout=_POLL * 4 if timed_out else None)
+        self.last_trace = run.trace
+        if run.errors:
+            raise run.errors[0]
         return results
+
+    def _next(self, run: _Run, workers: list[threading.Thread], deadline: float | None,
+              program: Program, timeout: float | None) -> _Item | None:
+        """The next chunk out of the last stage; None when a worker failed."""
+        while not run.errors:
+            try:
+                return run.queues[-1].get(timeout=_POLL)
+            except queue.Empty:
+                pass
+            if deadline is not None and time.perf_counter() > deadline:
+                s = run.stuck_stage()
+                stage = program.stages[s]
+                raise StageTimeout(
+                    f"stage {s} ({stage.device}, layers {stage.layers[0]}..{stage.layers[-1]}) "
+                    f"has not finished chunk {run.done[s]} of {len(run.call.chunks)} within "
+                    f"timeout={timeout} s. fix: raise the timeout, or check that stage's "
+                    "device")
+            if not any(w.is_alive() for w in workers):
+                try:  # the last item may have been put just before its worker exited
+                    return run.queues[-1].get_nowait()
+                except queue.Empty:
+                    if not run.errors:
+                        raise RuntimeError(
+                            f"tppc threads executor: every worker ended with {run.done} chunks "
+                            f"done per stage of {len(run.call.chunks)}") from None
+        return None
 
     def _work_in_mode(self, mode: tuple[bool, bool], *args: Any) -> None:
         """Run :meth:`_work` under the caller's inference / grad mode (both are per thread)."""
@@ -115,42 +153,61 @@ class ThreadsExecutor:
         with torch.inference_mode() if inference else torch.set_grad_enabled(grad):
             self._work(*args)
 
-    def _work(self, runners: Sequence[StageRunner], s: int, call: Call,
-              queues: list[queue.Queue], stop: threading.Event,
-              errors: list[BaseException]) -> None:
-        runner = runners[s]
-        nxt = runners[s + 1].device if s + 1 < len(runners) else runner.device
+    def _work(self, program: Program, s: int, run: _Run) -> None:
+        stage = program.stages[s]
+        nxt = program.stages[s + 1].device if s + 1 < len(program.stages) else stage.device
+        call, i, start, end = run.call, 0, 0, 0
         try:
             threads = self._threads(s)
             if threads is not None:
                 torch.set_num_threads(threads)
-            if runner.device.type == "cuda":
-                torch.cuda.set_device(runner.device)
-            copier = _Copier(runner.device, nxt)
-            runner.prepare(call)
+            if stage.device.type == "cuda":
+                torch.cuda.set_device(stage.device)
+            copier = _Copier(stage.device, nxt)
             for i, (start, end) in enumerate(call.chunks):
                 if s == 0:
                     received: tuple[Any, ...] = ()
                 else:
-                    item = _get(queues[s], stop)
-                    _wait_event(item.event, runner.device)
+                    item = _get(run.queues[s], run.stop)
+                    _wait_event(item.event, stage.device)
                     received = item.values
                 t0 = time.perf_counter()
-                values = runner.run(call, start, end, received)
-                self.last_trace.append((s, i, t0, time.perf_counter()))
+                values = run_stage(stage, call, run.state, start, end, received)
+                run.trace.append((s, i, t0, time.perf_counter()))
                 values, event = copier.send(values)
-                _put(queues[s + 1], _Item(i, values, event), stop)
+                run.done[s] = i + 1
+                _put(run.queues[s + 1], _Item(i, values, event), run.stop)
         except _Stopped:
             return
         except BaseException as exc:  # re-raised in the calling thread
-            errors.append(exc)
-            stop.set()
+            exc.add_note(f"[tppc] in stage {s} ({stage.device}), chunk {i} [{start}, {end})")
+            run.errors.append(exc)
+            run.stop.set()
 
     def _threads(self, s: int) -> int | None:
         t = self.threads_per_stage
         if t is None or isinstance(t, int):
             return t
         return t[s]
+
+
+class _Run:
+    """The queues, stop flag, errors, progress and trace of one call."""
+
+    def __init__(self, call: Call, state: CallState, stages: int, depth: int) -> None:
+        self.call, self.state = call, state
+        self.queues: list[queue.Queue] = [queue.Queue(depth) for _ in range(stages + 1)]
+        self.stop = threading.Event()
+        self.errors: list[BaseException] = []
+        self.done = [0] * stages
+        self.trace: list[tuple[int, int, float, float]] = []
+
+    def stuck_stage(self) -> int:
+        """The first stage that is behind the stage before it (or the first stage)."""
+        for s, done in enumerate(self.done):
+            if done < (len(self.call.chunks) if s == 0 else self.done[s - 1]):
+                return s
+        return len(self.done) - 1
 
 
 class _Copier:

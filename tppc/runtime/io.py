@@ -1,18 +1,16 @@
-"""Runtime edges of a compiled pipeline: checking inputs, placing stages, assembling outputs."""
+"""Runtime edges of a compiled pipeline: checking inputs and assembling outputs."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import fx
 
-from tppc.backends.torch_local import Call
-from tppc.errors import RuntimeInputError, SpecError
-from tppc.planner.plan import StagePlan
+from tppc.errors import RuntimeInputError
+from tppc.runtime.state import Call
 
-__all__ = ["OutputAssembler", "check_input", "device_for"]
+__all__ = ["OutputAssembler", "check_input"]
 
 
 class OutputAssembler:
@@ -45,8 +43,10 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
             and a.dtype == b.dtype and a.device == b.device)
 
 
-def check_input(ph: fx.Node, value: Any) -> None:
+def check_input(ph: fx.Node, value: Any, *, skip_axes: tuple[int, ...] = ()) -> None:
     """Check one flat input against its captured placeholder (type, dtype, rank, sizes).
+
+    ``skip_axes``: static axes not checked (the batch axis, which is re-captured).
 
     Raises:
         RuntimeInputError: naming the input, what it is, what was compiled, and the fix.
@@ -65,25 +65,8 @@ def check_input(ph: fx.Node, value: Any) -> None:
             f"{val.dtype} of rank {val.dim()}. fix: pass a {val.dtype} tensor of rank "
             f"{val.dim()}")
     for axis, (got, want) in enumerate(zip(value.shape, val.shape)):
-        if not isinstance(want, torch.SymInt) and got != int(want):
+        if axis not in skip_axes and not isinstance(want, torch.SymInt) and got != int(want):
             raise RuntimeInputError(
                 f"input {ph.name!r} has size {got} on axis {axis} (shape "
-                f"{tuple(value.shape)}), compiled for {int(want)} (a batch size the plan was "
-                f"not made for?). fix: compile with an example of that shape")
-
-
-def device_for(stage: StagePlan, s: int, devices: Sequence[str | torch.device] | None
-                ) -> torch.device:
-    """The torch device of stage ``s``: ``devices[s]``, ``cpu`` for CPU presets, else CUDA."""
-    if devices is not None:
-        if len(devices) < s + 1:
-            raise SpecError(f"devices={list(devices)} names {len(devices)} devices, the plan "
-                            f"has more stages. fix: give one device per stage")
-        return torch.device(devices[s])
-    if stage.device_name == "cpu":
-        return torch.device("cpu")
-    if torch.cuda.is_available() and torch.cuda.device_count() > stage.device_index:
-        return torch.device("cuda", stage.device_index)
-    raise SpecError(
-        f"stage {s} is planned for a {stage.device_name}, but cuda:{stage.device_index} is not "
-        f"available here. fix: pass devices=['cpu', ...] to run the stages on this machine")
+                f"{tuple(value.shape)}), compiled for {int(want)}. fix: pass inputs of the "
+                f"compiled shape (only the batch and the sequence axes may change)")

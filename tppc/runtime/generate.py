@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tppc.backends.torch_local import Call
 from tppc.errors import RuntimeInputError
+from tppc.runtime.state import Call, next_epoch
 
 if TYPE_CHECKING:
-    from tppc.pipeline import CompiledPipeline
+    from tppc.runtime.compiled import CompiledPipeline
+    from tppc.runtime.frontend import FrontEnd
 
 __all__ = ["greedy_generate"]
 
@@ -44,29 +45,37 @@ def greedy_generate(cp: CompiledPipeline, input_ids: torch.Tensor, max_new_token
         pad_token_id: id appended to ended sequences (default: the model's, else the EOS).
 
     Raises:
-        RuntimeInputError: bad inputs (see :meth:`CompiledPipeline.flatten_inputs`).
+        RuntimeInputError: bad inputs (see :meth:`CompiledPipeline.bind`), checked before
+            anything runs; the pipeline is unchanged by a failed call.
     """
-    if max_new_tokens < 1:
-        raise RuntimeInputError(f"max_new_tokens={max_new_tokens} must be at least 1")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+            or max_new_tokens < 1:
+        raise RuntimeInputError(f"max_new_tokens={max_new_tokens!r} must be an integer ≥ 1")
     eos = cp.eos_token_id if eos_token_id is _DEFAULT else eos_token_id
     eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     pad = cp.pad_token_id if pad_token_id is _DEFAULT else pad_token_id
     pad = eos_ids[0] if pad is None and eos_ids else pad
-    flat, prompt = cp.flatten_inputs((input_ids,), {})
+    front, bound = cp.bind((input_ids,), {})
+    prompt = bound.length
     total = prompt + max_new_tokens
-    program = cp.program(prompt)
-    cp.reserve(total)
-    index = _token_input_index(cp, flat)
+    if cp.max_seq is not None and total > cp.max_seq:
+        raise RuntimeInputError(
+            f"{prompt} prompt tokens + max_new_tokens={max_new_tokens} = {total} tokens, "
+            f"max_seq={cp.max_seq}. fix: lower max_new_tokens to {cp.max_seq - prompt} or "
+            f"compile with max_seq={total}")
+    program = cp.program(prompt, front)
+    index = _token_input_index(cp, front)
+    flat = list(bound.flat)
     ids = torch.zeros(input_ids.shape[0], total, dtype=input_ids.dtype,
                       device=input_ids.device)
     ids[:, :prompt] = input_ids
     flat[index] = ids
-    epoch = cp.next_epoch()
-    logits_at = _logits_output(cp)
-    call = Call(tuple(flat), program.plan.chunks, total, total, epoch)
+    logits_at = _logits_output(cp, front)
+    state = front.pool.acquire(total)
+    epoch = next_epoch()
+    call = Call(tuple(flat), program.chunks, total, total, epoch)
     last: dict[str, Any] = {}
-    cp.run(call, program, sink=lambda i, values: last.update(values=values))
-    cp.set_filled(prompt)
+    cp.execute(program, call, state, sink=lambda i, values: last.update(values=values))
     logits = last["values"][logits_at]
     unfinished = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
     length = prompt
@@ -76,19 +85,19 @@ def greedy_generate(cp: CompiledPipeline, input_ids: torch.Tensor, max_new_token
             token = torch.where(unfinished, token, torch.full_like(token, pad))
         ids[:, length] = token
         length += 1
-        cp.set_filled(length - 1)
         if eos_ids:
             unfinished &= ~torch.isin(token, torch.tensor(eos_ids, device=token.device))
         if length == total or not bool(unfinished.any()):
             break
         step = Call(tuple(flat), ((length - 1, length),), total, total, epoch)
-        logits = cp.run(step, program, "local")[-1][logits_at]
+        logits = cp.execute(program, step, state, executor="local")[-1][logits_at]
+    cp.finish(front, state, length - 1)  # the last token's K/V are not computed
     return ids[:, :length].clone()
 
 
-def _token_input_index(cp: CompiledPipeline, flat: list[Any]) -> int:
-    names = cp._signature.user_inputs
-    seq = [i for i, n in enumerate(names) if n in cp.context.seq_inputs]
+def _token_input_index(cp: CompiledPipeline, front: FrontEnd) -> int:
+    names = front.signature.user_inputs
+    seq = [i for i, n in enumerate(names) if n in front.ctx.seq_inputs]
     if len(seq) != 1:
         raise RuntimeInputError(
             f"generate needs exactly one sequence input (token ids); {cp.model_name} has "
@@ -96,8 +105,8 @@ def _token_input_index(cp: CompiledPipeline, flat: list[Any]) -> int:
     return seq[0]
 
 
-def _logits_output(cp: CompiledPipeline) -> int:
-    for j, axis in enumerate(cp._signature.output_axes):
+def _logits_output(cp: CompiledPipeline, front: FrontEnd) -> int:
+    for j, axis in enumerate(front.signature.output_axes):
         if axis is not None:
             return j
     raise RuntimeInputError(f"{cp.model_name} returns no per-token output (logits) to decode")

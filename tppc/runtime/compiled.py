@@ -1,0 +1,326 @@
+"""A model compiled into a token pipeline: :class:`CompiledPipeline` (call it like the model).
+
+Terms:
+    program cache: one :class:`tppc.program.Program` per (batch shape, sequence length),
+        least recently used first out (``CompileOptions.program_cache``). A length tppc has
+        not planned is re-planned (when tppc made the plan) or refused (when it was given).
+    call state: each call takes its own K/V buffers from the front end's pool
+        (:mod:`tppc.runtime.state`), so concurrent calls of one pipeline are independent;
+        a call that fails drops its state and leaves the pipeline as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+from tppc.backends.torch_local import LocalExecutor, Sink
+from tppc.backends.torch_threads import ThreadsExecutor
+from tppc.context import PassRecord
+from tppc.errors import CaptureError, RuntimeInputError, SpecError
+from tppc.planner.plan import Plan
+from tppc.program import Program, build_program
+from tppc.runtime.frontend import BoundCall, FrontEnd, bind, capture_front_end
+from tppc.runtime.io import OutputAssembler
+from tppc.runtime.options import CompileOptions, ExecutorName, chunk_bounds
+from tppc.runtime.state import Call, CallState, StatePool, next_epoch
+
+__all__ = ["CompiledPipeline", "StageSummary"]
+
+Planner = Callable[[FrontEnd, int], Plan]
+"""``(front end, length) -> plan`` for lengths tppc plans itself."""
+
+
+@dataclass(frozen=True)
+class StageSummary:
+    """One stage of a compiled pipeline.
+
+    Attributes:
+        index: stage number.
+        device: where it runs.
+        layers: names of its layers.
+        module: its stage graph (``module.tppc_positional``: its positional program).
+        param_count: parameter elements it holds (positional program included).
+        param_bytes: bytes of its parameters and module buffers.
+        kv_bytes: bytes of its K/V buffers at the planned length.
+    """
+
+    index: int
+    device: torch.device
+    layers: tuple[str, ...]
+    module: fx.GraphModule
+    param_count: int
+    param_bytes: int
+    kv_bytes: int
+
+
+class CompiledPipeline:
+    """A model compiled into pipeline stages; call it like the model.
+
+    Attributes:
+        plan: the plan of the example's length.
+        options: the validated compile options.
+        context: the compile context of the example's capture.
+        executor: the executor calls run on.
+        last_trace: ``(stage, chunk, start, end)`` of the last ``threads`` call.
+    """
+
+    def __init__(self, model: torch.nn.Module, front: FrontEnd, plan: Plan, *,
+                 planner: Planner | None, options: CompileOptions,
+                 seq_dims: Mapping[str, int | tuple[int, ...]] | None = None) -> None:
+        self.model_name = type(model).__name__
+        self._model, self._seq_dims = model, seq_dims
+        self.options, self._planner, self._given = options, planner, plan
+        self._front = front
+        self._fronts: OrderedDict[Any, FrontEnd] = OrderedDict({front.batch: front})
+        self._programs: OrderedDict[tuple[Any, int], Program] = OrderedDict()
+        self._lock = threading.RLock()
+        self._executors = {"local": LocalExecutor(),
+                           "threads": ThreadsExecutor(options.threads_per_stage,
+                                                      options.queue_depth)}
+        self.executor: ExecutorName = options.executor
+        self._last: tuple[CallState, int, FrontEnd] | None = None
+        generation = getattr(model, "generation_config", None)
+        self.eos_token_id = getattr(generation, "eos_token_id", None)
+        self.pad_token_id = getattr(generation, "pad_token_id", None)
+        self._captured_history = len(front.ctx.history)
+        self._check_bidirectional(plan)
+        self._programs[front.batch, plan.seq_len] = self._build(front, plan)
+        self.plan = plan
+
+    # -- public --------------------------------------------------------------------------------
+    @property
+    def context(self) -> Any:
+        """The compile context of the example's capture."""
+        return self._front.ctx
+
+    @property
+    def max_seq(self) -> int | None:
+        """Longest sequence accepted (``None``: no limit)."""
+        return self.options.max_seq
+
+    @property
+    def stages(self) -> tuple[StageSummary, ...]:
+        """The stages of the planned length's program."""
+        return tuple(_summary(st, self.plan.seq_len)
+                     for st in self.program(self.plan.seq_len).stages)
+
+    @property
+    def history(self) -> list[PassRecord]:
+        """The graph after each pass, in order (re-plans append their partition)."""
+        return self._front.ctx.history
+
+    @property
+    def last_trace(self) -> list[tuple[int, int, float, float]]:
+        """``(stage, chunk, start, end)`` of every job of the last ``threads`` call."""
+        return self._executors["threads"].last_trace
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the pipeline; returns what the model returns.
+
+        Raises:
+            RuntimeInputError: inputs that do not match the compiled model (before any stage
+                runs), or a length that cannot be re-planned.
+            StageTimeout: the call took longer than ``options.timeout``.
+        """
+        return self.run(args, kwargs)
+
+    def run(self, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None, *,
+            timeout: float | None = None) -> Any:
+        """``model(*args, **kwargs)`` through the pipeline, with a per-call ``timeout``."""
+        front, bound = self.bind(args, kwargs or {})
+        program = self.program(bound.length, front)
+        state = front.pool.acquire(bound.length)
+        last = program.stages[-1]
+        axes = program.signature.output_axes
+        full = _new_outputs(last, bound.length, len(axes))
+        call = Call(tuple(bound.flat), program.chunks, bound.length, bound.length,
+                    next_epoch(), full)
+        outputs = OutputAssembler(axes, call)
+        self.execute(program, call, state, outputs, timeout=timeout)  # a failure drops state
+        self.finish(front, state, bound.length)
+        leaves = outputs.leaves
+        if program.tail is not None:
+            device = last.device
+            with torch.no_grad():
+                leaves = list(program.tail(*(x.to(device) if isinstance(x, torch.Tensor) else x
+                                             for x in bound.flat), *leaves))
+        return self.assemble(program, leaves)
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 20, **kwargs: Any
+                 ) -> torch.Tensor:
+        """Pipelined prefill, then greedy decoding; see :func:`tppc.runtime.generate`."""
+        from tppc.runtime.generate import greedy_generate
+
+        return greedy_generate(self, input_ids, max_new_tokens, **kwargs)
+
+    def kv_cache(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """Every attention's (K, V) over the tokens of the last call, in layer order.
+
+        K and V are as the model computes them before grouped-query repetition (HF's
+        ``past_key_values`` layout for Llama and GPT-2: ``(batch, kv_heads, seq, head_dim)``).
+
+        Raises:
+            RuntimeInputError: no call has finished yet, or a later call reused its buffers.
+        """
+        with self._lock:
+            last = self._last
+        if last is None or not last[0].filled:
+            raise RuntimeInputError("kv_cache() is empty: run a prefill (cp(input_ids)) first")
+        state, uses, front = last
+        if state.uses != uses:
+            raise RuntimeInputError("kv_cache(): the last call's K/V buffers were reused by a "
+                                    "later call. fix: call kv_cache() right after the call")
+        out = []
+        for attn in front.signature.attention:
+            pair = []
+            for which in ("key", "value"):
+                buf = next(b for b in front.signature.buffers
+                           if b.spec.source == attn and b.spec.kind == which)
+                tensor = state.buffer(buf.name)
+                pair.append(tensor.narrow(buf.spec.axis, 0, state.filled).clone())
+            out.append((pair[0], pair[1]))
+        return tuple(out)
+
+    def with_plan(self, plan: Plan, *, executor: ExecutorName | None = None,
+                  **options: Any) -> CompiledPipeline:
+        """The same captured model emitted for another plan (no re-capture); other lengths
+        are refused. ``options``: any :class:`CompileOptions` field."""
+        fields = {**self.options.__dict__, **options,
+                  "executor": executor or self.executor, "chunks": None}
+        ctx = dataclasses.replace(self._front.ctx,
+                                  history=list(self._front.ctx.history[: self._captured_history]))
+        front = dataclasses.replace(self._front, ctx=ctx,
+                                    pool=StatePool(self.options.keep_states))
+        return CompiledPipeline(self._model, front, plan, planner=None,
+                                options=CompileOptions(**fields), seq_dims=self._seq_dims)
+
+    # -- used by generate and the tests ---------------------------------------------------------
+    def bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+             ) -> tuple[FrontEnd, BoundCall]:
+        """The front end for these inputs (captured for a new batch size) and the bound call.
+
+        Raises:
+            RuntimeInputError: naming the input, what it is, what was compiled, and the fix.
+        """
+        bound = bind(self._front, self._model, args, kwargs)
+        if self.options.max_seq is not None and bound.length > self.options.max_seq:
+            raise RuntimeInputError(
+                f"the sequence has {bound.length} tokens, max_seq={self.options.max_seq}. "
+                f"fix: compile with max_seq={bound.length} (or more), or max_seq=None")
+        with self._lock:
+            front = self._fronts.get(bound.batch)
+            if front is not None:
+                self._fronts.move_to_end(bound.batch)
+                return front, bound
+        front = self._capture(args, kwargs, bound)
+        with self._lock:
+            self._fronts[bound.batch] = front
+            while len(self._fronts) > self.options.program_cache:
+                self._fronts.popitem(last=False)
+        return front, bound
+
+    def program(self, length: int, front: FrontEnd | None = None) -> Program:
+        """The program for ``length`` tokens (re-planned and cached, or refused)."""
+        front = front or self._front
+        key = (front.batch, length)
+        with self._lock:
+            if key in self._programs:
+                self._programs.move_to_end(key)
+                return self._programs[key]
+            if self._planner is None and length != self._given.seq_len:
+                raise RuntimeInputError(
+                    f"the sequence has {length} tokens; the given plan is for "
+                    f"{self._given.seq_len}. fix: call with {self._given.seq_len} tokens, or "
+                    "compile with plan=None so that tppc re-plans per length")
+            plan = self._given if self._planner is None else self._planner(front, length)
+            program = self._build(front, plan)
+            self._programs[key] = program
+            while len(self._programs) > self.options.program_cache:
+                self._programs.popitem(last=False)
+            return program
+
+    def execute(self, program: Program, call: Call, state: CallState, sink: Sink | None = None,
+                executor: ExecutorName | None = None, timeout: float | None = None
+                ) -> list[tuple[Any, ...]]:
+        """Run ``call`` on ``program`` with an executor (default: the compiled one)."""
+        timeout = self.options.timeout if timeout is None else timeout
+        return self._executors[executor or self.executor].run(program, call, state, sink,
+                                                              timeout=timeout)
+
+    def finish(self, front: FrontEnd, state: CallState, filled: int) -> None:
+        """Record a successful call's state (for :meth:`kv_cache`) and give it back."""
+        state.filled = filled
+        with self._lock:
+            self._last = (state, state.uses, front)
+        front.pool.release(state)
+
+    def assemble(self, program: Program, leaves: list[Any]) -> Any:
+        """The model's output structure from its flat outputs."""
+        if program.signature.out_spec is None:
+            return leaves[0] if len(leaves) == 1 else tuple(leaves)
+        return pytree.tree_unflatten(leaves, program.signature.out_spec)
+
+    # -- building ------------------------------------------------------------------------------
+    def _capture(self, args: tuple[Any, ...], kwargs: Mapping[str, Any],
+                 bound: BoundCall) -> FrontEnd:
+        if bound.length < 2:
+            raise RuntimeInputError(
+                f"a call with batch shape {bound.batch} needs a new capture, and a "
+                f"{bound.length}-token call cannot be captured. fix: call once with at least "
+                "2 tokens at this batch size")
+        try:
+            return capture_front_end(self._model, tuple(args), kwargs, seq_dims=self._seq_dims,
+                                     keep_states=self.options.keep_states)
+        except CaptureError as exc:
+            raise RuntimeInputError(f"re-capturing {self.model_name} for batch shape "
+                                    f"{bound.batch} failed: {exc}") from exc
+
+    def _check_bidirectional(self, plan: Plan) -> None:
+        chunks = self.options.chunks
+        many = (chunks is not None and (chunks != 1 if isinstance(chunks, int)
+                                        else len(chunks) > 2))
+        if self._front.bidirectional and (many or (self._planner is None
+                                                   and len(plan.boundaries) > 2)):
+            raise SpecError(
+                f"{self.model_name} has bidirectional attention ({self._front.bidirectional[0]}"
+                "): a chunk would attend to stale K/V of later chunks, so tppc runs each call "
+                "as one chunk (exact). fix: drop chunks= / give a plan with one chunk")
+
+    def _build(self, front: FrontEnd, plan: Plan) -> Program:
+        chunks = plan.chunks
+        if front.bidirectional:  # a barrier at every layer: one chunk, exact
+            chunks = ((0, plan.seq_len),)
+        elif self.options.chunks is not None and self._planner is None:
+            bounds = chunk_bounds(self.options.chunks, plan.seq_len)
+            chunks = tuple(zip(bounds, bounds[1:]))
+        program = build_program(front.chunk, front.ctx, plan, chunks, self.options.devices)
+        reason = self._executors[self.executor].check(program)
+        if reason is not None:
+            raise SpecError(f"executor {self.executor!r} cannot run these stages: {reason}. "
+                            "fix: use executor='local' or other devices")
+        return program
+
+
+def _new_outputs(last: Any, length: int, count: int) -> tuple[Any, ...]:
+    """Empty full-length outputs for the last stage's out slots, by flat index."""
+    outputs: list[Any] = [None] * count
+    for slot in last.out_slots:
+        outputs[slot.index] = torch.empty(slot.full_shape(length), dtype=slot.dtype,
+                                          device=last.device)
+    return tuple(outputs)
+
+
+def _summary(stage: Any, length: int) -> StageSummary:
+    return StageSummary(index=stage.index, device=stage.device, layers=stage.layers,
+                        module=stage.module, param_count=stage.param_count,
+                        param_bytes=stage.param_bytes,
+                        kv_bytes=sum(b.nbytes(length) for b in stage.buffers))

@@ -1,0 +1,138 @@
+"""Compile options, validated up front: :class:`CompileOptions`.
+
+Every option that can be wrong is checked when the pipeline is compiled, before anything is
+captured, and a :class:`tppc.errors.SpecError` names the option, its value and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from tppc.errors import RuntimeInputError, SpecError
+
+__all__ = ["CompileOptions", "ExecutorName", "chunk_bounds", "default_granularity"]
+
+ExecutorName = Literal["local", "threads"]
+EXECUTORS: tuple[ExecutorName, ...] = ("local", "threads")
+
+MAX_GRID = 1024
+"""Grid points (``⌈L / granularity⌉``) the default granularity keeps at most."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class CompileOptions:
+    """How ``tppc.compile`` plans, emits and runs (see :func:`tppc.compile`)."""
+
+    cluster: str = "2xcpu"
+    """Cluster string priced by the cost model (``"2xcpu"``, ``"4xh100-sxm"``)."""
+    executor: ExecutorName = "threads"
+    """``"threads"`` (one worker per stage) or ``"local"`` (the reference)."""
+    chunks: int | tuple[int, ...] | None = None
+    """Override the planner's split: a number of equal chunks, or the boundaries."""
+    devices: tuple[str | torch.device, ...] | None = None
+    """One torch device per stage (default: ``cpu`` for CPU presets, else ``cuda:i``)."""
+    max_seq: int | None = None
+    """Longest sequence (prompt + generated tokens) accepted; None: no limit."""
+    num_stages: int | None = None
+    """Stages to plan for (default: the planner's choice)."""
+    granularity: int | None = None
+    """Chunk sizes are multiples of this (the last chunk may be shorter); None: automatic."""
+    threads_per_stage: int | tuple[int, ...] | None = None
+    """Intra-op threads of each ``threads`` worker (None: torch's setting)."""
+    queue_depth: int = 2
+    """Chunks that may wait between two stages."""
+    time_limit: float = 10.0
+    """Seconds for the planner's solver."""
+    timeout: float | None = None
+    """Seconds a call may take before :class:`tppc.errors.StageTimeout` (None: no limit)."""
+    program_cache: int = 8
+    """Programs (one per sequence length and batch shape) kept, least recently used first out."""
+    keep_states: int = 1
+    """Idle call states (K/V buffers) kept per batch shape for the next call."""
+
+    def __post_init__(self) -> None:
+        if self.executor not in EXECUTORS:
+            raise SpecError(f"executor={self.executor!r}; use one of {list(EXECUTORS)}")
+        _check_chunks(self.chunks)
+        _positive("max_seq", self.max_seq)
+        _positive("num_stages", self.num_stages)
+        _positive("granularity", self.granularity)
+        _positive("queue_depth", self.queue_depth, optional=False)
+        _positive("program_cache", self.program_cache, optional=False)
+        _positive("keep_states", self.keep_states, optional=False, minimum=0)
+        threads = self.threads_per_stage
+        for t in (threads,) if threads is None or isinstance(threads, int) else threads:
+            _positive("threads_per_stage", t)
+        for name in ("time_limit", "timeout"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int | float) and value > 0):
+                raise SpecError(f"{name}={value!r} must be a positive number of seconds")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> CompileOptions:
+        """Options from ``tppc.compile``'s keywords (sequences become tuples)."""
+        for name in ("chunks", "devices", "threads_per_stage"):
+            value = kwargs.get(name)
+            if isinstance(value, Sequence) and not isinstance(value, str):
+                kwargs[name] = tuple(value)
+        return cls(**kwargs)
+
+
+def _positive(name: str, value: Any, *, optional: bool = True, minimum: int = 1) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise SpecError(f"{name}={value!r} must be an integer ≥ {minimum}"
+                        + (" or None" if optional else ""))
+
+
+def _check_chunks(chunks: Any) -> None:
+    if chunks is None:
+        return
+    if isinstance(chunks, int) and not isinstance(chunks, bool):
+        if chunks < 1:
+            raise SpecError(f"chunks={chunks} must be ≥ 1 (the number of chunks per call)")
+        return
+    bounds = tuple(chunks) if isinstance(chunks, Sequence) else None
+    if not bounds or not all(isinstance(b, int) and not isinstance(b, bool) for b in bounds):
+        raise SpecError(f"chunks={chunks!r} must be a number of chunks or token boundaries "
+                        "(0, b1, ..., L)")
+    if len(bounds) < 2 or bounds[0] != 0 or any(a >= b for a, b in zip(bounds, bounds[1:])):
+        raise SpecError(f"chunks={bounds} must be strictly increasing boundaries from 0 to the "
+                        "sequence length, e.g. (0, 8, 16)")
+
+
+def chunk_bounds(chunks: int | tuple[int, ...], length: int) -> tuple[int, ...]:
+    """Boundaries of ``chunks`` (a count or boundaries) for a call of ``length`` tokens.
+
+    A count larger than ``length`` gives one-token chunks (never empty ones).
+
+    Raises:
+        RuntimeInputError: boundaries that do not end at ``length``.
+    """
+    if isinstance(chunks, int):
+        count = min(chunks, length)
+        return tuple(round(i * length / count) for i in range(count + 1))
+    if chunks[-1] != length:
+        raise RuntimeInputError(
+            f"chunks={chunks} ends at {chunks[-1]} tokens, the call has {length}. fix: call "
+            f"with {chunks[-1]} tokens, or compile with chunks=<number of chunks>")
+    return chunks
+
+
+def default_granularity(tokens: int) -> int:
+    """The planner's grid step for ``tokens``: the smallest power of two that gives at most 64
+    grid points, at most 128 unless that gives more than :data:`MAX_GRID` points.
+
+    The last chunk covers the remainder when the step does not divide ``tokens``.
+    """
+    g = 1 << max(0, math.ceil(math.log2(max(1, tokens) / 64)))
+    g = min(g, 128)
+    while math.ceil(tokens / g) > MAX_GRID:
+        g *= 2
+    return g
