@@ -12,6 +12,7 @@ Terms:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -301,7 +302,7 @@ class CompiledPipeline:
             chunks = ((0, plan.seq_len),)
         elif self.options.chunks is not None and self._planner is None:
             bounds = chunk_bounds(self.options.chunks, plan.seq_len)
-            chunks = tuple(zip(bounds, bounds[1:]))
+            chunks = tuple(itertools.pairwise(bounds))
         program = build_program(front.chunk, front.ctx, plan, chunks, self.options.devices)
         reason = self._executors[self.executor].check(program)
         if reason is not None:

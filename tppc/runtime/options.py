@@ -6,6 +6,7 @@ captured, and a :class:`tppc.errors.SpecError` names the option, its value and t
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -102,7 +103,7 @@ def _check_chunks(chunks: Any) -> None:
     if not bounds or not all(isinstance(b, int) and not isinstance(b, bool) for b in bounds):
         raise SpecError(f"chunks={chunks!r} must be a number of chunks or token boundaries "
                         "(0, b1, ..., L)")
-    if len(bounds) < 2 or bounds[0] != 0 or any(a >= b for a, b in zip(bounds, bounds[1:])):
+    if len(bounds) < 2 or bounds[0] != 0 or any(a >= b for a, b in itertools.pairwise(bounds)):
         raise SpecError(f"chunks={bounds} must be strictly increasing boundaries from 0 to the "
                         "sequence length, e.g. (0, 8, 16)")
 
