@@ -201,8 +201,11 @@ class CompiledPipeline:
                                   history=list(self._front.ctx.history[: self._captured_history]))
         front = dataclasses.replace(self._front, ctx=ctx,
                                     pool=StatePool(self.options.keep_states))
-        return CompiledPipeline(self._model, front, plan, planner=None,
-                                options=CompileOptions(**fields), seq_dims=self._seq_dims)
+        other = CompiledPipeline(self._model, front, plan, planner=None,
+                                 options=CompileOptions(**fields), seq_dims=self._seq_dims)
+        with self._lock:  # captures of other batch shapes are shared (they are immutable)
+            other._fronts.update((k, f) for k, f in self._fronts.items() if k != front.batch)
+        return other
 
     # -- used by generate and the tests ---------------------------------------------------------
     def bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]

@@ -1,0 +1,190 @@
+"""Calls as real traffic sends them: concurrent, failing, timing out; the model untouched."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import tppc
+from tppc import examples
+from tppc.errors import RuntimeInputError, SpecError, StageTimeout
+from tppc.pipeline import manual_plan
+
+SEQ = 16
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    model, args, _ = examples.gpt(seq_len=SEQ, n_layer=2)
+    return model, tppc.compile(model, args, chunks=3, executor="threads")
+
+
+def _eager(model, ids):
+    with torch.no_grad():
+        return model(ids)
+
+
+def test_concurrent_calls_with_different_inputs_and_lengths_are_each_exact(gpt):
+    model, cp = gpt
+    inputs = [torch.randint(0, 256, (1 + i % 2, 20 + 7 * i)) for i in range(4)]
+    expected = [_eager(model, ids) for ids in inputs]
+    for ids in inputs:  # plan and capture first: the race is in running, not in compiling
+        cp(ids)
+    prompt = torch.randint(0, 256, (1, 12))
+    reference = cp.generate(prompt, max_new_tokens=6)
+    errors: list[BaseException] = []
+    results: dict[int, list] = {i: [] for i in range(5)}
+    barrier = threading.Barrier(5)
+
+    def caller(i: int) -> None:
+        try:
+            barrier.wait()
+            for _ in range(5):
+                if i == 4:
+                    results[i].append(cp.generate(prompt, max_new_tokens=6))
+                else:
+                    results[i].append(cp(inputs[i]))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for i in range(4):
+        for out in results[i]:
+            torch.testing.assert_close(out, expected[i], atol=1e-5, rtol=1e-5)
+    assert all(torch.equal(out, reference) for out in results[4])
+
+
+def test_the_users_model_is_untouched_by_compile_and_call():
+    model, args, _ = examples.hf_gpt2(seq_len=SEQ) if _has_hf() else examples.gpt(seq_len=SEQ)
+    before = {n: (p.device, p.data_ptr(), p.detach().clone(), type(p))
+              for n, p in model.named_parameters()}
+    cp = tppc.compile(model, args, chunks=2, executor="threads")
+    with torch.no_grad():
+        cp(*args)
+    for name, p in model.named_parameters():
+        device, ptr, value, kind = before[name]
+        assert (p.device, p.data_ptr(), type(p)) == (device, ptr, kind)
+        assert torch.equal(p, value)
+    stage_params = {id(p) for st in cp.stages for p in st.module.parameters()}
+    assert not stage_params & {id(p) for p in model.parameters()}  # their own tensor objects
+
+
+def _has_hf() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"chunks": 0}, "chunks=0 must be ≥ 1"),
+    ({"chunks": (0, 8, 4, 16)}, "strictly increasing"),
+    ({"chunks": (1, 16)}, "strictly increasing boundaries from 0"),
+    ({"threads_per_stage": 0}, "threads_per_stage=0"),
+    ({"threads_per_stage": (1, 0)}, "threads_per_stage=0"),
+    ({"queue_depth": 0}, "queue_depth=0"),
+    ({"executor": "gpu"}, "executor='gpu'"),
+    ({"time_limit": -1}, "time_limit=-1"),
+    ({"timeout": 0}, "timeout=0"),
+    ({"max_seq": 0}, "max_seq=0"),
+    ({"granularity": 0}, "granularity=0"),
+    ({"num_stages": 0}, "num_stages=0"),
+    ({"program_cache": 0}, "program_cache=0"),
+    ({"no_such_option": 1}, "no_such_option"),
+])
+def test_bad_options_are_refused_before_capture(options, message, monkeypatch):
+    model, args, _ = examples.gpt(seq_len=SEQ, n_layer=2)
+    monkeypatch.setattr("tppc.runtime.compile.capture_front_end",
+                        lambda *a, **k: pytest.fail("captured"))
+    with pytest.raises(SpecError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        tppc.compile(model, args, **options)
+
+
+def test_boundaries_for_another_length_are_refused_with_the_fix():
+    model, args, _ = examples.gpt(seq_len=SEQ, n_layer=2)
+    cp = tppc.compile(model, args, chunks=(0, 8, SEQ), executor="local")
+    with pytest.raises(RuntimeInputError, match="chunks=<number of chunks>"):
+        cp(torch.randint(0, 256, (1, 9)))
+
+
+def test_a_failed_generate_leaves_the_pipeline_as_usable_as_before(gpt):
+    model, args, _ = examples.gpt(seq_len=SEQ, n_layer=2)
+    cp = tppc.compile(model, args, chunks=2, max_seq=64, executor="threads")
+    with pytest.raises(RuntimeInputError, match="max_seq=64"):
+        cp.generate(args[0], max_new_tokens=10**12)
+    with pytest.raises(RuntimeInputError, match="max_seq=64"):
+        cp(torch.randint(0, 256, (1, 65)))  # the limit still holds
+    with pytest.raises(RuntimeInputError, match="max_new_tokens=0"):
+        cp.generate(args[0], max_new_tokens=0)
+    torch.testing.assert_close(cp(*args), _eager(model, args[0]), atol=1e-5, rtol=1e-5)
+
+
+def test_a_call_that_fails_in_a_stage_names_it_and_the_next_call_is_exact(gpt, monkeypatch):
+    model, cp = gpt
+    ids = torch.randint(0, 256, (1, SEQ))
+    program = cp.program(SEQ)
+    real = program.stages[1].runnable.forward
+    monkeypatch.setattr(program.stages[1].runnable, "forward",
+                        lambda *a, **k: (_ for _ in ()).throw(ValueError("broken")))
+    with pytest.raises(ValueError, match="broken") as info:
+        cp(ids)
+    assert any("stage 1" in note for note in info.value.__notes__)
+    monkeypatch.setattr(program.stages[1].runnable, "forward", real)
+    torch.testing.assert_close(cp(ids), _eager(model, ids), atol=1e-5, rtol=1e-5)
+
+
+def test_a_stage_that_does_not_answer_raises_a_timeout_naming_it():
+    model, args, _ = examples.gpt(seq_len=SEQ, n_layer=2)
+    plan = manual_plan(4, SEQ, cuts=(0, 2, 4), boundaries=(0, 8, SEQ))
+    cp = tppc.compile(model, args, plan=plan, executor="threads")
+    stage = cp.program(SEQ).stages[1].runnable
+    real = stage.forward
+
+    def slow(*a, **k):
+        time.sleep(1.0)
+        return real(*a, **k)
+
+    stage.forward = slow
+    start = time.perf_counter()
+    with pytest.raises(StageTimeout, match="stage 1 .* chunk 0 of 2"):
+        cp.run(args, timeout=0.3)
+    assert time.perf_counter() - start < 1.0
+    stage.forward = real
+    time.sleep(1.0)  # the stuck worker finishes on its own (its state was dropped)
+    torch.testing.assert_close(cp(*args), _eager(model, args[0]), atol=1e-5, rtol=1e-5)
+
+
+class _Encoder(torch.nn.Module):
+    """A bidirectional encoder (no mask): its attention needs every token's K/V."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 16)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 48) for _ in range(2))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for qkv in self.layers:
+            q, k, v = qkv(x).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
+            x = x + torch.nn.functional.scaled_dot_product_attention(q, k, v) \
+                .transpose(1, 2).flatten(2)
+        return x
+
+
+def test_bidirectional_attention_runs_exactly_as_one_chunk_and_refuses_chunks():
+    model = _Encoder().eval()
+    ids = torch.randint(0, 64, (1, SEQ))
+    cp = tppc.compile(model, (ids,), executor="threads")
+    assert cp.program(SEQ).chunks == ((0, SEQ),)
+    torch.testing.assert_close(cp(ids), _eager(model, ids), atol=1e-5, rtol=1e-5)
+    with pytest.raises(SpecError, match="bidirectional attention"):
+        tppc.compile(model, (ids,), chunks=2)

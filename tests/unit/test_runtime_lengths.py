@@ -1,0 +1,90 @@
+"""Every length, any batch size, any plan: the pipelined own GPT equals the eager model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tppc
+from tppc import examples
+from tppc.pipeline import manual_plan
+from tppc.runtime.options import default_granularity
+
+LAYERS = 4  # prologue, 2 blocks, epilogue
+PRIMES = [2, 3, 5, 7, 13, 31, 127, 509, 1021, 2039]
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    model, args, _ = examples.gpt(seq_len=32, n_layer=2)
+    return model, tppc.compile(model, args, cluster="2xcpu", executor="threads")
+
+
+def _eager(model, ids):
+    with torch.no_grad():
+        return model(ids)
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(length=st.one_of(st.integers(1, 1024), st.sampled_from(PRIMES[:-1])),
+       batch=st.integers(1, 3), executor=st.sampled_from(["local", "threads"]))
+def test_any_length_and_batch_equals_eager(gpt, length, batch, executor):
+    model, cp = gpt
+    cp.executor = executor
+    ids = torch.randint(0, 256, (batch, length))
+    torch.testing.assert_close(cp(ids), _eager(model, ids), atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=20, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), batch=st.integers(1, 3), executor=st.sampled_from(["local", "threads"]))
+def test_any_plan_at_any_length_equals_eager(gpt, data, batch, executor):
+    model, cp = gpt
+    length = data.draw(st.integers(2, 200))
+    stages = data.draw(st.integers(1, 3))
+    cuts = sorted(data.draw(st.sets(st.integers(1, LAYERS - 1), min_size=stages - 1,
+                                    max_size=stages - 1)))
+    bounds = sorted(data.draw(st.sets(st.integers(1, length - 1), max_size=12)))
+    plan = manual_plan(LAYERS, length, cuts=(0, *cuts, LAYERS), boundaries=(0, *bounds, length))
+    other = cp.with_plan(plan, executor=executor)
+    ids = torch.randint(0, 256, (batch, length))
+    torch.testing.assert_close(other(ids), _eager(model, ids), atol=1e-5, rtol=1e-5)
+
+
+def test_a_prime_length_runs_with_a_partial_last_chunk_not_granularity_one(gpt):
+    model, cp = gpt
+    ids = torch.randint(0, 256, (1, 1021))
+    torch.testing.assert_close(cp(ids), _eager(model, ids), atol=1e-5, rtol=1e-5)
+    plan = cp.program(1021).plan
+    assert plan.granularity == default_granularity(1021) == 16
+    assert all(b % 16 == 0 for b in plan.boundaries[:-1]) and plan.boundaries[-1] == 1021
+
+
+@pytest.mark.parametrize(("tokens", "granularity"), [
+    (1, 1), (64, 1), (65, 2), (1000, 16), (4096, 64), (8191, 128), (131072, 128),
+    (131073, 256), (1 << 20, 1024)])
+def test_default_granularity_keeps_the_grid_small(tokens, granularity):
+    assert default_granularity(tokens) == granularity
+
+
+def test_more_chunks_than_tokens_gives_one_token_chunks():
+    model, args, _ = examples.gpt(seq_len=16, n_layer=2)
+    cp = tppc.compile(model, args, chunks=4, executor="threads")
+    ids = torch.randint(0, 256, (2, 3))
+    torch.testing.assert_close(cp(ids), _eager(model, ids), atol=1e-5, rtol=1e-5)
+    assert cp.program(3).chunks == ((0, 1), (1, 2), (2, 3))
+    prompt = torch.randint(0, 256, (1, 3))
+    assert cp.generate(prompt, max_new_tokens=2).shape == (1, 5)
+
+
+def test_the_program_cache_is_bounded():
+    model, args, _ = examples.gpt(seq_len=16, n_layer=2)
+    cp = tppc.compile(model, args, chunks=2, program_cache=2, executor="local")
+    first = cp.program(8)
+    cp.program(9)
+    cp.program(10)
+    assert cp.program(8) is not first  # evicted, re-planned
+    assert len(cp._programs) == 2
