@@ -15,22 +15,9 @@ from torch.utils import _pytree as pytree
 from tppc.context import CompileContext
 from tppc.errors import CaptureError
 
-__all__ = ["ExportFailed", "example_units", "export_dynamic", "is_latent"]
+__all__ = ["example_units", "export_dynamic", "is_latent"]
 
 _DEFAULT_MAX_FACTOR = 64
-
-
-class ExportFailed(CaptureError):
-    """torch.export refused the model; ``fx_may_help`` says whether to try symbolic_trace.
-
-    Data-dependent control flow and key/value cache objects defeat ``torch.fx.symbolic_trace``
-    too, so for those the error is final; other failures (an op fake tensors cannot run, a
-    ``torch.fx.wrap``-ed helper calling numpy) may be captured by the fx fallback.
-    """
-
-    def __init__(self, message: str, *, fx_may_help: bool) -> None:
-        super().__init__(message)
-        self.fx_may_help = fx_may_help
 
 
 def export_dynamic(
@@ -57,7 +44,7 @@ def export_dynamic(
     except CaptureError:
         raise
     except Exception as exc:  # torch raises many types; we name the construct
-        raise ExportFailed(_explain(model, exc), fx_may_help=_fx_may_help(exc)) from exc
+        raise CaptureError(_explain(model, exc)) from exc
     gm = ep.module()
     guard = _check_guards(gm, bound, axes, patch, mode == "dynamic-square", units)
     _drop_guards(gm)
@@ -216,11 +203,6 @@ def _hint(exc: Exception) -> tuple[str, str, str] | None:
     return next((h for h in _HINTS if re.search(h[0], text, flags=re.IGNORECASE)), None)
 
 
-def _fx_may_help(exc: Exception) -> bool:
-    hint = _hint(exc)
-    return hint is None or hint[0] not in (_DATA_DEPENDENT, _CACHE)
-
-
 def _explain(model: torch.nn.Module, exc: Exception) -> str:
     text = f"{type(exc).__name__}: {exc}"
     where = _user_frame(exc)
@@ -228,9 +210,10 @@ def _explain(model: torch.nn.Module, exc: Exception) -> str:
     if hint is not None:
         _pattern, what, fix = hint
         return (f"torch.export could not capture {type(model).__name__}: {what}{where}.\n"
-                f"fix: {fix}.\noriginal error: {_first_lines(text)}")
+                f"fix: {fix}.\ntorch.export's error, in full:\n{text.strip()}")
     return (f"torch.export could not capture {type(model).__name__}{where}.\n"
-            f"original error: {_first_lines(text)}")
+            "fix: make the failing construct exportable (see torch.export's error below), or "
+            f"capture a submodule without it.\ntorch.export's error, in full:\n{text.strip()}")
 
 
 def _user_frame(exc: Exception) -> str:
@@ -239,7 +222,3 @@ def _user_frame(exc: Exception) -> str:
         if "/torch/" not in frame.filename and "/tppc/" not in frame.filename:
             return f" at {frame.filename}:{frame.lineno} ({frame.line})"
     return ""
-
-
-def _first_lines(text: str, n: int = 6) -> str:
-    return "\n".join(text.strip().splitlines()[:n])

@@ -13,10 +13,9 @@ Strategies, tried in order (``ctx.capture_mode`` records the one that worked):
         size to its example value (diffusers' DiT computes its patch grid with ``sqrt``).
         The graph's shapes are still symbolic, so annotation and costing work; the graph
         itself only runs at the example length, and ``ctx.specialization`` says why.
-    ``fx``: torch.export failed on something other than data-dependent control flow or a
-        K/V cache (an op fake tensors cannot run, a ``torch.fx.wrap``-ed helper calling
-        numpy): ``torch.fx.symbolic_trace`` traces the model and probe runs at a few real
-        lengths give every node a symbolic shape (see :mod:`tppc._fx_capture`).
+
+When torch.export fails, the :class:`CaptureError` carries tppc's diagnosis (the construct,
+the user frame, the fix) on top of torch.export's error in full.
 
 Example:
     >>> gm, ctx = capture(model, (input_ids,))          # doctest: +SKIP
@@ -34,8 +33,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from tppc._export import ExportFailed, export_dynamic
-from tppc._fx_capture import trace_fx
+from tppc._export import export_dynamic
 from tppc.context import CompileContext
 from tppc.errors import CaptureError
 
@@ -75,12 +73,7 @@ def capture(
     patch = _patch_size(model)
     fallback: tuple[fx.GraphModule, CompileContext] | None = None
     for mode in _strategies(bound, axes):
-        try:
-            gm, ctx = export_dynamic(model, bound, axes, patch, mode=mode, max_seq=max_seq)
-        except ExportFailed as exc:
-            if not exc.fx_may_help:
-                raise
-            gm, ctx = trace_fx(model, bound, axes, patch, export_error=str(exc))
+        gm, ctx = export_dynamic(model, bound, axes, patch, mode=mode, max_seq=max_seq)
         ctx.model_name = type(model).__name__
         ctx.capture_seconds = time.perf_counter() - start
         if ctx.specialization is None:

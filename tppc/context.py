@@ -9,8 +9,8 @@ import sympy
 
 __all__ = ["CaptureMode", "CompileContext", "PassRecord"]
 
-CaptureMode = Literal["dynamic", "dynamic-square", "specialized", "fx"]
-"""How capture succeeded: torch.export strategies, or the ``torch.fx.symbolic_trace`` fallback."""
+CaptureMode = Literal["dynamic", "dynamic-square", "specialized"]
+"""Which torch.export strategy captured the model (see :mod:`tppc.capture`)."""
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,7 @@ when their shape or value depends on the sequence length, else ``const``. A valu
 axis is the axis whose size depends on the sequence symbol, so transposes, views and
 merges of the token axis are followed by the symbolic shapes themselves.
 
-Graphs from torch.export hold aten ops; graphs from the fx fallback (``capture_mode ==
-"fx"``) hold torch-level functions, tensor methods (``"softmax"``, ``"view"``) and calls of
-torch.nn modules. Modules are classified by type: linear, norm, embedding, dropout and
-activation modules are row-wise, convolutions follow the patchify rule, softmax-like modules
-their ``dim``; any other module that reads token values is refused, since tppc cannot see
-inside it.
+Graphs come from torch.export and hold aten ops.
 
 Example:
     >>> gm, ctx = tppc.capture(tppc.models.GPT(), (ids,))          # doctest: +SKIP
@@ -28,14 +23,13 @@ import operator
 
 import sympy
 import torch
-from torch import fx, nn
+from torch import fx
 
 from tppc.context import CompileContext
 from tppc.errors import AnnotationError
 from tppc.ir import TOKEN, TokenInfo
 from tppc.passes._attention import ATTENTION_OPS, attention_kind
 from tppc.passes._shapes import (
-    call_module_of,
     module_path,
     op_dims,
     seq_axes,
@@ -52,8 +46,6 @@ _SHAPE_ONLY = {
     _aten.new_zeros.default, _aten.new_empty.default, _aten.new_full.default,
     _aten.zeros_like.default, _aten.ones_like.default, _aten.empty_like.default,
     _aten.full_like.default, _aten._assert_tensor_metadata.default,
-    "size", "dim", "numel", "new_ones", "new_zeros", "new_empty", "new_full",  # tensor methods
-    torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.numel,
 }
 _SHAPE_ATTRS = {"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "layout"}
 _REDUCTIONS = {
@@ -70,16 +62,6 @@ _SELECTING = {"select", "slice", "narrow", "split", "split_with_sizes", "chunk",
 _RESHAPES = {"view", "reshape", "_unsafe_view", "flatten", "unflatten", "view_as", "reshape_as"}
 _CONVS = {"conv1d", "conv2d", "conv3d", "convolution", "_convolution"}
 _MATMULS = {"matmul", "bmm", "mm", "baddbmm", "einsum"}
-_ROW_WISE_MODULES = (nn.Linear, nn.Bilinear, nn.LayerNorm, nn.RMSNorm, nn.Embedding,
-                     nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d,
-                     nn.AlphaDropout, nn.FeatureAlphaDropout)
-_MODULE_OPS: dict[type[nn.Module], str] = {
-    nn.Softmax: "softmax", nn.Softmin: "softmin", nn.LogSoftmax: "log_softmax", nn.GLU: "glu",
-    nn.Flatten: "flatten", nn.Unflatten: "unflatten",
-    nn.Conv1d: "conv1d", nn.Conv2d: "conv2d", nn.Conv3d: "conv3d",
-}
-_NOT_ROW_WISE_ACTIVATIONS = (nn.MultiheadAttention, nn.Softmax2d)
-
 
 def annotate_seq_dims_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     """Annotate every node with a :class:`TokenInfo`; set ``ctx.token_count``."""
@@ -121,8 +103,6 @@ def _token_op(node: fx.Node, axes: list[int], sizes: list[sympy.Expr], where: st
     src = _token_input(node)
     src_info: TokenInfo = src.meta[TOKEN]
     dims = op_dims(node, src)
-    if node.op == "call_module":
-        _check_module(node, where)
     if name in _MIXING_ALONG_DIM and src_info.axis in dims:
         hint = " Eager attention (matmul → softmax → matmul) is not supported; load the model " \
             "with attn_implementation='sdpa'." if "softmax" in name else ""
@@ -154,9 +134,9 @@ def _resizes_tokens(node: fx.Node, name: str, src: TokenInfo, sizes: list[sympy.
     """A row-wise op keeps the token count; one that pads, repeats or crops it is global.
 
     Reshapes and (patchify) convolutions change the axis' extent legitimately and are checked
-    by their own rules; module calls are judged by :func:`_check_module`.
+    by their own rules.
     """
-    if node.op == "call_module" or name in _RESHAPES or name in _CONVS:
+    if name in _RESHAPES or name in _CONVS:
         return False
     if src.axis_size is None or not sizes:
         return False
@@ -188,14 +168,9 @@ def _check_conv(node: fx.Node, src: TokenInfo, name: str, where: str) -> None:
 
 def _conv_geometry(node: fx.Node, spatial: int) -> tuple[int, int, int, int]:
     """Kernel, stride, padding and dilation of a convolution along one spatial axis."""
-    module = call_module_of(node)
-    if module is not None:
-        kernel = int(module.weight.shape[spatial + 2])
-        values = [module.stride, module.padding, module.dilation]
-    else:
-        kernel = int(size_expr(tensor_val(node.args[1]).shape[spatial + 2]))
-        values = [node.args[i] if len(node.args) > i else node.kwargs.get(key)
-                  for i, key in ((3, "stride"), (4, "padding"), (5, "dilation"))]
+    kernel = int(size_expr(tensor_val(node.args[1]).shape[spatial + 2]))
+    values = [node.args[i] if len(node.args) > i else node.kwargs.get(key)
+              for i, key in ((3, "stride"), (4, "padding"), (5, "dilation"))]
     if isinstance(values[1], str):  # "valid" or "same"
         values[1] = 0 if values[1] == "valid" else kernel - 1
     stride, padding, dilation = (_conv_param(v, spatial, 0 if i == 1 else 1)
@@ -207,24 +182,6 @@ def _conv_param(value: object, spatial: int, default: int) -> int:
     if isinstance(value, list | tuple):
         value = value[spatial] if len(value) > spatial else value[0]
     return int(value) if isinstance(value, int) else default
-
-
-def _check_module(node: fx.Node, where: str) -> None:
-    """Refuse a torch.nn module call on token values that tppc cannot classify."""
-    module = call_module_of(node)
-    if isinstance(module, _ROW_WISE_MODULES) or type(module) in _MODULE_OPS:
-        return
-    if type(module).__module__ == "torch.nn.modules.activation" and \
-            not isinstance(module, _NOT_ROW_WISE_ACTIVATIONS):
-        return
-    fix = "call F.scaled_dot_product_attention" if isinstance(module, nn.MultiheadAttention) \
-        else "write it with torch functions so tppc can see inside it"
-    raise AnnotationError(
-        f"node {node.name!r} (module {where}, nn.{type(module).__name__}) reads token values, "
-        f"and tppc does not know whether nn.{type(module).__name__} is row-wise along the "
-        f"token axis; it pipelines linear, norm, embedding, activation, patchify convolution "
-        f"and attention (scaled_dot_product_attention) ops. fix: {fix}"
-    )
 
 
 def _keeps_token_order(node: fx.Node, src: fx.Node, out_axes: list[int]) -> bool:
@@ -308,9 +265,6 @@ def _token_input(node: fx.Node) -> fx.Node:
 
 def _op_name(node: fx.Node) -> str:
     target = node.target
-    module = call_module_of(node)
-    if module is not None:
-        return _MODULE_OPS.get(type(module), type(module).__name__.lower())
     if isinstance(target, torch._ops.OpOverload):
         return target.overloadpacket.__name__
     return getattr(target, "__name__", str(target))
@@ -324,7 +278,7 @@ def _shape_only(node: fx.Node) -> bool:
     """Ops that read only the shape, dtype or device of their token input."""
     if node.target is getattr:
         return node.args[1] in _SHAPE_ATTRS
-    return node.op in ("call_function", "call_method") and node.target in _SHAPE_ONLY
+    return node.op == "call_function" and node.target in _SHAPE_ONLY
 
 
 def _symbolic_scalar(node: fx.Node, sym: sympy.Symbol) -> bool:

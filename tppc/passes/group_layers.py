@@ -1,8 +1,7 @@
 """Pass: group nodes into ordered layers (writes ``meta[LAYER]`` and ``ctx.layers``).
 
 Blocks are the children of the outermost module list with at least two numbered children
-(``model.layers.0``, ``model.layers.1``, ... found in ``nn_module_stack``, or in the targets
-of ``call_module`` nodes such as ``blocks.0.attn.qkv`` in fx captures). Nodes before the
+(``model.layers.0``, ``model.layers.1``, ... found in ``nn_module_stack``). Nodes before the
 first block form the ``prologue``, nodes after the last one the ``epilogue``; a node between
 two blocks that belongs to neither joins the block before it. Parameters belong to every
 layer that reads them (through ``get_attr`` or a ``call_module``).
