@@ -39,14 +39,19 @@ def export_dynamic(
     dim = torch.export.Dim("seq", min=2, max=max(upper, units + 1))
     shapes = _dynamic_shapes(bound, axes, dim, patch, square=mode == "dynamic-square")
     try:
-        ep = torch.export.export(model, bound.args, bound.kwargs, dynamic_shapes=shapes,
-                                 strict=False)
+        ep, pinned = _export(model, bound, shapes), None
     except CaptureError:
         raise
     except Exception as exc:  # torch raises many types; we name the construct
-        raise CaptureError(_explain(model, exc)) from exc
+        if not re.search(_PINNED, str(exc)):
+            raise CaptureError(_explain(model, exc)) from exc
+        try:  # the model pins the size: keep the shapes symbolic, run at the example only
+            ep = _export(model, bound, shapes, deferred=True)
+        except Exception:
+            raise CaptureError(_explain(model, exc)) from exc
+        pinned = f"torch.export: {str(exc).strip().splitlines()[0]} ({_pinned_line(exc)})"
     gm = ep.module()
-    guard = _check_guards(gm, bound, axes, patch, mode == "dynamic-square", units)
+    guard = pinned or _check_guards(gm, bound, axes, patch, mode == "dynamic-square", units)
     _drop_guards(gm)
     symbol = _seq_symbol(gm, axes)
     if symbol is None:
@@ -61,6 +66,21 @@ def export_dynamic(
         input_names=tuple(n.name for n in gm.graph.nodes if n.op == "placeholder"),
     )
     return gm, ctx
+
+
+def _export(model: torch.nn.Module, bound: inspect.BoundArguments, shapes: dict[str, Any],
+            *, deferred: bool = False) -> torch.export.ExportedProgram:
+    """torch.export; ``deferred`` turns size guards into runtime asserts instead of failing."""
+    return torch.export.export(model, bound.args, bound.kwargs, dynamic_shapes=shapes,
+                               strict=False, prefer_deferred_runtime_asserts_over_guards=deferred)
+
+
+_PINNED = r"Constraints violated|specialized it to be a constant"
+
+
+def _pinned_line(exc: Exception) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if "specialized" in ln]
+    return lines[0].lstrip("- ") if lines else "the model code fixed it"
 
 
 def example_units(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]],
@@ -94,8 +114,12 @@ def example_units(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]
 
 
 def is_latent(t: torch.Tensor, dims: tuple[int, ...]) -> bool:
-    """Whether ``t`` is an image latent ``(b, c, h, w)`` whose height is the sequence axis."""
-    return t.dim() == 4 and dims == (2,) and t.is_floating_point()
+    """Whether ``t`` is a latent whose height (in patch rows) is the sequence axis.
+
+    Image latents ``(b, c, h, w)`` (axis 2) or video latents ``(b, f, c, h, w)`` /
+    ``(b, c, f, h, w)`` (axis 3); the width is the last axis in both.
+    """
+    return t.is_floating_point() and dims == (t.dim() - 2,) and t.dim() in (4, 5)
 
 
 def _dynamic_shapes(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]],
@@ -121,9 +145,10 @@ def _spec_for(name: str, value: Any, axes: dict[str, tuple[int, ...]], dim: Any,
     if name not in axes:
         return None
     if is_latent(value, axes[name]):
-        spec = {2: patch * dim if patch > 1 else dim}
+        height = value.dim() - 2
+        spec = {height: patch * dim if patch > 1 else dim}
         if square:
-            spec[3] = spec[2]
+            spec[height + 1] = spec[height]
         return spec
     return dict.fromkeys(axes[name], dim)
 
@@ -141,7 +166,8 @@ def _check_guards(gm: fx.GraphModule, bound: inspect.BoundArguments,
             return value
         shape = list(value.shape)
         step = patch if is_latent(value, axes[name]) else 1
-        grown = list(axes[name]) + ([3] if square and is_latent(value, axes[name]) else [])
+        grown = list(axes[name]) + ([value.dim() - 1] if square and is_latent(value, axes[name])
+                                    else [])
         for d in grown:
             shape[d] += step
         return torch.empty(shape, dtype=value.dtype, device="meta")
