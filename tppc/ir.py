@@ -63,6 +63,11 @@ class TokenInfo:
         other_axes: further axes whose size depends on the sequence (a mask's key axis).
         attention: for ``mixing`` nodes, whether the attention is causal or bidirectional.
         module: the innermost module path of the node (``""`` at top level).
+        prefix: length of the constant, unsplit segment at the start of the token axis: the
+            text tokens of a joint-attention MM-DiT concatenated before the image tokens
+            (``cat([text, image], dim=axis)``). The split tokens are ``axis_size - prefix``
+            positions from ``prefix`` on. A value with ``axis_size == prefix`` is the text
+            segment alone (carried with the first patch of a step, never split).
     """
 
     role: Role
@@ -71,6 +76,12 @@ class TokenInfo:
     other_axes: tuple[int, ...] = ()
     attention: AttentionKind | None = None
     module: str = ""
+    prefix: int = 0
+
+    @property
+    def prefix_only(self) -> bool:
+        """Whether the value is a prefix segment alone (no split tokens)."""
+        return self.prefix > 0 and self.axis_size is not None and not self.axis_size.free_symbols
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import sympy
@@ -29,6 +30,7 @@ from tppc.context import CompileContext
 from tppc.errors import AnnotationError
 from tppc.ir import TOKEN, TokenInfo
 from tppc.passes._attention import ATTENTION_OPS, attention_kind
+from tppc.passes._segments import segment_info, split_tokens, with_prefix
 from tppc.passes._shapes import (
     module_path,
     op_dims,
@@ -88,8 +90,11 @@ def _annotate(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext,
     roles = {i.role for i in ins}
     if "global" in roles:
         return _info("global", axes, sizes, where)
-    if node.target in ATTENTION_OPS:
+    if node.target in ATTENTION_OPS and roles & {"token", "mixing"}:
         return _attention(node, gm, ctx, axes, sizes, where)
+    segment = None if _shape_only(node) else segment_info(node, where)
+    if segment is not None:
+        return segment
     if not roles & {"token", "mixing"} or _shape_only(node):
         dependent = bool(axes) or "positional" in roles or _symbolic_scalar(node, sym)
         role = "positional" if dependent else "const"
@@ -127,7 +132,7 @@ def _token_op(node: fx.Node, axes: list[int], sizes: list[sympy.Expr], where: st
         return _info("global", axes, sizes, where)
     if _resizes_tokens(node, name, src_info, sizes):
         return _info("global", axes, sizes, where)
-    return _info("token", axes, sizes, where)
+    return with_prefix(_info("token", axes, sizes, where), src_info)
 
 
 def _resizes_tokens(node: fx.Node, name: str, src: TokenInfo, sizes: list[sympy.Expr]) -> bool:
@@ -145,11 +150,23 @@ def _resizes_tokens(node: fx.Node, name: str, src: TokenInfo, sizes: list[sympy.
 
 def _attention(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext, axes: list[int],
                sizes: list[sympy.Expr], where: str) -> TokenInfo:
+    """Self- or joint attention over the token axis is ``mixing``.
+
+    Cross-attention to the context stream (keys without split tokens: text states) is
+    row-wise over the queries, hence ``token``; its keys and values are ``const``.
+    """
+    query: TokenInfo = node.args[0].meta[TOKEN]
+    key: TokenInfo = node.args[1].meta[TOKEN]
+    if not (key.role in ("token", "mixing") and split_tokens(key)):
+        if query.prefix_only:
+            return TokenInfo("token", query.axis, query.axis_size, module=where,
+                             prefix=query.prefix)
+        return with_prefix(_info("token", axes, sizes, where), query)
     kind = attention_kind(node, gm, ctx)
     if ctx.token_count is None and sizes:
-        ctx.token_count = sizes[0]
-    info = _info("mixing", axes, sizes, where)
-    return TokenInfo("mixing", info.axis, info.axis_size, info.other_axes, kind, where)
+        ctx.token_count = sizes[0] - query.prefix
+    info = with_prefix(_info("mixing", axes, sizes, where), query)
+    return dataclasses.replace(info, attention=kind) if info.role == "mixing" else info
 
 
 def _check_conv(node: fx.Node, src: TokenInfo, name: str, where: str) -> None:
@@ -257,6 +274,10 @@ def _role(node: fx.Node) -> str:
 
 
 def _token_input(node: fx.Node) -> fx.Node:
+    """The input whose token axis the op follows: one with split tokens when there is one."""
+    for arg in node.all_input_nodes:
+        if arg.meta[TOKEN].role in ("token", "mixing") and split_tokens(arg.meta[TOKEN]):
+            return arg
     for arg in node.all_input_nodes:
         if arg.meta[TOKEN].role in ("token", "mixing") and arg.meta[TOKEN].axis is not None:
             return arg
