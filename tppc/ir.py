@@ -100,6 +100,9 @@ class LayerInfo:
         attention_kinds: the kind of each attention node, in the same order.
         inputs: names of the token values produced before the layer and used in it.
         outputs: names of the token values produced in the layer and used after it.
+        through: names of the token values produced before the layer and used after it
+            (long skip connections, block i -> block N-i): a stage boundary inside or
+            after this layer must forward them.
     """
 
     index: int
@@ -113,6 +116,7 @@ class LayerInfo:
     attention_kinds: tuple[AttentionKind, ...]
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+    through: tuple[str, ...] = ()
 
 
 CHUNK_INPUT = "tppc.chunk_input"

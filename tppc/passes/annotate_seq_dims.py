@@ -99,11 +99,16 @@ def _annotate(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext,
         dependent = bool(axes) or "positional" in roles or _symbolic_scalar(node, sym)
         role = "positional" if dependent else "const"
         return _info(role, axes, sizes, where)
-    return _token_op(node, axes, sizes, where)
+    return _token_op(node, axes, sizes, where, pinned=ctx.specialized_to is not None)
 
 
-def _token_op(node: fx.Node, axes: list[int], sizes: list[sympy.Expr], where: str) -> TokenInfo:
-    """Classify a node that reads token values: token, global, or an AnnotationError."""
+def _token_op(node: fx.Node, axes: list[int], sizes: list[sympy.Expr], where: str, *,
+              pinned: bool = False) -> TokenInfo:
+    """Classify a node that reads token values: token, global, or an AnnotationError.
+
+    ``pinned``: the capture is specialised to one resolution, so a reshape may merge
+    constant axes before the token axis into it (a video's frames: frame-major tokens).
+    """
     name = _op_name(node)
     src = _token_input(node)
     src_info: TokenInfo = src.meta[TOKEN]
@@ -120,7 +125,7 @@ def _token_op(node: fx.Node, axes: list[int], sizes: list[sympy.Expr], where: st
         return _info("global", axes, sizes, where)
     if node.target is operator.getitem and not _getitem_keeps_tokens(node):
         return _info("global", axes, sizes, where)
-    if name in _RESHAPES and not _keeps_token_order(node, src, axes):
+    if name in _RESHAPES and not _keeps_token_order(node, src, axes, merge=pinned):
         return _info("global", axes, sizes, where)
     if len(axes) > 1 and name in _MATMULS:
         raise _mix_error(node, name, where, f"its value has {len(axes)} token axes {axes}: the "
@@ -201,8 +206,12 @@ def _conv_param(value: object, spatial: int, default: int) -> int:
     return int(value) if isinstance(value, int) else default
 
 
-def _keeps_token_order(node: fx.Node, src: fx.Node, out_axes: list[int]) -> bool:
-    """A reshape keeps token order when the extent of all axes before the token axis matches."""
+def _keeps_token_order(node: fx.Node, src: fx.Node, out_axes: list[int], *,
+                       merge: bool = False) -> bool:
+    """A reshape keeps token order when the extent of all axes before the token axis matches.
+
+    With ``merge``, constant axes before the token axis may also be merged into it.
+    """
     info: TokenInfo = src.meta[TOKEN]
     if info.axis is None or len(out_axes) != 1:
         return False
@@ -210,6 +219,8 @@ def _keeps_token_order(node: fx.Node, src: fx.Node, out_axes: list[int]) -> bool
     out_shape = tensor_val(node).shape
     before_in = sympy.Mul(*[size_expr(s) for s in in_shape[: info.axis]])
     before_out = sympy.Mul(*[size_expr(s) for s in out_shape[: out_axes[0]]])
+    if merge and not before_in.free_symbols and not before_out.free_symbols:
+        return before_in % before_out == 0
     return sympy.simplify(before_in - before_out) == 0
 
 
