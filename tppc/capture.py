@@ -99,6 +99,8 @@ def _describe_streams(model: torch.nn.Module, ctx: CompileContext, bound: inspec
     tensors = {k: v for k, v in bound.arguments.items() if isinstance(v, torch.Tensor)}
     ctx.context_inputs = tuple(n for n, t in tensors.items()
                                if n not in axes and t.dim() >= 2 and t.numel() > 1)
+    ctx.example_values = {n: t.detach() for n, t in tensors.items() if t.device.type != "meta"
+                          and (n in ctx.context_inputs or not t.is_floating_point())}
     for name, dims in axes.items():
         t = tensors[name]
         if is_latent(t, dims):

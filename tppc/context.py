@@ -43,6 +43,8 @@ class CompileContext:
             projections): their length is a constant, never tied to the sequence symbol.
         specialized_to: for ``specialized`` captures, input name -> the shape (resolution)
             the graph runs at; capture again (and cache) per resolution. None when dynamic.
+        example_values: the example's values of the context-stream and integer/bool inputs
+            (text masks, ids), so that masks are judged from them, not from zeros.
         layers: layer records written by ``group_layers``.
         history: one record per pass run.
     """
@@ -62,3 +64,4 @@ class CompileContext:
     patch_grid: tuple[int, ...] = ()
     context_inputs: tuple[str, ...] = ()
     specialized_to: dict[str, tuple[int, ...]] | None = None
+    example_values: dict[str, Any] = field(default_factory=dict)

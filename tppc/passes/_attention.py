@@ -49,10 +49,10 @@ def attention_kind(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext) -> At
     allowed = _allowed(evaluate_positional(mask, gm, ctx))
     n_q, n_k = allowed.shape[-2], allowed.shape[-1]
     causal = torch.ones(n_q, n_k, dtype=torch.bool).tril(diagonal=n_k - n_q)
+    if bool(allowed.all()):  # first: a broadcast (1, S) mask of ones is not causal
+        return "bidirectional"
     if bool((allowed == causal).all()):
         return "causal"
-    if bool(allowed.all()):
-        return "bidirectional"
     raise AnnotationError(
         f"attention node {node.name!r} (module {module_path(node)}) has a mask that is neither "
         f"causal nor all-visible (first row allows {allowed.reshape(-1, n_k)[0].sum()} of "
@@ -70,7 +70,11 @@ def _allowed(mask: torch.Tensor) -> torch.Tensor:
 
 
 def evaluate_positional(target: fx.Node, gm: fx.GraphModule, ctx: CompileContext) -> Any:
-    """Evaluate a positional value at the example length on CPU, with zero-valued inputs."""
+    """Evaluate a positional value at the example length on CPU.
+
+    Inputs take the example's values where capture kept them (``ctx.example_values``: text
+    masks, ids), else zeros.
+    """
     needed: set[fx.Node] = set()
     todo = [target]
     while todo:
@@ -118,7 +122,16 @@ def _concrete(node: fx.Node, ctx: CompileContext) -> Any:
     if val is None:
         return node.meta.get("val")
     shape = [int(size_expr(s).subs(ctx.seq_symbol, ctx.example_seq)) for s in val.shape]
-    return torch.zeros(shape, dtype=val.dtype)
+    value = _example_value(node, ctx, shape)
+    return torch.zeros(shape, dtype=val.dtype) if value is None else value
+
+
+def _example_value(node: fx.Node, ctx: CompileContext, shape: list[int]) -> Any:
+    """The example's value of an input of that shape (a text mask of ones), or None."""
+    value = ctx.example_values.get(str(node.target), ctx.example_values.get(node.name))
+    if value is None or list(value.shape) != shape:
+        return None
+    return value
 
 
 
