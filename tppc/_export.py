@@ -15,22 +15,9 @@ from torch.utils import _pytree as pytree
 from tppc.context import CompileContext
 from tppc.errors import CaptureError
 
-__all__ = ["ExportFailed", "example_units", "export_dynamic", "is_latent"]
+__all__ = ["example_units", "export_dynamic", "is_latent"]
 
 _DEFAULT_MAX_FACTOR = 64
-
-
-class ExportFailed(CaptureError):
-    """torch.export refused the model; ``fx_may_help`` says whether to try symbolic_trace.
-
-    Data-dependent control flow and key/value cache objects defeat ``torch.fx.symbolic_trace``
-    too, so for those the error is final; other failures (an op fake tensors cannot run, a
-    ``torch.fx.wrap``-ed helper calling numpy) may be captured by the fx fallback.
-    """
-
-    def __init__(self, message: str, *, fx_may_help: bool) -> None:
-        super().__init__(message)
-        self.fx_may_help = fx_may_help
 
 
 def export_dynamic(
@@ -52,14 +39,19 @@ def export_dynamic(
     dim = torch.export.Dim("seq", min=2, max=max(upper, units + 1))
     shapes = _dynamic_shapes(bound, axes, dim, patch, square=mode == "dynamic-square")
     try:
-        ep = torch.export.export(model, bound.args, bound.kwargs, dynamic_shapes=shapes,
-                                 strict=False)
+        ep, pinned = _export(model, bound, shapes), None
     except CaptureError:
         raise
     except Exception as exc:  # torch raises many types; we name the construct
-        raise ExportFailed(_explain(model, exc), fx_may_help=_fx_may_help(exc)) from exc
+        if not re.search(_PINNED, str(exc)):
+            raise CaptureError(_explain(model, exc)) from exc
+        try:  # the model pins the size: keep the shapes symbolic, run at the example only
+            ep = _export(model, bound, shapes, deferred=True)
+        except Exception:
+            raise CaptureError(_explain(model, exc)) from exc
+        pinned = f"torch.export: {str(exc).strip().splitlines()[0]} ({_pinned_line(exc)})"
     gm = ep.module()
-    guard = _check_guards(gm, bound, axes, patch, mode == "dynamic-square", units)
+    guard = pinned or _check_guards(gm, bound, axes, patch, mode == "dynamic-square", units)
     _drop_guards(gm)
     symbol = _seq_symbol(gm, axes)
     if symbol is None:
@@ -74,6 +66,21 @@ def export_dynamic(
         input_names=tuple(n.name for n in gm.graph.nodes if n.op == "placeholder"),
     )
     return gm, ctx
+
+
+def _export(model: torch.nn.Module, bound: inspect.BoundArguments, shapes: dict[str, Any],
+            *, deferred: bool = False) -> torch.export.ExportedProgram:
+    """torch.export; ``deferred`` turns size guards into runtime asserts instead of failing."""
+    return torch.export.export(model, bound.args, bound.kwargs, dynamic_shapes=shapes,
+                               strict=False, prefer_deferred_runtime_asserts_over_guards=deferred)
+
+
+_PINNED = r"Constraints violated|specialized it to be a constant"
+
+
+def _pinned_line(exc: Exception) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if "specialized" in ln]
+    return lines[0].lstrip("- ") if lines else "the model code fixed it"
 
 
 def example_units(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]],
@@ -107,8 +114,12 @@ def example_units(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]
 
 
 def is_latent(t: torch.Tensor, dims: tuple[int, ...]) -> bool:
-    """Whether ``t`` is an image latent ``(b, c, h, w)`` whose height is the sequence axis."""
-    return t.dim() == 4 and dims == (2,) and t.is_floating_point()
+    """Whether ``t`` is a latent whose height (in patch rows) is the sequence axis.
+
+    Image latents ``(b, c, h, w)`` (axis 2) or video latents ``(b, f, c, h, w)`` /
+    ``(b, c, f, h, w)`` (axis 3); the width is the last axis in both.
+    """
+    return t.is_floating_point() and dims == (t.dim() - 2,) and t.dim() in (4, 5)
 
 
 def _dynamic_shapes(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]],
@@ -134,9 +145,10 @@ def _spec_for(name: str, value: Any, axes: dict[str, tuple[int, ...]], dim: Any,
     if name not in axes:
         return None
     if is_latent(value, axes[name]):
-        spec = {2: patch * dim if patch > 1 else dim}
+        height = value.dim() - 2
+        spec = {height: patch * dim if patch > 1 else dim}
         if square:
-            spec[3] = spec[2]
+            spec[height + 1] = spec[height]
         return spec
     return dict.fromkeys(axes[name], dim)
 
@@ -154,7 +166,8 @@ def _check_guards(gm: fx.GraphModule, bound: inspect.BoundArguments,
             return value
         shape = list(value.shape)
         step = patch if is_latent(value, axes[name]) else 1
-        grown = list(axes[name]) + ([3] if square and is_latent(value, axes[name]) else [])
+        grown = list(axes[name]) + ([value.dim() - 1] if square and is_latent(value, axes[name])
+                                    else [])
         for d in grown:
             shape[d] += step
         return torch.empty(shape, dtype=value.dtype, device="meta")
@@ -216,11 +229,6 @@ def _hint(exc: Exception) -> tuple[str, str, str] | None:
     return next((h for h in _HINTS if re.search(h[0], text, flags=re.IGNORECASE)), None)
 
 
-def _fx_may_help(exc: Exception) -> bool:
-    hint = _hint(exc)
-    return hint is None or hint[0] not in (_DATA_DEPENDENT, _CACHE)
-
-
 def _explain(model: torch.nn.Module, exc: Exception) -> str:
     text = f"{type(exc).__name__}: {exc}"
     where = _user_frame(exc)
@@ -228,9 +236,10 @@ def _explain(model: torch.nn.Module, exc: Exception) -> str:
     if hint is not None:
         _pattern, what, fix = hint
         return (f"torch.export could not capture {type(model).__name__}: {what}{where}.\n"
-                f"fix: {fix}.\noriginal error: {_first_lines(text)}")
+                f"fix: {fix}.\ntorch.export's error, in full:\n{text.strip()}")
     return (f"torch.export could not capture {type(model).__name__}{where}.\n"
-            f"original error: {_first_lines(text)}")
+            "fix: make the failing construct exportable (see torch.export's error below), or "
+            f"capture a submodule without it.\ntorch.export's error, in full:\n{text.strip()}")
 
 
 def _user_frame(exc: Exception) -> str:
@@ -239,7 +248,3 @@ def _user_frame(exc: Exception) -> str:
         if "/torch/" not in frame.filename and "/tppc/" not in frame.filename:
             return f" at {frame.filename}:{frame.lineno} ({frame.line})"
     return ""
-
-
-def _first_lines(text: str, n: int = 6) -> str:
-    return "\n".join(text.strip().splitlines()[:n])

@@ -13,10 +13,9 @@ Strategies, tried in order (``ctx.capture_mode`` records the one that worked):
         size to its example value (diffusers' DiT computes its patch grid with ``sqrt``).
         The graph's shapes are still symbolic, so annotation and costing work; the graph
         itself only runs at the example length, and ``ctx.specialization`` says why.
-    ``fx``: torch.export failed on something other than data-dependent control flow or a
-        K/V cache (an op fake tensors cannot run, a ``torch.fx.wrap``-ed helper calling
-        numpy): ``torch.fx.symbolic_trace`` traces the model and probe runs at a few real
-        lengths give every node a symbolic shape (see :mod:`tppc._fx_capture`).
+
+When torch.export fails, the :class:`CaptureError` carries tppc's diagnosis (the construct,
+the user frame, the fix) on top of torch.export's error in full.
 
 Example:
     >>> gm, ctx = capture(model, (input_ids,))          # doctest: +SKIP
@@ -27,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import inspect
+import re
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -34,8 +34,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from tppc._export import ExportFailed, export_dynamic
-from tppc._fx_capture import trace_fx
+from tppc._export import export_dynamic, is_latent
 from tppc.context import CompileContext
 from tppc.errors import CaptureError
 
@@ -77,18 +76,40 @@ def capture(
     for mode in _strategies(bound, axes):
         try:
             gm, ctx = export_dynamic(model, bound, axes, patch, mode=mode, max_seq=max_seq)
-        except ExportFailed as exc:
-            if not exc.fx_may_help:
+        except CaptureError:
+            if fallback is None:
                 raise
-            gm, ctx = trace_fx(model, bound, axes, patch, export_error=str(exc))
+            break  # a more general strategy failed: keep the specialised capture
         ctx.model_name = type(model).__name__
         ctx.capture_seconds = time.perf_counter() - start
+        _describe_streams(model, ctx, bound, axes, patch)
         if ctx.specialization is None:
             return gm, ctx
         fallback = (gm, ctx)  # the last strategy is the most general one
     assert fallback is not None
-    fallback[1].capture_mode = "specialized"
+    ctx = fallback[1]
+    ctx.capture_mode = "specialized"
+    ctx.specialized_to = {name: tuple(bound.arguments[name].shape) for name in axes}
     return fallback
+
+
+def _describe_streams(model: torch.nn.Module, ctx: CompileContext, bound: inspect.BoundArguments,
+                      axes: dict[str, tuple[int, ...]], patch: int) -> None:
+    """Record the patch grid of a latent input and the context-stream inputs on ``ctx``."""
+    tensors = {k: v for k, v in bound.arguments.items() if isinstance(v, torch.Tensor)}
+    ctx.context_inputs = tuple(n for n, t in tensors.items()
+                               if n not in axes and t.dim() >= 2 and t.numel() > 1)
+    ctx.example_values = {n: t.detach() for n, t in tensors.items() if t.device.type != "meta"
+                          and (n in ctx.context_inputs or not t.is_floating_point())}
+    for name, dims in axes.items():
+        t = tensors[name]
+        if is_latent(t, dims):
+            ctx.patch_size = patch
+            rows, cols = int(t.shape[-2]) // patch, int(t.shape[-1]) // patch
+            channels = getattr(getattr(model, "config", None), "in_channels", None)
+            frames = [] if t.dim() == 4 else [int(t.shape[1 if t.shape[2] == channels else 2])]
+            ctx.patch_grid = (*frames, rows, cols)
+            return
 
 
 def bind_inputs(model: torch.nn.Module, args: tuple, kwargs: dict) -> inspect.BoundArguments:
@@ -135,26 +156,71 @@ def _resolve_seq_dims(
                     )
             out[name] = tuple(d % rank for d in dims_t)
         return out
-    out = {}
-    for name, t in tensors.items():
-        if t.dim() == 2 and not t.is_floating_point() and t.shape[1] > 1:
-            out[name] = (1,)  # token ids, position ids, attention masks: (batch, seq)
-        elif t.dim() == 4 and t.is_floating_point():
-            out[name] = (2,)  # image latents (b, c, h, w): patch rows are the token axis
-        elif t.dim() == 3 and t.is_floating_point() and t.shape[1] > 1:
-            out[name] = (1,)  # embeddings (b, seq, hidden)
+    out = {name: dims for name, t in tensors.items()
+           if (dims := _stream_axes(name, t)) is not None}
     if not out:
         shapes = {k: tuple(v.shape) for k, v in tensors.items()}
         raise CaptureError(
             f"no sequence axis found among the inputs of {type(model).__name__} {shapes}; "
-            "tppc looks for token ids (batch, seq), embeddings (batch, seq, hidden) or image "
-            "latents (batch, channels, height, width). fix: pass seq_dims={'input': axis}"
+            "tppc looks for token ids (batch, seq), embeddings (batch, seq, hidden), image "
+            "latents (batch, channels, height, width) or video latents (batch, frames, "
+            "channels, height, width). fix: pass seq_dims={'input': axis}"
         )
-    return out
+    return _tie_to_main(out, tensors, _patch_size(model))
+
+
+_CONTEXT_NAME = re.compile(r"encoder|text|txt|prompt|caption|context|pooled|cond|added|mask_t5",
+                           re.IGNORECASE)
+"""Input names of the context stream (text conditioning): never a sequence axis."""
+
+
+def _stream_axes(name: str, t: torch.Tensor) -> tuple[int, ...] | None:
+    """The sequence axis of an input of the token stream, or None (context, scalars)."""
+    if _CONTEXT_NAME.search(name):
+        return None  # encoder_hidden_states, text masks, pooled projections, txt_ids
+    if t.dim() == 2 and not t.is_floating_point() and t.shape[1] > 1:
+        return (1,)  # token ids, position ids, attention masks: (batch, seq)
+    if t.dim() == 4 and t.is_floating_point():
+        return (2,)  # image latents (b, c, h, w): patch rows are the token axis
+    if t.dim() == 5 and t.is_floating_point():
+        return (3,)  # video latents (b, f, c, h, w) or (b, c, f, h, w): patch rows
+    if t.dim() == 3 and t.is_floating_point() and t.shape[1] > 1:
+        return (1,)  # embeddings or packed latents (b, seq, hidden)
+    return None
+
+
+def _tie_to_main(found: dict[str, tuple[int, ...]], tensors: dict[str, torch.Tensor],
+                 patch: int) -> dict[str, tuple[int, ...]]:
+    """Keep the axes as long as the main (first) stream's; the others are context inputs.
+
+    The main stream is the first input with a sequence axis; an input whose axis has another
+    length (a text prompt of 6 tokens next to 16 image patches) is conditioning whose length
+    stays constant, never tied to the image's.
+    """
+    main = next(iter(found))
+    units = _units(tensors[main], found[main], patch)
+    kept = {n: d for n, d in found.items() if _units(tensors[n], d, patch) == units}
+    token_count = _tokens(tensors[main], found[main], patch)
+    for name, t in tensors.items():  # position ids of packed latents (Flux's img_ids)
+        if t.dim() == 2 and t.is_floating_point() and t.shape[0] == token_count \
+                and not _CONTEXT_NAME.search(name) and name not in kept:
+            kept[name] = (0,)
+    return kept
+
+
+def _units(t: torch.Tensor, dims: tuple[int, ...], patch: int) -> int:
+    size = int(t.shape[dims[0]])
+    return size // patch if is_latent(t, dims) else size
+
+
+def _tokens(t: torch.Tensor, dims: tuple[int, ...], patch: int) -> int:
+    if is_latent(t, dims):
+        return int(t.shape[-1] * t.shape[-2]) // patch**2
+    return int(t.shape[dims[0]])
 
 
 def _patch_size(model: torch.nn.Module) -> int:
-    for owner in (model, getattr(model, "config", None)):
+    for owner in (getattr(model, "config", None), model):
         p = getattr(owner, "patch_size", None)
         if isinstance(p, int) and p > 0:
             return p
@@ -164,6 +230,6 @@ def _patch_size(model: torch.nn.Module) -> int:
 def _strategies(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]]) -> list[str]:
     for name, dims in axes.items():
         t = bound.arguments[name]
-        if t.dim() == 4 and dims == (2,) and t.shape[2] == t.shape[3]:
+        if is_latent(t, dims) and t.shape[-2] == t.shape[-1]:
             return ["dynamic", "dynamic-square"]
     return ["dynamic"]

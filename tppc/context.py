@@ -9,8 +9,8 @@ import sympy
 
 __all__ = ["CaptureMode", "CompileContext", "PassRecord"]
 
-CaptureMode = Literal["dynamic", "dynamic-square", "specialized", "fx"]
-"""How capture succeeded: torch.export strategies, or the ``torch.fx.symbolic_trace`` fallback."""
+CaptureMode = Literal["dynamic", "dynamic-square", "specialized"]
+"""Which torch.export strategy captured the model (see :mod:`tppc.capture`)."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,15 @@ class CompileContext:
         specialization: for ``specialized`` captures, the guard torch.export added.
         input_names: names of the graph's user inputs, in order.
         model_name: class name of the captured model.
+        patch_size: side of a latent patch (1 for token inputs).
+        patch_grid: the example latent's patch grid in token order, ``(rows, cols)`` or
+            ``(frames, rows, cols)``; ``()`` for token inputs. ``rows`` is ``example_seq``.
+        context_inputs: tensor inputs of the context stream (text states, text masks, pooled
+            projections): their length is a constant, never tied to the sequence symbol.
+        specialized_to: for ``specialized`` captures, input name -> the shape (resolution)
+            the graph runs at; capture again (and cache) per resolution. None when dynamic.
+        example_values: the example's values of the context-stream and integer/bool inputs
+            (text masks, ids), so that masks are judged from them, not from zeros.
         layers: layer records written by ``group_layers``.
         history: one record per pass run.
     """
@@ -51,3 +60,8 @@ class CompileContext:
     layers: list[Any] = field(default_factory=list)
     history: list[PassRecord] = field(default_factory=list)
     capture_seconds: float = 0.0
+    patch_size: int = 1
+    patch_grid: tuple[int, ...] = ()
+    context_inputs: tuple[str, ...] = ()
+    specialized_to: dict[str, tuple[int, ...]] | None = None
+    example_values: dict[str, Any] = field(default_factory=dict)

@@ -12,7 +12,8 @@ import torch
 
 from tppc.models import GPT, DiT, DiTConfig, GPTConfig
 
-__all__ = ["dit", "gpt", "hf_dit", "hf_gpt2", "hf_llama"]
+__all__ = ["dit", "gpt", "hf_cogvideox", "hf_dit", "hf_flux", "hf_gpt2", "hf_hunyuan_dit",
+           "hf_llama", "hf_pixart"]
 
 Example = tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]]
 
@@ -69,3 +70,76 @@ def hf_dit(size: int = 8, layers: int = 2) -> Example:
     kwargs = {"timestep": torch.tensor([10]), "class_labels": torch.tensor([3]),
               "return_dict": False}
     return model, (x,), kwargs
+
+
+def hf_pixart(size: int = 8, layers: int = 2, text_len: int = 6) -> Example:
+    """diffusers PixArtTransformer2DModel (cross-attention to T5 text states), tiny config."""
+    from diffusers import PixArtTransformer2DModel
+
+    torch.manual_seed(0)
+    model = PixArtTransformer2DModel(
+        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8,
+        num_layers=layers, sample_size=size, patch_size=2, cross_attention_dim=16,
+        caption_channels=12, norm_type="ada_norm_single", use_additional_conditions=False,
+    ).eval()
+    kwargs = {"encoder_hidden_states": torch.randn(1, text_len, 12),
+              "timestep": torch.tensor([10]), "return_dict": False}
+    return model, (torch.randn(1, 4, size, size),), kwargs
+
+
+def hf_flux(tokens: int = 16, layers: int = 1, single_layers: int = 2,
+            text_len: int = 6) -> Example:
+    """diffusers FluxTransformer2DModel (joint attention; double- then single-stream blocks)."""
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(
+        patch_size=1, in_channels=4, num_layers=layers, num_single_layers=single_layers,
+        attention_head_dim=8, num_attention_heads=2, joint_attention_dim=12,
+        pooled_projection_dim=10, axes_dims_rope=(2, 2, 4),
+    ).eval()
+    side = int(tokens**0.5)
+    rows = torch.arange(tokens) // side
+    img_ids = torch.stack([torch.zeros(tokens), rows, torch.arange(tokens) % side], -1).float()
+    kwargs = {"encoder_hidden_states": torch.randn(1, text_len, 12),
+              "pooled_projections": torch.randn(1, 10), "timestep": torch.tensor([0.5]),
+              "img_ids": img_ids, "txt_ids": torch.zeros(text_len, 3), "return_dict": False}
+    return model, (torch.randn(1, tokens, 4),), kwargs
+
+
+def hf_hunyuan_dit(size: int = 8, layers: int = 4) -> Example:
+    """diffusers HunyuanDiT2DModel (cross-attention to two text encoders, long skips)."""
+    from diffusers import HunyuanDiT2DModel
+    from diffusers.models.embeddings import get_2d_rotary_pos_embed
+
+    torch.manual_seed(0)
+    model = HunyuanDiT2DModel(
+        num_attention_heads=2, attention_head_dim=8, in_channels=4, patch_size=2,
+        sample_size=size, hidden_size=16, num_layers=layers, cross_attention_dim=12,
+        cross_attention_dim_t5=16, pooled_projection_dim=8, text_len=6, text_len_t5=5,
+        use_style_cond_and_image_meta_size=False,
+    ).eval()
+    grid = size // 2
+    rope = get_2d_rotary_pos_embed(8, ((0, 0), (grid, grid)), (grid, grid))
+    kwargs = {"timestep": torch.tensor([10.0]), "encoder_hidden_states": torch.randn(1, 6, 12),
+              "text_embedding_mask": torch.ones(1, 6),
+              "encoder_hidden_states_t5": torch.randn(1, 5, 16),
+              "text_embedding_mask_t5": torch.ones(1, 5), "image_rotary_emb": rope,
+              "return_dict": False}
+    return model, (torch.randn(1, 4, size, size),), kwargs
+
+
+def hf_cogvideox(size: int = 8, frames: int = 2, layers: int = 2) -> Example:
+    """diffusers CogVideoXTransformer3DModel (video latents (b, f, c, h, w), text prefix)."""
+    from diffusers import CogVideoXTransformer3DModel
+
+    torch.manual_seed(0)
+    model = CogVideoXTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
+        num_layers=layers, sample_width=size, sample_height=size,
+        sample_frames=(frames - 1) * 4 + 1, patch_size=2, text_embed_dim=12, time_embed_dim=8,
+        max_text_seq_length=6, temporal_compression_ratio=4,
+    ).eval()
+    kwargs = {"encoder_hidden_states": torch.randn(1, 6, 12), "timestep": torch.tensor([10]),
+              "return_dict": False}
+    return model, (torch.randn(1, frames, 4, size, size),), kwargs

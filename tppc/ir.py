@@ -63,6 +63,11 @@ class TokenInfo:
         other_axes: further axes whose size depends on the sequence (a mask's key axis).
         attention: for ``mixing`` nodes, whether the attention is causal or bidirectional.
         module: the innermost module path of the node (``""`` at top level).
+        prefix: length of the constant, unsplit segment at the start of the token axis: the
+            text tokens of a joint-attention MM-DiT concatenated before the image tokens
+            (``cat([text, image], dim=axis)``). The split tokens are ``axis_size - prefix``
+            positions from ``prefix`` on. A value with ``axis_size == prefix`` is the text
+            segment alone (carried with the first patch of a step, never split).
     """
 
     role: Role
@@ -71,6 +76,12 @@ class TokenInfo:
     other_axes: tuple[int, ...] = ()
     attention: AttentionKind | None = None
     module: str = ""
+    prefix: int = 0
+
+    @property
+    def prefix_only(self) -> bool:
+        """Whether the value is a prefix segment alone (no split tokens)."""
+        return self.prefix > 0 and self.axis_size is not None and not self.axis_size.free_symbols
 
 
 @dataclass(frozen=True)
@@ -89,6 +100,9 @@ class LayerInfo:
         attention_kinds: the kind of each attention node, in the same order.
         inputs: names of the token values produced before the layer and used in it.
         outputs: names of the token values produced in the layer and used after it.
+        through: names of the token values produced before the layer and used after it
+            (long skip connections, block i -> block N-i): a stage boundary inside or
+            after this layer must forward them.
     """
 
     index: int
@@ -102,6 +116,7 @@ class LayerInfo:
     attention_kinds: tuple[AttentionKind, ...]
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+    through: tuple[str, ...] = ()
 
 
 CHUNK_INPUT = "tppc.chunk_input"

@@ -97,3 +97,24 @@ def test_one_token_example_is_refused() -> None:
     model, _, _ = examples.gpt()
     with pytest.raises(CaptureError, match="at least 2 tokens"):
         tppc.capture(model, (torch.randint(0, 256, (1, 1)),), seq_dims={"input_ids": 1})
+
+
+class _Numpy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        return x * float(x.detach().numpy().mean())  # numpy cannot run on fake tensors
+
+
+def test_export_error_is_reported_in_full_under_the_diagnosis() -> None:
+    with pytest.raises(CaptureError) as info:
+        tppc.capture(_Numpy(), (torch.randint(0, 16, (1, 8)),))
+    text = str(info.value)
+    head, _, original = text.partition("torch.export's error, in full:\n")
+    assert "could not capture _Numpy" in head and "test_capture.py" in head and "fix:" in head
+    assert original.strip()
+    assert isinstance(info.value.__cause__, Exception)
+    assert str(info.value.__cause__).strip() in original

@@ -96,10 +96,10 @@ def _closure(target: fx.Node) -> set[fx.Node]:
 def _classify(allowed: torch.Tensor) -> str:
     n_q, n_k = allowed.shape[-2], allowed.shape[-1]
     causal = torch.ones(n_q, n_k, dtype=torch.bool).tril(diagonal=n_k - n_q)
+    if bool(allowed.all()):  # first: a broadcast (1, S) mask of ones is not causal
+        return "bidirectional"
     if bool((allowed == causal).all()):
         return "causal"
-    if bool(allowed.all()):
-        return "bidirectional"
     return "other"
 
 
@@ -113,8 +113,12 @@ def _allowed(mask: torch.Tensor) -> torch.Tensor:
 
 def evaluate_positional(target: fx.Node, gm: fx.GraphModule, ctx: CompileContext,
                         length: int | None = None) -> Any:
-    """Evaluate a positional value on CPU with zero-valued inputs, the sequence length set to
-    ``length`` (default: the example's)."""
+    """Evaluate a positional value on CPU, the sequence length set to ``length`` (default:
+    the example's).
+
+    Inputs take the example's values where capture kept them and the shape matches
+    (``ctx.example_values``: text masks, ids), else zeros.
+    """
     needed = _closure(target)
     length = ctx.example_seq if length is None else length
     env: dict[fx.Node, Any] = {}
@@ -157,7 +161,16 @@ def _concrete(node: fx.Node, ctx: CompileContext, length: int) -> Any:
     if val is None:
         return node.meta.get("val")
     shape = [int(size_expr(s).subs(ctx.seq_symbol, length)) for s in val.shape]
-    return torch.zeros(shape, dtype=val.dtype)
+    value = _example_value(node, ctx, shape)
+    return torch.zeros(shape, dtype=val.dtype) if value is None else value
+
+
+def _example_value(node: fx.Node, ctx: CompileContext, shape: list[int]) -> Any:
+    """The example's value of an input of that shape (a text mask of ones), or None."""
+    value = ctx.example_values.get(str(node.target), ctx.example_values.get(node.name))
+    if value is None or list(value.shape) != shape:
+        return None
+    return value
 
 
 

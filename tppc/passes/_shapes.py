@@ -1,15 +1,12 @@
 """Helpers shared by the passes: symbolic shapes, module paths, op dimensions.
 
 Terms:
-    symbolic value: what ``node.meta["val"]`` holds for a tensor. torch.export captures store
-        a fake tensor whose sizes are ``torch.SymInt``; fx captures (``capture_mode == "fx"``)
-        store a :class:`ShapeVal` whose sizes are sympy expressions. The helpers below accept
-        both, so a pass never needs to know which capture produced the graph.
+    symbolic value: what ``node.meta["val"]`` holds for a tensor: a fake tensor whose sizes
+        are ``torch.SymInt`` (or ints where torch.export specialised them).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import sympy
@@ -18,7 +15,6 @@ from torch import fx
 from torch.fx.operator_schemas import normalize_function
 
 __all__ = [
-    "ShapeVal",
     "call_module_of",
     "module_path",
     "op_dims",
@@ -27,62 +23,15 @@ __all__ = [
     "tensor_val",
 ]
 
-_CPU = torch.device("cpu")
-
-
-@dataclass(frozen=True)
-class ShapeVal:
-    """Shape and dtype of a tensor without its data: ``meta["val"]`` of fx-captured graphs.
-
-    Attributes:
-        shape: sizes as sympy expressions of the sequence symbol (``2*s + 1``, ``64``).
-        dtype: the tensor's dtype.
-        device: the device the example run produced it on.
-
-    Example:
-        >>> s = sympy.Symbol("s", positive=True, integer=True)
-        >>> ShapeVal((sympy.Integer(1), s, sympy.Integer(64)), torch.float32).dim()
-        3
-    """
-
-    shape: tuple[sympy.Expr, ...]
-    dtype: torch.dtype
-    device: torch.device = _CPU
-
-    @property
-    def ndim(self) -> int:
-        """Number of axes."""
-        return len(self.shape)
-
-    def dim(self) -> int:
-        """Number of axes (like ``Tensor.dim``)."""
-        return len(self.shape)
-
-    def size(self, axis: int | None = None) -> Any:
-        """The shape, or one size (like ``Tensor.size``)."""
-        return self.shape if axis is None else self.shape[axis]
-
-    def numel(self) -> sympy.Expr:
-        """Number of elements as a sympy expression."""
-        return sympy.Mul(*self.shape)
-
-    def element_size(self) -> int:
-        """Bytes per element."""
-        return self.dtype.itemsize
-
-    def is_floating_point(self) -> bool:
-        """Whether the dtype is a floating point type."""
-        return self.dtype.is_floating_point
-
 
 def tensor_val(node: Any) -> Any:
-    """The node's (first) tensor value from ``meta["val"]`` (a tensor or ShapeVal), or None."""
+    """The node's (first) tensor value from ``meta["val"]`` (a fake tensor), or None."""
     if not isinstance(node, fx.Node):
         return None
     val = node.meta.get("val")
     if isinstance(val, list | tuple):
-        val = next((v for v in val if isinstance(v, torch.Tensor | ShapeVal)), None)
-    return val if isinstance(val, torch.Tensor | ShapeVal) else None
+        val = next((v for v in val if isinstance(v, torch.Tensor)), None)
+    return val if isinstance(val, torch.Tensor) else None
 
 
 def size_expr(size: int | torch.SymInt | sympy.Expr) -> sympy.Expr:
@@ -180,7 +129,7 @@ def _normalized_kwargs(node: fx.Node) -> dict[str, Any] | None:
 def _arg_type(arg: Any) -> Any:
     if isinstance(arg, fx.Node):
         val = arg.meta.get("val")
-        if isinstance(val, torch.Tensor | ShapeVal):
+        if isinstance(val, torch.Tensor):
             return torch.Tensor
         return int if isinstance(val, sympy.Basic | int) else type(val)
     return type(arg)

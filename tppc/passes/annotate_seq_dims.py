@@ -8,12 +8,7 @@ when their shape or value depends on the sequence length, else ``const``. A valu
 axis is the axis whose size depends on the sequence symbol, so transposes, views and
 merges of the token axis are followed by the symbolic shapes themselves.
 
-Graphs from torch.export hold aten ops; graphs from the fx fallback (``capture_mode ==
-"fx"``) hold torch-level functions, tensor methods (``"softmax"``, ``"view"``) and calls of
-torch.nn modules. Modules are classified by type: linear, norm, embedding, dropout and
-activation modules are row-wise, convolutions follow the patchify rule, softmax-like modules
-their ``dim``; any other module that reads token values is refused, since tppc cannot see
-inside it.
+Graphs come from torch.export and hold aten ops.
 
 Example:
     >>> gm, ctx = tppc.capture(tppc.models.GPT(), (ids,))          # doctest: +SKIP
@@ -24,18 +19,19 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import sympy
 import torch
-from torch import fx, nn
+from torch import fx
 
 from tppc.context import CompileContext
 from tppc.errors import AnnotationError
 from tppc.ir import TOKEN, TokenInfo
 from tppc.passes._attention import ATTENTION_OPS, attention_kind
+from tppc.passes._segments import segment_info, split_tokens, with_prefix
 from tppc.passes._shapes import (
-    call_module_of,
     module_path,
     op_dims,
     seq_axes,
@@ -52,8 +48,6 @@ _SHAPE_ONLY = {
     _aten.new_zeros.default, _aten.new_empty.default, _aten.new_full.default,
     _aten.zeros_like.default, _aten.ones_like.default, _aten.empty_like.default,
     _aten.full_like.default, _aten._assert_tensor_metadata.default,
-    "size", "dim", "numel", "new_ones", "new_zeros", "new_empty", "new_full",  # tensor methods
-    torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.numel,
 }
 _SHAPE_ATTRS = {"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "layout"}
 _REDUCTIONS = {
@@ -70,16 +64,6 @@ _SELECTING = {"select", "slice", "narrow", "split", "split_with_sizes", "chunk",
 _RESHAPES = {"view", "reshape", "_unsafe_view", "flatten", "unflatten", "view_as", "reshape_as"}
 _CONVS = {"conv1d", "conv2d", "conv3d", "convolution", "_convolution"}
 _MATMULS = {"matmul", "bmm", "mm", "baddbmm", "einsum"}
-_ROW_WISE_MODULES = (nn.Linear, nn.Bilinear, nn.LayerNorm, nn.RMSNorm, nn.Embedding,
-                     nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d,
-                     nn.AlphaDropout, nn.FeatureAlphaDropout)
-_MODULE_OPS: dict[type[nn.Module], str] = {
-    nn.Softmax: "softmax", nn.Softmin: "softmin", nn.LogSoftmax: "log_softmax", nn.GLU: "glu",
-    nn.Flatten: "flatten", nn.Unflatten: "unflatten",
-    nn.Conv1d: "conv1d", nn.Conv2d: "conv2d", nn.Conv3d: "conv3d",
-}
-_NOT_ROW_WISE_ACTIVATIONS = (nn.MultiheadAttention, nn.Softmax2d)
-
 
 def annotate_seq_dims_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     """Annotate every node with a :class:`TokenInfo`; set ``ctx.token_count``."""
@@ -106,23 +90,29 @@ def _annotate(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext,
     roles = {i.role for i in ins}
     if "global" in roles:
         return _info("global", axes, sizes, where)
-    if node.target in ATTENTION_OPS:
+    if node.target in ATTENTION_OPS and roles & {"token", "mixing"}:
         return _attention(node, gm, ctx, axes, sizes, where)
+    segment = None if _shape_only(node) else segment_info(node, where)
+    if segment is not None:
+        return segment
     if not roles & {"token", "mixing"} or _shape_only(node):
         dependent = bool(axes) or "positional" in roles or _symbolic_scalar(node, sym)
         role = "positional" if dependent else "const"
         return _info(role, axes, sizes, where)
-    return _token_op(node, axes, sizes, where)
+    return _token_op(node, axes, sizes, where, pinned=ctx.specialized_to is not None)
 
 
-def _token_op(node: fx.Node, axes: list[int], sizes: list[sympy.Expr], where: str) -> TokenInfo:
-    """Classify a node that reads token values: token, global, or an AnnotationError."""
+def _token_op(node: fx.Node, axes: list[int], sizes: list[sympy.Expr], where: str, *,
+              pinned: bool = False) -> TokenInfo:
+    """Classify a node that reads token values: token, global, or an AnnotationError.
+
+    ``pinned``: the capture is specialised to one resolution, so a reshape may merge
+    constant axes before the token axis into it (a video's frames: frame-major tokens).
+    """
     name = _op_name(node)
     src = _token_input(node)
     src_info: TokenInfo = src.meta[TOKEN]
     dims = op_dims(node, src)
-    if node.op == "call_module":
-        _check_module(node, where)
     if name in _MIXING_ALONG_DIM and src_info.axis in dims:
         hint = " Eager attention (matmul → softmax → matmul) is not supported; load the model " \
             "with attn_implementation='sdpa'." if "softmax" in name else ""
@@ -135,7 +125,7 @@ def _token_op(node: fx.Node, axes: list[int], sizes: list[sympy.Expr], where: st
         return _info("global", axes, sizes, where)
     if node.target is operator.getitem and not _getitem_keeps_tokens(node):
         return _info("global", axes, sizes, where)
-    if name in _RESHAPES and not _keeps_token_order(node, src, axes):
+    if name in _RESHAPES and not _keeps_token_order(node, src, axes, merge=pinned):
         return _info("global", axes, sizes, where)
     if len(axes) > 1 and name in _MATMULS:
         raise _mix_error(node, name, where, f"its value has {len(axes)} token axes {axes}: the "
@@ -147,16 +137,16 @@ def _token_op(node: fx.Node, axes: list[int], sizes: list[sympy.Expr], where: st
         return _info("global", axes, sizes, where)
     if _resizes_tokens(node, name, src_info, sizes):
         return _info("global", axes, sizes, where)
-    return _info("token", axes, sizes, where)
+    return with_prefix(_info("token", axes, sizes, where), src_info)
 
 
 def _resizes_tokens(node: fx.Node, name: str, src: TokenInfo, sizes: list[sympy.Expr]) -> bool:
     """A row-wise op keeps the token count; one that pads, repeats or crops it is global.
 
     Reshapes and (patchify) convolutions change the axis' extent legitimately and are checked
-    by their own rules; module calls are judged by :func:`_check_module`.
+    by their own rules.
     """
-    if node.op == "call_module" or name in _RESHAPES or name in _CONVS:
+    if name in _RESHAPES or name in _CONVS:
         return False
     if src.axis_size is None or not sizes:
         return False
@@ -165,11 +155,23 @@ def _resizes_tokens(node: fx.Node, name: str, src: TokenInfo, sizes: list[sympy.
 
 def _attention(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext, axes: list[int],
                sizes: list[sympy.Expr], where: str) -> TokenInfo:
+    """Self- or joint attention over the token axis is ``mixing``.
+
+    Cross-attention to the context stream (keys without split tokens: text states) is
+    row-wise over the queries, hence ``token``; its keys and values are ``const``.
+    """
+    query: TokenInfo = node.args[0].meta[TOKEN]
+    key: TokenInfo = node.args[1].meta[TOKEN]
+    if not (key.role in ("token", "mixing") and split_tokens(key)):
+        if query.prefix_only:
+            return TokenInfo("token", query.axis, query.axis_size, module=where,
+                             prefix=query.prefix)
+        return with_prefix(_info("token", axes, sizes, where), query)
     kind = attention_kind(node, gm, ctx)
     if ctx.token_count is None and sizes:
-        ctx.token_count = sizes[0]
-    info = _info("mixing", axes, sizes, where)
-    return TokenInfo("mixing", info.axis, info.axis_size, info.other_axes, kind, where)
+        ctx.token_count = sizes[0] - query.prefix
+    info = with_prefix(_info("mixing", axes, sizes, where), query)
+    return dataclasses.replace(info, attention=kind) if info.role == "mixing" else info
 
 
 def _check_conv(node: fx.Node, src: TokenInfo, name: str, where: str) -> None:
@@ -188,14 +190,9 @@ def _check_conv(node: fx.Node, src: TokenInfo, name: str, where: str) -> None:
 
 def _conv_geometry(node: fx.Node, spatial: int) -> tuple[int, int, int, int]:
     """Kernel, stride, padding and dilation of a convolution along one spatial axis."""
-    module = call_module_of(node)
-    if module is not None:
-        kernel = int(module.weight.shape[spatial + 2])
-        values = [module.stride, module.padding, module.dilation]
-    else:
-        kernel = int(size_expr(tensor_val(node.args[1]).shape[spatial + 2]))
-        values = [node.args[i] if len(node.args) > i else node.kwargs.get(key)
-                  for i, key in ((3, "stride"), (4, "padding"), (5, "dilation"))]
+    kernel = int(size_expr(tensor_val(node.args[1]).shape[spatial + 2]))
+    values = [node.args[i] if len(node.args) > i else node.kwargs.get(key)
+              for i, key in ((3, "stride"), (4, "padding"), (5, "dilation"))]
     if isinstance(values[1], str):  # "valid" or "same"
         values[1] = 0 if values[1] == "valid" else kernel - 1
     stride, padding, dilation = (_conv_param(v, spatial, 0 if i == 1 else 1)
@@ -209,26 +206,12 @@ def _conv_param(value: object, spatial: int, default: int) -> int:
     return int(value) if isinstance(value, int) else default
 
 
-def _check_module(node: fx.Node, where: str) -> None:
-    """Refuse a torch.nn module call on token values that tppc cannot classify."""
-    module = call_module_of(node)
-    if isinstance(module, _ROW_WISE_MODULES) or type(module) in _MODULE_OPS:
-        return
-    if type(module).__module__ == "torch.nn.modules.activation" and \
-            not isinstance(module, _NOT_ROW_WISE_ACTIVATIONS):
-        return
-    fix = "call F.scaled_dot_product_attention" if isinstance(module, nn.MultiheadAttention) \
-        else "write it with torch functions so tppc can see inside it"
-    raise AnnotationError(
-        f"node {node.name!r} (module {where}, nn.{type(module).__name__}) reads token values, "
-        f"and tppc does not know whether nn.{type(module).__name__} is row-wise along the "
-        f"token axis; it pipelines linear, norm, embedding, activation, patchify convolution "
-        f"and attention (scaled_dot_product_attention) ops. fix: {fix}"
-    )
+def _keeps_token_order(node: fx.Node, src: fx.Node, out_axes: list[int], *,
+                       merge: bool = False) -> bool:
+    """A reshape keeps token order when the extent of all axes before the token axis matches.
 
-
-def _keeps_token_order(node: fx.Node, src: fx.Node, out_axes: list[int]) -> bool:
-    """A reshape keeps token order when the extent of all axes before the token axis matches."""
+    With ``merge``, constant axes before the token axis may also be merged into it.
+    """
     info: TokenInfo = src.meta[TOKEN]
     if info.axis is None or len(out_axes) != 1:
         return False
@@ -236,6 +219,8 @@ def _keeps_token_order(node: fx.Node, src: fx.Node, out_axes: list[int]) -> bool
     out_shape = tensor_val(node).shape
     before_in = sympy.Mul(*[size_expr(s) for s in in_shape[: info.axis]])
     before_out = sympy.Mul(*[size_expr(s) for s in out_shape[: out_axes[0]]])
+    if merge and not before_in.free_symbols and not before_out.free_symbols:
+        return before_in % before_out == 0
     return sympy.simplify(before_in - before_out) == 0
 
 
@@ -300,6 +285,10 @@ def _role(node: fx.Node) -> str:
 
 
 def _token_input(node: fx.Node) -> fx.Node:
+    """The input whose token axis the op follows: one with split tokens when there is one."""
+    for arg in node.all_input_nodes:
+        if arg.meta[TOKEN].role in ("token", "mixing") and split_tokens(arg.meta[TOKEN]):
+            return arg
     for arg in node.all_input_nodes:
         if arg.meta[TOKEN].role in ("token", "mixing") and arg.meta[TOKEN].axis is not None:
             return arg
@@ -308,9 +297,6 @@ def _token_input(node: fx.Node) -> fx.Node:
 
 def _op_name(node: fx.Node) -> str:
     target = node.target
-    module = call_module_of(node)
-    if module is not None:
-        return _MODULE_OPS.get(type(module), type(module).__name__.lower())
     if isinstance(target, torch._ops.OpOverload):
         return target.overloadpacket.__name__
     return getattr(target, "__name__", str(target))
@@ -324,7 +310,7 @@ def _shape_only(node: fx.Node) -> bool:
     """Ops that read only the shape, dtype or device of their token input."""
     if node.target is getattr:
         return node.args[1] in _SHAPE_ATTRS
-    return node.op in ("call_function", "call_method") and node.target in _SHAPE_ONLY
+    return node.op == "call_function" and node.target in _SHAPE_ONLY
 
 
 def _symbolic_scalar(node: fx.Node, sym: sympy.Symbol) -> bool:

@@ -116,7 +116,7 @@ def chunk_attention_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
     Raises:
         PassError: a construct that cannot be chunked (names the node and the fix).
     """
-    if ctx.capture_mode in ("fx", "specialized"):
+    if ctx.capture_mode == "specialized":
         raise PassError(
             f"{ctx.model_name} was captured in {ctx.capture_mode!r} mode (its graph is not an "
             "ATen graph with a symbolic sequence length that runs at every length); "

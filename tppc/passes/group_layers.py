@@ -1,11 +1,12 @@
 """Pass: group nodes into ordered layers (writes ``meta[LAYER]`` and ``ctx.layers``).
 
 Blocks are the children of the outermost module list with at least two numbered children
-(``model.layers.0``, ``model.layers.1``, ... found in ``nn_module_stack``, or in the targets
-of ``call_module`` nodes such as ``blocks.0.attn.qkv`` in fx captures). Nodes before the
+(``model.layers.0``, ``model.layers.1``, ... found in ``nn_module_stack``). Nodes before the
 first block form the ``prologue``, nodes after the last one the ``epilogue``; a node between
 two blocks that belongs to neither joins the block before it. Parameters belong to every
-layer that reads them (through ``get_attr`` or a ``call_module``).
+layer that reads them (through ``get_attr``). Token values that skip layers (HunyuanDiT's long
+skips, block i -> block N-i) are an output of their layer, an input of their reader's, and
+``through`` every layer in between.
 
 Example:
     >>> group_layers_pass(gm, ctx)                                       # doctest: +SKIP
@@ -51,11 +52,12 @@ def group_layers_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule
     return gm
 
 
-def _block_prefix(gm: fx.GraphModule) -> str | None:
-    """The module list whose numbered children are the blocks.
+def _block_prefix(gm: fx.GraphModule) -> set[str]:
+    """The module lists whose numbered children are the blocks.
 
-    Preferred: lists whose children hold attention (``mixing`` nodes), then lists with at
-    least two children; among those the outermost, then the longest. So a DiT's
+    Lists whose children hold attention (``mixing`` nodes) win, all of the outermost such
+    ones (Flux: ``transformer_blocks`` then ``single_transformer_blocks``); without any,
+    the outermost, longest list with at least two children. So a DiT's
     ``t_mlp = nn.Sequential(...)`` never wins over its attention ``blocks``.
     """
     counts: dict[str, set[int]] = defaultdict(set)
@@ -69,18 +71,18 @@ def _block_prefix(gm: fx.GraphModule) -> str | None:
                 if info is not None and info.role == "mixing":
                     attention.add(match["prefix"])
     if not counts:
-        return None
-    candidates = [p for p in counts if p in attention] or list(counts)
-    repeated = [p for p in candidates if len(counts[p]) >= 2] or candidates
-    return min(repeated, key=lambda p: (p.count("."), -len(counts[p])))
+        return set()
+    if attention:
+        depth = min(p.count(".") for p in attention)
+        return {p for p in attention if p.count(".") == depth}
+    repeated = [p for p in counts if len(counts[p]) >= 2] or list(counts)
+    return {min(repeated, key=lambda p: (p.count("."), -len(counts[p])))}
 
 
-def _block_name(node: fx.Node, prefix: str | None) -> str | None:
-    if prefix is None:
-        return None
+def _block_name(node: fx.Node, prefixes: set[str]) -> str | None:
     for path in _module_paths(node):
         match = _NUMBERED.match(path)
-        if match and match["prefix"] == prefix:
+        if match and match["prefix"] in prefixes:
             return path
     return None
 
@@ -148,8 +150,22 @@ def _layer_infos(gm: fx.GraphModule, nodes: list[fx.Node], names: dict[fx.Node, 
             attention_kinds=tuple(n.meta[TOKEN].attention for n in attn),
             inputs=tuple(_crossing(own, names, rank, name, incoming=True)),
             outputs=tuple(_crossing(own, names, rank, name, incoming=False)),
+            through=tuple(_through(nodes, names, rank, index)),
         ))
     return infos
+
+
+def _through(nodes: list[fx.Node], names: dict[fx.Node, str], rank: dict[str, int],
+             layer: int) -> list[str]:
+    """Token values produced before layer ``layer`` and read after it (skip connections)."""
+    out = []
+    for node in nodes:
+        if node.op == "placeholder" or node.meta[TOKEN].role not in ("token", "mixing"):
+            continue
+        readers = [rank.get(names.get(u, ""), -1) for u in node.users if u.op != "output"]
+        if rank.get(names.get(node, ""), layer) < layer < max(readers, default=-1):
+            out.append(node.name)
+    return out
 
 
 def _params(gm: fx.GraphModule, own: list[fx.Node]) -> dict[str, torch.Tensor]:

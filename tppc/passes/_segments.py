@@ -1,0 +1,197 @@
+"""Segments of the token axis: a constant-length prefix (text tokens) before the split tokens.
+
+Joint-attention MM-DiTs (Flux, SD3, CogVideoX) concatenate the text tokens of the context
+stream before the image tokens along the token axis, attend over both, and cut them apart
+again. Such a value's token axis is ``[prefix | split tokens]``: :class:`~tppc.ir.TokenInfo`
+records the prefix length (``prefix``). The rules:
+
+- ``cat`` along the token axis of constant-length segments (text, or a prefix-only value)
+  followed by one value with split tokens: a token value whose prefix is the segments'
+  length plus that value's own prefix. A constant segment after the split tokens, or two
+  split segments, is ``global``.
+- ``slice`` / ``split`` of a prefixed value along its token axis: the part within the prefix
+  is a *prefix-only* value (``axis_size == prefix``: the text tokens after they have seen the
+  image tokens, carried with the first patch of a step); the part from ``k <= prefix`` to the
+  end is a token value with prefix ``prefix - k``; any other cut is ``global``.
+- ops on prefix-only values (and constants) stay prefix-only: their token axis is followed
+  through transposes, permutes, views and broadcasting by the axis' size.
+- row-wise ops and reshapes scale the prefix with the token axis' extent (head splits keep
+  it; merging the token axis with a following axis of size k multiplies it by k).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from typing import Any
+
+import sympy
+import torch
+from torch import fx
+
+from tppc.ir import TOKEN, TokenInfo
+from tppc.passes._shapes import size_expr, tensor_val
+
+__all__ = ["segment_info", "split_tokens", "with_prefix"]
+
+_aten = torch.ops.aten
+_BIG = 2**62
+_SPLITS = {_aten.split_with_sizes.default, _aten.split.Tensor}
+_VIEWS = {"view", "reshape", "_unsafe_view", "unsqueeze", "squeeze", "flatten", "unflatten",
+          "select", "expand", "alias"}
+_TOKENISH = ("token", "mixing")
+
+
+def split_tokens(info: TokenInfo) -> bool:
+    """Whether a value has split tokens: a token axis whose size depends on the sequence."""
+    return info.axis is not None and info.axis_size is not None and \
+        bool(info.axis_size.free_symbols)
+
+
+def with_prefix(info: TokenInfo, src: TokenInfo) -> TokenInfo:
+    """``info`` (of an op reading ``src``) with ``src``'s prefix scaled to its token axis."""
+    if not src.prefix or info.role not in _TOKENISH or info.axis_size is None \
+            or src.axis_size is None:
+        return info
+    ratio = sympy.simplify(info.axis_size / src.axis_size)
+    prefix = src.prefix * ratio
+    if ratio.is_Rational and prefix.is_integer:
+        return dataclasses.replace(info, prefix=int(prefix))
+    return TokenInfo("global", module=info.module)
+
+
+def segment_info(node: fx.Node, where: str) -> TokenInfo | None:
+    """The TokenInfo of a node that builds, cuts or carries a prefix segment, else None."""
+    if node.op != "call_function":
+        return None
+    if node.target is _aten.cat.default:
+        return _cat(node, where)
+    base = node.args[0] if node.args else None
+    if node.target is operator.getitem and isinstance(base, fx.Node) and base.target in _SPLITS:
+        return _split_piece(node, base, where)
+    if node.target in _SPLITS:
+        src: TokenInfo = base.meta[TOKEN]
+        if src.prefix and _dim(node, 2, tensor_val(base).dim()) == src.axis:
+            return dataclasses.replace(src, module=where)
+        return None
+    if node.target is _aten.slice.Tensor:
+        return _slice(node, where)
+    ins = [a for a in node.all_input_nodes if a.meta[TOKEN].role in _TOKENISH]
+    if ins and all(a.meta[TOKEN].prefix_only for a in ins):
+        return _carry(node, ins[0], where)
+    return None
+
+
+def _dim(node: fx.Node, index: int, rank: int) -> int:
+    dim = node.args[index] if len(node.args) > index else node.kwargs.get("dim", 0)
+    return int(dim) % rank
+
+
+def _cat(node: fx.Node, where: str) -> TokenInfo | None:
+    tensors = [t for t in node.args[0] if isinstance(t, fx.Node)]
+    out = tensor_val(node)
+    dim = _dim(node, 1, out.dim())
+    infos = [t.meta[TOKEN] for t in tensors]
+    if not any(i.axis == dim and (split_tokens(i) or i.prefix_only) for i in infos):
+        return None
+    prefix, split = 0, None
+    for t, info in zip(tensors, infos, strict=True):
+        size = size_expr(tensor_val(t).shape[dim])
+        if size.free_symbols:
+            if info.axis != dim or split is not None:
+                return TokenInfo("global", module=where)  # two split segments
+            split, prefix = info, prefix + info.prefix
+        elif split is not None:
+            return TokenInfo("global", module=where)  # a constant segment after the tokens
+        else:
+            prefix += int(size)
+    total = size_expr(out.shape[dim])
+    roles = {i.role for i in infos}
+    role = "token" if roles & set(_TOKENISH) else "positional"
+    if split is None:
+        return TokenInfo("token", dim, total, module=where, prefix=int(total))
+    return TokenInfo(role, dim, total, module=where, prefix=prefix)  # type: ignore[arg-type]
+
+
+def _slice(node: fx.Node, where: str) -> TokenInfo | None:
+    src: TokenInfo = node.args[0].meta[TOKEN]
+    rank = tensor_val(node.args[0]).dim()
+    if not src.prefix or _dim(node, 1, rank) != src.axis or src.axis_size is None:
+        return None
+    args = list(node.args) + [None] * 5
+    start, end, step = args[2] or 0, args[3], args[4] or 1
+    if step != 1:
+        return TokenInfo("global", module=where)
+    start_e = _scalar(start)
+    end_e = src.axis_size if end is None or (isinstance(end, int) and end >= _BIG) \
+        else _scalar(end)
+    return _window(src, start_e, end_e - start_e, where)
+
+
+def _split_piece(node: fx.Node, split: fx.Node, where: str) -> TokenInfo | None:
+    src: TokenInfo = split.args[0].meta[TOKEN]
+    vals = split.meta.get("val")
+    if not src.prefix or not isinstance(vals, list | tuple):
+        return None
+    dim = _dim(split, 2, vals[0].dim())
+    if dim != src.axis:
+        return None
+    sizes = [size_expr(v.shape[dim]) for v in vals]
+    index = int(node.args[1])
+    return _window(src, sympy.Add(*sizes[:index]), sizes[index], where)
+
+
+def _window(src: TokenInfo, start: sympy.Expr, size: sympy.Expr, where: str) -> TokenInfo:
+    """The part ``[start, start + size)`` of a prefixed value along its token axis."""
+    if start.free_symbols:
+        return TokenInfo("global", module=where)
+    if not size.free_symbols and int(start) + int(size) <= src.prefix:
+        if src.role == "positional":
+            return TokenInfo("const", module=where)  # positions of the text tokens
+        return TokenInfo(src.role, src.axis, sympy.Integer(int(size)), module=where,
+                         prefix=int(size))
+    if src.axis_size is not None and sympy.simplify(start + size - src.axis_size) == 0 \
+            and int(start) <= src.prefix:
+        return TokenInfo(src.role, src.axis, size, module=where, prefix=src.prefix - int(start))
+    return TokenInfo("global", module=where)
+
+
+def _carry(node: fx.Node, src_node: fx.Node, where: str) -> TokenInfo:
+    """An op on prefix-only values: prefix-only again, or global when the axis is lost."""
+    src: TokenInfo = src_node.meta[TOKEN]
+    axis = _follow_axis(node, src_node, src.axis)
+    if axis is None:
+        return TokenInfo("global", module=where)
+    size = int(size_expr(tensor_val(node).shape[axis]))
+    return TokenInfo("token", axis, sympy.Integer(size), module=where, prefix=size)
+
+
+def _follow_axis(node: fx.Node, src_node: fx.Node, axis: int | None) -> int | None:
+    """Where the token axis of ``src_node`` (a constant size) went in ``node``'s value."""
+    src_val, out = tensor_val(src_node), tensor_val(node)
+    if axis is None or src_val is None or out is None:
+        return None
+    ins = [size_expr(s) for s in src_val.shape]
+    outs = [size_expr(s) for s in out.shape]
+    size, before = ins[axis], math.prod(ins[:axis])
+    name = getattr(node.target, "overloadpacket", node.target)
+    name = getattr(name, "__name__", str(name))
+    if name == "transpose":
+        pair = [int(d) % len(ins) for d in node.args[1:3]]
+        j = pair[1] if axis == pair[0] else pair[0] if axis == pair[1] else axis
+    elif name == "permute":
+        j = [int(d) % len(ins) for d in node.args[1]].index(axis)
+    else:
+        j = axis + len(outs) - len(ins)
+        by_product = [i for i, s in enumerate(outs)
+                      if s == size and math.prod(outs[:i]) == before]
+        if name in _VIEWS or not (0 <= j < len(outs) and outs[j] == size):
+            j = by_product[0] if by_product else -1
+    return j if 0 <= j < len(outs) and outs[j] == size else None
+
+
+def _scalar(value: Any) -> sympy.Expr:
+    if isinstance(value, fx.Node):
+        return size_expr(value.meta.get("val"))
+    return size_expr(value)
