@@ -52,3 +52,38 @@ def table(
         seq_len=seq_len,
         causal=True,
     )
+
+
+def hand_makespan(t: CostTable, cuts, bounds, steps: int = 1) -> float:
+    """Flow-shop makespan written out by hand from the layer prices (an independent oracle).
+
+    Chunk ``i`` of step ``d`` starts on stage ``s`` when stage ``s`` finished the previous job
+    and the chunk arrived over the link; on stage 0 in steps after the first it also waits
+    for the same chunk of the previous step to come back from the last stage (PipeFusion).
+    """
+    num_stages, chunks = len(cuts) - 1, list(zip(bounds[:-1], bounds[1:]))
+
+    def work(s: int, a: int, b: int) -> float:
+        c, p = np.array([float(b - a)]), np.array([float(a)])
+        return sum(float(t.layers[s][j].time(c, p)[0]) for j in range(cuts[s], cuts[s + 1]))
+
+    def send(s: int, a: int, b: int) -> float:
+        link = t.links[s]
+        return link.latency + (b - a) * t.layers[s][cuts[s + 1] - 1].act_bytes_per_token \
+            / link.bandwidth
+
+    end: dict[tuple[int, int], float] = {}
+    jobs = [(d, i) for d in range(steps) for i in range(len(chunks))]
+    for k, (d, i) in enumerate(jobs):
+        a, b = chunks[i]
+        for s in range(num_stages):
+            ready = end.get((s, k - 1), 0.0)
+            if s > 0:
+                ready = max(ready, end[s - 1, k] + send(s - 1, a, b))
+            elif d > 0:
+                act = t.layers[num_stages - 1][cuts[-1] - 1].act_bytes_per_token
+                back = t.links[0].latency + (b - a) * act / t.links[0].bandwidth \
+                    if num_stages > 1 else 0.0
+                ready = max(ready, end[num_stages - 1, k - len(chunks)] + back)
+            end[s, k] = ready + work(s, a, b)
+    return end[num_stages - 1, len(jobs) - 1]

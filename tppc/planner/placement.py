@@ -28,7 +28,7 @@ import numpy as np
 import pulp
 
 from tppc.cost_models.table import CostTable
-from tppc.errors import PlanInfeasible
+from tppc.errors import PlanError, PlanInfeasible
 from tppc.planner._solver import available_solver, solve, variable
 from tppc.planner.memory import IN_FLIGHT, memory_parts, smallest_fit, stage_memory
 from tppc.planner.plan import SolverInfo, Workload
@@ -179,14 +179,7 @@ def place_layers(
         for j in range(n_layers)
         for s in range(num_stages)
     }
-    for j in range(n_layers):
-        prob += pulp.lpSum(x[j, s] for s in range(num_stages)) == 1
-        if j + 1 < n_layers:
-            for s in range(num_stages):
-                prob += x[j + 1, s] <= x[j, s] + (x[j, s - 1] if s > 0 else 0)
-    prob += x[0, 0] == 1
-    for s in range(num_stages):
-        prob += pulp.lpSum(x[j, s] for j in range(n_layers)) >= 1
+    _contiguity_rows(prob, x, n_layers, num_stages)
     # e[j, s]: layer j is the last of stage s (s < S-1); prices the link of boundary s.
     e = {
         (j, s): variable(f"e_{j}_{s}", 0, 1)
@@ -228,31 +221,49 @@ def place_layers(
     )
     prob += rep * pulp.lpSum(row) + (num_stages - 1) * top + warm_term
     _set_start(x, e, start, n_layers, num_stages)
-    out = solve(prob, time_limit=max(time_limit, 0.05), warm_start=True, cutoff=1.0 + 1e-9)
-    cuts = start
+    out = solve(prob, time_limit=max(time_limit, 0.05), warm_start=True)
+    if out.status == "infeasible":
+        raise PlanError(
+            f"the placement MILP is infeasible although the start placement {start} fits; this "
+            "is a bug in tppc.planner.placement"
+        )
+    cuts, claimed, note = start, start_obj, ""
     if out.status in ("optimal", "time_limit"):
         got = _cuts_from(x, n_layers, num_stages)
+        if got is None and out.status == "optimal":
+            raise PlanError("the placement MILP returned non-contiguous stages; this is a bug "
+                            "in tppc.planner.placement")
         if got is not None:
-            cuts = got
+            cuts, claimed = got, out.objective * scale
     times, links = stage_times(table, cuts, boundaries)
     objective = placement_objective(times, links, rep, _warmup_seconds(warm, cuts))
-    if start_obj < objective:
-        cuts, objective = start, start_obj
-    status = "optimal" if out.status == "optimal" else "time_limit"
-    if out.status == "infeasible":  # nothing beats the start under the cutoff
-        status = "optimal"
-    bound = out.bound * scale if status != "optimal" else objective
-    gap = 0.0 if status == "optimal" else max(0.0, (objective - bound) / objective)
+    if out.status != "optimal" and start_obj < objective:  # incumbent worse than the start
+        cuts, objective, claimed = start, start_obj, start_obj
+        note = "; returned the start (the solver had no better incumbent)"
+    bound = out.bound * scale if math.isfinite(out.bound) else -math.inf
+    gap = max(0.0, (objective - bound) / objective) if math.isfinite(bound) else math.inf
     info = SolverInfo(
         solver=f"milp-{available_solver()}",
-        status=status,
-        objective=objective,
+        status="time_limit" if out.status == "no_solution" else out.status,
+        objective=claimed,
         bound=bound,
         gap=gap,
         seconds=time.perf_counter() - t0,
-        detail=f"placement of {n_layers} layers on {num_stages} stages",
+        detail=f"placement of {n_layers} layers on {num_stages} stages{note}",
     )
     return cuts, objective, info
+
+
+def _contiguity_rows(prob, x, n_layers: int, num_stages: int) -> None:
+    """Each layer on one stage; stages non-empty, contiguous and in chain order."""
+    for j in range(n_layers):
+        prob += pulp.lpSum(x[j, s] for s in range(num_stages)) == 1
+        if j + 1 < n_layers:
+            for s in range(num_stages):
+                prob += x[j + 1, s] <= x[j, s] + (x[j, s - 1] if s > 0 else 0)
+    prob += x[0, 0] == 1
+    for s in range(num_stages):
+        prob += pulp.lpSum(x[j, s] for j in range(n_layers)) >= 1
 
 
 def _local_search(table, boundaries, workload, per, warm, start, max_chunk, t0):

@@ -26,7 +26,7 @@ def diffusion_candidates(
 
     The split objective ``J`` ignores PipeFusion's ring: chunk ``m`` of step ``t + 1`` waits
     for chunk ``m`` of step ``t`` to leave the last stage, so with fewer chunks than stages
-    every step runs serially. Splits of ``M = S .. 8·S`` near-equal chunks are simulated on the
+    every step runs serially. Splits of ``M = 1 .. 8·S`` near-equal chunks are simulated on the
     same placement and the fastest (by simulated latency, the plan's definition) is kept.
 
     Args:
@@ -38,14 +38,14 @@ def diffusion_candidates(
     """
     num_stages = best.num_stages
     top = min(n, 8 * num_stages, max_chunks or n)
-    for m in range(num_stages, top + 1):
+    for m in range(1, top + 1):
         grid = sorted({round(i * n / m) for i in range(m + 1)})
         candidate = price(tuple(b * granularity for b in grid))
         if candidate.latency < best.latency * (1 - 1e-9):
             best = candidate
     if best.solver.detail.endswith("(simulated M chunks)"):
         return best
-    detail = f"{best.solver.detail}; best of the split and near-uniform M = {num_stages}..{top} " \
+    detail = f"{best.solver.detail}; best of the split and near-uniform M = 1..{top} " \
         "(simulated M chunks)"
     return with_detail(best, detail)
 
