@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from tppc.cost_models.table import CostTable, LayerCost, LinkCost
@@ -61,7 +63,7 @@ def hand_makespan(t: CostTable, cuts, bounds, steps: int = 1) -> float:
     and the chunk arrived over the link; on stage 0 in steps after the first it also waits
     for the same chunk of the previous step to come back from the last stage (PipeFusion).
     """
-    num_stages, chunks = len(cuts) - 1, list(zip(bounds[:-1], bounds[1:]))
+    num_stages, chunks = len(cuts) - 1, list(itertools.pairwise(bounds))
 
     def work(s: int, a: int, b: int) -> float:
         c, p = np.array([float(b - a)]), np.array([float(a)])

@@ -8,15 +8,15 @@ import numpy as np
 import pulp
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import strategies as hst
 from planner_helpers import hand_makespan, table
 
 from tppc.cost_models.table import CostTable, LayerCost, LinkCost
 from tppc.errors import PlanError, PlanInfeasible
 from tppc.planner import Plan, Workload, plan_for, plan_from_costs, simulate
+from tppc.planner import placement as placement_module
 from tppc.planner.dp import evaluate_split
 from tppc.planner.joint import _Ctx, _split_matrices
-from tppc.planner import placement as placement_module
 from tppc.planner.placement import place_layers, placement_objective, stage_times
 
 
@@ -72,7 +72,7 @@ def _placement_matches_enumeration(seed: int) -> bool:
               layer_scales=tuple(rng.uniform(0.2, 5.0, n_layers)), link_bw=1e9)
     bounds = (0, 384, 640, 1024)
     try:
-        cuts, obj, info = place_layers(t, bounds, n_dev, Workload(), time_limit=10)
+        _cuts, obj, info = place_layers(t, bounds, n_dev, Workload(), time_limit=10)
     except PlanError:  # the MILP returned something that is not a placement
         return False
     best = min(
@@ -84,7 +84,7 @@ def _placement_matches_enumeration(seed: int) -> bool:
 
 
 @settings(max_examples=15, deadline=None)
-@given(st.integers(0, 10**6))
+@given(hst.integers(0, 10**6))
 def test_placement_milp_matches_enumeration(seed: int) -> None:
     assert _placement_matches_enumeration(seed)
 

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from tppc.errors import PlanError
 from tppc.planner import brute_force_split, split_tokens, terapipe_dp
-from tppc.planner.dp import chunk_matrix
 from tppc.planner import split as split_module
+from tppc.planner.dp import chunk_matrix
 from tppc.planner.split import solve_split
 
 
