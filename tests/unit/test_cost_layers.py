@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as hst
 import sympy
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as hst
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tppc.analysis import annotate

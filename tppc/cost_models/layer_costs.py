@@ -31,6 +31,7 @@ from torch import fx
 from ..errors import CostModelError
 from ..ir import LAYER, TOKEN, LayerInfo, TokenInfo
 from .cluster import Cluster
+from .lambdify import to_numpy
 from .node_costs import (
     C,
     L,
@@ -82,7 +83,7 @@ class LayerExpr:
 
 
 def _vectorise(expr: sympy.Expr) -> TimeFn:
-    raw = sympy.lambdify((C, P), expr, modules="numpy")
+    raw = to_numpy(expr, (C, P))
 
     def time(c: np.ndarray, p: np.ndarray) -> np.ndarray:
         c = np.asarray(c, dtype=float)

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import sympy
 
-from .node_costs import P, NodeCost
+from .node_costs import NodeCost, P
 from .specs import DeviceSpec
 
 __all__ = ["TimeTerms", "node_time_terms"]
