@@ -56,23 +56,27 @@ def table(
     )
 
 
-def hand_makespan(t: CostTable, cuts, bounds, steps: int = 1) -> float:
+def hand_makespan(t: CostTable, cuts, bounds, steps: int = 1, devices=None) -> float:
     """Flow-shop makespan written out by hand from the layer prices (an independent oracle).
 
     Chunk ``i`` of step ``d`` starts on stage ``s`` when stage ``s`` finished the previous job
     and the chunk arrived over the link; on stage 0 in steps after the first it also waits
     for the same chunk of the previous step to come back from the last stage (PipeFusion).
+    Stage ``s`` runs on device ``devices[s]`` (default ``s``); a message between two devices
+    crosses every link between them (latencies add, the slowest bandwidth counts).
     """
+    devices = list(range(len(cuts) - 1)) if devices is None else list(devices)
     num_stages, chunks = len(cuts) - 1, list(itertools.pairwise(bounds))
 
     def work(s: int, a: int, b: int) -> float:
         c, p = np.array([float(b - a)]), np.array([float(a)])
-        return sum(float(t.layers[s][j].time(c, p)[0]) for j in range(cuts[s], cuts[s + 1]))
+        layers = t.layers[devices[s]]
+        return sum(float(layers[j].time(c, p)[0]) for j in range(cuts[s], cuts[s + 1]))
 
     def send(s: int, a: int, b: int) -> float:
-        link = t.links[s]
-        return link.latency + (b - a) * t.layers[s][cuts[s + 1] - 1].act_bytes_per_token \
-            / link.bandwidth
+        hops = t.links[devices[s]:devices[s + 1]]
+        act = t.layers[devices[s]][cuts[s + 1] - 1].act_bytes_per_token
+        return sum(h.latency for h in hops) + (b - a) * act / min(h.bandwidth for h in hops)
 
     end: dict[tuple[int, int], float] = {}
     jobs = [(d, i) for d in range(steps) for i in range(len(chunks))]
@@ -83,7 +87,7 @@ def hand_makespan(t: CostTable, cuts, bounds, steps: int = 1) -> float:
             if s > 0:
                 ready = max(ready, end[s - 1, k] + send(s - 1, a, b))
             elif d > 0:
-                act = t.layers[num_stages - 1][cuts[-1] - 1].act_bytes_per_token
+                act = t.layers[devices[-1]][cuts[-1] - 1].act_bytes_per_token
                 back = t.links[0].latency + (b - a) * act / t.links[0].bandwidth \
                     if num_stages > 1 else 0.0
                 ready = max(ready, end[num_stages - 1, k - len(chunks)] + back)

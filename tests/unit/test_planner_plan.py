@@ -145,8 +145,29 @@ def test_exhaustive_and_alternate_agree_on_a_homogeneous_chain() -> None:
 
 def test_heterogeneous_chain_gives_the_fast_device_more_layers() -> None:
     t = table(num_layers=8, speeds=(3.0, 1.0), seq_len=1024)
-    plan = plan_from_costs(t, granularity=128)
+    plan = plan_from_costs(t, granularity=128, num_stages=2)
     assert plan.stages[0].num_layers > plan.stages[1].num_layers
+
+
+def _serial_seconds(t, device: int) -> float:
+    """One chunk of the whole sequence through every layer on one device, by hand."""
+    c, p = np.array([float(t.seq_len)]), np.zeros(1)
+    return sum(float(lc.time(c, p)[0]) for lc in t.layers[device])
+
+
+def test_a_very_slow_device_is_left_idle_and_the_plan_says_why() -> None:
+    t = table(num_layers=6, speeds=(1.0, 0.01), seq_len=1024)
+    plan = plan_from_costs(t, granularity=128)
+    assert plan.latency <= _serial_seconds(t, 0) * (1 + 1e-12)  # never slower than alone
+    assert [st.device_index for st in plan.stages] == [0]
+    assert any("device 1 (dev1) left idle" in note for note in plan.notes)
+
+
+def test_the_plan_may_use_a_subset_of_a_mixed_chain() -> None:
+    t = table(num_layers=6, speeds=(0.01, 1.0, 1.0), seq_len=1024)
+    plan = plan_from_costs(t, granularity=128)
+    assert 0 not in {st.device_index for st in plan.stages}
+    assert plan.latency <= _serial_seconds(t, 1) * (1 + 1e-12)
 
 
 @pytest.mark.parametrize("speeds", [(1.0, 1.0), (1.0, 2.5, 0.7)])
@@ -154,8 +175,22 @@ def test_plan_latency_is_the_hand_computed_makespan_and_above_the_lower_bound(sp
     t = table(num_layers=5, speeds=speeds, seq_len=1024, link_bw=1e9)
     plan = plan_from_costs(t, granularity=128)
     cuts = (*(st.layer_start for st in plan.stages), plan.stages[-1].layer_end)
-    assert plan.latency == pytest.approx(hand_makespan(t, cuts, plan.boundaries), rel=1e-12)
+    devices = [st.device_index for st in plan.stages]
+    assert plan.latency == pytest.approx(
+        hand_makespan(t, cuts, plan.boundaries, devices=devices), rel=1e-12)
     assert plan.latency >= plan.lower_bound
+
+
+@settings(max_examples=20, deadline=None)
+@given(hst.integers(0, 10**6))
+def test_every_plan_is_at_least_its_lower_bound(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n_layers, n_dev = int(rng.integers(1, 7)), int(rng.integers(1, 4))
+    t = table(num_layers=n_layers, speeds=tuple(rng.uniform(0.2, 3.0, n_dev)),
+              seq_len=int(rng.choice([512, 1024, 2048])), link_bw=float(rng.uniform(1e8, 1e12)),
+              layer_scales=tuple(rng.uniform(0.1, 5.0, n_layers)))
+    plan = plan_from_costs(t, granularity=128)
+    assert plan.latency >= plan.lower_bound * (1 - 1e-12)
 
 
 def test_plan_json_round_trip() -> None:

@@ -23,6 +23,7 @@ import dataclasses
 import itertools
 import math
 import time
+from collections import Counter
 from typing import Literal
 
 import numpy as np
@@ -30,6 +31,7 @@ import numpy as np
 from tppc.cost_models.table import CostTable
 from tppc.errors import PlanError
 from tppc.planner._solver import available_solver
+from tppc.planner.devices import choose_devices
 from tppc.planner.dp import chunk_matrix, terapipe_dp
 from tppc.planner.evaluate import plan_for
 from tppc.planner.memory import IN_FLIGHT, stage_memory
@@ -66,8 +68,9 @@ def plan_from_costs(
         table: per-device, per-layer prices (``table.seq_len`` is the sequence length).
         workload: causal prefill (default) or multi-step diffusion.
         granularity: chunk sizes are multiples of this many tokens.
-        num_stages: stages (devices ``0..S-1`` of the chain); default all devices, or the
-            number of layers when there are fewer layers than devices.
+        num_stages: stages on devices ``0..S-1`` of the chain; default: the planner chooses
+            the devices too (:mod:`tppc.planner.devices`; a slow device may stay idle, and
+            the plan's notes say why).
         time_limit: seconds for all solver calls together; on expiry the incumbent is kept
             and the plan's solver status says ``"time_limit"``.
         max_chunks: at most this many chunks per step.
@@ -87,6 +90,15 @@ def plan_from_costs(
     """
     workload = workload or Workload()
     t0 = time.perf_counter()
+    if num_stages is None and table.num_devices > 1 and table.num_layers > 0:
+        def on(sub: CostTable, k: int, seconds: float) -> Plan:
+            return plan_from_costs(sub, workload=workload, granularity=granularity,
+                                   num_stages=k, time_limit=seconds, max_chunks=max_chunks,
+                                   method=method, max_rounds=max_rounds,
+                                   coarser_grids=coarser_grids)
+
+        check_grid(table.seq_len, granularity)
+        return choose_devices(table, on, workload, granularity, time_limit)
     num_stages = _check(table, num_stages)
     n = check_grid(table.seq_len, granularity)
     placements = math.comb(table.num_layers - 1, num_stages - 1)
@@ -164,14 +176,14 @@ class _Ctx:
         self.S, self.max_chunks, self.deadline = num_stages, max_chunks, deadline
         self.n = table.seq_len // granularity
         self.K = float(workload.pipelined_steps)
-        self._cache: dict[tuple[int, int], np.ndarray] = {}
+        self._cache: dict[int, np.ndarray] = {}
 
     def left(self) -> float:
         return max(self.deadline - time.perf_counter(), 0.05)
 
     def layer_matrix(self, device: int, layer: int) -> np.ndarray:
         fn = self.table.layers[device][layer].time
-        key = (device, id(fn))
+        key = id(fn)  # identical layers and identical devices share one function
         if key not in self._cache:
             self._cache[key] = chunk_matrix(fn, self.n, self.g)
         return self._cache[key]
@@ -185,7 +197,7 @@ def _split_matrices(ctx: _Ctx, cuts: tuple[int, ...]) -> tuple[np.ndarray, np.nd
     f = np.zeros((n + 1, n + 1))
     warm = 0.0
     for s, (lo, hi) in enumerate(itertools.pairwise(cuts)):
-        t = sum(ctx.layer_matrix(s, j) for j in range(lo, hi))
+        t = _stage_matrix(ctx, s, lo, hi)
         link = 0.0
         if s < ctx.S - 1:
             act = table.layers[s][hi - 1].act_bytes_per_token
@@ -214,28 +226,41 @@ def _split_matrices(ctx: _Ctx, cuts: tuple[int, ...]) -> tuple[np.ndarray, np.nd
     return m, f, warm
 
 
+def _stage_matrix(ctx: _Ctx, s: int, lo: int, hi: int) -> np.ndarray:
+    """Σ of the layers' chunk matrices; identical layers (one function) are added once."""
+    counts = Counter(id(ctx.table.layers[s][j].time) for j in range(lo, hi))
+    first = {id(ctx.table.layers[s][j].time): j for j in range(hi - 1, lo - 1, -1)}
+    return sum(k * ctx.layer_matrix(s, first[key]) for key, k in counts.items())
+
+
 def _exhaustive(ctx: _Ctx) -> tuple[tuple[int, ...], tuple[int, ...], SolverInfo]:
     best: tuple[float, tuple[int, ...], tuple[int, ...]] = (math.inf, (), ())
-    count = 0
+    count, complete = 0, True
     for inner in itertools.combinations(range(1, ctx.table.num_layers), ctx.S - 1):
         cuts = (0, *inner, ctx.table.num_layers)
         m, f, warm = _split_matrices(ctx, cuts)
         sol = terapipe_dp(
-            m, f, ctx.S, repeats=ctx.K, max_chunks=ctx.max_chunks, upper_bound=best[0] - warm
+            m, f, ctx.S, repeats=ctx.K, max_chunks=ctx.max_chunks, upper_bound=best[0] - warm,
+            deadline=ctx.deadline,
         )
         count += 1
+        complete = complete and sol.complete
         if warm + sol.objective < best[0]:
             best = (warm + sol.objective, cuts, sol.bounds)
+        if time.perf_counter() > ctx.deadline and best[1]:
+            complete = False
+            break
     if not best[1]:
         raise infeasible_error(ctx.table, ctx.S, _smallest_chunk(ctx))
     info = SolverInfo(
         solver="exhaustive+terapipe-dp",
-        status="optimal",
+        status="optimal" if complete else "time_limit",
         objective=best[0],
-        bound=best[0],
-        gap=0.0,
+        bound=best[0] if complete else -math.inf,
+        gap=0.0 if complete else math.inf,
         seconds=0.0,
-        detail=f"{count} placements, exact split each",
+        detail=f"{count} of {math.comb(ctx.table.num_layers - 1, ctx.S - 1)} placements, "
+        "exact split each",
     )
     return best[1], best[2], info
 

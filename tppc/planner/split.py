@@ -191,7 +191,8 @@ def solve_split(
     """
     t0 = time.perf_counter()
     if solver == "dp" or warm_start == "dp":
-        start = terapipe_dp(m, f, num_stages, repeats=repeats, max_chunks=max_chunks)
+        start = terapipe_dp(m, f, num_stages, repeats=repeats, max_chunks=max_chunks,
+                            deadline=t0 + time_limit)
         how = f"terapipe-dp ({start.dps} DPs)"
     else:
         start = _best_uniform(m, f, num_stages, repeats, max_chunks)
@@ -203,10 +204,10 @@ def solve_split(
     if solver == "dp":
         info = SolverInfo(
             solver="terapipe-dp",
-            status="optimal",
+            status="optimal" if start.complete else "time_limit",
             objective=start.objective,
-            bound=start.objective,
-            gap=0.0,
+            bound=start.objective if start.complete else -math.inf,
+            gap=0.0 if start.complete else math.inf,
             seconds=time.perf_counter() - t0,
             detail=how,
         )
