@@ -15,7 +15,7 @@ from tppc.cost_models.table import CostTable, LayerCost, LinkCost
 from tppc.errors import PlanError, PlanInfeasible
 from tppc.planner import Plan, Workload, plan_for, plan_from_costs, simulate
 from tppc.planner import placement as placement_module
-from tppc.planner.dp import evaluate_split
+from tppc.planner.dp import brute_force_split, evaluate_split
 from tppc.planner.joint import _Ctx, _split_matrices
 from tppc.planner.placement import place_layers, placement_objective, stage_times
 
@@ -301,3 +301,15 @@ def test_plan_is_never_slower_than_the_plan_on_a_coarser_grid() -> None:
         assert fine.latency <= other.latency * (1 + 1e-9)
     assert fine.granularity == 64
     assert all(size % 64 == 0 for size in fine.chunk_sizes)
+
+
+def test_split_is_improved_on_the_simulated_makespan_and_stays_above_the_true_optimum() -> None:
+    t = table(num_layers=4, speeds=(1.0, 3.0), seq_len=1024, link_bw=1e9)
+    plan = plan_from_costs(t, granularity=128, num_stages=2, coarser_grids=0)
+    cuts = (*(st.layer_start for st in plan.stages), plan.stages[-1].layer_end)
+    m, f, _ = _split_matrices(_Ctx(t, Workload(), 128, 2, None, float("inf")), cuts)
+    terapipe = brute_force_split(m, f, 2)  # TeraPipe's objective, optimal
+    tera_latency = hand_makespan(t, cuts, tuple(b * 128 for b in terapipe.bounds))
+    best = min(hand_makespan(t, cuts, (0, *(b * 128 for b in inner), 1024))
+               for k in range(8) for inner in itertools.combinations(range(1, 8), k))
+    assert best * (1 - 1e-12) <= plan.latency <= tera_latency * (1 + 1e-12)
