@@ -70,6 +70,7 @@ def test_llama_block_memory_needs(llama):
     # K and V buffers hold the model's KV heads (before the GQA repeat), fp32
     assert block.kv_bytes_per_token == 2 * KV * HD * 4
     assert block.act_bytes_per_token == D * 4
+    assert block.peak_bytes_per_token == FF * 4  # the MLP intermediate, live inside the block
 
 
 def test_identical_blocks_share_one_compiled_function(llama):

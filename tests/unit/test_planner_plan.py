@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -313,3 +314,16 @@ def test_split_is_improved_on_the_simulated_makespan_and_stays_above_the_true_op
     best = min(hand_makespan(t, cuts, (0, *(b * 128 for b in inner), 1024))
                for k in range(8) for inner in itertools.combinations(range(1, 8), k))
     assert best * (1 - 1e-12) <= plan.latency <= tera_latency * (1 + 1e-12)
+
+
+def test_stage_memory_counts_weights_buffers_queued_chunks_peak_and_kept_outputs() -> None:
+    from tppc.planner.memory import QUEUE_DEPTH, stage_memory
+
+    t = table(num_layers=3, speeds=(1.0,), seq_len=1024, weight_bytes=1000, kv_per_token=10,
+              act_per_token=7)
+    layers = tuple(dataclasses.replace(lc, peak_bytes_per_token=50) for lc in t.layers[0])
+    t = dataclasses.replace(t, layers=(layers,))
+    chunk = 256
+    by_hand = 3 * 1000 + 3 * 10 * 1024 + 7 * 1024 + chunk * ((QUEUE_DEPTH + 1) * 7 + 50)
+    assert stage_memory(t, 0, 0, 3, chunk) == by_hand
+    assert stage_memory(t, 0, 0, 2, chunk) == by_hand - 1000 - 10 * 1024 - 7 * 1024

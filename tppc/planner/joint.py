@@ -34,7 +34,7 @@ from tppc.planner._solver import available_solver
 from tppc.planner.devices import choose_devices
 from tppc.planner.dp import chunk_matrix, terapipe_dp
 from tppc.planner.evaluate import plan_for
-from tppc.planner.memory import IN_FLIGHT, stage_memory
+from tppc.planner.memory import memory_parts, stage_memory
 from tppc.planner.placement import balanced_placement, infeasible_error, place_layers
 from tppc.planner.plan import Plan, SolverInfo, Workload
 from tppc.planner.refine import diffusion_candidates, improve_split
@@ -237,11 +237,11 @@ def _split_matrices(ctx: _Ctx, cuts: tuple[int, ...]) -> tuple[np.ndarray, np.nd
             link = table.links[s].time(act * np.maximum(sizes, 0))
         m = np.maximum(m, t)
         f = np.maximum(f, t + link)
-        static = stage_memory(table, s, lo, hi, 0)
-        widest = max(lc.act_bytes_per_token for lc in table.layers[s][lo:hi])
-        room = table.capacities[s] - static
+        static_parts, transient = memory_parts(table, s)
+        widest = float(transient[lo:hi].max())
+        room = table.capacities[s] - float(static_parts[lo:hi].sum())
         if widest > 0:
-            m = np.where(IN_FLIGHT * sizes * widest > room, np.inf, m)
+            m = np.where(sizes * widest > room, np.inf, m)
         if room < 0:
             m[:] = np.inf
         if ctx.workload.warmup_steps:

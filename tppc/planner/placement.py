@@ -7,8 +7,8 @@ Terms:
         ``s`` (heterogeneous chains price each layer on its own device).
     ``link[s, i]``: time to send chunk ``i``'s output of stage ``s`` (the act bytes per token
         of its last layer × the chunk's tokens) to device ``s + 1``.
-    memory of a stage: weights + K/V buffers of the full sequence + in-flight activations
-        (``IN_FLIGHT`` chunks of the largest chunk at the widest layer of the stage).
+    memory of a stage: the rule of :mod:`tppc.planner.memory` (weights, K/V buffers, kept
+        outputs, queued and running chunks, the largest value inside a layer).
     objective (an upper bound on the flow-shop makespan, exact for identical stages):
         ``warm-up + K·Σ_i max_s t[s, i] + (S-1)·max_{i,s} (t[s, i] + link[s, i])``.
 
@@ -30,7 +30,7 @@ import pulp
 from tppc.cost_models.table import CostTable
 from tppc.errors import PlanError, PlanInfeasible
 from tppc.planner._solver import available_solver, solve, variable
-from tppc.planner.memory import IN_FLIGHT, memory_parts, smallest_fit, stage_memory
+from tppc.planner.memory import memory_parts, smallest_fit, stage_memory
 from tppc.planner.plan import SolverInfo, Workload
 
 __all__ = [
@@ -116,7 +116,7 @@ def _partition(table: CostTable, num_stages: int, max_chunk: int, score) -> tupl
         for e in range(1, n_layers + 1):
             lo = np.arange(e)
             widest = np.maximum.accumulate(act[:e][::-1])[::-1]  # max act over [b, e)
-            mem = pre_mem[e] - pre_mem[lo] + IN_FLIGHT * max_chunk * widest
+            mem = pre_mem[e] - pre_mem[lo] + max_chunk * widest
             cand = np.maximum(best[lo], score(s, lo, e, mem))
             k = int(np.argmin(cand))
             nxt[e], args[s, e] = cand[k], k
@@ -198,7 +198,7 @@ def place_layers(
             prob += widest >= float(act[j]) * x[j, s]
         prob += (
             pulp.lpSum(float(static[j]) * x[j, s] for j in range(n_layers))
-            + (IN_FLIGHT * max_chunk * widest)
+            + (max_chunk * widest)
             <= table.capacities[s]
         )
         for i in range(n_chunks):
