@@ -14,7 +14,10 @@ LM head on the last):
     best uniform: every uniform chunk count on the grid, each simulated, the fastest kept;
     TeraPipe DP: TeraPipe's exact DP (``terapipe_dp``) on its own model (the slowest stage's
         time per chunk, no link cost), then simulated.
-``--quick`` runs only the 70B at 32k (timings and quality row).
+    SGLang dynamic: SGLang's equal-time chunk rule (see ``Stages.sglang``), first chunk tuned.
+Scaling eff.: TTFT(1 device, one chunk) / (stages · TTFT(plan)), next to SGLang's published
+76.9 % (8 stages, H20, 128k). ``--quick`` runs only the 70B at 32k (timings and quality row);
+``--models 70b --lengths 131072`` a subset.
 """
 
 from __future__ import annotations
@@ -134,6 +137,43 @@ class Stages:
         grids = [tuple(sorted({round(i * n / k) for i in range(k + 1)})) for k in range(1, n + 1)]
         return min(grids, key=self.latency)
 
+    def sglang(self) -> tuple[int, ...]:
+        """SGLang's equal-time dynamic chunking (``ChunkSizePredictor``), first chunk tuned.
+
+        Fit the cumulative latency ``f(l) = a·l² + b·l + c`` (here: the slowest stage's time
+        for one chunk of ``l`` tokens); each next chunk ``x`` solves ``f(L + x) - f(L) =
+        f(base) - f(0)``, is smoothed ``x ← base + 0.75·(x - base)``, floored at ``base / 4``
+        and rounded down to a multiple of 64 (here: of the grid step). The first chunk
+        ``base`` is tuned over the grid by simulation.
+        """
+        m = np.max(self.t, axis=0)
+        n = m.shape[0] - 1
+        ls = np.arange(1, n + 1)
+        a, b, c = np.polyfit(ls * float(self.g), m[0, 1:], 2)
+
+        def f(x: float) -> float:
+            return a * x * x + b * x + c
+
+        def split(base: int) -> tuple[int, ...]:
+            bounds, at, g = [0], 0, self.g
+            target = f(base * g) - f(0.0)
+            while at < n:
+                pos = at * g
+                if abs(a) > 0:
+                    bb = 2 * a * pos + b
+                    x = (-bb + math.sqrt(max(bb * bb + 4 * a * target, 0.0))) / (2 * a)
+                else:
+                    x = target / b
+                x = base * g + 0.75 * (x - base * g) if at else base * g
+                x = max(x, base * g / 4)
+                step = max(1, int(x // g))
+                at = min(n, at + step)
+                bounds.append(at)
+            return tuple(bounds)
+
+        cands = sorted({max(1, round(n * frac)) for frac in np.geomspace(1 / n, 1, 24)})
+        return min((split(k) for k in cands), key=self.latency)
+
     def terapipe(self) -> tuple[int, ...]:
         """TeraPipe's DP on its own model: slowest stage per chunk, links ignored."""
         m = np.max(self.t, axis=0)
@@ -165,9 +205,14 @@ def quality(table: CostTable, g: int) -> dict[str, float]:
     uni = plan_for(table, cuts, tokens(uniform, g), granularity=g).latency
     tera = st.terapipe()
     tp = plan_for(table, cuts, tokens(tera, g), granularity=g).latency
+    sg = st.sglang()
+    sgl = plan_for(table, cuts, tokens(sg, g), granularity=g).latency
+    one = sum(float(lc.time(np.array([float(L)]), np.zeros(1))[0]) for lc in table.layers[0])
     assert math.isclose(uni, st.latency(uniform), rel_tol=1e-9)
     return {"nosplit": nosplit / lb, "uniform": uni / lb, "uniform_k": len(uniform) - 1,
             "terapipe": tp / lb, "terapipe_k": len(tera) - 1, "tppc": plan.ratio_to_bound,
+            "sglang": sgl / lb, "sglang_k": len(sg) - 1,
+            "eff": one / (plan.num_stages * plan.latency), "stages": plan.num_stages,
             "tppc_k": len(plan.boundaries) - 1, "tppc_ms": plan.latency * 1e3,
             "lb_ms": lb * 1e3, "solve_s": solve_s, "status": plan.solver.status,
             "even": cuts == tuple([0, *itertools.accumulate(s.num_layers for s in plan.stages)])}
@@ -188,18 +233,23 @@ def main() -> None:
     """Run the measurements and print markdown tables."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="only the 70B at 32k")
-    quick = ap.parse_args().quick
+    ap.add_argument("--models", default=None, help="comma-separated subset of " + ",".join(LLAMA))
+    ap.add_argument("--lengths", default=None, help="comma-separated sequence lengths")
+    ns = ap.parse_args()
+    quick = ns.quick
     t_start = time.perf_counter()
     model70, args70 = build(LLAMA["70b"])
     dt, phases = whole_call(model70, args70, 32768)  # first: a cold process, like a user's
     print(f"tppc.plan, llama-70b, {HOMO}, L=32768, g={GRAN} (first call in the process): "
           f"{dt:.1f} s ({phases})\n")
-    runs = [("70b", (32768,))] if quick else [(k, LENGTHS) for k in LLAMA]
+    lengths_arg = tuple(int(x) for x in ns.lengths.split(",")) if ns.lengths else LENGTHS
+    keys = ns.models.split(",") if ns.models else list(LLAMA)
+    runs = [("70b", (32768,))] if quick else [(k, lengths_arg) for k in keys]
     print(f"{HOMO}, g={GRAN}: latency / lower bound; baselines on an even layer placement\n")
     print("| model | L | capture+annotate | costing | solving | no split (GPipe, batch 1) "
-          "| best uniform (chunks) | TeraPipe DP (chunks) | tppc (chunks) | tppc latency "
-          "| lower bound |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| best uniform (chunks) | SGLang dynamic (chunks) | TeraPipe DP (chunks) "
+          "| tppc (chunks) | tppc latency | lower bound | scaling eff. |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     uneven = False
     for key, lengths in runs:
         model, args = (model70, args70) if key == "70b" else build(LLAMA[key])
@@ -216,12 +266,13 @@ def main() -> None:
             hit = " (time limit)" if r["status"] == "time_limit" else ""
             print(f"| {key} | {L} | {cap:.1f} s | {cost:.2f} s | {r['solve_s']:.2f} s{hit} "
                   f"| {r['nosplit']:.3f} | {r['uniform']:.3f} ({r['uniform_k']}) "
+                  f"| {r['sglang']:.3f} ({r['sglang_k']}) "
                   f"| {r['terapipe']:.3f} ({r['terapipe_k']}) "
                   f"| {r['tppc']:.3f} ({r['tppc_k']}){mark} | {r['tppc_ms']:.2f} ms "
-                  f"| {r['lb_ms']:.2f} ms |")
+                  f"| {r['lb_ms']:.2f} ms | {100 * r['eff']:.1f}% ({r['stages']} st.) |")
     if uneven:
         print("\n† tppc chose an uneven placement.")
-    if not quick:
+    if not quick and ns.models is None and ns.lengths is None:
         hetero(gm, ctx)
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
 

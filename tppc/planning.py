@@ -49,8 +49,13 @@ def plan(
         workload: causal prefill (default) or multi-step diffusion.
         granularity: chunk sizes are multiples of this (default: 128 when ``seq_len`` allows,
             else the largest power of two dividing it, at most ``seq_len // 8``).
-        num_stages: number of stages (default: every device of the cluster).
-        time_limit: seconds for the solver.
+        num_stages: number of stages (default: the planner chooses how many devices, and
+            which, to use; see :mod:`tppc.planner.devices`).
+        time_limit: seconds for pricing and solving together (capture excluded); on expiry
+            the best plan found so far is returned, its ``solver.status`` says
+            ``"time_limit"``. Limits: at most :data:`tppc.cost_models.cluster.MAX_DEVICES`
+            devices and :data:`tppc.planner.split.MAX_GRID_POINTS` grid points
+            (``seq_len / granularity``); beyond them a named error says what to change.
         seq_dims: input name -> sequence axis, when not found automatically.
         verbose: print the time of each phase to stderr.
 
@@ -77,8 +82,9 @@ def plan(
     table = build_cost_table(gm, ctx.layers, cluster, tokens, seq_symbol=ctx.seq_symbol,
                              token_count=ctx.token_count)
     t2 = time.perf_counter()
+    left = max(0.1, time_limit - (time.perf_counter() - t1))  # costing counts, capture not
     result = plan_from_costs(table, workload=workload, granularity=gran, num_stages=num_stages,
-                             time_limit=time_limit)
+                             time_limit=left)
     if verbose:
         print(f"[tppc plan] capture+annotate {t1 - t0:.1f} s, costing {t2 - t1:.2f} s, "
               f"solving {time.perf_counter() - t2:.2f} s", file=sys.stderr)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from tppc.cost_models.table import CostTable, LayerCost, LinkCost
@@ -52,3 +54,42 @@ def table(
         seq_len=seq_len,
         causal=True,
     )
+
+
+def hand_makespan(t: CostTable, cuts, bounds, steps: int = 1, devices=None) -> float:
+    """Flow-shop makespan written out by hand from the layer prices (an independent oracle).
+
+    Chunk ``i`` of step ``d`` starts on stage ``s`` when stage ``s`` finished the previous job
+    and the chunk arrived over the link; on stage 0 in steps after the first it also waits
+    for the same chunk of the previous step to come back from the last stage (PipeFusion).
+    Stage ``s`` runs on device ``devices[s]`` (default ``s``); a message between two devices
+    crosses every link between them (latencies add, the slowest bandwidth counts).
+    """
+    devices = list(range(len(cuts) - 1)) if devices is None else list(devices)
+    num_stages, chunks = len(cuts) - 1, list(itertools.pairwise(bounds))
+
+    def work(s: int, a: int, b: int) -> float:
+        c, p = np.array([float(b - a)]), np.array([float(a)])
+        layers = t.layers[devices[s]]
+        return sum(float(layers[j].time(c, p)[0]) for j in range(cuts[s], cuts[s + 1]))
+
+    def send(s: int, a: int, b: int) -> float:
+        hops = t.links[devices[s]:devices[s + 1]]
+        act = t.layers[devices[s]][cuts[s + 1] - 1].act_bytes_per_token
+        return sum(h.latency for h in hops) + (b - a) * act / min(h.bandwidth for h in hops)
+
+    end: dict[tuple[int, int], float] = {}
+    jobs = [(d, i) for d in range(steps) for i in range(len(chunks))]
+    for k, (d, i) in enumerate(jobs):
+        a, b = chunks[i]
+        for s in range(num_stages):
+            ready = end.get((s, k - 1), 0.0)
+            if s > 0:
+                ready = max(ready, end[s - 1, k] + send(s - 1, a, b))
+            elif d > 0:
+                act = t.layers[devices[-1]][cuts[-1] - 1].act_bytes_per_token
+                back = t.links[0].latency + (b - a) * act / t.links[0].bandwidth \
+                    if num_stages > 1 else 0.0
+                ready = max(ready, end[num_stages - 1, k - len(chunks)] + back)
+            end[s, k] = ready + work(s, a, b)
+    return end[num_stages - 1, len(jobs) - 1]

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 import sympy
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as hst
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tppc.analysis import annotate
@@ -36,8 +38,30 @@ def _exprs(llama, device="h100-sxm"):
 def test_llama_block_matrix_flops_match_hand_formula(llama):
     block = next(e for e in _exprs(llama) if e.info.kind == "block")
     projections = D * D + 2 * D * KV * HD + D * D + 3 * D * FF  # q, k, v, o, gate/up/down
-    attention = 4 * H * C * (P + C) * HD  # QK^T and PV over p + c keys
+    attention = 4 * H * HD * (P * C + C * (C + 1) / 2)  # QK^T and PV over the visited keys
     assert sympy.expand(block.matrix_flops - (2 * C * projections + attention)) == 0
+
+
+_TABLES: dict = {}
+
+
+@settings(max_examples=40, deadline=None)
+@given(hst.lists(hst.integers(1, 24), min_size=1, max_size=8),
+       hst.sampled_from(["h100-sxm", "tpu-v5p", "v100"]), hst.sampled_from([1, 16, 128]))
+def test_any_split_of_a_causal_layer_costs_at_least_one_chunk(llama, parts, device, unit):
+    if device not in _TABLES:
+        gm, ctx = llama
+        _TABLES[device] = build_cost_table(gm, ctx.layers, f"1x{device}", 1 << 16,
+                                           seq_symbol=ctx.seq_symbol, token_count=ctx.token_count)
+    table = _TABLES[device]
+    bounds = np.cumsum([0, *parts]) * unit
+    c, p = np.diff(bounds).astype(float), bounds[:-1].astype(float)
+    whole = np.array([float(bounds[-1])]), np.zeros(1)
+    for layer in table.layers[0]:
+        assert layer.time(c, p).sum() >= layer.time(*whole)[0] * (1 - 1e-12)
+    block = next(e for e in _exprs(llama, device) if e.info.kind == "block")
+    flops = sympy.lambdify((C, P), block.matrix_flops)
+    assert sum(flops(ci, pi) for ci, pi in zip(c, p)) == pytest.approx(flops(bounds[-1], 0))
 
 
 def test_llama_block_memory_needs(llama):
@@ -46,6 +70,7 @@ def test_llama_block_memory_needs(llama):
     # K and V buffers hold the model's KV heads (before the GQA repeat), fp32
     assert block.kv_bytes_per_token == 2 * KV * HD * 4
     assert block.act_bytes_per_token == D * 4
+    assert block.peak_bytes_per_token == FF * 4  # the MLP intermediate, live inside the block
 
 
 def test_identical_blocks_share_one_compiled_function(llama):

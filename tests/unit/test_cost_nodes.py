@@ -58,8 +58,13 @@ def test_linear_flops_and_bytes_match_hand_formula():
     assert cost.kind == "matrix" and cost.dtype == "fp32"
 
 
-@pytest.mark.parametrize(("causal", "keys"), [(True, P + C), (False, L)])
-def test_sdpa_flops_use_prefix_plus_chunk_keys_when_causal_and_L_otherwise(causal, keys):
+def _visited_keys_by_enumeration(c: int, p: int, length: int, causal: bool) -> int:
+    """Scores a kernel computes for c queries after p tokens, counted one by one."""
+    return sum(1 for i in range(c) for j in range(length) if not causal or j <= p + i)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_sdpa_flops_count_the_keys_each_query_visits(causal):
     b, h, d = 1, 4, 16
     q = torch.randn(b, h, 8, d)
     gm = _export(_Attention(causal), q, q, q, axis=2)
@@ -68,7 +73,11 @@ def test_sdpa_flops_use_prefix_plus_chunk_keys_when_causal_and_L_otherwise(causa
             node.meta[TOKEN] = TokenInfo(role="mixing", axis=2, axis_size=None,
                                          attention="causal" if causal else "bidirectional")
     cost = _only(graph_node_costs(gm), "scaled_dot_product_attention")
-    assert sympy.expand(cost.matrix_flops - 4 * b * h * C * keys * d) == 0
+    keys = P + C if causal else L
+    for c, p, length in [(1, 0, 64), (7, 5, 64), (16, 32, 64), (64, 0, 64)]:
+        visited = _visited_keys_by_enumeration(c, p, length, causal)
+        flops = cost.matrix_flops.subs({C: c, P: p, L: length})
+        assert flops == 4 * b * h * d * visited  # Q·Kᵀ and P·V, 2 FLOPs per multiply-add
     # q and out (chunk), the chunk's k/v written, the k/v buffer of `keys` tokens read
     expected_bytes = 4 * (2 * b * h * C * d + 2 * b * h * C * d + 2 * b * h * keys * d)
     assert sympy.expand(cost.bytes - expected_bytes) == 0
@@ -177,21 +186,30 @@ def test_known_memory_ops_are_not_reported_as_unpriced():
     assert not any(c.unpriced for c in costs.values())
 
 
-def test_gqa_key_repeat_is_priced_as_a_serial_copy():
-    class Gqa(nn.Module):
+def test_gqa_is_priced_as_sdpa_with_enable_gqa_not_as_a_repeat_copy():
+    class Repeat(nn.Module):  # HF's repeat_kv: unsqueeze -> expand -> reshape
         def forward(self, q, k, v):
             k = k[:, :, None].expand(1, 2, 2, k.shape[2], 16).reshape(1, 4, k.shape[2], 16)
             v = v[:, :, None].expand(1, 2, 2, v.shape[2], 16).reshape(1, 4, v.shape[2], 16)
-            return F.scaled_dot_product_attention(q, k, v)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    class Gqa(nn.Module):  # what the emitted program runs
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
     q, kv = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16)
-    cost = _only(graph_node_costs(_export(Gqa(), q, kv, kv, axis=2)),
-                 "scaled_dot_product_attention")
-    keys = P + C
-    # the repeat reads 2 K/V heads per key from the buffer and writes 4 (fp32, K and V)
-    assert sympy.expand(cost.serial_bytes - (2 * 2 * 16 + 2 * 4 * 16) * 4 * keys) == 0
-    terms = node_time_terms(cost, _cpu_like())
-    assert sympy.expand(terms.serial - cost.serial_bytes / 1e10) == 0
-    assert sympy.expand(terms.memory - (cost.bytes - cost.serial_bytes) / 1e10) == 0
-    fused = node_time_terms(cost, _cpu_like(), fuse_elementwise=True)
-    assert fused.serial == 0
+    costs = []
+    for module in (Repeat(), Gqa()):
+        gm = _export(module, q, kv, kv, axis=2)
+        sym = next(iter(gm.graph.find_nodes(op="placeholder"))).meta["val"].shape[2].node.expr
+        for node in gm.graph.find_nodes(op="placeholder"):  # what annotate_seq_dims writes
+            node.meta[TOKEN] = TokenInfo(role="token", axis=2, axis_size=sym)
+        costs.append(_only(graph_node_costs(gm), "scaled_dot_product_attention"))
+    repeat, gqa = costs
+    assert repeat.kv_bytes_per_key == gqa.kv_bytes_per_key == 2 * 2 * 16 * 4  # K+V, 2 heads
+    assert repeat.serial_bytes == 0 and node_time_terms(repeat, _cpu_like()).serial == 0
+    assert sympy.expand(repeat.bytes - gqa.bytes) == 0
+    assert sympy.expand(repeat.matrix_flops - gqa.matrix_flops) == 0
+    # q, out: 4 heads of the chunk; K/V buffers: 2 heads over p + c keys read, c written
+    expected = 4 * (2 * 4 * C * 16 + 2 * 2 * 16 * (P + C) + 2 * 2 * 16 * C)
+    assert sympy.expand(repeat.bytes - expected) == 0

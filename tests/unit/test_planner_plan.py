@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
+import pulp
 import pytest
-from planner_helpers import table
+from hypothesis import given, settings
+from hypothesis import strategies as hst
+from planner_helpers import hand_makespan, table
 
 from tppc.cost_models.table import CostTable, LayerCost, LinkCost
 from tppc.errors import PlanError, PlanInfeasible
 from tppc.planner import Plan, Workload, plan_for, plan_from_costs, simulate
-from tppc.planner.dp import evaluate_split
+from tppc.planner import placement as placement_module
+from tppc.planner.dp import brute_force_split, evaluate_split
 from tppc.planner.joint import _Ctx, _split_matrices
 from tppc.planner.placement import place_layers, placement_objective, stage_times
 
@@ -60,16 +65,40 @@ def test_split_matrices_agree_with_placement_objective() -> None:
     assert evaluate_split(bounds, m, f, 2) == pytest.approx(placement_objective(times, links, 1.0))
 
 
-def test_placement_milp_matches_enumeration() -> None:
-    t = table(num_layers=6, speeds=(1.0, 2.5, 0.7), seq_len=1024, layer_scales=(1, 3, 1, 2, 1, 4))
+def _placement_matches_enumeration(seed: int) -> bool:
+    """Placement MILP vs every contiguous placement, on a random heterogeneous chain."""
+    rng = np.random.default_rng(seed)
+    n_layers, n_dev = int(rng.integers(3, 7)), int(rng.integers(2, 4))
+    t = table(num_layers=n_layers, speeds=tuple(rng.uniform(0.3, 3.0, n_dev)), seq_len=1024,
+              layer_scales=tuple(rng.uniform(0.2, 5.0, n_layers)), link_bw=1e9)
     bounds = (0, 384, 640, 1024)
-    _cuts, obj, info = place_layers(t, bounds, 3, Workload(), time_limit=10)
+    try:
+        _cuts, obj, info = place_layers(t, bounds, n_dev, Workload(), time_limit=10)
+    except PlanError:  # the MILP returned something that is not a placement
+        return False
     best = min(
-        placement_objective(*stage_times(t, (0, *inner, 6), bounds), 1.0)
-        for inner in itertools.combinations(range(1, 6), 2)
+        placement_objective(*stage_times(t, (0, *inner, n_layers), bounds), 1.0)
+        for inner in itertools.combinations(range(1, n_layers), n_dev - 1)
     )
-    assert obj == pytest.approx(best, rel=1e-6)
-    assert info.status == "optimal"
+    return (info.status == "optimal" and info.objective == pytest.approx(best, rel=1e-6)
+            and obj == pytest.approx(best, rel=1e-9))
+
+
+@settings(max_examples=15, deadline=None)
+@given(hst.integers(0, 10**6))
+def test_placement_milp_matches_enumeration(seed: int) -> None:
+    assert _placement_matches_enumeration(seed)
+
+
+def test_a_broken_placement_milp_is_caught_by_the_comparison(monkeypatch) -> None:
+    def one_stage_per_layer_only(prob, x, n_layers, num_stages):
+        for j in range(n_layers):  # contiguity and non-empty stages dropped
+            prob += pulp.lpSum(x[j, s] for s in range(num_stages)) == 1
+
+    seeds = range(8)
+    assert all(_placement_matches_enumeration(seed) for seed in seeds)
+    monkeypatch.setattr(placement_module, "_contiguity_rows", one_stage_per_layer_only)
+    assert not all(_placement_matches_enumeration(seed) for seed in seeds)
 
 
 def test_placement_respects_memory() -> None:
@@ -117,15 +146,52 @@ def test_exhaustive_and_alternate_agree_on_a_homogeneous_chain() -> None:
 
 def test_heterogeneous_chain_gives_the_fast_device_more_layers() -> None:
     t = table(num_layers=8, speeds=(3.0, 1.0), seq_len=1024)
-    plan = plan_from_costs(t, granularity=128)
+    plan = plan_from_costs(t, granularity=128, num_stages=2)
     assert plan.stages[0].num_layers > plan.stages[1].num_layers
 
 
-def test_plan_latency_is_the_simulated_makespan_and_above_the_lower_bound() -> None:
-    t = table(num_layers=4, speeds=(1.0, 1.0), seq_len=1024)
+def _serial_seconds(t, device: int) -> float:
+    """One chunk of the whole sequence through every layer on one device, by hand."""
+    c, p = np.array([float(t.seq_len)]), np.zeros(1)
+    return sum(float(lc.time(c, p)[0]) for lc in t.layers[device])
+
+
+def test_a_very_slow_device_is_left_idle_and_the_plan_says_why() -> None:
+    t = table(num_layers=6, speeds=(1.0, 0.01), seq_len=1024)
     plan = plan_from_costs(t, granularity=128)
-    assert plan.latency == pytest.approx(plan.end[-1][-1])
+    assert plan.latency <= _serial_seconds(t, 0) * (1 + 1e-12)  # never slower than alone
+    assert [st.device_index for st in plan.stages] == [0]
+    assert any("device 1 (dev1) left idle" in note for note in plan.notes)
+
+
+def test_the_plan_may_use_a_subset_of_a_mixed_chain() -> None:
+    t = table(num_layers=6, speeds=(0.01, 1.0, 1.0), seq_len=1024)
+    plan = plan_from_costs(t, granularity=128)
+    assert 0 not in {st.device_index for st in plan.stages}
+    assert plan.latency <= _serial_seconds(t, 1) * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("speeds", [(1.0, 1.0), (1.0, 2.5, 0.7)])
+def test_plan_latency_is_the_hand_computed_makespan_and_above_the_lower_bound(speeds) -> None:
+    t = table(num_layers=5, speeds=speeds, seq_len=1024, link_bw=1e9)
+    plan = plan_from_costs(t, granularity=128)
+    cuts = (*(st.layer_start for st in plan.stages), plan.stages[-1].layer_end)
+    devices = [st.device_index for st in plan.stages]
+    assert plan.latency == pytest.approx(
+        hand_makespan(t, cuts, plan.boundaries, devices=devices), rel=1e-12)
     assert plan.latency >= plan.lower_bound
+
+
+@settings(max_examples=20, deadline=None)
+@given(hst.integers(0, 10**6))
+def test_every_plan_is_at_least_its_lower_bound(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n_layers, n_dev = int(rng.integers(1, 7)), int(rng.integers(1, 4))
+    t = table(num_layers=n_layers, speeds=tuple(rng.uniform(0.2, 3.0, n_dev)),
+              seq_len=int(rng.choice([512, 1024, 2048])), link_bw=float(rng.uniform(1e8, 1e12)),
+              layer_scales=tuple(rng.uniform(0.1, 5.0, n_layers)))
+    plan = plan_from_costs(t, granularity=128)
+    assert plan.latency >= plan.lower_bound * (1 - 1e-12)
 
 
 def test_plan_json_round_trip() -> None:
@@ -194,13 +260,16 @@ def test_diffusion_plan_fills_the_ring() -> None:
     assert p.latency < 0.75 * serial.latency
 
 
-def test_diffusion_plan_keeps_one_chunk_when_overhead_dominates() -> None:
+def test_diffusion_plan_uses_fewer_chunks_than_stages_when_overhead_dominates() -> None:
     table = _bidirectional_table(4, fixed=1e-2)
-    p = plan_from_costs(table, workload=Workload(kind="diffusion", steps=10), granularity=64)
-    for m in (4, 8):
+    workload = Workload(kind="diffusion", steps=10)
+    p = plan_from_costs(table, workload=workload, granularity=64)
+    cuts = (0, 1, 2, 3, 4)
+    assert len(p.chunks) < 4  # at least one more chunk would cost more overhead than it hides
+    assert p.latency == pytest.approx(hand_makespan(table, cuts, p.boundaries, 10), rel=1e-12)
+    for m in (1, 2, 3, 4, 8, 16):
         grid = tuple(round(i * 1024 / m / 64) * 64 for i in range(m + 1))
-        other = plan_for(table, (0, 1, 2, 3, 4), grid, Workload(kind="diffusion", steps=10))
-        assert p.latency <= other.latency
+        assert p.latency <= hand_makespan(table, cuts, grid, 10) * (1 + 1e-12)
 
 
 def test_plan_trace_has_one_slice_per_job_with_predicted_times() -> None:
@@ -233,3 +302,28 @@ def test_plan_is_never_slower_than_the_plan_on_a_coarser_grid() -> None:
         assert fine.latency <= other.latency * (1 + 1e-9)
     assert fine.granularity == 64
     assert all(size % 64 == 0 for size in fine.chunk_sizes)
+
+
+def test_split_is_improved_on_the_simulated_makespan_and_stays_above_the_true_optimum() -> None:
+    t = table(num_layers=4, speeds=(1.0, 3.0), seq_len=1024, link_bw=1e9)
+    plan = plan_from_costs(t, granularity=128, num_stages=2, coarser_grids=0)
+    cuts = (*(st.layer_start for st in plan.stages), plan.stages[-1].layer_end)
+    m, f, _ = _split_matrices(_Ctx(t, Workload(), 128, 2, None, float("inf")), cuts)
+    terapipe = brute_force_split(m, f, 2)  # TeraPipe's objective, optimal
+    tera_latency = hand_makespan(t, cuts, tuple(b * 128 for b in terapipe.bounds))
+    best = min(hand_makespan(t, cuts, (0, *(b * 128 for b in inner), 1024))
+               for k in range(8) for inner in itertools.combinations(range(1, 8), k))
+    assert best * (1 - 1e-12) <= plan.latency <= tera_latency * (1 + 1e-12)
+
+
+def test_stage_memory_counts_weights_buffers_queued_chunks_peak_and_kept_outputs() -> None:
+    from tppc.planner.memory import QUEUE_DEPTH, stage_memory
+
+    t = table(num_layers=3, speeds=(1.0,), seq_len=1024, weight_bytes=1000, kv_per_token=10,
+              act_per_token=7)
+    layers = tuple(dataclasses.replace(lc, peak_bytes_per_token=50) for lc in t.layers[0])
+    t = dataclasses.replace(t, layers=(layers,))
+    chunk = 256
+    by_hand = 3 * 1000 + 3 * 10 * 1024 + 7 * 1024 + chunk * ((QUEUE_DEPTH + 1) * 7 + 50)
+    assert stage_memory(t, 0, 0, 3, chunk) == by_hand
+    assert stage_memory(t, 0, 0, 2, chunk) == by_hand - 1000 - 10 * 1024 - 7 * 1024

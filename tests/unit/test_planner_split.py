@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from tppc.errors import PlanError
 from tppc.planner import brute_force_split, split_tokens, terapipe_dp
+from tppc.planner import split as split_module
 from tppc.planner.dp import chunk_matrix
 from tppc.planner.split import solve_split
 
@@ -32,27 +33,50 @@ instances = st.tuples(
 )
 
 
+def _milp_matches_brute_force(inst) -> bool:
+    """Solve with the MILP alone and compare claim, evaluation and status with brute force."""
+    n, stages, fixed, scale, span, tile, max_chunks = inst
+    cost = _causal(fixed, scale, span, tile)
+    brute = brute_force_split(chunk_matrix(cost, n, 32), num_stages=stages, max_chunks=max_chunks)
+    try:
+        milp = split_tokens(cost, 32 * n, stages, granularity=32, max_chunks=max_chunks,
+                            solver="milp", warm_start="uniform", time_limit=20)
+    except PlanError:  # the MILP returned something that is not a split
+        return False
+    assert milp.solver.solver.startswith("milp-")
+    return (milp.solver.status == "optimal"
+            and milp.solver.objective == pytest.approx(brute.objective, rel=1e-7)
+            and milp.objective == pytest.approx(brute.objective, rel=1e-9))
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(instances)
 def test_milp_dp_and_brute_force_agree(inst) -> None:
     n, stages, fixed, scale, span, tile, max_chunks = inst
-    cost = _causal(fixed, scale, span, tile)
-    m = chunk_matrix(cost, n, 32)
+    m = chunk_matrix(_causal(fixed, scale, span, tile), n, 32)
     brute = brute_force_split(m, num_stages=stages, max_chunks=max_chunks)
     dp = terapipe_dp(m, num_stages=stages, max_chunks=max_chunks)
-    milp = split_tokens(
-        cost,
-        32 * n,
-        stages,
-        granularity=32,
-        max_chunks=max_chunks,
-        solver="milp",
-        warm_start="uniform",
-        time_limit=20,
-    )
     assert dp.objective == pytest.approx(brute.objective, rel=1e-9)
-    assert milp.objective == pytest.approx(brute.objective, rel=1e-9)
-    assert milp.solver.status == "optimal"
+    assert _milp_matches_brute_force(inst)
+
+
+FIXED_INSTANCES = [(8, 4, 1e-4, 1e-6, 512.0, 16, None), (10, 8, 5e-5, 2e-6, 256.0, 1, None),
+                   (6, 3, 1e-5, 1e-5, 128.0, 48, 4)]
+
+
+def test_a_broken_milp_is_caught_by_the_comparison(monkeypatch) -> None:
+    """Dropping the max-term rows must make the MILP disagree with brute force."""
+    assert all(_milp_matches_brute_force(inst) for inst in FIXED_INSTANCES)
+    monkeypatch.setattr(split_module, "_max_term_rows", lambda *args: None)
+    assert not any(_milp_matches_brute_force(inst) for inst in FIXED_INSTANCES)
+
+
+def test_milp_with_no_candidate_chunks_is_an_error_not_optimal(monkeypatch) -> None:
+    real = split_module._buckets
+    monkeypatch.setattr(split_module, "_buckets", lambda *a, **k: [
+        split_module._Bucket(b.lo, b.hi, ()) for b in real(*a, **k)])
+    with pytest.raises(PlanError, match="MILP is infeasible"):
+        split_tokens(_causal(1e-4, 1e-6, 512.0, 1), 256, 2, granularity=32, solver="milp")
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -64,17 +88,22 @@ def test_dp_matches_brute_force_on_random_matrices_with_separate_max_term(n, sta
     f = m + np.triu(rng.random((n + 1, n + 1)), 1)
     dp = terapipe_dp(m, f, stages, repeats=k)
     brute = brute_force_split(m, f, stages, repeats=k)
-    _milp_bounds, milp_obj, _ = solve_split(m, f, stages, repeats=k, solver="milp")
+    _milp_bounds, milp_obj, info = solve_split(m, f, stages, repeats=k, solver="milp",
+                                               warm_start="uniform")
     assert dp.objective == pytest.approx(brute.objective, rel=1e-9)
     assert milp_obj == pytest.approx(brute.objective, rel=1e-9)
+    assert info.objective == pytest.approx(brute.objective, rel=1e-7)
+    assert info.status == "optimal"
 
 
 def test_milp_equals_dp_on_a_64_point_causal_grid() -> None:
     cost = _causal(1e-4, 1e-6, 4096.0, 128)
-    milp = split_tokens(cost, 8192, 8, granularity=128, solver="milp")
+    milp = split_tokens(cost, 8192, 8, granularity=128, solver="milp", warm_start="uniform",
+                        time_limit=60)
     dp = split_tokens(cost, 8192, 8, granularity=128, solver="dp")
+    assert milp.solver.solver.startswith("milp-") and milp.solver.status == "optimal"
     assert milp.objective == pytest.approx(dp.objective, rel=1e-9)
-    assert milp.solver.solver.startswith("milp-")
+    assert milp.solver.objective == pytest.approx(dp.objective, rel=1e-7)
 
 
 def test_causal_optimum_has_shorter_later_chunks() -> None:

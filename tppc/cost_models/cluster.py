@@ -26,7 +26,11 @@ from ..errors import SpecError
 from .presets import DEFAULT_LINK, DEVICE_PRESETS, LINK_PRESETS
 from .specs import DeviceSpec, LinkSpec
 
-__all__ = ["Cluster", "device_preset", "link_preset"]
+__all__ = ["MAX_DEVICES", "Cluster", "device_preset", "link_preset"]
+
+MAX_DEVICES = 512
+"""Most devices a cluster string may name (one pipeline stage per device; the planner's
+placement search grows with devices × layers)."""
 
 _GROUP = re.compile(r"^\s*(?:(\d+)\s*[x×*]\s*)?([a-z0-9][a-z0-9._-]*?)\s*(?:@\s*([a-z0-9._-]+))?\s*$")
 
@@ -129,6 +133,12 @@ class Cluster:
             count = int(match.group(1) or 1)
             if count < 1:
                 raise SpecError(f"cluster string {text!r}: group {part!r} has {count} devices")
+            if count + len(devices) > MAX_DEVICES:
+                raise SpecError(
+                    f"cluster string {text!r} has more than MAX_DEVICES={MAX_DEVICES} devices; "
+                    "a token pipeline has one stage per device: plan for at most "
+                    f"{MAX_DEVICES} devices (e.g. one pipeline per node group)"
+                )
             device = device_preset(match.group(2))
             family = match.group(2).strip()
             link_name = match.group(3) or DEFAULT_LINK.get(family)

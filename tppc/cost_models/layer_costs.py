@@ -31,6 +31,7 @@ from torch import fx
 from ..errors import CostModelError
 from ..ir import LAYER, TOKEN, LayerInfo, TokenInfo
 from .cluster import Cluster
+from .lambdify import to_numpy
 from .node_costs import (
     C,
     L,
@@ -64,6 +65,7 @@ class LayerExpr:
         weight_bytes: parameter and buffer bytes the layer holds.
         kv_bytes_per_token: K/V buffer bytes per sequence token.
         act_bytes_per_token: bytes per token of the values leaving the layer.
+        peak_bytes_per_token: bytes per token of the largest token value inside the layer.
         unpriced: names of the layer's ops that have no pricing rule (priced as memory
             traffic only), sorted; empty when every op was priced.
     """
@@ -78,11 +80,12 @@ class LayerExpr:
     weight_bytes: int
     kv_bytes_per_token: int
     act_bytes_per_token: int
+    peak_bytes_per_token: int = 0
     unpriced: tuple[str, ...] = ()
 
 
 def _vectorise(expr: sympy.Expr) -> TimeFn:
-    raw = sympy.lambdify((C, P), expr, modules="numpy")
+    raw = to_numpy(expr, (C, P))
 
     def time(c: np.ndarray, p: np.ndarray) -> np.ndarray:
         c = np.asarray(c, dtype=float)
@@ -240,6 +243,7 @@ class _Pricer:
                          weight_bytes=int(info.param_bytes),
                          kv_bytes_per_token=int(kv),
                          act_bytes_per_token=self._act_bytes(info),
+                         peak_bytes_per_token=self._peak_bytes(info),
                          unpriced=tuple(sorted({c.op for c in costs if c.unpriced})))
 
     def _sum(self, costs: Sequence[NodeCost], device: DeviceSpec, fuse: bool) -> tuple:
@@ -267,6 +271,23 @@ class _Pricer:
         if info.name not in self._acts:
             self._acts[info.name] = self._compute_act_bytes(info)
         return self._acts[info.name]
+
+    def _peak_bytes(self, info: LayerInfo) -> int:
+        """Largest per-token value computed inside the layer (e.g. the MLP intermediate)."""
+        peak = 0
+        for name in info.nodes:
+            node = self.nodes[name]
+            token = node.meta.get(TOKEN)
+            if node.op != "call_function" or not _tensors(node.meta.get("val")) or (
+                    isinstance(token, TokenInfo) and token.role != "token"):
+                continue
+            size = sympy.Mul(*self.shapes.shape(node)) \
+                * _tensors(node.meta["val"])[0].element_size()
+            if C in size.free_symbols:
+                value = size.subs({C: 1, P: 0, L: self.seq_len})
+                if value.is_number:
+                    peak = max(peak, int(sympy.ceiling(value)))
+        return peak
 
     def _compute_act_bytes(self, info: LayerInfo) -> int:
         total = sympy.Integer(0)
@@ -366,7 +387,8 @@ def build_cost_table(gm: fx.GraphModule, layers: Sequence[LayerInfo] | None,
         per_device.append(tuple(
             LayerCost(name=e.info.name, time=e.fn, weight_bytes=e.weight_bytes,
                       kv_bytes_per_token=e.kv_bytes_per_token,
-                      act_bytes_per_token=e.act_bytes_per_token) for e in exprs))
+                      act_bytes_per_token=e.act_bytes_per_token,
+                      peak_bytes_per_token=e.peak_bytes_per_token) for e in exprs))
     causal = _is_causal(pricer, default_attention)
     return CostTable(
         device_names=cluster.device_names,

@@ -12,8 +12,9 @@ What is counted (eager execution, the torch backend's default):
       views, reshapes, expands, dtype-preserving ``to`` and shape queries are free;
     * a matmul's bias add and an attention's softmax are fused into it (SDPA is one
       flash-style kernel: scores never reach memory; the K/V buffer of the key length is
-      read, the chunk's K/V are written into the buffer; with grouped-query attention the
-      eager repeat of K/V is a separate copy, priced serially: see ``serial_bytes``);
+      read, the chunk's K/V are written into the buffer; a causal kernel computes only the
+      visited keys ``p·c + c(c+1)/2``; grouped-query attention reads each K/V head once, as
+      SDPA with ``enable_gqa`` does in the emitted program: see :mod:`.attention`);
     * ``embedding`` reads only the gathered rows;
     * copies, gathers, concatenations and creation ops move memory and do no arithmetic.
 An op that none of these rules knows is priced as memory traffic only (its inputs and
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import sympy
@@ -41,6 +42,8 @@ from torch import fx
 
 from ..errors import CostModelError
 from ..ir import TOKEN, TokenInfo
+from ..passes._chunk_parts import cache_source, is_head_repeat
+from .attention import AttentionWork, attention_work
 from .op_tables import (
     ATTENTION,
     CONVERT,
@@ -132,8 +135,11 @@ class NodeCost:
         kv_bytes_per_key: for attention, K/V buffer bytes per key token (0 otherwise).
         unpriced: True when no rule knows the op and it was priced as memory traffic only.
         serial_bytes: the part of ``bytes`` moved by separate copy kernels the op implies in
-            eager execution (the K/V repeat of grouped-query attention); they cannot overlap
-            the op's compute, so the roofline adds their time instead of taking the max.
+            eager execution; they cannot overlap the op's compute, so the roofline adds their
+            time instead of taking the max (0 for attention: grouped-query attention runs
+            with ``enable_gqa``, no repeat copy).
+        causal_keys: attention whose key dimension counts visited keys of a causal kernel
+            (see :mod:`.attention`); the roofline pads it tile by tile.
     """
 
     name: str
@@ -147,6 +153,7 @@ class NodeCost:
     kv_bytes_per_key: int = 0
     unpriced: bool = False
     serial_bytes: sympy.Expr = sympy.S.Zero
+    causal_keys: bool = False
 
 
 def _op_name(node: fx.Node) -> str:
@@ -270,42 +277,37 @@ def _matmul_dims(op: str, node: fx.Node, shapes: _Shapes, args: list[fx.Node]
 
 
 def _attention(node: fx.Node, shapes: _Shapes, args: list[fx.Node], attention: str
-               ) -> tuple[list, sympy.Expr, sympy.Expr, sympy.Expr, int]:
+               ) -> tuple[AttentionWork, int]:
+    """Read ``(c, p, causal, heads, head_dims, kv_heads)`` off an SDPA node and price it."""
     q_node, k_node, v_node = node.args[0], node.args[1], node.args[2]
-    q, k, v = shapes.shape(q_node), shapes.shape(k_node), shapes.shape(v_node)
+    q = shapes.shape(q_node)
     key_len = shapes.subs.key(attention)
     if shapes.subs.seq_symbol is None:  # static graph: keys as captured
-        key_len = k[-2]
-    heads = sympy.cancel(_numel(q[:-1]) / q[-2])  # batch × heads
-    qk = (heads, q[-2], key_len, q[-1])
-    pv = (heads, q[-2], v[-1], key_len)
-    vector = 5 * heads * q[-2] * key_len
+        key_len = shapes.shape(k_node)[-2]
     item = _itemsize(_tensors(q_node.meta["val"])[0])
-    seen_per_key = (_numel(k[:-2]) * k[-1] + _numel(v[:-2]) * v[-1]) * item
-    kv_per_key = _per_token(shapes, _before_repeat(k_node)) \
-        + _per_token(shapes, _before_repeat(v_node))
-    kv_per_key = kv_per_key * item if kv_per_key else seen_per_key
-    nbytes = _bytes(shapes, [q_node, k_node, v_node, node]) + kv_per_key * key_len
-    copy = sympy.Integer(0)
-    if sympy.simplify(seen_per_key - kv_per_key) != 0:  # GQA: eager repeat copies the keys
-        copy = (kv_per_key + seen_per_key) * key_len  # read the buffer, write the copy
-        nbytes += seen_per_key * key_len  # the kernel reads the repeated keys
+    batch_heads = _numel(q[:-2])
+    k_src, v_src = _kv_source(k_node, shapes), _kv_source(v_node, shapes)
+    k_per, v_per = _per_token(shapes, k_src), _per_token(shapes, v_src)
+    kv_heads = sympy.cancel(k_per / q[-1]) if k_per else batch_heads
+    value_dim = sympy.cancel(v_per / kv_heads) if v_per else shapes.shape(v_node)[-1]
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    mask_bytes = sympy.Integer(0)
     if isinstance(mask, fx.Node):
         mt = _tensors(mask.meta.get("val"))[0]
-        nbytes += _numel(shapes.shape(mask)[:-1]) * key_len * _itemsize(mt)
-    return [qk, pv], vector, nbytes + copy, copy, int(kv_per_key)
+        mask_bytes = _numel(shapes.shape(mask)[:-1]) * key_len * _itemsize(mt)
+    work = attention_work(q[-2], P, causal=attention != "bidirectional", heads=batch_heads,
+                          head_dim=q[-1], kv_heads=kv_heads, value_dim=value_dim,
+                          itemsize=item, keys=key_len)
+    return replace(work, bytes=work.bytes + mask_bytes), int(work.kv_bytes_per_key)
 
 
-_REPEAT = frozenset({"reshape", "expand", "unsqueeze", "view", "_unsafe_view", "clone",
-                     "contiguous", "repeat_interleave"})
-
-
-def _before_repeat(node: fx.Node) -> fx.Node:
-    """The K/V value before grouped-query repetition (unsqueeze → expand → reshape)."""
-    while _op_name(node) in _REPEAT and node.args and isinstance(node.args[0], fx.Node) \
-            and _tensors(node.args[0].meta.get("val")):
-        node = node.args[0]
+def _kv_source(node: fx.Node, shapes: _Shapes) -> fx.Node:
+    """The value a K/V buffer stores (the emitter's rule: before HF's head repeat)."""
+    sym = shapes.subs.seq_symbol
+    if sym is not None:
+        source, chain = cache_source(node, sym)
+        if chain and is_head_repeat(source, chain):
+            return source
     return node
 
 
@@ -351,11 +353,14 @@ def node_cost(node: fx.Node, subs: TokenSubstitution, *, default_attention: str 
     kv = 0
     serial = zero
     unpriced = False
+    causal_keys = False
     try:
         if op in ATTENTION:
             attention = (info.attention if isinstance(info, TokenInfo) and info.attention
                          else ("causal" if node.kwargs.get("is_causal") else default_attention))
-            matmuls, vector, nbytes, serial, kv = _attention(node, shapes, args, attention)
+            work, kv = _attention(node, shapes, args, attention)
+            matmuls, vector, nbytes = list(work.matmuls), work.vector_flops, work.bytes
+            causal_keys = work.causal
             kind: Kind = "attention"
         elif op in MATMUL:
             matmuls = _matmul_dims(op, node, shapes, args)
@@ -387,7 +392,7 @@ def node_cost(node: fx.Node, subs: TokenSubstitution, *, default_attention: str 
     return NodeCost(node.name, op, "const" if const else kind, sympy.expand(matrix),
                     tuple(tuple(sympy.expand(d) for d in mm) for mm in matmuls),
                     sympy.expand(vector), sympy.expand(nbytes), dtype, kv, unpriced,
-                    sympy.expand(serial))
+                    sympy.expand(serial), causal_keys)
 
 
 def graph_node_costs(gm: fx.GraphModule, *, seq_symbol: sympy.Symbol | None = None,

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import sympy
 
-from .node_costs import NodeCost
+from .node_costs import NodeCost, P
 from .specs import DeviceSpec
 
 __all__ = ["TimeTerms", "node_time_terms"]
@@ -61,6 +61,13 @@ def _pad(x: sympy.Expr, tile: int) -> sympy.Expr:
     return sympy.ceiling(x / tile) * tile
 
 
+def _pad_dim(x: sympy.Expr, tile: int, cost: NodeCost) -> sympy.Expr:
+    """Pad a matmul dim; causal key dims (already padded per tile) are left as they are."""
+    if cost.causal_keys and x.free_symbols & {P}:
+        return x
+    return _pad(x, tile)
+
+
 def node_time_terms(cost: NodeCost, device: DeviceSpec, *, fuse_elementwise: bool = False
                     ) -> TimeTerms:
     """The :class:`TimeTerms` of a node on a device.
@@ -75,8 +82,13 @@ def node_time_terms(cost: NodeCost, device: DeviceSpec, *, fuse_elementwise: boo
         return TimeTerms(zero, zero, zero, zero, 0.0)
     unit = device.matrix
     extra = sympy.Float(unit.half_rows) if unit.half_rows else zero
-    padded = sum((2 * b * (_pad(m, unit.tile_m) + extra) * _pad(n, unit.tile_n)
-                  * _pad(k, unit.tile_k) for b, m, n, k in cost.matmuls), zero)
+    mms = cost.matmuls
+    if cost.causal_keys:  # the key dim counts visited keys: pad tile by tile (.attention)
+        (b, m, keys, d), (_, _, dv, _) = mms
+        padded_keys = keys + (_pad(m, unit.tile_m) - m + max(unit.tile_m, unit.tile_n) - 1) / 2
+        mms = ((b, m, padded_keys, d), (b, m, dv, padded_keys))
+    padded = sum((2 * b * (_pad(m, unit.tile_m) + extra) * _pad_dim(n, unit.tile_n, cost)
+                  * _pad_dim(k, unit.tile_k, cost) for b, m, n, k in mms), zero)
     rate = unit.peak(cost.dtype)
     if cost.kind == "attention":
         rate *= device.attention_efficiency

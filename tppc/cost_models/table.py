@@ -33,6 +33,8 @@ class LayerCost:
         weight_bytes: parameter and buffer bytes the layer holds.
         kv_bytes_per_token: K/V buffer bytes per token of sequence (full-length buffers).
         act_bytes_per_token: bytes per token of the activations that leave the layer.
+        peak_bytes_per_token: bytes per token of the largest value inside the layer (the MLP
+            intermediate of a block), live while the layer runs on a chunk.
     """
 
     name: str
@@ -40,6 +42,7 @@ class LayerCost:
     weight_bytes: int
     kv_bytes_per_token: int
     act_bytes_per_token: int
+    peak_bytes_per_token: int = 0
 
 
 @dataclass(frozen=True)

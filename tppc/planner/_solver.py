@@ -73,7 +73,6 @@ def solve(
     *,
     time_limit: float,
     warm_start: bool = False,
-    cutoff: float | None = None,
     rel_gap: float = 1e-7,
 ) -> SolveOutcome:
     """Solve ``prob`` (a minimisation) under a time limit.
@@ -83,10 +82,8 @@ def solve(
             ``warm_start`` is True.
         time_limit: seconds; must be positive.
         warm_start: pass the variables' initial values to CBC. (HiGHS 1.16 reports wrong
-            objectives after ``setSolution`` on these models, so it gets ``cutoff`` instead.)
-        cutoff: objective of a known solution; HiGHS prunes every node that cannot beat
-            it. When nothing beats it the status is ``"infeasible"``: the known solution is
-            optimal.
+            objectives after ``setSolution`` on these models, so it starts cold.) No cutoff
+            is ever set: ``"infeasible"`` always means the model has no solution.
         rel_gap: relative MIP gap at which the solver stops. (The absolute gap is 1e-9:
             callers scale objectives to about 1, HiGHS's default 1e-6 would stop early.)
 
@@ -96,9 +93,8 @@ def solve(
     name = available_solver()
     t0 = time.perf_counter()
     if name == "highs":
-        options = {} if cutoff is None else {"objective_bound": float(cutoff)}
         solver = pulp.HiGHS(
-            msg=False, timeLimit=time_limit, gapRel=rel_gap, gapAbs=1e-9, threads=1, **options
+            msg=False, timeLimit=time_limit, gapRel=rel_gap, gapAbs=1e-9, threads=1
         )
         prob.solve(solver)
         seconds = time.perf_counter() - t0

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,12 +46,14 @@ class SplitSolution:
         objective: ``K·Σ m + (S-1)·max f`` of this split.
         t_max: the max term's value (``max f``).
         dps: number of min-sum DPs run (0 for brute force).
+        complete: False when a deadline stopped the search (the split is an incumbent).
     """
 
     bounds: tuple[int, ...]
     objective: float
     t_max: float
     dps: int = 0
+    complete: bool = True
 
 
 def chunk_matrix(cost, n: int, granularity: int) -> np.ndarray:
@@ -141,6 +144,7 @@ def terapipe_dp(
     repeats: float = 1.0,
     max_chunks: int | None = None,
     upper_bound: float = math.inf,
+    deadline: float | None = None,
 ) -> SplitSolution:
     """Exact minimum of ``K·Σ m + (S-1)·max f`` by TeraPipe's ``t_max`` enumeration.
 
@@ -151,6 +155,8 @@ def terapipe_dp(
         repeats: ``K``.
         max_chunks: at most this many chunks.
         upper_bound: a known achievable objective; levels that cannot beat it are skipped.
+        deadline: ``time.perf_counter()`` value after which the search stops once it has an
+            incumbent (``complete=False`` then).
 
     Returns:
         The optimal split; ``objective`` is ``inf`` (and ``bounds`` empty) when no tiling
@@ -187,7 +193,12 @@ def terapipe_dp(
     else:
         hi = levels.size - 1
     stack = [(0, hi)] if s1 > 0 else [(hi, hi)]
+    complete = True
     while stack:
+        if deadline is not None and math.isfinite(best.objective) and \
+                time.perf_counter() > deadline:
+            complete = False
+            break
         lo, hi = stack.pop()
         sum_hi, bounds_hi = at(hi)
         if not math.isfinite(sum_hi):
@@ -201,7 +212,8 @@ def terapipe_dp(
         mid = (lo + hi) // 2
         stack.append((mid + 1, hi))
         stack.append((lo, mid))
-    return SplitSolution(best.bounds, best.objective, best.t_max, dps=len(cache))
+    return SplitSolution(best.bounds, best.objective, best.t_max, dps=len(cache),
+                         complete=complete)
 
 
 def _max_f(bounds: tuple[int, ...], f: np.ndarray) -> float:

@@ -23,6 +23,7 @@ import dataclasses
 import itertools
 import math
 import time
+from collections import Counter
 from typing import Literal
 
 import numpy as np
@@ -30,12 +31,14 @@ import numpy as np
 from tppc.cost_models.table import CostTable
 from tppc.errors import PlanError
 from tppc.planner._solver import available_solver
+from tppc.planner.devices import choose_devices
 from tppc.planner.dp import chunk_matrix, terapipe_dp
 from tppc.planner.evaluate import plan_for
-from tppc.planner.memory import IN_FLIGHT, stage_memory
+from tppc.planner.memory import memory_parts, stage_memory
 from tppc.planner.placement import balanced_placement, infeasible_error, place_layers
 from tppc.planner.plan import Plan, SolverInfo, Workload
-from tppc.planner.refine import diffusion_candidates
+from tppc.planner.refine import diffusion_candidates, improve_split
+from tppc.planner.schedule import simulate
 from tppc.planner.split import check_grid, solve_split
 
 __all__ = ["plan_for", "plan_from_costs"]
@@ -66,8 +69,9 @@ def plan_from_costs(
         table: per-device, per-layer prices (``table.seq_len`` is the sequence length).
         workload: causal prefill (default) or multi-step diffusion.
         granularity: chunk sizes are multiples of this many tokens.
-        num_stages: stages (devices ``0..S-1`` of the chain); default all devices, or the
-            number of layers when there are fewer layers than devices.
+        num_stages: stages on devices ``0..S-1`` of the chain; default: the planner chooses
+            the devices too (:mod:`tppc.planner.devices`; a slow device may stay idle, and
+            the plan's notes say why).
         time_limit: seconds for all solver calls together; on expiry the incumbent is kept
             and the plan's solver status says ``"time_limit"``.
         max_chunks: at most this many chunks per step.
@@ -87,6 +91,15 @@ def plan_from_costs(
     """
     workload = workload or Workload()
     t0 = time.perf_counter()
+    if num_stages is None and table.num_devices > 1 and table.num_layers > 0:
+        def on(sub: CostTable, k: int, seconds: float) -> Plan:
+            return plan_from_costs(sub, workload=workload, granularity=granularity,
+                                   num_stages=k, time_limit=seconds, max_chunks=max_chunks,
+                                   method=method, max_rounds=max_rounds,
+                                   coarser_grids=coarser_grids)
+
+        check_grid(table.seq_len, granularity)
+        return choose_devices(table, on, workload, granularity, time_limit)
     num_stages = _check(table, num_stages)
     n = check_grid(table.seq_len, granularity)
     placements = math.comb(table.num_layers - 1, num_stages - 1)
@@ -115,6 +128,8 @@ def plan_from_costs(
             lambda b: plan_for(table, cuts, b, workload, granularity=granularity, solver=solver),
             n, granularity, max_chunks,
         )
+    if workload.kind == "causal_prefill" and num_stages > 1:
+        best = _improve(ctx, cuts, bounds, best, t0)
     first = time.perf_counter() - t0
     for k in range(1, coarser_grids + 1):
         coarse, left = granularity * 2**k, t0 + time_limit - time.perf_counter()
@@ -132,6 +147,36 @@ def plan_from_costs(
                 solver=dataclasses.replace(other.solver, detail=detail,
                                            seconds=time.perf_counter() - t0))
     return best
+
+
+def _improve(ctx: _Ctx, cuts: tuple[int, ...], bounds: tuple[int, ...], best: Plan,
+             t0: float) -> Plan:
+    """TeraPipe's split improved on the simulated makespan (:func:`improve_split`)."""
+    table, n, g = ctx.table, ctx.n, ctx.g
+    m, _f, _warm = _split_matrices(ctx, cuts)
+    pairs = list(itertools.pairwise(cuts))
+    stage = [_stage_matrix(ctx, s, lo, hi) for s, (lo, hi) in enumerate(pairs)]
+    sizes = np.maximum(np.arange(n + 1)[None, :] - np.arange(n + 1)[:, None], 0) * g
+    links = [table.links[s].time(table.layers[s][hi - 1].act_bytes_per_token * sizes)
+             for s, (_lo, hi) in enumerate(pairs[:-1])]
+
+    def makespan(grid: tuple[int, ...]) -> float:
+        a, b = np.array(grid[:-1]), np.array(grid[1:])
+        if (ctx.max_chunks and a.size > ctx.max_chunks) or not np.isfinite(m[a, b]).all():
+            return math.inf
+        times = np.stack([t[a, b] for t in stage])
+        sends = np.stack([lk[a, b] for lk in links]) if links else np.zeros((0, a.size))
+        return simulate(times, sends).makespan
+
+    now = time.perf_counter()
+    deadline = min(ctx.deadline, now + max(1.0, now - t0))
+    new, value, moves = improve_split(tuple(bounds), makespan, deadline=deadline)
+    if moves == 0 or value >= best.latency * (1 - 1e-12):
+        return best
+    detail = (f"{best.solver.detail}; then {moves} boundary moves on the simulated makespan "
+              f"({100 * (1 - value / best.latency):.2f}% faster than TeraPipe's split)")
+    return plan_for(table, cuts, tuple(b * g for b in new), ctx.workload, granularity=g,
+                    solver=dataclasses.replace(best.solver, detail=detail))
 
 
 def _check(table: CostTable, num_stages: int | None) -> int:
@@ -164,14 +209,14 @@ class _Ctx:
         self.S, self.max_chunks, self.deadline = num_stages, max_chunks, deadline
         self.n = table.seq_len // granularity
         self.K = float(workload.pipelined_steps)
-        self._cache: dict[tuple[int, int], np.ndarray] = {}
+        self._cache: dict[int, np.ndarray] = {}
 
     def left(self) -> float:
         return max(self.deadline - time.perf_counter(), 0.05)
 
     def layer_matrix(self, device: int, layer: int) -> np.ndarray:
         fn = self.table.layers[device][layer].time
-        key = (device, id(fn))
+        key = id(fn)  # identical layers and identical devices share one function
         if key not in self._cache:
             self._cache[key] = chunk_matrix(fn, self.n, self.g)
         return self._cache[key]
@@ -185,18 +230,18 @@ def _split_matrices(ctx: _Ctx, cuts: tuple[int, ...]) -> tuple[np.ndarray, np.nd
     f = np.zeros((n + 1, n + 1))
     warm = 0.0
     for s, (lo, hi) in enumerate(itertools.pairwise(cuts)):
-        t = sum(ctx.layer_matrix(s, j) for j in range(lo, hi))
+        t = _stage_matrix(ctx, s, lo, hi)
         link = 0.0
         if s < ctx.S - 1:
             act = table.layers[s][hi - 1].act_bytes_per_token
             link = table.links[s].time(act * np.maximum(sizes, 0))
         m = np.maximum(m, t)
         f = np.maximum(f, t + link)
-        static = stage_memory(table, s, lo, hi, 0)
-        widest = max(lc.act_bytes_per_token for lc in table.layers[s][lo:hi])
-        room = table.capacities[s] - static
+        static_parts, transient = memory_parts(table, s)
+        widest = float(transient[lo:hi].max())
+        room = table.capacities[s] - float(static_parts[lo:hi].sum())
         if widest > 0:
-            m = np.where(IN_FLIGHT * sizes * widest > room, np.inf, m)
+            m = np.where(sizes * widest > room, np.inf, m)
         if room < 0:
             m[:] = np.inf
         if ctx.workload.warmup_steps:
@@ -214,28 +259,41 @@ def _split_matrices(ctx: _Ctx, cuts: tuple[int, ...]) -> tuple[np.ndarray, np.nd
     return m, f, warm
 
 
+def _stage_matrix(ctx: _Ctx, s: int, lo: int, hi: int) -> np.ndarray:
+    """Σ of the layers' chunk matrices; identical layers (one function) are added once."""
+    counts = Counter(id(ctx.table.layers[s][j].time) for j in range(lo, hi))
+    first = {id(ctx.table.layers[s][j].time): j for j in range(hi - 1, lo - 1, -1)}
+    return sum(k * ctx.layer_matrix(s, first[key]) for key, k in counts.items())
+
+
 def _exhaustive(ctx: _Ctx) -> tuple[tuple[int, ...], tuple[int, ...], SolverInfo]:
     best: tuple[float, tuple[int, ...], tuple[int, ...]] = (math.inf, (), ())
-    count = 0
+    count, complete = 0, True
     for inner in itertools.combinations(range(1, ctx.table.num_layers), ctx.S - 1):
         cuts = (0, *inner, ctx.table.num_layers)
         m, f, warm = _split_matrices(ctx, cuts)
         sol = terapipe_dp(
-            m, f, ctx.S, repeats=ctx.K, max_chunks=ctx.max_chunks, upper_bound=best[0] - warm
+            m, f, ctx.S, repeats=ctx.K, max_chunks=ctx.max_chunks, upper_bound=best[0] - warm,
+            deadline=ctx.deadline,
         )
         count += 1
+        complete = complete and sol.complete
         if warm + sol.objective < best[0]:
             best = (warm + sol.objective, cuts, sol.bounds)
+        if time.perf_counter() > ctx.deadline and best[1]:
+            complete = False
+            break
     if not best[1]:
         raise infeasible_error(ctx.table, ctx.S, _smallest_chunk(ctx))
     info = SolverInfo(
         solver="exhaustive+terapipe-dp",
-        status="optimal",
+        status="optimal" if complete else "time_limit",
         objective=best[0],
-        bound=best[0],
-        gap=0.0,
+        bound=best[0] if complete else -math.inf,
+        gap=0.0 if complete else math.inf,
         seconds=0.0,
-        detail=f"{count} placements, exact split each",
+        detail=f"{count} of {math.comb(ctx.table.num_layers - 1, ctx.S - 1)} placements, "
+        "exact split each",
     )
     return best[1], best[2], info
 

@@ -7,8 +7,8 @@ Terms:
         ``s`` (heterogeneous chains price each layer on its own device).
     ``link[s, i]``: time to send chunk ``i``'s output of stage ``s`` (the act bytes per token
         of its last layer × the chunk's tokens) to device ``s + 1``.
-    memory of a stage: weights + K/V buffers of the full sequence + in-flight activations
-        (``IN_FLIGHT`` chunks of the largest chunk at the widest layer of the stage).
+    memory of a stage: the rule of :mod:`tppc.planner.memory` (weights, K/V buffers, kept
+        outputs, queued and running chunks, the largest value inside a layer).
     objective (an upper bound on the flow-shop makespan, exact for identical stages):
         ``warm-up + K·Σ_i max_s t[s, i] + (S-1)·max_{i,s} (t[s, i] + link[s, i])``.
 
@@ -28,9 +28,9 @@ import numpy as np
 import pulp
 
 from tppc.cost_models.table import CostTable
-from tppc.errors import PlanInfeasible
+from tppc.errors import PlanError, PlanInfeasible
 from tppc.planner._solver import available_solver, solve, variable
-from tppc.planner.memory import IN_FLIGHT, memory_parts, smallest_fit, stage_memory
+from tppc.planner.memory import memory_parts, smallest_fit, stage_memory
 from tppc.planner.plan import SolverInfo, Workload
 
 __all__ = [
@@ -116,7 +116,7 @@ def _partition(table: CostTable, num_stages: int, max_chunk: int, score) -> tupl
         for e in range(1, n_layers + 1):
             lo = np.arange(e)
             widest = np.maximum.accumulate(act[:e][::-1])[::-1]  # max act over [b, e)
-            mem = pre_mem[e] - pre_mem[lo] + IN_FLIGHT * max_chunk * widest
+            mem = pre_mem[e] - pre_mem[lo] + max_chunk * widest
             cand = np.maximum(best[lo], score(s, lo, e, mem))
             k = int(np.argmin(cand))
             nxt[e], args[s, e] = cand[k], k
@@ -179,14 +179,7 @@ def place_layers(
         for j in range(n_layers)
         for s in range(num_stages)
     }
-    for j in range(n_layers):
-        prob += pulp.lpSum(x[j, s] for s in range(num_stages)) == 1
-        if j + 1 < n_layers:
-            for s in range(num_stages):
-                prob += x[j + 1, s] <= x[j, s] + (x[j, s - 1] if s > 0 else 0)
-    prob += x[0, 0] == 1
-    for s in range(num_stages):
-        prob += pulp.lpSum(x[j, s] for j in range(n_layers)) >= 1
+    _contiguity_rows(prob, x, n_layers, num_stages)
     # e[j, s]: layer j is the last of stage s (s < S-1); prices the link of boundary s.
     e = {
         (j, s): variable(f"e_{j}_{s}", 0, 1)
@@ -205,7 +198,7 @@ def place_layers(
             prob += widest >= float(act[j]) * x[j, s]
         prob += (
             pulp.lpSum(float(static[j]) * x[j, s] for j in range(n_layers))
-            + (IN_FLIGHT * max_chunk * widest)
+            + (max_chunk * widest)
             <= table.capacities[s]
         )
         for i in range(n_chunks):
@@ -228,31 +221,49 @@ def place_layers(
     )
     prob += rep * pulp.lpSum(row) + (num_stages - 1) * top + warm_term
     _set_start(x, e, start, n_layers, num_stages)
-    out = solve(prob, time_limit=max(time_limit, 0.05), warm_start=True, cutoff=1.0 + 1e-9)
-    cuts = start
+    out = solve(prob, time_limit=max(time_limit, 0.05), warm_start=True)
+    if out.status == "infeasible":
+        raise PlanError(
+            f"the placement MILP is infeasible although the start placement {start} fits; this "
+            "is a bug in tppc.planner.placement"
+        )
+    cuts, claimed, note = start, start_obj, ""
     if out.status in ("optimal", "time_limit"):
         got = _cuts_from(x, n_layers, num_stages)
+        if got is None and out.status == "optimal":
+            raise PlanError("the placement MILP returned non-contiguous stages; this is a bug "
+                            "in tppc.planner.placement")
         if got is not None:
-            cuts = got
+            cuts, claimed = got, out.objective * scale
     times, links = stage_times(table, cuts, boundaries)
     objective = placement_objective(times, links, rep, _warmup_seconds(warm, cuts))
-    if start_obj < objective:
-        cuts, objective = start, start_obj
-    status = "optimal" if out.status == "optimal" else "time_limit"
-    if out.status == "infeasible":  # nothing beats the start under the cutoff
-        status = "optimal"
-    bound = out.bound * scale if status != "optimal" else objective
-    gap = 0.0 if status == "optimal" else max(0.0, (objective - bound) / objective)
+    if out.status != "optimal" and start_obj < objective:  # incumbent worse than the start
+        cuts, objective, claimed = start, start_obj, start_obj
+        note = "; returned the start (the solver had no better incumbent)"
+    bound = out.bound * scale if math.isfinite(out.bound) else -math.inf
+    gap = max(0.0, (objective - bound) / objective) if math.isfinite(bound) else math.inf
     info = SolverInfo(
         solver=f"milp-{available_solver()}",
-        status=status,
-        objective=objective,
+        status="time_limit" if out.status == "no_solution" else out.status,
+        objective=claimed,
         bound=bound,
         gap=gap,
         seconds=time.perf_counter() - t0,
-        detail=f"placement of {n_layers} layers on {num_stages} stages",
+        detail=f"placement of {n_layers} layers on {num_stages} stages{note}",
     )
     return cuts, objective, info
+
+
+def _contiguity_rows(prob, x, n_layers: int, num_stages: int) -> None:
+    """Each layer on one stage; stages non-empty, contiguous and in chain order."""
+    for j in range(n_layers):
+        prob += pulp.lpSum(x[j, s] for s in range(num_stages)) == 1
+        if j + 1 < n_layers:
+            for s in range(num_stages):
+                prob += x[j + 1, s] <= x[j, s] + (x[j, s - 1] if s > 0 else 0)
+    prob += x[0, 0] == 1
+    for s in range(num_stages):
+        prob += pulp.lpSum(x[j, s] for j in range(n_layers)) >= 1
 
 
 def _local_search(table, boundaries, workload, per, warm, start, max_chunk, t0):

@@ -8,11 +8,12 @@ near-uniform splits and keeps the fastest.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 
 from tppc.planner.plan import Plan
 
-__all__ = ["diffusion_candidates", "with_detail"]
+__all__ = ["diffusion_candidates", "improve_split", "with_detail"]
 
 
 def diffusion_candidates(
@@ -26,7 +27,7 @@ def diffusion_candidates(
 
     The split objective ``J`` ignores PipeFusion's ring: chunk ``m`` of step ``t + 1`` waits
     for chunk ``m`` of step ``t`` to leave the last stage, so with fewer chunks than stages
-    every step runs serially. Splits of ``M = S .. 8·S`` near-equal chunks are simulated on the
+    every step runs serially. Splits of ``M = 1 .. 8·S`` near-equal chunks are simulated on the
     same placement and the fastest (by simulated latency, the plan's definition) is kept.
 
     Args:
@@ -38,14 +39,14 @@ def diffusion_candidates(
     """
     num_stages = best.num_stages
     top = min(n, 8 * num_stages, max_chunks or n)
-    for m in range(num_stages, top + 1):
+    for m in range(1, top + 1):
         grid = sorted({round(i * n / m) for i in range(m + 1)})
         candidate = price(tuple(b * granularity for b in grid))
         if candidate.latency < best.latency * (1 - 1e-9):
             best = candidate
     if best.solver.detail.endswith("(simulated M chunks)"):
         return best
-    detail = f"{best.solver.detail}; best of the split and near-uniform M = {num_stages}..{top} " \
+    detail = f"{best.solver.detail}; best of the split and near-uniform M = 1..{top} " \
         "(simulated M chunks)"
     return with_detail(best, detail)
 
@@ -53,3 +54,58 @@ def diffusion_candidates(
 def with_detail(plan: Plan, detail: str) -> Plan:
     """``plan`` with its solver's detail text replaced."""
     return dataclasses.replace(plan, solver=dataclasses.replace(plan.solver, detail=detail))
+
+
+def improve_split(
+    bounds: tuple[int, ...],
+    makespan: Callable[[tuple[int, ...]], float],
+    *,
+    deadline: float,
+    max_passes: int = 50,
+) -> tuple[tuple[int, ...], float, int]:
+    """Local search over chunk boundaries against the simulated makespan (the plan's latency).
+
+    TeraPipe's objective ``Σ t_i + (S-1)·max t_i`` is exact only for identical stages; with
+    unequal stages and links the flow shop can do better. Starting from its optimum, each
+    pass tries moving one boundary by one grid step, removing one, or splitting a chunk in
+    two, and keeps the first move that lowers the simulated makespan; it stops at a local
+    optimum, after ``max_passes`` passes or at ``deadline``. Every accepted move is priced by
+    the same simulation that defines the plan's latency, so the result is never worse than
+    the start; its distance to optimal is stated by the plan's gap to its lower bound.
+
+    Args:
+        bounds: grid boundaries ``(0, ..., n)``.
+        makespan: simulated latency of grid boundaries (``inf`` when not allowed).
+        deadline: ``time.perf_counter()`` value to stop at.
+        max_passes: improving passes at most.
+
+    Returns:
+        ``(bounds, makespan, accepted moves)``.
+    """
+    best, value, moves = tuple(bounds), makespan(tuple(bounds)), 0
+    for _ in range(max_passes):
+        improved = False
+        for cand in _neighbours(best):
+            if time.perf_counter() > deadline:
+                return best, value, moves
+            v = makespan(cand)
+            if v < value * (1 - 1e-12):
+                best, value, moves, improved = cand, v, moves + 1, True
+                break
+        if not improved:
+            break
+    return best, value, moves
+
+
+def _neighbours(bounds: tuple[int, ...]):
+    """Boundary shifts by one grid step, removals and chunk splits of ``bounds``."""
+    for i in range(1, len(bounds) - 1):
+        for step in (-1, 1):
+            b = bounds[i] + step
+            if bounds[i - 1] < b < bounds[i + 1]:
+                yield (*bounds[:i], b, *bounds[i + 1:])
+        yield (*bounds[:i], *bounds[i + 1:])
+    for i in range(len(bounds) - 1):
+        a, b = bounds[i], bounds[i + 1]
+        if b - a >= 2:
+            yield (*bounds[: i + 1], (a + b) // 2, *bounds[i + 1:])

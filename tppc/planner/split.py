@@ -32,7 +32,7 @@ import numpy as np
 import pulp
 
 from tppc.errors import PlanError
-from tppc.planner._solver import SolveOutcome, available_solver, solve, variable
+from tppc.planner._solver import available_solver, solve, variable
 from tppc.planner.dp import SplitSolution, chunk_matrix, evaluate_split, terapipe_dp
 from tppc.planner.plan import SolverInfo
 
@@ -177,30 +177,37 @@ def solve_split(
 ) -> tuple[tuple[int, ...], float, SolverInfo]:
     """Minimise ``K·Σ m + (S-1)·max f`` over grid splits (the engine of :func:`split_tokens`).
 
+    ``solver="milp"`` returns the MILP's own solution and the solver's own status: the start
+    (DP or uniform) only seeds it (its objective prunes chunks that cannot beat it, and CBC
+    gets it as an initial solution); the solver must still find and prove the optimum.
+
     Returns:
-        ``(grid bounds, objective, provenance)``.
+        ``(grid bounds, objective of those bounds, provenance)``; ``provenance.objective`` is
+        the value the solver claims, ``provenance.bound`` its proven lower bound.
 
     Raises:
-        PlanError: when no split satisfies ``max_chunks``.
+        PlanError: when no split satisfies ``max_chunks``, or the MILP is infeasible although
+            the start is a feasible split (a broken model).
     """
     t0 = time.perf_counter()
     if solver == "dp" or warm_start == "dp":
-        start = terapipe_dp(m, f, num_stages, repeats=repeats, max_chunks=max_chunks)
+        start = terapipe_dp(m, f, num_stages, repeats=repeats, max_chunks=max_chunks,
+                            deadline=t0 + time_limit)
         how = f"terapipe-dp ({start.dps} DPs)"
     else:
         start = _best_uniform(m, f, num_stages, repeats, max_chunks)
         how = "uniform"
     if not math.isfinite(start.objective):
         raise PlanError(f"no split of the sequence into at most max_chunks={max_chunks} chunks")
-    if solver == "auto" and warm_start == "dp" and m.shape[0] - 1 > MILP_MAX_GRID:
-        solver = "dp"
+    if solver == "auto":
+        solver = "dp" if warm_start == "dp" and m.shape[0] - 1 > MILP_MAX_GRID else "milp"
     if solver == "dp":
         info = SolverInfo(
             solver="terapipe-dp",
-            status="optimal",
+            status="optimal" if start.complete else "time_limit",
             objective=start.objective,
-            bound=start.objective,
-            gap=0.0,
+            bound=start.objective if start.complete else -math.inf,
+            gap=0.0 if start.complete else math.inf,
             seconds=time.perf_counter() - t0,
             detail=how,
         )
@@ -290,16 +297,55 @@ def _solve_milp(
 
     ``z_β`` picks bucket ``β = (lo, hi]``; ``y_β[a, b]`` tile the sequence with chunks whose
     ``f ≤ hi`` (flow ``z_β``); ``t_β ≥ f·y_β``, ``t_β ≥ lo·z_β``. Buckets whose bound
-    ``K·minsum(hi) + (S-1)·lo`` exceeds the incumbent are dropped and, inside a bucket,
-    chunks that cannot lie on a path beating the incumbent. Each bucket's relaxation is a
+    ``K·minsum(hi) + (S-1)·lo`` exceeds the start's objective are dropped and, inside a
+    bucket, chunks that cannot lie on a split at most as good as the start (the start itself
+    is always kept, so the optimum stays in the model). Each bucket's relaxation is a
     shortest-path LP (integral) up to its ``t_max`` range, so the LP bound is tight.
     """
     n = m.shape[0] - 1
-    s1 = num_stages - 1
     scale = start.objective if start.objective > 0 else 1.0  # solve in units of the start
     m_s, f_s = m / scale, f / scale
-    ub = 1.0 + 1e-9
-    buckets = _buckets(m_s, f_s, num_stages, repeats, ub, count=16)
+    buckets = _buckets(m_s, f_s, num_stages, repeats, 1.0 + 1e-9, count=16)
+    prob, y, z, tvars = _split_model(m_s, f_s, num_stages, repeats, max_chunks, buckets)
+    _warm(start, buckets, f_s, z, y, tvars, scale)
+    remaining = max(time_limit - (time.perf_counter() - t0), 0.05)
+    out = solve(prob, time_limit=remaining, warm_start=True)
+    detail = (f"{len(y)} chunk variables in {len(buckets)} t_max buckets "
+              f"({(n + 1) * n // 2} candidate chunks), start {how}")
+    if out.status == "infeasible":
+        raise PlanError(
+            f"the split MILP is infeasible although the start split {start.bounds} is feasible "
+            f"({detail}); this is a bug in tppc.planner.split: use solver='dp'"
+        )
+    bounds = None
+    if out.status in ("optimal", "time_limit"):
+        picked = sorted((a, b) for (_, a, b), var in y.items() if (var.value() or 0) > 0.5)
+        bounds = _chain(picked, n)
+        if bounds is None and out.status == "optimal":
+            raise PlanError(f"the split MILP returned chunks {picked[:6]} that do not tile "
+                            f"[0, {n}); this is a bug in tppc.planner.split: use solver='dp'")
+    claimed = out.objective * scale
+    if bounds is None or (out.status != "optimal" and
+                          evaluate_split(bounds, m, f, num_stages, repeats) > start.objective):
+        bounds, claimed = start.bounds, start.objective  # no incumbent better than the start
+        detail += "; returned the start (the solver had no better incumbent)"
+    objective = evaluate_split(bounds, m, f, num_stages, repeats)
+    bound = out.bound * scale if math.isfinite(out.bound) else -math.inf
+    info = SolverInfo(
+        solver=f"milp-{available_solver()}",
+        status="time_limit" if out.status == "no_solution" else out.status,
+        objective=claimed,
+        bound=bound,
+        gap=_rel_gap(objective, bound),
+        seconds=time.perf_counter() - t0,
+        detail=detail,
+    )
+    return bounds, objective, info
+
+
+def _split_model(m_s, f_s, num_stages, repeats, max_chunks, buckets):
+    """The bucketed split MILP: ``(problem, y, z, t)`` (see :func:`_solve_milp`)."""
+    n = m_s.shape[0] - 1
     prob = pulp.LpProblem("token_split", pulp.LpMinimize)
     z = [variable(f"z_{k}", cat="Binary") for k in range(len(buckets))]
     prob += pulp.lpSum(z) == 1
@@ -314,9 +360,8 @@ def _solve_milp(
             var = y[k, a, b] = variable(f"y_{k}_{a}_{b}", cat="Binary")
             out_of[a].append(var)
             into[b].append(var)
-            if f_s[a, b] > bucket.lo:
-                prob += t_k >= float(f_s[a, b]) * var
             objective_terms.append(float(m_s[a, b]) * var)
+        _max_term_rows(prob, t_k, bucket, f_s, y, k)
         prob += pulp.lpSum(out_of[0]) == z[k]
         for i in range(1, n):
             prob += pulp.lpSum(into[i]) == pulp.lpSum(out_of[i])
@@ -325,33 +370,15 @@ def _solve_milp(
         prob += t_k <= bucket.hi * z[k]
     if max_chunks is not None:
         prob += pulp.lpSum(y.values()) <= max_chunks
-    prob += repeats * pulp.lpSum(objective_terms) + s1 * pulp.lpSum(tvars)
-    _warm(start, buckets, f_s, z, y, tvars, scale)
-    remaining = max(time_limit - (time.perf_counter() - t0), 0.05)
-    out = solve(prob, time_limit=remaining, warm_start=True, cutoff=ub)
-    bounds, objective = start.bounds, start.objective
-    if out.status == "infeasible":  # nothing beats the start under the cutoff
-        out = SolveOutcome(out.solver, "optimal", 1.0, 1.0, 0.0, out.seconds)
-    if out.status in ("optimal", "time_limit"):
-        picked = sorted((a, b) for (_, a, b), var in y.items() if (var.value() or 0) > 0.5)
-        got = _chain(picked, n)
-        if got is not None:
-            value = evaluate_split(got, m, f, num_stages, repeats)
-            if value <= objective * (1 + 1e-9):
-                bounds, objective = got, value
-    status = "optimal" if out.status == "optimal" else "time_limit"
-    bound = out.bound * scale if math.isfinite(out.bound) else -math.inf
-    info = SolverInfo(
-        solver=f"milp-{available_solver()}",
-        status=status,
-        objective=objective,
-        bound=objective if status == "optimal" else bound,
-        gap=0.0 if status == "optimal" else _rel_gap(objective, bound),
-        seconds=time.perf_counter() - t0,
-        detail=f"{len(y)} chunk variables in {len(buckets)} t_max buckets "
-        f"({(n + 1) * n // 2} candidate chunks), start {how}",
-    )
-    return bounds, objective, info
+    prob += repeats * pulp.lpSum(objective_terms) + (num_stages - 1) * pulp.lpSum(tvars)
+    return prob, y, z, tvars
+
+
+def _max_term_rows(prob, t_k, bucket: _Bucket, f_s: np.ndarray, y, k: int) -> None:
+    """``t_k ≥ f[a, b]·y[k, a, b]`` for the bucket's chunks above its floor (the max term)."""
+    for a, b in bucket.chunks:
+        if f_s[a, b] > bucket.lo:
+            prob += t_k >= float(f_s[a, b]) * y[k, a, b]
 
 
 def _warm(start: SplitSolution, buckets, f: np.ndarray, z, y, tvars, scale: float) -> None:
