@@ -16,7 +16,8 @@ pytest.importorskip("transformers")
 @pytest.fixture(scope="module", params=["hf_llama", "hf_gpt2"])
 def hf(request):
     model, args, _ = getattr(examples, request.param)(seq_len=24, layers=2)
-    return model, tppc.compile(model, args, cluster="2xcpu", chunks=3, executor="threads")
+    return model, tppc.compile(model, args, cluster="2xcpu", chunks=3, num_stages=2,
+                                      executor="threads")
 
 
 @settings(max_examples=12, deadline=None,

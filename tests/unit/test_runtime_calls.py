@@ -19,7 +19,7 @@ SEQ = 16
 @pytest.fixture(scope="module")
 def gpt():
     model, args, _ = examples.gpt(seq_len=SEQ, n_layer=2)
-    return model, tppc.compile(model, args, chunks=3, executor="threads")
+    return model, tppc.compile(model, args, chunks=3, num_stages=2, executor="threads")
 
 
 def _eager(model, ids):

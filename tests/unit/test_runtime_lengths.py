@@ -19,7 +19,7 @@ PRIMES = [2, 3, 5, 7, 13, 31, 127, 509, 1021, 2039]
 @pytest.fixture(scope="module")
 def gpt():
     model, args, _ = examples.gpt(seq_len=32, n_layer=2)
-    return model, tppc.compile(model, args, cluster="2xcpu", executor="threads")
+    return model, tppc.compile(model, args, cluster="2xcpu", num_stages=2, executor="threads")
 
 
 def _eager(model, ids):

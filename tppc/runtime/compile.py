@@ -8,6 +8,7 @@ Terms:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -74,6 +75,7 @@ def compile_pipeline(
 def _auto_planner(opts: CompileOptions) -> Planner:
     from tppc.cost_models import build_cost_table
     from tppc.planner import plan_for, plan_from_costs
+    from tppc.planner.devices import sub_table
 
     def table_at(front: FrontEnd, length: int) -> Any:
         return build_cost_table(front.annotated, front.ctx.layers, opts.cluster, length,
@@ -94,8 +96,12 @@ def _auto_planner(opts: CompileOptions) -> Planner:
         if grid_len == length and bounds == grid.boundaries:
             return grid
         cuts = (0, *(st.layer_end for st in grid.stages))
-        return plan_for(table_at(front, length), cuts, bounds, granularity=g,
-                        solver=grid.solver)
+        chosen = tuple(st.device_index for st in grid.stages)
+        plan = plan_for(sub_table(table_at(front, length), chosen), cuts, bounds,
+                        granularity=g, solver=grid.solver)
+        stages = tuple(dataclasses.replace(st, device_index=old.device_index)
+                       for st, old in zip(plan.stages, grid.stages))
+        return dataclasses.replace(plan, stages=stages)
 
     return plan_length
 
