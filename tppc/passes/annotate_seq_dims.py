@@ -99,15 +99,16 @@ def _annotate(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext,
         dependent = bool(axes) or "positional" in roles or _symbolic_scalar(node, sym)
         role = "positional" if dependent else "const"
         return _info(role, axes, sizes, where)
-    return _token_op(node, axes, sizes, where, pinned=ctx.specialized_to is not None)
+    return _token_op(node, axes, sizes, where)
 
 
-def _token_op(node: fx.Node, axes: list[int], sizes: list[sympy.Expr], where: str, *,
-              pinned: bool = False) -> TokenInfo:
+def _token_op(node: fx.Node, axes: list[int], sizes: list[sympy.Expr], where: str
+              ) -> TokenInfo:
     """Classify a node that reads token values: token, global, or an AnnotationError.
 
-    ``pinned``: the capture is specialised to one resolution, so a reshape may merge
-    constant axes before the token axis into it (a video's frames: frame-major tokens).
+    A reshape may merge constant axes before the token axis into it (a batch flattened
+    with the tokens by GPT-2's ``Conv1D``, a video's frames): its rows are still one per
+    (batch, token), so row-wise ops on it stay ``token``.
     """
     name = _op_name(node)
     src = _token_input(node)
@@ -125,7 +126,7 @@ def _token_op(node: fx.Node, axes: list[int], sizes: list[sympy.Expr], where: st
         return _info("global", axes, sizes, where)
     if node.target is operator.getitem and not _getitem_keeps_tokens(node):
         return _info("global", axes, sizes, where)
-    if name in _RESHAPES and not _keeps_token_order(node, src, axes, merge=pinned):
+    if name in _RESHAPES and not _keeps_token_order(node, src, axes, merge=True):
         return _info("global", axes, sizes, where)
     if len(axes) > 1 and name in _MATMULS:
         raise _mix_error(node, name, where, f"its value has {len(axes)} token axes {axes}: the "
@@ -219,9 +220,15 @@ def _keeps_token_order(node: fx.Node, src: fx.Node, out_axes: list[int], *,
     out_shape = tensor_val(node).shape
     before_in = sympy.Mul(*[size_expr(s) for s in in_shape[: info.axis]])
     before_out = sympy.Mul(*[size_expr(s) for s in out_shape[: out_axes[0]]])
-    if merge and not before_in.free_symbols and not before_out.free_symbols:
-        return before_in % before_out == 0
-    return sympy.simplify(before_in - before_out) == 0
+    if sympy.simplify(before_in - before_out) == 0:
+        return True
+    if not merge or before_in.free_symbols or before_out.free_symbols:
+        return False
+    # constant axes merged into the token axis, or split off it again: the rows up to and
+    # including the token axis are the same, in the same order
+    through_in = before_in * size_expr(in_shape[info.axis])
+    through_out = before_out * size_expr(out_shape[out_axes[0]])
+    return sympy.simplify(through_in - through_out) == 0
 
 
 def _getitem_keeps_tokens(node: fx.Node) -> bool:

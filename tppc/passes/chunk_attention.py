@@ -47,6 +47,7 @@ import operator
 from dataclasses import dataclass
 from typing import Any
 
+import sympy
 import torch
 from torch import fx
 from torch.fx.operator_schemas import normalize_function
@@ -192,7 +193,7 @@ class _Rewriter:
         if node.op == "placeholder":
             return "token_input" if info.role == "token" else "const_input"
         if info.role in ("token", "mixing") and info.axis is not None \
-                and info.axis_size != self.sym:
+                and not _rows_per_token(info.axis_size, self.sym):
             raise PassError(
                 f"node {node.name!r} (op {node.target}, module {info.module or '<top level>'}) "
                 f"makes a token axis of {info.axis_size} positions from {self.sym}; it cannot "
@@ -363,6 +364,13 @@ class _Rewriter:
                 outs.append(leaf)
         self.graph.output(tuple(outs))
         return tuple(axes)
+
+
+def _rows_per_token(size: Any, sym: Any) -> bool:
+    """Whether a token axis of ``size`` holds a constant number of rows per token (``k·s``:
+    tokens merged with constant axes such as the batch), so it runs chunk by chunk."""
+    ratio = sympy.simplify(size / sym) if size is not None else None
+    return ratio is not None and ratio.is_Integer and ratio > 0
 
 
 def _inputs_read(node: fx.Node) -> list[fx.Node]:
