@@ -23,13 +23,17 @@ from tppc.errors import (
     PlanInfeasible,
     RuntimeInputError,
     SpecError,
+    StageTimeout,
     TppcError,
 )
 from tppc.inspect import layer_table
-from tppc.pipeline import CompiledPipeline, StageSummary, manual_plan
-from tppc.pipeline import compile_pipeline as compile
 from tppc.planner import Plan, Workload, plan_from_costs, split_tokens
 from tppc.planning import plan
+from tppc.program import Program
+from tppc.runtime.compile import compile_pipeline as compile
+from tppc.runtime.compile import manual_plan
+from tppc.runtime.compiled import CompiledPipeline, StageSummary
+from tppc.runtime.options import CompileOptions
 from tppc.trace import plan_trace
 
 __all__ = [
@@ -37,6 +41,7 @@ __all__ = [
     "CaptureError",
     "Cluster",
     "CompileContext",
+    "CompileOptions",
     "CompiledPipeline",
     "CostModelError",
     "CostTable",
@@ -47,9 +52,11 @@ __all__ = [
     "Plan",
     "PlanError",
     "PlanInfeasible",
+    "Program",
     "RuntimeInputError",
     "SpecError",
     "StageSummary",
+    "StageTimeout",
     "TppcError",
     "Workload",
     "annotate",
