@@ -33,6 +33,8 @@ def _plan(ns: argparse.Namespace) -> int:
                   granularity=ns.granularity, workload=workload, time_limit=ns.time_limit,
                   verbose=True)
     print(result.to_json() if ns.json else result.summary())
+    if ns.png:
+        print(f"Gantt chart written to {result.timeline(ns.png)}", file=sys.stderr)
     if ns.trace:
         from tppc.trace import write_plan_trace
 
@@ -70,6 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     pl.add_argument("--steps", type=int, default=0, help="diffusion steps (DiT workloads)")
     pl.add_argument("--time-limit", type=float, default=10.0, help="solver seconds")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.add_argument("--png", default=None, metavar="FILE",
+                    help="draw the predicted schedule as a Gantt chart (needs matplotlib)")
     pl.add_argument("--trace", default=None, metavar="FILE",
                     help="write the predicted schedule as a Chrome trace (JSON)")
     pl.set_defaults(fn=_plan)

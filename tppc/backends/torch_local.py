@@ -13,6 +13,7 @@ reference the others are tested against; it also runs the decoding steps of ``ge
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -105,8 +106,10 @@ class LocalExecutor:
         return None
 
     def run(self, program: Program, call: Call, state: CallState, sink: Sink | None = None,
-            timeout: float | None = None) -> list[tuple[Any, ...]]:
+            timeout: float | None = None, trace: list | None = None) -> list[tuple[Any, ...]]:
         """Every chunk through every stage (``timeout`` is not enforced: one thread).
+
+        ``trace``: a list that receives ``(stage, chunk, start, end)`` of every job.
 
         Returns the last stage's outputs per chunk, or ``[]`` when they go to ``sink``.
         """
@@ -115,7 +118,10 @@ class LocalExecutor:
             values: tuple[Any, ...] = ()
             for stage in program.stages:
                 try:
+                    t0 = time.perf_counter()
                     values = run_stage(stage, call, state, start, end, values)
+                    if trace is not None:
+                        trace.append((stage.index, i, t0, time.perf_counter()))
                 except Exception as exc:
                     exc.add_note(f"[tppc] in stage {stage.index} ({stage.device}), chunk {i} "
                                  f"[{start}, {end})")

@@ -79,8 +79,10 @@ class ThreadsExecutor:
         return None
 
     def run(self, program: Program, call: Call, state: CallState, sink: Sink | None = None,
-            timeout: float | None = None) -> list[tuple[Any, ...]]:
+            timeout: float | None = None, trace: list | None = None) -> list[tuple[Any, ...]]:
         """Every chunk through every stage, stages concurrently.
+
+        ``trace``: a list that receives ``(stage, chunk, start, end)`` of every job.
 
         Returns the last stage's outputs per chunk, or ``[]`` when they go to ``sink`` (called
         in the calling thread as each chunk leaves the last stage).
@@ -89,7 +91,8 @@ class ThreadsExecutor:
             StageTimeout: ``timeout`` seconds passed before the last chunk left the last stage.
         """
         stages = program.stages
-        run = _Run(call, state, len(stages), self.queue_depth)
+        run = _Run(call, state, len(stages), self.queue_depth,
+                   [] if trace is None else trace)
         mode = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
         workers = [threading.Thread(target=self._work_in_mode, name=f"tppc-stage-{s}",
                                     daemon=True, args=(mode, program, s, run))
@@ -194,13 +197,14 @@ class ThreadsExecutor:
 class _Run:
     """The queues, stop flag, errors, progress and trace of one call."""
 
-    def __init__(self, call: Call, state: CallState, stages: int, depth: int) -> None:
+    def __init__(self, call: Call, state: CallState, stages: int, depth: int,
+                 trace: list) -> None:
         self.call, self.state = call, state
         self.queues: list[queue.Queue] = [queue.Queue(depth) for _ in range(stages + 1)]
         self.stop = threading.Event()
         self.errors: list[BaseException] = []
         self.done = [0] * stages
-        self.trace: list[tuple[int, int, float, float]] = []
+        self.trace: list[tuple[int, int, float, float]] = trace
 
     def stuck_stage(self) -> int:
         """The first stage that is behind the stage before it (or the first stage)."""

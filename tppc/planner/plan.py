@@ -207,6 +207,14 @@ class Plan:
             }
         )
 
+    def timeline(self, path: str, *, measured: Any = None) -> Any:
+        """Draw a Gantt chart of stages × time into ``path`` (a PNG; needs matplotlib): chunk
+        jobs, link transfers, bubbles, the lower bound, and ``measured`` (a
+        :class:`tppc.runtime.profile.Profile`) overlaid. Returns the path."""
+        from tppc.timeline import draw_timeline
+
+        return draw_timeline(self, path, measured=measured)
+
     def summary(self) -> str:
         """A readable table of the plan (stages, memory, busy time, chunks, solver)."""
         w = self.workload

@@ -135,8 +135,11 @@ class CompiledPipeline:
         return self.run(args, kwargs)
 
     def run(self, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None, *,
-            timeout: float | None = None) -> Any:
-        """``model(*args, **kwargs)`` through the pipeline, with a per-call ``timeout``."""
+            timeout: float | None = None, executor: ExecutorName | None = None,
+            trace: list | None = None) -> Any:
+        """``model(*args, **kwargs)`` through the pipeline, with a per-call ``timeout``, an
+        executor other than the compiled one, and a ``trace`` list that receives
+        ``(stage, chunk, start, end)`` (``time.perf_counter``) of every job."""
         front, bound = self.bind(args, kwargs or {})
         program = self.program(bound.length, front)
         state = front.pool.acquire(bound.length)
@@ -146,7 +149,8 @@ class CompiledPipeline:
         call = Call(tuple(bound.flat), program.chunks, bound.length, bound.length,
                     next_epoch(), full)
         outputs = OutputAssembler(axes, call)
-        self.execute(program, call, state, outputs, timeout=timeout)  # a failure drops state
+        self.execute(program, call, state, outputs, executor, timeout,  # a failure drops state
+                     trace=trace)
         self.finish(front, state, bound.length)
         leaves = outputs.leaves
         if program.tail is not None:
@@ -253,12 +257,19 @@ class CompiledPipeline:
             return program
 
     def execute(self, program: Program, call: Call, state: CallState, sink: Sink | None = None,
-                executor: ExecutorName | None = None, timeout: float | None = None
-                ) -> list[tuple[Any, ...]]:
+                executor: ExecutorName | None = None, timeout: float | None = None,
+                trace: list | None = None) -> list[tuple[Any, ...]]:
         """Run ``call`` on ``program`` with an executor (default: the compiled one)."""
         timeout = self.options.timeout if timeout is None else timeout
         return self._executors[executor or self.executor].run(program, call, state, sink,
-                                                              timeout=timeout)
+                                                              timeout=timeout, trace=trace)
+
+    def profile(self, *args: Any, **kwargs: Any) -> Any:
+        """Run once untimed, then once with the ``threads`` executor timing every job against
+        the plan's prediction; returns a :class:`tppc.runtime.profile.Profile`."""
+        from tppc.runtime.profile import profile_call
+
+        return profile_call(self, args, kwargs)
 
     def finish(self, front: FrontEnd, state: CallState, filled: int) -> None:
         """Record a successful call's state (for :meth:`kv_cache`) and give it back."""
