@@ -5,10 +5,12 @@ vocab 1024, fp32, SDPA, random weights): small enough that activations, logits, 
 K/V buffers, not the weights, dominate, so an ``L × L`` tensor anywhere shows at once.
 
 Each measurement runs in a fresh process and reports the peak resident set size
-(``ru_maxrss``) minus the resident size after building the model (the baseline):
+(``VmHWM``) minus the resident size after building the model (the baseline):
     eager:    ``model(ids)`` under ``torch.no_grad``.
     compile:  ``tppc.compile(model, (ids,), cluster="2xcpu", executor="threads")``.
-    call:     compile, then one call ``cp(ids)``.
+    call:     compile, then one call ``cp(ids)`` (the peak of both).
+    call-only: compile, reset the peak, then one call: what a call adds over the compiled
+              pipeline (the peak is reset through ``/proc/self/clear_refs``).
 The goal (issue 8): tppc's call ≤ eager + its K/V buffers + 20 %, growing linearly in L.
 
 Run:  .venv/bin/python benchmarks/memory.py [--lengths 4096,8192,16384,32768,65536]
@@ -32,7 +34,14 @@ def _rss_mb() -> float:
 
 
 def _peak_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    with open("/proc/self/status") as f:  # VmHWM: the peak since the last reset
+        line = next(x for x in f if x.startswith("VmHWM:"))
+    return int(line.split()[1]) / 1024
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # Linux: "5" resets VmHWM to the RSS
+        f.write("5")
 
 
 def _model():
@@ -56,6 +65,7 @@ def measure(mode: str, length: int) -> dict[str, float]:
     ids = torch.randint(0, 1024, (1, length))
     with torch.no_grad():
         model(ids[:, :16])  # warm the kernels at a negligible size
+    _reset_peak()
     base = _rss_mb()
     kv = 0.0
     with torch.no_grad():
@@ -63,7 +73,10 @@ def measure(mode: str, length: int) -> dict[str, float]:
             model(ids)
         else:
             cp = tppc.compile(model, (ids,), cluster="2xcpu", executor="threads")
-            if mode == "call":
+            if mode == "call-only":
+                _reset_peak()
+                base = _rss_mb()
+            if mode != "compile":
                 cp(ids)
             kv = sum(s.kv_bytes for s in cp.stages) / 2**20
     return {"mode": mode, "length": length, "peak_mb": _peak_mb() - base, "kv_mb": kv}
