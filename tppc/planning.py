@@ -18,8 +18,10 @@ from tppc._blocks import expand_layers, few_blocks
 from tppc.analysis import annotate
 from tppc.cost_models.cluster import Cluster
 from tppc.cost_models.layer_costs import build_cost_table
+from tppc.cost_models.table import CostTable
 from tppc.errors import PlanError
-from tppc.planner import Plan, Workload, plan_from_costs
+from tppc.planner import Plan, Workload
+from tppc.planner.grid import default_granularity, plan_any_length
 
 __all__ = ["default_granularity", "plan"]
 
@@ -47,8 +49,8 @@ def plan(
         cluster: a :class:`Cluster` or a string such as ``"8xh100-sxm"``.
         seq_len: sequence length to plan for, in tokens (default: the example's).
         workload: causal prefill (default) or multi-step diffusion.
-        granularity: chunk sizes are multiples of this (default: 128 when ``seq_len`` allows,
-            else the largest power of two dividing it, at most ``seq_len // 8``).
+        granularity: chunk sizes are multiples of this, the last chunk may be shorter
+            (default: :func:`tppc.planner.grid.default_granularity`).
         num_stages: number of stages (default: the planner chooses how many devices, and
             which, to use; see :mod:`tppc.planner.devices`).
         time_limit: seconds for pricing and solving together (capture excluded); on expiry
@@ -74,32 +76,22 @@ def plan(
         else:  # the blocks group_layers found are not the list we shortened: capture it all
             gm, ctx = annotate(model, args, kwargs, seq_dims=seq_dims)
     t1 = time.perf_counter()
-    tokens = seq_len or int(ctx.token_count.subs(ctx.seq_symbol, ctx.example_seq)) \
-        if ctx.token_count is not None else seq_len
-    if not tokens:
-        raise PlanError(f"{ctx.model_name} has no attention node; nothing to pipeline")
-    gran = granularity or default_granularity(tokens)
-    table = build_cost_table(gm, ctx.layers, cluster, tokens, seq_symbol=ctx.seq_symbol,
-                             token_count=ctx.token_count)
-    t2 = time.perf_counter()
+    if seq_len is None:
+        if ctx.token_count is None:
+            raise PlanError(f"{ctx.model_name} has no attention node; nothing to pipeline")
+        seq_len = int(ctx.token_count.subs(ctx.seq_symbol, ctx.example_seq))
+
+    def table_at(tokens: int) -> CostTable:
+        return build_cost_table(gm, ctx.layers, cluster, tokens, seq_symbol=ctx.seq_symbol,
+                                token_count=ctx.token_count)
+
     left = max(0.1, time_limit - (time.perf_counter() - t1))  # costing counts, capture not
-    result = plan_from_costs(table, workload=workload, granularity=gran, num_stages=num_stages,
-                             time_limit=left)
+    result = plan_any_length(table_at, seq_len, granularity=granularity,
+                             num_stages=num_stages, time_limit=left, workload=workload)
     if verbose:
-        print(f"[tppc plan] capture+annotate {t1 - t0:.1f} s, costing {t2 - t1:.2f} s, "
-              f"solving {time.perf_counter() - t2:.2f} s", file=sys.stderr)
+        print(f"[tppc plan] capture+annotate {t1 - t0:.1f} s, costing+solving "
+              f"{time.perf_counter() - t1:.2f} s", file=sys.stderr)
     return result
-
-
-def default_granularity(tokens: int) -> int:
-    """128 for sequences of 1024+ tokens that it divides, else the largest power of two that
-    divides ``tokens`` and is at most ``tokens // 8``."""
-    if tokens % 128 == 0 and tokens >= 1024:
-        return 128
-    g = 1
-    while tokens % (g * 2) == 0 and g * 2 <= max(1, tokens // 8):
-        g *= 2
-    return g
 
 
 def _on_meta(model: torch.nn.Module) -> bool:

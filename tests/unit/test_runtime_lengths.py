@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 
 import tppc
 from tppc import examples
+from tppc.errors import PlanError
 from tppc.pipeline import manual_plan
-from tppc.runtime.options import default_granularity
+from tppc.planner.grid import default_granularity
 
 LAYERS = 4  # prologue, 2 blocks, epilogue
 PRIMES = [2, 3, 5, 7, 13, 31, 127, 509, 1021, 2039]
@@ -88,3 +89,19 @@ def test_the_program_cache_is_bounded():
     cp.program(10)
     assert cp.program(8) is not first  # evicted, re-planned
     assert len(cp._programs) == 2
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"seq_len": 0}, "seq_len=0"), ({"seq_len": -4}, "seq_len=-4"),
+    ({"granularity": 0}, "granularity=0")])
+def test_tppc_plan_refuses_empty_lengths_and_grids(options, message):
+    model, args, _ = examples.gpt(seq_len=16, n_layer=2)
+    with pytest.raises(PlanError, match=message):
+        tppc.plan(model, args, cluster="2xh100-sxm", **options)
+
+
+def test_tppc_plan_takes_a_length_the_granularity_does_not_divide():
+    model, args, _ = examples.gpt(seq_len=16, n_layer=2)
+    plan = tppc.plan(model, args, cluster="2xh100-sxm", seq_len=1000, granularity=64)
+    assert plan.seq_len == 1000 and plan.boundaries[-1] == 1000
+    assert all(b % 64 == 0 for b in plan.boundaries[:-1])

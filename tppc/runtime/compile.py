@@ -8,9 +8,7 @@ Terms:
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -20,7 +18,7 @@ from tppc.errors import SpecError
 from tppc.planner.plan import Plan, SolverInfo, StagePlan, Workload
 from tppc.runtime.compiled import CompiledPipeline, Planner
 from tppc.runtime.frontend import FrontEnd, capture_front_end
-from tppc.runtime.options import CompileOptions, chunk_bounds, default_granularity
+from tppc.runtime.options import CompileOptions, chunk_bounds
 
 __all__ = ["compile_pipeline", "manual_plan"]
 
@@ -74,34 +72,22 @@ def compile_pipeline(
 
 def _auto_planner(opts: CompileOptions) -> Planner:
     from tppc.cost_models import build_cost_table
-    from tppc.planner import plan_for, plan_from_costs
-    from tppc.planner.devices import sub_table
-
-    def table_at(front: FrontEnd, length: int) -> Any:
-        return build_cost_table(front.annotated, front.ctx.layers, opts.cluster, length,
-                                seq_symbol=front.ctx.seq_symbol,
-                                token_count=front.ctx.token_count)
+    from tppc.planner.grid import plan_any_length
 
     def plan_length(front: FrontEnd, length: int) -> Plan:
-        g = opts.granularity or default_granularity(length)
-        grid_len = math.ceil(length / g) * g  # the last grid step may be partial
-        grid = plan_from_costs(table_at(front, grid_len), granularity=g,
-                               num_stages=opts.num_stages, time_limit=opts.time_limit)
+        def table_at(tokens: int) -> Any:
+            return build_cost_table(front.annotated, front.ctx.layers, opts.cluster, tokens,
+                                    seq_symbol=front.ctx.seq_symbol,
+                                    token_count=front.ctx.token_count)
+
+        bounds = None
         if opts.chunks is not None:
             bounds = chunk_bounds(opts.chunks, length)
         elif front.bidirectional:
             bounds = (0, length)
-        else:
-            bounds = tuple(sorted({min(b, length) for b in grid.boundaries}))
-        if grid_len == length and bounds == grid.boundaries:
-            return grid
-        cuts = (0, *(st.layer_end for st in grid.stages))
-        chosen = tuple(st.device_index for st in grid.stages)
-        plan = plan_for(sub_table(table_at(front, length), chosen), cuts, bounds,
-                        granularity=g, solver=grid.solver)
-        stages = tuple(dataclasses.replace(st, device_index=old.device_index)
-                       for st, old in zip(plan.stages, grid.stages))
-        return dataclasses.replace(plan, stages=stages)
+        return plan_any_length(table_at, length, granularity=opts.granularity,
+                               num_stages=opts.num_stages, time_limit=opts.time_limit,
+                               bounds=bounds)
 
     return plan_length
 

@@ -7,7 +7,6 @@ captured, and a :class:`tppc.errors.SpecError` names the option, its value and t
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -16,13 +15,10 @@ import torch
 
 from tppc.errors import RuntimeInputError, SpecError
 
-__all__ = ["CompileOptions", "ExecutorName", "chunk_bounds", "default_granularity"]
+__all__ = ["CompileOptions", "ExecutorName", "chunk_bounds"]
 
 ExecutorName = Literal["local", "threads"]
 EXECUTORS: tuple[ExecutorName, ...] = ("local", "threads")
-
-MAX_GRID = 1024
-"""Grid points (``⌈L / granularity⌉``) the default granularity keeps at most."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -124,16 +120,3 @@ def chunk_bounds(chunks: int | tuple[int, ...], length: int) -> tuple[int, ...]:
             f"chunks={chunks} ends at {chunks[-1]} tokens, the call has {length}. fix: call "
             f"with {chunks[-1]} tokens, or compile with chunks=<number of chunks>")
     return chunks
-
-
-def default_granularity(tokens: int) -> int:
-    """The planner's grid step for ``tokens``: the smallest power of two that gives at most 64
-    grid points, at most 128 unless that gives more than :data:`MAX_GRID` points.
-
-    The last chunk covers the remainder when the step does not divide ``tokens``.
-    """
-    g = 1 << max(0, math.ceil(math.log2(max(1, tokens) / 64)))
-    g = min(g, 128)
-    while math.ceil(tokens / g) > MAX_GRID:
-        g *= 2
-    return g

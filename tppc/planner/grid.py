@@ -1,0 +1,78 @@
+"""The planning grid of any sequence length: a default granularity and one partial chunk.
+
+Terms:
+    grid: chunk boundaries are multiples of the granularity ``g``; a length that ``g`` does
+        not divide is planned on the grid of ``⌈L / g⌉ · g`` tokens and its last boundary
+        clipped to ``L`` (one shorter last chunk), then priced again at ``L``. The
+        granularity never drops to 1 because ``L`` is odd.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+from tppc.cost_models.table import CostTable
+from tppc.errors import PlanError
+from tppc.planner.devices import sub_table
+from tppc.planner.evaluate import plan_for
+from tppc.planner.joint import plan_from_costs
+from tppc.planner.plan import Plan, Workload
+
+__all__ = ["MAX_DEFAULT_GRID", "default_granularity", "plan_any_length"]
+
+MAX_DEFAULT_GRID = 1024
+"""Grid points (``⌈L / granularity⌉``) the default granularity keeps at most."""
+
+
+def default_granularity(tokens: int) -> int:
+    """The grid step for ``tokens``: the smallest power of two giving at most 64 grid points,
+    at most 128 unless that gives more than :data:`MAX_DEFAULT_GRID` points."""
+    g = 1 << max(0, math.ceil(math.log2(max(1, tokens) / 64)))
+    g = min(g, 128)
+    while math.ceil(tokens / g) > MAX_DEFAULT_GRID:
+        g *= 2
+    return g
+
+
+def plan_any_length(table_at: Callable[[int], CostTable], length: int, *,
+                    granularity: int | None = None, num_stages: int | None = None,
+                    time_limit: float = 10.0, workload: Workload | None = None,
+                    bounds: tuple[int, ...] | None = None) -> Plan:
+    """Plan ``length`` tokens on the grid of ``granularity`` (see the module docstring).
+
+    Args:
+        table_at: the cost table at a given length.
+        length: tokens to plan for.
+        granularity: grid step (default: :func:`default_granularity`).
+        num_stages: stages (default: the planner chooses the devices).
+        time_limit: seconds for the solver.
+        workload: causal prefill (default) or diffusion.
+        bounds: chunk boundaries to use instead of the planned split (placement still
+            planned).
+
+    Raises:
+        PlanError: ``length`` or ``granularity`` below 1.
+    """
+    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+        raise PlanError(f"seq_len={length!r} must be a positive number of tokens")
+    if granularity is not None and (isinstance(granularity, bool)
+                                    or not isinstance(granularity, int) or granularity < 1):
+        raise PlanError(f"granularity={granularity!r} must be a positive number of tokens "
+                        "(or None for the default)")
+    g = granularity or default_granularity(length)
+    grid_len = math.ceil(length / g) * g
+    grid = plan_from_costs(table_at(grid_len), workload=workload, granularity=g,
+                           num_stages=num_stages, time_limit=time_limit)
+    if bounds is None:
+        bounds = tuple(sorted({min(b, length) for b in grid.boundaries}))
+    if grid_len == length and bounds == grid.boundaries:
+        return grid
+    cuts = (0, *(st.layer_end for st in grid.stages))
+    chosen = tuple(st.device_index for st in grid.stages)
+    plan = plan_for(sub_table(table_at(length), chosen), cuts, bounds, workload,
+                    granularity=g, solver=grid.solver)
+    stages = tuple(dataclasses.replace(st, device_index=old.device_index)
+                   for st, old in zip(plan.stages, grid.stages))
+    return dataclasses.replace(plan, stages=stages, notes=grid.notes)
