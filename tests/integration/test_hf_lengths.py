@@ -39,3 +39,14 @@ def test_batched_generate_equals_hf_greedy(hf):
     expected = model.generate(prompt, max_new_tokens=7, do_sample=False, min_new_tokens=7,
                               pad_token_id=0)
     assert torch.equal(cp.generate(prompt, max_new_tokens=7, eos_token_id=None), expected)
+
+
+def test_llama_at_several_thousand_tokens_with_a_prime_length():
+    model, args, _ = examples.hf_llama(seq_len=24, layers=2)
+    cp = tppc.compile(model, args, cluster="2xcpu", num_stages=2, executor="threads")
+    ids = torch.randint(0, 128, (2, 4093))
+    with torch.no_grad():
+        expected = model(ids).logits
+    torch.testing.assert_close(cp(ids).logits, expected, atol=1e-5, rtol=1e-5)
+    plan = cp.program(4093).plan
+    assert len(plan.chunks) > 1 and plan.granularity == 64
