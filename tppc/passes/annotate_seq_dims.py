@@ -30,6 +30,7 @@ from tppc.context import CompileContext
 from tppc.errors import AnnotationError
 from tppc.ir import TOKEN, TokenInfo
 from tppc.passes._attention import ATTENTION_OPS, classify_attention
+from tppc.passes._regions import annotate_region, row_wise_region
 from tppc.passes._segments import segment_info, split_tokens, with_prefix
 from tppc.passes._shapes import (
     module_path,
@@ -66,10 +67,29 @@ _CONVS = {"conv1d", "conv2d", "conv3d", "convolution", "_convolution"}
 _MATMULS = {"matmul", "bmm", "mm", "baddbmm", "einsum"}
 
 def annotate_seq_dims_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    """Annotate every node with a :class:`TokenInfo`; set ``ctx.token_count``."""
+    """Annotate every node with a :class:`TokenInfo`; set ``ctx.token_count``.
+
+    A node that mixes tokens or needs the whole sequence inside a module (an MoE dispatch
+    sorting tokens by expert) is retried as part of a row-wise region (``_regions``).
+    """
     sym = ctx.seq_symbol
+    done: set[fx.Node] = set()
     for node in gm.graph.nodes:
-        node.meta[TOKEN] = _annotate(node, gm, ctx, sym)
+        if node in done:
+            continue
+        try:
+            info: TokenInfo | None = _annotate(node, gm, ctx, sym)
+        except AnnotationError as exc:
+            info, error = None, exc
+        if info is None or (info.role == "global" and node.op == "call_function"):
+            region = row_wise_region(node, gm, ctx) if module_path(node) else None
+            if region is not None:  # a mixture-of-experts dispatch: row-wise as a whole
+                annotate_region(region, sym)
+                done.update(region)
+                continue
+            if info is None:
+                raise error
+        node.meta[TOKEN] = info
     return gm
 
 
