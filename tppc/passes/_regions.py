@@ -58,8 +58,8 @@ def annotate_region(region: list[fx.Node], sym: sympy.Symbol) -> None:
     for n in region:
         axes, sizes = seq_axes(n, sym)
         dependent = axes or any(
-            a in inside and a.meta[TOKEN].role == "token"
-            or a not in inside and a.meta[TOKEN].role in ("token", "mixing", "positional")
+            (a in inside and a.meta[TOKEN].role == "token")
+            or (a not in inside and a.meta[TOKEN].role in ("token", "mixing", "positional"))
             for a in n.all_input_nodes) or sym in _free(n)
         where = module_path(n)
         if isinstance(n.meta.get("val"), torch.SymInt):  # a size: recomputed where needed
@@ -97,7 +97,7 @@ def _row_wise(region: list[fx.Node], gm: fx.GraphModule, ctx: CompileContext) ->
         return False
     try:
         values = _example_inputs(inputs, gm, ctx)
-    except Exception as e:  # noqa: BLE001  (meta weights, inputs tppc cannot evaluate)
+    except Exception:  # meta weights, inputs tppc cannot evaluate
         return False
     sub = _subgraph(gm, region, inputs, outputs)
     n = ctx.example_seq
@@ -109,7 +109,7 @@ def _row_wise(region: list[fx.Node], gm: fx.GraphModule, ctx: CompileContext) ->
             permuted = sub(*_take(inputs, values, tokens, perm, sym, n))
             first = sub(*_take(inputs, values, tokens, torch.arange(half), sym, n))
             second = sub(*_take(inputs, values, tokens, torch.arange(half, n), sym, n))
-    except Exception as e:  # noqa: BLE001  (a region that cannot run on other token counts)
+    except Exception:  # a region that cannot run on other token counts
         return False
     for o, f, p, a, b in zip(outputs, full, permuted, first, second):
         axis, k = _rows(f, o, sym)  # type: ignore[misc]
