@@ -12,8 +12,8 @@ import torch
 
 from tppc.models import GPT, DiT, DiTConfig, GPTConfig
 
-__all__ = ["dit", "gpt", "hf_cogvideox", "hf_dit", "hf_flux", "hf_gpt2", "hf_hunyuan_dit",
-           "hf_llama", "hf_pixart"]
+__all__ = ["dit", "gpt", "hf_cogvideox", "hf_dit", "hf_flux", "hf_gemma3", "hf_gpt2",
+           "hf_hunyuan_dit", "hf_llama", "hf_mistral", "hf_mixtral", "hf_pixart", "hf_qwen3"]
 
 Example = tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]]
 
@@ -143,3 +143,58 @@ def hf_cogvideox(size: int = 8, frames: int = 2, layers: int = 2) -> Example:
     kwargs = {"encoder_hidden_states": torch.randn(1, 6, 12), "timestep": torch.tensor([10]),
               "return_dict": False}
     return model, (torch.randn(1, frames, 4, size, size),), kwargs
+
+
+def hf_mistral(seq_len: int = 32, layers: int = 2, window: int = 8) -> Example:
+    """transformers MistralForCausalLM, tiny config with a sliding window of ``window``."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=1024, sliding_window=window)
+    model = MistralForCausalLM(cfg).eval()
+    return model, (torch.randint(0, 128, (1, seq_len)),), {}
+
+
+def hf_gemma3(seq_len: int = 32, layers: int = 3, window: int = 8) -> Example:
+    """transformers Gemma3ForCausalLM (text), tiny config: sliding-window layers of
+    ``window`` keys, every third layer global."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=layers, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                           sliding_window=window, sliding_window_pattern=3,
+                           attn_implementation="sdpa")
+    model = Gemma3ForCausalLM(cfg).eval()
+    return model, (torch.randint(0, 128, (1, seq_len)),), {}
+
+
+def hf_qwen3(seq_len: int = 32, layers: int = 2) -> Example:
+    """transformers Qwen3ForCausalLM from a tiny config (q/k norms)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, max_position_embeddings=1024)
+    model = Qwen3ForCausalLM(cfg).eval()
+    return model, (torch.randint(0, 128, (1, seq_len)),), {}
+
+
+def hf_mixtral(seq_len: int = 32, layers: int = 2, experts: str = "grouped_mm",
+               num_experts: int = 4) -> Example:
+    """transformers MixtralForCausalLM, tiny config (``num_experts`` experts, top-2), with
+    transformers' expert implementation ``experts`` (``eager``, ``batched_mm``,
+    ``grouped_mm``)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=96,
+                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=1024, num_local_experts=num_experts,
+                        num_experts_per_tok=2, experts_implementation=experts)
+    model = MixtralForCausalLM(cfg).eval()
+    return model, (torch.randint(0, 128, (1, seq_len)),), {}

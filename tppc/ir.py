@@ -30,6 +30,7 @@ __all__ = [
     "InputKind",
     "LayerInfo",
     "LayerKind",
+    "MaskSpec",
     "Role",
     "StageInfo",
     "TokenInfo",
@@ -49,6 +50,23 @@ mixing: attention over the token axis;
 global: needs the whole sequence (pooling, a reshape that breaks the token order, loss)."""
 
 AttentionKind = Literal["causal", "bidirectional"]
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """An attention mask that tppc rebuilds per chunk from O(L) data, never ``L × L``.
+
+    Query ``i`` sees key ``j`` when the attention's kind allows it (causal: ``j ≤ i``), and
+    ``i - j < window`` (when set), and ``key_valid[b, j] != 0`` (when set).
+
+    Attributes:
+        window: a causal sliding window of this many keys (the query's own included).
+        key_valid: name of the user input (``attention_mask``) whose nonzero entries mark
+            the keys every query may see (padding masks).
+    """
+
+    window: int | None = None
+    key_valid: str | None = None
 LayerKind = Literal["prologue", "block", "epilogue"]
 
 
@@ -63,6 +81,11 @@ class TokenInfo:
         other_axes: further axes whose size depends on the sequence (a mask's key axis).
         attention: for ``mixing`` nodes, whether the attention is causal or bidirectional.
         module: the innermost module path of the node (``""`` at top level).
+        mask: for ``mixing`` nodes, the structured mask (window, padding) that replaces the
+            model's mask in the chunk step; None: plain causal or all-visible.
+        inputs: a ``positional`` value that also depends on the *values* of integer
+            sequence inputs (a padding mask built from ``attention_mask``); it cannot be
+            evaluated from the sequence length alone.
         prefix: length of the constant, unsplit segment at the start of the token axis: the
             text tokens of a joint-attention MM-DiT concatenated before the image tokens
             (``cat([text, image], dim=axis)``). The split tokens are ``axis_size - prefix``
@@ -77,6 +100,8 @@ class TokenInfo:
     attention: AttentionKind | None = None
     module: str = ""
     prefix: int = 0
+    mask: MaskSpec | None = None
+    inputs: bool = False
 
     @property
     def prefix_only(self) -> bool:
@@ -126,7 +151,7 @@ CHUNK_SIGNATURE = "tppc.chunk_signature"
 """``GraphModule.meta`` key of the :class:`ChunkSignature` of a chunk-step graph."""
 
 InputKind = Literal["token", "const", "chunk_start", "chunk_size", "seq_len", "positional",
-                    "key", "value", "boundary"]
+                    "key", "value", "boundary", "full"]
 
 
 @dataclass(frozen=True)
@@ -137,7 +162,8 @@ class ChunkInput:
         kind: ``token`` (a chunk of a user input), ``const`` (a whole user input),
             ``chunk_start`` / ``chunk_size`` / ``seq_len`` (ints), ``positional`` (a slice of
             a frontier value), ``key`` / ``value`` (a K/V buffer), ``boundary`` (a token value
-            sent by the previous stage; only in stage graphs).
+            sent by the previous stage; only in stage graphs), ``full`` (a user input with a
+            sequence axis, whole: the key-validity mask of every position so far).
         source: the user input's name, the frontier node's name, the attention node's name,
             or the boundary value's name.
         index: flat user-input index (token, const) or positional-program output index.

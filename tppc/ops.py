@@ -11,7 +11,9 @@ Terms:
 calls it can be exported (``torch.export`` keeps it as one node) and priced as one node.
 It never builds an ``L × L`` mask: the first chunk of a causal sequence is SDPA with
 ``is_causal=True``; a later chunk is cut into query blocks whose boolean mask holds at
-most :data:`MASK_ELEMENTS` elements, each block reading only the keys it may see.
+most :data:`MASK_ELEMENTS` elements, each block reading only the keys it may see. A padding
+mask arrives as an O(L) key-validity vector and a sliding window as an int, combined per
+block: a window of ``w`` keys reads ``O(c · w)`` keys, not the whole prefix.
 
 Example:
     >>> q = k = v = torch.randn(1, 2, 8, 4)
@@ -33,7 +35,8 @@ MASK_ELEMENTS = 1 << 24
 
 def chunk_attention_eager(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     chunk_start: int, causal: bool, scale: float | None = None,
-                    enable_gqa: bool = False, attn_mask: torch.Tensor | None = None
+                    enable_gqa: bool = False, attn_mask: torch.Tensor | None = None,
+                    key_valid: torch.Tensor | None = None, window: int | None = None
                     ) -> torch.Tensor:
     """Attention of a chunk's queries over the buffer's keys (see the module docstring);
     the body of the ``tppc::chunk_attention`` op.
@@ -47,8 +50,16 @@ def chunk_attention_eager(query: torch.Tensor, key: torch.Tensor, value: torch.T
         scale: SDPA's scale (None: ``1/sqrt(d)``).
         enable_gqa: SDPA's grouped-query attention (fewer K/V heads than query heads).
         attn_mask: a mask of the chunk's rows over ``kv_len`` keys (bidirectional only).
+        key_valid: ``(batch, ≥ kv_len)``: keys ``j`` with ``key_valid[b, j] == 0`` are hidden
+            from every query of sequence ``b`` (a padding mask).
+        window: causal sliding window: query ``i`` sees keys ``i - window < j ≤ i`` only.
     """
     if not causal:
+        if window is not None:
+            raise ValueError("tppc::chunk_attention: a window needs causal=True")
+        if key_valid is not None:
+            valid = key_valid[:, : key.shape[-2]].bool()[:, None, None, :]
+            attn_mask = valid if attn_mask is None else attn_mask & valid
         return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
                                               scale=scale, enable_gqa=enable_gqa)
     if attn_mask is not None:
@@ -57,18 +68,29 @@ def chunk_attention_eager(query: torch.Tensor, key: torch.Tensor, value: torch.T
     if chunk_start + c > kv_len:
         raise ValueError(f"tppc::chunk_attention: chunk [{chunk_start}, {chunk_start + c}) "
                          f"reads beyond the {kv_len} keys given")
-    if chunk_start == 0 and c == kv_len:
+    plain = key_valid is None and (window is None or window >= kv_len)
+    if plain and chunk_start == 0 and c == kv_len:
         return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale,
                                               enable_gqa=enable_gqa)
     out = query.new_empty((*query.shape[:-1], value.shape[-1]))
-    rows = max(1, min(c, MASK_ELEMENTS // max(1, chunk_start + c)))
+    batch = 1 if key_valid is None else key_valid.shape[0]
+    span = chunk_start + c if window is None else min(chunk_start + c, window + c)
+    rows = max(1, min(c, MASK_ELEMENTS // max(1, batch * span)))
+    if window is not None:  # a block of r rows reads r + window keys: keep r near window
+        rows = min(rows, max(64, window))
     for r0 in range(0, c, rows):
         r1 = min(c, r0 + rows)
-        keys = chunk_start + r1  # the last row of this block sees keys [0, keys)
+        hi = chunk_start + r1  # the last row of this block sees keys [lo, hi)
+        lo = 0 if window is None else max(0, chunk_start + r0 - window + 1)
         positions = torch.arange(chunk_start + r0, chunk_start + r1, device=query.device)
-        mask = torch.arange(keys, device=query.device) <= positions[:, None]
+        keys = torch.arange(lo, hi, device=query.device)
+        mask = keys <= positions[:, None]
+        if window is not None:
+            mask = mask & (keys > positions[:, None] - window)
+        if key_valid is not None:
+            mask = mask & key_valid[:, lo:hi].bool()[:, None, None, :]
         out[..., r0:r1, :] = F.scaled_dot_product_attention(
-            query[..., r0:r1, :], key[..., :keys, :], value[..., :keys, :], attn_mask=mask,
+            query[..., r0:r1, :], key[..., lo:hi, :], value[..., lo:hi, :], attn_mask=mask,
             scale=scale, enable_gqa=enable_gqa)
     return out
 
@@ -76,15 +98,17 @@ def chunk_attention_eager(query: torch.Tensor, key: torch.Tensor, value: torch.T
 @torch.library.custom_op("tppc::chunk_attention", mutates_args=())
 def chunk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     chunk_start: int, causal: bool, scale: float | None = None,
-                    enable_gqa: bool = False, attn_mask: torch.Tensor | None = None
+                    enable_gqa: bool = False, attn_mask: torch.Tensor | None = None,
+                    key_valid: torch.Tensor | None = None, window: int | None = None
                     ) -> torch.Tensor:
     """``torch.ops.tppc.chunk_attention``: :func:`chunk_attention_eager` as one graph node."""
     return chunk_attention_eager(query, key, value, chunk_start, causal, scale, enable_gqa,
-                                 attn_mask)
+                                 attn_mask, key_valid, window)
 
 
 @chunk_attention.register_fake
 def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunk_start: int,
       causal: bool, scale: float | None = None, enable_gqa: bool = False,
-      attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+      attn_mask: torch.Tensor | None = None, key_valid: torch.Tensor | None = None,
+      window: int | None = None) -> torch.Tensor:
     return query.new_empty((*query.shape[:-1], value.shape[-1]))

@@ -3,7 +3,7 @@
 A stage step feeds each placeholder of the stage graph from the call and its state (see
 :mod:`tppc.program` for the wiring): the previous stage's boundary values, the chunk's rows
 of a user input, a whole const input, the chunk's rows of a positional value, the stage's
-K/V buffers, or an int. The last stage writes a bias-free linear output (an LM head)
+K/V buffers, a whole user input (``full``: the key-validity mask), or an int. The last stage writes a bias-free linear output (an LM head)
 straight into the call's full-length output when that slice is contiguous
 (:mod:`tppc.backends._direct_output`).
 
@@ -58,7 +58,7 @@ def run_stage(stage: StageProgram, call: Call, state: CallState, start: int, end
         elif kind == "token":
             args.append(_to(call.flat_inputs[spec.index].narrow(spec.axis, start, size),
                             stage.device))
-        elif kind == "const":
+        elif kind in ("const", "full"):
             args.append(_to(call.flat_inputs[spec.index], stage.device))
         elif kind == "positional":
             value = positional[spec.index]

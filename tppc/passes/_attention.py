@@ -6,7 +6,8 @@ when ``is_causal=True``, bidirectional when it has neither a mask nor ``is_causa
 otherwise classified by evaluating its mask (a positional value) at small *probe lengths*,
 never at the example length (so classifying costs the same for a 32k-token example as for
 a 16-token one): a lower-triangular pattern at every probe is causal, an all-true one
-bidirectional. The probes are a short length and one longer than every integer constant
+bidirectional; a causal band is a sliding window, and a mask built from an integer input
+(``attention_mask``) is a padding mask (see :mod:`tppc.passes._masks`). The probes are a short length and one longer than every integer constant
 the mask's computation uses (a sliding window of ``w`` tokens shows at lengths ``> w``), at
 most :data:`MAX_PROBE`.
 """
@@ -22,11 +23,12 @@ from torch.nn import functional as F
 
 from tppc.context import CompileContext
 from tppc.errors import AnnotationError
-from tppc.ir import TOKEN, AttentionKind
+from tppc.ir import TOKEN, AttentionKind, MaskSpec
+from tppc.passes._masks import mask_spec
 from tppc.passes._shapes import call_module_of, module_path, size_expr, tensor_val
 
-__all__ = ["ATTENTION_OPS", "MAX_PROBE", "attention_kind", "evaluate_positional",
-           "probe_lengths"]
+__all__ = ["ATTENTION_OPS", "MAX_PROBE", "attention_kind", "classify_attention",
+           "evaluate_positional", "probe_lengths"]
 
 _aten = torch.ops.aten
 ATTENTION_OPS = {
@@ -43,29 +45,29 @@ _SENTINEL = 1 << 30
 
 def attention_kind(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext) -> AttentionKind:
     """Causal or bidirectional, from ``is_causal`` or the mask's values."""
+    return classify_attention(node, gm, ctx)[0]
+
+
+def classify_attention(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext
+                       ) -> tuple[AttentionKind, MaskSpec | None]:
+    """The attention's kind and the structured mask (window, padding) tppc rebuilds per
+    chunk, or None for plain causal or all-visible attention (see :mod:`._masks`)."""
     args = list(node.args) + [None] * 8
     mask = node.kwargs.get("attn_mask", args[3])
     is_causal = bool(node.kwargs.get("is_causal", args[5] or False))
     if is_causal:
-        return "causal"
+        return "causal", None
     if mask is None:
-        return "bidirectional"
-    if not isinstance(mask, fx.Node) or mask.meta[TOKEN].role not in ("positional", "const"):
+        return "bidirectional", None
+    info = mask.meta[TOKEN] if isinstance(mask, fx.Node) else None
+    if info is None or not (info.role in ("positional", "const") or info.inputs):
         raise AnnotationError(
             f"attention node {node.name!r} (module {module_path(node)}) has a mask that depends "
-            "on token values, not only on positions; tppc supports causal and unmasked "
-            "attention. fix: drop the padding mask (pass one sequence without padding)"
+            "on activations (hidden states), not only on positions and integer inputs such as "
+            "attention_mask; it cannot be rebuilt per chunk. fix: build the mask from "
+            "positions and attention_mask only"
         )
-    kinds = {_classify(_allowed(evaluate_positional(mask, gm, ctx, length)))
-             for length in probe_lengths(mask)}
-    if kinds == {"causal"} or kinds == {"bidirectional"}:
-        return kinds.pop()  # type: ignore[return-value]
-    raise AnnotationError(
-        f"attention node {node.name!r} (module {module_path(node)}) has a mask that is neither "
-        f"causal nor all-visible at the probe lengths {probe_lengths(mask)} (a sliding window "
-        "or padding?); tppc cannot chunk it yet. fix: use full causal or bidirectional "
-        "attention"
-    )
+    return mask_spec(node, mask, gm, ctx, probe_lengths(mask))
 
 
 def probe_lengths(mask: fx.Node) -> tuple[int, ...]:
@@ -93,39 +95,25 @@ def _closure(target: fx.Node) -> set[fx.Node]:
     return needed
 
 
-def _classify(allowed: torch.Tensor) -> str:
-    n_q, n_k = allowed.shape[-2], allowed.shape[-1]
-    causal = torch.ones(n_q, n_k, dtype=torch.bool).tril(diagonal=n_k - n_q)
-    if bool(allowed.all()):  # first: a broadcast (1, S) mask of ones is not causal
-        return "bidirectional"
-    if bool((allowed == causal).all()):
-        return "causal"
-    return "other"
-
-
-def _allowed(mask: torch.Tensor) -> torch.Tensor:
-    if mask.dtype == torch.bool:
-        allowed = mask
-    else:
-        allowed = mask > torch.finfo(mask.dtype).min / 2
-    return allowed.reshape(-1, *allowed.shape[-2:]).all(dim=0)
-
-
 def evaluate_positional(target: fx.Node, gm: fx.GraphModule, ctx: CompileContext,
-                        length: int | None = None) -> Any:
+                        length: int | None = None,
+                        overrides: dict[fx.Node, Any] | None = None) -> Any:
     """Evaluate a positional value on CPU, the sequence length set to ``length`` (default:
     the example's).
 
-    Inputs take the example's values where capture kept them and the shape matches
-    (``ctx.example_values``: text masks, ids), else zeros.
+    Inputs take the value in ``overrides``, else the example's values where capture kept
+    them and the shape matches (``ctx.example_values``: text masks, ids), else zeros.
     """
+    overrides = overrides or {}
     needed = _closure(target)
     length = ctx.example_seq if length is None else length
     env: dict[fx.Node, Any] = {}
     for n in gm.graph.nodes:
         if n not in needed:
             continue
-        if n.op == "placeholder":
+        if n in overrides:
+            env[n] = overrides[n]
+        elif n.op == "placeholder":
             env[n] = _concrete(n, ctx, length)
         elif n.op == "get_attr":
             value = operator.attrgetter(str(n.target))(gm)

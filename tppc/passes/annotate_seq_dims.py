@@ -29,7 +29,8 @@ from torch import fx
 from tppc.context import CompileContext
 from tppc.errors import AnnotationError
 from tppc.ir import TOKEN, TokenInfo
-from tppc.passes._attention import ATTENTION_OPS, attention_kind
+from tppc.passes._attention import ATTENTION_OPS, classify_attention
+from tppc.passes._regions import annotate_region, row_wise_region
 from tppc.passes._segments import segment_info, split_tokens, with_prefix
 from tppc.passes._shapes import (
     module_path,
@@ -66,10 +67,29 @@ _CONVS = {"conv1d", "conv2d", "conv3d", "convolution", "_convolution"}
 _MATMULS = {"matmul", "bmm", "mm", "baddbmm", "einsum"}
 
 def annotate_seq_dims_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    """Annotate every node with a :class:`TokenInfo`; set ``ctx.token_count``."""
+    """Annotate every node with a :class:`TokenInfo`; set ``ctx.token_count``.
+
+    A node that mixes tokens or needs the whole sequence inside a module (an MoE dispatch
+    sorting tokens by expert) is retried as part of a row-wise region (``_regions``).
+    """
     sym = ctx.seq_symbol
+    done: set[fx.Node] = set()
     for node in gm.graph.nodes:
-        node.meta[TOKEN] = _annotate(node, gm, ctx, sym)
+        if node in done:
+            continue
+        try:
+            info: TokenInfo | None = _annotate(node, gm, ctx, sym)
+        except AnnotationError as exc:
+            info, error = None, exc
+        if info is None or (info.role == "global" and node.op == "call_function"):
+            region = row_wise_region(node, gm, ctx) if module_path(node) else None
+            if region is not None:  # a mixture-of-experts dispatch: row-wise as a whole
+                annotate_region(region, sym)
+                done.update(region)
+                continue
+            if info is None:
+                raise error
+        node.meta[TOKEN] = info
     return gm
 
 
@@ -86,6 +106,8 @@ def _annotate(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext,
     if node.op == "output":
         roles = {_role(a) for a in node.all_input_nodes}
         return TokenInfo("global" if "global" in roles else "token", module=where)
+    if _from_inputs(node, ctx):
+        return _input_value(node, axes, sizes, where)
     ins = [a.meta[TOKEN] for a in node.all_input_nodes]
     roles = {i.role for i in ins}
     if "global" in roles:
@@ -98,7 +120,8 @@ def _annotate(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext,
     if not roles & {"token", "mixing"} or _shape_only(node):
         dependent = bool(axes) or "positional" in roles or _symbolic_scalar(node, sym)
         role = "positional" if dependent else "const"
-        return _info(role, axes, sizes, where)
+        info = _info(role, axes, sizes, where)
+        return dataclasses.replace(info, inputs=True) if any(i.inputs for i in ins) else info
     return _token_op(node, axes, sizes, where)
 
 
@@ -168,11 +191,53 @@ def _attention(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext, axes: lis
             return TokenInfo("token", query.axis, query.axis_size, module=where,
                              prefix=query.prefix)
         return with_prefix(_info("token", axes, sizes, where), query)
-    kind = attention_kind(node, gm, ctx)
+    kind, mask = classify_attention(node, gm, ctx)
     if ctx.token_count is None and sizes:
         ctx.token_count = sizes[0] - query.prefix
     info = with_prefix(_info("mixing", axes, sizes, where), query)
-    return dataclasses.replace(info, attention=kind) if info.role == "mixing" else info
+    return dataclasses.replace(info, attention=kind, mask=mask) if info.role == "mixing" \
+        else info
+
+
+def _input_value(node: fx.Node, axes: list[int], sizes: list[sympy.Expr], where: str
+                 ) -> TokenInfo:
+    """A value computed from integer inputs: ``token`` where it is row-wise (token ids
+    reshaped before the embedding), else ``positional`` (a mask over query and key
+    positions, with ``inputs`` set: evaluated per call, never from the length alone)."""
+    if any(a.meta[TOKEN].role == "token" for a in node.all_input_nodes):
+        try:
+            info = _token_op(node, axes, sizes, where)
+        except AnnotationError:
+            info = None
+        if info is not None and info.role == "token" and not info.other_axes:
+            return dataclasses.replace(info, inputs=True)
+    return dataclasses.replace(_info("positional", axes, sizes, where), inputs=True)
+
+
+def _from_inputs(node: fx.Node, ctx: CompileContext) -> bool:
+    """Whether ``node`` computes a value from integer sequence inputs (``attention_mask``)
+    and positions only, reading no weight: a padding mask, ``positional`` with ``inputs``.
+
+    Such values are rebuilt per chunk when they are attention masks (see ``_masks``);
+    anything else reading them is refused by ``chunk_attention``.
+    """
+    if node.op != "call_function" or _shape_only(node) or node.target in ATTENTION_OPS:
+        return False
+    found = False
+    for arg in node.all_input_nodes:
+        info: TokenInfo = arg.meta[TOKEN]
+        if arg.op == "placeholder" and info.role == "token":
+            val = tensor_val(arg)
+            if val is None or val.is_floating_point() or arg.name not in ctx.seq_inputs:
+                return False
+            found = True
+        elif info.inputs and info.role in ("token", "positional"):
+            found = True
+        elif info.role not in ("positional", "const") or (
+                arg.op == "get_attr" and tensor_val(arg) is not None
+                and tensor_val(arg).is_floating_point()):
+            return False
+    return found
 
 
 def _check_conv(node: fx.Node, src: TokenInfo, name: str, where: str) -> None:

@@ -145,6 +145,7 @@ class _Rewriter:
         self.kv_end: fx.Node | None = None
         self.buffers: list[KVBuffer] = []
         self.buffer_nodes: dict[tuple[str, str], fx.Node] = {}
+        self.full_inputs: dict[str, fx.Node] = {}
 
     def run(self) -> fx.GraphModule:
         output = next(n for n in self.gm.graph.nodes if n.op == "output")
@@ -215,6 +216,8 @@ class _Rewriter:
                 )
             return "copy"
         if isinstance(val, torch.Tensor):
+            if info.inputs:
+                raise _input_value_error(node, info)
             if info.axis is not None and info.axis_size != self.sym:
                 raise PassError(
                     f"positional node {node.name!r} has token axis {info.axis} of size "
@@ -255,6 +258,9 @@ class _Rewriter:
                 ph.meta[LAYER] = spec.layer
                 self.buffers.append(KVBuffer(name, spec))
                 self.buffer_nodes[attn.name, which] = ph
+            mask = attn.meta[TOKEN].mask
+            if mask is not None and mask.key_valid is not None:
+                self._full_input(mask.key_valid)
 
     def _input(self, name: str, spec: ChunkInput, like: fx.Node | None = None) -> fx.Node:
         ph = self.graph.placeholder(name)
@@ -313,9 +319,24 @@ class _Rewriter:
                             f"{kwargs['dropout_p']}; fix: put the model in eval mode")
         args = (self.env[kwargs["query"]], kwargs["key"], kwargs["value"], self.start, causal,
                 kwargs.get("scale"), bool(gqa))
+        mask = node.meta[TOKEN].mask
+        if mask is not None:
+            valid = None if mask.key_valid is None else self._full_input(mask.key_valid)
+            args = (*args, None, valid, mask.window)
         out = self.graph.call_function(torch.ops.tppc.chunk_attention.default, args)
         out.meta.update(node.meta)
         return out
+
+    def _full_input(self, name: str) -> fx.Node:
+        """The placeholder of user input ``name`` whole (kind ``full``): key validity."""
+        if name not in self.full_inputs:
+            index = next(i for i, p in enumerate(self.placeholders) if p.name == name)
+            axis = self.ctx.seq_inputs[name][0]
+            ph = self.graph.placeholder(f"full_{name}")
+            ph.meta.update(self.placeholders[index].meta)
+            ph.meta[CHUNK_INPUT] = ChunkInput("full", name, index, axis)
+            self.full_inputs[name] = ph
+        return self.full_inputs[name]
 
     def _read_buffer(self, arg: fx.Node, buf: fx.Node, axis: int, kv_len: Any,
                      layer: str, *, repeat: bool) -> fx.Node:
@@ -371,6 +392,15 @@ def _rows_per_token(size: Any, sym: Any) -> bool:
     tokens merged with constant axes such as the batch), so it runs chunk by chunk."""
     ratio = sympy.simplify(size / sym) if size is not None else None
     return ratio is not None and ratio.is_Integer and ratio > 0
+
+
+def _input_value_error(node: fx.Node, info: TokenInfo) -> PassError:
+    return PassError(
+        f"node {node.name!r} (module {info.module or '<top level>'}) is computed from the values "
+        "of an integer input (attention_mask) over query and key positions, and is read by "
+        "something other than scaled_dot_product_attention's mask; tppc rebuilds such values "
+        "per chunk only as attention masks. fix: pass the mask to SDPA as attn_mask"
+    )
 
 
 def _inputs_read(node: fx.Node) -> list[fx.Node]:

@@ -29,7 +29,7 @@ from tppc.context import PassRecord
 from tppc.errors import CaptureError, RuntimeInputError, SpecError
 from tppc.planner.plan import Plan
 from tppc.program import Program, build_program
-from tppc.runtime.frontend import BoundCall, FrontEnd, bind, capture_front_end
+from tppc.runtime.frontend import BoundCall, FrontEnd, bind, capture_front_end, input_structure
 from tppc.runtime.io import OutputAssembler
 from tppc.runtime.options import CompileOptions, ExecutorName, chunk_bounds
 from tppc.runtime.state import Call, CallState, StatePool, next_epoch
@@ -81,7 +81,7 @@ class CompiledPipeline:
         self._model, self._seq_dims = model, seq_dims
         self.options, self._planner, self._given = options, planner, plan
         self._front = front
-        self._fronts: OrderedDict[Any, FrontEnd] = OrderedDict({front.batch: front})
+        self._fronts: OrderedDict[Any, FrontEnd] = OrderedDict({front.key: front})
         self._programs: OrderedDict[tuple[Any, int], Program] = OrderedDict()
         self._lock = threading.RLock()
         self._executors = {"local": LocalExecutor(),
@@ -94,7 +94,7 @@ class CompiledPipeline:
         self.pad_token_id = getattr(generation, "pad_token_id", None)
         self._captured_history = len(front.ctx.history)
         self._check_bidirectional(plan)
-        self._programs[front.batch, plan.seq_len] = self._build(front, plan)
+        self._programs[front.key, plan.seq_len] = self._build(front, plan)
         self.plan = plan
 
     # -- public --------------------------------------------------------------------------------
@@ -208,7 +208,7 @@ class CompiledPipeline:
         other = CompiledPipeline(self._model, front, plan, planner=None,
                                  options=CompileOptions(**fields), seq_dims=self._seq_dims)
         with self._lock:  # captures of other batch shapes are shared (they are immutable)
-            other._fronts.update((k, f) for k, f in self._fronts.items() if k != front.batch)
+            other._fronts.update((k, f) for k, f in self._fronts.items() if k != front.key)
         return other
 
     # -- used by generate and the tests ---------------------------------------------------------
@@ -219,19 +219,27 @@ class CompiledPipeline:
         Raises:
             RuntimeInputError: naming the input, what it is, what was compiled, and the fix.
         """
-        bound = bind(self._front, self._model, args, kwargs)
+        structure = input_structure(self._model, args, kwargs)
+        with self._lock:
+            base = next((f for f in reversed(self._fronts.values()) if f.key[0] == structure),
+                        None)
+        if base is None:  # other keyword inputs: capture them
+            base = self._capture(args, kwargs, None)
+            with self._lock:
+                self._fronts[base.key] = base
+        bound = bind(base, self._model, args, kwargs)
         if self.options.max_seq is not None and bound.length > self.options.max_seq:
             raise RuntimeInputError(
                 f"the sequence has {bound.length} tokens, max_seq={self.options.max_seq}. "
                 f"fix: compile with max_seq={bound.length} (or more), or max_seq=None")
         with self._lock:
-            front = self._fronts.get(bound.batch)
+            front = self._fronts.get((structure, bound.batch))
             if front is not None:
-                self._fronts.move_to_end(bound.batch)
+                self._fronts.move_to_end(front.key)
                 return front, bound
         front = self._capture(args, kwargs, bound)
         with self._lock:
-            self._fronts[bound.batch] = front
+            self._fronts[front.key] = front
             while len(self._fronts) > self.options.program_cache:
                 self._fronts.popitem(last=False)
         return front, bound
@@ -239,7 +247,7 @@ class CompiledPipeline:
     def program(self, length: int, front: FrontEnd | None = None) -> Program:
         """The program for ``length`` tokens (re-planned and cached, or refused)."""
         front = front or self._front
-        key = (front.batch, length)
+        key = (front.key, length)
         with self._lock:
             if key in self._programs:
                 self._programs.move_to_end(key)
@@ -286,7 +294,15 @@ class CompiledPipeline:
 
     # -- building ------------------------------------------------------------------------------
     def _capture(self, args: tuple[Any, ...], kwargs: Mapping[str, Any],
-                 bound: BoundCall) -> FrontEnd:
+                 bound: BoundCall | None) -> FrontEnd:
+        if bound is None:
+            try:
+                return capture_front_end(self._model, tuple(args), kwargs,
+                                         seq_dims=self._seq_dims,
+                                         keep_states=self.options.keep_states)
+            except CaptureError as exc:
+                raise RuntimeInputError(f"re-capturing {self.model_name} for inputs "
+                                        f"{sorted(kwargs)} failed: {exc}") from exc
         if bound.length < 2:
             raise RuntimeInputError(
                 f"a call with batch shape {bound.batch} needs a new capture, and a "

@@ -5,7 +5,9 @@ Terms:
         capture (:class:`FrontEnd`). Captured graphs fix every axis but the sequence axes,
         so a call with another batch size is captured again (cached per batch shape).
     batch shape: the sizes of every tensor input with its sequence axes left out; calls
-        that differ from a front end's only on axis 0 (the batch) get their own front end.
+        that differ from a front end's only on axis 0 (the batch) get their own front end,
+        and so do calls with other keyword inputs (``generate`` adds ``position_ids`` to a
+        model compiled with ``attention_mask``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from tppc.passes.runner import run_passes
 from tppc.runtime.io import check_input
 from tppc.runtime.state import StatePool
 
-__all__ = ["BoundCall", "FrontEnd", "batch_shape", "bind", "capture_front_end"]
+__all__ = ["BoundCall", "FrontEnd", "batch_shape", "bind", "capture_front_end",
+           "input_structure"]
 
 BatchShape = tuple[tuple[int | None, ...] | None, ...]
 
@@ -56,6 +59,11 @@ class FrontEnd:
     batch: BatchShape
     bidirectional: tuple[str, ...]
     pool: StatePool
+
+    @property
+    def key(self) -> tuple[str, BatchShape]:
+        """Cache key: the input structure (which keyword inputs) and the batch shape."""
+        return (repr(self.signature.in_spec), self.batch)
 
     @property
     def placeholders(self) -> list[fx.Node]:
@@ -132,6 +140,12 @@ def bind(front: FrontEnd, model: torch.nn.Module, args: tuple[Any, ...],
         raise RuntimeInputError("the sequence has 0 tokens. fix: pass at least one token")
     names = [p.name for p in placeholders]
     return BoundCall(flat=flat, length=length, batch=batch_shape(flat, front.ctx, names))
+
+
+def input_structure(model: torch.nn.Module, args: tuple[Any, ...],
+                    kwargs: Mapping[str, Any]) -> str:
+    """The call's input structure as :attr:`FrontEnd.key` spells it."""
+    return repr(pytree.tree_flatten(_bound(model, args, kwargs))[1])
 
 
 def _bound(model: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:

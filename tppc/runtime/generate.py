@@ -4,7 +4,8 @@ The prefill runs the prompt's chunks through the stages with the compiled execut
 fills every stage's K/V buffers. Each decoding step is a one-token chunk at position ``t``
 that runs through the stages in order (one sequence cannot overlap with itself), reading
 the buffers. The positional values (rope tables, masks) are evaluated once, at the final
-length, and sliced per step. The rule for ending matches HF's ``generate(do_sample=False)``:
+length, and sliced per step; a padding mask (``attention_mask``) reaches every step whole.
+The rule for ending matches HF's ``generate(do_sample=False)``:
 argmax of the last position's logits; a sequence that produced an end-of-sequence token is
 padded; generation stops when every sequence has ended or ``max_new_tokens`` were produced.
 
@@ -15,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +35,8 @@ _DEFAULT = object()
 
 
 def greedy_generate(cp: CompiledPipeline, input_ids: torch.Tensor, max_new_tokens: int = 20,
-                    *, eos_token_id: int | Sequence[int] | Any | None = _DEFAULT,
+                    *, attention_mask: torch.Tensor | None = None,
+                    eos_token_id: int | Sequence[int] | Any | None = _DEFAULT,
                     pad_token_id: int | Any | None = _DEFAULT) -> torch.Tensor:
     """Generate up to ``max_new_tokens`` tokens greedily; returns prompt + new tokens.
 
@@ -41,6 +44,10 @@ def greedy_generate(cp: CompiledPipeline, input_ids: torch.Tensor, max_new_token
         cp: a pipeline compiled from a causal LM whose first per-token output is the logits.
         input_ids: ``(batch, prompt)`` token ids.
         max_new_tokens: tokens to generate at most.
+        attention_mask: ``(batch, prompt)``, 0 at padding (a batch of prompts of different
+            lengths, left- or right-padded). As in HF, positions then count valid tokens only
+            (``position_ids`` from its cumulative sum, when the model takes them) and every
+            generated token is valid.
         eos_token_id: end-of-sequence id(s) (default: the model's ``generation_config``).
         pad_token_id: id appended to ended sequences (default: the model's, else the EOS).
 
@@ -55,7 +62,8 @@ def greedy_generate(cp: CompiledPipeline, input_ids: torch.Tensor, max_new_token
     eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     pad = cp.pad_token_id if pad_token_id is _DEFAULT else pad_token_id
     pad = eos_ids[0] if pad is None and eos_ids else pad
-    front, bound = cp.bind((input_ids,), {})
+    kwargs = _mask_inputs(cp, attention_mask)
+    front, bound = cp.bind((input_ids,), kwargs)
     prompt = bound.length
     total = prompt + max_new_tokens
     if cp.max_seq is not None and total > cp.max_seq:
@@ -65,11 +73,8 @@ def greedy_generate(cp: CompiledPipeline, input_ids: torch.Tensor, max_new_token
             f"compile with max_seq={total}")
     program = cp.program(prompt, front)
     index = _token_input_index(cp, front)
-    flat = list(bound.flat)
-    ids = torch.zeros(input_ids.shape[0], total, dtype=input_ids.dtype,
-                      device=input_ids.device)
-    ids[:, :prompt] = input_ids
-    flat[index] = ids
+    flat = _extended(cp, front, bound.flat, total)
+    ids = flat[index]
     logits_at = _logits_output(cp, front)
     state = front.pool.acquire(total)
     epoch = next_epoch()
@@ -95,8 +100,45 @@ def greedy_generate(cp: CompiledPipeline, input_ids: torch.Tensor, max_new_token
     return ids[:, :length].clone()
 
 
+def _mask_inputs(cp: CompiledPipeline, attention_mask: torch.Tensor | None
+                 ) -> dict[str, torch.Tensor]:
+    """``attention_mask`` and HF's ``position_ids`` for it (when the model takes them)."""
+    if attention_mask is None:
+        return {}
+    kwargs = {"attention_mask": attention_mask}
+    forward = inspect.signature(cp._model.forward).parameters
+    if "position_ids" in forward:
+        positions = attention_mask.long().cumsum(-1) - 1
+        kwargs["position_ids"] = positions.masked_fill(attention_mask == 0, 0)
+    return kwargs
+
+
+def _extended(cp: CompiledPipeline, front: FrontEnd, flat: Sequence[Any], total: int
+              ) -> list[Any]:
+    """The flat inputs with every sequence input grown to ``total`` positions: token ids
+    (zeros, filled as they are generated), ``attention_mask`` (ones: generated tokens are
+    valid), ``position_ids`` (counting on from each row's last position)."""
+    out = list(flat)
+    for i, name in enumerate(front.signature.user_inputs):
+        axes = front.ctx.seq_inputs.get(name)
+        value = out[i]
+        if not axes or not isinstance(value, torch.Tensor):
+            continue
+        prompt = value.shape[axes[0]]
+        grown = value.new_zeros((*value.shape[:-1], total))
+        grown[..., :prompt] = value
+        if name == "attention_mask":
+            grown[..., prompt:] = 1
+        elif name == "position_ids":
+            grown[..., prompt:] = value[..., -1:] + torch.arange(1, total - prompt + 1)
+        out[i] = grown
+    return out
+
+
 def _token_input_index(cp: CompiledPipeline, front: FrontEnd) -> int:
     names = front.signature.user_inputs
+    if "input_ids" in names:
+        return names.index("input_ids")
     seq = [i for i, n in enumerate(names) if n in front.ctx.seq_inputs]
     if len(seq) != 1:
         raise RuntimeInputError(

@@ -1,0 +1,131 @@
+"""Issue 9: padded batches, sliding windows and mixture-of-experts against eager HF."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tppc
+from tppc import examples
+from tppc.errors import AnnotationError
+from tppc.ir import TOKEN, MaskSpec
+
+pytest.importorskip("transformers")
+
+
+def _padded(batch: int = 2, seq: int = 24, *, left: int = 5, right: int = 4
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(1)
+    ids = torch.randint(1, 128, (batch, seq))
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[0, :left] = 0
+    mask[-1, seq - right:] = 0
+    return ids, mask
+
+
+def _masks(cp: tppc.CompiledPipeline) -> list[MaskSpec | None]:
+    return [n.meta[TOKEN].mask for n in cp._front.annotated.graph.nodes
+            if n.meta[TOKEN].role == "mixing"]
+
+
+def _check(model: torch.nn.Module, ids: torch.Tensor, kwargs: dict, chunks: int = 4
+           ) -> tppc.CompiledPipeline:
+    cp = tppc.compile(model, (ids,), kwargs, chunks=chunks)
+    got = cp(ids, **kwargs).logits
+    want = model(ids, **kwargs).logits
+    assert not want.isnan().any()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    return cp
+
+
+def test_llama_left_and_right_padded_batch_equals_eager() -> None:
+    model, _, _ = examples.hf_llama()
+    ids, mask = _padded()
+    cp = _check(model, ids, {"attention_mask": mask})
+    assert _masks(cp) == [MaskSpec(key_valid="attention_mask")] * 2
+
+
+def test_padding_mask_is_never_materialised_in_the_chunk_step() -> None:
+    model, _, _ = examples.hf_llama()
+    ids, mask = _padded()
+    cp = tppc.compile(model, (ids,), {"attention_mask": mask}, chunks=4)
+    chunk = cp._front.chunk
+    inputs = list(chunk.graph.find_nodes(op="placeholder"))
+    assert "full" in [p.meta["tppc.chunk_input"].kind for p in inputs]
+    for p in inputs:  # rope tables (L, d) only: no (L, L) mask is sliced per chunk
+        symbolic = [s for s in getattr(p.meta.get("val"), "shape", ())
+                    if isinstance(s, torch.SymInt)]
+        assert len(symbolic) <= 1, p.name
+
+
+def test_llama_generate_padded_prompts_equals_hf_token_for_token() -> None:
+    model, _, _ = examples.hf_llama()
+    model.generation_config.pad_token_id = 0
+    ids, mask = _padded(3, 12, left=4, right=0)
+    mask[1, :7] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    cp = tppc.compile(model, (ids,), {"attention_mask": mask}, chunks=3)
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    eos = int(want[0, 14])  # row 0 stops there, the others go on
+    model.generation_config.eos_token_id = eos
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                          eos_token_id=eos, pad_token_id=0)
+    got = cp.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=eos,
+                      pad_token_id=0)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_mistral_window_shorter_than_sequence_equals_eager(padded: bool) -> None:
+    model, _, _ = examples.hf_mistral(window=5)
+    ids, mask = _padded()
+    cp = _check(model, ids, {"attention_mask": mask} if padded else {})
+    assert {m.window for m in _masks(cp)} == {5}
+
+
+def test_gemma3_local_and_global_layers_equal_eager() -> None:
+    model, _, _ = examples.hf_gemma3(window=6)
+    ids, mask = _padded()
+    cp = _check(model, ids, {"attention_mask": mask})
+    assert [m.window for m in _masks(cp)] == [6, 6, None]
+
+
+def test_qwen3_padded_batch_equals_eager() -> None:
+    model, _, _ = examples.hf_qwen3()
+    ids, mask = _padded()
+    _check(model, ids, {"attention_mask": mask})
+
+
+@pytest.mark.parametrize("experts", ["grouped_mm", "batched_mm"])
+def test_mixtral_expert_implementations_pipeline_exactly(experts: str) -> None:
+    model, _, _ = examples.hf_mixtral(experts=experts)
+    ids, mask = _padded()
+    _check(model, ids, {"attention_mask": mask}, chunks=3)
+
+
+def test_mixtral_eager_experts_are_refused_by_capture() -> None:
+    model, ids, _ = examples.hf_mixtral(experts="eager")
+    with pytest.raises(tppc.errors.CaptureError):
+        tppc.compile(model, ids, chunks=2)
+
+
+def test_region_that_truly_mixes_tokens_stays_refused() -> None:
+    class CumMLP(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.proj(x).sort(dim=1).values
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(16, 8)
+            self.mlp = CumMLP()
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.mlp(self.emb(ids))
+
+    with pytest.raises(AnnotationError, match="sort"):
+        tppc.compile(Model().eval(), (torch.randint(0, 16, (1, 12)),), chunks=2)

@@ -1,0 +1,26 @@
+"""tppc::chunk_attention with a key-validity vector and a window, against dense SDPA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+import tppc.ops  # noqa: F401
+
+
+@pytest.mark.parametrize("window", [None, 3, 50])
+@pytest.mark.parametrize("start,size", [(0, 16), (5, 7), (12, 4)])
+def test_chunk_equals_dense_mask(window: int | None, start: int, size: int) -> None:
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8) for _ in range(3))
+    valid = torch.ones(2, 16, dtype=torch.long)
+    valid[0, :4] = 0
+    valid[1, 10:] = 0
+    i, j = torch.arange(16)[:, None], torch.arange(16)
+    dense = (j <= i) & ((i - j < window) if window else True) & valid.bool()[:, None, None, :]
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=dense)[:, :, start:start + size]
+    end = start + size
+    got = torch.ops.tppc.chunk_attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end],
+                                         start, True, None, False, None, valid, window)
+    torch.testing.assert_close(got, want)
