@@ -1,4 +1,5 @@
-"""The ``tppc`` command: ``demo``, and ``graph`` / ``cost`` / ``plan`` of a MODULE:FACTORY."""
+"""The ``tppc`` command: ``demo``, ``graph`` / ``cost`` / ``plan`` / ``export`` of a
+MODULE:FACTORY, and ``run`` of an exported artifact."""
 
 from __future__ import annotations
 
@@ -42,6 +43,28 @@ def _plan(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _export(ns: argparse.Namespace) -> int:
+    from tppc.export import export, lengths_arg
+    from tppc.pipeline import compile_pipeline
+
+    model, args, kwargs = load_factory(ns.factory)
+    options = {"num_stages": ns.stages} if ns.stages else {}
+    if ns.chunks:
+        options["chunks"] = ns.chunks
+    compiled = compile_pipeline(model, args, kwargs, cluster=ns.cluster, **options)
+    out = export(compiled, ns.out, lengths=lengths_arg(ns.lengths),
+                 progress=lambda line: print(line, file=sys.stderr))
+    print(f"wrote {out}/plan.json and {len(compiled.plan.stages)} stage(s)")
+    return 0
+
+
+def _run(ns: argparse.Namespace) -> int:
+    from tppc.export_run import run_artifact
+
+    return run_artifact(ns.artifact, ns.input, ns.output, threads=ns.threads,
+                        generate=ns.generate)
+
+
 def _demo(ns: argparse.Namespace) -> int:
     from tppc.demo import run_demo
 
@@ -73,6 +96,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     pl.add_argument("--trace", default=None, metavar="FILE",
                     help="write the predicted schedule as a Chrome trace (JSON)")
     pl.set_defaults(fn=_plan)
+    ex = sub.add_parser("export", help="compile MODULE:FACTORY and write it as ONNX stages")
+    ex.add_argument("factory", help="e.g. tppc.examples:hf_llama")
+    ex.add_argument("--cluster", default="2xcpu", help="e.g. 2xcpu, 4xh100-sxm")
+    ex.add_argument("--out", required=True, help="artifact directory to write")
+    ex.add_argument("--lengths", nargs="*", default=None,
+                    help="sequence lengths to record chunks for (default: the example's)")
+    ex.add_argument("--stages", type=int, default=None, help="number of stages")
+    ex.add_argument("--chunks", type=int, default=None, help="equal chunks (default: planned)")
+    ex.set_defaults(fn=_export)
+    rn = sub.add_parser("run", help="run an exported artifact on ONNX Runtime")
+    rn.add_argument("artifact", help="directory written by tppc export")
+    rn.add_argument("--input", required=True, help=".npz with one array per model input")
+    rn.add_argument("--output", required=True, help=".npz to write the outputs to")
+    rn.add_argument("--threads", type=int, default=None, help="intra-op threads per stage")
+    rn.add_argument("--generate", type=int, default=0, metavar="N",
+                    help="greedy-generate N tokens instead (output 'ids')")
+    rn.set_defaults(fn=_run)
     ns = parser.parse_args(argv)
     fn: Callable[[argparse.Namespace], int] = ns.fn
     start = time.perf_counter()

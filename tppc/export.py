@@ -37,7 +37,7 @@ from tppc.export_onnx import OPSET, to_onnx
 from tppc.export_runtime import SCHEMA, sha256_file
 from tppc.export_signature import model_signature
 
-__all__ = ["EXTERNAL_DATA_BYTES", "ExportError", "export"]
+__all__ = ["EXTERNAL_DATA_BYTES", "ExportError", "export", "lengths_arg"]
 
 EXTERNAL_DATA_BYTES = 1 << 28
 """A stage whose weights exceed this (256 MiB) keeps them in ``stage_<s>.onnx.data``."""
