@@ -65,6 +65,11 @@ def _run(ns: argparse.Namespace) -> int:
                         generate=ns.generate)
 
 
+def _needs_torch(ns: argparse.Namespace) -> int:
+    raise TppcError(f"tppc {ns.command} needs torch, which does not import here. fix: "
+                    "install torch (only `tppc run` works without it)")
+
+
 def _demo(ns: argparse.Namespace) -> int:
     from tppc.demo import run_demo
 
@@ -81,10 +86,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     graph = sub.add_parser("graph", help="print the layer table of MODULE:FACTORY")
     graph.add_argument("factory", help="e.g. tppc.examples:hf_llama")
     graph.set_defaults(fn=_graph)
-    from tppc.cost_models.report import add_cost_arguments, cost_command
-
     cost = sub.add_parser("cost", help="per-layer cost report of MODULE:FACTORY on a device")
-    add_cost_arguments(cost).set_defaults(fn=cost_command)
+    try:
+        from tppc.cost_models.report import add_cost_arguments, cost_command
+    except ImportError:  # no torch on this machine: `tppc run` still works
+        cost.set_defaults(fn=_needs_torch)
+    else:
+        add_cost_arguments(cost).set_defaults(fn=cost_command)
     pl = sub.add_parser("plan", help="capture, price and plan MODULE:FACTORY on a cluster")
     pl.add_argument("factory", help="e.g. tppc.examples:hf_llama")
     pl.add_argument("--cluster", default="2xcpu", help="e.g. 8xh100-sxm, 2xh100-sxm+2xa100-80gb")

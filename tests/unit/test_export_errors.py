@@ -129,11 +129,15 @@ import tppc
 runner = tppc.load(sys.argv[1], threads_per_stage=1)
 out = runner(np.arange(32, dtype=np.int64).reshape(1, 32) % 256)
 np.save(sys.argv[2], out)
+np.savez(sys.argv[2] + ".in.npz", input_ids=np.zeros((1, 32), dtype=np.int64))
+from tppc.cli import main
+assert main(["run", sys.argv[1], "--input", sys.argv[2] + ".in.npz", "--output",
+             sys.argv[2] + ".out.npz"]) == 0
 print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "onnx")))
 """
 
 
-def test_load_and_run_need_neither_torch_nor_transformers(pristine, tmp_path) -> None:
+def test_load_run_and_cli_run_need_neither_torch_nor_transformers(pristine, tmp_path) -> None:
     script = tmp_path / "serve.py"
     script.write_text(textwrap.dedent(_NO_TORCH))
     out = tmp_path / "out.npy"
