@@ -1,4 +1,5 @@
-"""The ``tppc`` command: ``demo``, and ``graph`` / ``cost`` / ``plan`` of a MODULE:FACTORY."""
+"""The ``tppc`` command: ``demo``, ``graph`` / ``cost`` / ``plan`` / ``export`` of a
+MODULE:FACTORY, and ``run`` of an exported artifact."""
 
 from __future__ import annotations
 
@@ -44,6 +45,33 @@ def _plan(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _export(ns: argparse.Namespace) -> int:
+    from tppc.export import export, lengths_arg
+    from tppc.pipeline import compile_pipeline
+
+    model, args, kwargs = load_factory(ns.factory)
+    options = {"num_stages": ns.stages} if ns.stages else {}
+    if ns.chunks:
+        options["chunks"] = ns.chunks
+    compiled = compile_pipeline(model, args, kwargs, cluster=ns.cluster, **options)
+    out = export(compiled, ns.out, lengths=lengths_arg(ns.lengths),
+                 progress=lambda line: print(line, file=sys.stderr))
+    print(f"wrote {out}/plan.json and {len(compiled.plan.stages)} stage(s)")
+    return 0
+
+
+def _run(ns: argparse.Namespace) -> int:
+    from tppc.export_run import run_artifact
+
+    return run_artifact(ns.artifact, ns.input, ns.output, threads=ns.threads,
+                        generate=ns.generate)
+
+
+def _needs_torch(ns: argparse.Namespace) -> int:
+    raise TppcError(f"tppc {ns.command} needs torch, which does not import here. fix: "
+                    "install torch (only `tppc run` works without it)")
+
+
 def _demo(ns: argparse.Namespace) -> int:
     from tppc.demo import run_demo
 
@@ -60,10 +88,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     graph = sub.add_parser("graph", help="print the layer table of MODULE:FACTORY")
     graph.add_argument("factory", help="e.g. tppc.examples:hf_llama")
     graph.set_defaults(fn=_graph)
-    from tppc.cost_models.report import add_cost_arguments, cost_command
-
     cost = sub.add_parser("cost", help="per-layer cost report of MODULE:FACTORY on a device")
-    add_cost_arguments(cost).set_defaults(fn=cost_command)
+    try:
+        from tppc.cost_models.report import add_cost_arguments, cost_command
+    except ImportError:  # no torch on this machine: `tppc run` still works
+        cost.set_defaults(fn=_needs_torch)
+    else:
+        add_cost_arguments(cost).set_defaults(fn=cost_command)
     pl = sub.add_parser("plan", help="capture, price and plan MODULE:FACTORY on a cluster")
     pl.add_argument("factory", help="e.g. tppc.examples:hf_llama")
     pl.add_argument("--cluster", default="2xcpu", help="e.g. 8xh100-sxm, 2xh100-sxm+2xa100-80gb")
@@ -77,6 +108,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     pl.add_argument("--trace", default=None, metavar="FILE",
                     help="write the predicted schedule as a Chrome trace (JSON)")
     pl.set_defaults(fn=_plan)
+    ex = sub.add_parser("export", help="compile MODULE:FACTORY and write it as ONNX stages")
+    ex.add_argument("factory", help="e.g. tppc.examples:hf_llama")
+    ex.add_argument("--cluster", default="2xcpu", help="e.g. 2xcpu, 4xh100-sxm")
+    ex.add_argument("--out", required=True, help="artifact directory to write")
+    ex.add_argument("--lengths", nargs="*", default=None,
+                    help="sequence lengths to record chunks for (default: the example's)")
+    ex.add_argument("--stages", type=int, default=None, help="number of stages")
+    ex.add_argument("--chunks", type=int, default=None, help="equal chunks (default: planned)")
+    ex.set_defaults(fn=_export)
+    rn = sub.add_parser("run", help="run an exported artifact on ONNX Runtime")
+    rn.add_argument("artifact", help="directory written by tppc export")
+    rn.add_argument("--input", required=True, help=".npz with one array per model input")
+    rn.add_argument("--output", required=True, help=".npz to write the outputs to")
+    rn.add_argument("--threads", type=int, default=None, help="intra-op threads per stage")
+    rn.add_argument("--generate", type=int, default=0, metavar="N",
+                    help="greedy-generate N tokens instead (output 'ids')")
+    rn.set_defaults(fn=_run)
     ns = parser.parse_args(argv)
     fn: Callable[[argparse.Namespace], int] = ns.fn
     start = time.perf_counter()

@@ -1,0 +1,238 @@
+"""The ONNX Runtime executor: one session per stage, stages pipelined in Python threads.
+
+Terms:
+    ORT stage: one exported stage (:class:`OrtStage`): an ``InferenceSession`` with its own
+        intra-op threads (spinning off, so stages sharing a machine do not steal each
+        other's cores), its positional program's session, and its entry of ``plan.json``.
+    call: one run on one sequence (:class:`OrtCall`): the flat inputs, the chunks, the
+        sequence length, the length positional values are evaluated at, and the state it
+        mutates: each K/V buffer as a numpy array wrapped (not copied) by an ``OrtValue``
+        that every chunk binds with IOBinding, and each stage's positional values.
+    K/V rows: an exported stage returns the chunk's new K and V rows; the stage writes them
+        into its buffers (``c`` rows, in place) before its next chunk, so no chunk copies a
+        whole buffer (see :mod:`tppc.export_graphs`).
+
+Imports no torch: this module, :mod:`tppc.export_runtime` and numpy/onnxruntime are all
+a loaded artifact needs. ONNX Runtime releases the GIL in ``run_with_iobinding``, so the
+stage threads overlap like the torch ``threads`` executor.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from tppc.errors import StageTimeout
+
+__all__ = ["OrtCall", "OrtStage", "default_threads", "run_pipeline", "run_serial",
+           "session_options"]
+
+Sink = Callable[[int, list[np.ndarray]], None]
+"""Receives ``(chunk index, last stage's outputs)``."""
+
+_STOP = object()
+
+
+def session_options(threads: int) -> ort.SessionOptions:
+    """Options of a stage session: ``threads`` intra-op threads, no spinning, sequential."""
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    return opts
+
+
+@dataclass
+class OrtCall:
+    """One run of the loaded program (see the module docstring)."""
+
+    flat: list[Any]
+    chunks: tuple[tuple[int, int], ...]
+    seq_len: int
+    pos_len: int
+    buffers: dict[str, np.ndarray] = field(default_factory=dict)
+    values: dict[str, Any] = field(default_factory=dict)
+    positional: dict[int, list[np.ndarray]] = field(default_factory=dict)
+
+
+class OrtStage:
+    """One exported stage on ONNX Runtime (see the module docstring).
+
+    Args:
+        entry: the stage's entry of ``plan.json`` (already validated).
+        root: the artifact directory.
+        signature: ``plan.json["signature"]``.
+        threads: intra-op threads of its sessions.
+        providers: ONNX Runtime execution providers (default: CPU).
+    """
+
+    def __init__(self, entry: dict[str, Any], root: Path, signature: dict[str, Any],
+                 threads: int, providers: Sequence[Any] | None = None) -> None:
+        self.entry, self.index = entry, int(entry["index"])
+        self.inputs = entry["inputs"]
+        self.buffers = entry["buffers"]
+        self.signature = signature
+        providers = list(providers or ["CPUExecutionProvider"])
+        opts = session_options(threads)
+        self.session = ort.InferenceSession(str(root / entry["file"]), opts,
+                                            providers=providers)
+        pos = entry.get("positional_file")
+        self.positional_session = None if pos is None else ort.InferenceSession(
+            str(root / pos), session_options(1), providers=["CPUExecutionProvider"])
+        self.outputs = [o.name for o in self.session.get_outputs()]
+        self.n_main = len(entry["outputs"])
+
+    def allocate(self, call: OrtCall, capacity: int) -> None:
+        """Zero K/V buffers for ``capacity`` tokens in ``call`` (wrapped, not copied)."""
+        for b in self.buffers:
+            shape = [capacity if s is None else s for s in b["shape"]]
+            array = np.zeros(shape, dtype=np.dtype(b["dtype"]))
+            call.buffers[b["name"]] = array
+            call.values[b["name"]] = ort.OrtValue.ortvalue_from_numpy(array)
+
+    def prepare(self, call: OrtCall) -> list[np.ndarray]:
+        """The stage's positional values at ``call.pos_len`` (computed once per call)."""
+        values = call.positional.get(self.index)
+        if values is None:
+            values = []
+            if self.positional_session is not None:
+                feeds = {}
+                by_name = {e["name"]: (i, e) for i, e in enumerate(self.signature["inputs"])}
+                for name in self.entry["positional_inputs"]:
+                    i, spec = by_name[name]
+                    shape = list(np.shape(call.flat[i]))
+                    for axis in spec["seq_axes"]:
+                        shape[axis] = call.pos_len
+                    feeds[name] = np.zeros(shape, dtype=np.dtype(spec["dtype"]))
+                values = self.positional_session.run(None, feeds)
+            call.positional[self.index] = values
+        return values
+
+    def step(self, call: OrtCall, start: int, end: int, boundary: Sequence[np.ndarray]
+             ) -> list[np.ndarray]:
+        """Run chunk ``[start, end)``; returns the stage's boundary (or model) outputs."""
+        positional = self.prepare(call)
+        size = end - start
+        binding = self.session.io_binding()
+        received = iter(boundary)
+        for spec in self.inputs:
+            name, kind = spec["name"], spec["kind"]
+            if kind in ("key", "value"):
+                binding.bind_ortvalue_input(name, call.values[name])
+                continue
+            if kind == "boundary":
+                value = next(received)
+            elif kind == "token":
+                value = _rows(call.flat[spec["index"]], spec["axis"], start, size)
+            elif kind == "const":
+                value = np.ascontiguousarray(call.flat[spec["index"]])
+            elif kind == "positional":
+                value = positional[spec["index"]]
+                if spec["axis"] is not None:
+                    value = _rows(value, spec["axis"], start, size)
+            else:
+                value = np.array({"chunk_start": start, "chunk_size": size,
+                                  "seq_len": call.seq_len}[kind], dtype=np.int64)
+            binding.bind_cpu_input(name, value)
+        for name in self.outputs:
+            binding.bind_output(name, "cpu")
+        self.session.run_with_iobinding(binding)
+        outs = binding.copy_outputs_to_cpu()
+        for b, rows in zip(self.buffers, outs[self.n_main:]):
+            target = call.buffers[b["name"]]
+            index = [slice(None)] * target.ndim
+            index[b["axis"]] = slice(start, end)
+            target[tuple(index)] = rows  # only the chunk's rows are written
+        return list(outs[: self.n_main])
+
+
+def _rows(value: np.ndarray, axis: int, start: int, size: int) -> np.ndarray:
+    index = [slice(None)] * value.ndim
+    index[axis] = slice(start, start + size)
+    return np.ascontiguousarray(value[tuple(index)])
+
+
+def run_serial(stages: Sequence[OrtStage], call: OrtCall, sink: Sink) -> None:
+    """Every chunk through every stage in order, in the calling thread (decoding steps)."""
+    for i, (start, end) in enumerate(call.chunks):
+        values: list[np.ndarray] = []
+        for stage in stages:
+            try:
+                values = stage.step(call, start, end, values)
+            except Exception as exc:
+                exc.add_note(f"[tppc] in ORT stage {stage.index}, chunk {i} [{start}, {end})")
+                raise
+        sink(i, values)
+
+
+def run_pipeline(stages: Sequence[OrtStage], call: OrtCall, sink: Sink, *,
+                 timeout: float | None = None,
+                 trace: list[tuple[int, int, float, float]] | None = None) -> None:
+    """Every chunk through the stages, one thread per stage (chunk i on stage s+1 while
+    chunk i+1 runs on stage s); ``sink`` runs in the last stage's thread, in chunk order.
+
+    Raises:
+        StageTimeout: the call took longer than ``timeout`` seconds.
+        Exception: the first stage's error, with a note naming the stage and the chunk.
+    """
+    if len(stages) == 1:
+        run_serial(stages, call, sink)
+        return
+    inbox: list[queue.Queue[Any]] = [queue.Queue() for _ in stages]
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def work(s: int) -> None:
+        stage = stages[s]
+        for i, (start, end) in enumerate(call.chunks):
+            item = inbox[s].get() if s else []
+            if item is _STOP or stop.is_set():
+                break
+            t0 = time.perf_counter()
+            try:
+                out = stage.step(call, start, end, item)
+                if s + 1 == len(stages):
+                    sink(i, out)
+            except BaseException as exc:  # re-raised in the caller
+                exc.add_note(f"[tppc] in ORT stage {s}, chunk {i} [{start}, {end})")
+                errors.append(exc)
+                stop.set()
+                break
+            if trace is not None:
+                trace.append((s, i, t0, time.perf_counter()))
+            if s + 1 < len(stages):
+                inbox[s + 1].put(out)
+        if s + 1 < len(stages) and stop.is_set():
+            inbox[s + 1].put(_STOP)
+
+    threads = [threading.Thread(target=work, args=(s,), name=f"tppc-ort-stage{s}",
+                                daemon=True) for s in range(len(stages))]
+    for t in threads:
+        t.start()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for s, t in enumerate(threads):
+        t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if t.is_alive():
+            stop.set()
+            for box in inbox:
+                box.put(_STOP)
+            raise StageTimeout(f"the ONNX Runtime pipeline did not finish in {timeout} s "
+                               f"(stage {s} still running). fix: raise timeout")
+    if errors:
+        raise errors[0]
+
+
+def default_threads(stages: int) -> int:
+    """Intra-op threads per stage by default: the machine's cores shared by the stages."""
+    return max(1, (os.cpu_count() or 1) // max(1, stages))
