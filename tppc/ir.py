@@ -145,6 +145,10 @@ class ChunkInput:
         shape: key/value buffers: the buffer shape with ``None`` at the token axis.
         dtype: key/value buffers: the element type.
         layer: key/value buffers: the layer that owns the buffer.
+        scale: positions of the token axis per unit of the sequence symbol (a DiT's patch
+            columns, a latent's patch size; 1 for LLM tokens), see
+            :mod:`tppc.passes._token_rows`.
+        prefix: the unsplit text segment before the split positions (joint attention).
     """
 
     kind: InputKind
@@ -154,6 +158,14 @@ class ChunkInput:
     shape: tuple[int | None, ...] = ()
     dtype: torch.dtype | None = None
     layer: str = ""
+    scale: int = 1
+    prefix: int = 0
+
+    def rows(self, start: int, end: int) -> tuple[int, int]:
+        """``(offset, count)`` of the chunk ``[start, end)`` along the token axis; the first
+        chunk (``start == 0``) carries the prefix."""
+        lo = 0 if start == 0 else self.prefix + self.scale * start
+        return lo, self.prefix + self.scale * end - lo
 
 
 STAGE_INFO = "tppc.stage_info"

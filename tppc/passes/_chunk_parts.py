@@ -5,6 +5,7 @@ Terms as in :mod:`tppc.passes.chunk_attention`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,13 +30,15 @@ def leaves(output: fx.Node) -> list[Any]:
     return list(leaves) if isinstance(leaves, list | tuple) else [leaves]
 
 
-def tail_program(gm: fx.GraphModule, output: fx.Node, sym: Any
-                  ) -> tuple[fx.GraphModule | None, list[fx.Node]]:
+def tail_program(gm: fx.GraphModule, output: fx.Node, sym: Any,
+                 per_chunk: Callable[[TokenInfo], bool] | None = None
+                 ) -> tuple[fx.GraphModule | None, list[fx.Node]]:
     """The ``global`` epilogue, run once on the full sequence, and the token values it reads.
 
     Returns ``(None, [])`` when no output needs the whole sequence. Otherwise the tail takes
     the flat user inputs, then the full-length token values (concatenated chunk outputs),
-    and returns the model's flat outputs.
+    and returns the model's flat outputs. ``per_chunk``: whether a token value is computed
+    chunk by chunk (default: its token axis is the sequence symbol).
     """
     needed: set[fx.Node] = set()
     reads: set[fx.Node] = set()
@@ -45,8 +48,8 @@ def tail_program(gm: fx.GraphModule, output: fx.Node, sym: Any
         if n in needed or n in reads:
             continue
         info: TokenInfo = n.meta[TOKEN]
-        if n.op != "placeholder" and info.role in ("token", "mixing") \
-                and info.axis_size == sym:
+        chunked = per_chunk(info) if per_chunk is not None else info.axis_size == sym
+        if n.op != "placeholder" and info.role in ("token", "mixing") and chunked:
             reads.add(n)
             continue
         needed.add(n)

@@ -47,7 +47,6 @@ import operator
 from dataclasses import dataclass
 from typing import Any
 
-import sympy
 import torch
 from torch import fx
 from torch.fx.operator_schemas import normalize_function
@@ -66,8 +65,17 @@ from tppc.passes._chunk_parts import (
     tail_program,
 )
 from tppc.passes._shapes import module_path, size_expr, tensor_val
+from tppc.passes._token_rows import (
+    ABSENT,
+    baked_table_axis,
+    rest_of_step,
+    row_offset,
+    rows_per_unit,
+    split_size,
+)
 
 __all__ = [
+    "REST_CHUNK",
     "ChunkSignature",
     "KVBuffer",
     "chunk_attention_pass",
@@ -99,6 +107,8 @@ class ChunkSignature:
         attention: names of the attention nodes, in graph order.
         tail: True when a ``global`` epilogue (``gm.tppc_tail``) turns the full-length chunk
             outputs into the model's outputs; False when the chunk outputs are the model's.
+        output_rows: per flat output, ``(scale, prefix)`` of its token axis (see
+            :mod:`tppc.passes._token_rows`), None where ``output_axes`` is None.
     """
 
     user_inputs: tuple[str, ...]
@@ -109,6 +119,7 @@ class ChunkSignature:
     buffers: tuple[KVBuffer, ...]
     attention: tuple[str, ...]
     tail: bool = False
+    output_rows: tuple[tuple[int, int] | None, ...] = ()
 
 
 def chunk_attention_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
@@ -117,27 +128,29 @@ def chunk_attention_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
     Raises:
         PassError: a construct that cannot be chunked (names the node and the fix).
     """
-    if ctx.capture_mode == "specialized":
+    if ctx.token_count is not None and rows_per_unit(ctx.token_count, ctx) is None:
         raise PassError(
-            f"{ctx.model_name} was captured in {ctx.capture_mode!r} mode (its graph is not an "
-            "ATen graph with a symbolic sequence length that runs at every length); "
-            "chunk_attention needs a 'dynamic' torch.export capture. fix: make the model "
-            "exportable with a dynamic sequence length (see README, Capture)"
+            f"the token count of {ctx.model_name} is {ctx.token_count}, not a whole number of "
+            f"tokens per step of the sequence symbol {ctx.seq_symbol}; a chunk must be a band "
+            "of whole rows. fix: capture with the latent's height as the sequence axis"
         )
-    if ctx.token_count is not None and ctx.token_count != ctx.seq_symbol:
-        raise PassError(
-            f"the token count of {ctx.model_name} is {ctx.token_count}, not the sequence "
-            f"length {ctx.seq_symbol}; chunk_attention supports models whose token axis is "
-            "the input's sequence axis (causal LLMs). fix: pipeline a causal LM"
-        )
-    return _Rewriter(gm, ctx).run()
+    chunk = _Rewriter(gm, ctx).run()
+    if any(n.meta[TOKEN].prefix for n in gm.graph.nodes if TOKEN in n.meta):
+        chunk.meta[REST_CHUNK] = _Rewriter(gm, ctx, carry=False).run()
+    return chunk
+
+
+REST_CHUNK = "tppc.rest_chunk"
+"""``GraphModule.meta`` key of the chunk step for the chunks after the first of a step, in a
+model with a prefix segment (joint attention): it takes and computes only image tokens; the
+text segment is carried by the first chunk (see :mod:`tppc.passes._token_rows`)."""
 
 
 class _Rewriter:
     """Builds the chunk-step graph and the positional program from an annotated graph."""
 
-    def __init__(self, gm: fx.GraphModule, ctx: CompileContext) -> None:
-        self.gm, self.ctx, self.sym = gm, ctx, ctx.seq_symbol
+    def __init__(self, gm: fx.GraphModule, ctx: CompileContext, *, carry: bool = True) -> None:
+        self.gm, self.ctx, self.sym, self.carry = gm, ctx, ctx.seq_symbol, carry
         self.graph = fx.Graph()
         self.env: dict[fx.Node, Any] = {}
         self.mode: dict[fx.Node, str] = {}
@@ -148,17 +161,17 @@ class _Rewriter:
 
     def run(self) -> fx.GraphModule:
         output = next(n for n in self.gm.graph.nodes if n.op == "output")
-        tail, tail_inputs = tail_program(self.gm, output, self.sym)
+        tail, tail_inputs = tail_program(self.gm, output, self.sym, per_chunk=self._per_chunk)
         roots = tail_inputs if tail is not None else leaves(output)
         self._classify([r for r in roots if isinstance(r, fx.Node)])
         frontier = [n for n in self.gm.graph.nodes if self.mode.get(n) == "frontier"]
-        attention = [n for n in self.gm.graph.nodes
-                     if self.mode.get(n) == "copy" and n.target in ATTENTION_OPS]
+        attention = [n for n in self.gm.graph.nodes if self.mode.get(n) == "copy"
+                     and n.target in ATTENTION_OPS and n.meta[TOKEN].role == "mixing"]
         self._placeholders(frontier, attention)
         for node in self.gm.graph.nodes:
             if self.mode.get(node) == "copy" and node not in self.env:
                 self.env[node] = self._emit(node)
-        axes = self._output(roots)
+        axes, rows = self._output(roots)
         self.graph.eliminate_dead_code()
         chunk_gm = fx.GraphModule(self.gm, self.graph, class_name="ChunkStep")
         chunk_gm.add_submodule("tppc_positional", positional_program(self.gm, frontier))
@@ -174,6 +187,7 @@ class _Rewriter:
             buffers=tuple(self.buffers),
             attention=tuple(n.name for n in attention),
             tail=tail is not None,
+            output_rows=rows,
         )
         return chunk_gm
 
@@ -193,7 +207,7 @@ class _Rewriter:
         if node.op == "placeholder":
             return "token_input" if info.role == "token" else "const_input"
         if info.role in ("token", "mixing") and info.axis is not None \
-                and not _rows_per_token(info.axis_size, self.sym):
+                and not info.prefix_only and rows_per_unit(split_size(info), self.ctx) is None:
             raise PassError(
                 f"node {node.name!r} (op {node.target}, module {info.module or '<top level>'}) "
                 f"makes a token axis of {info.axis_size} positions from {self.sym}; it cannot "
@@ -205,9 +219,11 @@ class _Rewriter:
         val = node.meta.get("val")
         if isinstance(val, torch.SymInt):
             expr = size_expr(val)
+            if self.ctx.capture_mode == "specialized":
+                return "copy"  # sizes read from the chunk's own shapes (height and width)
             if expr == self.sym:
                 return "chunk_size"
-            if node.target is _aten.sym_size.int:
+            if node.target is _aten.sym_size.int and not _chunk_rows(expr, self.ctx):
                 raise PassError(
                     f"node {node.name!r} (module {module_path(node) or '<top level>'}) is a "
                     f"size {expr} of the sequence length {self.sym}; chunk_attention supports "
@@ -215,11 +231,12 @@ class _Rewriter:
                 )
             return "copy"
         if isinstance(val, torch.Tensor):
-            if info.axis is not None and info.axis_size != self.sym:
+            if info.axis is not None and rows_per_unit(split_size(info), self.ctx) is None:
                 raise PassError(
                     f"positional node {node.name!r} has token axis {info.axis} of size "
-                    f"{info.axis_size}, not the sequence length {self.sym}; it cannot be "
-                    "sliced per chunk. fix: build position tables of the sequence length"
+                    f"{info.axis_size}, not a whole number of positions per step of "
+                    f"{self.sym}; it cannot be sliced per chunk. fix: build position tables "
+                    "of the sequence length"
                 )
             return "frontier"
         return "copy"
@@ -230,7 +247,9 @@ class _Rewriter:
             mode = self.mode.get(p)
             if mode == "token_input":
                 axis = self.ctx.seq_inputs[p.name][0]
-                self.env[p] = self._input(p.name, ChunkInput("token", p.name, index, axis), p)
+                scale = rows_per_unit(size_expr(tensor_val(p).shape[axis]), self.ctx) or 1
+                spec = ChunkInput("token", p.name, index, axis, scale=scale)
+                self.env[p] = self._input(p.name, spec, p)
             elif mode == "const_input":
                 self.env[p] = self._input(p.name, ChunkInput("const", p.name, index), p)
         self.start = self._input("chunk_start", ChunkInput("chunk_start"))
@@ -239,7 +258,9 @@ class _Rewriter:
         for n in (n for n in self.mode if self.mode[n] == "chunk_size"):
             self.env[n] = self.size
         for index, node in enumerate(frontier):
-            spec = ChunkInput("positional", node.name, index, node.meta[TOKEN].axis)
+            info = node.meta[TOKEN]
+            spec = ChunkInput("positional", node.name, index, info.axis,
+                              scale=self._scale(info), prefix=info.prefix)
             self.env[node] = self._input(f"pos_{node.name}", spec, node)
         for attn in attention:
             args = _sdpa_kwargs(attn)
@@ -248,8 +269,10 @@ class _Rewriter:
                 val = tensor_val(source)
                 axis = source.meta[TOKEN].axis
                 shape = tuple(None if i == axis else int(s) for i, s in enumerate(val.shape))
+                info = attn.meta[TOKEN]
                 spec = ChunkInput(which, attn.name, axis=axis, shape=shape, dtype=val.dtype,
-                                  layer=attn.meta.get(LAYER, ""))
+                                  layer=attn.meta.get(LAYER, ""), scale=self._scale(info),
+                                  prefix=info.prefix)
                 name = f"{attn.name}_{which}_buffer"
                 ph = self._input(name, spec)
                 ph.meta[LAYER] = spec.layer
@@ -264,23 +287,57 @@ class _Rewriter:
         return ph
 
     # -- body --------------------------------------------------------------------------------
-    def _emit(self, node: fx.Node) -> fx.Node:
-        if node.target in ATTENTION_OPS:
-            return self._attention(node)
-        return self.graph.node_copy(node, lambda a: self.env[a])
+    def _emit(self, node: fx.Node) -> Any:
+        if not self.carry:
+            rest = rest_of_step(node, self.env)
+            if rest is not None:
+                return rest
+        if node.target in ATTENTION_OPS and node.meta[TOKEN].role == "mixing":
+            return self._attention(node)  # cross-attention (const K/V) is row-wise: copied
+        args = {a: self.env[a] for a in node.all_input_nodes}
+        if node.meta[TOKEN].role in ("token", "mixing"):
+            for a in node.all_input_nodes:
+                j = baked_table_axis(node, a, self.ctx)
+                if j is not None:
+                    args[a] = self._chunk_rows(args[a], j, node.meta[TOKEN], node)
+        return self.graph.node_copy(node, lambda a: args[a])
+
+    def _per_chunk(self, info: TokenInfo) -> bool:
+        """Whether a token value is computed chunk by chunk (else the tail needs it)."""
+        return info.role in ("token", "mixing") and info.axis is not None \
+            and rows_per_unit(split_size(info), self.ctx) is not None
+
+    def _scale(self, info: TokenInfo) -> int:
+        return rows_per_unit(split_size(info), self.ctx) or 1
+
+    def _chunk_rows(self, value: fx.Node, axis: int, info: TokenInfo, like: fx.Node) -> fx.Node:
+        """The chunk's rows of a constant table baked in at the captured resolution."""
+        offset = row_offset(self.graph, self.start, self._scale(info),
+                            0 if self.carry else info.prefix)
+        token = next(a for a in like.all_input_nodes if a.meta[TOKEN].role in ("token", "mixing")
+                     and a.meta[TOKEN].axis_size == info.axis_size)
+        size = self._new(_aten.sym_size.int, (self.env[token], token.meta[TOKEN].axis),
+                         like.meta.get(LAYER, ""))
+        return self._new(_aten.narrow.default, (value, axis, offset, size),
+                         like.meta.get(LAYER, ""))
 
     def _attention(self, node: fx.Node) -> fx.Node:
         kwargs = _sdpa_kwargs(node)
         layer = node.meta.get(LAYER, "")
-        causal = node.meta[TOKEN].attention == "causal"
+        info: TokenInfo = node.meta[TOKEN]
+        causal = info.attention == "causal"
         kv_len = self._kv_end() if causal else self.seq_len
+        scale, prefix = self._scale(info), info.prefix
+        if (scale, prefix) != (1, 0):  # DiT tokens: rows of whole patch rows, text prefix
+            end = self._kv_end() if causal else self.seq_len
+            kv_len = row_offset(self.graph, end, scale, prefix)
         gqa = node.target is _aten.scaled_dot_product_attention.default and all(
             is_head_repeat(*cache_source(kwargs[w], self.sym)) for w in ("key", "value"))
         for which in ("key", "value"):
             buf = self.buffer_nodes[node.name, which]
             axis = buf.meta[CHUNK_INPUT].axis
             kwargs[which] = self._read_buffer(kwargs[which], buf, axis, kv_len, layer,
-                                              repeat=not gqa)
+                                              repeat=not gqa, rows=(scale, prefix))
         if node.target is _aten.scaled_dot_product_attention.default:
             return self._chunk_op(node, kwargs, causal, gqa or kwargs.get("enable_gqa", False))
         if gqa:
@@ -318,10 +375,14 @@ class _Rewriter:
         return out
 
     def _read_buffer(self, arg: fx.Node, buf: fx.Node, axis: int, kv_len: Any,
-                     layer: str, *, repeat: bool) -> fx.Node:
+                     layer: str, *, repeat: bool, rows: tuple[int, int] = (1, 0)) -> fx.Node:
         source, chain = cache_source(arg, self.sym)
         chain = chain if repeat else []
-        window = self._new(_aten.narrow.default, (buf, axis, self.start, self.size), layer)
+        offset, size = self.start, self.size
+        if rows != (1, 0):  # the chunk's own rows: prefix + scale · start on, as many as it has
+            offset = row_offset(self.graph, self.start, rows[0], 0 if self.carry else rows[1])
+            size = self._new(_aten.sym_size.int, (self.env[source], axis), layer)
+        window = self._new(_aten.narrow.default, (buf, axis, offset, size), layer)
         self._new(_aten.copy_.default, (window, self.env[source]), layer)
         value = self._new(_aten.narrow.default, (buf, axis, 0, kv_len), layer)
         for step in chain:
@@ -348,8 +409,10 @@ class _Rewriter:
         node.meta[LAYER] = layer
         return node
 
-    def _output(self, flat: list[Any]) -> tuple[int | None, ...]:
+    def _output(self, flat: list[Any]
+                ) -> tuple[tuple[int | None, ...], tuple[tuple[int, int] | None, ...]]:
         axes: list[int | None] = []
+        rows: list[tuple[int, int] | None] = []
         outs: list[Any] = []
         for leaf in flat:
             if isinstance(leaf, fx.Node):
@@ -358,26 +421,33 @@ class _Rewriter:
                     raise PassError(f"output {leaf.name!r} is a positional value; tppc "
                                     "pipelines models whose outputs are per-token values")
                 axes.append(info.axis if info.role in ("token", "mixing") else None)
+                rows.append((self._scale(info), info.prefix) if axes[-1] is not None else None)
+                if self.env[leaf] is ABSENT:
+                    raise PassError(f"output {leaf.name!r} is text tokens only (a prefix "
+                                    "segment); tppc pipelines models whose outputs hold the "
+                                    "image tokens")
                 outs.append(self.env[leaf])
             else:
                 axes.append(None)
+                rows.append(None)
                 outs.append(leaf)
         self.graph.output(tuple(outs))
-        return tuple(axes)
+        return tuple(axes), tuple(rows)
 
 
-def _rows_per_token(size: Any, sym: Any) -> bool:
-    """Whether a token axis of ``size`` holds a constant number of rows per token (``k·s``:
-    tokens merged with constant axes such as the batch), so it runs chunk by chunk."""
-    ratio = sympy.simplify(size / sym) if size is not None else None
-    return ratio is not None and ratio.is_Integer and ratio > 0
+def _chunk_rows(expr: Any, ctx: CompileContext) -> bool:
+    """A size of whole rows per unit, after a constant prefix (``k·s + P``): read from the
+    chunk's own shape it is that chunk's size."""
+    prefix = expr.as_coeff_Add()[0] if hasattr(expr, "as_coeff_Add") else 0
+    return rows_per_unit(expr - prefix, ctx) is not None
 
 
 def _inputs_read(node: fx.Node) -> list[fx.Node]:
     """The nodes the chunk step reads for ``node``: SDPA's mask is not read (its node becomes
     ``tppc::chunk_attention``, causal or unmasked by annotation's proof)."""
-    if node.target is not _aten.scaled_dot_product_attention.default:
-        return node.all_input_nodes
+    if node.target is not _aten.scaled_dot_product_attention.default \
+            or node.meta[TOKEN].role != "mixing":
+        return node.all_input_nodes  # cross-attention keeps its mask over the text keys
     mask = _sdpa_kwargs(node).get("attn_mask")
     return [a for a in node.all_input_nodes if a is not mask]
 
