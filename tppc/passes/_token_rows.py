@@ -33,8 +33,8 @@ from tppc.ir import TOKEN, TokenInfo
 from tppc.passes._segments import split_tokens
 from tppc.passes._shapes import size_expr, tensor_val
 
-__all__ = ["ABSENT", "baked_table_axis", "rest_of_step", "row_offset", "rows_per_unit",
-           "split_size"]
+__all__ = ["ABSENT", "baked_table_axis", "prefixed_size", "rest_of_step", "row_offset",
+           "rows_per_unit", "split_size"]
 
 _aten = torch.ops.aten
 _SPLITS = {_aten.split_with_sizes.default, _aten.split.Tensor}
@@ -77,14 +77,15 @@ def rows_per_unit(size: sympy.Expr | None, ctx: CompileContext) -> int | None:
 
 
 def baked_table_axis(node: fx.Node, arg: fx.Node, ctx: CompileContext) -> int | None:
-    """The axis of ``arg`` (a constant read by token op ``node``) that runs along ``node``'s
+    """The axis of ``arg`` (a constant read by pointwise token op ``node``) along ``node``'s
     token axis, in a specialised graph; None when ``arg`` is not such a table.
 
     The constant broadcasts against ``node``'s value (aligned from the right) and is exactly
     as long as the token axis at the captured resolution (at least 2 positions).
     """
-    if ctx.capture_mode != "specialized":
-        return None
+    if ctx.capture_mode != "specialized" or torch.Tag.pointwise not in getattr(node.target,
+                                                                             "tags", ()):
+        return None  # only a pointwise op broadcasts a table against the tokens
     info: TokenInfo = node.meta[TOKEN]
     out, val = tensor_val(node), tensor_val(arg)
     if info.axis is None or out is None or val is None or arg.meta[TOKEN].role != "const":
@@ -107,6 +108,19 @@ def row_offset(graph: fx.Graph, start: Any, scale: int, prefix: int) -> Any:
         value = graph.call_function(operator.add, (value, prefix))
         value.meta[TOKEN] = TokenInfo("positional")
     return value
+
+
+def prefixed_size(node: fx.Node, ctx: CompileContext) -> int | None:
+    """``k`` when ``node`` is a size ``P + k·s`` with a text prefix ``P > 0`` (a later chunk
+    has ``k · chunk_size`` rows there), else None."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.SymInt):
+        return None
+    expr = size_expr(val)
+    prefix = expr.as_coeff_Add()[0]
+    if not prefix.is_Integer or prefix <= 0:
+        return None
+    return rows_per_unit(expr - prefix, ctx)
 
 
 def rest_of_step(node: fx.Node, env: dict[fx.Node, Any]) -> Any:

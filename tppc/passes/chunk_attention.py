@@ -68,6 +68,7 @@ from tppc.passes._shapes import module_path, size_expr, tensor_val
 from tppc.passes._token_rows import (
     ABSENT,
     baked_table_axis,
+    prefixed_size,
     rest_of_step,
     row_offset,
     rows_per_unit,
@@ -292,6 +293,9 @@ class _Rewriter:
             rest = rest_of_step(node, self.env)
             if rest is not None:
                 return rest
+            rows = prefixed_size(node, self.ctx)
+            if rows is not None:  # a later chunk's size has no text rows
+                return row_offset(self.graph, self.size, rows, 0)
         if node.target in ATTENTION_OPS and node.meta[TOKEN].role == "mixing":
             return self._attention(node)  # cross-attention (const K/V) is row-wise: copied
         args = {a: self.env[a] for a in node.all_input_nodes}
