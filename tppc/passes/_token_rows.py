@@ -29,15 +29,20 @@ from torch import fx
 
 from tppc.context import CompileContext
 from tppc.errors import PassError
-from tppc.ir import TOKEN, TokenInfo
+from tppc.ir import LAYER, TOKEN, TokenInfo
 from tppc.passes._segments import split_tokens
 from tppc.passes._shapes import size_expr, tensor_val
 
-__all__ = ["ABSENT", "baked_table_axis", "prefixed_size", "rest_of_step", "row_offset",
-           "rows_per_unit", "split_size"]
+__all__ = ["ABSENT", "REST_CHUNK", "baked_table_axis", "chunk_rows_size", "prefixed_size", "rest_of_step", "row_offset",
+           "rows_per_unit", "split_size", "table_rows"]
 
 _aten = torch.ops.aten
 _SPLITS = {_aten.split_with_sizes.default, _aten.split.Tensor}
+
+REST_CHUNK = "tppc.rest_chunk"
+"""``GraphModule.meta`` key of the chunk step for the chunks after the first of a step, in a
+model with a prefix segment (joint attention): it takes and computes only image tokens; the
+text segment is carried by the first chunk."""
 
 
 class _Absent:
@@ -98,6 +103,20 @@ def baked_table_axis(node: fx.Node, arg: fx.Node, ctx: CompileContext) -> int | 
     return j if length >= 2 and int(size_expr(val.shape[j])) == length else None
 
 
+def table_rows(graph: fx.Graph, env: dict[fx.Node, Any], node: fx.Node, table: fx.Node,
+               axis: int, offset: Any) -> fx.Node:
+    """The chunk's rows (from ``offset``) of a ``table`` baked in at the captured resolution,
+    as many as the token input of ``node`` has."""
+    info: TokenInfo = node.meta[TOKEN]
+    token = next(a for a in node.all_input_nodes if a.meta[TOKEN].role in ("token", "mixing")
+                 and a.meta[TOKEN].axis_size == info.axis_size)
+    size = graph.call_function(_aten.sym_size.int, (env[token], token.meta[TOKEN].axis))
+    rows = graph.call_function(_aten.narrow.default, (table, axis, offset, size))
+    for new in (size, rows):
+        new.meta[TOKEN], new.meta[LAYER] = TokenInfo("token"), node.meta.get(LAYER, "")
+    return rows
+
+
 def row_offset(graph: fx.Graph, start: Any, scale: int, prefix: int) -> Any:
     """``prefix + scale · start`` as a graph value (``start`` an int placeholder)."""
     value = start
@@ -108,6 +127,13 @@ def row_offset(graph: fx.Graph, start: Any, scale: int, prefix: int) -> Any:
         value = graph.call_function(operator.add, (value, prefix))
         value.meta[TOKEN] = TokenInfo("positional")
     return value
+
+
+def chunk_rows_size(expr: Any, ctx: CompileContext) -> bool:
+    """A size of whole rows per unit after a constant prefix (``k·s + P``): read from the
+    chunk's own shape, it is that chunk's size."""
+    prefix = expr.as_coeff_Add()[0] if hasattr(expr, "as_coeff_Add") else 0
+    return rows_per_unit(expr - prefix, ctx) is not None
 
 
 def prefixed_size(node: fx.Node, ctx: CompileContext) -> int | None:

@@ -67,12 +67,15 @@ from tppc.passes._chunk_parts import (
 from tppc.passes._shapes import module_path, size_expr, tensor_val
 from tppc.passes._token_rows import (
     ABSENT,
+    REST_CHUNK,
     baked_table_axis,
+    chunk_rows_size,
     prefixed_size,
     rest_of_step,
     row_offset,
     rows_per_unit,
     split_size,
+    table_rows,
 )
 
 __all__ = [
@@ -140,11 +143,6 @@ def chunk_attention_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
         chunk.meta[REST_CHUNK] = _Rewriter(gm, ctx, carry=False).run()
     return chunk
 
-
-REST_CHUNK = "tppc.rest_chunk"
-"""``GraphModule.meta`` key of the chunk step for the chunks after the first of a step, in a
-model with a prefix segment (joint attention): it takes and computes only image tokens; the
-text segment is carried by the first chunk (see :mod:`tppc.passes._token_rows`)."""
 
 
 class _Rewriter:
@@ -224,7 +222,7 @@ class _Rewriter:
                 return "copy"  # sizes read from the chunk's own shapes (height and width)
             if expr == self.sym:
                 return "chunk_size"
-            if node.target is _aten.sym_size.int and not _chunk_rows(expr, self.ctx):
+            if node.target is _aten.sym_size.int and not chunk_rows_size(expr, self.ctx):
                 raise PassError(
                     f"node {node.name!r} (module {module_path(node) or '<top level>'}) is a "
                     f"size {expr} of the sequence length {self.sym}; chunk_attention supports "
@@ -303,7 +301,9 @@ class _Rewriter:
             for a in node.all_input_nodes:
                 j = baked_table_axis(node, a, self.ctx)
                 if j is not None:
-                    args[a] = self._chunk_rows(args[a], j, node.meta[TOKEN], node)
+                    offset = row_offset(self.graph, self.start, self._scale(node.meta[TOKEN]),
+                                        0 if self.carry else node.meta[TOKEN].prefix)
+                    args[a] = table_rows(self.graph, self.env, node, args[a], j, offset)
         return self.graph.node_copy(node, lambda a: args[a])
 
     def _per_chunk(self, info: TokenInfo) -> bool:
@@ -313,17 +313,6 @@ class _Rewriter:
 
     def _scale(self, info: TokenInfo) -> int:
         return rows_per_unit(split_size(info), self.ctx) or 1
-
-    def _chunk_rows(self, value: fx.Node, axis: int, info: TokenInfo, like: fx.Node) -> fx.Node:
-        """The chunk's rows of a constant table baked in at the captured resolution."""
-        offset = row_offset(self.graph, self.start, self._scale(info),
-                            0 if self.carry else info.prefix)
-        token = next(a for a in like.all_input_nodes if a.meta[TOKEN].role in ("token", "mixing")
-                     and a.meta[TOKEN].axis_size == info.axis_size)
-        size = self._new(_aten.sym_size.int, (self.env[token], token.meta[TOKEN].axis),
-                         like.meta.get(LAYER, ""))
-        return self._new(_aten.narrow.default, (value, axis, offset, size),
-                         like.meta.get(LAYER, ""))
 
     def _attention(self, node: fx.Node) -> fx.Node:
         kwargs = _sdpa_kwargs(node)
@@ -437,13 +426,6 @@ class _Rewriter:
                 outs.append(leaf)
         self.graph.output(tuple(outs))
         return tuple(axes), tuple(rows)
-
-
-def _chunk_rows(expr: Any, ctx: CompileContext) -> bool:
-    """A size of whole rows per unit, after a constant prefix (``k·s + P``): read from the
-    chunk's own shape it is that chunk's size."""
-    prefix = expr.as_coeff_Add()[0] if hasattr(expr, "as_coeff_Add") else 0
-    return rows_per_unit(expr - prefix, ctx) is not None
 
 
 def _inputs_read(node: fx.Node) -> list[fx.Node]:
