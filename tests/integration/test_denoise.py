@@ -60,7 +60,7 @@ def case(request):
 
 
 def _denoise(case, x, steps, warmup, patches=2):
-    model, _, kw, arg, sched_cls, transform, cp = case
+    _model, _, kw, arg, sched_cls, transform, cp = case
     return cp.denoise(x, sched_cls(), steps, warmup_steps=warmup, patches=patches,
                       model_kwargs=kw, timestep_arg=arg, output_transform=transform)
 
@@ -72,7 +72,7 @@ def test_warmup_on_every_step_equals_the_serial_loop(case) -> None:
 
 
 def test_a_second_call_does_not_see_the_first(case) -> None:
-    model, x, kw, arg, sched_cls, transform, _ = case
+    _model, x, kw, arg, sched_cls, transform, _ = case
     _denoise(case, torch.randn_like(x) * 3, 3, 1)
     other = torch.randn_like(x)
     fresh = _two_stages(_case_factory(case))[3]
@@ -100,7 +100,7 @@ def _case_factory(case):
 
 
 def test_threads_and_local_executors_agree() -> None:
-    model, args, _, cp = _two_stages(examples.dit)
+    _model, args, _, cp = _two_stages(examples.dit)
     sched = diffusers.DDIMScheduler
     runs = [cp.denoise(args[0], sched(), 3, warmup_steps=1, patches=3, model_kwargs={"y": args[2]},
                        timestep_arg="t", executor=ex) for ex in ("local", "threads")]
