@@ -14,7 +14,7 @@ on ``fx.Node`` objects.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import sympy
 import torch
@@ -27,7 +27,9 @@ __all__ = [
     "TOKEN",
     "AttentionKind",
     "ChunkInput",
+    "ChunkSignature",
     "InputKind",
+    "KVBuffer",
     "LayerInfo",
     "LayerKind",
     "MaskSpec",
@@ -171,6 +173,10 @@ class ChunkInput:
         shape: key/value buffers: the buffer shape with ``None`` at the token axis.
         dtype: key/value buffers: the element type.
         layer: key/value buffers: the layer that owns the buffer.
+        scale: positions of the token axis per unit of the sequence symbol (a DiT's patch
+            columns, a latent's patch size; 1 for LLM tokens), see
+            :mod:`tppc.passes._token_rows`.
+        prefix: the unsplit text segment before the split positions (joint attention).
     """
 
     kind: InputKind
@@ -180,6 +186,14 @@ class ChunkInput:
     shape: tuple[int | None, ...] = ()
     dtype: torch.dtype | None = None
     layer: str = ""
+    scale: int = 1
+    prefix: int = 0
+
+    def rows(self, start: int, end: int) -> tuple[int, int]:
+        """``(offset, count)`` of the chunk ``[start, end)`` along the token axis; the first
+        chunk (``start == 0``) carries the prefix."""
+        lo = 0 if start == 0 else self.prefix + self.scale * start
+        return lo, self.prefix + self.scale * end - lo
 
 
 STAGE_INFO = "tppc.stage_info"
@@ -204,3 +218,41 @@ class StageInfo:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     buffers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class KVBuffer:
+    """One K or V buffer: placeholder name and its :class:`ChunkInput`."""
+
+    name: str
+    spec: ChunkInput
+
+
+@dataclass(frozen=True)
+class ChunkSignature:
+    """How to call a chunk-step graph and assemble its outputs.
+
+    Attributes:
+        user_inputs: names of the captured graph's flat user inputs, in order.
+        in_spec: pytree spec of ``(args, kwargs)`` of the model's forward.
+        out_spec: pytree spec of the model's outputs.
+        output_axes: per flat output, the token axis along which chunks are concatenated
+            (``None``: not a token value; the last chunk's value is returned).
+        frontier: names of the positional program's outputs, in order.
+        buffers: every K/V buffer, in graph order.
+        attention: names of the attention nodes, in graph order.
+        tail: True when a ``global`` epilogue (``gm.tppc_tail``) turns the full-length chunk
+            outputs into the model's outputs; False when the chunk outputs are the model's.
+        output_rows: per flat output, ``(scale, prefix)`` of its token axis (see
+            :mod:`tppc.passes._token_rows`), None where ``output_axes`` is None.
+    """
+
+    user_inputs: tuple[str, ...]
+    in_spec: Any
+    out_spec: Any
+    output_axes: tuple[int | None, ...]
+    frontier: tuple[str, ...]
+    buffers: tuple[KVBuffer, ...]
+    attention: tuple[str, ...]
+    tail: bool = False
+    output_rows: tuple[tuple[int, int] | None, ...] = ()

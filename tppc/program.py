@@ -51,6 +51,8 @@ class BufferSpec:
         axis: its token axis.
         shape: its shape with ``None`` at the token axis.
         dtype: its element type.
+        scale: token rows per unit of the sequence (a DiT's patch columns; 1 for LLMs).
+        prefix: rows of the unsplit text segment before them (joint attention).
     """
 
     name: str
@@ -60,15 +62,21 @@ class BufferSpec:
     axis: int
     shape: tuple[int | None, ...]
     dtype: torch.dtype
+    scale: int = 1
+    prefix: int = 0
+
+    def rows(self, capacity: int) -> int:
+        """Rows of the token axis for ``capacity`` units of the sequence."""
+        return self.prefix + self.scale * capacity
 
     def allocate(self, capacity: int, device: torch.device) -> torch.Tensor:
         """A zero buffer of ``capacity`` tokens on ``device``."""
-        shape = [capacity if s is None else s for s in self.shape]
+        shape = [self.rows(capacity) if s is None else s for s in self.shape]
         return torch.zeros(shape, dtype=self.dtype, device=device)
 
     def nbytes(self, capacity: int) -> int:
         """Bytes of a buffer of ``capacity`` tokens."""
-        n = capacity
+        n = self.rows(capacity)
         for s in self.shape:
             n *= 1 if s is None else s
         return n * torch.empty((), dtype=self.dtype).element_size()
@@ -168,7 +176,8 @@ def _stage(module: fx.GraphModule, device: torch.device, signature: ChunkSignatu
     inputs = tuple((p.name, p.meta[CHUNK_INPUT]) for p in module.graph.find_nodes(op="placeholder"))
     buffers = tuple(
         BufferSpec(name=name, kind=spec.kind, attention=spec.source, layer=spec.layer,
-                   axis=int(spec.axis), shape=spec.shape, dtype=spec.dtype)
+                   axis=int(spec.axis), shape=spec.shape, dtype=spec.dtype,
+                   scale=spec.scale, prefix=spec.prefix)
         for name, spec in inputs if spec.kind in ("key", "value"))
     runnable, slots = module, {}
     if not info.outputs:  # the last stage: its outputs are the model's

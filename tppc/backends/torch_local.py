@@ -56,13 +56,15 @@ def run_stage(stage: StageProgram, call: Call, state: CallState, start: int, end
         if kind == "boundary":
             args.append(_to(next(received), stage.device))
         elif kind == "token":
-            args.append(_to(call.flat_inputs[spec.index].narrow(spec.axis, start, size),
+            args.append(_to(call.flat_inputs[spec.index].narrow(spec.axis,
+                                                                *spec.rows(start, end)),
                             stage.device))
         elif kind in ("const", "full"):
             args.append(_to(call.flat_inputs[spec.index], stage.device))
         elif kind == "positional":
             value = positional[spec.index]
-            args.append(value if spec.axis is None else value.narrow(spec.axis, start, size))
+            args.append(value if spec.axis is None
+                        else value.narrow(spec.axis, *spec.rows(start, end)))
         elif kind in ("key", "value"):
             args.append(buffers[name])
         else:
@@ -92,7 +94,8 @@ def _zeros_like_at(value: Any, placeholder: Any, length: int, device: torch.devi
     val = placeholder.meta.get("val")
     if val is None or not any(isinstance(s, torch.SymInt) for s in val.shape):
         return value.to(device)
-    shape = [length if isinstance(s, torch.SymInt) else int(s) for s in val.shape]
+    shape = [int(s.node.expr.xreplace({x: length for x in s.node.expr.free_symbols}))
+             if isinstance(s, torch.SymInt) else int(s) for s in val.shape]
     return torch.zeros(shape, dtype=value.dtype, device=device)
 
 

@@ -5,15 +5,19 @@ Terms as in :mod:`tppc.passes.chunk_attention`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import fx
+from torch.fx.operator_schemas import normalize_function
 
+from tppc.errors import PassError
 from tppc.ir import TOKEN, TokenInfo
 from tppc.passes._shapes import size_expr, tensor_val
 
-__all__ = ["cache_source", "is_head_repeat", "leaves", "positional_program", "tail_program"]
+__all__ = ["cache_source", "input_value_error", "inputs_read", "is_head_repeat", "leaves",
+           "positional_program", "sdpa_kwargs", "tail_program"]
 
 _aten = torch.ops.aten
 REPEAT_OPS = {_aten.unsqueeze.default, _aten.expand.default, _aten.reshape.default,
@@ -29,13 +33,15 @@ def leaves(output: fx.Node) -> list[Any]:
     return list(leaves) if isinstance(leaves, list | tuple) else [leaves]
 
 
-def tail_program(gm: fx.GraphModule, output: fx.Node, sym: Any
-                  ) -> tuple[fx.GraphModule | None, list[fx.Node]]:
+def tail_program(gm: fx.GraphModule, output: fx.Node, sym: Any,
+                 per_chunk: Callable[[TokenInfo], bool] | None = None
+                 ) -> tuple[fx.GraphModule | None, list[fx.Node]]:
     """The ``global`` epilogue, run once on the full sequence, and the token values it reads.
 
     Returns ``(None, [])`` when no output needs the whole sequence. Otherwise the tail takes
     the flat user inputs, then the full-length token values (concatenated chunk outputs),
-    and returns the model's flat outputs.
+    and returns the model's flat outputs. ``per_chunk``: whether a token value is computed
+    chunk by chunk (default: its token axis is the sequence symbol).
     """
     needed: set[fx.Node] = set()
     reads: set[fx.Node] = set()
@@ -45,8 +51,8 @@ def tail_program(gm: fx.GraphModule, output: fx.Node, sym: Any
         if n in needed or n in reads:
             continue
         info: TokenInfo = n.meta[TOKEN]
-        if n.op != "placeholder" and info.role in ("token", "mixing") \
-                and info.axis_size == sym:
+        chunked = per_chunk(info) if per_chunk is not None else info.axis_size == sym
+        if n.op != "placeholder" and info.role in ("token", "mixing") and chunked:
             reads.add(n)
             continue
         needed.add(n)
@@ -120,3 +126,32 @@ def positional_program(gm: fx.GraphModule, frontier: list[fx.Node]) -> fx.GraphM
             env[node] = graph.node_copy(node, lambda a: env[a])
     graph.output(tuple(env[n] for n in frontier))
     return fx.GraphModule(gm, graph, class_name="PositionalProgram")
+
+
+def input_value_error(node: fx.Node, info: TokenInfo) -> PassError:
+    return PassError(
+        f"node {node.name!r} (module {info.module or '<top level>'}) is computed from the values "
+        "of an integer input (attention_mask) over query and key positions, and is read by "
+        "something other than scaled_dot_product_attention's mask; tppc rebuilds such values "
+        "per chunk only as attention masks. fix: pass the mask to SDPA as attn_mask"
+    )
+
+
+def inputs_read(node: fx.Node) -> list[fx.Node]:
+    """The nodes the chunk step reads for ``node``: SDPA's mask is not read (its node becomes
+    ``tppc::chunk_attention``, causal or unmasked by annotation's proof)."""
+    if node.target is not _aten.scaled_dot_product_attention.default \
+            or node.meta[TOKEN].role != "mixing":
+        return node.all_input_nodes  # cross-attention keeps its mask over the text keys
+    mask = sdpa_kwargs(node).get("attn_mask")
+    return [a for a in node.all_input_nodes if a is not mask]
+
+
+def sdpa_kwargs(node: fx.Node) -> dict[str, Any]:
+    """The attention node's arguments by name (``query``, ``key``, ``attn_mask``...)."""
+    norm = normalize_function(node.target, tuple(node.args), dict(node.kwargs),
+                              normalize_to_only_use_kwargs=True)
+    if norm is None:
+        raise PassError(f"cannot read the arguments of attention node {node.name!r} "
+                        f"({node.target}); tppc supports aten.scaled_dot_product_attention")
+    return dict(norm.kwargs)

@@ -44,30 +44,52 @@ Example:
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
 from typing import Any
 
-import sympy
 import torch
 from torch import fx
-from torch.fx.operator_schemas import normalize_function
 
 import tppc.ops  # noqa: F401  (registers torch.ops.tppc)
 from tppc.context import CompileContext
 from tppc.errors import PassError
-from tppc.ir import CHUNK_INPUT, CHUNK_SIGNATURE, LAYER, TOKEN, ChunkInput, TokenInfo
+from tppc.ir import (
+    CHUNK_INPUT,
+    CHUNK_SIGNATURE,
+    LAYER,
+    TOKEN,
+    ChunkInput,
+    ChunkSignature,
+    KVBuffer,
+    TokenInfo,
+)
 from tppc.passes._attention import ATTENTION_OPS
 from tppc.passes._chunk_parts import (
     SIZE_ARG_OPS,
     cache_source,
+    input_value_error,
+    inputs_read,
     is_head_repeat,
     leaves,
     positional_program,
+    sdpa_kwargs,
     tail_program,
 )
 from tppc.passes._shapes import module_path, size_expr, tensor_val
+from tppc.passes._token_rows import (
+    ABSENT,
+    REST_CHUNK,
+    baked_table_axis,
+    chunk_rows_size,
+    prefixed_size,
+    rest_of_step,
+    row_offset,
+    rows_per_unit,
+    split_size,
+    table_rows,
+)
 
 __all__ = [
+    "REST_CHUNK",
     "ChunkSignature",
     "KVBuffer",
     "chunk_attention_pass",
@@ -76,68 +98,30 @@ __all__ = [
 _aten = torch.ops.aten
 
 
-@dataclass(frozen=True)
-class KVBuffer:
-    """One K or V buffer: placeholder name and its :class:`ChunkInput`."""
-
-    name: str
-    spec: ChunkInput
-
-
-@dataclass(frozen=True)
-class ChunkSignature:
-    """How to call a chunk-step graph and assemble its outputs.
-
-    Attributes:
-        user_inputs: names of the captured graph's flat user inputs, in order.
-        in_spec: pytree spec of ``(args, kwargs)`` of the model's forward.
-        out_spec: pytree spec of the model's outputs.
-        output_axes: per flat output, the token axis along which chunks are concatenated
-            (``None``: not a token value; the last chunk's value is returned).
-        frontier: names of the positional program's outputs, in order.
-        buffers: every K/V buffer, in graph order.
-        attention: names of the attention nodes, in graph order.
-        tail: True when a ``global`` epilogue (``gm.tppc_tail``) turns the full-length chunk
-            outputs into the model's outputs; False when the chunk outputs are the model's.
-    """
-
-    user_inputs: tuple[str, ...]
-    in_spec: Any
-    out_spec: Any
-    output_axes: tuple[int | None, ...]
-    frontier: tuple[str, ...]
-    buffers: tuple[KVBuffer, ...]
-    attention: tuple[str, ...]
-    tail: bool = False
-
-
 def chunk_attention_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     """Return the chunk-step graph of an annotated, grouped graph (see the module docstring).
 
     Raises:
         PassError: a construct that cannot be chunked (names the node and the fix).
     """
-    if ctx.capture_mode == "specialized":
+    if ctx.token_count is not None and rows_per_unit(ctx.token_count, ctx) is None:
         raise PassError(
-            f"{ctx.model_name} was captured in {ctx.capture_mode!r} mode (its graph is not an "
-            "ATen graph with a symbolic sequence length that runs at every length); "
-            "chunk_attention needs a 'dynamic' torch.export capture. fix: make the model "
-            "exportable with a dynamic sequence length (see README, Capture)"
+            f"the token count of {ctx.model_name} is {ctx.token_count}, not a whole number of "
+            f"tokens per step of the sequence symbol {ctx.seq_symbol}; a chunk must be a band "
+            "of whole rows. fix: capture with the latent's height as the sequence axis"
         )
-    if ctx.token_count is not None and ctx.token_count != ctx.seq_symbol:
-        raise PassError(
-            f"the token count of {ctx.model_name} is {ctx.token_count}, not the sequence "
-            f"length {ctx.seq_symbol}; chunk_attention supports models whose token axis is "
-            "the input's sequence axis (causal LLMs). fix: pipeline a causal LM"
-        )
-    return _Rewriter(gm, ctx).run()
+    chunk = _Rewriter(gm, ctx).run()
+    if any(n.meta[TOKEN].prefix for n in gm.graph.nodes if TOKEN in n.meta):
+        chunk.meta[REST_CHUNK] = _Rewriter(gm, ctx, carry=False).run()
+    return chunk
+
 
 
 class _Rewriter:
     """Builds the chunk-step graph and the positional program from an annotated graph."""
 
-    def __init__(self, gm: fx.GraphModule, ctx: CompileContext) -> None:
-        self.gm, self.ctx, self.sym = gm, ctx, ctx.seq_symbol
+    def __init__(self, gm: fx.GraphModule, ctx: CompileContext, *, carry: bool = True) -> None:
+        self.gm, self.ctx, self.sym, self.carry = gm, ctx, ctx.seq_symbol, carry
         self.graph = fx.Graph()
         self.env: dict[fx.Node, Any] = {}
         self.mode: dict[fx.Node, str] = {}
@@ -149,17 +133,17 @@ class _Rewriter:
 
     def run(self) -> fx.GraphModule:
         output = next(n for n in self.gm.graph.nodes if n.op == "output")
-        tail, tail_inputs = tail_program(self.gm, output, self.sym)
+        tail, tail_inputs = tail_program(self.gm, output, self.sym, per_chunk=self._per_chunk)
         roots = tail_inputs if tail is not None else leaves(output)
         self._classify([r for r in roots if isinstance(r, fx.Node)])
         frontier = [n for n in self.gm.graph.nodes if self.mode.get(n) == "frontier"]
-        attention = [n for n in self.gm.graph.nodes
-                     if self.mode.get(n) == "copy" and n.target in ATTENTION_OPS]
+        attention = [n for n in self.gm.graph.nodes if self.mode.get(n) == "copy"
+                     and n.target in ATTENTION_OPS and n.meta[TOKEN].role == "mixing"]
         self._placeholders(frontier, attention)
         for node in self.gm.graph.nodes:
             if self.mode.get(node) == "copy" and node not in self.env:
                 self.env[node] = self._emit(node)
-        axes = self._output(roots)
+        axes, rows = self._output(roots)
         self.graph.eliminate_dead_code()
         chunk_gm = fx.GraphModule(self.gm, self.graph, class_name="ChunkStep")
         chunk_gm.add_submodule("tppc_positional", positional_program(self.gm, frontier))
@@ -175,6 +159,7 @@ class _Rewriter:
             buffers=tuple(self.buffers),
             attention=tuple(n.name for n in attention),
             tail=tail is not None,
+            output_rows=rows,
         )
         return chunk_gm
 
@@ -187,14 +172,14 @@ class _Rewriter:
                 continue
             self.mode[node] = mode = self._mode_of(node)
             if mode == "copy":
-                todo.extend(_inputs_read(node))
+                todo.extend(inputs_read(node))
 
     def _mode_of(self, node: fx.Node) -> str:
         info: TokenInfo = node.meta[TOKEN]
         if node.op == "placeholder":
             return "token_input" if info.role == "token" else "const_input"
         if info.role in ("token", "mixing") and info.axis is not None \
-                and not _rows_per_token(info.axis_size, self.sym):
+                and not info.prefix_only and rows_per_unit(split_size(info), self.ctx) is None:
             raise PassError(
                 f"node {node.name!r} (op {node.target}, module {info.module or '<top level>'}) "
                 f"makes a token axis of {info.axis_size} positions from {self.sym}; it cannot "
@@ -206,9 +191,11 @@ class _Rewriter:
         val = node.meta.get("val")
         if isinstance(val, torch.SymInt):
             expr = size_expr(val)
+            if self.ctx.capture_mode == "specialized":
+                return "copy"  # sizes read from the chunk's own shapes (height and width)
             if expr == self.sym:
                 return "chunk_size"
-            if node.target is _aten.sym_size.int:
+            if node.target is _aten.sym_size.int and not chunk_rows_size(expr, self.ctx):
                 raise PassError(
                     f"node {node.name!r} (module {module_path(node) or '<top level>'}) is a "
                     f"size {expr} of the sequence length {self.sym}; chunk_attention supports "
@@ -217,12 +204,13 @@ class _Rewriter:
             return "copy"
         if isinstance(val, torch.Tensor):
             if info.inputs:
-                raise _input_value_error(node, info)
-            if info.axis is not None and info.axis_size != self.sym:
+                raise input_value_error(node, info)
+            if info.axis is not None and rows_per_unit(split_size(info), self.ctx) is None:
                 raise PassError(
                     f"positional node {node.name!r} has token axis {info.axis} of size "
-                    f"{info.axis_size}, not the sequence length {self.sym}; it cannot be "
-                    "sliced per chunk. fix: build position tables of the sequence length"
+                    f"{info.axis_size}, not a whole number of positions per step of "
+                    f"{self.sym}; it cannot be sliced per chunk. fix: build position tables "
+                    "of the sequence length"
                 )
             return "frontier"
         return "copy"
@@ -233,7 +221,9 @@ class _Rewriter:
             mode = self.mode.get(p)
             if mode == "token_input":
                 axis = self.ctx.seq_inputs[p.name][0]
-                self.env[p] = self._input(p.name, ChunkInput("token", p.name, index, axis), p)
+                scale = rows_per_unit(size_expr(tensor_val(p).shape[axis]), self.ctx) or 1
+                spec = ChunkInput("token", p.name, index, axis, scale=scale)
+                self.env[p] = self._input(p.name, spec, p)
             elif mode == "const_input":
                 self.env[p] = self._input(p.name, ChunkInput("const", p.name, index), p)
         self.start = self._input("chunk_start", ChunkInput("chunk_start"))
@@ -242,17 +232,21 @@ class _Rewriter:
         for n in (n for n in self.mode if self.mode[n] == "chunk_size"):
             self.env[n] = self.size
         for index, node in enumerate(frontier):
-            spec = ChunkInput("positional", node.name, index, node.meta[TOKEN].axis)
+            info = node.meta[TOKEN]
+            spec = ChunkInput("positional", node.name, index, info.axis,
+                              scale=self._scale(info), prefix=info.prefix)
             self.env[node] = self._input(f"pos_{node.name}", spec, node)
         for attn in attention:
-            args = _sdpa_kwargs(attn)
+            args = sdpa_kwargs(attn)
             for which in ("key", "value"):
                 source, _ = cache_source(args[which], self.sym)
                 val = tensor_val(source)
                 axis = source.meta[TOKEN].axis
                 shape = tuple(None if i == axis else int(s) for i, s in enumerate(val.shape))
+                info = attn.meta[TOKEN]
                 spec = ChunkInput(which, attn.name, axis=axis, shape=shape, dtype=val.dtype,
-                                  layer=attn.meta.get(LAYER, ""))
+                                  layer=attn.meta.get(LAYER, ""), scale=self._scale(info),
+                                  prefix=info.prefix)
                 name = f"{attn.name}_{which}_buffer"
                 ph = self._input(name, spec)
                 ph.meta[LAYER] = spec.layer
@@ -270,23 +264,51 @@ class _Rewriter:
         return ph
 
     # -- body --------------------------------------------------------------------------------
-    def _emit(self, node: fx.Node) -> fx.Node:
-        if node.target in ATTENTION_OPS:
-            return self._attention(node)
-        return self.graph.node_copy(node, lambda a: self.env[a])
+    def _emit(self, node: fx.Node) -> Any:
+        if not self.carry:
+            rest = rest_of_step(node, self.env)
+            if rest is not None:
+                return rest
+            rows = prefixed_size(node, self.ctx)
+            if rows is not None:  # a later chunk's size has no text rows
+                return row_offset(self.graph, self.size, rows, 0)
+        if node.target in ATTENTION_OPS and node.meta[TOKEN].role == "mixing":
+            return self._attention(node)  # cross-attention (const K/V) is row-wise: copied
+        args = {a: self.env[a] for a in node.all_input_nodes}
+        if node.meta[TOKEN].role in ("token", "mixing"):
+            for a in node.all_input_nodes:
+                j = baked_table_axis(node, a, self.ctx)
+                if j is not None:
+                    offset = row_offset(self.graph, self.start, self._scale(node.meta[TOKEN]),
+                                        0 if self.carry else node.meta[TOKEN].prefix)
+                    args[a] = table_rows(self.graph, self.env, node, args[a], j, offset)
+        return self.graph.node_copy(node, lambda a: args[a])
+
+    def _per_chunk(self, info: TokenInfo) -> bool:
+        """Whether a token value is computed chunk by chunk (else the tail needs it)."""
+        return info.role in ("token", "mixing") and info.axis is not None \
+            and rows_per_unit(split_size(info), self.ctx) is not None
+
+    def _scale(self, info: TokenInfo) -> int:
+        return rows_per_unit(split_size(info), self.ctx) or 1
 
     def _attention(self, node: fx.Node) -> fx.Node:
-        kwargs = _sdpa_kwargs(node)
+        kwargs = sdpa_kwargs(node)
         layer = node.meta.get(LAYER, "")
-        causal = node.meta[TOKEN].attention == "causal"
+        info: TokenInfo = node.meta[TOKEN]
+        causal = info.attention == "causal"
         kv_len = self._kv_end() if causal else self.seq_len
+        scale, prefix = self._scale(info), info.prefix
+        if (scale, prefix) != (1, 0):  # DiT tokens: rows of whole patch rows, text prefix
+            end = self._kv_end() if causal else self.seq_len
+            kv_len = row_offset(self.graph, end, scale, prefix)
         gqa = node.target is _aten.scaled_dot_product_attention.default and all(
             is_head_repeat(*cache_source(kwargs[w], self.sym)) for w in ("key", "value"))
         for which in ("key", "value"):
             buf = self.buffer_nodes[node.name, which]
             axis = buf.meta[CHUNK_INPUT].axis
             kwargs[which] = self._read_buffer(kwargs[which], buf, axis, kv_len, layer,
-                                              repeat=not gqa)
+                                              repeat=not gqa, rows=(scale, prefix))
         if node.target is _aten.scaled_dot_product_attention.default:
             return self._chunk_op(node, kwargs, causal, gqa or kwargs.get("enable_gqa", False))
         if gqa:
@@ -339,10 +361,14 @@ class _Rewriter:
         return self.full_inputs[name]
 
     def _read_buffer(self, arg: fx.Node, buf: fx.Node, axis: int, kv_len: Any,
-                     layer: str, *, repeat: bool) -> fx.Node:
+                     layer: str, *, repeat: bool, rows: tuple[int, int] = (1, 0)) -> fx.Node:
         source, chain = cache_source(arg, self.sym)
         chain = chain if repeat else []
-        window = self._new(_aten.narrow.default, (buf, axis, self.start, self.size), layer)
+        offset, size = self.start, self.size
+        if rows != (1, 0):  # the chunk's own rows: prefix + scale · start on, as many as it has
+            offset = row_offset(self.graph, self.start, rows[0], 0 if self.carry else rows[1])
+            size = self._new(_aten.sym_size.int, (self.env[source], axis), layer)
+        window = self._new(_aten.narrow.default, (buf, axis, offset, size), layer)
         self._new(_aten.copy_.default, (window, self.env[source]), layer)
         value = self._new(_aten.narrow.default, (buf, axis, 0, kv_len), layer)
         for step in chain:
@@ -369,8 +395,10 @@ class _Rewriter:
         node.meta[LAYER] = layer
         return node
 
-    def _output(self, flat: list[Any]) -> tuple[int | None, ...]:
+    def _output(self, flat: list[Any]
+                ) -> tuple[tuple[int | None, ...], tuple[tuple[int, int] | None, ...]]:
         axes: list[int | None] = []
+        rows: list[tuple[int, int] | None] = []
         outs: list[Any] = []
         for leaf in flat:
             if isinstance(leaf, fx.Node):
@@ -379,44 +407,15 @@ class _Rewriter:
                     raise PassError(f"output {leaf.name!r} is a positional value; tppc "
                                     "pipelines models whose outputs are per-token values")
                 axes.append(info.axis if info.role in ("token", "mixing") else None)
+                rows.append((self._scale(info), info.prefix) if axes[-1] is not None else None)
+                if self.env[leaf] is ABSENT:
+                    raise PassError(f"output {leaf.name!r} is text tokens only (a prefix "
+                                    "segment); tppc pipelines models whose outputs hold the "
+                                    "image tokens")
                 outs.append(self.env[leaf])
             else:
                 axes.append(None)
+                rows.append(None)
                 outs.append(leaf)
         self.graph.output(tuple(outs))
-        return tuple(axes)
-
-
-def _rows_per_token(size: Any, sym: Any) -> bool:
-    """Whether a token axis of ``size`` holds a constant number of rows per token (``k·s``:
-    tokens merged with constant axes such as the batch), so it runs chunk by chunk."""
-    ratio = sympy.simplify(size / sym) if size is not None else None
-    return ratio is not None and ratio.is_Integer and ratio > 0
-
-
-def _input_value_error(node: fx.Node, info: TokenInfo) -> PassError:
-    return PassError(
-        f"node {node.name!r} (module {info.module or '<top level>'}) is computed from the values "
-        "of an integer input (attention_mask) over query and key positions, and is read by "
-        "something other than scaled_dot_product_attention's mask; tppc rebuilds such values "
-        "per chunk only as attention masks. fix: pass the mask to SDPA as attn_mask"
-    )
-
-
-def _inputs_read(node: fx.Node) -> list[fx.Node]:
-    """The nodes the chunk step reads for ``node``: SDPA's mask is not read (its node becomes
-    ``tppc::chunk_attention``, causal or unmasked by annotation's proof)."""
-    if node.target is not _aten.scaled_dot_product_attention.default:
-        return node.all_input_nodes
-    mask = _sdpa_kwargs(node).get("attn_mask")
-    return [a for a in node.all_input_nodes if a is not mask]
-
-
-def _sdpa_kwargs(node: fx.Node) -> dict[str, Any]:
-    """The attention node's arguments by name (``query``, ``key``, ``attn_mask``...)."""
-    norm = normalize_function(node.target, tuple(node.args), dict(node.kwargs),
-                              normalize_to_only_use_kwargs=True)
-    if norm is None:
-        raise PassError(f"cannot read the arguments of attention node {node.name!r} "
-                        f"({node.target}); tppc supports aten.scaled_dot_product_attention")
-    return dict(norm.kwargs)
+        return tuple(axes), tuple(rows)

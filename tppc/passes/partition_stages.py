@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Sequence
 from typing import Any
@@ -172,8 +173,7 @@ def _stage_module(gm: fx.GraphModule, nodes: list[fx.Node], owner: dict[fx.Node,
             env[n] = graph.node_copy(n)
             if n in frontier:
                 spec: ChunkInput = n.meta[CHUNK_INPUT]
-                env[n].meta[CHUNK_INPUT] = ChunkInput(spec.kind, spec.source,
-                                                      frontier.index(n), spec.axis)
+                env[n].meta[CHUNK_INPUT] = dataclasses.replace(spec, index=frontier.index(n))
     for n in nodes:
         if n in local and n.op not in ("placeholder", "output"):
             env[n] = graph.node_copy(n, lambda a: env[a])

@@ -148,7 +148,7 @@ class CompiledPipeline:
         full = _new_outputs(last, bound.length, len(axes))
         call = Call(tuple(bound.flat), program.chunks, bound.length, bound.length,
                     next_epoch(), full)
-        outputs = OutputAssembler(axes, call)
+        outputs = OutputAssembler(axes, call, program.signature.output_rows)
         self.execute(program, call, state, outputs, executor, timeout,  # a failure drops state
                      trace=trace)
         self.finish(front, state, bound.length)
@@ -166,6 +166,22 @@ class CompiledPipeline:
         from tppc.runtime.generate import greedy_generate
 
         return greedy_generate(self, input_ids, max_new_tokens, **kwargs)
+
+    def denoise(self, latents: torch.Tensor, scheduler: Any, num_inference_steps: int = 20, *,
+                warmup_steps: int = 1, patches: int | None = None,
+                model_kwargs: Mapping[str, Any] | None = None, timestep_arg: str = "timestep",
+                output_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                executor: ExecutorName | None = None) -> torch.Tensor:
+        """Denoise ``latents`` with PipeFusion (:mod:`tppc.runtime.denoise`): warm-up steps run
+        the whole image, then patches (``None``: one per stage) of consecutive steps flow
+        through the stages with one-step-stale K/V. ``warmup_steps == num_inference_steps``
+        equals the serial loop ``model → output_transform → scheduler.step``."""
+        from tppc.runtime.denoise import denoise
+
+        return denoise(self, latents, scheduler, num_inference_steps,
+                       warmup_steps=warmup_steps, patches=patches, model_kwargs=model_kwargs,
+                       timestep_arg=timestep_arg, output_transform=output_transform,
+                       executor=executor)
 
     def kv_cache(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
         """Every attention's (K, V) over the tokens of the last call, in layer order.

@@ -131,7 +131,7 @@ def bind(front: FrontEnd, model: torch.nn.Module, args: tuple[Any, ...],
         seq = front.ctx.seq_inputs.get(ph.name, ())
         check_input(ph, value, skip_axes=(0,) if 0 not in seq else ())
         for axis in seq:
-            lengths[ph.name] = int(value.shape[axis])
+            lengths[ph.name] = int(value.shape[axis]) // _rows_per_unit(ph, axis)
     if len(set(lengths.values())) != 1:
         raise RuntimeInputError(f"sequence inputs disagree in length: {lengths}. fix: give "
                                 "every sequence input the same number of tokens")
@@ -146,6 +146,16 @@ def input_structure(model: torch.nn.Module, args: tuple[Any, ...],
                     kwargs: Mapping[str, Any]) -> str:
     """The call's input structure as :attr:`FrontEnd.key` spells it."""
     return repr(pytree.tree_flatten(_bound(model, args, kwargs))[1])
+
+
+def _rows_per_unit(ph: fx.Node, axis: int) -> int:
+    """Positions of an input's sequence axis per unit of the symbol (a latent's patch size)."""
+    size = ph.meta["val"].shape[axis]
+    if not isinstance(size, torch.SymInt):
+        return 1
+    expr = size.node.expr
+    coeff = expr.as_coeff_Mul()[0]
+    return int(coeff) if expr.is_Mul and coeff.is_Integer and coeff > 0 else 1
 
 
 def _bound(model: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:

@@ -19,8 +19,9 @@ class OutputAssembler:
     Outputs the last stage already wrote in place (``call.outputs``) are not copied.
     """
 
-    def __init__(self, axes: tuple[int | None, ...], call: Call) -> None:
-        self.axes, self.call = axes, call
+    def __init__(self, axes: tuple[int | None, ...], call: Call,
+                 rows: tuple[tuple[int, int] | None, ...] = ()) -> None:
+        self.axes, self.call, self.rows = axes, call, rows
         self.leaves: list[Any] = list(call.outputs) if call.outputs else [None] * len(axes)
 
     def __call__(self, index: int, values: tuple[Any, ...]) -> None:
@@ -29,11 +30,13 @@ class OutputAssembler:
             if axis is None:
                 self.leaves[j] = value
                 continue
+            rows = self.rows[j] if j < len(self.rows) and self.rows[j] else (1, 0)
             if self.leaves[j] is None:
                 shape = list(value.shape)
-                shape[axis] = self.call.seq_len
+                shape[axis] = rows[1] + rows[0] * self.call.seq_len
                 self.leaves[j] = value.new_empty(shape)
-            target = self.leaves[j].narrow(axis, start, end - start)
+            lo = 0 if start == 0 else rows[1] + rows[0] * start
+            target = self.leaves[j].narrow(axis, lo, rows[1] + rows[0] * end - lo)
             if not _same_view(target, value):
                 target.copy_(value)
 

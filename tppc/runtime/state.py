@@ -71,7 +71,7 @@ class CallState:
         self.filled = 0
         self.uses = 0
         self._buffers: dict[tuple[str, str], torch.Tensor] = {}
-        self._axes: dict[tuple[str, str], int] = {}
+        self._specs: dict[tuple[str, str], BufferSpec] = {}
         self._positional: dict[int, tuple[Any, tuple[Any, ...]]] = {}
 
     def reserve(self, capacity: int) -> None:
@@ -79,9 +79,9 @@ class CallState:
         if capacity <= self.capacity:
             return
         for key, old in list(self._buffers.items()):
-            axis = self._axes[key]
+            axis = self._specs[key].axis
             shape = list(old.shape)
-            shape[axis] = capacity
+            shape[axis] = self._specs[key].rows(capacity)
             with torch.inference_mode(False):  # reusable by calls outside inference mode
                 new = old.new_zeros(shape)
             new.narrow(axis, 0, old.shape[axis]).copy_(old)
@@ -112,6 +112,12 @@ class CallState:
         """Remember the stage's positional values computed under ``key``."""
         self._positional[id(stage)] = (key, values)
 
+    def reset(self) -> None:
+        """Zero every K/V buffer (a new generation must not see the last one's K/V)."""
+        for tensor in self._buffers.values():
+            tensor.zero_()
+        self.filled = 0
+
     def nbytes(self) -> int:
         """Bytes of the K/V buffers it holds."""
         return sum(t.numel() * t.element_size() for t in self._buffers.values())
@@ -121,7 +127,7 @@ class CallState:
         if key not in self._buffers:
             with torch.inference_mode(False):  # reusable by calls outside inference mode
                 self._buffers[key] = spec.allocate(self.capacity, device)
-            self._axes[key] = spec.axis
+            self._specs[key] = spec
         return self._buffers[key]
 
 

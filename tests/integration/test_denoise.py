@@ -1,0 +1,114 @@
+"""PipeFusion denoising (issue 13): against the eager serial loop ``model → scheduler.step``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tppc
+from tppc import examples
+from tppc.errors import SpecError
+from tppc.runtime.compile import manual_plan
+
+diffusers = pytest.importorskip("diffusers")
+
+
+def _two_stages(factory):
+    model, args, kwargs = factory()
+    one = tppc.compile(model, args, kwargs, executor="local")
+    n, length = len(one.context.layers), one.plan.seq_len
+    plan = manual_plan(n, length, cuts=(0, n // 2, n), boundaries=(0, length))
+    return model, args, kwargs, tppc.compile(model, args, kwargs, executor="threads", plan=plan)
+
+
+def _case(name):
+    """(factory, timestep arg, model kwargs, scheduler, output transform)."""
+    half = lambda o: o[:, :4]  # noqa: E731  (drop the learned sigma)
+    if name == "dit":
+        return examples.dit, "t", lambda a, k: {"y": a[2]}, diffusers.DDIMScheduler, None
+    rest = lambda a, k: {n: v for n, v in k.items() if n != "timestep"}  # noqa: E731
+    return {
+        "hf_dit": (examples.hf_dit, "timestep", rest, diffusers.DDIMScheduler, None),
+        "hf_flux": (examples.hf_flux, "timestep", rest,
+                    diffusers.FlowMatchEulerDiscreteScheduler, None),
+        "hf_hunyuan_dit": (examples.hf_hunyuan_dit, "timestep", rest,
+                           diffusers.EulerDiscreteScheduler, half),
+        "hf_pixart": (examples.hf_pixart, "timestep", rest,
+                      diffusers.DPMSolverMultistepScheduler, half),
+    }[name]
+
+
+def _serial(model, x, scheduler, steps, arg, kwargs, transform):
+    scheduler.set_timesteps(steps)
+    with torch.no_grad():
+        for t in scheduler.timesteps:
+            out = model(x, **{arg: t.expand(len(x))}, **kwargs)
+            out = out[0] if isinstance(out, tuple) else out
+            out = transform(out) if transform else out
+            x = scheduler.step(out, t, x).prev_sample
+    return x
+
+
+MODELS = ["dit", "hf_dit", "hf_flux", "hf_hunyuan_dit", "hf_pixart"]
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def case(request):
+    factory, arg, kw, sched_cls, transform = _case(request.param)
+    model, args, kwargs, cp = _two_stages(factory)
+    return model, args[0], kw(args, kwargs), arg, sched_cls, transform, cp
+
+
+def _denoise(case, x, steps, warmup, patches=2):
+    _model, _, kw, arg, sched_cls, transform, cp = case
+    return cp.denoise(x, sched_cls(), steps, warmup_steps=warmup, patches=patches,
+                      model_kwargs=kw, timestep_arg=arg, output_transform=transform)
+
+
+def test_warmup_on_every_step_equals_the_serial_loop(case) -> None:
+    model, x, kw, arg, sched_cls, transform, _ = case
+    ref = _serial(model, x, sched_cls(), 3, arg, kw, transform)
+    torch.testing.assert_close(_denoise(case, x, 3, 3), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_second_call_does_not_see_the_first(case) -> None:
+    _model, x, kw, arg, sched_cls, transform, _ = case
+    _denoise(case, torch.randn_like(x) * 3, 3, 1)
+    other = torch.randn_like(x)
+    fresh = _two_stages(_case_factory(case))[3]
+    again = fresh.denoise(other, sched_cls(), 3, warmup_steps=1, patches=2, model_kwargs=kw,
+                          timestep_arg=arg, output_transform=transform)
+    torch.testing.assert_close(_denoise(case, other, 3, 1), again, rtol=0, atol=0)
+
+
+def test_stale_patches_are_close_and_warmup_steps_bring_them_closer(case) -> None:
+    model, x, kw, arg, sched_cls, transform, _ = case
+    ref = _serial(model, x, sched_cls(), 4, arg, kw, transform)
+    errors = [float(((_denoise(case, x, 4, w) - ref) ** 2).mean()) for w in (1, 3)]
+    scale = float((ref**2).mean())
+    assert errors[0] > 0, "patches after the warm-up should attend to stale K/V"
+    assert errors[0] < 0.1 * scale
+    assert errors[1] < errors[0]
+
+
+def _case_factory(case):
+    cp = case[-1]
+    return {"DiT": examples.dit, "DiTTransformer2DModel": examples.hf_dit,
+            "FluxTransformer2DModel": examples.hf_flux,
+            "HunyuanDiT2DModel": examples.hf_hunyuan_dit,
+            "PixArtTransformer2DModel": examples.hf_pixart}[cp.model_name]
+
+
+def test_threads_and_local_executors_agree() -> None:
+    _model, args, _, cp = _two_stages(examples.dit)
+    sched = diffusers.DDIMScheduler
+    runs = [cp.denoise(args[0], sched(), 3, warmup_steps=1, patches=3, model_kwargs={"y": args[2]},
+                       timestep_arg="t", executor=ex) for ex in ("local", "threads")]
+    torch.testing.assert_close(runs[0], runs[1], rtol=0, atol=0)
+
+
+def test_a_scheduler_that_is_not_element_wise_is_refused() -> None:
+    _, args, _, cp = _two_stages(examples.dit)
+    with pytest.raises(SpecError, match="element-wise"):
+        cp.denoise(args[0], diffusers.DDPMScheduler(), 2, model_kwargs={"y": args[2]},
+                   timestep_arg="t")

@@ -1,0 +1,269 @@
+"""PipeFusion denoising: the patches of consecutive diffusion steps flow through the stages.
+
+Terms:
+    patch: a band of whole patch rows of the latent, ``[a, b)`` in units of the sequence
+        symbol (patch rows; a specialised capture cuts the same contiguous token range).
+    warm-up step: the whole image as one chunk through every stage, synchronously; it
+        writes every row of every K/V buffer (the first step of a call always is one).
+    pipelined step: the patches one after the other. Patch ``m`` writes its K/V rows and
+        attends to the whole buffer: rows of patches ``≤ m`` are this step's, the others
+        the previous step's (PipeFusion's stale K/V). With joint attention (Flux) the first
+        patch carries the text tokens, so only image K/V are stale.
+    job ``(i, m)``: patch ``m`` of step ``i``. Each stage runs the jobs in the order
+        ``(i, 0), (i, 1), …, (i + 1, 0), …``; when job ``(i, m)`` leaves the last stage the
+        calling thread applies the scheduler step to patch ``m`` (one scheduler copy per
+        patch, :mod:`tppc.runtime.schedulers`), and stage 0 may start job ``(i + 1, m)``:
+        the pipeline fills once per image, not once per step. Every stage sees its jobs in
+        the same order as the serial reference (``executor="local"``), so both give the
+        same latents.
+
+Buffers are zeroed at the start of every call; with ``warmup_steps == num_inference_steps``
+the result is the serial loop's (see :func:`denoise`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from tppc.errors import SpecError
+from tppc.passes.chunk_attention import REST_CHUNK
+from tppc.program import Program, StageProgram, build_program
+from tppc.runtime.io import OutputAssembler
+from tppc.runtime.schedulers import check_scheduler, patch_scheduler
+from tppc.runtime.state import Call, CallState, next_epoch
+
+__all__ = ["denoise"]
+
+_POLL = 0.05
+
+
+def denoise(cp: Any, latents: torch.Tensor, scheduler: Any, num_inference_steps: int = 20, *,
+            warmup_steps: int = 1, patches: int | None = None,
+            model_kwargs: Mapping[str, Any] | None = None, timestep_arg: str = "timestep",
+            output_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+            executor: str | None = None) -> torch.Tensor:
+    """Denoise ``latents`` with PipeFusion; see ``CompiledPipeline.denoise`` for the contract.
+
+    Equals, when ``warmup_steps == num_inference_steps``::
+
+        scheduler.set_timesteps(num_inference_steps)
+        for t in scheduler.timesteps:
+            out = model(latents, **{timestep_arg: t.expand(len(latents))}, **model_kwargs)[0]
+            out = output_transform(out) if output_transform else out
+            latents = scheduler.step(out, t, latents).prev_sample
+    """
+    check_scheduler(scheduler)
+    if not 1 <= warmup_steps:
+        raise SpecError(f"warmup_steps={warmup_steps}; the first step must fill the K/V "
+                        "buffers. fix: warmup_steps >= 1")
+    scheduler.set_timesteps(num_inference_steps)
+    steps = list(scheduler.timesteps)
+    x = latents.detach().clone()
+    kwargs = dict(model_kwargs or {})
+    calls_in = [((x,), {**kwargs, timestep_arg: t.expand(len(x))}) for t in steps]
+    front, bound = cp.bind(*calls_in[0])
+    length = bound.length
+    plan = cp.program(length, front).plan
+    bounds = _patch_bounds(patches if patches is not None else len(plan.stages), length)
+    full, first, rest = _programs(cp, front, plan, length, bounds)
+    axis, scale = _latent_axis(front, bound.flat, x)
+    epoch = next_epoch()
+    flats = [cp.bind(a, k)[1].flat for a, k in calls_in]
+    state = front.pool.acquire(length)
+    state.reset()
+    run = _Run(cp, x, axis, scale, output_transform)
+    warm = min(warmup_steps, len(steps))
+    for i in range(warm):
+        call = Call(tuple(flats[i]), ((0, length),), length, length, epoch)
+        values: tuple[Any, ...] = ()
+        for stage in full.stages:
+            values = _run_stage(stage, call, state, 0, length, values)
+        out = run.model_output(full, call, 0, values)
+        x.copy_(scheduler.step(out, steps[i], x).prev_sample)
+    jobs = [(i, m) for i in range(warm, len(steps)) for m in range(len(bounds) - 1)]
+    if jobs:
+        chunks = tuple(itertools.pairwise(bounds))
+        calls = {i: Call(tuple(flats[i]), chunks, length, length, epoch)
+                 for i in range(warm, len(steps))}
+        scheds = [patch_scheduler(scheduler, x.shape, axis, scale * a, scale * (b - a))
+                  for a, b in chunks]
+
+        def finish(i: int, m: int, values: tuple[Any, ...]) -> None:
+            a, b = chunks[m]
+            out = run.model_output(first, calls[i], m, values).narrow(axis, scale * a,
+                                                                      scale * (b - a))
+            rows = x.narrow(axis, scale * a, scale * (b - a))
+            rows.copy_(scheds[m].step(out, steps[i], rows).prev_sample)
+
+        def stage_of(m: int, s: int) -> StageProgram:
+            return (first if m == 0 or rest is None else rest).stages[s]
+
+        if (executor or cp.executor) == "threads" and len(first.stages) > 1:
+            _pipelined(cp, jobs, calls, state, stage_of, len(first.stages), finish)
+        else:
+            for i, m in jobs:
+                values = ()
+                for s in range(len(first.stages)):
+                    values = _run_stage(stage_of(m, s), calls[i], state, *chunks[m], values)
+                finish(i, m, values)
+    front.pool.release(state)
+    return x
+
+
+class _Run:
+    """The model's output of a chunk: its rows written into full-length outputs (kept across
+    steps), the ``global`` tail applied, the output transform applied."""
+
+    def __init__(self, cp: Any, x: torch.Tensor, axis: int, scale: int,
+                 transform: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+        self.cp, self.x, self.axis, self.scale, self.transform = cp, x, axis, scale, transform
+        self.leaves: list[Any] | None = None
+
+    def model_output(self, program: Program, call: Call, index: int,
+                     values: tuple[Any, ...]) -> torch.Tensor:
+        sink = OutputAssembler(program.signature.output_axes, call,
+                               program.signature.output_rows)
+        if self.leaves is not None:
+            sink.leaves = self.leaves
+        sink(index, values)
+        self.leaves = sink.leaves
+        leaves = sink.leaves
+        if program.tail is not None:
+            with torch.no_grad():
+                leaves = list(program.tail(*call.flat_inputs, *leaves))
+        out = self.cp.assemble(program, leaves)
+        out = out[0] if isinstance(out, tuple | list) else out
+        out = getattr(out, "sample", out)
+        return self.transform(out) if self.transform is not None else out
+
+
+def _run_stage(stage: StageProgram, call: Call, state: CallState, start: int, end: int,
+               boundary: tuple[Any, ...]) -> tuple[Any, ...]:
+    from tppc.backends.torch_local import run_stage
+
+    return run_stage(stage, call, state, start, end, boundary)
+
+
+def _patch_bounds(patches: int, length: int) -> tuple[int, ...]:
+    if not isinstance(patches, int) or not 1 <= patches <= length:
+        raise SpecError(f"patches={patches!r}; the latent has {length} patch rows. fix: "
+                        f"1 <= patches <= {length}")
+    return tuple(round(i * length / patches) for i in range(patches + 1))
+
+
+def _programs(cp: Any, front: Any, plan: Any, length: int, bounds: tuple[int, ...]
+              ) -> tuple[Program, Program, Program | None]:
+    """Warm-up program (one chunk), patch program, and the later patches' program (joint
+    attention: no text tokens), cached on the pipeline per (batch, length, patches)."""
+    cache = cp.__dict__.setdefault("_denoise_programs", {})
+    key = (front.batch, length, bounds)
+    if key not in cache:
+        devices = cp.options.devices
+        chunks = tuple(itertools.pairwise(bounds))
+        full = build_program(front.chunk, front.ctx, plan, ((0, length),), devices)
+        first = build_program(front.chunk, front.ctx, plan, chunks, devices)
+        rest_gm = front.chunk.meta.get(REST_CHUNK)
+        rest = build_program(rest_gm, front.ctx, plan, chunks, devices) if rest_gm else None
+        cache[key] = (full, first, rest)
+    return cache[key]
+
+
+def _latent_axis(front: Any, flat: list[Any], x: torch.Tensor) -> tuple[int, int]:
+    """The latent's sequence axis and its positions per unit (the patch size)."""
+    for ph, value in zip(front.placeholders, flat):
+        if value is x and ph.name in front.ctx.seq_inputs:
+            axis = front.ctx.seq_inputs[ph.name][0]
+            size = ph.meta["val"].shape[axis]
+            expr = size.node.expr if isinstance(size, torch.SymInt) else None
+            coeff = expr.as_coeff_Mul()[0] if expr is not None else 1
+            return axis, int(coeff) if expr is not None and expr.is_Mul else 1
+    raise SpecError("the latents are not a sequence input of the compiled model. fix: pass "
+                    "the latents as the model's first argument, as in the compile example")
+
+
+def _pipelined(cp: Any, jobs: list[tuple[int, int]], calls: dict[int, Call], state: CallState,
+               stage_of: Callable[[int, int], StageProgram], n_stages: int,
+               finish: Callable[[int, int, tuple[Any, ...]], None]) -> None:
+    """Jobs through one worker per stage; stage 0 starts ``(i, m)`` once ``(i - 1, m)`` is
+    finished (its patch stepped by the scheduler in this thread)."""
+    queues = [queue.Queue(cp.options.queue_depth) for _ in range(n_stages + 1)]
+    stop, errors = threading.Event(), []
+    done: dict[int, int] = {}
+    cond = threading.Condition()
+    first_step = jobs[0][0]
+    threads = cp.options.threads_per_stage
+
+    def ready(i: int, m: int) -> bool:
+        return i == first_step or done.get(m, -1) >= i - 1
+
+    def work(s: int) -> None:
+        try:
+            t = threads if threads is None or isinstance(threads, int) else threads[s]
+            if t is not None:
+                torch.set_num_threads(t)
+            for i, m in jobs:
+                if s == 0:
+                    with cond:
+                        while not ready(i, m) and not stop.is_set():
+                            cond.wait(_POLL)
+                    received: tuple[Any, ...] = ()
+                else:
+                    received = _get(queues[s], stop)
+                a, b = calls[i].chunks[m]
+                values = _run_stage(stage_of(m, s), calls[i], state, a, b, received)
+                _put(queues[s + 1], values, stop)
+        except _Stopped:
+            return
+        except BaseException as exc:  # re-raised in the calling thread
+            exc.add_note(f"[tppc] denoise: stage {s}, step {i}, patch {m}")
+            errors.append(exc)
+            stop.set()
+
+    workers = [threading.Thread(target=work, args=(s,), daemon=True, name=f"tppc-denoise-{s}")
+               for s in range(n_stages)]
+    for w in workers:
+        w.start()
+    try:
+        for i, m in jobs:
+            values = _get(queues[-1], stop)
+            finish(i, m, values)
+            with cond:
+                done[m] = i
+                cond.notify_all()
+    except _Stopped:
+        pass
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()
+    if errors:
+        raise errors[0]
+
+
+class _Stopped(Exception):
+    """Another worker failed."""
+
+
+def _get(q: queue.Queue, stop: threading.Event) -> Any:
+    while True:
+        try:
+            return q.get(timeout=_POLL)
+        except queue.Empty:
+            if stop.is_set():
+                raise _Stopped from None
+
+
+def _put(q: queue.Queue, item: Any, stop: threading.Event) -> None:
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=_POLL)
+            return
+        except queue.Full:
+            continue
+    raise _Stopped
