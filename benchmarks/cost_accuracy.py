@@ -1,6 +1,6 @@
 """Cost-model accuracy on this CPU: predicted vs measured time of one Llama block per chunk.
 
-Predicted: ``layer_expressions`` on the annotated graph (tppc.analysis.annotate) priced on
+Predicted: ``layer_expressions`` on the chunk-step graph (tppc.analysis.annotate_program) priced on
 ``calibrate("cpu", threads=1)``. Measured: the same HF ``LlamaDecoderLayer`` run eagerly on
 a chunk of c tokens after p tokens, with the chunk semantics of ``chunk_attention``: the
 chunk's K/V are written into full-length buffers, keys [0, p + c) are read back, and an
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tppc.analysis import annotate
+from tppc.analysis import annotate_program
 from tppc.cost_models import calibrate, layer_expressions
 
 CHUNKS = (16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -91,7 +91,7 @@ def main() -> None:
           f"{device.memory.bandwidth / 1e9:.1f} GB/s, vector {device.vector.peak_flops / 1e9:.1f}"
           f" GFLOP/s, op overhead {device.op_overhead * 1e6:.2f} us, matmul half rows "
           f"{device.matrix.half_rows:.1f}, attention efficiency {device.attention_efficiency:.2f}")
-    gm, ctx = annotate(model, (torch.randint(0, 1024, (1, 64)),))
+    gm, ctx = annotate_program(model, (torch.randint(0, 1024, (1, 64)),))
     block = next(e for e in layer_expressions(gm, ctx.layers, device, 8192,
                                               seq_symbol=ctx.seq_symbol,
                                               token_count=ctx.token_count)

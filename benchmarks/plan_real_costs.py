@@ -37,7 +37,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import tppc
 from tppc._blocks import expand_layers, few_blocks
-from tppc.analysis import annotate
+from tppc.analysis import annotate, program_of
 from tppc.context import CompileContext
 from tppc.cost_models.layer_costs import build_cost_table
 from tppc.cost_models.table import CostTable
@@ -87,7 +87,7 @@ def capture(model: torch.nn.Module, args: tuple) -> tuple[fx.GraphModule, Compil
         layers = expand_layers(ctx.layers, *truncated)
         assert sum(layer.kind == "block" for layer in layers) == truncated[1]
         ctx.layers = layers
-    return gm, ctx
+    return program_of(gm, ctx), ctx  # the chunk-step graph: what runs, and what is priced
 
 
 def price(gm: fx.GraphModule, ctx: CompileContext, cluster: str, seq_len: int) -> CostTable:

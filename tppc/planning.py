@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from tppc._blocks import expand_layers, few_blocks
-from tppc.analysis import annotate
+from tppc.analysis import annotate, program_of
 from tppc.cost_models.cluster import Cluster
 from tppc.cost_models.layer_costs import build_cost_table
 from tppc.cost_models.table import CostTable
@@ -75,6 +75,7 @@ def plan(
             ctx.layers = layers
         else:  # the blocks group_layers found are not the list we shortened: capture it all
             gm, ctx = annotate(model, args, kwargs, seq_dims=seq_dims)
+    program = program_of(gm, ctx)  # the chunk-step graph: what runs, and what is priced
     t1 = time.perf_counter()
     if seq_len is None:
         if ctx.token_count is None:
@@ -82,7 +83,7 @@ def plan(
         seq_len = int(ctx.token_count.subs(ctx.seq_symbol, ctx.example_seq))
 
     def table_at(tokens: int) -> CostTable:
-        return build_cost_table(gm, ctx.layers, cluster, tokens, seq_symbol=ctx.seq_symbol,
+        return build_cost_table(program, ctx.layers, cluster, tokens, seq_symbol=ctx.seq_symbol,
                                 token_count=ctx.token_count)
 
     left = max(0.1, time_limit - (time.perf_counter() - t1))  # costing counts, capture not

@@ -35,6 +35,7 @@ from tppc.passes.chunk_attention import ChunkSignature
 from tppc.passes.partition_stages import partition_stages
 from tppc.passes.runner import run_passes
 from tppc.planner.plan import Plan, StagePlan
+from tppc.planner.schedule import Actions, flow_shop
 
 __all__ = ["BufferSpec", "Program", "StageProgram", "build_program", "device_for"]
 
@@ -128,6 +129,8 @@ class Program:
         stages: one :class:`StageProgram` per stage.
         signature: how the model's inputs and outputs map to the chunk step.
         tail: the ``global`` epilogue run once on the full outputs, or None.
+        actions: what each stage runs, in order (:mod:`tppc.planner.schedule`): the lists the
+            plan's simulation replayed, read by every executor.
     """
 
     plan: Plan
@@ -136,6 +139,14 @@ class Program:
     stages: tuple[StageProgram, ...]
     signature: ChunkSignature
     tail: fx.GraphModule | None
+    actions: Actions = ()
+
+    def actions_for(self, chunks: tuple[tuple[int, int], ...]) -> Actions:
+        """The actions of a call with ``chunks``: the program's own for its chunks; other
+        chunkings (a decoding step) run every chunk in order on every stage."""
+        if chunks == self.chunks and self.actions:
+            return self.actions
+        return flow_shop(chunks, len(self.stages))
 
     def buffer_specs(self) -> tuple[BufferSpec, ...]:
         """Every K/V buffer of the program, stage by stage."""
@@ -165,8 +176,9 @@ def build_program(chunk: fx.GraphModule, ctx: CompileContext, plan: Plan,
     tail = getattr(chunk, "tppc_tail", None)
     if tail is not None:  # a copy with its own module tree (the chunk graph's stays as is)
         tail = _own_tensors(fx.GraphModule(tail, copy.deepcopy(tail.graph)), stages[-1].device)
-    return Program(plan=plan, seq_len=plan.seq_len, chunks=chunks or plan.chunks,
-                   stages=stages, signature=signature, tail=tail)
+    chunks = chunks or plan.chunks
+    return Program(plan=plan, seq_len=plan.seq_len, chunks=chunks, stages=stages,
+                   signature=signature, tail=tail, actions=flow_shop(chunks, len(stages)))
 
 
 def _stage(module: fx.GraphModule, device: torch.device, signature: ChunkSignature

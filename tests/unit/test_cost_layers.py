@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as hst
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tppc.analysis import annotate
+from tppc.analysis import annotate_program
 from tppc.cost_models.cluster import Cluster
 from tppc.cost_models.layer_costs import build_cost_table, layer_expressions
 from tppc.cost_models.node_costs import C, P
@@ -26,7 +26,7 @@ def llama():
                       num_hidden_layers=3, num_attention_heads=H, num_key_value_heads=KV,
                       max_position_embeddings=1024)
     model = LlamaForCausalLM(cfg).eval()
-    return annotate(model, (torch.randint(0, VOCAB, (1, 32)),))
+    return annotate_program(model, (torch.randint(0, VOCAB, (1, 32)),))
 
 
 def _exprs(llama, device="h100-sxm"):
@@ -124,7 +124,7 @@ def test_bidirectional_attention_does_not_depend_on_prefix():
                 x = layer(x)
             return x
 
-    gm, ctx = annotate(Encoder().eval(), (torch.randn(1, 32, D),))
+    gm, ctx = annotate_program(Encoder().eval(), (torch.randn(1, 32, D),))
     table = build_cost_table(gm, ctx.layers, "1xh100-sxm", 512, seq_symbol=ctx.seq_symbol,
                              token_count=ctx.token_count)
     assert not table.causal

@@ -27,7 +27,7 @@ from tppc.cost_models.report import report_from_graph
 from tppc.cost_models.roofline import node_time_terms
 from tppc.cost_models.specs import DeviceSpec, MatrixUnit, Memory, VectorUnit
 from tppc.errors import CostModelError
-from tppc.ir import TOKEN, TokenInfo
+from tppc.ir import LAYER, TOKEN, LayerInfo, TokenInfo
 
 
 def _export(module: nn.Module, *args: torch.Tensor, axis: int = 1, max_len: int = 1024):
@@ -171,10 +171,20 @@ def test_op_without_a_rule_is_recorded_and_warned_once(monkeypatch):
     assert not _only(costs, "mul").unpriced
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a second pricing of the same op stays silent
-        table = build_cost_table(gm, None, "1xh100-sxm", 64)
-        report = report_from_graph(gm, cluster="1xh100-sxm", chunk=8)
+        layers = [_one_layer(gm)]
+        table = build_cost_table(gm, layers, "1xh100-sxm", 64)
+        report = report_from_graph(gm, cluster="1xh100-sxm", chunk=8, layers=layers)
     assert table.unpriced_ops == ("special_i0",) and report.unpriced_ops == ("special_i0",)
     assert "special_i0" in str(report)
+
+
+def _one_layer(gm) -> LayerInfo:
+    """Every node in one layer named ``m`` (what group_layers writes into the meta)."""
+    for node in gm.graph.nodes:
+        node.meta[LAYER] = "m"
+    return LayerInfo(index=0, name="m", kind="block", nodes=(), params=(), param_count=0,
+                     param_bytes=0, attention_nodes=(), attention_kinds=(), inputs=(),
+                     outputs=())
 
 
 def test_known_memory_ops_are_not_reported_as_unpriced():

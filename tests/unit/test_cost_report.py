@@ -10,6 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tppc.analysis import annotate
+from tppc.cost_models.presets import DEVICE_PRESETS
 from tppc.cost_models.report import add_cost_arguments, cost_command, report_from_graph
 from tppc.errors import SpecError
 
@@ -79,7 +80,14 @@ def test_report_json_has_totals_and_every_layer(tiny):
     report = report_from_graph(gm, ctx, cluster="1xh100-sxm", chunk=64)
     data = json.loads(report.to_json())
     assert len(data["layers"]) == len(ctx.layers)
-    assert data["total_time"] == pytest.approx(sum(r["time"] for r in data["layers"]))
+    c, d, ff, heads, kv, hd, vocab = 64, 64, 128, 4, 2, 16, 128  # factory()'s config
+    block = 2 * c * (2 * d * d + 2 * d * kv * hd + 3 * d * ff) + 4 * heads * hd * c * (c + 1) / 2
+    hand = 2 * block + 2 * c * d * vocab  # two blocks (causal keys visited) + the LM head
+    assert sum(r["matrix_flops"] for r in data["layers"]) == pytest.approx(hand)
+    vector = sum(r["vector_flops"] for r in data["layers"])
+    assert data["total_flops"] == pytest.approx(hand + vector) and vector > 0
+    linears = 2 * 7 + 1  # q, k, v, o, gate, up, down per block, and the LM head
+    assert data["total_time"] >= linears * DEVICE_PRESETS["h100-sxm"].op_overhead
     assert set(data["formulas"]["model.layers.0"]) == {"matrix_flops", "vector_flops", "bytes",
                                                        "time"}
 

@@ -7,7 +7,8 @@ K/V buffers, a whole user input (``full``: the key-validity mask), or an int. Th
 straight into the call's full-length output when that slice is contiguous
 (:mod:`tppc.backends._direct_output`).
 
-The ``local`` executor runs every stage in order, chunk by chunk, in the calling thread: the
+The ``local`` executor runs the program's actions (:mod:`tppc.planner.schedule`) one at a
+time, chunk by chunk, in the calling thread: the
 reference the others are tested against; it also runs the decoding steps of ``generate``.
 """
 
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 
+from tppc.planner.schedule import serial_order
 from tppc.program import Program, StageProgram
 from tppc.runtime.state import Call, CallState
 
@@ -110,27 +112,31 @@ class LocalExecutor:
 
     def run(self, program: Program, call: Call, state: CallState, sink: Sink | None = None,
             timeout: float | None = None, trace: list | None = None) -> list[tuple[Any, ...]]:
-        """Every chunk through every stage (``timeout`` is not enforced: one thread).
+        """Every stage's actions (``program.actions``) in a dependency order in one thread
+        (``timeout`` is not enforced).
 
         ``trace``: a list that receives ``(stage, chunk, start, end)`` of every job.
 
         Returns the last stage's outputs per chunk, or ``[]`` when they go to ``sink``.
         """
-        results = []
-        for i, (start, end) in enumerate(call.chunks):
-            values: tuple[Any, ...] = ()
-            for stage in program.stages:
-                try:
-                    t0 = time.perf_counter()
-                    values = run_stage(stage, call, state, start, end, values)
-                    if trace is not None:
-                        trace.append((stage.index, i, t0, time.perf_counter()))
-                except Exception as exc:
-                    exc.add_note(f"[tppc] in stage {stage.index} ({stage.device}), chunk {i} "
-                                 f"[{start}, {end})")
-                    raise
-            if sink is None:
-                results.append(values)
+        results: dict[int, tuple[Any, ...]] = {}
+        last = len(program.stages) - 1
+        sent: dict[tuple[int, int], tuple[Any, ...]] = {}  # (stage, chunk) -> its outputs
+        for s, act in serial_order(program.actions_for(call.chunks)):
+            stage, i, start, end = program.stages[s], act.chunk, act.start, act.end
+            try:
+                t0 = time.perf_counter()
+                values = run_stage(stage, call, state, start, end, sent.pop((s - 1, i), ()))
+                if trace is not None:
+                    trace.append((s, i, t0, time.perf_counter()))
+            except Exception as exc:
+                exc.add_note(f"[tppc] in stage {s} ({stage.device}), chunk {i} "
+                             f"[{start}, {end})")
+                raise
+            if s < last:
+                sent[(s, i)] = values
+            elif sink is None:
+                results[i] = values
             else:
                 sink(i, values)
-        return results
+        return [results[i] for i in sorted(results)]

@@ -1,7 +1,8 @@
 """The ``threads`` executor: one worker thread per stage, joined by bounded queues.
 
-Stage ``s``'s worker takes chunk ``i`` from its input queue, runs it, and puts the boundary
-values on the queue of stage ``s + 1`` while it goes on with chunk ``i + 1``: the stages run
+Stage ``s``'s worker runs its actions (``program.actions[s]``, :mod:`tppc.planner.schedule`)
+in order: it takes the action's chunk from its input queue, runs it, and puts the boundary
+values on the queue of stage ``s + 1`` while it goes on with its next action: the stages run
 concurrently (PyTorch releases the GIL inside every op). Each worker sets its own intra-op
 thread count (``torch.set_num_threads`` is per thread) and grad mode.
 
@@ -100,18 +101,18 @@ class ThreadsExecutor:
         for w in workers:
             w.start()
         deadline = None if timeout is None else time.perf_counter() + timeout
-        results: list[tuple[Any, ...]] = []
+        results: dict[int, tuple[Any, ...]] = {}
         timed_out = False
         try:
-            for index in range(len(call.chunks)):
+            for _ in program.actions_for(call.chunks)[-1]:
                 item = self._next(run, workers, deadline, program, timeout)
                 if item is None:
                     break
                 _wait_event(item.event, stages[-1].device)
                 if sink is None:
-                    results.append(item.values)
+                    results[item.index] = item.values
                 else:
-                    sink(index, item.values)
+                    sink(item.index, item.values)
         except StageTimeout:
             timed_out = True
             raise
@@ -122,7 +123,7 @@ class ThreadsExecutor:
         self.last_trace = run.trace
         if run.errors:
             raise run.errors[0]
-        return results
+        return [results[i] for i in sorted(results)]
 
     def _next(self, run: _Run, workers: list[threading.Thread], deadline: float | None,
               program: Program, timeout: float | None) -> _Item | None:
@@ -167,18 +168,23 @@ class ThreadsExecutor:
             if stage.device.type == "cuda":
                 torch.cuda.set_device(stage.device)
             copier = _Copier(stage.device, nxt)
-            for i, (start, end) in enumerate(call.chunks):
+            early: dict[int, _Item] = {}  # chunks the previous stage sent ahead of this order
+            for act in program.actions_for(call.chunks)[s]:
+                i, start, end = act.chunk, act.start, act.end
                 if s == 0:
                     received: tuple[Any, ...] = ()
                 else:
-                    item = _get(run.queues[s], run.stop)
+                    while i not in early:
+                        item = _get(run.queues[s], run.stop)
+                        early[item.index] = item
+                    item = early.pop(i)
                     _wait_event(item.event, stage.device)
                     received = item.values
                 t0 = time.perf_counter()
                 values = run_stage(stage, call, run.state, start, end, received)
                 run.trace.append((s, i, t0, time.perf_counter()))
                 values, event = copier.send(values)
-                run.done[s] = i + 1
+                run.done[s] += 1
                 _put(run.queues[s + 1], _Item(i, values, event), run.stop)
         except _Stopped:
             return

@@ -68,6 +68,7 @@ def attention_work(
     value_dim: sympy.Expr | int | None = None,
     batch: sympy.Expr | int = 1,
     mask_itemsize: int = 0,
+    writes_kv: bool = True,
 ) -> AttentionWork:
     """Price one attention call of ``c`` queries after ``p`` tokens.
 
@@ -83,6 +84,8 @@ def attention_work(
         value_dim: value head dimension (default ``head_dim``).
         batch: batch size.
         mask_itemsize: bytes per element of an explicit ``(c, keys)`` mask (0: none).
+        writes_kv: count writing the chunk's K/V into the buffers (an aten SDPA node stands
+            for the write too; in the chunk-step graph a separate ``copy_`` node does it).
 
     Returns:
         The :class:`AttentionWork`.
@@ -95,7 +98,7 @@ def attention_work(
     kv_per_key = batch * kv_heads * (head_dim + dv) * itemsize
     nbytes = (bh * c * (head_dim + dv) * itemsize  # read Q, write O
               + kv_per_key * keys  # read the K/V buffers
-              + kv_per_key * c  # write the chunk's K/V into them
+              + (kv_per_key * c if writes_kv else 0)  # write the chunk's K/V into them
               + batch * c * keys * mask_itemsize)
     return AttentionWork(
         matmuls=tuple(tuple(sympy.expand(sympy.sympify(d)) for d in mm) for mm in matmuls),

@@ -1,9 +1,9 @@
 """Per-layer prices: sum the node costs of each layer into time(c, p) and memory needs.
 
 Terms:
-    layer: a :class:`tppc.ir.LayerInfo` (prologue, repeated block, epilogue); without
-        them, layers are read from ``node.meta["tppc.layer"]``, else from the
-        ``nn_module_stack`` (the outermost numbered module such as ``model.layers.3``).
+    layer: a :class:`tppc.ir.LayerInfo` of ``group_layers`` (prologue, repeated block,
+        epilogue) whose nodes are the chunk-step graph's nodes of that layer
+        (:func:`.program_costs.program_layers`).
     layer time: ``Σ_nodes max(matrix_s, vector_s, memory_s) + serial_s + overhead`` on one
         device (see :mod:`.roofline`), a sympy expression in c and p (L is replaced by the
         table's ``seq_len``), then lambdified to numpy so the planner evaluates a whole
@@ -13,14 +13,13 @@ Identical blocks (same ops, shapes and dtypes, node by node) share one expressio
 compiled function, so an 80-block model costs about as much to price as one block.
 
 Example:
-    >>> table = build_cost_table(gm, ctx.layers, Cluster.parse("4xh100-sxm"), 4096)  # doctest: +SKIP
+    >>> table = build_cost_table(front.chunk, ctx.layers, "4xh100-sxm", 4096)  # doctest: +SKIP
     >>> table.layers[0][1].time(np.array([512.]), np.array([0.]))                  # doctest: +SKIP
     array([0.00012...])
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,7 +28,7 @@ import sympy
 from torch import fx
 
 from ..errors import CostModelError
-from ..ir import LAYER, TOKEN, LayerInfo, TokenInfo
+from ..ir import TOKEN, LayerInfo, TokenInfo
 from .cluster import Cluster
 from .lambdify import to_numpy
 from .node_costs import (
@@ -38,16 +37,19 @@ from .node_costs import (
     NodeCost,
     P,
     TokenSubstitution,
+    _arg_nodes,
+    _dtype_name,
     _Shapes,
     _tensors,
     find_seq_symbol,
     node_cost,
 )
+from .program_costs import program_layers, program_node_cost, program_signature
 from .roofline import node_time_terms
 from .specs import DeviceSpec
 from .table import CostTable, LayerCost, LinkCost, TimeFn
 
-__all__ = ["LayerExpr", "build_cost_table", "infer_layers", "layer_expressions"]
+__all__ = ["LayerExpr", "build_cost_table", "layer_expressions"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,78 +98,6 @@ def _vectorise(expr: sympy.Expr) -> TimeFn:
     return time
 
 
-def _is_block(path: str) -> bool:
-    return re.search(r"(^|\.)\d+$", path) is not None
-
-
-def infer_layers(gm: fx.GraphModule) -> list[LayerInfo]:
-    """Layers from ``meta["tppc.layer"]``, else from the outermost numbered module path.
-
-    A stand-in for the ``group_layers`` pass (which also fills params and boundaries);
-    here ``params``, ``inputs`` and ``outputs`` are derived from the graph edges.
-    """
-    names: dict[str, str] = {}
-    order: list[str] = []
-    pending: list[str] = []  # non-block nodes after a block: epilogue unless a block follows
-    use_meta = any(LAYER in n.meta for n in gm.graph.nodes)
-    for node in gm.graph.nodes:
-        if node.op in ("placeholder", "output", "get_attr"):
-            continue
-        if use_meta:
-            name = node.meta.get(LAYER) or (order[-1] if order else "prologue")
-        else:
-            paths = [v[0] for v in (node.meta.get("nn_module_stack") or {}).values()]
-            name = next((p for p in paths if _is_block(p)), None)
-            if name is None:
-                if order:
-                    pending.append(node.name)
-                    continue
-                name = "prologue"
-            elif pending:
-                names.update(dict.fromkeys(pending, order[-1]))
-                pending.clear()
-        names[node.name] = name
-        if name not in order:
-            order.append(name)
-    if pending:
-        names.update(dict.fromkeys(pending, "epilogue"))
-        order.append("epilogue")
-    members: dict[str, list[str]] = {name: [] for name in order}
-    for node in gm.graph.nodes:
-        if node.name in names:
-            members[names[node.name]].append(node.name)
-    return [_layer_info(gm, i, name, members[name]) for i, name in enumerate(order)]
-
-
-def _layer_info(gm: fx.GraphModule, index: int, name: str, nodes: list[str]) -> LayerInfo:
-    members = set(nodes)
-    graph_nodes = {n.name: n for n in gm.graph.nodes}
-    params: dict[str, int] = {}
-    inputs: dict[str, None] = {}
-    outputs: dict[str, None] = {}
-    for n in nodes:
-        node = graph_nodes[n]
-        for a in node.all_input_nodes:
-            if a.op in ("placeholder", "get_attr") and _tensors(a.meta.get("val")) and \
-                    not _seq_dependent(a):
-                t = _tensors(a.meta["val"])[0]
-                params[a.name] = t.numel() * t.element_size()
-            elif a.name not in members and a.op != "placeholder":
-                inputs[a.name] = None
-        if any(u.name not in members for u in node.users):
-            outputs[n] = None
-    kind = "prologue" if name == "prologue" else "epilogue" if name == "epilogue" else "block"
-    return LayerInfo(index=index, name=name, kind=kind, nodes=tuple(nodes),
-                     params=tuple(params), param_count=0, param_bytes=sum(params.values()),
-                     attention_nodes=(), attention_kinds=(), inputs=tuple(inputs),
-                     outputs=tuple(outputs))
-
-
-def _seq_dependent(node: fx.Node) -> bool:
-    return any(not isinstance(s, int) and not str(s).isdigit()
-               for t in _tensors(node.meta.get("val")) for s in t.shape)
-
-
 def _raw_dim(size: object) -> object:
     """A hashable size, cheaper than ``SymNode.expr`` (which applies the shape env)."""
     node = getattr(size, "node", None)
@@ -186,7 +116,7 @@ def _node_signature(node: fx.Node, describe) -> tuple:
     """Ops, shapes, dtypes and token axes: equal signatures give equal costs."""
     consts = tuple(repr(a) for a in node.args if not isinstance(a, fx.Node | list | tuple))
     return (str(node.target), describe(node), consts, node.kwargs.get("is_causal"),
-            tuple(describe(a) for a in node.all_input_nodes))
+            tuple(describe(a) for a in node.all_input_nodes), program_signature(node))
 
 
 class _Pricer:
@@ -216,7 +146,8 @@ class _Pricer:
         node = self.nodes[name]
         sig = _node_signature(node, self._describe)
         if sig not in self._node_cache:
-            self._node_cache[sig] = node_cost(
+            dtype = _dtype_name(node, _arg_nodes(node), self.compute_dtype)
+            self._node_cache[sig] = program_node_cost(node, self.shapes, dtype) or node_cost(
                 node, self.subs, default_attention=self.default_attention,
                 compute_dtype=self.compute_dtype, _shapes=self.shapes)
         cost = self._node_cache[sig]
@@ -322,7 +253,7 @@ def _refuse_fx_graphs(gm: fx.GraphModule) -> None:
             )
 
 
-def _setup(gm: fx.GraphModule, layers: Sequence[LayerInfo] | None, seq_len: int,
+def _setup(gm: fx.GraphModule, layers: Sequence[LayerInfo], seq_len: int,
            seq_symbol: sympy.Symbol | None, token_count: sympy.Expr | None,
            default_attention: str, compute_dtype: str | None) -> tuple[_Pricer, list[LayerInfo]]:
     if not isinstance(seq_len, int) or seq_len < 1:
@@ -330,11 +261,11 @@ def _setup(gm: fx.GraphModule, layers: Sequence[LayerInfo] | None, seq_len: int,
     _refuse_fx_graphs(gm)
     sym = seq_symbol if seq_symbol is not None else find_seq_symbol(gm)
     subs = TokenSubstitution.build(sym, token_count)
-    layer_list = list(layers) if layers else infer_layers(gm)
+    layer_list = program_layers(gm, layers)
     return _Pricer(gm, subs, seq_len, default_attention, compute_dtype), layer_list
 
 
-def layer_expressions(gm: fx.GraphModule, layers: Sequence[LayerInfo] | None,
+def layer_expressions(gm: fx.GraphModule, layers: Sequence[LayerInfo],
                       device: DeviceSpec, seq_len: int, *,
                       seq_symbol: sympy.Symbol | None = None,
                       token_count: sympy.Expr | None = None,
@@ -347,18 +278,19 @@ def layer_expressions(gm: fx.GraphModule, layers: Sequence[LayerInfo] | None,
     return [pricer.layer(info, device, fuse) for info in layer_list]
 
 
-def build_cost_table(gm: fx.GraphModule, layers: Sequence[LayerInfo] | None,
+def build_cost_table(gm: fx.GraphModule, layers: Sequence[LayerInfo],
                      cluster: Cluster | str, seq_len: int, *,
                      seq_symbol: sympy.Symbol | None = None,
                      token_count: sympy.Expr | None = None,
                      default_attention: str = "causal", compute_dtype: str | None = None,
                      fuse_elementwise: bool | None = None) -> CostTable:
-    """Price every layer of an annotated graph on every device of a cluster.
+    """Price every layer of the chunk-step graph on every device of a cluster.
 
     Args:
-        gm: the annotated graph (``meta["val"]`` with a symbolic sequence length;
-            ``meta["tppc.token"]`` when present).
-        layers: ``ctx.layers``; None infers them (see :func:`infer_layers`).
+        gm: the chunk-step graph (``FrontEnd.chunk``, or
+            :func:`tppc.analysis.annotate_program`): the program that runs for one chunk.
+        layers: ``ctx.layers`` (``group_layers``); each layer's nodes are read off ``gm``'s
+            ``tppc.layer`` meta (see :func:`.program_costs.program_layers`).
         cluster: a :class:`Cluster` or a cluster string.
         seq_len: the full sequence length L.
         seq_symbol: ``ctx.seq_symbol``; None finds the graph's only dynamic symbol.

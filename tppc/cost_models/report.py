@@ -30,6 +30,7 @@ from ..ir import LayerInfo
 from .cluster import Cluster
 from .layer_costs import LayerExpr, layer_expressions
 from .node_costs import C, L, P
+from .program_costs import is_chunk_graph
 from .roofline import node_time_terms
 
 __all__ = ["CostReport", "LayerReport", "add_cost_arguments", "cost_command",
@@ -211,12 +212,12 @@ def report_from_graph(gm: fx.GraphModule, ctx: Any = None, *, cluster: Cluster |
                       chunk: int, prefix: int = 0, seq_len: int | None = None,
                       device_index: int = 0, layers: Sequence[LayerInfo] | None = None,
                       dtype: str | None = None, **options: Any) -> CostReport:
-    """Price each layer of an annotated graph for one chunk on one device of ``cluster``.
+    """Price each layer of the chunk-step program for one chunk on one device of ``cluster``.
 
     Args:
-        gm: the annotated graph.
-        ctx: the compile context (``seq_symbol``, ``token_count``, ``layers`` are read when
-            present); None infers them from the graph.
+        gm: the chunk-step graph, or the annotated graph (then rewritten into the chunk-step
+            graph with ``ctx``: the report prices the program that runs).
+        ctx: the compile context (``seq_symbol``, ``token_count``, ``layers``).
         cluster: a cluster or cluster string; the report prices ``devices[device_index]``.
         chunk: tokens in the chunk (c >= 1).
         prefix: tokens before the chunk (p >= 0).
@@ -243,6 +244,13 @@ def report_from_graph(gm: fx.GraphModule, ctx: Any = None, *, cluster: Cluster |
     options.setdefault("seq_symbol", getattr(ctx, "seq_symbol", None))
     options.setdefault("token_count", getattr(ctx, "token_count", None))
     layers = layers if layers is not None else getattr(ctx, "layers", None)
+    if layers is None:
+        raise SpecError("report_from_graph needs the layers of group_layers: pass ctx (from "
+                        "tppc.analysis.annotate) or layers=")
+    if not is_chunk_graph(gm) and ctx is not None:
+        from tppc.analysis import program_of
+
+        gm = program_of(gm, ctx)
     fuse = options.get("fuse_elementwise")
     fuse = device.name.startswith("tpu") if fuse is None else fuse
     exprs = layer_expressions(gm, layers, device, seq_len, **options)

@@ -12,7 +12,7 @@ from tppc.errors import PlanError
 from tppc.planner.memory import stage_memory
 from tppc.planner.placement import stage_times
 from tppc.planner.plan import Plan, SolverInfo, StagePlan, Workload
-from tppc.planner.schedule import simulate
+from tppc.planner.schedule import flow_shop, simulate
 
 __all__ = ["lower_bounds", "plan_for"]
 
@@ -55,7 +55,8 @@ def plan_for(
         sizes = np.diff(np.asarray(boundaries, dtype=float))
         back = np.max([lk.time(act * sizes) for lk in table.links[: num_stages - 1]], axis=0)
     if steps:
-        sched = simulate(times, links, steps=steps, back=back)
+        actions = flow_shop(tuple(itertools.pairwise(boundaries)), num_stages, steps)
+        sched = simulate(times, links, steps=steps, back=back, actions=actions)
         start, end = sched.start + warmup, sched.end + warmup
         latency = warmup + sched.makespan
     else:

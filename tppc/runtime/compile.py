@@ -76,7 +76,7 @@ def _auto_planner(opts: CompileOptions) -> Planner:
 
     def plan_length(front: FrontEnd, length: int) -> Plan:
         def table_at(tokens: int) -> Any:
-            return build_cost_table(front.annotated, front.ctx.layers, opts.cluster, tokens,
+            return build_cost_table(front.chunk, front.ctx.layers, opts.cluster, tokens,
                                     seq_symbol=front.ctx.seq_symbol,
                                     token_count=front.ctx.token_count)
 
