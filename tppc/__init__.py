@@ -23,10 +23,12 @@ from tppc.errors import (
     PlanInfeasible,
     RuntimeInputError,
     SpecError,
+    StageFailed,
     StageTimeout,
     TppcError,
 )
 from tppc.inspect import layer_table
+from tppc.launch import LaunchResult, launch
 from tppc.planner import Plan, Workload, plan_from_costs, split_tokens
 from tppc.planning import plan
 from tppc.program import Program
@@ -46,6 +48,7 @@ __all__ = [
     "CostModelError",
     "CostTable",
     "DeviceSpec",
+    "LaunchResult",
     "LinkSpec",
     "PassError",
     "PassRecord",
@@ -55,6 +58,7 @@ __all__ = [
     "Program",
     "RuntimeInputError",
     "SpecError",
+    "StageFailed",
     "StageSummary",
     "StageTimeout",
     "TppcError",
@@ -64,6 +68,7 @@ __all__ = [
     "capture",
     "compile",
     "cost_report",
+    "launch",
     "layer_table",
     "manual_plan",
     "plan",
