@@ -22,6 +22,7 @@ import json
 import os
 import resource
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -87,6 +88,25 @@ def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _watchdog(rank: str, grace: float = 2.0) -> None:
+    """Leave (status 1) once another rank recorded a failure and this one is still running
+    ``grace`` seconds later: a rank stuck in an op (an NCCL hang, a hung stage) cannot
+    outlive the job's failure."""
+    from tppc.backends.torch_distributed import read_failure
+
+    def watch() -> None:
+        while True:
+            record = read_failure(wait=0.0)
+            if record is not None:
+                time.sleep(grace)
+                print(f"[tppc.run rank {rank}] StageFailed: {record} (stopped by the "
+                      "watchdog)", file=sys.stderr, flush=True)
+                os._exit(1)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, name="tppc-watchdog", daemon=True).start()
+
+
 def _run(ns: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
     import torch
@@ -111,6 +131,7 @@ def _run(ns: argparse.Namespace) -> dict[str, Any]:
                              results=ns.results, comm_timeout=ns.timeout, device=ns.device,
                              **options)
     compile_s = time.perf_counter() - t0
+    _watchdog(str(cp.rank))
     rss_compiled = _rss_mib()
     if cp.rank == 0:
         args, kwargs = _load_inputs(ns.input, args, kwargs)

@@ -45,7 +45,7 @@ from tppc.errors import StageFailed
 from tppc.program import Program, StageProgram
 from tppc.runtime.state import Call, CallState
 
-__all__ = ["FAILURE_KEY", "DistributedExecutor", "recv_values", "send_values"]
+__all__ = ["FAILURE_KEY", "DistributedExecutor", "read_failure", "recv_values", "send_values"]
 
 FAILURE_KEY = "tppc/failure"
 """c10d store key of the first failure's description."""
@@ -137,7 +137,7 @@ class DistributedExecutor:
     def failure(self, exc: BaseException, where: str) -> StageFailed:
         """A :class:`StageFailed` naming the failed stage; records it first when it is ours."""
         if _is_comm_error(exc):
-            root = _read_failure(wait=3.0)
+            root = read_failure(wait=3.0)
             if root is None:
                 peer = self._peer if self._peer is not None else "?"
                 root = (f"stage {peer} (rank {peer}) stopped answering {where}: "
@@ -147,7 +147,7 @@ class DistributedExecutor:
             root = f"stage {self.rank} (rank {self.rank}) raised in {where}: " \
                    f"{type(exc).__name__}: {_first_line(exc)}"
             _write_failure(root)
-            root = _read_failure(wait=0.0) or root
+            root = read_failure(wait=0.0) or root
         return StageFailed(f"{root}. fix: see the log of that rank; the other ranks stopped "
                            f"(this is rank {self.rank})")
 
@@ -315,7 +315,7 @@ def _write_failure(text: str) -> None:
         pass
 
 
-def _read_failure(wait: float) -> str | None:
+def read_failure(wait: float) -> str | None:
     """The recorded failure, waiting up to ``wait`` seconds for it to appear."""
     store = _store()
     if store is None:
