@@ -97,12 +97,15 @@ def main() -> None:
         print(f"{name:<48} min {min(ts):7.3f} s  median {statistics.median(ts):7.3f} s  "
               f"eager/this {med_eager / statistics.median(ts):.2f}x")
     whole = single.reports[0]
+    grown = whole["rss_peak_mib"] - whole["rss_start_mib"]
+    print(f"1-rank job (whole model): weights {whole['weights_bytes'] / 2**20:.0f} MiB, peak "
+          f"RSS {whole['rss_peak_mib']:.0f} MiB, of which {grown:.0f} MiB after start-up")
     for r in job.reports:
+        mine = r["rss_peak_mib"] - r["rss_start_mib"]
         print(f"rank {r['rank']}: layers {r['layers'][0]}..{r['layers'][-1]}, weights "
               f"{r['weights_bytes'] / 2**20:.0f} MiB, peak RSS {r['rss_peak_mib']:.0f} MiB "
-              f"({r['rss_peak_mib'] / whole['rss_peak_mib']:.2f} of the 1-rank job's "
-              f"{whole['rss_peak_mib']:.0f} MiB holding {whole['weights_bytes'] / 2**20:.0f} "
-              "MiB)")
+              f"({r['rss_peak_mib'] / whole['rss_peak_mib']:.2f}x the 1-rank job), "
+              f"{mine:.0f} MiB after start-up ({mine / grown:.2f}x)")
     print(f"threads-backend cuts {cuts}; distributed compile {job.reports[0]['compile_s']:.1f} s")
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, "
           f"torch {torch.__version__}; load average (1 min) {load_before:.2f} before, "

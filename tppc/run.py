@@ -119,6 +119,7 @@ def _run(ns: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(ns.threads)
     make = _factory(ns.factory, json.loads(ns.factory_kwargs))
     model, args, kwargs, buffers = empty_model(make)
+    rss_start = _rss_mib()  # libraries and the empty model, before any weight is loaded
     options: dict[str, Any] = {}
     if ns.cluster:
         options["cluster"] = ns.cluster
@@ -150,7 +151,7 @@ def _run(ns: argparse.Namespace) -> dict[str, Any]:
     stage = cp.program(cp.plan.seq_len).stages[cp.rank]
     return {"rank": cp.rank, "world": cp.world, "layers": list(stage.layers),
             "times": times, "compile_s": compile_s, "weights_bytes": cp.weights.nbytes,
-            "rss_compiled_mib": rss_compiled, "rss_peak_mib": _rss_mib(),
+            "rss_start_mib": rss_start, "rss_compiled_mib": rss_compiled, "rss_peak_mib": _rss_mib(),
             "threads": torch.get_num_threads(), "chunks": list(cp.plan.chunks)}
 
 
