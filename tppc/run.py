@@ -84,7 +84,14 @@ def _load_inputs(path: str | None, args: tuple[Any, ...], kwargs: dict[str, Any]
 
 
 def _rss_mib() -> float:
-    """Peak resident memory of this process, MiB."""
+    """Peak resident memory of this process, MiB (``VmHWM``: unlike ``ru_maxrss`` it does not
+    include the RSS of the parent that forked this process before ``exec``)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
