@@ -95,3 +95,14 @@ def test_distributed_backend_needs_a_job(monkeypatch: pytest.MonkeyPatch) -> Non
     model, args, _ = gpt()
     with pytest.raises(tppc.SpecError, match="torchrun"):
         tppc.compile(model, args, backend="distributed")
+
+
+def test_bad_inputs_are_refused_on_rank_0_before_any_stage_runs(checkpoints: dict) -> None:
+    _, args, path = checkpoints["gpt"]
+    with pytest.raises(tppc.StageFailed) as info:
+        tppc.launch("tppc.examples:gpt", 2, checkpoint=path,
+                    inputs={"args.0": args[0].float()}, chunks=2, timeout=300)
+    rank0, rank1 = str(info.value).splitlines()[1:]
+    assert "RuntimeInputError: input 'input_ids' is torch.float32" in rank0
+    assert "rank 0 refused the call inputs" in rank1
+    assert info.value.returncodes == (1, 1)
