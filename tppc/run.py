@@ -8,7 +8,8 @@ Example (two stages on this machine; see README "torch.distributed" for several 
 Every rank builds the model from ``MODULE:FACTORY`` with its parameters on the meta device,
 captures it, takes rank 0's plan, loads only its own stage's tensors from the checkpoint and
 runs its stage. Inputs (``--input``, an ``.npz`` with ``args.0``, ``args.1``, ...,
-``kwargs.NAME``; default: the factory's example inputs) are read and validated on rank 0.
+``kwargs.NAME``; default: the factory's example inputs, drawn with the weights on meta, so
+random ones differ from an eager run's) are read and validated on rank 0.
 Rank 0 writes the outputs (``out.0``, ``out.1``, ... the model's flat outputs, or ``ids``
 with ``--generate N``). ``--report DIR`` writes ``rank<r>.json`` per rank (times, memory).
 A rank that fails prints ``[tppc.run rank r] StageFailed: ...`` and exits with status 1.
