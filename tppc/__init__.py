@@ -20,6 +20,7 @@ from tppc.errors import (
     PlanInfeasible,
     RuntimeInputError,
     SpecError,
+    StageFailed,
     StageTimeout,
     TppcError,
 )
@@ -38,6 +39,7 @@ if _torch is not None:
     from tppc.costing import cost_report
     from tppc.export import export
     from tppc.inspect import layer_table
+    from tppc.launch import LaunchResult, launch
     from tppc.planner import Plan, Workload, plan_from_costs, split_tokens
     from tppc.planning import plan
     from tppc.program import Program
@@ -57,6 +59,7 @@ __all__ = [
     "CostModelError",
     "CostTable",
     "DeviceSpec",
+    "LaunchResult",
     "LinkSpec",
     "PassError",
     "PassRecord",
@@ -66,6 +69,7 @@ __all__ = [
     "Program",
     "RuntimeInputError",
     "SpecError",
+    "StageFailed",
     "StageSummary",
     "StageTimeout",
     "TppcError",
@@ -76,6 +80,7 @@ __all__ = [
     "compile",
     "cost_report",
     "export",
+    "launch",
     "layer_table",
     "load",
     "manual_plan",

@@ -15,6 +15,7 @@ __all__ = [
     "PlanInfeasible",
     "RuntimeInputError",
     "SpecError",
+    "StageFailed",
     "StageTimeout",
     "TppcError",
 ]
@@ -58,3 +59,15 @@ class RuntimeInputError(TppcError, ValueError):
 
 class StageTimeout(TppcError, TimeoutError):
     """A pipeline call did not finish in time; the message names the stage that is behind."""
+
+
+class StageFailed(TppcError, RuntimeError):
+    """A stage of a multi-process pipeline raised or died; the message names that stage.
+
+    Attributes:
+        returncodes: exit code of every rank, when raised by :func:`tppc.launch` (else ``()``).
+    """
+
+    def __init__(self, message: str, returncodes: tuple[int | None, ...] = ()) -> None:
+        super().__init__(message)
+        self.returncodes = returncodes

@@ -28,7 +28,7 @@ def compile_pipeline(
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any] | None = None,
     *,
-    backend: Literal["torch"] = "torch",
+    backend: Literal["torch", "distributed"] = "torch",
     plan: Plan | None = None,
     seq_dims: Mapping[str, int | tuple[int, ...]] | None = None,
     **options: Any,
@@ -40,7 +40,10 @@ def compile_pipeline(
             their own parameter tensors (aliasing its storage on the same device).
         args: example positional inputs (their sequence length is the planned length).
         kwargs: example keyword inputs.
-        backend: ``"torch"`` (the stages run as torch GraphModules).
+        backend: ``"torch"`` (the stages run as torch GraphModules in this process) or
+            ``"distributed"`` (one process per stage; call on every rank of a torchrun job;
+            extra keywords ``checkpoint``, ``buffers``, ``results``, ``comm_timeout``,
+            ``device``: see :func:`tppc.runtime.distributed.compile_distributed`).
         plan: a plan to use as is (then other lengths are refused).
         seq_dims: sequence axes of the inputs (see :func:`tppc.capture.capture`).
         **options: the fields of :class:`tppc.runtime.options.CompileOptions` (``cluster``,
@@ -52,8 +55,14 @@ def compile_pipeline(
         SpecError: a bad option (before anything is captured).
         CaptureError, AnnotationError, PassError, PlanError: naming the problem.
     """
+    if backend == "distributed" or options.get("executor") == "distributed":
+        from tppc.runtime.distributed import compile_distributed
+
+        options.pop("executor", None)
+        return compile_distributed(model, args, kwargs, plan=plan, seq_dims=seq_dims,
+                                   **options)
     if backend != "torch":
-        raise SpecError(f"backend={backend!r}; this build runs backend='torch' (ONNX Runtime "
+        raise SpecError(f"backend={backend!r}; use 'torch' or 'distributed' (ONNX Runtime "
                         "stages come with tppc.export)")
     unknown = sorted(set(options) - set(CompileOptions.__dataclass_fields__))
     if unknown:

@@ -17,8 +17,8 @@ from tppc.errors import RuntimeInputError, SpecError
 
 __all__ = ["CompileOptions", "ExecutorName", "chunk_bounds"]
 
-ExecutorName = Literal["local", "threads"]
-EXECUTORS: tuple[ExecutorName, ...] = ("local", "threads")
+ExecutorName = Literal["local", "threads", "distributed"]
+EXECUTORS: tuple[ExecutorName, ...] = ("local", "threads", "distributed")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -28,7 +28,8 @@ class CompileOptions:
     cluster: str = "2xcpu"
     """Cluster string priced by the cost model (``"2xcpu"``, ``"4xh100-sxm"``)."""
     executor: ExecutorName = "threads"
-    """``"threads"`` (one worker per stage) or ``"local"`` (the reference)."""
+    """``"threads"`` (one worker per stage), ``"local"`` (the reference), or ``"distributed"``
+    (one process per stage; set by ``backend="distributed"``, see :mod:`tppc.runtime.distributed`)."""
     chunks: int | tuple[int, ...] | None = None
     """Override the planner's split: a number of equal chunks, or the boundaries."""
     devices: tuple[str | torch.device, ...] | None = None

@@ -1,0 +1,70 @@
+"""Bounded failure of a distributed job: a stage that raises or is killed (SIGKILL) makes
+every other rank exit non-zero on its own, within the communication timeout, naming it.
+
+``tppc.launch`` does not tear the job down when a rank fails (torchrun would): the ranks
+must notice. ``TPPC_FAULT=ACTION@STAGE:CHUNK`` makes stage 1 fail at its second chunk.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+import tppc
+from tppc.examples import gpt
+from tppc.runtime.checkpoint import save_checkpoint
+
+pytestmark = pytest.mark.timeout(600)
+
+COMM_TIMEOUT = 20.0
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    model, _, _ = gpt()
+    path = tmp_path_factory.mktemp("ckpt") / "gpt.safetensors"
+    save_checkpoint(model, path)
+    return str(path)
+
+
+def _fail(checkpoint: str, nprocs: int, action: str) -> tppc.StageFailed:
+    with pytest.raises(tppc.StageFailed) as info:
+        tppc.launch("tppc.examples:gpt", nprocs, checkpoint=checkpoint, chunks=4,
+                    comm_timeout=COMM_TIMEOUT, timeout=240,
+                    env={"TPPC_FAULT": f"{action}@1:1"})
+    return info.value
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_a_raising_stage_stops_every_rank(checkpoint: str, nprocs: int) -> None:
+    err = _fail(checkpoint, nprocs, "raise")
+    assert all(code == 1 for code in err.returncodes), err.returncodes  # none was killed
+    lines = str(err).splitlines()[1:]
+    assert len(lines) == nprocs
+    assert all("stage 1 (rank 1) raised" in line for line in lines), str(err)
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_a_killed_stage_stops_every_rank(checkpoint: str, nprocs: int) -> None:
+    err = _fail(checkpoint, nprocs, "kill")
+    codes = err.returncodes
+    assert codes[1] == -signal.SIGKILL
+    survivors = [c for r, c in enumerate(codes) if r != 1]
+    assert survivors == [1] * (nprocs - 1), codes  # exited on their own, non-zero
+    for line in str(err).splitlines()[1:]:
+        if not line.strip().startswith("rank 1 "):
+            assert "stage 1 (rank 1)" in line, str(err)
+
+
+def test_survivors_exit_within_the_timeout(checkpoint: str) -> None:
+    """A stage that hangs: the others give up after the communication timeout, and the
+    hung rank's watchdog ends it once the failure is recorded (launch's own limit is 240 s)."""
+    t0 = time.perf_counter()
+    with pytest.raises(tppc.StageFailed) as info:
+        tppc.launch("tppc.examples:gpt", 2, checkpoint=checkpoint, chunks=4, comm_timeout=5,
+                    timeout=240, env={"TPPC_FAULT": "hang@1:1"})
+    assert info.value.returncodes == (1, 1)
+    assert "stage 1 (rank 1)" in str(info.value)
+    assert time.perf_counter() - t0 < 150

@@ -1,0 +1,332 @@
+"""The ``distributed`` executor: one process per stage, point-to-point over torch.distributed.
+
+Rank ``r`` runs stage ``r`` only (the other stages of its program are never materialised).
+For each chunk it receives the boundary values from rank ``r - 1``, runs the chunk
+(:func:`tppc.backends.torch_local.run_stage`, the same code every executor runs) and posts
+an asynchronous send (``isend``) to rank ``r + 1``, which proceeds while it computes the next
+chunk; at most ``queue_depth`` sends are in flight.
+
+Terms:
+    handshake: the first chunk of a program carries a small header (dtype, shape and token
+        axis of every boundary value); later chunks, and the one-token steps of
+        ``generate``, send bare tensors whose shapes the receiver derives from the chunk
+        sizes (the token axis holds ``k × chunk size`` rows, ``k`` from the header). A
+        value without a token axis makes every chunk carry a header.
+    failure record: the first rank that fails writes one line naming the failed stage into
+        the job's c10d store (key :data:`FAILURE_KEY`) before it raises; a rank that sees a
+        communication error reads it, so every rank's :class:`tppc.errors.StageFailed`
+        names the stage that failed, not the neighbour that stopped answering. A rank killed
+        outright writes nothing: its neighbours name it (the peer they lost).
+    fault injection: ``TPPC_FAULT=ACTION@STAGE:CHUNK`` (``raise``, ``kill`` = SIGKILL itself,
+        ``hang``) makes that stage fail at that chunk; tests and drills use it.
+
+Every blocking operation is bounded by the process group's timeout (gloo raises at once on a
+dead peer; NCCL needs the timeout and ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, set by
+:func:`tppc.runtime.distributed.init_distributed`).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tppc.backends.torch_local import Sink, run_stage
+from tppc.errors import StageFailed
+from tppc.program import Program, StageProgram
+from tppc.runtime.state import Call, CallState
+
+__all__ = ["FAILURE_KEY", "DistributedExecutor", "read_failure", "recv_values", "send_values"]
+
+FAILURE_KEY = "tppc/failure"
+"""c10d store key of the first failure's description."""
+
+
+@dataclass(frozen=True)
+class _Template:
+    """What the receiver knows of one boundary value after the handshake."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    axis: int | None
+    rows_per_token: int
+
+
+class DistributedExecutor:
+    """Runs this rank's stage of each program (see the module docstring).
+
+    Args:
+        rank: this process's rank (= its stage).
+        world: number of ranks (= stages).
+        queue_depth: sends in flight at most.
+        timeout: seconds any receive or send may wait (the group's own timeout also holds).
+    """
+
+    name = "distributed"
+
+    def __init__(self, rank: int, world: int, queue_depth: int = 2,
+                 timeout: float = 60.0) -> None:
+        self.rank, self.world = rank, world
+        self.queue_depth, self.timeout = queue_depth, timeout
+        self.last_trace: list[tuple[int, int, float, float]] = []
+        self._sent: OrderedDict[int, tuple[Program, tuple[int | None, ...]]] = OrderedDict()
+        self._received: OrderedDict[int, tuple[Program, list[_Template] | None]] = OrderedDict()
+        self._peer: int | None = None
+        self._fault = _parse_fault(os.environ.get("TPPC_FAULT", ""))
+
+    def check(self, program: Program) -> str | None:
+        """None when the program has one stage per rank."""
+        if len(program.stages) != self.world:
+            return (f"the program has {len(program.stages)} stages and the job {self.world} "
+                    f"ranks; launch one process per stage (--nproc-per-node "
+                    f"{len(program.stages)})")
+        return None
+
+    def run(self, program: Program, call: Call, state: CallState, sink: Sink | None = None,
+            timeout: float | None = None, trace: list | None = None) -> list[tuple[Any, ...]]:
+        """This rank's stage over every chunk of ``call``.
+
+        Returns, on the last rank, the outputs per chunk (or ``[]`` when they go to
+        ``sink``); ``[]`` on the other ranks.
+
+        Raises:
+            StageFailed: this stage raised, or a peer failed (naming the failed stage).
+        """
+        stage = program.stages[self.rank]
+        wait = timedelta(seconds=timeout or self.timeout)
+        pending: list[tuple[Any, tuple[Any, ...]]] = []
+        results: list[tuple[Any, ...]] = []
+        jobs: list[tuple[int, int, float, float]] = []
+        i, start, end = 0, 0, 0
+        try:
+            for i, (start, end) in enumerate(call.chunks):
+                received = self._recv(program, end - start, wait) if self.rank else ()
+                self._inject(i)
+                t0 = time.perf_counter()
+                values = run_stage(stage, call, state, start, end, received)
+                jobs.append((self.rank, i, t0, time.perf_counter()))
+                if self.rank + 1 < self.world:
+                    pending.append(self._send(program, stage, values))
+                    while len(pending) > self.queue_depth:
+                        self._wait(pending.pop(0)[0], self.rank + 1, wait)
+                elif sink is None:
+                    results.append(values)
+                else:
+                    sink(i, values)
+            for work, _ in pending:
+                self._wait(work, self.rank + 1, wait)
+        except StageFailed:
+            raise
+        except Exception as exc:
+            raise self.failure(exc, f"stage {self.rank}, chunk {i} [{start}, {end})") from exc
+        self.last_trace = jobs
+        if trace is not None:
+            trace.extend(jobs)
+        return results
+
+    # -- failure ------------------------------------------------------------------------------
+    def failure(self, exc: BaseException, where: str) -> StageFailed:
+        """A :class:`StageFailed` naming the failed stage; records it first when it is ours."""
+        if _is_comm_error(exc):
+            root = read_failure(wait=3.0)
+            if root is None:
+                peer = self._peer if self._peer is not None else "?"
+                root = (f"stage {peer} (rank {peer}) stopped answering {where}: "
+                        f"{_first_line(exc)}")
+                _write_failure(root)
+        else:
+            root = f"stage {self.rank} (rank {self.rank}) raised in {where}: " \
+                   f"{type(exc).__name__}: {_first_line(exc)}"
+            _write_failure(root)
+            root = read_failure(wait=0.0) or root
+        return StageFailed(f"{root}. fix: see the log of that rank; the other ranks stopped "
+                           f"(this is rank {self.rank})")
+
+    def _inject(self, chunk: int) -> None:
+        if self._fault is None or self._fault[1:] != (self.rank, chunk):
+            return
+        action = self._fault[0]
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if action == "hang":
+            time.sleep(3600)
+        raise RuntimeError(f"TPPC_FAULT injected a failure in stage {self.rank}, chunk {chunk}")
+
+    # -- point to point -------------------------------------------------------------------------
+    def _send(self, program: Program, stage: StageProgram, values: tuple[Any, ...]
+              ) -> tuple[Any, tuple[Any, ...]]:
+        key = id(program)
+        first = key not in self._sent
+        axes = _remember(self._sent, key, program, lambda: _token_axes(stage))
+        dst = self.rank + 1
+        self._peer = dst
+        tensors = tuple(_tensor(v, stage, j).contiguous() for j, v in enumerate(values))
+        if first or None in axes:
+            header = [(str(t.dtype), tuple(t.shape), a) for t, a in zip(tensors, axes)]
+            _send_bytes(pickle.dumps(header), dst, tensors[0].device if tensors else None)
+        work = [dist.isend(t, dst) for t in tensors]
+        return work, tensors  # the tensors stay alive until the send completes
+
+    def _recv(self, program: Program, size: int, wait: timedelta) -> tuple[Any, ...]:
+        key = id(program)
+        src = self.rank - 1
+        self._peer = src
+        device = program.stages[self.rank].device
+        templates = _remember(self._received, key, program, lambda: None)
+        if templates is None or any(t.axis is None for t in templates):
+            header = pickle.loads(_recv_bytes(src, device, wait))
+            templates = [_Template(getattr(torch, d.split(".")[-1]), tuple(s), a,
+                                   (s[a] // size) if a is not None else 0)
+                         for d, s, a in header]
+            self._received[key] = (program, templates)
+        out = []
+        for t in templates:
+            shape = list(t.shape)
+            if t.axis is not None:
+                shape[t.axis] = t.rows_per_token * size
+            buf = torch.empty(shape, dtype=t.dtype, device=device)
+            self._wait([dist.irecv(buf, src)], src, wait)
+            out.append(buf)
+        return tuple(out)
+
+    def _wait(self, works: Sequence[Any], peer: int, wait: timedelta) -> None:
+        self._peer = peer
+        for work in works:
+            work.wait(wait)
+
+
+def _remember(table: OrderedDict, key: int, program: Program, make: Any) -> Any:
+    """The entry of ``program`` (created by ``make``); keeps the 32 latest programs alive so
+    that their ids stay unique (both ranks evict in the same order)."""
+    if key not in table:
+        table[key] = (program, make())
+        while len(table) > 32:
+            table.popitem(last=False)
+    return table[key][1]
+
+
+def _token_axes(stage: StageProgram) -> tuple[int | None, ...]:
+    """The token axis of each boundary value the stage sends (from its output's shapes)."""
+    out = next(iter(stage.module.graph.find_nodes(op="output")))
+    leaves = out.args[0] if isinstance(out.args[0], tuple | list) else (out.args[0],)
+    axes = []
+    for leaf in leaves:
+        val = leaf.meta.get("val") if hasattr(leaf, "meta") else None
+        shape = getattr(val, "shape", ())
+        axes.append(next((i for i, s in enumerate(shape) if isinstance(s, torch.SymInt)), None))
+    return tuple(axes)
+
+
+def _tensor(value: Any, stage: StageProgram, j: int) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise StageFailed(f"stage {stage.index} sends boundary value {j} "
+                          f"({stage.boundary_out[j]}) of type {type(value).__name__}; only "
+                          "tensors cross stage boundaries. fix: report this model")
+    return value
+
+
+def send_values(values: Sequence[Any], dst: int, device: torch.device | None = None) -> None:
+    """Send a list of tensors and small objects to ``dst`` (header first, then tensors)."""
+    header = [("t", str(v.dtype), tuple(v.shape)) if isinstance(v, torch.Tensor) else ("o", v)
+              for v in values]
+    _send_bytes(pickle.dumps(header), dst, device)
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            dist.send(v.detach().contiguous().to(device or v.device), dst)
+
+
+def recv_values(src: int, device: torch.device, timeout: float = 60.0) -> list[Any]:
+    """Receive what :func:`send_values` sent from ``src``."""
+    wait = timedelta(seconds=timeout)
+    out = []
+    for entry in pickle.loads(_recv_bytes(src, device, wait)):
+        if entry[0] == "o":
+            out.append(entry[1])
+            continue
+        buf = torch.empty(entry[2], dtype=getattr(torch, entry[1].split(".")[-1]),
+                          device=device)
+        dist.irecv(buf, src).wait(wait)
+        out.append(buf)
+    return out
+
+
+def _send_bytes(data: bytes, dst: int, device: torch.device | None) -> None:
+    device = device or torch.device("cpu")
+    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    dist.send(torch.tensor([payload.numel()], dtype=torch.int64, device=device), dst)
+    dist.send(payload, dst)
+
+
+def _recv_bytes(src: int, device: torch.device, wait: timedelta) -> bytes:
+    size = torch.empty(1, dtype=torch.int64, device=device)
+    dist.irecv(size, src).wait(wait)
+    payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.irecv(payload, src).wait(wait)
+    return payload.cpu().numpy().tobytes()
+
+
+def _parse_fault(text: str) -> tuple[str, int, int] | None:
+    if not text:
+        return None
+    action, _, where = text.partition("@")
+    stage, _, chunk = where.partition(":")
+    if action not in ("raise", "kill", "hang") or not stage.isdigit() or not chunk.isdigit():
+        raise StageFailed(f"TPPC_FAULT={text!r} must read ACTION@STAGE:CHUNK with ACTION one "
+                          "of raise, kill, hang (e.g. raise@1:2)")
+    return action, int(stage), int(chunk)
+
+
+def _is_comm_error(exc: BaseException) -> bool:
+    if isinstance(exc, dist.DistError | TimeoutError | ConnectionError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        m in text for m in ("Connection", "connection", "Timed out", "timed out", "peer",
+                            "Gloo", "gloo", "NCCL", "closed"))
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:300]
+
+
+def _store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None
+
+
+def _write_failure(text: str) -> None:
+    store = _store()
+    if store is None:
+        return
+    try:  # the first failure wins
+        store.compare_set(FAILURE_KEY, "", text)
+    except Exception:
+        pass
+
+
+def read_failure(wait: float) -> str | None:
+    """The recorded failure, waiting up to ``wait`` seconds for it to appear."""
+    store = _store()
+    if store is None:
+        return None
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            if store.check([FAILURE_KEY]):
+                return store.get(FAILURE_KEY).decode()
+        except Exception:
+            return None
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)

@@ -1,0 +1,338 @@
+"""A pipeline over processes: one rank per stage, each holding only its own stage's weights.
+
+Terms:
+    job: ``S`` processes started together (``torchrun --nproc-per-node S``, a multi-node
+        c10d rendezvous, or :func:`tppc.launch`); rank ``r`` runs stage ``r`` on its local
+        device (``cuda:LOCAL_RANK`` with NCCL, else CPU with gloo).
+    collective call: every rank calls the pipeline together (SPMD, like any torch.distributed
+        program). Rank 0's inputs are used: it validates them before any communication and
+        broadcasts them (or its error, which every rank then raises); the results come back
+        on rank 0 (``results="rank0"``, the others get None) or on every rank (``"all"``).
+    materialised stage: each rank captures the model (built on the meta device: no weights)
+        and plans (rank 0 plans, the plan is broadcast as JSON), builds the program on the
+        meta device, then loads only its own stage's tensors from a safetensors checkpoint
+        (:class:`tppc.runtime.checkpoint.StageWeights`).
+
+Hooks: ``denoise`` (DiT) runs through :meth:`DistributedPipeline.execute` like ``__call__``
+(every rank steps the same loop; the last rank broadcasts what stage 0 needs next, as
+``generate`` does with tokens). An ahead-of-time export directory would replace capture and
+planning by reading ``plan.json`` and the stage files: only :meth:`_materialise` reads weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import fx
+from torch.utils import _pytree as pytree
+
+from tppc.backends.torch_distributed import DistributedExecutor, recv_values, send_values
+from tppc.errors import RuntimeInputError, SpecError, StageFailed, TppcError
+from tppc.planner.plan import Plan
+from tppc.program import Program
+from tppc.runtime.checkpoint import StageWeights
+from tppc.runtime.compiled import CompiledPipeline, Planner
+from tppc.runtime.frontend import FrontEnd, capture_front_end
+from tppc.runtime.io import OutputAssembler
+from tppc.runtime.options import CompileOptions
+from tppc.runtime.state import Call, next_epoch
+
+__all__ = ["DistributedPipeline", "compile_distributed", "init_distributed"]
+
+Results = Literal["rank0", "all"]
+
+
+def init_distributed(timeout: float = 60.0, device: str = "auto"
+                     ) -> tuple[int, int, torch.device]:
+    """Join the job (from torchrun's environment) unless already joined.
+
+    Args:
+        timeout: seconds any collective or point-to-point operation may wait.
+        device: ``"auto"`` (``cuda:LOCAL_RANK`` when CUDA is present, else CPU), ``"cpu"``
+            or ``"cuda"``.
+
+    Returns:
+        ``(rank, world size, this rank's device)``.
+    """
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    where = torch.device("cuda", local) if use_cuda else torch.device("cpu")
+    if not dist.is_initialized():
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            raise SpecError("backend='distributed' needs a job: RANK and WORLD_SIZE are not set. "
+                            "fix: start with `torchrun --nproc-per-node S ...` or tppc.launch")
+        if use_cuda:  # survivors of a dead peer raise instead of hanging for the watchdog
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+            torch.cuda.set_device(where)
+        dist.init_process_group("nccl" if use_cuda else "gloo",
+                                timeout=timedelta(seconds=timeout),
+                                device_id=where if use_cuda else None)
+    return dist.get_rank(), dist.get_world_size(), where
+
+
+def compile_distributed(model: torch.nn.Module, args: tuple[Any, ...],
+                        kwargs: Mapping[str, Any] | None = None, *, plan: Plan | None = None,
+                        seq_dims: Mapping[str, int | tuple[int, ...]] | None = None,
+                        checkpoint: str | None = None,
+                        buffers: Mapping[str, torch.Tensor] | None = None,
+                        results: Results = "rank0", comm_timeout: float = 60.0,
+                        device: str = "auto", **options: Any) -> DistributedPipeline:
+    """``tppc.compile(..., backend="distributed")``: see the module docstring.
+
+    Args:
+        model: the model, on the meta device (see :func:`tppc.runtime.checkpoint.empty_model`)
+            or real (then, without a checkpoint, every rank copies its stage from it).
+        checkpoint: safetensors file of the model's weights.
+        buffers: real buffers of an empty model (``empty_model``'s fourth result).
+        results: ``"rank0"`` or ``"all"``: who gets the outputs.
+        comm_timeout: seconds a rank waits for a peer before it fails (bounded failure).
+        device: ``"auto"``, ``"cpu"`` or ``"cuda"``.
+        **options: :class:`CompileOptions` fields (``num_stages`` defaults to the job's
+            size, ``cluster`` to ``"<S>xcpu"``; ``devices`` and ``executor`` are set here).
+    """
+    if results not in ("rank0", "all"):
+        raise SpecError(f"results={results!r}; use 'rank0' or 'all'")
+    rank, world, where = init_distributed(comm_timeout, device)
+    options.setdefault("cluster", f"{world}xcpu")
+    options.setdefault("num_stages", world)
+    options.update(executor="distributed", devices=("meta",) * world)
+    opts = CompileOptions.from_kwargs(**options)
+    if where.type == "cpu" and opts.threads_per_stage is not None:
+        t = opts.threads_per_stage
+        torch.set_num_threads(t if isinstance(t, int) else t[rank])
+    front = capture_front_end(model, _meta_if(model, tuple(args)), _meta_if(model, kwargs),
+                              seq_dims=seq_dims, keep_states=opts.keep_states)
+    planner = None
+    if plan is None:
+        from tppc.runtime.compile import _auto_planner
+
+        planner = _shared_planner(_auto_planner(opts), rank)
+        plan = planner(front, front.ctx.example_seq)
+    weights = StageWeights(checkpoint, model, dict(buffers or {}), where)
+    return DistributedPipeline(model, front, plan, planner=planner, options=opts,
+                               seq_dims=seq_dims, weights=weights, rank=rank, world=world,
+                               results=results, comm_timeout=comm_timeout)
+
+
+class DistributedPipeline(CompiledPipeline):
+    """This rank's share of a pipeline; call it on every rank together (module docstring).
+
+    Attributes:
+        rank: this process's rank (= its stage).
+        world: number of ranks.
+        device: this rank's device.
+        weights: this rank's loaded tensors (``weights.nbytes``).
+    """
+
+    def __init__(self, model: torch.nn.Module, front: FrontEnd, plan: Plan, *,
+                 planner: Planner | None, options: CompileOptions,
+                 seq_dims: Mapping[str, int | tuple[int, ...]] | None, weights: StageWeights,
+                 rank: int, world: int, results: Results, comm_timeout: float) -> None:
+        self.rank, self.world, self.results = rank, world, results
+        self.device, self.weights = weights.device, weights
+        self.comm_timeout = comm_timeout
+        self._dist = DistributedExecutor(rank, world, options.queue_depth, comm_timeout)
+        super().__init__(model, front, plan, planner=planner, options=options,
+                         seq_dims=seq_dims)
+
+    @property
+    def last_trace(self) -> list[tuple[int, int, float, float]]:
+        """``(stage, chunk, start, end)`` of this rank's jobs in the last call."""
+        return self._dist.last_trace
+
+    def run(self, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None, *,
+            timeout: float | None = None, executor: Any = None,
+            trace: list | None = None) -> Any:
+        """``model(*args, **kwargs)`` through the job (collective; rank 0's inputs)."""
+        args, kwargs = self._share("call", (tuple(args), dict(kwargs or {})))
+        front, bound = self.bind(args, kwargs)
+        program = self.program(bound.length, front)
+        state = front.pool.acquire(bound.length)
+        stage = program.stages[self.rank]
+        axes = program.signature.output_axes
+        full: tuple[Any, ...] = ()
+        if self.rank == self.world - 1:
+            full = tuple(torch.empty(slot.full_shape(bound.length), dtype=slot.dtype,
+                                     device=stage.device) if slot else None
+                         for slot in _slots_by_index(stage, len(axes)))
+        call = Call(tuple(bound.flat), program.chunks, bound.length, bound.length,
+                    next_epoch(), full)
+        outputs = OutputAssembler(axes, call)
+        self.execute(program, call, state, outputs, timeout=timeout, trace=trace)
+        self.finish(front, state, bound.length)
+        leaves: list[Any] = []
+        if self.rank == self.world - 1:
+            leaves = outputs.leaves
+            if program.tail is not None:
+                with torch.no_grad():
+                    leaves = list(program.tail(*(x.to(stage.device) if isinstance(
+                        x, torch.Tensor) else x for x in bound.flat), *leaves))
+        leaves = self._gather(leaves)
+        return None if leaves is None else self.assemble(program, leaves)
+
+    def generate(self, input_ids: torch.Tensor | None = None, max_new_tokens: int = 20,
+                 **kwargs: Any) -> torch.Tensor | None:
+        """Greedy generation through the job (collective; rank 0's ``input_ids``).
+
+        Every rank steps the same loop; the last rank picks each token and broadcasts it.
+        Returns prompt + new tokens (see :func:`tppc.runtime.generate.greedy_generate`).
+        """
+        from tppc.runtime.distributed_generate import distributed_generate
+
+        return distributed_generate(self, input_ids, max_new_tokens, **kwargs)
+
+    def execute(self, program: Program, call: Call, state: Any, sink: Any = None,
+                executor: Any = None, timeout: float | None = None,
+                trace: list | None = None) -> list[tuple[Any, ...]]:
+        """This rank's stage of ``call`` (``executor`` is ignored: always the job)."""
+        return self._dist.run(program, call, state, sink, timeout=timeout, trace=trace)
+
+    # -- collective helpers (used by generate) ----------------------------------------------------
+    def share_generate(self, input_ids: Any, max_new_tokens: int) -> tuple[Any, int]:
+        """Rank 0's ``(input_ids, max_new_tokens)`` on every rank (validated on rank 0)."""
+        def check(value: tuple[Any, int]) -> None:
+            self.bind((value[0],), {})
+            if isinstance(value[1], bool) or not isinstance(value[1], int) or value[1] < 1:
+                raise RuntimeInputError(f"max_new_tokens={value[1]!r} must be an integer ≥ 1")
+
+        return self._share("generate", (input_ids, max_new_tokens), check)
+
+    def broadcast_token(self, token: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+        """The last rank's ``token`` (shaped like ``like``) on every rank."""
+        buf = (token if token is not None else torch.empty_like(like)).to(self.device)
+        self._collective(lambda: dist.broadcast(buf, src=self.world - 1), "token broadcast")
+        return buf.to(like.device)
+
+    def _share(self, what: str, value: Any, check: Any = None) -> Any:
+        """Rank 0's ``value`` on every rank, after rank 0 validated it (``bind``)."""
+        box: list[Any] = [None]
+        error: TppcError | None = None
+        if self.rank == 0:
+            try:
+                if check is not None:
+                    check(value)
+                else:
+                    self.bind(*value)
+                box[0] = ("ok", value)
+            except TppcError as exc:
+                error, box[0] = exc, ("error", f"{type(exc).__name__}: {exc}")
+        self._collective(lambda: dist.broadcast_object_list(box, src=0), f"{what} inputs")
+        if box[0][0] == "error":
+            if error is not None:
+                raise error
+            raise RuntimeInputError(f"rank 0 refused the {what} inputs: {box[0][1]}")
+        return box[0][1]
+
+    def _gather(self, leaves: list[Any]) -> list[Any] | None:
+        last = self.world - 1
+        if self.results == "all":
+            box = [leaves if self.rank == last else None]
+            self._collective(lambda: dist.broadcast_object_list(box, src=last), "results")
+            return [x.to(self.device) if isinstance(x, torch.Tensor) else x for x in box[0]]
+        if last == 0:
+            return leaves
+        if self.rank == last:
+            self._collective(lambda: send_values(leaves, 0, self.device), "results")
+        elif self.rank == 0:
+            return self._collective(lambda: recv_values(last, self.device, self.comm_timeout),
+                                    "results")
+        return None
+
+    def _collective(self, op: Any, what: str) -> Any:
+        try:
+            return op()
+        except TppcError:
+            raise
+        except Exception as exc:
+            raise self._dist.failure(exc, f"the {what}") from exc
+
+    # -- building -----------------------------------------------------------------------------
+    def _build(self, front: FrontEnd, plan: Plan) -> Program:
+        self._executors.setdefault("distributed", self._dist)
+        return self._materialise(super()._build(front, plan))
+
+    def _materialise(self, program: Program) -> Program:
+        """The meta program with this rank's stage (and tail, on the last rank) loaded."""
+        stage = program.stages[self.rank]
+        modules = [stage.module] + ([stage.runnable] if stage.runnable is not stage.module
+                                    else [])
+        self.weights.materialise(*modules)
+        for module in modules:
+            _retarget(module, self.device)
+        tensors = [*stage.module.parameters(), *stage.module.buffers()]
+        mine = dataclasses.replace(
+            stage, device=self.device, positional=stage.module.tppc_positional,
+            param_count=sum(p.numel() for p in stage.module.parameters()),
+            param_bytes=sum(t.numel() * t.element_size() for t in tensors))
+        stages = list(program.stages)
+        stages[self.rank] = mine
+        tail = program.tail
+        if tail is not None and self.rank == self.world - 1:
+            self.weights.materialise(tail)
+            _retarget(tail, self.device)
+        return dataclasses.replace(program, stages=tuple(stages), tail=tail)
+
+    def _capture(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], bound: Any
+                 ) -> FrontEnd:
+        return super()._capture(_meta_if(self._model, args), _meta_if(self._model, kwargs),
+                                bound)
+
+
+def _shared_planner(planner: Planner, rank: int) -> Planner:
+    """Rank 0 plans; every rank gets the plan (JSON) or rank 0's error."""
+    def plan_length(front: FrontEnd, length: int) -> Plan:
+        box: list[Any] = [None]
+        if rank == 0:
+            try:
+                box[0] = ("ok", planner(front, length).to_json())
+            except TppcError as exc:
+                box[0] = ("error", f"{type(exc).__name__}: {exc}")
+        try:
+            dist.broadcast_object_list(box, src=0)
+        except Exception as exc:
+            raise StageFailed(f"rank 0 did not share the plan for {length} tokens: {exc}. "
+                              "fix: see rank 0's log") from exc
+        if box[0][0] == "error":
+            raise SpecError(f"planning {length} tokens on rank 0 failed: {box[0][1]}")
+        return Plan.from_json(box[0][1])
+
+    return plan_length
+
+
+def _retarget(module: torch.nn.Module, device: torch.device) -> None:
+    """Point the ``device=meta`` arguments a capture on the meta device baked into the graphs
+    (``arange``, ``to``) at ``device``."""
+    def swap(arg: Any) -> Any:
+        return device if isinstance(arg, torch.device) and arg.type == "meta" else arg
+
+    for sub in module.modules():
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        changed = False
+        for node in sub.graph.nodes:
+            args, kwargs = fx.node.map_aggregate(node.args, swap), \
+                fx.node.map_aggregate(node.kwargs, swap)
+            if args != node.args or kwargs != node.kwargs:
+                node.args, node.kwargs, changed = args, kwargs, True
+        if changed:
+            sub.recompile()
+
+
+def _slots_by_index(stage: Any, count: int) -> list[Any]:
+    slots: list[Any] = [None] * count
+    for slot in stage.out_slots:
+        slots[slot.index] = slot
+    return slots
+
+
+def _meta_if(model: torch.nn.Module, tree: Any) -> Any:
+    """``tree``'s tensors on the meta device when ``model``'s parameters are there."""
+    if not any(p.device.type == "meta" for p in model.parameters()):
+        return tree
+    return pytree.tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, tree)
