@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from tppc._export import export_dynamic, is_latent
+from tppc._capture_export import export_dynamic, is_latent
 from tppc.context import CompileContext
 from tppc.errors import CaptureError
 
