@@ -188,6 +188,54 @@ def _split(t: Any, node: fx.Node, x: Tensor, size: int, dim: int = 0) -> list[An
     return out
 
 
+def _chunk(t: Any, node: fx.Node, x: Tensor, chunks: int, dim: int = 0) -> list[Any]:
+    return _split(t, node, x, 0, dim)
+
+
+def _flatten(t: Any, node: fx.Node, x: Tensor, start: int = 0, end: int = -1) -> Tensor:
+    start, end = _axis(start, x.rank), _axis(end, x.rank)
+    tail = [int(s) for s in node.args[0].meta["val"].shape[end + 1:]]  # static (checked)
+    return t.tensor(node, t.op("Reshape", [x.name, t.i64([0] * start + [-1] + tail)]))
+
+
+def _permute(t: Any, node: fx.Node, x: Tensor, dims: Any) -> Tensor:
+    return t.tensor(node, t.op("Transpose", [x.name], perm=[_axis(d, x.rank) for d in dims]))
+
+
+def _conv2d(t: Any, node: fx.Node, x: Tensor, w: Tensor, b: Any = None,
+            stride: Any = (1, 1), padding: Any = (0, 0), dilation: Any = (1, 1),
+            groups: int = 1) -> Tensor:
+    pads = _pair(padding)
+    ins = [x.name, w.name] + ([b.name] if isinstance(b, Tensor) else [])
+    return t.tensor(node, t.op("Conv", ins, strides=_pair(stride), pads=pads + pads,
+                               dilations=_pair(dilation), group=groups))
+
+
+def _pair(value: Any) -> list[int]:
+    return [value, value] if isinstance(value, int) else [int(v) for v in value]
+
+
+def _repeat(t: Any, node: fx.Node, x: Tensor, sizes: Any) -> Tensor:
+    name = x.name
+    extra = len(sizes) - x.rank
+    if extra > 0:  # torch's repeat adds leading axes
+        name = t.op("Unsqueeze", [name, t.i64(list(range(extra)))])
+    return t.tensor(node, t.op("Tile", [name, t.i64(list(sizes))]))
+
+
+def _repeat_interleave(t: Any, node: fx.Node, x: Tensor, repeats: int, dim: Any = None,
+                       *_: Any, **__: Any) -> Tensor:
+    if dim is None:  # flattened, like torch
+        flat = t.op("Reshape", [x.name, t.i64([-1])])
+        x, dim = Tensor(flat, x.dtype, 1), 0
+    d = _axis(dim, x.rank)
+    ones = [1] * (x.rank + 1)
+    ones[d + 1] = int(repeats)
+    tiled = t.op("Tile", [t.op("Unsqueeze", [x.name, t.i64([d + 1])]), t.i64(ones)])
+    tail = [int(v) for v in node.meta["val"].shape[d + 1:]]  # static (checked by int())
+    return t.tensor(node, t.op("Reshape", [tiled, t.i64([0] * d + [-1] + tail)]))
+
+
 def _sym_size(t: Any, node: fx.Node, x: Tensor, dim: int) -> Any:
     val = node.meta.get("val")
     if isinstance(val, int):
@@ -279,11 +327,15 @@ OPS: dict[Any, Fn] = {
     _aten.transpose.int: _transpose, _aten.unsqueeze.default: _unsqueeze,
     _aten.slice.Tensor: _slice, _aten.narrow.default: _narrow, _aten.cat.default: _cat,
     _aten.split.Tensor: _split, _aten.sym_size.int: _sym_size,
+    _aten.chunk.default: _chunk, _aten.flatten.using_ints: _flatten,
+    _aten.permute.default: _permute, _aten.conv2d.default: _conv2d,
+    _aten.repeat.default: _repeat, _aten.repeat_interleave.self_int: _repeat_interleave,
     _aten.arange.default: _arange, _aten.arange.start: _arange,
     _aten.alias.default: _identity, _aten.dropout.default: _identity,
     _aten.clone.default: _identity, _aten.contiguous.default: _identity,
     operator.getitem: lambda t, node, xs, i: xs[i],
     operator.add: _int_op("Add", operator.add), operator.sub: _int_op("Sub", operator.sub),
     operator.mul: _int_op("Mul", operator.mul),
+    operator.floordiv: _int_op("Div", operator.floordiv),  # sizes: non-negative
     split_attention: _attention,
 }
