@@ -45,7 +45,8 @@ from tppc.errors import StageFailed
 from tppc.program import Program, StageProgram
 from tppc.runtime.state import Call, CallState
 
-__all__ = ["FAILURE_KEY", "DistributedExecutor", "read_failure", "recv_values", "send_values"]
+__all__ = ["FAILURE_KEY", "DistributedExecutor", "read_failure", "recv_values", "send_values",
+           "token_axes"]
 
 FAILURE_KEY = "tppc/failure"
 """c10d store key of the first failure's description."""
@@ -166,7 +167,7 @@ class DistributedExecutor:
               ) -> tuple[Any, tuple[Any, ...]]:
         key = id(program)
         first = key not in self._sent
-        axes = _remember(self._sent, key, program, lambda: _token_axes(stage))
+        axes = _remember(self._sent, key, program, lambda: token_axes(stage))
         dst = self.rank + 1
         self._peer = dst
         tensors = tuple(_tensor(v, stage, j).contiguous() for j, v in enumerate(values))
@@ -214,7 +215,7 @@ def _remember(table: OrderedDict, key: int, program: Program, make: Any) -> Any:
     return table[key][1]
 
 
-def _token_axes(stage: StageProgram) -> tuple[int | None, ...]:
+def token_axes(stage: StageProgram) -> tuple[int | None, ...]:
     """The token axis of each boundary value the stage sends (from its output's shapes)."""
     out = next(iter(stage.module.graph.find_nodes(op="output")))
     leaves = out.args[0] if isinstance(out.args[0], tuple | list) else (out.args[0],)
