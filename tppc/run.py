@@ -55,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="intra-op threads of a CPU stage")
     p.add_argument("--timeout", type=float, default=60.0,
                    help="seconds a rank waits for a peer before it fails (default 60)")
+    p.add_argument("--call-timeout", type=float, help="seconds a call may take before "
+                   "StageTimeout (naming the stage awaited; default: no limit)")
     p.add_argument("--results", choices=("rank0", "all"), default="rank0")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--repeat", type=int, default=1, help="run the call this many times")
@@ -145,6 +147,8 @@ def _run(ns: argparse.Namespace) -> dict[str, Any]:
         options["chunks"] = ns.chunks
     if ns.threads:
         options["threads_per_stage"] = ns.threads
+    if ns.call_timeout:
+        options["timeout"] = ns.call_timeout
     t0 = time.perf_counter()
     cp = compile_distributed(model, args, kwargs, checkpoint=ns.checkpoint, buffers=buffers,
                              results=ns.results, comm_timeout=ns.timeout, device=ns.device,
@@ -206,7 +210,7 @@ def _run_artifact(ns: argparse.Namespace) -> dict[str, Any]:
     for _ in range(ns.repeat):
         t0 = time.perf_counter()
         out = (runner.generate(next(iter([*args, *arrays.values()]), None), ns.generate)
-               if ns.generate else runner.run(args, arrays))
+               if ns.generate else runner.run(args, arrays, timeout=ns.call_timeout))
         times.append(time.perf_counter() - t0)
     if out is not None and ns.output and runner.rank == 0:
         np.savez(ns.output, **({"ids": out} if ns.generate else flat_outputs(out)))

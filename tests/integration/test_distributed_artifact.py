@@ -4,6 +4,7 @@ per rank), against the single-process ``tppc.load(DIR)`` runner and the eager mo
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -98,3 +99,18 @@ def test_a_rank_verifies_only_its_own_stage(artifacts: dict, tmp_path: Path) -> 
         verify(copy, stage=1)
     with pytest.raises(ArtifactError, match="stage_1.onnx is missing"):
         verify(copy)
+
+
+def test_a_call_timeout_raises_stage_timeout_naming_the_stage(artifacts: dict) -> None:
+    """Stage 0 hangs at its second chunk: rank 1 gives up after the call's 3 s (well before
+    the 60 s communication timeout) with StageTimeout naming stage 0; rank 0's watchdog
+    ends it once the failure is recorded."""
+    _, args, path = artifacts["gpt"]
+    t0 = time.perf_counter()
+    with pytest.raises(tppc.StageFailed) as info:
+        tppc.launch(path, 2, inputs={"input_ids": args[0]}, comm_timeout=60, timeout=120,
+                    env={"TPPC_FAULT": "hang@0:1"}, extra_args=["--call-timeout", "3"])
+    assert time.perf_counter() - t0 < 50
+    assert info.value.returncodes == (1, 1)
+    rank1 = str(info.value).splitlines()[2]
+    assert "StageTimeout" in rank1 and "stage 0 (rank 0)" in rank1, str(info.value)

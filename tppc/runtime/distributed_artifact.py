@@ -194,7 +194,7 @@ class DistributedArtifact(LoadedPipeline):
         except Exception as exc:
             where = f"stage {self.rank}, chunk {i} [{start}, {end})"
             if deadline is not None and time.monotonic() >= deadline:
-                raise self._timeout(timeout, where) from exc
+                raise self._comm.timed_out(timeout, where) from exc
             raise self._comm.failure(exc, where) from exc
 
     def _send(self, values: list[np.ndarray]) -> tuple[list[Any], list[np.ndarray]]:
@@ -212,7 +212,7 @@ class DistributedArtifact(LoadedPipeline):
         src = self.rank - 1
         self._comm._peer = src
         if self._templates is None or None in [t[2] for t in self._templates]:
-            header = json.loads(_recv_bytes(src, torch.device("cpu"), self._span(deadline)))
+            header = json.loads(_recv_bytes(src, torch.device("cpu"), self._comm.span(deadline)))
             axes = self._axes_in or [None] * len(header)
             self._templates = [(d, s, a, s[a] // size if a is not None else 0)
                                for (d, s), a in zip(header, axes)]
@@ -229,22 +229,7 @@ class DistributedArtifact(LoadedPipeline):
     def _wait(self, works: Sequence[Any], peer: int, deadline: float | None) -> None:
         self._comm._peer = peer
         for work in works:
-            work.wait(self._span(deadline))
-
-    def _span(self, deadline: float | None) -> timedelta:
-        left = self.comm_timeout if deadline is None else min(
-            self.comm_timeout, max(0.001, deadline - time.monotonic()))
-        return timedelta(seconds=left)
-
-    def _timeout(self, timeout: float | None, where: str) -> StageTimeout:
-        from tppc.backends.torch_distributed import _write_failure
-
-        peer = self._comm._peer
-        _write_failure(f"stage {peer} (rank {peer}) did not answer within the call's "
-                       f"timeout of {timeout} s (seen by rank {self.rank} in {where})")
-        return StageTimeout(f"the distributed call did not finish in {timeout} s: rank "
-                            f"{self.rank} waited for stage {peer} (rank {peer}) in {where}. "
-                            "fix: raise timeout, or see that rank's log")
+            work.wait(self._comm.span(deadline))
 
     # -- collectives ----------------------------------------------------------------------------
     def _share(self, bind: Callable[[], tuple[list[Any], int]], extra: Any = None) -> Any:
