@@ -32,6 +32,7 @@ from typing import Any
 import onnx
 import torch
 
+from tppc.backends.torch_distributed import token_axes as _token_axes
 from tppc.export_graphs import ExportError, export_stage_graph
 from tppc.export_onnx import OPSET, to_onnx
 from tppc.export_runtime import SCHEMA, sha256_file
@@ -144,6 +145,7 @@ def _write_stage(stage: Any, program: Any, out: Path, external: bool | None,
         "outputs": list(outputs),
         "boundary_in": list(stage.boundary_in),
         "boundary_out": list(stage.boundary_out),
+        "boundary_axes": list(_token_axes(stage)),  # read by a distributed job's receiver
         "buffers": [{"name": b.name, "kind": b.kind, "attention": b.attention,
                      "layer": b.layer, "axis": b.axis, "shape": list(b.shape),
                      "dtype": str(b.dtype).removeprefix("torch."), "output": f"kv.{b.name}"}

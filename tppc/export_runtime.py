@@ -50,8 +50,11 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def verify(path: str | os.PathLike[str]) -> dict[str, Any]:
+def verify(path: str | os.PathLike[str], stage: int | None = None) -> dict[str, Any]:
     """Read and check an artifact's ``plan.json`` and files; returns the document.
+
+    With ``stage``, only that stage's files are checked on disk (a rank of a distributed
+    job reads nothing else; the other files need not be present).
 
     Raises:
         ArtifactError: see the module docstring.
@@ -83,6 +86,12 @@ def verify(path: str | os.PathLike[str]) -> dict[str, Any]:
     _check(len(stages) > 0, "stages", stages, "a non-empty list")
     for s, entry in enumerate(stages):
         _check_stage(entry, s, files)
+    if stage is not None:
+        _check(_is_int(stage) and 0 <= stage < len(stages), "stage", stage,
+               f"a stage index below {len(stages)} (one rank per stage)")
+        entry = stages[stage]
+        mine = {*entry["files"], entry["file"], entry.get("positional_file")} - {None}
+        files = {name: files[name] for name in sorted(mine)}
     for name, meta in files.items():  # sizes first (cheap), then hashes
         file = root / name
         if not file.is_file():
@@ -228,3 +237,6 @@ def _check_stage(entry: Any, s: int, files: dict[str, Any]) -> None:
         _check(ok, f"{where}buffers[{i}]", b, "{name, dtype, shape with one null at axis}")
     _field(entry, "outputs", list, where)
     _field(entry, "positional_inputs", list, where)
+    axes = entry.get("boundary_axes", [])  # optional (older artifacts have none)
+    _check(isinstance(axes, list) and all(a is None or _is_int(a) for a in axes),
+           f"{where}boundary_axes", axes, "a list of ints and nulls")

@@ -56,8 +56,8 @@ class LaunchResult:
     logs: list[str] = field(repr=False)
 
 
-def launch(factory: str, nprocs: int, *, checkpoint: str | Path | None = None,
-           inputs: Mapping[str, torch.Tensor] | None = None, generate: int | None = None,
+def launch(factory: str | Path, nprocs: int, *, checkpoint: str | Path | None = None,
+           inputs: Mapping[str, Any] | None = None, generate: int | None = None,
            factory_kwargs: str = "{}", chunks: int | None = None, cluster: str | None = None,
            threads: int = 1, comm_timeout: float = 30.0, timeout: float = 300.0,
            repeat: int = 1, env: Mapping[str, str] | None = None,
@@ -65,7 +65,8 @@ def launch(factory: str, nprocs: int, *, checkpoint: str | Path | None = None,
     """Run ``python -m tppc.run FACTORY ...`` as ``nprocs`` local ranks; see the module doc.
 
     Args:
-        factory: ``MODULE:FACTORY``.
+        factory: ``MODULE:FACTORY``, or a directory written by :func:`tppc.export` (each
+            rank loads its stage's ONNX file; ``inputs`` named as in its ``plan.json``).
         nprocs: ranks (= stages).
         checkpoint: safetensors file of the weights.
         inputs: ``args.0``, ``kwargs.NAME``... tensors (default: the factory's examples).
@@ -88,14 +89,14 @@ def launch(factory: str, nprocs: int, *, checkpoint: str | Path | None = None,
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise SpecError(f"nprocs={nprocs!r} must be an integer ≥ 1 (one process per stage)")
     work = Path(tempfile.mkdtemp(prefix="tppc-launch-"))
-    argv = [sys.executable, "-m", "tppc.run", factory, "--factory-kwargs", factory_kwargs,
+    argv = [sys.executable, "-m", "tppc.run", str(factory), "--factory-kwargs", factory_kwargs,
             "--output", str(work / "out.npz"), "--report", str(work),
             "--timeout", str(comm_timeout), "--threads", str(threads), "--device", "cpu",
             "--repeat", str(repeat), *extra_args]
     if checkpoint is not None:
         argv += ["--checkpoint", str(checkpoint)]
     if inputs is not None:
-        np.savez(work / "in.npz", **{k: v.numpy() for k, v in inputs.items()})
+        np.savez(work / "in.npz", **{k: np.asarray(v) for k, v in inputs.items()})
         argv += ["--input", str(work / "in.npz")]
     if generate is not None:
         argv += ["--generate", str(generate)]

@@ -54,18 +54,20 @@ class LoadedPipeline:
     Attributes:
         plan: the ``plan.json`` document.
         lengths: the exported sequence lengths.
-        stages: one :class:`tppc.backends.onnxruntime.OrtStage` per stage.
+        stages: one :class:`tppc.backends.onnxruntime.OrtStage` per stage (only stage
+            ``only`` when given: a rank of a distributed job).
         last_trace: ``(stage, chunk, start, end)`` of every job of the last call.
     """
 
     def __init__(self, doc: dict[str, Any], root: Path, *, providers: list[Any] | None,
-                 threads: int | None) -> None:
+                 threads: int | None, only: int | None = None) -> None:
         self.plan = doc
         self.signature = doc["signature"]
         self.lengths = tuple(sorted(int(n) for n in doc["lengths"]))
         threads = threads or default_threads(len(doc["stages"]))
+        entries = doc["stages"] if only is None else [doc["stages"][only]]
         self.stages = tuple(OrtStage(e, root, self.signature, threads, providers)
-                            for e in doc["stages"])  # sessions are created one at a time
+                            for e in entries)  # sessions are created one at a time
         self.threads_per_stage = threads
         self.last_trace: list[tuple[int, int, float, float]] = []
         gen = self.signature["generate"]

@@ -13,6 +13,13 @@ random ones differ from an eager run's) are read and validated on rank 0.
 Rank 0 writes the outputs (``out.0``, ``out.1``, ... the model's flat outputs, or ``ids``
 with ``--generate N``). ``--report DIR`` writes ``rank<r>.json`` per rank (times, memory).
 A rank that fails prints ``[tppc.run rank r] StageFailed: ...`` and exits with status 1.
+
+With an artifact directory written by ``tppc.export`` instead of ``MODULE:FACTORY``
+(``torchrun --nproc-per-node S -m tppc.run DIR --input in.npz --output out.npz``), rank
+``r`` verifies and loads only stage ``r``'s ONNX file and runs it on ONNX Runtime
+(:mod:`tppc.runtime.distributed_artifact`); the inputs are named as in ``plan.json``'s
+signature (``args.N`` / ``kwargs.NAME`` work too) and the outputs by their path, like
+``tppc run DIR``.
 """
 
 from __future__ import annotations
@@ -35,7 +42,8 @@ __all__ = ["main"]
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tppc.run", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("factory", help="MODULE:FACTORY returning (model, args[, kwargs])")
+    p.add_argument("factory", help="MODULE:FACTORY returning (model, args[, kwargs]), or a "
+                   "directory written by tppc.export (holding plan.json)")
     p.add_argument("--factory-kwargs", default="{}", help="JSON keywords of the factory")
     p.add_argument("--checkpoint", help="safetensors file of the weights (default: the "
                    "factory's own weights, the whole model on every rank)")
@@ -47,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="intra-op threads of a CPU stage")
     p.add_argument("--timeout", type=float, default=60.0,
                    help="seconds a rank waits for a peer before it fails (default 60)")
+    p.add_argument("--call-timeout", type=float, help="seconds a call may take before "
+                   "StageTimeout (naming the stage awaited; default: no limit)")
     p.add_argument("--results", choices=("rank0", "all"), default="rank0")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--repeat", type=int, default=1, help="run the call this many times")
@@ -123,6 +133,8 @@ def _run(ns: argparse.Namespace) -> dict[str, Any]:
     from tppc.runtime.checkpoint import empty_model
     from tppc.runtime.distributed import compile_distributed
 
+    if Path(ns.factory, "plan.json").is_file():
+        return _run_artifact(ns)
     if ns.threads:
         torch.set_num_threads(ns.threads)
     make = _factory(ns.factory, json.loads(ns.factory_kwargs))
@@ -135,6 +147,8 @@ def _run(ns: argparse.Namespace) -> dict[str, Any]:
         options["chunks"] = ns.chunks
     if ns.threads:
         options["threads_per_stage"] = ns.threads
+    if ns.call_timeout:
+        options["timeout"] = ns.call_timeout
     t0 = time.perf_counter()
     cp = compile_distributed(model, args, kwargs, checkpoint=ns.checkpoint, buffers=buffers,
                              results=ns.results, comm_timeout=ns.timeout, device=ns.device,
@@ -161,6 +175,51 @@ def _run(ns: argparse.Namespace) -> dict[str, Any]:
             "times": times, "compile_s": compile_s, "weights_bytes": cp.weights.nbytes,
             "rss_start_mib": rss_start, "rss_compiled_mib": rss_compiled, "rss_peak_mib": _rss_mib(),
             "threads": torch.get_num_threads(), "chunks": list(cp.plan.chunks)}
+
+
+def _run_artifact(ns: argparse.Namespace) -> dict[str, Any]:
+    """This rank's stage of an exported artifact (see the module docstring)."""
+    import numpy as np
+
+    from tppc.errors import SpecError
+    from tppc.export_run import flat_outputs
+    from tppc.runtime.distributed_artifact import load_distributed
+
+    for flag in ("checkpoint", "chunks", "cluster"):
+        if getattr(ns, flag):
+            raise SpecError(f"--{flag} does not apply to the artifact directory {ns.factory} "
+                            "(its plan, chunks and weights are fixed in it). fix: drop it")
+    if ns.device == "cuda" or ns.input is None:
+        raise SpecError(f"an artifact directory ({ns.factory}) runs on CPU and needs --input "
+                        "(an .npz of its inputs). fix: pass --input, not --device cuda")
+    rss_start = _rss_mib()
+    t0 = time.perf_counter()
+    runner = load_distributed(ns.factory, threads_per_stage=ns.threads, results=ns.results,
+                              comm_timeout=ns.timeout)
+    load_s = time.perf_counter() - t0
+    _watchdog(str(runner.rank))
+    rss_loaded = _rss_mib()
+    arrays: dict[str, Any] = {}
+    if runner.rank == 0:
+        with np.load(ns.input, allow_pickle=False) as data:
+            arrays = {k.split(".", 1)[1] if k.startswith("kwargs.") else k: data[k]
+                      for k in data.files}
+    args = [v for _, v in sorted((int(k[5:]), arrays.pop(k)) for k in list(arrays)
+                                 if k.startswith("args."))]
+    times, out = [], None
+    for _ in range(ns.repeat):
+        t0 = time.perf_counter()
+        out = (runner.generate(next(iter([*args, *arrays.values()]), None), ns.generate)
+               if ns.generate else runner.run(args, arrays, timeout=ns.call_timeout))
+        times.append(time.perf_counter() - t0)
+    if out is not None and ns.output and runner.rank == 0:
+        np.savez(ns.output, **({"ids": out} if ns.generate else flat_outputs(out)))
+    entry = runner.plan["stages"][runner.rank]
+    return {"rank": runner.rank, "world": runner.world, "layers": entry["layers"],
+            "times": times, "compile_s": load_s, "weights_bytes": runner.weights_bytes,
+            "rss_start_mib": rss_start, "rss_compiled_mib": rss_loaded,
+            "rss_peak_mib": _rss_mib(), "threads": runner.threads_per_stage,
+            "chunks": runner.plan["lengths"]}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

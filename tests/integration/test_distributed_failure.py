@@ -68,3 +68,17 @@ def test_survivors_exit_within_the_timeout(checkpoint: str) -> None:
     assert info.value.returncodes == (1, 1)
     assert "stage 1 (rank 1)" in str(info.value)
     assert time.perf_counter() - t0 < 150
+
+
+def test_a_call_timeout_raises_stage_timeout_naming_the_stage(checkpoint: str) -> None:
+    """``timeout=`` of a call (``--call-timeout``): stage 0 hangs at its second chunk, rank
+    1 raises StageTimeout naming it after 3 s, well before the communication timeout."""
+    t0 = time.perf_counter()
+    with pytest.raises(tppc.StageFailed) as info:
+        tppc.launch("tppc.examples:gpt", 2, checkpoint=checkpoint, chunks=4, comm_timeout=60,
+                    timeout=240, env={"TPPC_FAULT": "hang@0:1"},
+                    extra_args=["--call-timeout", "3"])
+    assert info.value.returncodes == (1, 1)
+    rank1 = str(info.value).splitlines()[2]
+    assert "StageTimeout" in rank1 and "stage 0 (rank 0)" in rank1, str(info.value)
+    assert time.perf_counter() - t0 < 90

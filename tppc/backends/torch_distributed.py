@@ -41,11 +41,12 @@ import torch
 import torch.distributed as dist
 
 from tppc.backends.torch_local import Sink, run_stage
-from tppc.errors import StageFailed
+from tppc.errors import StageFailed, StageTimeout
 from tppc.program import Program, StageProgram
 from tppc.runtime.state import Call, CallState
 
-__all__ = ["FAILURE_KEY", "DistributedExecutor", "read_failure", "recv_values", "send_values"]
+__all__ = ["FAILURE_KEY", "DistributedExecutor", "read_failure", "recv_values", "send_values",
+           "token_axes"]
 
 FAILURE_KEY = "tppc/failure"
 """c10d store key of the first failure's description."""
@@ -100,16 +101,18 @@ class DistributedExecutor:
 
         Raises:
             StageFailed: this stage raised, or a peer failed (naming the failed stage).
+            StageTimeout: ``timeout`` seconds (the whole call) passed while this rank waited
+                for a peer (naming it); the failure record names it for the other ranks.
         """
         stage = program.stages[self.rank]
-        wait = timedelta(seconds=timeout or self.timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
         pending: list[tuple[Any, tuple[Any, ...]]] = []
         results: list[tuple[Any, ...]] = []
         jobs: list[tuple[int, int, float, float]] = []
         i, start, end = 0, 0, 0
         try:
             for i, (start, end) in enumerate(call.chunks):
-                received = self._recv(program, end - start, wait) if self.rank else ()
+                received = self._recv(program, end - start, deadline) if self.rank else ()
                 self._inject(i)
                 t0 = time.perf_counter()
                 values = run_stage(stage, call, state, start, end, received)
@@ -117,17 +120,20 @@ class DistributedExecutor:
                 if self.rank + 1 < self.world:
                     pending.append(self._send(program, stage, values))
                     while len(pending) > self.queue_depth:
-                        self._wait(pending.pop(0)[0], self.rank + 1, wait)
+                        self._wait(pending.pop(0)[0], self.rank + 1, deadline)
                 elif sink is None:
                     results.append(values)
                 else:
                     sink(i, values)
             for work, _ in pending:
-                self._wait(work, self.rank + 1, wait)
-        except StageFailed:
+                self._wait(work, self.rank + 1, deadline)
+        except (StageFailed, StageTimeout):
             raise
         except Exception as exc:
-            raise self.failure(exc, f"stage {self.rank}, chunk {i} [{start}, {end})") from exc
+            where = f"stage {self.rank}, chunk {i} [{start}, {end})"
+            if deadline is not None and time.monotonic() >= deadline:
+                raise self.timed_out(timeout, where) from exc
+            raise self.failure(exc, where) from exc
         self.last_trace = jobs
         if trace is not None:
             trace.extend(jobs)
@@ -151,6 +157,22 @@ class DistributedExecutor:
         return StageFailed(f"{root}. fix: see the log of that rank; the other ranks stopped "
                            f"(this is rank {self.rank})")
 
+    def timed_out(self, timeout: float | None, where: str) -> StageTimeout:
+        """A :class:`StageTimeout` naming the peer this rank waited for (recorded first)."""
+        peer = self._peer if self._peer is not None else "?"
+        _write_failure(f"stage {peer} (rank {peer}) did not answer within the call's timeout "
+                       f"of {timeout} s (seen by rank {self.rank} in {where})")
+        return StageTimeout(f"the distributed call did not finish in {timeout} s: rank "
+                            f"{self.rank} waited for stage {peer} (rank {peer}) in {where}. "
+                            "fix: raise timeout, or see that rank's log")
+
+    def span(self, deadline: float | None) -> timedelta:
+        """How long the next wait may last: the communication timeout, or less when the
+        call's ``deadline`` (``time.monotonic``) comes first."""
+        left = self.timeout if deadline is None else min(
+            self.timeout, max(0.001, deadline - time.monotonic()))
+        return timedelta(seconds=left)
+
     def _inject(self, chunk: int) -> None:
         if self._fault is None or self._fault[1:] != (self.rank, chunk):
             return
@@ -166,7 +188,7 @@ class DistributedExecutor:
               ) -> tuple[Any, tuple[Any, ...]]:
         key = id(program)
         first = key not in self._sent
-        axes = _remember(self._sent, key, program, lambda: _token_axes(stage))
+        axes = _remember(self._sent, key, program, lambda: token_axes(stage))
         dst = self.rank + 1
         self._peer = dst
         tensors = tuple(_tensor(v, stage, j).contiguous() for j, v in enumerate(values))
@@ -176,14 +198,14 @@ class DistributedExecutor:
         work = [dist.isend(t, dst) for t in tensors]
         return work, tensors  # the tensors stay alive until the send completes
 
-    def _recv(self, program: Program, size: int, wait: timedelta) -> tuple[Any, ...]:
+    def _recv(self, program: Program, size: int, deadline: float | None) -> tuple[Any, ...]:
         key = id(program)
         src = self.rank - 1
         self._peer = src
         device = program.stages[self.rank].device
         templates = _remember(self._received, key, program, lambda: None)
         if templates is None or any(t.axis is None for t in templates):
-            header = pickle.loads(_recv_bytes(src, device, wait))
+            header = pickle.loads(_recv_bytes(src, device, self.span(deadline)))
             templates = [_Template(getattr(torch, d.split(".")[-1]), tuple(s), a,
                                    (s[a] // size) if a is not None else 0)
                          for d, s, a in header]
@@ -194,14 +216,14 @@ class DistributedExecutor:
             if t.axis is not None:
                 shape[t.axis] = t.rows_per_token * size
             buf = torch.empty(shape, dtype=t.dtype, device=device)
-            self._wait([dist.irecv(buf, src)], src, wait)
+            self._wait([dist.irecv(buf, src)], src, deadline)
             out.append(buf)
         return tuple(out)
 
-    def _wait(self, works: Sequence[Any], peer: int, wait: timedelta) -> None:
+    def _wait(self, works: Sequence[Any], peer: int, deadline: float | None) -> None:
         self._peer = peer
         for work in works:
-            work.wait(wait)
+            work.wait(self.span(deadline))
 
 
 def _remember(table: OrderedDict, key: int, program: Program, make: Any) -> Any:
@@ -214,7 +236,7 @@ def _remember(table: OrderedDict, key: int, program: Program, make: Any) -> Any:
     return table[key][1]
 
 
-def _token_axes(stage: StageProgram) -> tuple[int | None, ...]:
+def token_axes(stage: StageProgram) -> tuple[int | None, ...]:
     """The token axis of each boundary value the stage sends (from its output's shapes)."""
     out = next(iter(stage.module.graph.find_nodes(op="output")))
     leaves = out.args[0] if isinstance(out.args[0], tuple | list) else (out.args[0],)

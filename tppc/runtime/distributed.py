@@ -190,7 +190,9 @@ class DistributedPipeline(CompiledPipeline):
     def execute(self, program: Program, call: Call, state: Any, sink: Any = None,
                 executor: Any = None, timeout: float | None = None,
                 trace: list | None = None) -> list[tuple[Any, ...]]:
-        """This rank's stage of ``call`` (``executor`` is ignored: always the job)."""
+        """This rank's stage of ``call`` (``executor`` is ignored: always the job); a call
+        longer than ``timeout`` (default ``options.timeout``) raises StageTimeout."""
+        timeout = self.options.timeout if timeout is None else timeout
         return self._dist.run(program, call, state, sink, timeout=timeout, trace=trace)
 
     # -- collective helpers (used by generate) ----------------------------------------------------
