@@ -6,9 +6,10 @@ Two workloads, each measured side by side in one process with alternating repeti
     moe: a Mixtral-shaped model (hidden 512, 4 layers, 8 experts of MLP 1024, top-2,
         transformers' default ``grouped_mm`` experts) on one sequence of ``--seq`` tokens.
 eager: ``model(...)`` with ``torch.set_num_threads(1)``; tppc: ``cluster="2xcpu"``, threads
-executor, one intra-op thread per stage, the planner's chunks.
+executor, one intra-op thread per stage, the planner's chunks; with ``--granularity G`` a
+third run uses chunks that are multiples of G tokens (same cut rule), alternating with both.
 
-Run:  .venv/bin/python benchmarks/masks_moe_speed.py [--seq 512] [--reps 5]
+Run:  .venv/bin/python benchmarks/masks_moe_speed.py [--seq 512] [--reps 5] [--granularity 128]
 """
 
 from __future__ import annotations
@@ -53,37 +54,51 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def bench(name: str, model: torch.nn.Module, args: tuple, kwargs: dict, reps: int) -> None:
+def bench(name: str, model: torch.nn.Module, args: tuple, kwargs: dict, reps: int,
+          granularity: int | None = None) -> None:
     t0 = time.perf_counter()
-    cp = compile_pipeline(model, args, kwargs, cluster="2xcpu", executor="threads",
-                          num_stages=2, threads_per_stage=1)
+    cps = {"planner's chunks": compile_pipeline(model, args, kwargs, cluster="2xcpu",
+                                                executor="threads", num_stages=2,
+                                                threads_per_stage=1)}
     compile_s = time.perf_counter() - t0
+    if granularity:
+        cps[f"granularity {granularity}"] = compile_pipeline(
+            model, args, kwargs, cluster="2xcpu", executor="threads", num_stages=2,
+            threads_per_stage=1, granularity=granularity)
     with torch.no_grad():
         want = model(*args, **kwargs).logits
-        diff = (cp(*args, **kwargs).logits - want).abs().max().item()
-        eager, piped = [], []
+        diff = max((cp(*args, **kwargs).logits - want).abs().max().item() for cp in cps.values())
+        eager, piped = [], {label: [] for label in cps}
         for _ in range(reps):
             eager.append(timed(lambda: model(*args, **kwargs)))
-            piped.append(timed(lambda: cp(*args, **kwargs)))
+            for label, cp in cps.items():
+                piped[label].append(timed(lambda cp=cp: cp(*args, **kwargs)))
     params = sum(t.numel() for t in model.parameters()) / 1e6
     print(f"\n{name}: {params:.0f} M params, input {tuple(args[0].shape)}, compile "
-          f"{compile_s:.1f} s, max |logits - eager| = {diff:.2e}, chunks "
-          f"{cp.plan.chunk_sizes}, stages {[(s.layer_start, s.layer_end) for s in cp.plan.stages]}")
-    for label, ts in (("eager, 1 core", eager), ("tppc threads, 2 stages x 1 core", piped)):
-        print(f"  {label:<34} min {min(ts):7.3f} s   median {statistics.median(ts):7.3f} s")
-    print(f"  speed-up eager/tppc: min {min(eager) / min(piped):.2f}x, median "
-          f"{statistics.median(eager) / statistics.median(piped):.2f}x")
+          f"{compile_s:.1f} s, max |logits - eager| = {diff:.2e}")
+    print(f"  {'eager, 1 core':<44} min {min(eager):7.3f} s   median "
+          f"{statistics.median(eager):7.3f} s")
+    for label, cp in cps.items():
+        ts = piped[label]
+        print(f"  tppc 2x1 core, {label:<29} min {min(ts):7.3f} s   median "
+              f"{statistics.median(ts):7.3f} s   eager/tppc median "
+              f"{statistics.median(eager) / statistics.median(ts):.2f}x (min "
+              f"{min(eager) / min(ts):.2f}x); predicted {cp.plan.latency:.3f} s; chunks "
+              f"{cp.plan.chunk_sizes}, stages "
+              f"{[(s.layer_start, s.layer_end) for s in cp.plan.stages]}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--granularity", type=int, default=None,
+                   help="also run a pipeline whose chunks are multiples of this many tokens")
     args = p.parse_args()
     load = os.getloadavg()[0]
     torch.set_num_threads(1)
-    bench("padded batch of 4 prompts (Llama-shaped)", *padded(args.seq), args.reps)
-    bench("Mixtral-shaped MoE (grouped_mm experts)", *moe(args.seq), args.reps)
+    bench("padded batch of 4 prompts (Llama-shaped)", *padded(args.seq), args.reps, args.granularity)
+    bench("Mixtral-shaped MoE (grouped_mm experts)", *moe(args.seq), args.reps, args.granularity)
     print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, "
           f"torch {torch.__version__}; load average (1 min) {load:.2f} before, "
           f"{os.getloadavg()[0]:.2f} after")

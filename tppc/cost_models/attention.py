@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import sympy
 
-__all__ = ["AttentionWork", "attention_work", "causal_padded_keys"]
+__all__ = ["AttentionWork", "attention_work", "causal_padded_keys", "windowed_visited"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,7 @@ def attention_work(
     batch: sympy.Expr | int = 1,
     mask_itemsize: int = 0,
     writes_kv: bool = True,
+    window: int | None = None,
 ) -> AttentionWork:
     """Price one attention call of ``c`` queries after ``p`` tokens.
 
@@ -86,13 +87,18 @@ def attention_work(
         mask_itemsize: bytes per element of an explicit ``(c, keys)`` mask (0: none).
         writes_kv: count writing the chunk's K/V into the buffers (an aten SDPA node stands
             for the write too; in the chunk-step graph a separate ``copy_`` node does it).
+        window: causal sliding window of ``w`` keys: row ``i`` visits ``min(w, p + i + 1)``
+            keys (:func:`windowed_visited`); ``keys`` should then be ``min(p + c, w + c - 1)``.
 
     Returns:
         The :class:`AttentionWork`.
     """
     dv = head_dim if value_dim is None else value_dim
     bh = batch * heads
-    visited = p * c + c * (c + 1) / 2 if causal else c * keys
+    if causal and window is not None:
+        visited = windowed_visited(c, p, window)
+    else:
+        visited = p * c + c * (c + 1) / 2 if causal else c * keys
     per_row = sympy.expand(visited / c)
     matmuls = ((bh, c, per_row, head_dim), (bh, c, dv, per_row))
     kv_per_key = batch * kv_heads * (head_dim + dv) * itemsize
@@ -122,3 +128,14 @@ def causal_padded_keys(p: sympy.Expr, c: sympy.Expr, tile_m: int, tile_n: int) -
     tile = max(tile_m, tile_n)
     padded_c = c if tile <= 1 else sympy.ceiling(c / tile_m) * tile_m
     return p + (padded_c + tile) / 2 if tile > 1 else p + (c + 1) / 2
+
+
+def windowed_visited(c: sympy.Expr, p: sympy.Expr, window: int) -> sympy.Expr:
+    """Keys visited by ``c`` causal queries after ``p`` tokens with a window of ``window``.
+
+    ``Σ_i min(w, p + i + 1)``: the first ``n₀ = min(max(w − p, 0), c)`` rows still see their
+    whole prefix (``n₀·p + n₀(n₀+1)/2``), the other ``c − n₀`` rows see ``w`` keys each.
+    """
+    w = sympy.Integer(window)
+    n0 = sympy.Min(sympy.Max(w - p, 0), c)
+    return n0 * p + n0 * (n0 + 1) / 2 + (c - n0) * w

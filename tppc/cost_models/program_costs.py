@@ -11,7 +11,8 @@ Terms:
         its bytes per token are its fixed dims times its element size.
 
 Rules: ``tppc::chunk_attention`` is priced by :func:`.attention.attention_work` with the op's
-own ``causal`` flag (causal: keys ``p + c`` read, ``p·c + c(c+1)/2`` visited; otherwise the
+own ``causal`` flag (causal: keys ``p + c`` read, ``p·c + c(c+1)/2`` visited; with a
+``window`` w: ``min(p + c, w + c − 1)`` read, ``Σ_i min(w, p + i + 1)`` visited; otherwise the
 buffer length ``L``), heads from the query, K/V heads from the buffers (no repeat: the op runs
 SDPA with ``enable_gqa``); a buffer write ``copy_(narrow(buffer), kv)`` moves its bytes twice
 (read the chunk's K/V, write them into the buffer); ``narrow`` reads are views.
@@ -35,6 +36,7 @@ from torch import fx
 from ..errors import CostModelError
 from ..ir import CHUNK_INPUT, CHUNK_SIGNATURE, LAYER, ChunkInput, LayerInfo
 from .attention import attention_work
+from .moe import moe_node_cost
 from .node_costs import C, L, NodeCost, P, _bytes, _numel, _Shapes, _tensors
 
 __all__ = ["is_chunk_graph", "program_layers", "program_node_cost", "program_signature"]
@@ -102,6 +104,9 @@ def program_node_cost(node: fx.Node, shapes: _Shapes, dtype: str) -> NodeCost | 
     """The price of a node the emitter adds (None for any other node)."""
     if _name(node) == _CHUNK_ATTENTION:
         return _chunk_attention(node, shapes, dtype)
+    moe = moe_node_cost(node, shapes, dtype)
+    if moe is not None:
+        return moe
     if node.target is torch.ops.aten.copy_.default and not _tensors(node.args[0].meta.get("val")):
         nbytes = 2 * _bytes(shapes, [node.args[1]])
         return NodeCost(node.name, "copy_", "memory", sympy.Integer(0), (), sympy.Integer(0),
@@ -119,7 +124,9 @@ def _chunk_attention(node: fx.Node, shapes: _Shapes, dtype: str) -> NodeCost:
                              "the emitter copies meta['val'] of the query")
     item = _tensors(query.meta["val"])[0].element_size()
     kv_heads = sympy.cancel(sympy.Integer(_per_token(key)) / q[-1])
-    keys = P + C if causal else L
+    window = node.args[9] if len(node.args) > 9 else node.kwargs.get("window")
+    window = int(window) if causal and window is not None else None
+    keys = (P + C if window is None else sympy.Min(P + C, C + window - 1)) if causal else L
     mask = node.args[7] if len(node.args) > 7 else node.kwargs.get("attn_mask")
     mask_bytes = sympy.Integer(0)
     if isinstance(mask, fx.Node) and _tensors(mask.meta.get("val")):
@@ -127,7 +134,7 @@ def _chunk_attention(node: fx.Node, shapes: _Shapes, dtype: str) -> NodeCost:
         mask_bytes = rows * keys * _tensors(mask.meta["val"])[0].element_size()
     work = attention_work(q[-2], P, causal=causal, heads=_numel(q[:-2]), head_dim=q[-1],
                           kv_heads=kv_heads, value_dim=sympy.cancel(_per_token(value) / kv_heads),
-                          itemsize=item, keys=keys, writes_kv=False)
+                          itemsize=item, keys=keys, writes_kv=False, window=window)
     matrix = sum((2 * b * m * n * k for b, m, n, k in work.matmuls), sympy.Integer(0))
     per_key = sum(_per_token(b) * (b.dtype.itemsize if b.dtype is not None else item)
                   for b in (key, value))

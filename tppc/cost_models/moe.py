@@ -1,0 +1,87 @@
+"""Prices of the ops a mixture-of-experts layer runs: grouped expert matmuls and routing.
+
+Terms:
+    rows: ``(token, expert)`` pairs of a chunk, ``R = c · top_k`` (the grouped matmul's first
+        input has R rows, already sorted by expert).
+    experts touched: experts with at least one row. Under uniform, independent routing the
+        expected count is ``E · (1 − (1 − 1/E)^R)``; that expectation is what is priced
+        (``min(E, R)`` is an upper bound on it; skewed routing touches fewer). The weights
+        read are those of the touched experts, not all E.
+
+Rules (by op semantics, not by model name):
+    * a grouped matmul ``(R, K) @ (E, K, N)`` grouped by offsets (``transformers::
+      grouped_mm_fallback``, ``aten._grouped_mm``) does ``2·R·K·N`` matrix FLOPs as one
+      skinny matmul of ``R / touched`` rows per touched expert (so the roofline's per-matmul
+      row overhead is paid per expert), and reads R rows, writes R outputs and reads the
+      touched experts' weights;
+    * ``sort`` does ``n·log2(n)`` comparisons per sorted row of n, ``topk`` ``n·log2(k)``,
+      ``histc`` one per input element, each reading its input and writing its outputs.
+The ``batched_mm`` implementation needs no rule here: it gathers one weight matrix per row
+(``index``, priced as the memory it moves) and runs ``bmm`` (2·R·K·N FLOPs).
+
+Example:
+    >>> expected_experts(8, sympy.Integer(1))
+    1
+"""
+
+from __future__ import annotations
+
+import sympy
+from torch import fx
+
+from .node_costs import NodeCost, _bytes, _itemsize, _numel, _Shapes, _tensors
+
+__all__ = ["GROUPED_MM", "ROUTING", "expected_experts", "moe_node_cost"]
+
+GROUPED_MM = frozenset({"grouped_mm_fallback", "_grouped_mm", "grouped_mm"})
+"""Short names of grouped (ragged) expert matmuls: ``(R, K) @ (E, K, N)`` by offsets."""
+ROUTING = frozenset({"sort", "topk", "histc"})
+"""Short names of the routing ops priced here."""
+
+
+def expected_experts(experts: int, rows: sympy.Expr) -> sympy.Expr:
+    """Expected experts hit by ``rows`` uniform independent draws out of ``experts``."""
+    e = sympy.Integer(experts)
+    return e * (1 - (1 - 1 / e) ** rows)
+
+
+def _name(node: fx.Node) -> str:
+    name = getattr(node.target, "_opname", "") if node.op == "call_function" else ""
+    return name.rstrip("_") if name.endswith("_") and not name.startswith("__") else name
+
+
+def moe_node_cost(node: fx.Node, shapes: _Shapes, dtype: str) -> NodeCost | None:
+    """The price of a grouped expert matmul or a routing op (None for any other node)."""
+    op = _name(node)
+    if op in GROUPED_MM and len(node.args) >= 2:
+        return _grouped_mm(node, op, shapes, dtype)
+    if op not in ROUTING or not isinstance(node.args[0], fx.Node):
+        return None
+    src = shapes.shape(node.args[0]) or ()
+    numel = _numel(src)
+    if op == "histc":
+        vector = numel
+    else:
+        dim = node.args[2 if op == "topk" else 1] if len(node.args) > (2 if op == "topk" else 1) \
+            else node.kwargs.get("dim", -1)
+        n = src[int(dim)] if src else sympy.Integer(1)
+        k = sympy.Integer(int(node.args[1])) if op == "topk" else n
+        vector = numel * sympy.Max(sympy.log(k, 2), 1)
+    nbytes = _bytes(shapes, [node.args[0]]) + _bytes(shapes, [node])
+    return NodeCost(node.name, op, "vector", sympy.Integer(0), (), sympy.expand(vector),
+                    sympy.expand(nbytes), dtype)
+
+
+def _grouped_mm(node: fx.Node, op: str, shapes: _Shapes, dtype: str) -> NodeCost:
+    x_node, w_node = node.args[0], node.args[1]
+    x, w = shapes.shape(x_node), shapes.shape(w_node)
+    rows, k = x[0], x[-1]
+    experts, n = int(w[0]), w[-1]
+    touched = expected_experts(experts, rows)
+    w_item = _itemsize(_tensors(w_node.meta["val"])[0])
+    nbytes = (_bytes(shapes, [x_node]) + _bytes(shapes, [node])
+              + touched * k * n * w_item
+              + _bytes(shapes, [a for a in node.args[2:3] if isinstance(a, fx.Node)]))
+    matmuls = ((touched, rows / touched, n, k),)
+    return NodeCost(node.name, op, "matrix", sympy.expand(2 * rows * k * n), matmuls,
+                    sympy.Integer(0), nbytes, dtype)
