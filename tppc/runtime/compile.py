@@ -83,20 +83,23 @@ def _auto_planner(opts: CompileOptions) -> Planner:
     from tppc.cost_models import build_cost_table
     from tppc.planner.grid import plan_any_length
 
-    def plan_length(front: FrontEnd, length: int) -> Plan:
+    def plan_length(front: FrontEnd, length: int, workload: Workload | None = None) -> Plan:
+        """The plan of ``length``; a diffusion ``workload`` plans patches (``denoise``)."""
+
         def table_at(tokens: int) -> Any:
             return build_cost_table(front.chunk, front.ctx.layers, opts.cluster, tokens,
                                     seq_symbol=front.ctx.seq_symbol,
                                     token_count=front.ctx.token_count)
 
         bounds = None
+        diffusion = workload is not None and workload.kind == "diffusion"
         if opts.chunks is not None:
             bounds = chunk_bounds(opts.chunks, length)
-        elif front.bidirectional:
+        elif front.bidirectional and not diffusion:
             bounds = (0, length)
         return plan_any_length(table_at, length, granularity=opts.granularity,
                                num_stages=opts.num_stages, time_limit=opts.time_limit,
-                               bounds=bounds)
+                               workload=workload, bounds=bounds)
 
     return plan_length
 

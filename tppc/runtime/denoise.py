@@ -69,8 +69,7 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any, num_inference_steps:
     calls_in = [((x,), {**kwargs, timestep_arg: t.expand(len(x))}) for t in steps]
     front, bound = cp.bind(*calls_in[0])
     length = bound.length
-    plan = cp.program(length, front).plan
-    bounds = _patch_bounds(patches if patches is not None else len(plan.stages), length)
+    plan, bounds = _patches(cp, front, length, len(steps), warmup_steps, patches)
     full, first, rest = _programs(cp, front, plan, length, bounds)
     axis, scale = _latent_axis(front, bound.flat, x)
     epoch = next_epoch()
@@ -150,6 +149,18 @@ def _run_stage(stage: StageProgram, call: Call, state: CallState, start: int, en
     return run_stage(stage, call, state, start, end, boundary)
 
 
+def _patches(cp: Any, front: Any, length: int, steps: int, warmup: int, patches: int | None
+             ) -> tuple[Any, tuple[int, ...]]:
+    """The plan (placement) and the patch boundaries: ``patches`` equal bands on the
+    compiled plan, or (``None``) the diffusion plan's own split."""
+    if patches is not None:
+        return cp.program(length, front).plan, _patch_bounds(patches, length)
+    plan = cp.denoise_plan(steps, warmup, length, front)
+    if plan.workload.kind == "diffusion" and plan.seq_len == length:
+        return plan, tuple(plan.boundaries)
+    return plan, _patch_bounds(len(plan.stages), length)
+
+
 def _patch_bounds(patches: int, length: int) -> tuple[int, ...]:
     if not isinstance(patches, int) or not 1 <= patches <= length:
         raise SpecError(f"patches={patches!r}; the latent has {length} patch rows. fix: "
@@ -162,7 +173,8 @@ def _programs(cp: Any, front: Any, plan: Any, length: int, bounds: tuple[int, ..
     """Warm-up program (one chunk), patch program, and the later patches' program (joint
     attention: no text tokens), cached on the pipeline per (batch, length, patches)."""
     cache = cp.__dict__.setdefault("_denoise_programs", {})
-    key = (front.batch, length, bounds)
+    placement = tuple((st.layer_start, st.layer_end, st.device_index) for st in plan.stages)
+    key = (front.batch, length, bounds, placement)
     if key not in cache:
         devices = cp.options.devices
         chunks = tuple(itertools.pairwise(bounds))
