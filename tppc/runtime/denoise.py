@@ -23,6 +23,7 @@ the result is the serial loop's (see :func:`denoise`).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import queue
 import threading
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 
+from tppc.backends._hoist import hoist_constants
 from tppc.errors import SpecError
 from tppc.passes.chunk_attention import REST_CHUNK
 from tppc.program import Program, StageProgram, build_program
@@ -111,6 +113,7 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any, num_inference_steps:
                 for s in range(len(first.stages)):
                     values = _run_stage(stage_of(m, s), calls[i], state, *chunks[m], values)
                 finish(i, m, values)
+    state.consts.clear()  # the text K/V are this request's
     front.pool.release(state)
     return x
 
@@ -178,12 +181,20 @@ def _programs(cp: Any, front: Any, plan: Any, length: int, bounds: tuple[int, ..
     if key not in cache:
         devices = cp.options.devices
         chunks = tuple(itertools.pairwise(bounds))
-        full = build_program(front.chunk, front.ctx, plan, ((0, length),), devices)
-        first = build_program(front.chunk, front.ctx, plan, chunks, devices)
+        full = _hoist(build_program(front.chunk, front.ctx, plan, ((0, length),), devices))
+        first = _hoist(build_program(front.chunk, front.ctx, plan, chunks, devices))
         rest_gm = front.chunk.meta.get(REST_CHUNK)
-        rest = build_program(rest_gm, front.ctx, plan, chunks, devices) if rest_gm else None
+        rest = (_hoist(build_program(rest_gm, front.ctx, plan, chunks, devices)) if rest_gm
+                else None)
         cache[key] = (full, first, rest)
     return cache[key]
+
+
+def _hoist(program: Program) -> Program:
+    """``program`` with every stage's const sub-graphs (text K/V, timestep embedding)
+    computed once per set of input values and fed in (:mod:`tppc.backends._hoist`)."""
+    return dataclasses.replace(program, stages=tuple(hoist_constants(st)
+                                                     for st in program.stages))
 
 
 def _latent_axis(front: Any, flat: list[Any], x: torch.Tensor) -> tuple[int, int]:
