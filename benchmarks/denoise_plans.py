@@ -23,6 +23,7 @@ import torch
 from tppc._blocks import expand_layers, few_blocks
 from tppc.analysis import annotate, program_of
 from tppc.cost_models.layer_costs import build_cost_table
+from tppc.errors import PlanError
 from tppc.models import DiT, DiTConfig
 from tppc.planner import plan_for
 from tppc.planner.devices import sub_table
@@ -97,8 +98,12 @@ def compare(name: str, gm, ctx, pixels: int, row: int) -> None:
                                     token_count=ctx.token_count)
 
         t0 = time.perf_counter()
-        plan = plan_any_length(table_at, length, num_stages=stages, workload=WORKLOAD,
-                               granularity=row, time_limit=20.0)
+        try:
+            plan = plan_any_length(table_at, length, num_stages=stages, workload=WORKLOAD,
+                                   granularity=row, time_limit=20.0)
+        except PlanError as exc:
+            print(f"| {name} | {pixels}² | {cluster} | refused: {str(exc).splitlines()[-1]} |")
+            continue
         seconds = time.perf_counter() - t0
         table = sub_table(table_at(length), tuple(range(stages)))
         names = [lc.name for lc in table.layers[0]]
