@@ -153,7 +153,7 @@ CHUNK_SIGNATURE = "tppc.chunk_signature"
 """``GraphModule.meta`` key of the :class:`ChunkSignature` of a chunk-step graph."""
 
 InputKind = Literal["token", "const", "chunk_start", "chunk_size", "seq_len", "positional",
-                    "key", "value", "boundary", "full"]
+                    "key", "value", "boundary", "full", "hoisted"]
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,8 @@ class ChunkInput:
             ``chunk_start`` / ``chunk_size`` / ``seq_len`` (ints), ``positional`` (a slice of
             a frontier value), ``key`` / ``value`` (a K/V buffer), ``boundary`` (a token value
             sent by the previous stage; only in stage graphs), ``full`` (a user input with a
-            sequence axis, whole: the key-validity mask of every position so far).
+            sequence axis, whole: the key-validity mask of every position so far),
+            ``hoisted`` (a const sub-graph's value, :mod:`tppc.backends._hoist`).
         source: the user input's name, the frontier node's name, the attention node's name,
             or the boundary value's name.
         index: flat user-input index (token, const) or positional-program output index.

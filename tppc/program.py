@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import fx
@@ -101,6 +102,8 @@ class StageProgram:
         out_slots: the last stage's outputs written in place, in placeholder order.
         param_count: parameter elements it holds.
         param_bytes: bytes of its parameters and module buffers.
+        consts: const programs feeding its ``hoisted`` inputs (:mod:`tppc.backends._hoist`;
+            ``denoise`` only, else empty).
     """
 
     index: int
@@ -116,6 +119,7 @@ class StageProgram:
     out_slots: tuple[OutSlot, ...]
     param_count: int
     param_bytes: int
+    consts: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from tppc.backends._hoist import const_values
 from tppc.planner.schedule import serial_order
 from tppc.program import Program, StageProgram
 from tppc.runtime.state import Call, CallState
@@ -50,6 +51,7 @@ def run_stage(stage: StageProgram, call: Call, state: CallState, start: int, end
     """Run chunk ``[start, end)`` on ``stage``; ``boundary``: the previous stage's outputs."""
     positional = prepare_stage(stage, call, state)
     buffers = state.buffers(stage)
+    hoisted = const_values(stage, call, state) if stage.consts else ()
     size = end - start
     received = iter(boundary)
     args: list[Any] = []
@@ -69,6 +71,8 @@ def run_stage(stage: StageProgram, call: Call, state: CallState, start: int, end
                         else value.narrow(spec.axis, *spec.rows(start, end)))
         elif kind in ("key", "value"):
             args.append(buffers[name])
+        elif kind == "hoisted":
+            args.append(hoisted[spec.index])
         else:
             args.append({"chunk_start": start, "chunk_size": size,
                          "seq_len": call.seq_len}[kind])

@@ -8,6 +8,7 @@ Terms:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -83,22 +84,45 @@ def _auto_planner(opts: CompileOptions) -> Planner:
     from tppc.cost_models import build_cost_table
     from tppc.planner.grid import plan_any_length
 
-    def plan_length(front: FrontEnd, length: int) -> Plan:
+    def plan_length(front: FrontEnd, length: int, workload: Workload | None = None) -> Plan:
+        """The plan of ``length``; a diffusion ``workload`` plans patches (``denoise``)."""
+
         def table_at(tokens: int) -> Any:
             return build_cost_table(front.chunk, front.ctx.layers, opts.cluster, tokens,
                                     seq_symbol=front.ctx.seq_symbol,
                                     token_count=front.ctx.token_count)
 
         bounds = None
+        diffusion = workload is not None and workload.kind == "diffusion"
         if opts.chunks is not None:
             bounds = chunk_bounds(opts.chunks, length)
-        elif front.bidirectional:
+        elif front.bidirectional and not diffusion:
             bounds = (0, length)
+        per = _tokens_per_unit(front) if diffusion and bounds is None else 1
+        if per > 1:  # priced in tokens on a grid of whole patch rows, returned in rows
+            g = per * (opts.granularity or 1)
+            plan = plan_any_length(table_at, length * per, granularity=g,
+                                   num_stages=opts.num_stages, time_limit=opts.time_limit,
+                                   workload=workload)
+            return dataclasses.replace(plan, seq_len=length, granularity=g // per,
+                                       boundaries=tuple(b // per for b in plan.boundaries))
         return plan_any_length(table_at, length, granularity=opts.granularity,
                                num_stages=opts.num_stages, time_limit=opts.time_limit,
-                               bounds=bounds)
+                               workload=workload, bounds=bounds)
 
     return plan_length
+
+
+def _tokens_per_unit(front: FrontEnd) -> int:
+    """Tokens per unit of the sequence symbol (a DiT's patch columns), 1 when not linear."""
+    count, sym = front.ctx.token_count, front.ctx.seq_symbol
+    if count is None or sym is None:
+        return 1
+    try:
+        per = count.subs(sym, 1)
+        return int(per) if per.is_Integer and count.subs(sym, 2) == 2 * per else 1
+    except (AttributeError, TypeError):
+        return 1
 
 
 def manual_plan(layers: int | Sequence[str], seq_len: int, *, cuts: Sequence[int],

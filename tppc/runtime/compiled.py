@@ -27,7 +27,7 @@ from tppc.backends.torch_local import LocalExecutor, Sink
 from tppc.backends.torch_threads import ThreadsExecutor
 from tppc.context import PassRecord
 from tppc.errors import CaptureError, RuntimeInputError, SpecError
-from tppc.planner.plan import Plan
+from tppc.planner.plan import Plan, Workload
 from tppc.program import Program, build_program
 from tppc.runtime.frontend import BoundCall, FrontEnd, bind, capture_front_end, input_structure
 from tppc.runtime.io import OutputAssembler
@@ -36,8 +36,8 @@ from tppc.runtime.state import Call, CallState, StatePool, next_epoch
 
 __all__ = ["CompiledPipeline", "StageSummary"]
 
-Planner = Callable[[FrontEnd, int], Plan]
-"""``(front end, length) -> plan`` for lengths tppc plans itself."""
+Planner = Callable[..., Plan]
+"""``(front end, length[, workload]) -> plan`` for lengths tppc plans itself."""
 
 
 @dataclass(frozen=True)
@@ -173,8 +173,8 @@ class CompiledPipeline:
                 output_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
                 executor: ExecutorName | None = None) -> torch.Tensor:
         """Denoise ``latents`` with PipeFusion (:mod:`tppc.runtime.denoise`): warm-up steps run
-        the whole image, then patches (``None``: one per stage) of consecutive steps flow
-        through the stages with one-step-stale K/V. ``warmup_steps == num_inference_steps``
+        the whole image, then patches (``None``: the plan's, :meth:`denoise_plan`) of
+        consecutive steps flow through the stages with one-step-stale K/V. ``warmup_steps == num_inference_steps``
         equals the serial loop ``model → output_transform → scheduler.step``."""
         from tppc.runtime.denoise import denoise
 
@@ -182,6 +182,27 @@ class CompiledPipeline:
                        warmup_steps=warmup_steps, patches=patches, model_kwargs=model_kwargs,
                        timestep_arg=timestep_arg, output_transform=output_transform,
                        executor=executor)
+
+    def denoise_plan(self, num_inference_steps: int, warmup_steps: int,
+                     length: int | None = None, front: FrontEnd | None = None) -> Plan:
+        """The plan ``denoise(patches=None)`` runs: re-planned for
+        ``Workload(kind="diffusion", steps, warmup_steps)`` at ``length`` patch rows (default:
+        the example's) and cached; a given plan is used as is (its boundaries are the patches
+        when its workload is ``diffusion``, else one patch per stage)."""
+        front = front or self._front
+        length = self.plan.seq_len if length is None else length
+        if self._planner is None:
+            return self.program(length, front).plan
+        key = (front.key, length, num_inference_steps, warmup_steps)
+        with self._lock:
+            cache = self.__dict__.setdefault("_denoise_plans", OrderedDict())
+            if key not in cache:
+                workload = Workload(kind="diffusion", steps=num_inference_steps,
+                                    warmup_steps=min(warmup_steps, num_inference_steps))
+                cache[key] = self._planner(front, length, workload=workload)
+                while len(cache) > self.options.program_cache:
+                    cache.popitem(last=False)
+            return cache[key]
 
     def kv_cache(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
         """Every attention's (K, V) over the tokens of the last call, in layer order.
@@ -335,8 +356,9 @@ class CompiledPipeline:
         chunks = self.options.chunks
         many = (chunks is not None and (chunks != 1 if isinstance(chunks, int)
                                         else len(chunks) > 2))
-        if self._front.bidirectional and (many or (self._planner is None
-                                                   and len(plan.boundaries) > 2)):
+        given_many = (self._planner is None and len(plan.boundaries) > 2
+                      and plan.workload.kind != "diffusion")  # diffusion: denoise's patches
+        if self._front.bidirectional and (many or given_many):
             raise SpecError(
                 f"{self.model_name} has bidirectional attention ({self._front.bidirectional[0]}"
                 "): a chunk would attend to stale K/V of later chunks, so tppc runs each call "

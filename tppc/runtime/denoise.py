@@ -23,6 +23,7 @@ the result is the serial loop's (see :func:`denoise`).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import queue
 import threading
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 
+from tppc.backends._hoist import hoist_constants
 from tppc.errors import SpecError
 from tppc.passes.chunk_attention import REST_CHUNK
 from tppc.program import Program, StageProgram, build_program
@@ -69,8 +71,7 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any, num_inference_steps:
     calls_in = [((x,), {**kwargs, timestep_arg: t.expand(len(x))}) for t in steps]
     front, bound = cp.bind(*calls_in[0])
     length = bound.length
-    plan = cp.program(length, front).plan
-    bounds = _patch_bounds(patches if patches is not None else len(plan.stages), length)
+    plan, bounds = _patches(cp, front, length, len(steps), warmup_steps, patches)
     full, first, rest = _programs(cp, front, plan, length, bounds)
     axis, scale = _latent_axis(front, bound.flat, x)
     epoch = next_epoch()
@@ -112,6 +113,7 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any, num_inference_steps:
                 for s in range(len(first.stages)):
                     values = _run_stage(stage_of(m, s), calls[i], state, *chunks[m], values)
                 finish(i, m, values)
+    state.consts.clear()  # the text K/V are this request's
     front.pool.release(state)
     return x
 
@@ -150,6 +152,18 @@ def _run_stage(stage: StageProgram, call: Call, state: CallState, start: int, en
     return run_stage(stage, call, state, start, end, boundary)
 
 
+def _patches(cp: Any, front: Any, length: int, steps: int, warmup: int, patches: int | None
+             ) -> tuple[Any, tuple[int, ...]]:
+    """The plan (placement) and the patch boundaries: ``patches`` equal bands on the
+    compiled plan, or (``None``) the diffusion plan's own split."""
+    if patches is not None:
+        return cp.program(length, front).plan, _patch_bounds(patches, length)
+    plan = cp.denoise_plan(steps, warmup, length, front)
+    if plan.workload.kind == "diffusion" and plan.seq_len == length:
+        return plan, tuple(plan.boundaries)
+    return plan, _patch_bounds(len(plan.stages), length)
+
+
 def _patch_bounds(patches: int, length: int) -> tuple[int, ...]:
     if not isinstance(patches, int) or not 1 <= patches <= length:
         raise SpecError(f"patches={patches!r}; the latent has {length} patch rows. fix: "
@@ -162,16 +176,25 @@ def _programs(cp: Any, front: Any, plan: Any, length: int, bounds: tuple[int, ..
     """Warm-up program (one chunk), patch program, and the later patches' program (joint
     attention: no text tokens), cached on the pipeline per (batch, length, patches)."""
     cache = cp.__dict__.setdefault("_denoise_programs", {})
-    key = (front.batch, length, bounds)
+    placement = tuple((st.layer_start, st.layer_end, st.device_index) for st in plan.stages)
+    key = (front.batch, length, bounds, placement)
     if key not in cache:
         devices = cp.options.devices
         chunks = tuple(itertools.pairwise(bounds))
-        full = build_program(front.chunk, front.ctx, plan, ((0, length),), devices)
-        first = build_program(front.chunk, front.ctx, plan, chunks, devices)
+        full = _hoist(build_program(front.chunk, front.ctx, plan, ((0, length),), devices))
+        first = _hoist(build_program(front.chunk, front.ctx, plan, chunks, devices))
         rest_gm = front.chunk.meta.get(REST_CHUNK)
-        rest = build_program(rest_gm, front.ctx, plan, chunks, devices) if rest_gm else None
+        rest = (_hoist(build_program(rest_gm, front.ctx, plan, chunks, devices)) if rest_gm
+                else None)
         cache[key] = (full, first, rest)
     return cache[key]
+
+
+def _hoist(program: Program) -> Program:
+    """``program`` with every stage's const sub-graphs (text K/V, timestep embedding)
+    computed once per set of input values and fed in (:mod:`tppc.backends._hoist`)."""
+    return dataclasses.replace(program, stages=tuple(hoist_constants(st)
+                                                     for st in program.stages))
 
 
 def _latent_axis(front: Any, flat: list[Any], x: torch.Tensor) -> tuple[int, int]:

@@ -73,6 +73,7 @@ class CallState:
         self._buffers: dict[tuple[str, str], torch.Tensor] = {}
         self._specs: dict[tuple[str, str], BufferSpec] = {}
         self._positional: dict[int, tuple[Any, tuple[Any, ...]]] = {}
+        self.consts: dict[Any, Any] = {}  # hoisted const values (tppc.backends._hoist)
 
     def reserve(self, capacity: int) -> None:
         """Hold at least ``capacity`` tokens (growing keeps the buffers' contents)."""
@@ -116,6 +117,7 @@ class CallState:
         """Zero every K/V buffer (a new generation must not see the last one's K/V)."""
         for tensor in self._buffers.values():
             tensor.zero_()
+        self.consts.clear()
         self.filled = 0
 
     def nbytes(self) -> int:

@@ -1,0 +1,78 @@
+"""``denoise(patches=None)`` runs the diffusion plan's patches (issue 13), against the eager
+serial loop ``model → scheduler.step`` and the plan's own boundaries."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import tppc
+from tppc import examples
+from tppc.planner.plan import Workload
+from tppc.runtime import denoise as denoise_module
+from tppc.runtime.compile import manual_plan
+
+diffusers = pytest.importorskip("diffusers")
+
+
+def _serial(model, x, steps, y):
+    scheduler = diffusers.DDIMScheduler()
+    scheduler.set_timesteps(steps)
+    with torch.no_grad():
+        for t in scheduler.timesteps:
+            x = scheduler.step(model(x, t.expand(len(x)), y), t, x).prev_sample
+    return x
+
+
+@pytest.fixture
+def bounds_used(monkeypatch):
+    """The patch boundaries every ``denoise`` call built its programs for."""
+    seen: list[tuple[int, ...]] = []
+    original = denoise_module._programs
+
+    def spy(cp, front, plan, length, bounds):
+        seen.append(bounds)
+        return original(cp, front, plan, length, bounds)
+
+    monkeypatch.setattr(denoise_module, "_programs", spy)
+    return seen
+
+
+def test_patches_none_takes_the_diffusion_plans_split(bounds_used) -> None:
+    model, args, kwargs = examples.dit(size=32)  # 16 patch rows: the planner cuts them
+    cp = tppc.compile(model, args, kwargs, cluster="2xcpu", num_stages=2, executor="threads")
+    plan = cp.denoise_plan(8, 1)
+    assert plan.workload == Workload(kind="diffusion", steps=8, warmup_steps=1)
+    assert len(plan.boundaries) > 2, "expected the planner to cut 16 rows into patches"
+    cp.denoise(args[0], diffusers.DDIMScheduler(), 8, warmup_steps=1,
+               model_kwargs={"y": args[2]}, timestep_arg="t")
+    assert bounds_used[-1] == plan.boundaries
+    assert cp.denoise_plan(8, 1) is plan  # cached per (steps, warm-up)
+
+
+def test_patches_none_with_warmup_on_every_step_equals_the_serial_loop() -> None:
+    model, args, kwargs = examples.dit(size=32)
+    cp = tppc.compile(model, args, kwargs, cluster="2xcpu", num_stages=2, executor="threads")
+    out = cp.denoise(args[0], diffusers.DDIMScheduler(), 3, warmup_steps=3,
+                     model_kwargs={"y": args[2]}, timestep_arg="t")
+    torch.testing.assert_close(out, _serial(model, args[0], 3, args[2]), rtol=1e-5, atol=1e-5)
+
+
+def test_a_given_diffusion_plan_gives_its_boundaries(bounds_used) -> None:
+    model, args, kwargs = examples.dit()
+    n = len(tppc.compile(model, args, kwargs, executor="local").context.layers)
+    plan = dataclasses.replace(manual_plan(n, 8, cuts=(0, 3, n), boundaries=(0, 3, 8)),
+                               workload=Workload(kind="diffusion", steps=3, warmup_steps=1))
+    cp = tppc.compile(model, args, kwargs, plan=plan, executor="threads")
+    torch.testing.assert_close(cp(*args, **kwargs), model(*args), rtol=1e-5, atol=1e-5)
+    x = torch.randn_like(args[0])
+    pipelined = cp.denoise(x, diffusers.DDIMScheduler(), 3, warmup_steps=1,
+                           model_kwargs={"y": args[2]}, timestep_arg="t")
+    assert bounds_used[-1] == (0, 3, 8)
+    ref = _serial(model, x, 3, args[2])
+    assert 0 < float(((pipelined - ref) ** 2).mean()) < 0.1 * float((ref ** 2).mean())
+    exact = cp.denoise(x, diffusers.DDIMScheduler(), 3, warmup_steps=3,
+                       model_kwargs={"y": args[2]}, timestep_arg="t")
+    torch.testing.assert_close(exact, ref, rtol=1e-5, atol=1e-5)
