@@ -188,3 +188,28 @@ def test_bidirectional_attention_runs_exactly_as_one_chunk_and_refuses_chunks():
     torch.testing.assert_close(cp(ids), _eager(model, ids), atol=1e-5, rtol=1e-5)
     with pytest.raises(SpecError, match="bidirectional attention"):
         tppc.compile(model, (ids,), chunks=2)
+
+
+def test_the_last_chunk_is_not_dropped_when_every_worker_has_exited(monkeypatch):
+    """The caller's poll times out just as the last worker exits: the chunk still comes out."""
+    import queue
+
+    model, args, _ = examples.gpt(seq_len=SEQ, n_layer=2)
+    plan = manual_plan(4, SEQ, cuts=(0, 2, 4), boundaries=(0, 8, SEQ))
+    cp = tppc.compile(model, args, plan=plan, executor="threads")
+    caller = threading.current_thread()
+    real_get = queue.Queue.get
+    raced = []
+
+    def racing_get(self, block=True, timeout=None):
+        if threading.current_thread() is caller and timeout is not None and not raced:
+            while any(t.name.startswith("tppc-stage-") for t in threading.enumerate()):
+                time.sleep(0.01)  # every worker has put its chunks and exited
+            raced.append(True)
+            raise queue.Empty
+        return real_get(self, block, timeout)
+
+    monkeypatch.setattr(queue.Queue, "get", racing_get)
+    out = cp(*args)
+    assert raced
+    torch.testing.assert_close(out, _eager(model, args[0]), atol=1e-5, rtol=1e-5)
