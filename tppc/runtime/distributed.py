@@ -41,6 +41,7 @@ from tppc.runtime.compiled import CompiledPipeline, Planner
 from tppc.runtime.frontend import FrontEnd, capture_front_end
 from tppc.runtime.io import OutputAssembler
 from tppc.runtime.options import CompileOptions
+from tppc.runtime.result_stream import ResultSender, receive_results, streamable
 from tppc.runtime.state import Call, next_epoch
 
 __all__ = ["DistributedPipeline", "compile_distributed", "init_distributed"]
@@ -164,8 +165,22 @@ class DistributedPipeline(CompiledPipeline):
         call = Call(tuple(bound.flat), program.chunks, bound.length, bound.length,
                     next_epoch(), full)
         outputs = OutputAssembler(axes, call)
-        self.execute(program, call, state, outputs, timeout=timeout, trace=trace)
+        last = self.world - 1
+        stream = (self.world > 1 and self.results == "rank0" and self.device.type == "cpu"
+                  and streamable(axes, program.tail is not None))
+        sender = ResultSender(outputs, program.chunks, 0) if stream and self.rank == last \
+            else None
+        self.execute(program, call, state, sender or outputs, timeout=timeout, trace=trace)
+        if sender is not None:
+            self._collective(lambda: sender.finish(self.comm_timeout), "results")
         self.finish(front, state, bound.length)
+        if stream:  # the outputs went to rank 0 chunk by chunk, overlapping the last stage
+            if self.rank != 0:
+                return None
+            leaves = self._collective(lambda: receive_results(
+                program.chunks, axes, bound.length, last, self.device, self.comm_timeout),
+                "results")
+            return self.assemble(program, list(leaves))
         leaves: list[Any] = []
         if self.rank == self.world - 1:
             leaves = outputs.leaves
