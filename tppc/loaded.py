@@ -26,10 +26,10 @@ from tppc.backends.onnxruntime import (
     run_serial,
 )
 from tppc.errors import RuntimeInputError
+from tppc.generation_rules import DEFAULT, check_max_new_tokens, stop_tokens
 
 __all__ = ["LoadedPipeline", "Outputs"]
 
-_DEFAULT = object()
 
 
 class Outputs(dict):
@@ -139,7 +139,7 @@ class LoadedPipeline:
         return flat, next(iter(lengths.values()))
 
     def generate(self, input_ids: Any, max_new_tokens: int = 20, *,
-                 eos_token_id: Any = _DEFAULT, pad_token_id: Any = _DEFAULT) -> np.ndarray:
+                 eos_token_id: Any = DEFAULT, pad_token_id: Any = DEFAULT) -> np.ndarray:
         """Greedy decoding (HF's ``generate(do_sample=False)`` rule); returns prompt + new ids.
 
         The prompt length must be an exported length; decoding steps are one-token chunks.
@@ -149,13 +149,9 @@ class LoadedPipeline:
         if token is None or logits_at is None:
             raise RuntimeInputError("generate needs one token-id input and a per-token "
                                     "output (logits); this artifact has neither")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
-                or max_new_tokens < 1:
-            raise RuntimeInputError(f"max_new_tokens={max_new_tokens!r} must be an int ≥ 1")
-        eos = self.eos_token_id if eos_token_id is _DEFAULT else eos_token_id
-        eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        pad = self.pad_token_id if pad_token_id is _DEFAULT else pad_token_id
-        pad = eos_ids[0] if pad is None and eos_ids else pad
+        check_max_new_tokens(max_new_tokens)
+        eos_ids, pad = stop_tokens(eos_token_id, pad_token_id, model_eos=self.eos_token_id,
+                                   model_pad=self.pad_token_id)
         name = self.signature["inputs"][token]["name"]
         flat, prompt = self.bind((), {name: input_ids})
         total = prompt + max_new_tokens

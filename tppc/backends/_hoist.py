@@ -25,6 +25,7 @@ import torch
 from torch import fx
 
 from tppc.ir import ChunkInput
+from tppc.passes._shapes import ancestors
 
 __all__ = ["ConstProgram", "const_values", "hoist_constants"]
 
@@ -121,13 +122,7 @@ def _const_deps(graph: fx.Graph, placeholders: list[fx.Node], inputs: Any
 def _extract(root: fx.GraphModule, nodes: list[fx.Node], indices: list[int],
              placeholders: list[fx.Node], inputs: Any) -> fx.GraphModule:
     """A module computing ``nodes`` from the const inputs ``indices`` (and the weights)."""
-    needed: set[fx.Node] = set()
-    todo = list(nodes)
-    while todo:
-        node = todo.pop()
-        if node not in needed:
-            needed.add(node)
-            todo.extend(node.all_input_nodes)
+    needed = ancestors(nodes)
     graph, env = fx.Graph(), {}
     by_index = {inputs[i][1].index: ph for i, ph in enumerate(placeholders[: len(inputs)])
                 if inputs[i][1].kind == "const"}

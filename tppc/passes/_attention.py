@@ -25,7 +25,7 @@ from tppc.context import CompileContext
 from tppc.errors import AnnotationError
 from tppc.ir import TOKEN, AttentionKind, MaskSpec
 from tppc.passes._masks import mask_spec
-from tppc.passes._shapes import call_module_of, module_path, size_expr, tensor_val
+from tppc.passes._shapes import ancestors, call_module_of, module_path, size_expr, tensor_val
 
 __all__ = ["ATTENTION_OPS", "MAX_PROBE", "attention_kind", "classify_attention",
            "evaluate_positional", "probe_lengths"]
@@ -73,7 +73,7 @@ def classify_attention(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext
 def probe_lengths(mask: fx.Node) -> tuple[int, ...]:
     """Sequence lengths at which to evaluate ``mask``: a short one and one beyond every
     integer constant of its computation (capped at :data:`MAX_PROBE`)."""
-    literals = [abs(a) for n in _closure(mask) for a in _int_args(n)]
+    literals = [abs(a) for n in ancestors([mask]) for a in _int_args(n)]
     long = min(MAX_PROBE, max([2 * _SHORT_PROBE + 1, *(v + 2 for v in literals)]))
     return (_SHORT_PROBE, long)
 
@@ -83,16 +83,6 @@ def _int_args(node: fx.Node) -> list[int]:
     return [a for a in flat if isinstance(a, int) and not isinstance(a, bool)
             and abs(a) < _SENTINEL]
 
-
-def _closure(target: fx.Node) -> set[fx.Node]:
-    needed: set[fx.Node] = set()
-    todo = [target]
-    while todo:
-        n = todo.pop()
-        if n not in needed:
-            needed.add(n)
-            todo.extend(n.all_input_nodes)
-    return needed
 
 
 def evaluate_positional(target: fx.Node, gm: fx.GraphModule, ctx: CompileContext,
@@ -105,7 +95,7 @@ def evaluate_positional(target: fx.Node, gm: fx.GraphModule, ctx: CompileContext
     them and the shape matches (``ctx.example_values``: text masks, ids), else zeros.
     """
     overrides = overrides or {}
-    needed = _closure(target)
+    needed = ancestors([target])
     length = ctx.example_seq if length is None else length
     env: dict[fx.Node, Any] = {}
     for n in gm.graph.nodes:

@@ -14,7 +14,7 @@ from torch.fx.operator_schemas import normalize_function
 
 from tppc.errors import PassError
 from tppc.ir import TOKEN, TokenInfo
-from tppc.passes._shapes import size_expr, tensor_val
+from tppc.passes._shapes import ancestors, size_expr, tensor_val
 
 __all__ = ["cache_source", "input_value_error", "inputs_read", "is_head_repeat", "leaves",
            "positional_program", "sdpa_kwargs", "tail_program"]
@@ -112,13 +112,7 @@ def is_head_repeat(source: fx.Node, chain: list[fx.Node]) -> bool:
 
 def positional_program(gm: fx.GraphModule, frontier: list[fx.Node]) -> fx.GraphModule:
     """Flat user inputs (zero-valued at the full length) → the frontier values."""
-    needed: set[fx.Node] = set()
-    todo = list(frontier)
-    while todo:
-        n = todo.pop()
-        if n not in needed:
-            needed.add(n)
-            todo.extend(n.all_input_nodes)
+    needed = ancestors(frontier)
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in gm.graph.nodes:

@@ -20,7 +20,7 @@ from torch import fx
 from tppc.context import CompileContext
 from tppc.errors import AnnotationError
 from tppc.ir import AttentionKind, MaskSpec
-from tppc.passes._shapes import module_path, tensor_val
+from tppc.passes._shapes import ancestors, module_path, tensor_val
 
 __all__ = ["mask_spec"]
 
@@ -35,9 +35,9 @@ def mask_spec(node: fx.Node, mask: fx.Node, gm: fx.GraphModule, ctx: CompileCont
         AnnotationError: the mask is not a causal band or all-visible pattern, combined with
             at most one key-validity input; names the node and what was found.
     """
-    from tppc.passes._attention import _closure, evaluate_positional
+    from tppc.passes._attention import evaluate_positional
 
-    closure = _closure(mask)
+    closure = ancestors([mask])
     inputs = [p for p in gm.graph.find_nodes(op="placeholder")
               if p in closure and p.name in ctx.seq_inputs and _read_by_value(p, closure)]
     if len(inputs) > 1:

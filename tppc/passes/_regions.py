@@ -25,7 +25,7 @@ from torch import fx
 
 from tppc.context import CompileContext
 from tppc.ir import TOKEN, TokenInfo
-from tppc.passes._shapes import module_path, seq_axes, size_expr, tensor_val
+from tppc.passes._shapes import ancestors, module_path, seq_axes, size_expr, tensor_val
 
 __all__ = ["annotate_region", "row_wise_region"]
 
@@ -165,13 +165,7 @@ def _example_inputs(inputs: list[fx.Node], gm: fx.GraphModule, ctx: CompileConte
     """The region inputs' values on the example (token ids as given, floats random)."""
     from tppc.passes._attention import _call, _concrete, _on_cpu
 
-    needed: set[fx.Node] = set()
-    todo = list(inputs)
-    while todo:
-        n = todo.pop()
-        if n not in needed:
-            needed.add(n)
-            todo.extend(n.all_input_nodes)
+    needed = ancestors(inputs)
     env: dict[fx.Node, Any] = {}
     generator = torch.Generator().manual_seed(0)
     for n in gm.graph.nodes:

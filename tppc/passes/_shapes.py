@@ -7,6 +7,7 @@ Terms:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import sympy
@@ -15,6 +16,7 @@ from torch import fx
 from torch.fx.operator_schemas import normalize_function
 
 __all__ = [
+    "ancestors",
     "call_module_of",
     "module_path",
     "op_dims",
@@ -22,6 +24,18 @@ __all__ = [
     "size_expr",
     "tensor_val",
 ]
+
+
+def ancestors(nodes: Iterable[fx.Node]) -> set[fx.Node]:
+    """``nodes`` and every node they are computed from (their transitive inputs)."""
+    needed: set[fx.Node] = set()
+    todo = list(nodes)
+    while todo:
+        n = todo.pop()
+        if n not in needed:
+            needed.add(n)
+            todo.extend(n.all_input_nodes)
+    return needed
 
 
 def tensor_val(node: Any) -> Any:

@@ -37,7 +37,8 @@ from tppc.backends.onnxruntime import OrtCall, default_threads
 from tppc.backends.torch_distributed import DistributedExecutor, _recv_bytes, _send_bytes
 from tppc.errors import RuntimeInputError, SpecError, StageFailed, StageTimeout, TppcError
 from tppc.export_runtime import verify
-from tppc.loaded import _DEFAULT, LoadedPipeline, _Assembler, _unflatten
+from tppc.generation_rules import DEFAULT, check_max_new_tokens, stop_tokens
+from tppc.loaded import LoadedPipeline, _Assembler, _unflatten
 
 __all__ = ["DistributedArtifact", "load_distributed"]
 
@@ -115,7 +116,7 @@ class DistributedArtifact(LoadedPipeline):
         return None if out is None else _unflatten(self.signature["out_spec"], iter(out))
 
     def generate(self, input_ids: Any, max_new_tokens: int = 20, *,
-                 eos_token_id: Any = _DEFAULT, pad_token_id: Any = _DEFAULT
+                 eos_token_id: Any = DEFAULT, pad_token_id: Any = DEFAULT
                  ) -> np.ndarray | None:
         """Greedy decoding through the job (collective; rank 0's ``input_ids``): the prompt's
         chunks pipelined, then one-token steps; the last rank broadcasts each token."""
@@ -126,16 +127,12 @@ class DistributedArtifact(LoadedPipeline):
             if token is None or logits_at is None:
                 raise RuntimeInputError("generate needs one token-id input and a per-token "
                                         "output (logits); this artifact has neither")
-            if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
-                    or max_new_tokens < 1:
-                raise RuntimeInputError(f"max_new_tokens={max_new_tokens!r} must be an int ≥ 1")
+            check_max_new_tokens(max_new_tokens)
             return self.bind((), {self.signature["inputs"][token]["name"]: input_ids})
 
         (flat, prompt), new = self._share(check, extra=max_new_tokens)
-        eos = self.eos_token_id if eos_token_id is _DEFAULT else eos_token_id
-        eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        pad = self.pad_token_id if pad_token_id is _DEFAULT else pad_token_id
-        pad = eos_ids[0] if pad is None and eos_ids else pad
+        eos_ids, pad = stop_tokens(eos_token_id, pad_token_id, model_eos=self.eos_token_id,
+                                   model_pad=self.pad_token_id)
         total = prompt + new
         ids = np.zeros((flat[token].shape[0], total), dtype=flat[token].dtype)
         ids[:, :prompt] = flat[token]

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tppc.generation_rules import DEFAULT, stop_tokens
 from tppc.runtime.generate import _logits_output, _token_input_index
 from tppc.runtime.state import Call, next_epoch
 
@@ -21,20 +22,17 @@ if TYPE_CHECKING:
 
 __all__ = ["distributed_generate"]
 
-_DEFAULT = object()
 
 
 def distributed_generate(cp: DistributedPipeline, input_ids: torch.Tensor | None,
                          max_new_tokens: int = 20, *,
-                         eos_token_id: int | Sequence[int] | Any | None = _DEFAULT,
-                         pad_token_id: int | Any | None = _DEFAULT) -> torch.Tensor | None:
+                         eos_token_id: int | Sequence[int] | Any | None = DEFAULT,
+                         pad_token_id: int | Any | None = DEFAULT) -> torch.Tensor | None:
     """Prompt + up to ``max_new_tokens`` greedy tokens; on rank 0 (or every rank with
     ``results="all"``), None elsewhere. Rank 0's ``input_ids`` are used."""
     input_ids, max_new_tokens = cp.share_generate(input_ids, max_new_tokens)
-    eos = cp.eos_token_id if eos_token_id is _DEFAULT else eos_token_id
-    eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    pad = cp.pad_token_id if pad_token_id is _DEFAULT else pad_token_id
-    pad = eos_ids[0] if pad is None and eos_ids else pad
+    eos_ids, pad = stop_tokens(eos_token_id, pad_token_id, model_eos=cp.eos_token_id,
+                               model_pad=cp.pad_token_id)
     front, bound = cp.bind((input_ids,), {})
     prompt = bound.length
     total = prompt + max_new_tokens

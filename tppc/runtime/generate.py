@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tppc.errors import RuntimeInputError
+from tppc.generation_rules import DEFAULT, check_max_new_tokens, stop_tokens
 from tppc.runtime.state import Call, next_epoch
 
 if TYPE_CHECKING:
@@ -31,13 +32,12 @@ if TYPE_CHECKING:
 
 __all__ = ["greedy_generate"]
 
-_DEFAULT = object()
 
 
 def greedy_generate(cp: CompiledPipeline, input_ids: torch.Tensor, max_new_tokens: int = 20,
                     *, attention_mask: torch.Tensor | None = None,
-                    eos_token_id: int | Sequence[int] | Any | None = _DEFAULT,
-                    pad_token_id: int | Any | None = _DEFAULT) -> torch.Tensor:
+                    eos_token_id: int | Sequence[int] | Any | None = DEFAULT,
+                    pad_token_id: int | Any | None = DEFAULT) -> torch.Tensor:
     """Generate up to ``max_new_tokens`` tokens greedily; returns prompt + new tokens.
 
     Args:
@@ -55,13 +55,9 @@ def greedy_generate(cp: CompiledPipeline, input_ids: torch.Tensor, max_new_token
         RuntimeInputError: bad inputs (see :meth:`CompiledPipeline.bind`), checked before
             anything runs; the pipeline is unchanged by a failed call.
     """
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
-            or max_new_tokens < 1:
-        raise RuntimeInputError(f"max_new_tokens={max_new_tokens!r} must be an integer ≥ 1")
-    eos = cp.eos_token_id if eos_token_id is _DEFAULT else eos_token_id
-    eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    pad = cp.pad_token_id if pad_token_id is _DEFAULT else pad_token_id
-    pad = eos_ids[0] if pad is None and eos_ids else pad
+    check_max_new_tokens(max_new_tokens)
+    eos_ids, pad = stop_tokens(eos_token_id, pad_token_id, model_eos=cp.eos_token_id,
+                               model_pad=cp.pad_token_id)
     kwargs = _mask_inputs(cp, attention_mask)
     front, bound = cp.bind((input_ids,), kwargs)
     prompt = bound.length
