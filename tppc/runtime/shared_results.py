@@ -6,7 +6,9 @@ Terms:
         chunk's rows in place (the same direct writes as the ``threads`` executor). After its
         last chunk it sends rank 0 a JSON header (the file's path, each output's dtype, shape
         and offset); rank 0 maps the file, unlinks it and returns tensors over the mapping:
-        no bytes cross a socket, and rank 0 has its outputs as soon as the last chunk is done. The last rank unlinks
+        no bytes cross a socket, and rank 0 has its outputs as soon as the last chunk is done.
+        The last rank touches the file's pages when it creates it, at the start of the call
+        while it waits for its first chunk, so its stage does not take the page faults. The last rank unlinks
         the file once rank 0 acknowledged the mapping, or when the call fails (a rank killed
         outright leaves it: :func:`tppc.launch` removes its ranks' files).
     one machine: every rank of the job runs on this node (``LOCAL_WORLD_SIZE ==
@@ -53,8 +55,9 @@ class SharedOutputs:
             offset += -(-nbytes // _ALIGN) * _ALIGN
         self.nbytes = max(offset, _ALIGN)
         whole = torch.from_file(str(self.path), shared=True, size=self.nbytes, dtype=torch.uint8)
+        whole.zero_()  # faults the pages in now, while this rank waits for its first chunk
         self.tensors = tuple(_view(whole, e) for e in self.entries)
-        
+
     @staticmethod
     def possible(specs: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> bool:
         """Whether this job can hand ``specs`` over in shared memory (module docstring)."""
