@@ -26,11 +26,12 @@ def dit(tmp_path_factory: pytest.TempPathFactory) -> tuple:
 
 
 def _job(path: object, x: torch.Tensor, y: torch.Tensor, steps: int, warmup: int,
-         patches: int = 2) -> torch.Tensor:
+         patches: int | None = 2) -> torch.Tensor:
+    more = [] if patches is None else ["--patches", str(patches)]
     result = tppc.launch("tppc.examples:dit", 2, checkpoint=path,
                          inputs={"args.0": x, "kwargs.y": y}, timeout=300,
                          extra_args=["--denoise", str(steps), "--warmup-steps", str(warmup),
-                                     "--patches", str(patches), "--timestep-arg", "t"])
+                                     "--timestep-arg", "t", *more])
     assert [len(r["layers"]) > 0 for r in result.reports] == [True, True]
     return result.outputs["latents"]
 
@@ -63,6 +64,13 @@ def test_pipelined_patches_equal_the_threads_backend(dit: tuple) -> None:
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     serial = _serial(model, x, args[2], 4)
     assert float((got - serial).abs().max()) > 1e-4, "patches should attend to stale K/V"
+
+
+def test_planned_patches_are_shared_by_rank_0(dit: tuple) -> None:
+    model, args, x, path = dit  # patches=None: rank 0 plans the diffusion workload
+    got = _job(path, x, args[2], steps=3, warmup=1, patches=None)
+    ref = _serial(model, x, args[2], 3)
+    assert float(((got - ref) ** 2).mean()) < 0.1 * float((ref**2).mean())
 
 
 def test_a_bad_warmup_is_refused_on_every_rank(dit: tuple) -> None:
