@@ -175,7 +175,7 @@ class DistributedPipeline(CompiledPipeline):
                              for slot in slots)
         call = Call(tuple(bound.flat), program.chunks, bound.length, bound.length,
                     next_epoch(), full)
-        outputs = OutputAssembler(axes, call)
+        outputs = OutputAssembler(axes, call, program.signature.output_rows)
         sender = ResultSender(outputs, program.chunks, 0) \
             if stream and self.rank == last and shared is None else None
         try:
