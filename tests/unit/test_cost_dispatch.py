@@ -14,7 +14,7 @@ from tppc.analysis import annotate, program_of
 from tppc.cost_models.cluster import Cluster
 from tppc.cost_models.layer_costs import build_cost_table, layer_expressions
 from tppc.cost_models.moe import FALLBACK_LAUNCHES_PER_EXPERT, expected_experts
-from tppc.cost_models.node_costs import C, P, NodeCost
+from tppc.cost_models.node_costs import C, NodeCost, P
 from tppc.cost_models.presets import LINK_PRESETS
 from tppc.cost_models.roofline import node_time_terms
 from tppc.cost_models.specs import DeviceSpec, MatrixUnit, Memory, VectorUnit
