@@ -131,7 +131,9 @@ class Plan:
         latency: predicted seconds for one call (the simulated makespan plus warm-up).
         warmup_seconds: part of ``latency`` spent in synchronous warm-up steps.
         lower_bound: ``max(lower_bound_work, lower_bound_path)``.
-        lower_bound_work: serial time (fastest device per layer) / number of stages.
+        lower_bound_work: over every placement, the least busiest-stage time: the first
+            chunk reaching the stage, its one-chunk work, the last chunk leaving it
+            (:mod:`tppc.planner.bounds`); at least serial time / number of stages.
         lower_bound_path: time for the last ``granularity`` tokens to cross every layer
             (at least one read of every weight).
         solver: provenance of the plan's solve.
