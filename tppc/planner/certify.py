@@ -183,15 +183,18 @@ def _walk(kept, a: int, k: int, n: int) -> tuple[int, ...]:
 
 
 def _pareto(C: np.ndarray) -> np.ndarray:
-    """Indices of the labels no other label dominates (ties keep the first)."""
-    order = np.argsort(C.sum(axis=1), kind="stable")
+    """Indices of the labels no other label dominates (of equal labels, the first)."""
+    order = np.lexsort(C.T[::-1])
     C = C[order]
-    keep: list[int] = []
-    for i in range(C.shape[0]):
-        if keep and np.any(np.all(C[keep] <= C[i], axis=1)):
-            continue
-        keep.append(i)
-    return order[np.array(keep, dtype=int)]
+    out = []
+    for lo in range(0, C.shape[0], 256):
+        rows = C[lo:lo + 256]
+        le = np.all(C[None, :, :] <= rows[:, None, :], axis=2)  # [i, j]: j dominates i
+        eq = np.all(C[None, :, :] == rows[:, None, :], axis=2)
+        idx = np.arange(lo, lo + rows.shape[0])[:, None]
+        later_tie = eq & (np.arange(C.shape[0])[None, :] >= idx)
+        out.append(~np.any(le & ~later_tie, axis=1))
+    return order[np.concatenate(out)]
 
 
 def _makespan(t: list[np.ndarray], lk: list[np.ndarray], bounds: tuple[int, ...]) -> float:

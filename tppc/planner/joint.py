@@ -49,8 +49,9 @@ PLACEMENT_STEP_LIMIT = 2.0
 than the current placement, which seeds it) is kept and the status says ``time_limit``."""
 
 SEARCH_LIMIT = 1.0
-"""Seconds for the certified split search of one placement; on expiry the best split found
-is kept and :attr:`Plan.split` says ``"time_limit"`` with its gap."""
+"""Seconds for the certified split search of one placement at most (and at most a quarter
+of the time the solve took before it); on expiry the best split found is kept and
+:attr:`Plan.split` says ``"time_limit"`` with its gap."""
 
 EXHAUSTIVE_LIMIT = 400
 """``method="auto"`` searches exhaustively up to this many placements (and ≤ 64 grid points)."""
@@ -67,6 +68,7 @@ def plan_from_costs(
     method: Literal["auto", "exhaustive", "alternate"] = "auto",
     max_rounds: int = 6,
     coarser_grids: int = 2,
+    certify: bool = True,
 ) -> Plan:
     """Choose stage placement and chunk boundaries for a priced model.
 
@@ -86,6 +88,8 @@ def plan_from_costs(
             with the smallest simulated latency. The split objective ``J`` is an upper bound
             of the simulated makespan, so a finer grid can return a plan that simulates
             slower than a coarser one; every candidate is still a plan on the ``g`` grid.
+        certify: run the certified split search (:mod:`tppc.planner.certify`) on the chosen
+            placement; the coarser grids skip it (their splits are on the finer grid too).
 
     Returns:
         The plan, with its simulated schedule, lower bound and provenance.
@@ -101,7 +105,7 @@ def plan_from_costs(
             return plan_from_costs(sub, workload=workload, granularity=granularity,
                                    num_stages=k, time_limit=seconds, max_chunks=max_chunks,
                                    method=method, max_rounds=max_rounds,
-                                   coarser_grids=coarser_grids)
+                                   coarser_grids=coarser_grids, certify=certify)
 
         check_grid(table.seq_len, granularity)
         return choose_devices(table, on, workload, granularity, time_limit)
@@ -134,7 +138,7 @@ def plan_from_costs(
             n, granularity, max_chunks,
         )
     if workload.kind == "causal_prefill" and num_stages > 1:
-        best = _improve(ctx, cuts, bounds, best, t0)
+        best = _improve(ctx, cuts, bounds, best, t0, certify)
     first = time.perf_counter() - t0
     for k in range(1, coarser_grids + 1):
         coarse, left = granularity * 2**k, t0 + time_limit - time.perf_counter()
@@ -143,7 +147,8 @@ def plan_from_costs(
         budget = min(left, max(0.5, first / 2))  # coarser grids are smaller problems
         other = plan_from_costs(table, workload=workload, granularity=coarse,
                                 num_stages=num_stages, time_limit=budget, max_chunks=max_chunks,
-                                method=method, max_rounds=max_rounds, coarser_grids=0)
+                                method=method, max_rounds=max_rounds, coarser_grids=0,
+                                certify=False)
         if other.latency < best.latency * (1 - 1e-9):
             detail = f"{other.solver.detail}; grid {coarse} simulated faster than {granularity}"
             best = dataclasses.replace(
@@ -157,7 +162,7 @@ def plan_from_costs(
 
 
 def _improve(ctx: _Ctx, cuts: tuple[int, ...], bounds: tuple[int, ...], best: Plan,
-             t0: float) -> Plan:
+             t0: float, certify: bool) -> Plan:
     """TeraPipe's split improved on the simulated makespan: local moves
     (:func:`improve_split`), then the certified search (:mod:`tppc.planner.certify`)."""
     table, n, g = ctx.table, ctx.n, ctx.g
@@ -188,8 +193,13 @@ def _improve(ctx: _Ctx, cuts: tuple[int, ...], bounds: tuple[int, ...], best: Pl
         new, value = tuple(bounds), best.latency
     s0 = time.perf_counter()
     found = None
+    if not certify:
+        return best if new == tuple(bounds) else plan_for(
+            table, cuts, tuple(b * g for b in new), ctx.workload, granularity=g,
+            solver=dataclasses.replace(best.solver, detail=detail))
     if not ctx.max_chunks:  # the search does not count chunks
-        found = search_split(stage, links, new, deadline=min(ctx.deadline, s0 + SEARCH_LIMIT))
+        budget = min(SEARCH_LIMIT, max(0.02, 0.25 * (s0 - t0)))  # a quarter of the solve so far
+        found = search_split(stage, links, new, deadline=min(ctx.deadline, s0 + budget))
         if found.makespan < value * (1 - 1e-12):
             detail += (f"; certified search {100 * (1 - found.makespan / value):.2f}% faster "
                        "than the local moves")
