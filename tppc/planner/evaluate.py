@@ -9,6 +9,7 @@ import numpy as np
 
 from tppc.cost_models.table import CostTable
 from tppc.errors import PlanError
+from tppc.planner.bounds import placement_bound
 from tppc.planner.memory import stage_memory
 from tppc.planner.placement import stage_times
 from tppc.planner.plan import Plan, SolverInfo, StagePlan, Workload
@@ -111,9 +112,12 @@ def plan_for(
 def lower_bounds(
     table: CostTable, num_stages: int, workload: Workload, granularity: int
 ) -> tuple[float, float]:
-    """``(serial / S, last chunk across every layer)``, both with warm-up included.
+    """``(busiest stage, last chunk across every layer)``, both with warm-up included.
 
-    Each layer is priced on the fastest of the ``S`` devices; valid when cutting a chunk
+    The first is :func:`~tppc.planner.bounds.placement_bound`: over every placement, the
+    least ``max_s`` (first chunk reaching stage ``s``) + (its work) + (last chunk leaving
+    it); never below ``serial / S`` (each layer on the fastest device). Valid for every plan
+    on devices ``0..S-1`` whose chunks start on the granularity grid, when cutting a chunk
     never reduces its work (true of roofline costs: weights re-read, padding, same FLOPs).
     """
     L = float(table.seq_len)
@@ -135,6 +139,8 @@ def lower_bounds(
     warm = workload.warmup_steps * serial
     steps = workload.pipelined_steps
     work = warm + steps * serial / num_stages
+    if steps:
+        work = max(work, warm + placement_bound(table, num_stages, granularity, steps))
     path = warm + (fastest(c, L - c) if steps else 0.0)
     if steps > 1:  # every step's chunks cross every layer, one step after the other
         path = max(path, warm + steps * serial / num_stages)

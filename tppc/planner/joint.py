@@ -31,12 +31,13 @@ import numpy as np
 from tppc.cost_models.table import CostTable
 from tppc.errors import PlanError
 from tppc.planner._solver import available_solver
+from tppc.planner.certify import search_split, split_bound
 from tppc.planner.devices import choose_devices
 from tppc.planner.dp import chunk_matrix, terapipe_dp
 from tppc.planner.evaluate import plan_for
 from tppc.planner.memory import memory_parts, positional_part, stage_memory
 from tppc.planner.placement import balanced_placement, infeasible_error, place_layers
-from tppc.planner.plan import Plan, SolverInfo, Workload
+from tppc.planner.plan import Plan, SolverInfo, SplitSearch, Workload
 from tppc.planner.refine import diffusion_candidates, improve_split
 from tppc.planner.schedule import simulate
 from tppc.planner.split import check_grid, solve_split
@@ -46,6 +47,11 @@ __all__ = ["plan_for", "plan_from_costs"]
 PLACEMENT_STEP_LIMIT = 2.0
 """Seconds for one placement MILP of the alternation; on expiry its incumbent (never worse
 than the current placement, which seeds it) is kept and the status says ``time_limit``."""
+
+SEARCH_LIMIT = 1.0
+"""Seconds for the certified split search of one placement at most (and at most a quarter
+of the time the solve took before it); on expiry the best split found is kept and
+:attr:`Plan.split` says ``"time_limit"`` with its gap."""
 
 EXHAUSTIVE_LIMIT = 400
 """``method="auto"`` searches exhaustively up to this many placements (and ≤ 64 grid points)."""
@@ -62,6 +68,7 @@ def plan_from_costs(
     method: Literal["auto", "exhaustive", "alternate"] = "auto",
     max_rounds: int = 6,
     coarser_grids: int = 2,
+    certify: bool = True,
 ) -> Plan:
     """Choose stage placement and chunk boundaries for a priced model.
 
@@ -81,6 +88,8 @@ def plan_from_costs(
             with the smallest simulated latency. The split objective ``J`` is an upper bound
             of the simulated makespan, so a finer grid can return a plan that simulates
             slower than a coarser one; every candidate is still a plan on the ``g`` grid.
+        certify: run the certified split search (:mod:`tppc.planner.certify`) on the chosen
+            placement; the coarser grids skip it (their splits are on the finer grid too).
 
     Returns:
         The plan, with its simulated schedule, lower bound and provenance.
@@ -96,7 +105,7 @@ def plan_from_costs(
             return plan_from_costs(sub, workload=workload, granularity=granularity,
                                    num_stages=k, time_limit=seconds, max_chunks=max_chunks,
                                    method=method, max_rounds=max_rounds,
-                                   coarser_grids=coarser_grids)
+                                   coarser_grids=coarser_grids, certify=certify)
 
         check_grid(table.seq_len, granularity)
         return choose_devices(table, on, workload, granularity, time_limit)
@@ -129,7 +138,7 @@ def plan_from_costs(
             n, granularity, max_chunks,
         )
     if workload.kind == "causal_prefill" and num_stages > 1:
-        best = _improve(ctx, cuts, bounds, best, t0)
+        best = _improve(ctx, cuts, bounds, best, t0, certify)
     first = time.perf_counter() - t0
     for k in range(1, coarser_grids + 1):
         coarse, left = granularity * 2**k, t0 + time_limit - time.perf_counter()
@@ -138,24 +147,29 @@ def plan_from_costs(
         budget = min(left, max(0.5, first / 2))  # coarser grids are smaller problems
         other = plan_from_costs(table, workload=workload, granularity=coarse,
                                 num_stages=num_stages, time_limit=budget, max_chunks=max_chunks,
-                                method=method, max_rounds=max_rounds, coarser_grids=0)
+                                method=method, max_rounds=max_rounds, coarser_grids=0,
+                                certify=False)
         if other.latency < best.latency * (1 - 1e-9):
             detail = f"{other.solver.detail}; grid {coarse} simulated faster than {granularity}"
             best = dataclasses.replace(
                 other, granularity=granularity, lower_bound=best.lower_bound,
                 lower_bound_work=best.lower_bound_work, lower_bound_path=best.lower_bound_path,
                 solver=dataclasses.replace(other.solver, detail=detail,
-                                           seconds=time.perf_counter() - t0))
+                                           seconds=time.perf_counter() - t0),
+                split=best.split and dataclasses.replace(  # the bound of the finer grid
+                    best.split, gap=max(0.0, 1 - best.split.bound / other.latency)))
     return best
 
 
 def _improve(ctx: _Ctx, cuts: tuple[int, ...], bounds: tuple[int, ...], best: Plan,
-             t0: float) -> Plan:
-    """TeraPipe's split improved on the simulated makespan (:func:`improve_split`)."""
+             t0: float, certify: bool) -> Plan:
+    """TeraPipe's split improved on the simulated makespan: local moves
+    (:func:`improve_split`), then the certified search (:mod:`tppc.planner.certify`)."""
     table, n, g = ctx.table, ctx.n, ctx.g
     m, _f, _warm = _split_matrices(ctx, cuts)
     pairs = list(itertools.pairwise(cuts))
-    stage = [_stage_matrix(ctx, s, lo, hi) for s, (lo, hi) in enumerate(pairs)]
+    stage = [np.where(np.isfinite(m), _stage_matrix(ctx, s, lo, hi), np.inf)
+             for s, (lo, hi) in enumerate(pairs)]
     sizes = np.maximum(np.arange(n + 1)[None, :] - np.arange(n + 1)[:, None], 0) * g
     links = [table.links[s].time(table.layers[s][hi - 1].act_bytes_per_token * sizes)
              for s, (_lo, hi) in enumerate(pairs[:-1])]
@@ -171,12 +185,36 @@ def _improve(ctx: _Ctx, cuts: tuple[int, ...], bounds: tuple[int, ...], best: Pl
     now = time.perf_counter()
     deadline = min(ctx.deadline, now + max(1.0, now - t0))
     new, value, moves = improve_split(tuple(bounds), makespan, deadline=deadline)
-    if moves == 0 or value >= best.latency * (1 - 1e-12):
-        return best
-    detail = (f"{best.solver.detail}; then {moves} boundary moves on the simulated makespan "
-              f"({100 * (1 - value / best.latency):.2f}% faster than TeraPipe's split)")
-    return plan_for(table, cuts, tuple(b * g for b in new), ctx.workload, granularity=g,
-                    solver=dataclasses.replace(best.solver, detail=detail))
+    detail = best.solver.detail
+    if moves and value < best.latency * (1 - 1e-12):
+        detail += (f"; then {moves} boundary moves on the simulated makespan "
+                   f"({100 * (1 - value / best.latency):.2f}% faster than TeraPipe's split)")
+    else:
+        new, value = tuple(bounds), best.latency
+    s0 = time.perf_counter()
+    found = None
+    if not certify:
+        return best if new == tuple(bounds) else plan_for(
+            table, cuts, tuple(b * g for b in new), ctx.workload, granularity=g,
+            solver=dataclasses.replace(best.solver, detail=detail))
+    if not ctx.max_chunks:  # the search does not count chunks
+        budget = min(SEARCH_LIMIT, max(0.02, 0.25 * (s0 - t0)))  # a quarter of the solve so far
+        found = search_split(stage, links, new, deadline=min(ctx.deadline, s0 + budget))
+        if found.makespan < value * (1 - 1e-12):
+            detail += (f"; certified search {100 * (1 - found.makespan / value):.2f}% faster "
+                       "than the local moves")
+            new, value = found.bounds, found.makespan
+    status = "not run (max_chunks)" if found is None else found.status
+    plan = best if new == tuple(bounds) else plan_for(
+        table, cuts, tuple(b * g for b in new), ctx.workload, granularity=g,
+        solver=dataclasses.replace(best.solver, detail=detail))
+    # a proven optimum is this plan's latency; otherwise the relaxation's bound
+    lower = plan.latency if status == "optimal" else split_bound(stage, links, ctx.deadline)
+    split = SplitSearch(
+        method="exact DP over (position, stage completion times), dominance + bound pruning",
+        status=status, bound=lower, gap=max(0.0, 1 - lower / plan.latency),
+        seconds=time.perf_counter() - s0)
+    return dataclasses.replace(plan, split=split)
 
 
 def _check(table: CostTable, num_stages: int | None) -> int:

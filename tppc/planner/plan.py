@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from tppc.errors import PlanError
 
-__all__ = ["PLAN_SCHEMA", "Plan", "SolverInfo", "StagePlan", "Workload"]
+__all__ = ["PLAN_SCHEMA", "Plan", "SolverInfo", "SplitSearch", "StagePlan", "Workload"]
 
 PLAN_SCHEMA = "tppc.plan/1"
 """Schema tag written by :meth:`Plan.to_json`; bumped on incompatible changes."""
@@ -86,6 +86,27 @@ class SolverInfo:
     detail: str = ""
 
 
+@dataclass(frozen=True)
+class SplitSearch:
+    """The certified search over chunk boundaries for the plan's placement
+    (:mod:`tppc.planner.certify`).
+
+    Attributes:
+        method: how the split was searched.
+        status: ``"optimal"`` (no split of the placement simulates faster), ``"time_limit"``
+            or ``"label_limit"`` (the best split found, see ``gap``).
+        bound: lower bound on the latency of every split of this placement on the grid.
+        gap: ``(latency - bound) / latency``.
+        seconds: wall-clock time of the search.
+    """
+
+    method: str
+    status: str
+    bound: float
+    gap: float
+    seconds: float
+
+
 @dataclass(frozen=True, kw_only=True)
 class StagePlan:
     """One pipeline stage.
@@ -131,10 +152,13 @@ class Plan:
         latency: predicted seconds for one call (the simulated makespan plus warm-up).
         warmup_seconds: part of ``latency`` spent in synchronous warm-up steps.
         lower_bound: ``max(lower_bound_work, lower_bound_path)``.
-        lower_bound_work: serial time (fastest device per layer) / number of stages.
+        lower_bound_work: over every placement, the least busiest-stage time: the first
+            chunk reaching the stage, its one-chunk work, the last chunk leaving it
+            (:mod:`tppc.planner.bounds`); at least serial time / number of stages.
         lower_bound_path: time for the last ``granularity`` tokens to cross every layer
             (at least one read of every weight).
         solver: provenance of the plan's solve.
+        split: the certified split search for this placement (``None`` when not run).
     """
 
     workload: Workload
@@ -151,6 +175,7 @@ class Plan:
     lower_bound_path: float
     solver: SolverInfo
     notes: tuple[str, ...] = field(default=())
+    split: SplitSearch | None = None
 
     @property
     def chunks(self) -> tuple[tuple[int, int], ...]:
@@ -204,6 +229,7 @@ class Plan:
                 "end": tuple(tuple(r) for r in data["end"]),
                 "solver": SolverInfo(**data["solver"]),
                 "notes": tuple(data["notes"]),
+                "split": SplitSearch(**data["split"]) if data.get("split") else None,
             }
         )
 
@@ -230,6 +256,9 @@ class Plan:
             f"ratio {self.ratio_to_bound:.3f}",
             f"solver {s.solver}: {s.status}, objective {_ms(s.objective)}, gap "
             f"{100 * s.gap:.2f}%, {s.seconds:.2f} s" + (f"  [{s.detail}]" if s.detail else ""),
+            *([f"split {self.split.method}: {self.split.status}, bound for this placement "
+               f"{_ms(self.split.bound)}, gap {100 * self.split.gap:.2f}%, "
+               f"{self.split.seconds:.2f} s"] if self.split else []),
             "",
             f"{'stage':>5}  {'device':<12} {'layers':<12} {'memory used / capacity':<24} "
             f"{'busy':>10}",
