@@ -5,6 +5,8 @@ Terms:
         symbol (patch rows; a specialised capture cuts the same contiguous token range).
     warm-up step: the whole image as one chunk through every stage, synchronously; it
         writes every row of every K/V buffer (the first step of a call always is one).
+        With the ``threads`` executor the calling thread runs it with the intra-op threads
+        of all the stage workers together, since they would otherwise wait.
     pipelined step: the patches one after the other. Patch ``m`` writes its K/V rows and
         attends to the whole buffer: rows of patches ``≤ m`` are this step's, the others
         the previous step's (PipeFusion's stale K/V). With joint attention (Flux) the first
@@ -23,11 +25,12 @@ the result is the serial loop's (see :func:`denoise`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import queue
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -80,13 +83,15 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any, num_inference_steps:
     state.reset()
     run = _Run(cp, x, axis, scale, output_transform)
     warm = min(warmup_steps, len(steps))
-    for i in range(warm):
-        call = Call(tuple(flats[i]), ((0, length),), length, length, epoch)
-        values: tuple[Any, ...] = ()
-        for stage in full.stages:
-            values = _run_stage(stage, call, state, 0, length, values)
-        out = run.model_output(full, call, 0, values)
-        x.copy_(scheduler.step(out, steps[i], x).prev_sample)
+    threaded = (executor or cp.executor) == "threads" and len(first.stages) > 1
+    with _intra_op_threads(_all_threads(cp, len(full.stages)) if threaded else None):
+        for i in range(warm):  # synchronous: the stages' cores share each op instead
+            call = Call(tuple(flats[i]), ((0, length),), length, length, epoch)
+            values: tuple[Any, ...] = ()
+            for stage in full.stages:
+                values = _run_stage(stage, call, state, 0, length, values)
+            out = run.model_output(full, call, 0, values)
+            x.copy_(scheduler.step(out, steps[i], x).prev_sample)
     jobs = [(i, m) for i in range(warm, len(steps)) for m in range(len(bounds) - 1)]
     if jobs:
         chunks = tuple(itertools.pairwise(bounds))
@@ -105,7 +110,7 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any, num_inference_steps:
         def stage_of(m: int, s: int) -> StageProgram:
             return (first if m == 0 or rest is None else rest).stages[s]
 
-        if (executor or cp.executor) == "threads" and len(first.stages) > 1:
+        if threaded:
             _pipelined(cp, jobs, calls, state, stage_of, len(first.stages), finish)
         else:
             for i, m in jobs:
@@ -143,6 +148,26 @@ class _Run:
         out = out[0] if isinstance(out, tuple | list) else out
         out = getattr(out, "sample", out)
         return self.transform(out) if self.transform is not None else out
+
+
+def _all_threads(cp: Any, n_stages: int) -> int | None:
+    """The intra-op threads of all the stage workers together (``None``: torch's own)."""
+    threads = cp.options.threads_per_stage
+    if threads is None:
+        return None
+    return threads * n_stages if isinstance(threads, int) else sum(threads[:n_stages])
+
+
+@contextlib.contextmanager
+def _intra_op_threads(threads: int | None) -> Iterator[None]:
+    """The calling thread's intra-op threads set to ``threads`` for the block, then restored."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _run_stage(stage: StageProgram, call: Call, state: CallState, start: int, end: int,
