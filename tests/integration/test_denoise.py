@@ -112,3 +112,23 @@ def test_a_scheduler_that_is_not_element_wise_is_refused() -> None:
     with pytest.raises(SpecError, match="element-wise"):
         cp.denoise(args[0], diffusers.DDPMScheduler(), 2, model_kwargs={"y": args[2]},
                    timestep_arg="t")
+
+
+def test_warmup_on_the_workers_threads_restores_the_callers_threads() -> None:
+    model, args, kwargs = examples.dit()
+    one = tppc.compile(model, args, kwargs, executor="local")
+    n, length = len(one.context.layers), one.plan.seq_len
+    plan = manual_plan(n, length, cuts=(0, n // 2, n), boundaries=(0, length))
+    cp = tppc.compile(model, args, kwargs, executor="threads", threads_per_stage=1, plan=plan)
+    kw, sched = {"y": args[2]}, diffusers.DDIMScheduler
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = cp.denoise(args[0], sched(), 3, warmup_steps=2, patches=2, model_kwargs=kw,
+                         timestep_arg="t")
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    ref = cp.denoise(args[0], sched(), 3, warmup_steps=2, patches=2, model_kwargs=kw,
+                     timestep_arg="t", executor="local")
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
