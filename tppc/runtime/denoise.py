@@ -75,6 +75,8 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any, num_inference_steps:
     front, bound = cp.bind(*calls_in[0])
     length = bound.length
     plan, bounds = _patches(cp, front, length, len(steps), warmup_steps, patches)
+    if len(bounds) > 2 and warmup_steps < len(steps):
+        _check_bands_are_contiguous(front.ctx.patch_grid)
     full, first, rest = _programs(cp, front, plan, length, bounds)
     axis, scale = _latent_axis(front, bound.flat, x)
     epoch = next_epoch()
@@ -187,6 +189,18 @@ def _patches(cp: Any, front: Any, length: int, steps: int, warmup: int, patches:
     if plan.workload.kind == "diffusion" and plan.seq_len == length:
         return plan, tuple(plan.boundaries)
     return plan, _patch_bounds(len(plan.stages), length)
+
+
+def _check_bands_are_contiguous(grid: tuple[int, ...]) -> None:
+    """Refuse video latents of several frames: their tokens are frame-major, so a band of
+    latent rows (in every frame) is not the contiguous token range a patch's K/V rows and
+    positions are."""
+    if len(grid) == 3 and grid[0] > 1:
+        raise SpecError(
+            f"video latents of {grid[0]} frames (patch grid {grid}): a band of patch rows "
+            "spans every frame, but the tokens are frame-major, so stale patches would write "
+            "their K/V at another band's positions. fix: warmup_steps=num_inference_steps, "
+            "patches=1, or a latent of one frame")
 
 
 def _patch_bounds(patches: int, length: int) -> tuple[int, ...]:
