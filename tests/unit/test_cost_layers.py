@@ -132,3 +132,19 @@ def test_bidirectional_attention_does_not_depend_on_prefix():
     for layer in table.layers[0]:
         t = layer.time(c, np.array([0.0, 448.0]))
         assert t[0] == pytest.approx(t[1])
+
+
+def test_a_text_prefix_is_not_priced_per_chunk_token():
+    """Flux (tiny: width 16, MLP 64, 6 text tokens): a single-stream block concatenates the
+    attention output and the MLP intermediate of ``c + 6`` tokens, ``(c + 6, 16 + 64)``; the
+    per-token peak is that value's growth per image token, not its size at ``c = 1``."""
+    from tppc import examples
+
+    model, args, kwargs = examples.hf_flux()
+    gm, ctx = annotate_program(model, args, kwargs)
+    exprs = layer_expressions(gm, ctx.layers, DEVICE_PRESETS["h100-sxm"], 16,
+                              seq_symbol=ctx.seq_symbol, token_count=ctx.token_count)
+    single = next(e for e in exprs if e.info.name.startswith("single_transformer_blocks"))
+    double = next(e for e in exprs if e.info.name.startswith("transformer_blocks"))
+    assert single.peak_bytes_per_token == (16 + 64) * 4
+    assert double.peak_bytes_per_token == 64 * 4  # the image stream's MLP intermediate

@@ -204,7 +204,13 @@ class _Pricer:
         return self._acts[info.name]
 
     def _peak_bytes(self, info: LayerInfo) -> int:
-        """Largest per-token value computed inside the layer (e.g. the MLP intermediate)."""
+        """Largest per-token value computed inside the layer (e.g. the MLP intermediate).
+
+        Per split token: the growth of the value's bytes with the chunk (its slope in ``c``),
+        so a constant text prefix (joint attention: ``(c + 512, 15360)`` in a Flux
+        single-stream block) is not multiplied by the chunk size. That prefix part (at most
+        ``prefix × width``, 16 MB for Flux) is not counted.
+        """
         peak = 0
         for name in info.nodes:
             node = self.nodes[name]
@@ -215,7 +221,8 @@ class _Pricer:
             size = sympy.Mul(*self.shapes.shape(node)) \
                 * _tensors(node.meta["val"])[0].element_size()
             if C in size.free_symbols:
-                value = size.subs({C: 1, P: 0, L: self.seq_len})
+                at = {P: 0, L: self.seq_len}
+                value = size.subs({C: 1, **at}) - size.subs({C: 0, **at})
                 if value.is_number:
                     peak = max(peak, int(sympy.ceiling(value)))
         return peak
