@@ -97,3 +97,15 @@ def test_a_plain_compile_of_a_dit_is_priced_in_tokens_not_patch_rows() -> None:
     at_rows = sum(float(lc.time(8.0, 0.0)) for lc in table.layers[0])
     assert cp.plan.latency == pytest.approx(by_hand, rel=1e-6)
     assert at_rows != pytest.approx(by_hand, rel=1e-6)  # the two pricings differ
+
+
+def test_tppc_plan_of_a_dit_cuts_whole_patch_rows() -> None:
+    """Own DiT, 32x32 latent, patch 2: 16 patch rows of 16 tokens; ``tppc.plan`` prices
+    tokens, and its chunks (patches) are whole patch rows."""
+    from tppc.planning import plan
+
+    model, args, kwargs = examples.dit(size=32)
+    result = plan(model, args, kwargs, cluster="4xh100-sxm", time_limit=5.0,
+                  workload=Workload(kind="diffusion", steps=20, warmup_steps=1))
+    assert result.seq_len == 256 and result.granularity == 16
+    assert all(b % 16 == 0 for b in result.boundaries)
