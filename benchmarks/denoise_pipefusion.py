@@ -3,7 +3,7 @@ and quality (MSE / PSNR of final latents against the serial loop).
 
 Usage:
     python benchmarks/denoise_pipefusion.py speed [SIDE]  # own DiT, 20 steps, median of 3
-    python benchmarks/denoise_pipefusion.py quality   # every model, warm-up x patches
+    python benchmarks/denoise_pipefusion.py quality [MODELS]  # warm-up x patches
 """
 
 from __future__ import annotations
@@ -93,12 +93,15 @@ CASES = {
     "hf_hunyuan_dit": (examples.hf_hunyuan_dit, "timestep", None, EulerDiscreteScheduler,
                        lambda o: o[:, :4]),
     "hf_flux": (examples.hf_flux, "timestep", None, FlowMatchEulerDiscreteScheduler, None),
+    "hf_cogvideox": (lambda: examples.hf_cogvideox(frames=1), "timestep", None, DDIMScheduler,
+                     None),  # one frame: stale bands of several frames are refused
 }
 
 
-def quality(steps: int = 8) -> None:
+def quality(models: str = ",".join(CASES), steps: int = 8) -> None:
     print("| model | scheduler | patches | warm-up | MSE | PSNR (dB) |\n|---|---|---|---|---|---|")
-    for name, (factory, arg, kw, sched, transform) in CASES.items():
+    for name in models.split(","):
+        factory, arg, kw, sched, transform = CASES[name]
         model, args, kwargs = factory()
         kw = kw(args, kwargs) if kw else {k: v for k, v in kwargs.items() if k != "timestep"}
         cp = _pipeline(model, args, kwargs, executor="local")
@@ -119,4 +122,4 @@ if __name__ == "__main__":
     if mode == "speed":
         speed(*(int(a) for a in sys.argv[2:3]))
     else:
-        quality()
+        quality(*sys.argv[2:3])
