@@ -80,6 +80,7 @@ def main() -> None:
             eager.append(timed(lambda: model(ids)))
             threads.append(timed(lambda: cp(ids)))
     cuts = [(s.layer_start, s.layer_end) for s in cp.plan.stages]
+    busy_threads = [sum(b - a for st, _, a, b in cp.last_trace if st == s) for s in range(2)]
     cp = None  # frees the threads pipeline before the jobs start
     common = dict(checkpoint=ckpt, inputs={"args.0": ids}, factory_kwargs=json.dumps(fkw),
                   chunks=args.chunks, threads=1, timeout=900)
@@ -106,6 +107,12 @@ def main() -> None:
               f"{r['weights_bytes'] / 2**20:.0f} MiB, peak RSS {r['rss_peak_mib']:.0f} MiB "
               f"({r['rss_peak_mib'] / whole['rss_peak_mib']:.2f}x the 1-rank job), "
               f"{mine:.0f} MiB after start-up ({mine / grown:.2f}x)")
+    busy = [sum(b - a for _, _, a, b in r["trace"]) for r in job.reports]
+    start, end = job.reports[0]["calls"][-1]
+    tail = end - max(b for _, _, _, b in job.reports[-1]["trace"])
+    print(f"last call: stage busy threads {busy_threads[0]:.2f} / {busy_threads[1]:.2f} s, "
+          f"distributed {busy[0]:.2f} / {busy[1]:.2f} s of {end - start:.2f} s; rank 0 had "
+          f"the outputs {tail * 1e3:.0f} ms after the last rank's last chunk")
     print(f"threads-backend cuts {cuts}; distributed compile {job.reports[0]['compile_s']:.1f} s")
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, "
           f"torch {torch.__version__}; load average (1 min) {load_before:.2f} before, "

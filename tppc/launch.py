@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -83,12 +84,27 @@ def launch(factory: str | Path, nprocs: int, *, checkpoint: str | Path | None = 
     Raises:
         StageFailed: a rank exited non-zero (the message holds every rank's error line;
             ``returncodes`` every exit status) or the job outlived ``timeout``.
-    """
-    import numpy as np
 
+    The job's temporary directory (inputs, outputs, reports, logs) is removed on return.
+    """
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise SpecError(f"nprocs={nprocs!r} must be an integer ≥ 1 (one process per stage)")
     work = Path(tempfile.mkdtemp(prefix="tppc-launch-"))
+    try:
+        return _launch(work, factory, nprocs, checkpoint, inputs, generate, factory_kwargs,
+                       chunks, cluster, threads, comm_timeout, timeout, repeat, env,
+                       extra_args)
+    finally:  # outputs, reports and logs are read into the result first
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _launch(work: Path, factory: str | Path, nprocs: int, checkpoint: str | Path | None,
+            inputs: Mapping[str, Any] | None, generate: int | None, factory_kwargs: str,
+            chunks: int | None, cluster: str | None, threads: int, comm_timeout: float,
+            timeout: float, repeat: int, env: Mapping[str, str] | None,
+            extra_args: Sequence[str]) -> LaunchResult:
+    import numpy as np
+
     argv = [sys.executable, "-m", "tppc.run", str(factory), "--factory-kwargs", factory_kwargs,
             "--output", str(work / "out.npz"), "--report", str(work),
             "--timeout", str(comm_timeout), "--threads", str(threads), "--device", "cpu",
@@ -116,6 +132,9 @@ def launch(factory: str | Path, nprocs: int, *, checkpoint: str | Path | None = 
         procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                       env=_rank_env(rank, nprocs, port, threads, env)))
     codes = _wait(procs, t0 + timeout)
+    for p in procs:  # shared-memory outputs of a rank killed mid-call
+        for leftover in Path("/dev/shm").glob(f"tppc-{p.pid}-*"):
+            leftover.unlink(missing_ok=True)
     seconds = time.perf_counter() - t0
     texts = []
     for log in logs:

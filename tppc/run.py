@@ -10,8 +10,11 @@ captures it, takes rank 0's plan, loads only its own stage's tensors from the ch
 runs its stage. Inputs (``--input``, an ``.npz`` with ``args.0``, ``args.1``, ...,
 ``kwargs.NAME``; default: the factory's example inputs, drawn with the weights on meta, so
 random ones differ from an eager run's) are read and validated on rank 0.
-Rank 0 writes the outputs (``out.0``, ``out.1``, ... the model's flat outputs, or ``ids``
-with ``--generate N``). ``--report DIR`` writes ``rank<r>.json`` per rank (times, memory).
+Rank 0 writes the outputs (``out.0``, ``out.1``, ... the model's flat outputs, ``ids``
+with ``--generate N``, or ``latents`` with ``--denoise STEPS``: the latents are ``args.0``,
+the model's other inputs ``kwargs.NAME``). ``--report DIR`` writes ``rank<r>.json`` per rank (times, memory, and
+``calls`` and the last call's jobs ``trace`` as ``time.perf_counter`` stamps, comparable
+between the ranks of one machine).
 A rank that fails prints ``[tppc.run rank r] StageFailed: ...`` and exits with status 1.
 
 With an artifact directory written by ``tppc.export`` instead of ``MODULE:FACTORY``
@@ -50,6 +53,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--input", help=".npz of the inputs (default: the factory's examples)")
     p.add_argument("--output", help=".npz written by rank 0")
     p.add_argument("--generate", type=int, metavar="N", help="greedy-generate N tokens")
+    p.add_argument("--denoise", type=int, metavar="STEPS", help="PipeFusion-denoise the "
+                   "latents (args.0; the model's other inputs as kwargs.NAME) in STEPS steps")
+    p.add_argument("--warmup-steps", type=int, default=1, help="denoise warm-up steps")
+    p.add_argument("--patches", type=int, help="denoise patches (default: planned)")
+    p.add_argument("--timestep-arg", default="timestep", help="the model's timestep input")
+    p.add_argument("--scheduler", default="diffusers:DDIMScheduler",
+                   help="MODULE:CLASS of the denoise scheduler (default config)")
     p.add_argument("--cluster", help="cluster priced by the planner (default: <S>xcpu)")
     p.add_argument("--chunks", type=int, help="equal chunks per call (default: planned)")
     p.add_argument("--threads", type=int, help="intra-op threads of a CPU stage")
@@ -158,14 +168,14 @@ def _run(ns: argparse.Namespace) -> dict[str, Any]:
     rss_compiled = _rss_mib()
     if cp.rank == 0:
         args, kwargs = _load_inputs(ns.input, args, kwargs)
-    times, out = [], None
+    times, calls, out = [], [], None
     for _ in range(ns.repeat):
         t0 = time.perf_counter()
-        out = (cp.generate(args[0] if args else None, ns.generate) if ns.generate
-               else cp(*args, **kwargs))
-        times.append(time.perf_counter() - t0)
-    if out is not None and ns.output:
-        leaves = {"ids": out} if ns.generate else {
+        out = _call(cp, ns, args, kwargs)
+        calls.append((t0, time.perf_counter()))
+        times.append(calls[-1][1] - t0)
+    if out is not None and ns.output and cp.rank == 0:  # results="all": one writer
+        leaves = {"ids": out} if ns.generate else {"latents": out} if ns.denoise else {
             f"out.{j}": v for j, v in enumerate(pytree.tree_leaves(out))}
         np.savez(ns.output, **{k: v.detach().cpu().float().numpy() if v.dtype == torch.bfloat16
                                else v.detach().cpu().numpy() for k, v in leaves.items()
@@ -174,7 +184,22 @@ def _run(ns: argparse.Namespace) -> dict[str, Any]:
     return {"rank": cp.rank, "world": cp.world, "layers": list(stage.layers),
             "times": times, "compile_s": compile_s, "weights_bytes": cp.weights.nbytes,
             "rss_start_mib": rss_start, "rss_compiled_mib": rss_compiled, "rss_peak_mib": _rss_mib(),
-            "threads": torch.get_num_threads(), "chunks": list(cp.plan.chunks)}
+            "threads": torch.get_num_threads(), "chunks": list(cp.plan.chunks),
+            "calls": calls, "trace": [list(job) for job in cp.last_trace], "pid": os.getpid()}
+
+
+def _call(cp: Any, ns: argparse.Namespace, args: tuple[Any, ...], kwargs: dict[str, Any]
+          ) -> Any:
+    """One call of the job: generate, denoise, or the model's forward."""
+    if ns.generate:
+        return cp.generate(args[0] if args else None, ns.generate)
+    if ns.denoise:
+        module_name, _, attr = ns.scheduler.partition(":")
+        scheduler = getattr(importlib.import_module(module_name), attr)()
+        return cp.denoise(args[0] if args else None, scheduler, ns.denoise,
+                          warmup_steps=ns.warmup_steps, patches=ns.patches,
+                          model_kwargs=kwargs, timestep_arg=ns.timestep_arg)
+    return cp(*args, **kwargs)
 
 
 def _run_artifact(ns: argparse.Namespace) -> dict[str, Any]:
@@ -189,6 +214,10 @@ def _run_artifact(ns: argparse.Namespace) -> dict[str, Any]:
         if getattr(ns, flag):
             raise SpecError(f"--{flag} does not apply to the artifact directory {ns.factory} "
                             "(its plan, chunks and weights are fixed in it). fix: drop it")
+    if ns.denoise:
+        raise SpecError(f"--denoise needs MODULE:FACTORY, not the artifact directory "
+                        f"{ns.factory} (its stages run ONNX, without the PipeFusion loop). "
+                        "fix: start the job from the model's factory and a checkpoint")
     if ns.device == "cuda" or ns.input is None:
         raise SpecError(f"an artifact directory ({ns.factory}) runs on CPU and needs --input "
                         "(an .npz of its inputs). fix: pass --input, not --device cuda")

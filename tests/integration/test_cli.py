@@ -13,6 +13,7 @@ def test_demo_quick_passes_its_checks(capsys) -> None:
     assert main(["demo", "--quick"]) == 0
     out = capsys.readouterr().out
     assert "pipeline vs eager: max |difference|" in out
+    assert "warm-up on every step vs the serial loop" in out and "PSNR" in out
     assert "demo: all checks passed" in out
 
 

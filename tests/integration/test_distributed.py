@@ -106,3 +106,16 @@ def test_bad_inputs_are_refused_on_rank_0_before_any_stage_runs(checkpoints: dic
     assert "RuntimeInputError: input 'input_ids' is torch.float32" in rank0
     assert "rank 0 refused the call inputs" in rank1
     assert info.value.returncodes == (1, 1)
+
+
+@pytest.mark.parametrize("shared", ["1", "0"])
+def test_shared_and_streamed_outputs_equal_eager(checkpoints: dict, shared: str) -> None:
+    model, args, path = checkpoints["hf_llama"]
+    ids = torch.randint(0, 128, args[0].shape)
+    result = tppc.launch("tppc.examples:hf_llama", 2, checkpoint=path, inputs={"args.0": ids},
+                         chunks=4, repeat=2, timeout=300, env={"TPPC_SHARED_OUTPUTS": shared})
+    with torch.no_grad():
+        torch.testing.assert_close(result.outputs["out.0"], model(ids).logits,
+                                   rtol=1e-5, atol=1e-5)
+    left = [p for r in result.reports for p in Path("/dev/shm").glob(f"tppc-{r['pid']}-*")]
+    assert left == []

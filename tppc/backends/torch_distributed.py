@@ -184,6 +184,20 @@ class DistributedExecutor:
         raise RuntimeError(f"TPPC_FAULT injected a failure in stage {self.rank}, chunk {chunk}")
 
     # -- point to point -------------------------------------------------------------------------
+    def send_chunk(self, program: Program, values: tuple[Any, ...]) -> tuple[Any, Any]:
+        """Post the sends of this rank's boundary ``values`` to the next rank; returns
+        ``(works, tensors)`` to wait on (the tensors stay alive until then)."""
+        return self._send(program, program.stages[self.rank], values)
+
+    def recv_chunk(self, program: Program, size: int, deadline: float | None
+                   ) -> tuple[Any, ...]:
+        """The previous rank's boundary values of a ``size``-token chunk of ``program``."""
+        return self._recv(program, size, deadline)
+
+    def wait(self, works: Sequence[Any], peer: int, deadline: float | None) -> None:
+        """Wait for ``works`` (operations with ``peer``), each bounded by :meth:`span`."""
+        self._wait(works, peer, deadline)
+
     def _send(self, program: Program, stage: StageProgram, values: tuple[Any, ...]
               ) -> tuple[Any, tuple[Any, ...]]:
         key = id(program)

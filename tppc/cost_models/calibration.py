@@ -13,7 +13,9 @@ Measured, for one thread count (a pipeline stage on CPU runs with
         (3 arrays of 64 MiB on CPU), bytes moved / time;
     vector throughput: elementwise ops on an L2-resident array, overhead subtracted;
     op overhead: the time per op of a tiny pre-norm transformer block of ``nn.Module``
-        calls (module ``__call__``, Python dispatch, launch; views free, as in the graph).
+        calls (module ``__call__``, Python dispatch, launch; its views are not counted);
+    view and attention overhead (CPU): per view node and per chunk-attention call of a
+        stage graph (:mod:`.dispatch`).
 
 Every timing is the fastest of a few ~20 ms batches: on a shared machine the least
 disturbed batch is the best estimate of what the device can do.
@@ -42,11 +44,12 @@ import numpy as np
 import torch
 
 from ..errors import SpecError
+from .dispatch import attention_overhead, view_overhead
 from .specs import DeviceSpec, MatrixUnit, Memory, VectorUnit
 
 __all__ = ["cache_dir", "calibrate"]
 
-_SCHEMA = 3  # 3: half_rows, attention_efficiency, nn.Module op overhead, min timer
+_SCHEMA = 4  # 3: half_rows, attention_efficiency, nn.Module op overhead, min timer; 4: dispatch
 
 
 def cache_dir() -> Path:
@@ -249,6 +252,9 @@ def _measure(device: torch.device) -> dict[str, float]:
     out["attention_efficiency"] = _attention_efficiency(device, measure, out["fp32"],
                                                         out["half_rows"])
     out["op_overhead"] = _op_overhead(device, measure)
+    if not gpu:  # GPU kernels run asynchronously: the host's dispatch hides behind them
+        out["view_overhead"] = view_overhead(measure)
+        out["attention_overhead"] = attention_overhead(measure, out["op_overhead"])
 
     n = (256 if gpu else 16) * 2**20 // 4 * 4  # 3 × 64 MiB on CPU, 3 × 1 GiB on GPU
     a = torch.ones(n, device=device)
@@ -278,6 +284,8 @@ def _spec_from(name: str, measured: dict[str, float], description: str) -> Devic
         vector=VectorUnit(peak_flops=measured["vector"]),
         memory=Memory(bandwidth=measured["bandwidth"], capacity=int(measured["capacity"])),
         op_overhead=measured["op_overhead"],
+        view_overhead=measured.get("view_overhead", 0.0),
+        attention_overhead=measured.get("attention_overhead", 0.0),
         attention_efficiency=measured.get("attention_efficiency", 1.0),
         description=description,
     )

@@ -31,6 +31,7 @@ from ..errors import CostModelError
 from ..ir import TOKEN, LayerInfo, TokenInfo
 from .cluster import Cluster
 from .lambdify import to_numpy
+from .layer_memory import attention_workspace, peak_live_bytes, positional_bytes
 from .node_costs import (
     C,
     L,
@@ -67,7 +68,10 @@ class LayerExpr:
         weight_bytes: parameter and buffer bytes the layer holds.
         kv_bytes_per_token: K/V buffer bytes per sequence token.
         act_bytes_per_token: bytes per token of the values leaving the layer.
-        peak_bytes_per_token: bytes per token of the largest token value inside the layer.
+        peak_bytes_per_token: bytes per chunk token of the values live at once inside the
+            layer (:func:`.layer_memory.peak_live_bytes`).
+        positional_bytes_per_token: bytes per sequence token of the positional values it reads.
+        workspace_bytes_per_key: bytes per (query row, key) of its attention kernel's mask.
         unpriced: names of the layer's ops that have no pricing rule (priced as memory
             traffic only), sorted; empty when every op was priced.
     """
@@ -83,6 +87,8 @@ class LayerExpr:
     kv_bytes_per_token: int
     act_bytes_per_token: int
     peak_bytes_per_token: int = 0
+    positional_bytes_per_token: int = 0
+    workspace_bytes_per_key: int = 0
     unpriced: tuple[str, ...] = ()
 
 
@@ -175,6 +181,9 @@ class _Pricer:
                          kv_bytes_per_token=int(kv),
                          act_bytes_per_token=self._act_bytes(info),
                          peak_bytes_per_token=self._peak_bytes(info),
+                         positional_bytes_per_token=positional_bytes(self.nodes, info.nodes,
+                                                                     self.shapes),
+                         workspace_bytes_per_key=attention_workspace(self.nodes, info.nodes),
                          unpriced=tuple(sorted({c.op for c in costs if c.unpriced})))
 
     def _sum(self, costs: Sequence[NodeCost], device: DeviceSpec, fuse: bool) -> tuple:
@@ -204,28 +213,8 @@ class _Pricer:
         return self._acts[info.name]
 
     def _peak_bytes(self, info: LayerInfo) -> int:
-        """Largest per-token value computed inside the layer (e.g. the MLP intermediate).
-
-        Per split token: the growth of the value's bytes with the chunk (its slope in ``c``),
-        so a constant text prefix (joint attention: ``(c + 512, 15360)`` in a Flux
-        single-stream block) is not multiplied by the chunk size. That prefix part (at most
-        ``prefix × width``, 16 MB for Flux) is not counted.
-        """
-        peak = 0
-        for name in info.nodes:
-            node = self.nodes[name]
-            token = node.meta.get(TOKEN)
-            if node.op != "call_function" or not _tensors(node.meta.get("val")) or (
-                    isinstance(token, TokenInfo) and token.role != "token"):
-                continue
-            size = sympy.Mul(*self.shapes.shape(node)) \
-                * _tensors(node.meta["val"])[0].element_size()
-            if C in size.free_symbols:
-                at = {P: 0, L: self.seq_len}
-                value = size.subs({C: 1, **at}) - size.subs({C: 0, **at})
-                if value.is_number:
-                    peak = max(peak, int(sympy.ceiling(value)))
-        return peak
+        """Largest sum of live per-token values inside the layer (:mod:`.layer_memory`)."""
+        return peak_live_bytes(self.nodes, info.nodes, self.shapes, self.seq_len)
 
     def _compute_act_bytes(self, info: LayerInfo) -> int:
         total = sympy.Integer(0)
@@ -327,7 +316,10 @@ def build_cost_table(gm: fx.GraphModule, layers: Sequence[LayerInfo],
             LayerCost(name=e.info.name, time=e.fn, weight_bytes=e.weight_bytes,
                       kv_bytes_per_token=e.kv_bytes_per_token,
                       act_bytes_per_token=e.act_bytes_per_token,
-                      peak_bytes_per_token=e.peak_bytes_per_token) for e in exprs))
+                      peak_bytes_per_token=e.peak_bytes_per_token,
+                      positional_bytes_per_token=e.positional_bytes_per_token,
+                      workspace_bytes_per_key=e.workspace_bytes_per_key)
+            for e in exprs))
     causal = _is_causal(pricer, default_attention)
     return CostTable(
         device_names=cluster.device_names,

@@ -13,7 +13,11 @@ Rules (by op semantics, not by model name):
       grouped_mm_fallback``, ``aten._grouped_mm``) does ``2·R·K·N`` matrix FLOPs as one
       skinny matmul of ``R / touched`` rows per touched expert (so the roofline's per-matmul
       row overhead is paid per expert), and reads R rows, writes R outputs and reads the
-      touched experts' weights;
+      touched experts' weights; transformers' ``grouped_mm_fallback`` (CPU) loops over the
+      experts in Python: ``2 + 4·touched`` launches (output zeros, offsets to a list; per
+      touched expert two row slices, the expert's weight, one ``mm``), each paying the op
+      overhead, so small chunks pay the expert loop many times; a native ``_grouped_mm``
+      is one launch;
     * ``sort`` does ``n·log2(n)`` comparisons per sorted row of n, ``topk`` ``n·log2(k)``,
       ``histc`` one per input element, each reading its input and writing its outputs.
 The ``batched_mm`` implementation needs no rule here: it gathers one weight matrix per row
@@ -31,12 +35,15 @@ from torch import fx
 
 from .node_costs import NodeCost, _bytes, _itemsize, _numel, _Shapes, _tensors
 
-__all__ = ["GROUPED_MM", "ROUTING", "expected_experts", "moe_node_cost"]
+__all__ = ["FALLBACK_LAUNCHES_PER_EXPERT", "GROUPED_MM", "ROUTING", "expected_experts",
+           "moe_node_cost"]
 
 GROUPED_MM = frozenset({"grouped_mm_fallback", "_grouped_mm", "grouped_mm"})
 """Short names of grouped (ragged) expert matmuls: ``(R, K) @ (E, K, N)`` by offsets."""
 ROUTING = frozenset({"sort", "topk", "histc"})
 """Short names of the routing ops priced here."""
+FALLBACK_LAUNCHES_PER_EXPERT = 4
+"""Ops ``grouped_mm_fallback`` runs per touched expert: input rows, weight, output rows, mm."""
 
 
 def expected_experts(experts: int, rows: sympy.Expr) -> sympy.Expr:
@@ -83,5 +90,7 @@ def _grouped_mm(node: fx.Node, op: str, shapes: _Shapes, dtype: str) -> NodeCost
               + touched * k * n * w_item
               + _bytes(shapes, [a for a in node.args[2:3] if isinstance(a, fx.Node)]))
     matmuls = ((touched, rows / touched, n, k),)
+    launches = 2 + FALLBACK_LAUNCHES_PER_EXPERT * touched if op == "grouped_mm_fallback" \
+        else sympy.S.One
     return NodeCost(node.name, op, "matrix", sympy.expand(2 * rows * k * n), matmuls,
-                    sympy.Integer(0), nbytes, dtype)
+                    sympy.Integer(0), nbytes, dtype, launches=launches)

@@ -140,6 +140,8 @@ class NodeCost:
             with ``enable_gqa``, no repeat copy).
         causal_keys: attention whose key dimension counts visited keys of a causal kernel
             (see :mod:`.attention`); the roofline pads it tile by tile.
+        launches: ops the node runs per chunk, each paying the device's op overhead (a
+            Python loop over experts: one per expert touched; 1 for a plain op).
     """
 
     name: str
@@ -154,6 +156,7 @@ class NodeCost:
     unpriced: bool = False
     serial_bytes: sympy.Expr = sympy.S.Zero
     causal_keys: bool = False
+    launches: sympy.Expr = sympy.S.One
 
 
 def _op_name(node: fx.Node) -> str:

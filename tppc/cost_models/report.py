@@ -194,7 +194,7 @@ def _layer_row(expr: LayerExpr, device, chunk: int, prefix: int, seq_len: int, f
             terms = [float(sympy.sympify(x).subs(point)) for x in (t.matrix, t.vector, t.memory)]
             split["compute" if max(terms[:2]) >= terms[2] else "memory"] += max(terms)
             split["memory"] += float(sympy.sympify(t.serial).subs(point))
-            split["overhead"] += t.overhead
+            split["overhead"] += float(sympy.sympify(t.overhead).subs(point))
         cache[key] = (split, float(expr.time.subs(point)), float(expr.matrix_flops.subs(point)),
                       float(expr.vector_flops.subs(point)), float(expr.bytes.subs(point)))
     split, time, matrix, vector, nbytes = cache[key]

@@ -7,10 +7,13 @@ Terms:
     attention rate: ``peak × attention_efficiency`` for fused attention (SDPA), whose
         softmax and masking share the cores with its two matmuls.
 
+    dispatch overhead: ``op_overhead`` per op the node launches (``NodeCost.launches``), plus
+        ``attention_overhead`` per ``chunk_attention`` call; a view node costs
+        ``view_overhead`` (0 on the presets) and nothing else (see :mod:`.dispatch`).
+
 A node's time is ``max(matrix_s, vector_s, memory_s) + serial_s + overhead``: serial
 seconds are copies done by separate kernels (eager K/V repeat), which cannot overlap the
-node's compute. Views and const nodes (no token dependence, run once per call) cost nothing
-per chunk.
+node's compute. Const nodes (no token dependence, run once per call) cost nothing per chunk.
 
 Example:
     >>> terms = node_time_terms(cost, DEVICE_PRESETS["tpu-v5p"])  # doctest: +SKIP
@@ -38,14 +41,15 @@ class TimeTerms(NamedTuple):
         vector: vector FLOPs / vector rate.
         memory: bytes the op's own kernel moves / bandwidth.
         serial: bytes of separate copy kernels (not overlapped) / bandwidth.
-        overhead: per-op launch and dispatch seconds.
+        overhead: launch and dispatch seconds (a number, or an expression in c for a node
+            whose launches depend on the chunk, e.g. a loop over the experts touched).
     """
 
     matrix: sympy.Expr
     vector: sympy.Expr
     memory: sympy.Expr
     serial: sympy.Expr
-    overhead: float
+    overhead: float | sympy.Expr
 
     def total(self) -> sympy.Expr:
         """``max(matrix, vector, memory) + serial + overhead`` (zero terms dropped)."""
@@ -75,11 +79,14 @@ def node_time_terms(cost: NodeCost, device: DeviceSpec, *, fuse_elementwise: boo
     Matrix seconds use tile-padded dims plus the unit's ``half_rows``; attention runs at
     ``attention_efficiency`` of the peak. With ``fuse_elementwise`` (XLA) vector ops lose
     their memory traffic and launch, and copies fuse into their consumer (no serial term).
-    Views and const nodes cost nothing per chunk.
+    Const nodes cost nothing per chunk; views cost the device's ``view_overhead``.
     """
     zero = sympy.Integer(0)
-    if cost.kind in ("view", "const"):
+    if cost.kind == "const":
         return TimeTerms(zero, zero, zero, zero, 0.0)
+    if cost.kind == "view":  # a Python getitem of a tuple dispatches nothing
+        free = fuse_elementwise or cost.op == "getitem"
+        return TimeTerms(zero, zero, zero, zero, 0.0 if free else device.view_overhead)
     unit = device.matrix
     extra = sympy.Float(unit.half_rows) if unit.half_rows else zero
     mms = cost.matmuls
@@ -97,7 +104,9 @@ def node_time_terms(cost: NodeCost, device: DeviceSpec, *, fuse_elementwise: boo
     serial = zero if fuse_elementwise else cost.serial_bytes
     t_mem = (cost.bytes - serial) / device.memory.bandwidth
     t_serial = serial / device.memory.bandwidth
-    overhead = device.op_overhead
+    overhead = device.op_overhead * cost.launches if cost.launches != 1 else device.op_overhead
+    if cost.op == "chunk_attention":
+        overhead = overhead + device.attention_overhead
     if fuse_elementwise and cost.kind == "vector":
         t_mem, overhead = zero, 0.0
     return TimeTerms(t_mat, t_vec, t_mem, t_serial, overhead)

@@ -7,7 +7,11 @@ Terms:
     vector unit: everything that is not a matmul (norms, activations, elementwise), one
         FLOP/s rate (fp32).
     memory: HBM (or DRAM) bandwidth in bytes/s and capacity in bytes.
-    op overhead: seconds added to every op that launches a kernel (views are free).
+    op overhead: seconds added to every op that launches a kernel.
+    view overhead: seconds per view node of a graph run eagerly (dispatch without a kernel;
+        0 on the datasheet presets, measured on CPUs by calibration).
+    attention overhead: seconds per ``tppc::chunk_attention`` call besides one op overhead
+        (custom-op dispatch, per-chunk mask building; measured on CPUs by calibration).
     ridge point: peak matrix FLOP/s / memory bandwidth, in FLOP per byte. Below it an op is
         memory-bound.
     half rows (m½): a matmul of m rows reaches m / (m + m½) of peak, i.e. it costs as if it
@@ -159,6 +163,8 @@ class DeviceSpec:
         vector: the vector unit.
         memory: the memory.
         op_overhead: seconds added per kernel-launching op (launch, dispatch).
+        view_overhead: seconds per view node (eager dispatch of a view; 0: views are free).
+        attention_overhead: seconds per chunk-attention call besides its op overhead.
         attention_efficiency: fraction of the matrix peak fused attention (SDPA) reaches,
             in (0, 1]; 1 prices attention like any matmul.
         description: free text (full product name, where the numbers come from).
@@ -169,6 +175,8 @@ class DeviceSpec:
     vector: VectorUnit
     memory: Memory
     op_overhead: float = 0.0
+    view_overhead: float = 0.0
+    attention_overhead: float = 0.0
     attention_efficiency: float = 1.0
     description: str = field(default="", compare=False)
 
@@ -181,11 +189,12 @@ class DeviceSpec:
                 f"DeviceSpec {self.name!r}: attention_efficiency must be in (0, 1], got "
                 f"{eff!r}; it is the fraction of the matrix peak that SDPA reaches"
             )
-        if not math.isfinite(self.op_overhead) or self.op_overhead < 0:
-            raise SpecError(
-                f"DeviceSpec {self.name!r}: op_overhead must be >= 0 seconds, "
-                f"got {self.op_overhead!r}"
-            )
+        for name in ("op_overhead", "view_overhead", "attention_overhead"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise SpecError(
+                    f"DeviceSpec {self.name!r}: {name} must be >= 0 seconds, got {value!r}"
+                )
 
     def ridge_point(self, dtype: str = "bf16") -> float:
         """FLOP per byte above which a matmul in ``dtype`` is compute-bound."""

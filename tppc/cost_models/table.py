@@ -33,8 +33,12 @@ class LayerCost:
         weight_bytes: parameter and buffer bytes the layer holds.
         kv_bytes_per_token: K/V buffer bytes per token of sequence (full-length buffers).
         act_bytes_per_token: bytes per token of the activations that leave the layer.
-        peak_bytes_per_token: bytes per token of the largest value inside the layer (the MLP
-            intermediate of a block), live while the layer runs on a chunk.
+        peak_bytes_per_token: bytes per chunk token of the values live at once inside the
+            layer (the MLP intermediates of a block), while it runs on a chunk.
+        positional_bytes_per_token: bytes per sequence token of the positional values (rope
+            tables) the layer reads, held at the full length by its stage.
+        workspace_bytes_per_key: bytes per (query row, key) of the causal attention kernel's
+            mask, built for at most ``tppc.ops.MASK_ELEMENTS`` rows × keys at once.
     """
 
     name: str
@@ -43,6 +47,8 @@ class LayerCost:
     kv_bytes_per_token: int
     act_bytes_per_token: int
     peak_bytes_per_token: int = 0
+    positional_bytes_per_token: int = 0
+    workspace_bytes_per_key: int = 0
 
 
 @dataclass(frozen=True)

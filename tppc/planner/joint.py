@@ -34,7 +34,7 @@ from tppc.planner._solver import available_solver
 from tppc.planner.devices import choose_devices
 from tppc.planner.dp import chunk_matrix, terapipe_dp
 from tppc.planner.evaluate import plan_for
-from tppc.planner.memory import memory_parts, stage_memory
+from tppc.planner.memory import memory_parts, positional_part, stage_memory
 from tppc.planner.placement import balanced_placement, infeasible_error, place_layers
 from tppc.planner.plan import Plan, SolverInfo, Workload
 from tppc.planner.refine import diffusion_candidates, improve_split
@@ -239,7 +239,8 @@ def _split_matrices(ctx: _Ctx, cuts: tuple[int, ...]) -> tuple[np.ndarray, np.nd
         f = np.maximum(f, t + link)
         static_parts, transient = memory_parts(table, s)
         widest = float(transient[lo:hi].max())
-        room = table.capacities[s] - float(static_parts[lo:hi].sum())
+        room = table.capacities[s] - float(static_parts[lo:hi].sum()) - float(
+            positional_part(table, s)[lo:hi].max())
         if widest > 0:
             m = np.where(sizes * widest > room, np.inf, m)
         if room < 0:

@@ -5,12 +5,20 @@ A stage holding layers ``[lo, hi)`` with chunks of at most ``c`` tokens allocate
 
     Σ weights + Σ K/V bytes per token · L          (buffers at the full buffer length L)
     + outputs of the model's last layer · L         (only the stage that holds that layer)
-    + c · max_j (IN_FLIGHT · boundary bytes_j + peak bytes_j)
+    + max_j positional bytes_j · L                   (rope tables: once per stage)
+    + c · max_j (IN_FLIGHT · boundary bytes_j + peak bytes_j
+                 + workspace_j · min(L, MASK_ELEMENTS / c))   (attention mask of one block)
 
 ``IN_FLIGHT = QUEUE_DEPTH + 1``: the chunks that may wait in the stage's input queue plus
-the one it runs; ``peak bytes`` is the largest single value inside a layer per token (the
-MLP intermediate of a transformer block). Not counted yet: positional tables (O(L) per stage
-after the runtime rewrite; small next to the K/V buffers) and allocator fragmentation.
+the one it runs; ``peak bytes`` is the largest sum of values live at once inside a layer per
+token (the MLP intermediates of a transformer block:
+:func:`tppc.cost_models.layer_memory.peak_live_bytes`). Positional values are counted once
+per stage at the largest layer's size: the runtime evaluates one positional program per
+stage, and the layers of a stage read the same tables. ``workspace`` is the causal chunk
+attention's mask per (query row, key) (:func:`tppc.cost_models.layer_memory.
+attention_workspace`), for a block of at most ``MASK_ELEMENTS`` rows × keys; callers that do
+not say ``max_chunk`` get the uncapped (larger) value. Not counted: allocator slack.
+``benchmarks/stage_memory.py`` measures each stage against this rule on CPU.
 """
 
 from __future__ import annotations
@@ -18,8 +26,10 @@ from __future__ import annotations
 import numpy as np
 
 from tppc.cost_models.table import CostTable
+from tppc.ops import MASK_ELEMENTS
 
-__all__ = ["IN_FLIGHT", "QUEUE_DEPTH", "memory_parts", "smallest_fit", "stage_memory"]
+__all__ = ["IN_FLIGHT", "QUEUE_DEPTH", "memory_parts", "positional_part", "smallest_fit",
+           "stage_memory"]
 
 QUEUE_DEPTH = 2
 """Chunks that may wait between two stages (the threaded runtime's default ``queue_depth``)."""
@@ -28,11 +38,13 @@ IN_FLIGHT = QUEUE_DEPTH + 1
 """Chunk activations a stage holds at once: its queue and the chunk it runs."""
 
 
-def memory_parts(table: CostTable, device: int) -> tuple[np.ndarray, np.ndarray]:
+def memory_parts(table: CostTable, device: int, max_chunk: int | None = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
     """``(static bytes, transient bytes per chunk token)`` of every layer on ``device``.
 
-    A stage needs ``static[lo:hi].sum() + max_chunk · transient[lo:hi].max()`` (the module
-    docstring's rule); every caller combines the two parts that way.
+    A stage needs ``static[lo:hi].sum() + positional_part[lo:hi].max() + max_chunk ·
+    transient[lo:hi].max()`` (the module docstring's rule); every caller combines the parts
+    that way. ``max_chunk`` caps the attention mask's keys at ``MASK_ELEMENTS / max_chunk``.
     """
     layers = table.layers[device]
     static = np.array(
@@ -40,27 +52,40 @@ def memory_parts(table: CostTable, device: int) -> tuple[np.ndarray, np.ndarray]
     )
     if layers:
         static[-1] += layers[-1].act_bytes_per_token * table.seq_len  # outputs kept
+    keys = table.seq_len if not max_chunk else min(table.seq_len,
+                                                   max(1, MASK_ELEMENTS // max_chunk))
     transient = np.array(
-        [IN_FLIGHT * lc.act_bytes_per_token + lc.peak_bytes_per_token for lc in layers], float
+        [IN_FLIGHT * lc.act_bytes_per_token + lc.peak_bytes_per_token
+         + lc.workspace_bytes_per_key * keys for lc in layers], float
     )
     return static, transient
 
 
+def positional_part(table: CostTable, device: int) -> np.ndarray:
+    """Bytes of positional values each layer on ``device`` reads at the full length; a stage
+    holds the largest of its layers' (the module docstring's rule)."""
+    return np.array([lc.positional_bytes_per_token * table.seq_len
+                     for lc in table.layers[device]], float)
+
+
 def stage_memory(table: CostTable, device: int, lo: int, hi: int, max_chunk: int) -> int:
     """Predicted peak bytes of layers ``[lo, hi)`` on ``device`` with chunks ≤ ``max_chunk``."""
-    static, transient = memory_parts(table, device)
-    return int(static[lo:hi].sum() + max_chunk * transient[lo:hi].max())
+    static, transient = memory_parts(table, device, max_chunk)
+    positional = positional_part(table, device)
+    return int(static[lo:hi].sum() + positional[lo:hi].max()
+               + max_chunk * transient[lo:hi].max())
 
 
 def smallest_fit(table: CostTable, capacity: int, max_chunk: int) -> int | None:
     """Fewest devices of ``capacity`` (priced as device 0) holding all layers, greedily."""
-    static, transient = memory_parts(table, 0)
-    count, used, widest = 1, 0.0, 0.0
+    static, transient = memory_parts(table, 0, max_chunk)
+    positional = positional_part(table, 0)
+    count, used, widest, pos = 1, 0.0, 0.0, 0.0
     for j in range(table.num_layers):
-        if static[j] + max_chunk * transient[j] > capacity:
+        if static[j] + positional[j] + max_chunk * transient[j] > capacity:
             return None
-        w = max(widest, transient[j])
-        if used + static[j] + max_chunk * w > capacity:
-            count, used, w = count + 1, 0.0, transient[j]
-        used, widest = used + static[j], w
+        w, q = max(widest, transient[j]), max(pos, positional[j])
+        if used + static[j] + q + max_chunk * w > capacity:
+            count, used, w, q = count + 1, 0.0, transient[j], positional[j]
+        used, widest, pos = used + static[j], w, q
     return count

@@ -30,7 +30,7 @@ import pulp
 from tppc.cost_models.table import CostTable
 from tppc.errors import PlanError, PlanInfeasible
 from tppc.planner._solver import available_solver, solve, variable
-from tppc.planner.memory import memory_parts, smallest_fit, stage_memory
+from tppc.planner.memory import memory_parts, positional_part, smallest_fit, stage_memory
 from tppc.planner.plan import SolverInfo, Workload
 
 __all__ = [
@@ -110,13 +110,15 @@ def _partition(table: CostTable, num_stages: int, max_chunk: int, score) -> tupl
     best[0] = 0.0
     args = np.zeros((num_stages, n_layers + 1), dtype=int)
     for s in range(num_stages):
-        static, act = memory_parts(table, s)
+        static, act = memory_parts(table, s, max_chunk)
+        pos = positional_part(table, s)
         pre_mem = np.concatenate([[0.0], np.cumsum(static)])
         nxt = np.full(n_layers + 1, np.inf)
         for e in range(1, n_layers + 1):
             lo = np.arange(e)
             widest = np.maximum.accumulate(act[:e][::-1])[::-1]  # max act over [b, e)
-            mem = pre_mem[e] - pre_mem[lo] + max_chunk * widest
+            tables = np.maximum.accumulate(pos[:e][::-1])[::-1]
+            mem = pre_mem[e] - pre_mem[lo] + tables + max_chunk * widest
             cand = np.maximum(best[lo], score(s, lo, e, mem))
             k = int(np.argmin(cand))
             nxt[e], args[s, e] = cand[k], k
@@ -192,13 +194,15 @@ def place_layers(
     row = [variable(f"m_{i}", 0) for i in range(n_chunks)]
     top = variable("t_max", 0)
     for s in range(num_stages):
-        static, act = memory_parts(table, s)
-        widest = variable(f"act_{s}", 0)
+        static, act = memory_parts(table, s, max_chunk)
+        pos = positional_part(table, s)
+        widest, tables = variable(f"act_{s}", 0), variable(f"pos_{s}", 0)
         for j in range(n_layers):
             prob += widest >= float(act[j]) * x[j, s]
+            prob += tables >= float(pos[j]) * x[j, s]
         prob += (
             pulp.lpSum(float(static[j]) * x[j, s] for j in range(n_layers))
-            + (max_chunk * widest)
+            + tables + (max_chunk * widest)
             <= table.capacities[s]
         )
         for i in range(n_chunks):

@@ -13,9 +13,9 @@ Terms:
         meta device, then loads only its own stage's tensors from a safetensors checkpoint
         (:class:`tppc.runtime.checkpoint.StageWeights`).
 
-Hooks: ``denoise`` (DiT) runs through :meth:`DistributedPipeline.execute` like ``__call__``
-(every rank steps the same loop; the last rank broadcasts what stage 0 needs next, as
-``generate`` does with tokens). An ahead-of-time export directory would replace capture and
+``generate`` and ``denoise`` (DiT, :mod:`tppc.runtime.distributed_denoise`) step the same
+loop on every rank; the last rank sends what stage 0 needs next (tokens, stepped patches).
+An ahead-of-time export directory would replace capture and
 planning by reading ``plan.json`` and the stage files: only :meth:`_materialise` reads weights.
 """
 
@@ -42,6 +42,7 @@ from tppc.runtime.frontend import FrontEnd, capture_front_end
 from tppc.runtime.io import OutputAssembler
 from tppc.runtime.options import CompileOptions
 from tppc.runtime.result_stream import ResultSender, receive_results, streamable
+from tppc.runtime.shared_results import SharedOutputs
 from tppc.runtime.state import Call, next_epoch
 
 __all__ = ["DistributedPipeline", "compile_distributed", "init_distributed"]
@@ -157,22 +158,36 @@ class DistributedPipeline(CompiledPipeline):
         state = front.pool.acquire(bound.length)
         stage = program.stages[self.rank]
         axes = program.signature.output_axes
-        full: tuple[Any, ...] = ()
-        if self.rank == self.world - 1:
-            full = tuple(torch.empty(slot.full_shape(bound.length), dtype=slot.dtype,
-                                     device=stage.device) if slot else None
-                         for slot in _slots_by_index(stage, len(axes)))
-        call = Call(tuple(bound.flat), program.chunks, bound.length, bound.length,
-                    next_epoch(), full)
-        outputs = OutputAssembler(axes, call)
         last = self.world - 1
         stream = (self.world > 1 and self.results == "rank0" and self.device.type == "cpu"
                   and streamable(axes, program.tail is not None))
-        sender = ResultSender(outputs, program.chunks, 0) if stream and self.rank == last \
-            else None
-        self.execute(program, call, state, sender or outputs, timeout=timeout, trace=trace)
-        if sender is not None:
-            self._collective(lambda: sender.finish(self.comm_timeout), "results")
+        full: tuple[Any, ...] = ()
+        shared: SharedOutputs | None = None
+        if self.rank == last:
+            slots = _slots_by_index(stage, len(axes))
+            specs = [(slot.full_shape(bound.length), slot.dtype) for slot in slots if slot]
+            if stream and len(specs) == len(slots) and SharedOutputs.possible(specs):
+                shared = SharedOutputs(specs)  # written in place, mapped by rank 0
+                full = shared.tensors
+            else:
+                full = tuple(torch.empty(slot.full_shape(bound.length), dtype=slot.dtype,
+                                         device=stage.device) if slot else None
+                             for slot in slots)
+        call = Call(tuple(bound.flat), program.chunks, bound.length, bound.length,
+                    next_epoch(), full)
+        outputs = OutputAssembler(axes, call, program.signature.output_rows)
+        sender = ResultSender(outputs, program.chunks, 0) \
+            if stream and self.rank == last and shared is None else None
+        try:
+            self.execute(program, call, state, sender or outputs, timeout=timeout,
+                         trace=trace)
+            if sender is not None:
+                self._collective(lambda: sender.finish(self.comm_timeout), "results")
+            if shared is not None:
+                self._collective(lambda: shared.send(0, self.comm_timeout), "results")
+        finally:
+            if shared is not None:
+                shared.close()
         self.finish(front, state, bound.length)
         if stream:  # the outputs went to rank 0 chunk by chunk, overlapping the last stage
             if self.rank != 0:
@@ -201,6 +216,15 @@ class DistributedPipeline(CompiledPipeline):
         from tppc.runtime.distributed_generate import distributed_generate
 
         return distributed_generate(self, input_ids, max_new_tokens, **kwargs)
+
+    def denoise(self, latents: torch.Tensor | None, scheduler: Any,
+                num_inference_steps: int = 20, **kwargs: Any) -> torch.Tensor | None:
+        """PipeFusion denoising through the job (collective; rank 0's latents; every rank
+        passes its scheduler); see :mod:`tppc.runtime.distributed_denoise`."""
+        from tppc.runtime.distributed_denoise import distributed_denoise
+
+        kwargs.pop("executor", None)  # always the job
+        return distributed_denoise(self, latents, scheduler, num_inference_steps, **kwargs)
 
     def execute(self, program: Program, call: Call, state: Any, sink: Any = None,
                 executor: Any = None, timeout: float | None = None,
@@ -303,11 +327,13 @@ class DistributedPipeline(CompiledPipeline):
 
 def _shared_planner(planner: Planner, rank: int) -> Planner:
     """Rank 0 plans; every rank gets the plan (JSON) or rank 0's error."""
-    def plan_length(front: FrontEnd, length: int) -> Plan:
+    def plan_length(front: FrontEnd, length: int, workload: Any = None) -> Plan:
         box: list[Any] = [None]
         if rank == 0:
             try:
-                box[0] = ("ok", planner(front, length).to_json())
+                plan = planner(front, length) if workload is None else planner(
+                    front, length, workload=workload)
+                box[0] = ("ok", plan.to_json())
             except TppcError as exc:
                 box[0] = ("error", f"{type(exc).__name__}: {exc}")
         try:

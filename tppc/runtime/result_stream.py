@@ -10,7 +10,9 @@ Terms:
         each output's dtype, its shape for the first chunk and its token axis.
 
 Streaming is used when every output has a token axis and there is no global epilogue; the
-ranks decide that from the same program, so they agree without a message.
+ranks decide that from the same program, so they agree without a message. When rank 0 and
+the last rank share a machine the outputs go through shared memory instead
+(:mod:`tppc.runtime.shared_results`); the header tells rank 0 which.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from tppc.runtime.shared_results import map_outputs, send_header
 
 __all__ = ["ResultSender", "receive_results", "streamable"]
 
@@ -50,12 +54,9 @@ class ResultSender:
         tensors = [v.detach().contiguous() for v in values]
         if index == 0:
             start, end = self.chunks[0]
-            header = {"size": end - start, "outputs": [
+            self._pending += send_header({"size": end - start, "outputs": [
                 {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
-                for t in tensors]}
-            payload = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
-            size = torch.tensor([payload.numel()], dtype=torch.int64)
-            tensors = [size, payload, *tensors]
+                for t in tensors]}, self.dst, 0)
         for t in tensors:  # each tensor stays alive until its send completed
             self._pending.append((dist.isend(t, self.dst), t))
 
@@ -70,13 +71,16 @@ class ResultSender:
 def receive_results(chunks: tuple[tuple[int, int], ...], axes: tuple[int | None, ...],
                     length: int, src: int, device: torch.device, timeout: float
                     ) -> list[torch.Tensor]:
-    """Rank 0: receive what :class:`ResultSender` sent into full-length outputs."""
+    """Rank 0: receive what :class:`ResultSender` sent into full-length outputs (or map
+    those a :class:`tppc.runtime.shared_results.SharedOutputs` header names)."""
     wait = timedelta(seconds=timeout)
     size = torch.empty(1, dtype=torch.int64)
     dist.irecv(size, src).wait(wait)
     payload = torch.empty(int(size.item()), dtype=torch.uint8)
     dist.irecv(payload, src).wait(wait)
     header = json.loads(bytes(payload.tolist()).decode())
+    if "shared" in header:  # the last rank wrote them into shared memory
+        return map_outputs(header, src, timeout)
     first = header["size"]
     specs = [(getattr(torch, o["dtype"]), o["shape"]) for o in header["outputs"]]
     full = []

@@ -1,0 +1,141 @@
+"""Predicted vs measured peak memory of every stage, one fresh process per (length, stage).
+
+Model: a small ``LlamaForCausalLM`` (hidden 256, 3 layers, 4 heads / 2 K/V heads, MLP 1024,
+vocab 2048, fp32, SDPA, random weights) compiled for ``3xcpu``: K/V buffers, rope tables,
+logits and chunk activations all weigh next to the weights, so a missing term shows.
+
+A stage's measured peak is what the runtime allocates for it while it runs its chunks:
+its parameter tensors (``StageProgram.param_bytes``, held before the measurement starts)
+plus the peak resident growth (``VmHWM`` reset through ``/proc/self/clear_refs``) while it
+allocates its call state (K/V buffers, positional values), the last stage's full-length
+outputs, and runs every chunk with the threaded runtime's queue window: the chunk it runs
+and the ``QUEUE_DEPTH`` chunks after it are alive (copies of the previous stage's outputs,
+computed before the measurement). Large allocations are ``mmap``-ed
+(``MALLOC_MMAP_THRESHOLD_``) so freed memory leaves the resident set.
+
+Run:  .venv/bin/python benchmarks/stage_memory.py [--lengths 4096,16384]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import subprocess
+import sys
+
+__all__ = ["measure_stage", "run_stage_measurement"]
+
+_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak() -> int:
+    with open("/proc/self/status") as f:
+        return int(next(x for x in f if x.startswith("VmHWM:")).split()[1]) * 1024
+
+
+def _reset_peak() -> None:
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:  # "5" resets VmHWM to the RSS
+        f.write("5")
+
+
+def _model():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=1024,
+                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=1 << 16, attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg).eval()
+
+
+def measure_stage(length: int, stage_index: int, cluster: str = "3xcpu") -> dict:
+    """Predicted and measured peak bytes of one stage (call it in a fresh process)."""
+    import gc
+
+    import torch
+
+    import tppc
+    from tppc.backends.torch_local import run_stage
+    from tppc.planner.memory import QUEUE_DEPTH
+    from tppc.runtime.compiled import _new_outputs
+    from tppc.runtime.state import Call, CallState
+
+    torch.set_num_threads(1)
+    model = _model()
+    ids = torch.randint(0, 2048, (1, length))
+    with torch.no_grad():
+        model(ids[:, :16])  # warm the kernels (one-time allocations) at a negligible size
+        cp = tppc.compile(model, (ids,), cluster=cluster, executor="local")
+        front, bound = cp.bind((ids,), {})
+        flat = tuple(bound.flat)
+        program = cp.program(length, front)
+        stages = program.stages
+        chunks = program.chunks
+        scratch = CallState(length)
+        call = Call(flat, chunks, length, length, 0)
+        received: list[tuple] = [() for _ in chunks]
+        for s in range(stage_index):  # the inputs of the measured stage, computed beforehand
+            received = [run_stage(stages[s], call, scratch, a, b, received[i])
+                        for i, (a, b) in enumerate(chunks)]
+        del scratch
+        gc.collect()
+        stage = stages[stage_index]
+        last = stage_index == len(stages) - 1
+        _reset_peak()
+        base = _rss()
+        outputs = _new_outputs(stage, length, len(program.signature.output_axes)) if last else ()
+        call = Call(flat, chunks, length, length, 1, outputs)
+        state = CallState(length)
+        window: dict[int, tuple] = {}
+        for i, (a, b) in enumerate(chunks):
+            for j in range(i, min(i + QUEUE_DEPTH + 1, len(chunks))):  # queue + running
+                if j not in window:
+                    window[j] = tuple(v.clone() if isinstance(v, torch.Tensor) else v
+                                      for v in received[j])
+            run_stage(stage, call, state, a, b, window.pop(i))
+        measured = stage.param_bytes + _peak() - base
+    st = cp.plan.stages[stage_index]
+    return {"length": length, "stage": stage_index, "predicted": st.memory_bytes,
+            "measured": measured, "param_bytes": stage.param_bytes,
+            "kv_bytes": state.nbytes(), "max_chunk": max(b - a for a, b in chunks),
+            "layers": list(stage.layers)}
+
+
+def run_stage_measurement(length: int, stage_index: int) -> dict:
+    """:func:`measure_stage` in a fresh process (the environment it needs set)."""
+    env = {**os.environ, **_ENV}
+    out = subprocess.run([sys.executable, __file__, "--one", str(length), str(stage_index)],
+                         capture_output=True, text=True, check=True, timeout=600, env=env)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default="4096,16384")
+    parser.add_argument("--stages", type=int, default=3)
+    parser.add_argument("--one", nargs=2, type=int, help=argparse.SUPPRESS)
+    ns = parser.parse_args()
+    if ns.one:
+        print(json.dumps(measure_stage(*ns.one)))
+        return
+    print("| tokens | stage | layers | max chunk | predicted MB | measured MB | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for length in (int(x) for x in ns.lengths.split(",")):
+        for s in range(ns.stages):
+            r = run_stage_measurement(length, s)
+            print(f"| {length} | {s} | {r['layers'][0]}..{r['layers'][-1]} | {r['max_chunk']} | "
+                  f"{r['predicted'] / 2**20:.1f} | {r['measured'] / 2**20:.1f} | "
+                  f"{r['predicted'] / r['measured']:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

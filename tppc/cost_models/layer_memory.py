@@ -1,0 +1,125 @@
+"""Memory a layer of the chunk-step graph allocates, per token: live values and positional values.
+
+Terms:
+    live bytes: while a layer runs on a chunk, the token values it has computed and not yet
+        consumed (a value is live from its node until its last user inside the layer; a
+        value read after the layer stays live to the layer's end). The layer's peak is the
+        largest sum over its nodes, per chunk token (the MLP's gate, up and product of a
+        Llama block live together: three intermediates, not one).
+    view: a node whose result shares its input's storage (``view``, ``transpose``,
+        ``narrow``...): it allocates nothing.
+    positional bytes: bytes per sequence token of the positional values (rope tables) the
+        layer reads; the runtime evaluates them at the full length once per call and stage.
+    attention workspace: a causal ``tppc::chunk_attention`` block of ``r`` query rows over
+        ``k`` keys builds a boolean mask (1 byte per row and key) that SDPA turns into a
+        mask of the query's type: ``(1 + element size)`` bytes per row and key, for at most
+        ``tppc.ops.MASK_ELEMENTS`` rows × keys per block.
+
+Example:
+    >>> peak_live_bytes(pricer.nodes, info.nodes, pricer.shapes, seq_len)  # doctest: +SKIP
+    12288
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import sympy
+from torch import fx
+
+from ..ir import CHUNK_INPUT, TOKEN, ChunkInput, TokenInfo
+from .node_costs import C, L, P, _Shapes, _tensors
+
+__all__ = ["attention_workspace", "peak_live_bytes", "positional_bytes"]
+
+_VIEWS = frozenset({
+    "view", "_unsafe_view", "reshape", "transpose", "t", "permute", "unsqueeze", "squeeze",
+    "narrow", "slice", "select", "expand", "alias", "as_strided", "unflatten", "flatten",
+    "split", "split_with_sizes", "chunk", "unbind", "detach", "getitem", "view_as_real",
+    "view_as_complex", "contiguous",
+})
+
+
+def _op_name(node: fx.Node) -> str:
+    target = node.target
+    name = getattr(target, "__name__", str(target))
+    return name.split(".")[0]
+
+
+def _per_token(node: fx.Node, shapes: _Shapes, seq_len: int) -> int:
+    """Bytes per chunk token of a token value (0 when it does not scale with the chunk).
+
+    The growth per split token (the slope in ``c``): a constant text prefix (joint attention,
+    ``(c + 512, 15360)`` in a Flux single-stream block) is not multiplied by the chunk size;
+    that fixed part (at most ``prefix × width``, 16 MB for Flux) is not counted.
+    """
+    vals = _tensors(node.meta.get("val"))
+    if not vals:
+        return 0
+    size = sympy.Mul(*shapes.shape(node)) * vals[0].element_size()
+    if C not in size.free_symbols:
+        return 0
+    at = {P: 0, L: seq_len}
+    value = size.subs({C: 1, **at}) - size.subs({C: 0, **at})
+    return int(sympy.ceiling(value)) if value.is_number else 0
+
+
+def peak_live_bytes(nodes: Mapping[str, fx.Node], layer_nodes: Sequence[str],
+                    shapes: _Shapes, seq_len: int) -> int:
+    """Largest sum of live token values inside a layer, per chunk token (module docstring)."""
+    members = set(layer_nodes)
+    order = {name: i for i, name in enumerate(layer_nodes)}
+    end = len(layer_nodes)
+    sizes: dict[str, int] = {}
+    last_use: dict[str, int] = {}
+    for name in layer_nodes:
+        node = nodes[name]
+        token = node.meta.get(TOKEN)
+        if node.op != "call_function" or _op_name(node) in _VIEWS or (
+                isinstance(token, TokenInfo) and token.role != "token"):
+            continue
+        size = _per_token(node, shapes, seq_len)
+        if not size:
+            continue
+        sizes[name] = size
+        uses = [order[u.name] for u in node.users if u.name in members]
+        outside = any(u.name not in members for u in node.users)
+        last_use[name] = end if outside or not uses else max(uses)
+    peak = 0
+    for i in range(end):
+        live = sum(size for name, size in sizes.items() if order[name] <= i <= last_use[name])
+        peak = max(peak, live)
+    return peak
+
+
+def positional_bytes(nodes: Mapping[str, fx.Node], layer_nodes: Sequence[str],
+                     shapes: _Shapes) -> int:
+    """Bytes per sequence token of the positional values the layer's nodes read."""
+    seen: dict[str, int] = {}
+    for name in layer_nodes:
+        for arg in nodes[name].all_input_nodes:
+            spec = arg.meta.get(CHUNK_INPUT)
+            if arg.op != "placeholder" or not isinstance(spec, ChunkInput) or (
+                    spec.kind != "positional") or arg.name in seen:
+                continue
+            vals = _tensors(arg.meta.get("val"))
+            if not vals:
+                continue
+            size = sympy.Mul(*shapes.shape(arg)) * vals[0].element_size()
+            value = size.subs({C: 1, P: 0, L: 1})
+            seen[arg.name] = int(sympy.ceiling(value)) if value.is_number else 0
+    return sum(seen.values())
+
+
+def attention_workspace(nodes: Mapping[str, fx.Node], layer_nodes: Sequence[str]) -> int:
+    """Bytes per (query row, key) of the layer's causal chunk-attention blocks (0: none)."""
+    out = 0
+    for name in layer_nodes:
+        node = nodes[name]
+        if node.op != "call_function" or getattr(node.target, "_opname", "") != "chunk_attention":
+            continue
+        causal = bool(node.args[4]) if len(node.args) > 4 else bool(node.kwargs.get("causal"))
+        vals = _tensors(node.args[0].meta.get("val")) if causal else ()
+        if vals:
+            out = max(out, 1 + vals[0].element_size())
+    return out

@@ -1,0 +1,212 @@
+"""PipeFusion denoising over a multi-process pipeline (every rank steps the same loop).
+
+Terms:
+    shared call: rank 0's latents, model inputs and step counts are validated on rank 0 and
+        broadcast (or its error, raised by every rank); every rank passes its own scheduler
+        (only the last rank steps it; the others read its timesteps).
+    warm-up step: the whole image as one chunk through the ranks; the last rank applies the
+        scheduler step and broadcasts the new latents.
+    pipelined step: job ``(i, m)`` (patch ``m`` of step ``i``) runs on every rank in the
+        order of :mod:`tppc.runtime.denoise`; the boundary values go rank to rank as in
+        ``__call__``. When job ``(i, m)`` leaves the last rank it steps patch ``m`` and sends
+        its rows to every earlier rank that reads the latents (stage 0), which waits for them
+        before job ``(i + 1, m)``: the same jobs in the same order per stage as the
+        ``threads`` and ``local`` executors, so the latents are theirs.
+
+The final latents are broadcast from the last rank; rank 0 returns them (every rank with
+``results="all"``), the others None.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from tppc.backends._hoist import hoist_constants
+from tppc.backends.torch_local import run_stage
+from tppc.errors import RuntimeInputError, SpecError, StageFailed, StageTimeout
+from tppc.passes.chunk_attention import REST_CHUNK
+from tppc.program import Program, StageProgram, build_program
+from tppc.runtime.denoise import _latent_axis, _patches, _Run
+from tppc.runtime.schedulers import check_scheduler, patch_scheduler
+from tppc.runtime.state import Call, next_epoch
+
+if TYPE_CHECKING:
+    from tppc.runtime.distributed import DistributedPipeline
+
+__all__ = ["distributed_denoise"]
+
+
+def distributed_denoise(cp: DistributedPipeline, latents: torch.Tensor | None, scheduler: Any,
+                        num_inference_steps: int = 20, *, warmup_steps: int = 1,
+                        patches: int | None = None,
+                        model_kwargs: Mapping[str, Any] | None = None,
+                        timestep_arg: str = "timestep",
+                        output_transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+                        ) -> torch.Tensor | None:
+    """``cp.denoise(...)`` through the job (collective; rank 0's latents and inputs).
+
+    Same contract as :func:`tppc.runtime.denoise.denoise`; see the module docstring.
+    """
+    check_scheduler(scheduler)
+
+    def check(value: tuple[Any, ...]) -> None:
+        x, kwargs, steps, warm, _, arg = value
+        if not isinstance(warm, int) or warm < 1:
+            raise SpecError(f"warmup_steps={warm!r}; the first step must fill the K/V "
+                            "buffers. fix: warmup_steps >= 1")
+        if not isinstance(x, torch.Tensor):
+            raise RuntimeInputError(f"latents of type {type(x).__name__}; pass a tensor")
+        scheduler.set_timesteps(steps)
+        cp.bind((x,), {**kwargs, arg: scheduler.timesteps[0].expand(len(x))})
+
+    x, kwargs, steps_n, warmup_steps, patches, arg = cp._share(
+        "denoise", (latents, dict(model_kwargs or {}), num_inference_steps, warmup_steps,
+                    patches, timestep_arg), check)
+    scheduler.set_timesteps(steps_n)
+    steps = list(scheduler.timesteps)
+    x = x.detach().clone().contiguous().to(cp.device)
+    calls_in = [((x,), {**kwargs, arg: t.expand(len(x))}) for t in steps]
+    front, bound = cp.bind(*calls_in[0])
+    length = bound.length
+    plan, bounds = _patches(cp, front, length, len(steps), warmup_steps, patches)
+    full, first, rest = _programs(cp, front, plan, length, bounds)
+    axis, scale = _latent_axis(front, bound.flat, x)
+    latent = next(j for j, v in enumerate(bound.flat) if v is x)
+    epoch = next_epoch()
+    flats = [cp.bind(a, k)[1].flat for a, k in calls_in]
+    state = front.pool.acquire(length)
+    state.reset()
+    run = _Run(cp, x, axis, scale, output_transform)
+    last = cp.world - 1
+    warm = min(warmup_steps, len(steps))
+    got: dict[str, Any] = {}
+    for i in range(warm):
+        call = Call(tuple(flats[i]), ((0, length),), length, length, epoch)
+        cp.execute(full, call, state, sink=lambda _, values: got.__setitem__("v", values))
+        if cp.rank == last:
+            out = run.model_output(full, call, 0, got["v"])
+            x.copy_(scheduler.step(out, steps[i], x).prev_sample)
+        cp._collective(lambda: dist.broadcast(x, src=last), "latents broadcast")
+    jobs = [(i, m) for i in range(warm, len(steps)) for m in range(len(bounds) - 1)]
+    if jobs:
+        chunks = tuple(itertools.pairwise(bounds))
+        calls = {i: Call(tuple(flats[i]), chunks, length, length, epoch)
+                 for i in range(warm, len(steps))}
+        scheds = [patch_scheduler(scheduler, x.shape, axis, scale * a, scale * (b - a))
+                  for a, b in chunks] if cp.rank == last else []
+
+        def rows(m: int) -> torch.Tensor:
+            a, b = chunks[m]
+            return x.narrow(axis, scale * a, scale * (b - a))
+
+        def finish(i: int, m: int, values: tuple[Any, ...]) -> None:
+            out = run.model_output(first, calls[i], m, values).narrow(
+                axis, scale * chunks[m][0], scale * (chunks[m][1] - chunks[m][0]))
+            rows(m).copy_(scheds[m].step(out, steps[i], rows(m)).prev_sample)
+
+        def program_of(m: int) -> Program:
+            return first if m == 0 or rest is None else rest
+
+        readers = _readers(cp.world, latent, first, rest)
+        _Jobs(cp, calls, state, program_of, rows, readers).run(jobs, finish, len(steps))
+    cp._collective(lambda: dist.broadcast(x, src=last), "latents broadcast")
+    state.consts.clear()  # the text K/V are this request's
+    front.pool.release(state)
+    return x if cp.rank == 0 or cp.results == "all" else None
+
+
+class _Jobs:
+    """This rank's pipelined jobs (see the module docstring)."""
+
+    def __init__(self, cp: DistributedPipeline, calls: dict[int, Call], state: Any,
+                 program_of: Callable[[int], Program], rows: Callable[[int], torch.Tensor],
+                 readers: tuple[int, ...]) -> None:
+        self.cp, self.ex, self.calls, self.state = cp, cp._dist, calls, state
+        self.program_of, self.rows, self.readers = program_of, rows, readers
+
+    def run(self, jobs: list[tuple[int, int]],
+            finish: Callable[[int, int, tuple[Any, ...]], None], n_steps: int) -> None:
+        """Every job on this rank's stage; the last rank steps and sends each patch."""
+        cp, ex = self.cp, self.ex
+        rank, last = cp.rank, cp.world - 1
+        timeout = cp.options.timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        first_step = jobs[0][0]
+        sends: list[tuple[Any, Any]] = []  # boundary values to rank + 1 (bounded)
+        patches: list[tuple[Any, Any]] = []  # stepped rows to the readers (waited at the end)
+        i, m = jobs[0]
+        try:
+            for i, m in jobs:
+                program = self.program_of(m)
+                a, b = self.calls[i].chunks[m]
+                if rank in self.readers and rank != last and i > first_step:
+                    view = self.rows(m)
+                    buf = torch.empty_like(view, memory_format=torch.contiguous_format)
+                    ex.wait([dist.irecv(buf, last)], last, deadline)
+                    view.copy_(buf)
+                received = ex.recv_chunk(program, b - a, deadline) if rank else ()
+                values = run_stage(program.stages[rank], self.calls[i], self.state, a, b,
+                                   received)
+                if rank < last:
+                    sends.append(ex.send_chunk(program, values))
+                    while len(sends) > cp.options.queue_depth:
+                        ex.wait(sends.pop(0)[0], rank + 1, deadline)
+                    continue
+                finish(i, m, values)
+                if i + 1 < n_steps:
+                    out = self.rows(m).contiguous()
+                    patches += [(dist.isend(out, r), out) for r in self.readers if r != last]
+                    patches = [p for p in patches if not p[0].is_completed()]
+            for works, _ in sends:
+                ex.wait(works, rank + 1, deadline)
+            for work, _ in patches:
+                ex.wait([work], 0, deadline)
+        except (StageFailed, StageTimeout):
+            raise
+        except Exception as exc:
+            where = f"stage {rank}, denoise step {i}, patch {m}"
+            if deadline is not None and time.monotonic() >= deadline:
+                raise ex.timed_out(timeout, where) from exc
+            raise ex.failure(exc, where) from exc
+
+
+def _readers(world: int, latent: int, *programs: Program | None) -> tuple[int, ...]:
+    """Ranks whose stage reads the latents (flat input ``latent``)."""
+    return tuple(r for r in range(world) if any(
+        spec.kind in ("token", "const", "full") and spec.index == latent
+        for p in programs if p is not None for _, spec in p.stages[r].inputs))
+
+
+def _programs(cp: DistributedPipeline, front: Any, plan: Any, length: int,
+              bounds: tuple[int, ...]) -> tuple[Program, Program, Program | None]:
+    """Warm-up, patch and later-patch programs with this rank's stage loaded and its const
+    sub-graphs hoisted (as :func:`tppc.runtime.denoise._programs`), cached on ``cp``."""
+    cache = cp.__dict__.setdefault("_distributed_denoise_programs", {})
+    placement = tuple((st.layer_start, st.layer_end, st.device_index) for st in plan.stages)
+    key = (front.batch, length, bounds, placement)
+    if key not in cache:
+        chunks = tuple(itertools.pairwise(bounds))
+
+        def make(gm: Any, chunks: tuple[tuple[int, int], ...]) -> Program:
+            program = cp._materialise(build_program(gm, front.ctx, plan, chunks,
+                                                    cp.options.devices))
+            stages = list(program.stages)
+            stages[cp.rank] = hoist_constants(stages[cp.rank])
+            return _replace(program, stages)
+
+        rest_gm = front.chunk.meta.get(REST_CHUNK)
+        cache[key] = (make(front.chunk, ((0, length),)), make(front.chunk, chunks),
+                      make(rest_gm, chunks) if rest_gm else None)
+    return cache[key]
+
+
+def _replace(program: Program, stages: list[StageProgram]) -> Program:
+    import dataclasses
+
+    return dataclasses.replace(program, stages=tuple(stages))
