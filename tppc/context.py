@@ -65,3 +65,16 @@ class CompileContext:
     context_inputs: tuple[str, ...] = ()
     specialized_to: dict[str, tuple[int, ...]] | None = None
     example_values: dict[str, Any] = field(default_factory=dict)
+
+    def tokens_per_unit(self) -> int:
+        """Tokens per unit of the sequence symbol: a DiT's patch columns (the symbol counts
+        patch rows), 1 for an LLM or when the token count is not linear in the symbol."""
+        count, sym = self.token_count, self.seq_symbol
+        if count is None or sym is None:
+            return 1
+        try:
+            per = count.subs(sym, 1)
+            return int(per) if per.is_Integer and count.subs(sym, 2) == 2 * per else 1
+        except (AttributeError, TypeError):
+            return 1
+

@@ -50,7 +50,8 @@ def plan(
         seq_len: sequence length to plan for, in tokens (default: the example's).
         workload: causal prefill (default) or multi-step diffusion.
         granularity: chunk sizes are multiples of this, the last chunk may be shorter
-            (default: :func:`tppc.planner.grid.default_granularity`).
+            (default: :func:`tppc.planner.grid.default_granularity`; for a DiT one patch
+            row of tokens).
         num_stages: number of stages (default: the planner chooses how many devices, and
             which, to use; see :mod:`tppc.planner.devices`).
         time_limit: seconds for pricing and solving together (capture excluded); on expiry
@@ -81,6 +82,8 @@ def plan(
         if ctx.token_count is None:
             raise PlanError(f"{ctx.model_name} has no attention node; nothing to pipeline")
         seq_len = int(ctx.token_count.subs(ctx.seq_symbol, ctx.example_seq))
+    if granularity is None and ctx.tokens_per_unit() > 1:
+        granularity = ctx.tokens_per_unit()  # a DiT: chunks of whole patch rows
 
     def table_at(tokens: int) -> CostTable:
         return build_cost_table(program, ctx.layers, cluster, tokens, seq_symbol=ctx.seq_symbol,

@@ -29,6 +29,7 @@ def _case(name):
     rest = lambda a, k: {n: v for n, v in k.items() if n != "timestep"}  # noqa: E731
     return {
         "hf_dit": (examples.hf_dit, "timestep", rest, diffusers.DDIMScheduler, None),
+        "hf_cogvideox": (_one_frame_video, "timestep", rest, diffusers.DDIMScheduler, None),
         "hf_flux": (examples.hf_flux, "timestep", rest,
                     diffusers.FlowMatchEulerDiscreteScheduler, None),
         "hf_hunyuan_dit": (examples.hf_hunyuan_dit, "timestep", rest,
@@ -36,6 +37,10 @@ def _case(name):
         "hf_pixart": (examples.hf_pixart, "timestep", rest,
                       diffusers.DPMSolverMultistepScheduler, half),
     }[name]
+
+
+def _one_frame_video():
+    return examples.hf_cogvideox(frames=1)
 
 
 def _serial(model, x, scheduler, steps, arg, kwargs, transform):
@@ -49,7 +54,7 @@ def _serial(model, x, scheduler, steps, arg, kwargs, transform):
     return x
 
 
-MODELS = ["dit", "hf_dit", "hf_flux", "hf_hunyuan_dit", "hf_pixart"]
+MODELS = ["dit", "hf_cogvideox", "hf_dit", "hf_flux", "hf_hunyuan_dit", "hf_pixart"]
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -94,6 +99,7 @@ def test_stale_patches_are_close_and_warmup_steps_bring_them_closer(case) -> Non
 def _case_factory(case):
     cp = case[-1]
     return {"DiT": examples.dit, "DiTTransformer2DModel": examples.hf_dit,
+            "CogVideoXTransformer3DModel": _one_frame_video,
             "FluxTransformer2DModel": examples.hf_flux,
             "HunyuanDiT2DModel": examples.hf_hunyuan_dit,
             "PixArtTransformer2DModel": examples.hf_pixart}[cp.model_name]
@@ -112,3 +118,34 @@ def test_a_scheduler_that_is_not_element_wise_is_refused() -> None:
     with pytest.raises(SpecError, match="element-wise"):
         cp.denoise(args[0], diffusers.DDPMScheduler(), 2, model_kwargs={"y": args[2]},
                    timestep_arg="t")
+
+
+def test_warmup_on_the_workers_threads_restores_the_callers_threads() -> None:
+    model, args, kwargs = examples.dit()
+    one = tppc.compile(model, args, kwargs, executor="local")
+    n, length = len(one.context.layers), one.plan.seq_len
+    plan = manual_plan(n, length, cuts=(0, n // 2, n), boundaries=(0, length))
+    cp = tppc.compile(model, args, kwargs, executor="threads", threads_per_stage=1, plan=plan)
+    kw, sched = {"y": args[2]}, diffusers.DDIMScheduler
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = cp.denoise(args[0], sched(), 3, warmup_steps=2, patches=2, model_kwargs=kw,
+                         timestep_arg="t")
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    ref = cp.denoise(args[0], sched(), 3, warmup_steps=2, patches=2, model_kwargs=kw,
+                     timestep_arg="t", executor="local")
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_video_latents_of_several_frames_run_exactly_and_refuse_stale_bands() -> None:
+    model, args, kwargs, cp = _two_stages(examples.hf_cogvideox)  # 2 frames of 4x4 patches
+    kw = {n: v for n, v in kwargs.items() if n != "timestep"}
+    sched = diffusers.DDIMScheduler
+    ref = _serial(model, args[0], sched(), 3, "timestep", kw, None)
+    out = cp.denoise(args[0], sched(), 3, warmup_steps=3, patches=2, model_kwargs=kw)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(SpecError, match="frame-major"):
+        cp.denoise(args[0], sched(), 3, warmup_steps=1, patches=2, model_kwargs=kw)

@@ -76,3 +76,36 @@ def test_a_given_diffusion_plan_gives_its_boundaries(bounds_used) -> None:
     exact = cp.denoise(x, diffusers.DDIMScheduler(), 3, warmup_steps=3,
                        model_kwargs={"y": args[2]}, timestep_arg="t")
     torch.testing.assert_close(exact, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_plain_compile_of_a_dit_is_priced_in_tokens_not_patch_rows() -> None:
+    """Own DiT, 16x16 latent, patch 2: 8 patch rows of 8 tokens. One stage, one chunk: the
+    predicted latency is the layers' time at c = 64 tokens (the cost table's own layer
+    functions, summed by hand), not at c = 8 rows."""
+    from tppc.cost_models import build_cost_table
+
+    model, args, kwargs = examples.dit()
+    cp = tppc.compile(model, args, kwargs, executor="local", cluster="1xh100-sxm",
+                       devices=["cpu"])
+    front = cp.bind(args, kwargs)[0]
+    ctx = front.ctx
+    tokens = int(ctx.token_count.subs(ctx.seq_symbol, ctx.example_seq))
+    assert (cp.plan.seq_len, tokens) == (8, 64) and cp.plan.boundaries == (0, 8)
+    table = build_cost_table(front.chunk, ctx.layers, "1xh100-sxm", tokens,
+                             seq_symbol=ctx.seq_symbol, token_count=ctx.token_count)
+    by_hand = sum(float(lc.time(float(tokens), 0.0)) for lc in table.layers[0])
+    at_rows = sum(float(lc.time(8.0, 0.0)) for lc in table.layers[0])
+    assert cp.plan.latency == pytest.approx(by_hand, rel=1e-6)
+    assert at_rows != pytest.approx(by_hand, rel=1e-6)  # the two pricings differ
+
+
+def test_tppc_plan_of_a_dit_cuts_whole_patch_rows() -> None:
+    """Own DiT, 32x32 latent, patch 2: 16 patch rows of 16 tokens; ``tppc.plan`` prices
+    tokens, and its chunks (patches) are whole patch rows."""
+    from tppc.planning import plan
+
+    model, args, kwargs = examples.dit(size=32)
+    result = plan(model, args, kwargs, cluster="4xh100-sxm", time_limit=5.0,
+                  workload=Workload(kind="diffusion", steps=20, warmup_steps=1))
+    assert result.seq_len == 256 and result.granularity == 16
+    assert all(b % 16 == 0 for b in result.boundaries)

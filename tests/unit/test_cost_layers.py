@@ -134,3 +134,20 @@ def test_bidirectional_attention_does_not_depend_on_prefix():
     for layer in table.layers[0]:
         t = layer.time(c, np.array([0.0, 448.0]))
         assert t[0] == pytest.approx(t[1])
+
+
+def test_a_text_prefix_is_not_priced_per_chunk_token():
+    """Flux (tiny: width 16, MLP 64): a single-stream block's values are ``(c + text, ...)``;
+    their bytes per image token do not depend on the text length (6 or 30 tokens), and stay
+    below one token's worth of every value of the block at once."""
+    from tppc import examples
+
+    peaks = []
+    for text_len in (6, 30):
+        model, args, kwargs = examples.hf_flux(text_len=text_len)
+        gm, ctx = annotate_program(model, args, kwargs)
+        exprs = layer_expressions(gm, ctx.layers, DEVICE_PRESETS["h100-sxm"], 16,
+                                  seq_symbol=ctx.seq_symbol, token_count=ctx.token_count)
+        peaks.append([e.peak_bytes_per_token for e in exprs if e.info.kind == "block"])
+    assert peaks[0] == peaks[1]
+    assert 0 < max(peaks[0]) < 7 * (16 + 64) * 4  # (1 + 6 text) x the widest value was priced

@@ -47,14 +47,20 @@ def _op_name(node: fx.Node) -> str:
 
 
 def _per_token(node: fx.Node, shapes: _Shapes, seq_len: int) -> int:
-    """Bytes per chunk token of a token value (0 when it does not scale with the chunk)."""
+    """Bytes per chunk token of a token value (0 when it does not scale with the chunk).
+
+    The growth per split token (the slope in ``c``): a constant text prefix (joint attention,
+    ``(c + 512, 15360)`` in a Flux single-stream block) is not multiplied by the chunk size;
+    that fixed part (at most ``prefix × width``, 16 MB for Flux) is not counted.
+    """
     vals = _tensors(node.meta.get("val"))
     if not vals:
         return 0
     size = sympy.Mul(*shapes.shape(node)) * vals[0].element_size()
     if C not in size.free_symbols:
         return 0
-    value = size.subs({C: 1, P: 0, L: seq_len})
+    at = {P: 0, L: seq_len}
+    value = size.subs({C: 1, **at}) - size.subs({C: 0, **at})
     return int(sympy.ceiling(value)) if value.is_number else 0
 
 

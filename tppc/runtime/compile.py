@@ -98,12 +98,14 @@ def _auto_planner(opts: CompileOptions) -> Planner:
             bounds = chunk_bounds(opts.chunks, length)
         elif front.bidirectional and not diffusion:
             bounds = (0, length)
-        per = _tokens_per_unit(front) if diffusion and bounds is None else 1
-        if per > 1:  # priced in tokens on a grid of whole patch rows, returned in rows
+        per = front.ctx.tokens_per_unit()
+        if per > 1:  # a DiT: priced in tokens on a grid of whole patch rows, returned in rows
             g = per * (opts.granularity or 1)
             plan = plan_any_length(table_at, length * per, granularity=g,
                                    num_stages=opts.num_stages, time_limit=opts.time_limit,
-                                   workload=workload)
+                                   workload=workload,
+                                   bounds=None if bounds is None else tuple(b * per
+                                                                           for b in bounds))
             return dataclasses.replace(plan, seq_len=length, granularity=g // per,
                                        boundaries=tuple(b // per for b in plan.boundaries))
         return plan_any_length(table_at, length, granularity=opts.granularity,
@@ -111,18 +113,6 @@ def _auto_planner(opts: CompileOptions) -> Planner:
                                workload=workload, bounds=bounds)
 
     return plan_length
-
-
-def _tokens_per_unit(front: FrontEnd) -> int:
-    """Tokens per unit of the sequence symbol (a DiT's patch columns), 1 when not linear."""
-    count, sym = front.ctx.token_count, front.ctx.seq_symbol
-    if count is None or sym is None:
-        return 1
-    try:
-        per = count.subs(sym, 1)
-        return int(per) if per.is_Integer and count.subs(sym, 2) == 2 * per else 1
-    except (AttributeError, TypeError):
-        return 1
 
 
 def manual_plan(layers: int | Sequence[str], seq_len: int, *, cuts: Sequence[int],

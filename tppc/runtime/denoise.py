@@ -5,6 +5,8 @@ Terms:
         symbol (patch rows; a specialised capture cuts the same contiguous token range).
     warm-up step: the whole image as one chunk through every stage, synchronously; it
         writes every row of every K/V buffer (the first step of a call always is one).
+        With the ``threads`` executor the calling thread runs it with the intra-op threads
+        of all the stage workers together, since they would otherwise wait.
     pipelined step: the patches one after the other. Patch ``m`` writes its K/V rows and
         attends to the whole buffer: rows of patches ``≤ m`` are this step's, the others
         the previous step's (PipeFusion's stale K/V). With joint attention (Flux) the first
@@ -23,11 +25,12 @@ the result is the serial loop's (see :func:`denoise`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import queue
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -72,6 +75,8 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any, num_inference_steps:
     front, bound = cp.bind(*calls_in[0])
     length = bound.length
     plan, bounds = _patches(cp, front, length, len(steps), warmup_steps, patches)
+    if len(bounds) > 2 and warmup_steps < len(steps):
+        _check_bands_are_contiguous(front.ctx.patch_grid)
     full, first, rest = _programs(cp, front, plan, length, bounds)
     axis, scale = _latent_axis(front, bound.flat, x)
     epoch = next_epoch()
@@ -80,13 +85,15 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any, num_inference_steps:
     state.reset()
     run = _Run(cp, x, axis, scale, output_transform)
     warm = min(warmup_steps, len(steps))
-    for i in range(warm):
-        call = Call(tuple(flats[i]), ((0, length),), length, length, epoch)
-        values: tuple[Any, ...] = ()
-        for stage in full.stages:
-            values = _run_stage(stage, call, state, 0, length, values)
-        out = run.model_output(full, call, 0, values)
-        x.copy_(scheduler.step(out, steps[i], x).prev_sample)
+    threaded = (executor or cp.executor) == "threads" and len(first.stages) > 1
+    with _intra_op_threads(_all_threads(cp, len(full.stages)) if threaded else None):
+        for i in range(warm):  # synchronous: the stages' cores share each op instead
+            call = Call(tuple(flats[i]), ((0, length),), length, length, epoch)
+            values: tuple[Any, ...] = ()
+            for stage in full.stages:
+                values = _run_stage(stage, call, state, 0, length, values)
+            out = run.model_output(full, call, 0, values)
+            x.copy_(scheduler.step(out, steps[i], x).prev_sample)
     jobs = [(i, m) for i in range(warm, len(steps)) for m in range(len(bounds) - 1)]
     if jobs:
         chunks = tuple(itertools.pairwise(bounds))
@@ -105,7 +112,7 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any, num_inference_steps:
         def stage_of(m: int, s: int) -> StageProgram:
             return (first if m == 0 or rest is None else rest).stages[s]
 
-        if (executor or cp.executor) == "threads" and len(first.stages) > 1:
+        if threaded:
             _pipelined(cp, jobs, calls, state, stage_of, len(first.stages), finish)
         else:
             for i, m in jobs:
@@ -145,6 +152,26 @@ class _Run:
         return self.transform(out) if self.transform is not None else out
 
 
+def _all_threads(cp: Any, n_stages: int) -> int | None:
+    """The intra-op threads of all the stage workers together (``None``: torch's own)."""
+    threads = cp.options.threads_per_stage
+    if threads is None:
+        return None
+    return threads * n_stages if isinstance(threads, int) else sum(threads[:n_stages])
+
+
+@contextlib.contextmanager
+def _intra_op_threads(threads: int | None) -> Iterator[None]:
+    """The calling thread's intra-op threads set to ``threads`` for the block, then restored."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _run_stage(stage: StageProgram, call: Call, state: CallState, start: int, end: int,
                boundary: tuple[Any, ...]) -> tuple[Any, ...]:
     from tppc.backends.torch_local import run_stage
@@ -162,6 +189,18 @@ def _patches(cp: Any, front: Any, length: int, steps: int, warmup: int, patches:
     if plan.workload.kind == "diffusion" and plan.seq_len == length:
         return plan, tuple(plan.boundaries)
     return plan, _patch_bounds(len(plan.stages), length)
+
+
+def _check_bands_are_contiguous(grid: tuple[int, ...]) -> None:
+    """Refuse video latents of several frames: their tokens are frame-major, so a band of
+    latent rows (in every frame) is not the contiguous token range a patch's K/V rows and
+    positions are."""
+    if len(grid) == 3 and grid[0] > 1:
+        raise SpecError(
+            f"video latents of {grid[0]} frames (patch grid {grid}): a band of patch rows "
+            "spans every frame, but the tokens are frame-major, so stale patches would write "
+            "their K/V at another band's positions. fix: warmup_steps=num_inference_steps, "
+            "patches=1, or a latent of one frame")
 
 
 def _patch_bounds(patches: int, length: int) -> tuple[int, ...]:
