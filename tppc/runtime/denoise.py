@@ -75,8 +75,6 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any, num_inference_steps:
     front, bound = cp.bind(*calls_in[0])
     length = bound.length
     plan, bounds = _patches(cp, front, length, len(steps), warmup_steps, patches)
-    if len(bounds) > 2 and warmup_steps < len(steps):
-        _check_bands_are_contiguous(front.ctx.patch_grid)
     full, first, rest = _programs(cp, front, plan, length, bounds)
     axis, scale = _latent_axis(front, bound.flat, x)
     epoch = next_epoch()
@@ -182,13 +180,18 @@ def _run_stage(stage: StageProgram, call: Call, state: CallState, start: int, en
 def _patches(cp: Any, front: Any, length: int, steps: int, warmup: int, patches: int | None
              ) -> tuple[Any, tuple[int, ...]]:
     """The plan (placement) and the patch boundaries: ``patches`` equal bands on the
-    compiled plan, or (``None``) the diffusion plan's own split."""
+    compiled plan, or (``None``) the diffusion plan's own split. Several patches with stale
+    steps are refused for video latents of several frames (every executor calls this)."""
     if patches is not None:
-        return cp.program(length, front).plan, _patch_bounds(patches, length)
-    plan = cp.denoise_plan(steps, warmup, length, front)
-    if plan.workload.kind == "diffusion" and plan.seq_len == length:
-        return plan, tuple(plan.boundaries)
-    return plan, _patch_bounds(len(plan.stages), length)
+        plan, bounds = cp.program(length, front).plan, _patch_bounds(patches, length)
+    else:
+        plan = cp.denoise_plan(steps, warmup, length, front)
+        bounds = tuple(plan.boundaries) \
+            if plan.workload.kind == "diffusion" and plan.seq_len == length \
+            else _patch_bounds(len(plan.stages), length)
+    if len(bounds) > 2 and warmup < steps:
+        _check_bands_are_contiguous(front.ctx.patch_grid)
+    return plan, bounds
 
 
 def _check_bands_are_contiguous(grid: tuple[int, ...]) -> None:
