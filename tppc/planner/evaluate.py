@@ -13,6 +13,7 @@ from tppc.planner.bounds import placement_bound
 from tppc.planner.memory import stage_memory
 from tppc.planner.placement import stage_times
 from tppc.planner.plan import Plan, SolverInfo, StagePlan, Workload
+from tppc.planner.range_bound import range_bound
 from tppc.planner.schedule import flow_shop, simulate
 
 __all__ = ["lower_bounds", "plan_for"]
@@ -119,6 +120,9 @@ def lower_bounds(
     it); never below ``serial / S`` (each layer on the fastest device). Valid for every plan
     on devices ``0..S-1`` whose chunks start on the granularity grid, when cutting a chunk
     never reduces its work (true of roofline costs: weights re-read, padding, same FLOPs).
+    With one pipelined step and a grid of at most ``MAX_GRID`` steps it is also at least
+    :func:`~tppc.planner.range_bound.range_bound` (the work of every chunk of the best split
+    per layer range, not one chunk's).
     """
     L = float(table.seq_len)
     c = min(float(granularity), L)
@@ -141,6 +145,10 @@ def lower_bounds(
     work = warm + steps * serial / num_stages
     if steps:
         work = max(work, warm + placement_bound(table, num_stages, granularity, steps))
+    if steps == 1:
+        ranged = range_bound(table, num_stages, granularity)
+        if ranged is not None:
+            work = max(work, warm + ranged)
     path = warm + (fastest(c, L - c) if steps else 0.0)
     if steps > 1:  # every step's chunks cross every layer, one step after the other
         path = max(path, warm + steps * serial / num_stages)
