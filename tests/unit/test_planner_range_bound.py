@@ -3,14 +3,18 @@ and every grid split, at least the one-chunk placement bound, and not loose by a
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hst
 
 from tests.unit.planner_helpers import table
 from tests.unit.test_planner_bounds import _brute_force
-from tppc.planner import plan_for, plan_from_costs
+from tppc.planner import path_bound, plan_for, plan_from_costs
 from tppc.planner.bounds import placement_bound
+from tppc.planner.path_bound import path_value
 from tppc.planner.range_bound import range_bound
 
 
@@ -63,3 +67,44 @@ def test_every_plan_is_above_the_range_bound_and_a_big_grid_is_not_priced() -> N
     uniform = plan_for(t, cuts, tuple(range(0, 2049, 256)), granularity=128)
     assert uniform.latency >= bound * (1 - 1e-12)
     assert range_bound(t, n_dev, 1) is None  # 2048 grid steps: above MAX_GRID
+
+
+def _brute_path(u: np.ndarray, v: np.ndarray) -> float:
+    n, best = u.shape[0] - 1, np.inf
+    for mask in range(2 ** (n - 1)):
+        bd = [0, *(k + 1 for k in range(n - 1) if mask >> k & 1), n]
+        pr = list(itertools.pairwise(bd))
+        best = min(best, sum(u[a, b] for a, b in pr) + max(v[a, b] for a, b in pr))
+    return best
+
+
+@settings(max_examples=60, deadline=None)
+@given(hst.integers(0, 10**6))
+def test_path_value_is_the_exact_minimum_of_sum_plus_max(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 9))
+    u, v = np.full((n + 1, n + 1), np.inf), np.full((n + 1, n + 1), np.inf)
+    a, b = np.triu_indices(n + 1, 1)
+    u[a, b], v[a, b] = rng.uniform(0, 1, a.size), rng.uniform(0, 3, a.size)
+    exact = _brute_path(u, v)
+    assert path_value(u, v) == pytest.approx(exact, rel=1e-12)
+    assert path_value(u, v, stop=exact / 2) <= exact  # stopped early: still below
+
+
+def test_a_path_bound_without_its_threshold_gap_is_caught(monkeypatch) -> None:
+    # pricing an interval (T_i, T_j] at T_j instead of the next level above T_i overshoots
+    monkeypatch.setattr(path_bound, "_ROUNDS", 0)
+    rng = np.random.default_rng(3)
+    n = 10
+    u, v = np.full((n + 1, n + 1), np.inf), np.full((n + 1, n + 1), np.inf)
+    a, b = np.triu_indices(n + 1, 1)
+    u[a, b], v[a, b] = rng.uniform(0, 1, a.size), rng.uniform(0, 3, a.size)
+    assert path_value(u, v) <= _brute_path(u, v)
+    levels = np.unique(v[np.isfinite(v)])
+    F = {}
+    for i in {int(i) for i in np.linspace(0, levels.size - 1, 16)}:
+        m = np.where(v <= levels[i], u, np.inf)
+        F[i] = path_bound._min_sum(m[None])[0]
+    pts = sorted(F)
+    wrong = min(levels[j] + F[j] for j in pts)  # each interval priced at its top
+    assert wrong > _brute_path(u, v)

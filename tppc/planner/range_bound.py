@@ -30,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from tppc.cost_models.table import CostTable
+from tppc.planner.path_bound import end_pairs_bound
 
 __all__ = ["MAX_GRID", "range_bound"]
 
@@ -129,7 +130,10 @@ def range_bound(table: CostTable, num_stages: int, granularity: int,
             got = _price(table, s, pairs, x, head, tail, before, after, cost)
             for (a, b), v in zip(pairs, got):
                 priced[s, a, b] = v
-    return float(_minmax(priced)[0][S, N])
+    stages = float(_minmax(priced)[0][S, N])
+    if S < 2:
+        return stages
+    return max(stages, end_pairs_bound(table, S, x, priced, act))
 
 
 def _price(table: CostTable, s: int, pairs: list[tuple[int, int]], x: np.ndarray,
