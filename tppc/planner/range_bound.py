@@ -27,6 +27,8 @@ combined with by ``max``); grids of more than ``max_grid`` steps are not priced 
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import numpy as np
 
 from tppc.cost_models.table import CostTable
@@ -73,6 +75,11 @@ def _min_sum(m: np.ndarray) -> np.ndarray:
     return best[:, n]
 
 
+_CACHE: OrderedDict[tuple, tuple[CostTable, float | None]] = OrderedDict()
+"""The last few results, keyed by the table's layer rows (by identity: the entry keeps the
+table alive), links and length: a plan prices several placements and device subsets."""
+
+
 def range_bound(table: CostTable, num_stages: int, granularity: int,
                 max_grid: int = MAX_GRID) -> float | None:
     """``min`` over contiguous placements of ``max_s V_s`` (module docstring), one step.
@@ -87,6 +94,20 @@ def range_bound(table: CostTable, num_stages: int, granularity: int,
         The bound in seconds (never below the one-chunk placement bound), or ``None`` when
         the grid has more than ``max_grid`` steps.
     """
+    key = (tuple(map(id, table.layers[:num_stages])), table.links[: num_stages - 1],
+           table.seq_len, num_stages, granularity, max_grid)
+    if key in _CACHE:
+        _CACHE.move_to_end(key)
+        return _CACHE[key][1]
+    got = _range_bound(table, num_stages, granularity, max_grid)
+    _CACHE[key] = (table, got)
+    while len(_CACHE) > 8:
+        _CACHE.popitem(last=False)
+    return got
+
+
+def _range_bound(table: CostTable, num_stages: int, granularity: int, max_grid: int
+                 ) -> float | None:
     L = float(table.seq_len)
     g = float(min(granularity, table.seq_len))
     x = np.unique(np.minimum(np.arange(0.0, L + g, g), L))
