@@ -84,8 +84,8 @@ def choose_devices(
     """
     t0 = time.perf_counter()
     sets = sorted(_candidates(table), key=lambda s: -len(s))  # all devices first
-    bounds = {s: max(lower_bounds(sub_table(table, s), len(s), workload, granularity))
-              for s in sets}
+    bounds = {s: max(lower_bounds(sub_table(table, s), len(s), workload, granularity,
+                                  ranged=False)) for s in sets}
     full = sets[0]
     sets.sort(key=lambda s: (s != full, bounds[s]))
     best: Plan | None = None

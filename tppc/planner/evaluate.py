@@ -111,7 +111,8 @@ def plan_for(
 
 
 def lower_bounds(
-    table: CostTable, num_stages: int, workload: Workload, granularity: int
+    table: CostTable, num_stages: int, workload: Workload, granularity: int,
+    *, ranged: bool = True,
 ) -> tuple[float, float]:
     """``(busiest stage, last chunk across every layer)``, both with warm-up included.
 
@@ -122,7 +123,8 @@ def lower_bounds(
     never reduces its work (true of roofline costs: weights re-read, padding, same FLOPs).
     With one pipelined step and a grid of at most ``MAX_GRID`` steps it is also at least
     :func:`~tppc.planner.range_bound.range_bound` (the work of every chunk of the best split
-    per layer range, not one chunk's).
+    per layer range, not one chunk's, and the path of the first and last stages), unless
+    ``ranged`` is false (the device-set search ranks its candidates with the cheaper bound).
     """
     L = float(table.seq_len)
     c = min(float(granularity), L)
@@ -145,10 +147,10 @@ def lower_bounds(
     work = warm + steps * serial / num_stages
     if steps:
         work = max(work, warm + placement_bound(table, num_stages, granularity, steps))
-    if steps == 1:
-        ranged = range_bound(table, num_stages, granularity)
-        if ranged is not None:
-            work = max(work, warm + ranged)
+    if steps == 1 and ranged:
+        tight = range_bound(table, num_stages, granularity)
+        if tight is not None:
+            work = max(work, warm + tight)
     path = warm + (fastest(c, L - c) if steps else 0.0)
     if steps > 1:  # every step's chunks cross every layer, one step after the other
         path = max(path, warm + steps * serial / num_stages)
