@@ -13,6 +13,7 @@ from hypothesis import strategies as hst
 from tests.unit.planner_helpers import table
 from tests.unit.test_planner_bounds import _brute_force
 from tppc.planner import path_bound, plan_for, plan_from_costs
+from tppc.planner import range_bound as range_bound_module
 from tppc.planner.bounds import placement_bound
 from tppc.planner.path_bound import path_value
 from tppc.planner.range_bound import range_bound
@@ -108,3 +109,20 @@ def test_a_path_bound_without_its_threshold_gap_is_caught(monkeypatch) -> None:
     pts = sorted(F)
     wrong = min(levels[j] + F[j] for j in pts)  # each interval priced at its top
     assert wrong > _brute_path(u, v)
+
+
+def test_the_path_part_raises_the_bound_and_stays_below_brute_force(monkeypatch) -> None:
+    t, n_dev = _instance(0)
+    both = range_bound(t, n_dev, 128)
+    monkeypatch.setattr(range_bound_module, "end_pairs_bound", lambda *a, **k: 0.0)
+    range_bound_module._CACHE.clear()
+    stages_only = range_bound(t, n_dev, 128)
+    range_bound_module._CACHE.clear()
+    assert both > stages_only * 1.02
+    assert both <= _brute_force(t, n_dev, 128) * (1 + 1e-12)
+
+
+def test_one_stage_is_priced_without_a_path() -> None:
+    t = table(num_layers=3, speeds=(1.0,), seq_len=512)
+    one = float(sum(lc.time(np.array([512.0]), np.zeros(1))[0] for lc in t.layers[0]))
+    assert range_bound(t, 1, 128) == pytest.approx(one)  # one chunk is the cheapest split

@@ -20,6 +20,11 @@ the other), and the last chunk, done no sooner, still crosses the later layers a
 exact) bounds every plan. Unlike :func:`~tppc.planner.bounds.placement_bound` it sees that
 many chunks pay per-chunk work while few chunks pay a long head and tail.
 
+Path: that min-max is combined with the path of the first and last stages
+(:func:`tppc.planner.path_bound.end_pairs_bound`): some chunk crosses every layer between
+the first stage's chunks before it and the last stage's after it, which prices the fill of
+large chunks that the per-range values do not.
+
 Speed: only ranges that could be some stage of a placement below the incumbent are priced
 (pruned with the one-chunk bound of :mod:`tppc.planner.bounds`, which each range value is
 combined with by ``max``); grids of more than ``max_grid`` steps are not priced (``None``).
@@ -121,7 +126,8 @@ def _range_bound(table: CostTable, num_stages: int, granularity: int, max_grid: 
                      for d in range(S)]).min(axis=0)  # (N, n): a = 0..n-1
     head = np.vstack([np.zeros(n), np.cumsum(first, axis=0)])  # head[lo, b-1]
     tail = np.vstack([np.cumsum(last[::-1], axis=0)[::-1], np.zeros(n)])  # tail[hi, a]
-    act = min((lc.act_bytes_per_token for lc in table.layers[0]), default=0.0)
+    act = min((lc.act_bytes_per_token for d in range(S) for lc in table.layers[d]),
+              default=0.0)  # the links carry at least this per token
     links = table.links[: S - 1]
     hop_in = np.array([np.asarray(lk.time(act * x[1:]), dtype=float) for lk in links]
                       ).reshape(-1, n)
