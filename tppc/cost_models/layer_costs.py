@@ -317,10 +317,8 @@ def build_cost_table(gm: fx.GraphModule, layers: Sequence[LayerInfo],
         exprs = [pricer.layer(info, device, fuse) for info in layer_list]
         unpriced.update(op for e in exprs for op in e.unpriced)
         per_device.append(tuple(
-            LayerCost(name=e.info.name, time=e.fn, weight_bytes=e.weight_bytes,
-                      kv_bytes_per_token=e.kv_bytes_per_token,
-                      act_bytes_per_token=e.act_bytes_per_token,
-                      peak_bytes_per_token=e.peak_bytes_per_token) for e in exprs))
+            _layer_cost(e, tuple(_layer_cost(pricer.layer(part, device, fuse))
+                                 for part in e.info.parts)) for e in exprs))
     causal = _is_causal(pricer, default_attention)
     return CostTable(
         device_names=cluster.device_names,
@@ -332,6 +330,13 @@ def build_cost_table(gm: fx.GraphModule, layers: Sequence[LayerInfo],
         causal=causal,
         unpriced_ops=tuple(sorted(unpriced)),
     )
+
+
+def _layer_cost(e: LayerExpr, parts: tuple[LayerCost, ...] = ()) -> LayerCost:
+    return LayerCost(name=e.info.name, time=e.fn, weight_bytes=e.weight_bytes,
+                     kv_bytes_per_token=e.kv_bytes_per_token,
+                     act_bytes_per_token=e.act_bytes_per_token,
+                     peak_bytes_per_token=e.peak_bytes_per_token, parts=parts)
 
 
 def _is_causal(pricer: _Pricer, default_attention: str) -> bool:

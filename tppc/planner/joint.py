@@ -40,6 +40,7 @@ from tppc.planner.plan import Plan, SolverInfo, Workload
 from tppc.planner.refine import diffusion_candidates, improve_split
 from tppc.planner.schedule import simulate
 from tppc.planner.split import check_grid, solve_split
+from tppc.planner.sublayers import cut_inside_blocks
 
 __all__ = ["plan_for", "plan_from_costs"]
 
@@ -130,6 +131,8 @@ def plan_from_costs(
         )
     if workload.kind == "causal_prefill" and num_stages > 1:
         best = _improve(ctx, cuts, bounds, best, t0)
+        best = cut_inside_blocks(table, best, lambda fine, c: _price_placement(ctx, fine, c, t0),
+                                 out_of_time=lambda: time.perf_counter() > ctx.deadline)
     first = time.perf_counter() - t0
     for k in range(1, coarser_grids + 1):
         coarse, left = granularity * 2**k, t0 + time_limit - time.perf_counter()
@@ -177,6 +180,24 @@ def _improve(ctx: _Ctx, cuts: tuple[int, ...], bounds: tuple[int, ...], best: Pl
               f"({100 * (1 - value / best.latency):.2f}% faster than TeraPipe's split)")
     return plan_for(table, cuts, tuple(b * g for b in new), ctx.workload, granularity=g,
                     solver=dataclasses.replace(best.solver, detail=detail))
+
+
+def _price_placement(ctx: _Ctx, table: CostTable, cuts: tuple[int, ...], t0: float
+                     ) -> Plan | None:
+    """The plan of placement ``cuts`` on ``table`` (the same layers as ``ctx.table`` or some
+    of them cut at their waist): TeraPipe's exact split, improved on the simulated makespan."""
+    sub = _Ctx(table, ctx.workload, ctx.g, ctx.S, ctx.max_chunks, ctx.deadline)
+    sub._cache = ctx._cache  # unchanged layers keep their time functions
+    m, f, _warm = _split_matrices(sub, cuts)
+    sol = terapipe_dp(m, f, ctx.S, repeats=ctx.K, max_chunks=ctx.max_chunks,
+                      deadline=ctx.deadline)
+    if not math.isfinite(sol.objective):
+        return None
+    plan = plan_for(table, cuts, tuple(b * ctx.g for b in sol.bounds), ctx.workload,
+                    granularity=ctx.g, solver=SolverInfo(
+                        solver="given", status="given", objective=sol.objective, bound=-math.inf,
+                        gap=math.inf, seconds=0.0))
+    return _improve(sub, cuts, sol.bounds, plan, t0)
 
 
 def _check(table: CostTable, num_stages: int | None) -> int:
