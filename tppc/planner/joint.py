@@ -131,8 +131,10 @@ def plan_from_costs(
         )
     if workload.kind == "causal_prefill" and num_stages > 1:
         best = _improve(ctx, cuts, bounds, best, t0)
+        now = time.perf_counter()  # in-block cuts get at most as long as the search had
+        stop = min(ctx.deadline, now + max(0.5, now - t0))
         best = cut_inside_blocks(table, best, lambda fine, c: _price_placement(ctx, fine, c, t0),
-                                 out_of_time=lambda: time.perf_counter() > ctx.deadline)
+                                 out_of_time=lambda: time.perf_counter() > stop)
     first = time.perf_counter() - t0
     for k in range(1, coarser_grids + 1):
         coarse, left = granularity * 2**k, t0 + time_limit - time.perf_counter()
