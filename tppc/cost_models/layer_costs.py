@@ -135,7 +135,8 @@ class _Pricer:
         self._layer_cache: dict[tuple, tuple] = {}
         self._priced: dict[str, list[tuple[tuple, NodeCost]]] = {}
         self._descriptions: dict[str, tuple] = {}
-        self._acts: dict[str, int] = {}
+        self._acts: dict[str | tuple, int] = {}
+        self._rest: dict[tuple, TimeFn] = {}  # second parts' times, one per distinct block
 
     def _describe(self, node: fx.Node) -> tuple:
         if node.name not in self._descriptions:
@@ -177,6 +178,26 @@ class _Pricer:
                          peak_bytes_per_token=self._peak_bytes(info),
                          unpriced=tuple(sorted({c.op for c in costs if c.unpriced})))
 
+    def parts(self, whole: LayerExpr, device: DeviceSpec, fuse: bool) -> tuple[LayerCost, ...]:
+        """The costs of a block's two parts: the first priced like any layer, the second
+        the block's time less the first's (its nodes are the rest of the block's, and a
+        layer's time is the sum of its nodes'), so a part costs one expression, not two."""
+        if not whole.info.parts:
+            return ()
+        first_info, second_info = whole.info.parts
+        first = self.layer(first_info, device, fuse)
+        key = ("rest", id(whole.fn), id(first.fn))
+        if key not in self._rest:
+            self._rest[key] = _difference(whole.fn, first.fn)
+        costs = [self.node(n)[1] for n in second_info.nodes]
+        second = LayerCost(
+            name=second_info.name, time=self._rest[key],
+            weight_bytes=int(second_info.param_bytes),
+            kv_bytes_per_token=int(sum(c.kv_bytes_per_key for c in costs)),
+            act_bytes_per_token=self._act_bytes(second_info),
+            peak_bytes_per_token=self._peak_bytes(second_info))
+        return _layer_cost(first), second
+
     def _sum(self, costs: Sequence[NodeCost], device: DeviceSpec, fuse: bool) -> tuple:
         full = {L: self.seq_len}
         total = []
@@ -205,6 +226,12 @@ class _Pricer:
 
     def _peak_bytes(self, info: LayerInfo) -> int:
         """Largest per-token value computed inside the layer (e.g. the MLP intermediate)."""
+        key = ("peak", info.name)
+        if key not in self._acts:
+            self._acts[key] = self._compute_peak_bytes(info)
+        return self._acts[key]
+
+    def _compute_peak_bytes(self, info: LayerInfo) -> int:
         peak = 0
         for name in info.nodes:
             node = self.nodes[name]
@@ -212,12 +239,14 @@ class _Pricer:
             if node.op != "call_function" or not _tensors(node.meta.get("val")) or (
                     isinstance(token, TokenInfo) and token.role != "token"):
                 continue
-            size = sympy.Mul(*self.shapes.shape(node)) \
-                * _tensors(node.meta["val"])[0].element_size()
-            if C in size.free_symbols:
-                value = size.subs({C: 1, P: 0, L: self.seq_len})
-                if value.is_number:
-                    peak = max(peak, int(sympy.ceiling(value)))
+            key = ("node", self._describe(node)[1])  # identical blocks: one evaluation
+            if key not in self._acts:
+                size = sympy.Mul(*self.shapes.shape(node)) \
+                    * _tensors(node.meta["val"])[0].element_size()
+                value = size.subs({C: 1, P: 0, L: self.seq_len}) \
+                    if C in size.free_symbols else sympy.Integer(0)
+                self._acts[key] = int(sympy.ceiling(value)) if value.is_number else 0
+            peak = max(peak, self._acts[key])
         return peak
 
     def _compute_act_bytes(self, info: LayerInfo) -> int:
@@ -316,9 +345,7 @@ def build_cost_table(gm: fx.GraphModule, layers: Sequence[LayerInfo],
         fuse = device.name.startswith("tpu") if fuse_elementwise is None else fuse_elementwise
         exprs = [pricer.layer(info, device, fuse) for info in layer_list]
         unpriced.update(op for e in exprs for op in e.unpriced)
-        per_device.append(tuple(
-            _layer_cost(e, tuple(_layer_cost(pricer.layer(part, device, fuse))
-                                 for part in e.info.parts)) for e in exprs))
+        per_device.append(tuple(_layer_cost(e, pricer.parts(e, device, fuse)) for e in exprs))
     causal = _is_causal(pricer, default_attention)
     return CostTable(
         device_names=cluster.device_names,
@@ -330,6 +357,13 @@ def build_cost_table(gm: fx.GraphModule, layers: Sequence[LayerInfo],
         causal=causal,
         unpriced_ops=tuple(sorted(unpriced)),
     )
+
+
+def _difference(whole: TimeFn, part: TimeFn) -> TimeFn:
+    def time(c: np.ndarray, p: np.ndarray) -> np.ndarray:
+        return whole(c, p) - part(c, p)
+
+    return time
 
 
 def _layer_cost(e: LayerExpr, parts: tuple[LayerCost, ...] = ()) -> LayerCost:

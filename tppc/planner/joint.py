@@ -131,10 +131,7 @@ def plan_from_costs(
         )
     if workload.kind == "causal_prefill" and num_stages > 1:
         best = _improve(ctx, cuts, bounds, best, t0)
-        now = time.perf_counter()  # in-block cuts get at most as long as the search had
-        stop = min(ctx.deadline, now + max(0.5, now - t0))
-        best = cut_inside_blocks(table, best, lambda fine, c: _price_placement(ctx, fine, c, t0),
-                                 out_of_time=lambda: time.perf_counter() > stop)
+        best = _in_block_cuts(ctx, best, t0)
     first = time.perf_counter() - t0
     for k in range(1, coarser_grids + 1):
         coarse, left = granularity * 2**k, t0 + time_limit - time.perf_counter()
@@ -184,22 +181,29 @@ def _improve(ctx: _Ctx, cuts: tuple[int, ...], bounds: tuple[int, ...], best: Pl
                     solver=dataclasses.replace(best.solver, detail=detail))
 
 
-def _price_placement(ctx: _Ctx, table: CostTable, cuts: tuple[int, ...], t0: float
-                     ) -> Plan | None:
-    """The plan of placement ``cuts`` on ``table`` (the same layers as ``ctx.table`` or some
-    of them cut at their waist): TeraPipe's exact split, improved on the simulated makespan."""
+def _sub_ctx(ctx: _Ctx, table: CostTable) -> _Ctx:
+    """``ctx`` for ``table`` (the same layers, some of them cut at their waist)."""
     sub = _Ctx(table, ctx.workload, ctx.g, ctx.S, ctx.max_chunks, ctx.deadline)
     sub._cache = ctx._cache  # unchanged layers keep their time functions
-    m, f, _warm = _split_matrices(sub, cuts)
-    sol = terapipe_dp(m, f, ctx.S, repeats=ctx.K, max_chunks=ctx.max_chunks,
-                      deadline=ctx.deadline)
-    if not math.isfinite(sol.objective):
-        return None
-    plan = plan_for(table, cuts, tuple(b * ctx.g for b in sol.bounds), ctx.workload,
-                    granularity=ctx.g, solver=SolverInfo(
-                        solver="given", status="given", objective=sol.objective, bound=-math.inf,
-                        gap=math.inf, seconds=0.0))
-    return _improve(sub, cuts, sol.bounds, plan, t0)
+    return sub
+
+
+def _in_block_cuts(ctx: _Ctx, best: Plan, t0: float) -> Plan:
+    """:func:`cut_inside_blocks` with this search's split improvement."""
+    now = time.perf_counter()  # in-block cuts get at most as long as the search had
+    stop = min(ctx.deadline, now + max(0.5, now - t0))
+    g = ctx.g
+
+    def price(table: CostTable, cuts: tuple[int, ...]) -> Plan:
+        return plan_for(table, cuts, best.boundaries, ctx.workload, granularity=g,
+                        solver=best.solver)
+
+    def polish(table: CostTable, cuts: tuple[int, ...], plan: Plan) -> Plan:
+        return _improve(_sub_ctx(ctx, table), cuts, tuple(b // g for b in plan.boundaries),
+                        plan, t0)
+
+    return cut_inside_blocks(ctx.table, best, price, polish,
+                             out_of_time=lambda: time.perf_counter() > stop)
 
 
 def _check(table: CostTable, num_stages: int | None) -> int:

@@ -8,9 +8,10 @@ Terms:
 Placement searches whole layers (the search space, and planning time, stay those of the
 blocks). Then, one stage boundary at a time, the refinement tries the boundary at the waist
 of the block before it (that block's second part moves to the next stage) and of the block
-after it (its first part moves back), each priced with its own split (``price``: the same
-split search as the whole-layer placement), and keeps the fastest by simulated latency. On
-a CPU whose LM head costs about three blocks, half a block is what balances the stages.
+after it (its first part moves back), each simulated on the plan's chunks, and keeps the
+fastest; the chunks of the chosen placement are then improved on the simulated makespan
+(the local search of :func:`tppc.planner.refine.improve_split`). On a CPU whose LM head
+costs about three blocks, half a block is what balances the stages.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ __all__ = ["cut_inside_blocks"]
 
 
 def cut_inside_blocks(table: CostTable, best: Plan,
-                      price: Callable[[CostTable, tuple[int, ...]], Plan | None],
+                      price: Callable[[CostTable, tuple[int, ...]], Plan],
+                      polish: Callable[[CostTable, tuple[int, ...], Plan], Plan],
                       *, out_of_time: Callable[[], bool] = lambda: False) -> Plan:
     """``best`` (a plan on ``table``'s whole layers) with stage boundaries moved to block
     waists where that simulates faster.
@@ -33,8 +35,9 @@ def cut_inside_blocks(table: CostTable, best: Plan,
     Args:
         table: the cost table ``best`` was planned on (whole layers).
         best: the plan; its cuts index ``table``'s layers.
-        price: plans a placement ``cuts`` on a table with some blocks split (chooses the
-            split); None when it has no feasible split.
+        price: the plan of a placement ``cuts`` on a table with some blocks split, on
+            ``best``'s chunks (one simulation; candidates are compared on it).
+        polish: the chosen placement's plan with its split improved (from its chunks).
         out_of_time: stops the search (the best plan so far is returned).
     """
     if best.num_stages < 2 or not any(lc.parts for lc in table.layers[0]):
@@ -55,12 +58,15 @@ def cut_inside_blocks(table: CostTable, best: Plan,
             names, fine = _refined(table, cuts, {**split, k: layer})
             plan = price(table.with_layers(names), fine)
             tried += 1
-            if plan is not None and plan.latency < best.latency * (1 - 1e-9):
+            fits = all(st.memory_bytes <= st.capacity_bytes for st in plan.stages)
+            if fits and plan.latency < best.latency * (1 - 1e-9):
                 best, choice = plan, layer
         if choice is not None:
             split[k] = choice
     if not split:
         return best
+    names, fine = _refined(table, cuts, split)
+    best = polish(table.with_layers(names), fine, best)
     cut = ", ".join(table.layers[0][j].name for j in split.values())
     gain = 100 * (1 - best.latency / base.latency)
     detail = (f"{base.solver.detail}; then stage boundaries at the waist of {cut}, "
