@@ -131,7 +131,7 @@ def plan_from_costs(
         )
     if workload.kind == "causal_prefill" and num_stages > 1:
         best = _improve(ctx, cuts, bounds, best, t0)
-        best = _in_block_cuts(ctx, best, t0)
+        best = _in_block_cuts(ctx, cuts, bounds, best, t0)
     first = time.perf_counter() - t0
     for k in range(1, coarser_grids + 1):
         coarse, left = granularity * 2**k, t0 + time_limit - time.perf_counter()
@@ -188,21 +188,29 @@ def _sub_ctx(ctx: _Ctx, table: CostTable) -> _Ctx:
     return sub
 
 
-def _in_block_cuts(ctx: _Ctx, best: Plan, t0: float) -> Plan:
-    """:func:`cut_inside_blocks` with this search's split improvement."""
+def _in_block_cuts(ctx: _Ctx, cuts: tuple[int, ...], bounds: tuple[int, ...], best: Plan,
+                   t0: float) -> Plan:
+    """:func:`cut_inside_blocks` with this search's split (DP) and its improvement."""
     now = time.perf_counter()  # in-block cuts get at most as long as the search had
     stop = min(ctx.deadline, now + max(0.5, now - t0))
     g = ctx.g
+    solver = best.solver
 
     def price(table: CostTable, cuts: tuple[int, ...]) -> Plan:
-        return plan_for(table, cuts, best.boundaries, ctx.workload, granularity=g,
-                        solver=best.solver)
+        m, f, _warm = _split_matrices(_sub_ctx(ctx, table), cuts)
+        sol = terapipe_dp(m, f, ctx.S, repeats=ctx.K, max_chunks=ctx.max_chunks,
+                          deadline=stop)
+        split = sol.bounds if math.isfinite(sol.objective) else bounds
+        return plan_for(table, cuts, tuple(b * g for b in split), ctx.workload,
+                        granularity=g, solver=solver)
 
     def polish(table: CostTable, cuts: tuple[int, ...], plan: Plan) -> Plan:
         return _improve(_sub_ctx(ctx, table), cuts, tuple(b // g for b in plan.boundaries),
                         plan, t0)
 
-    return cut_inside_blocks(ctx.table, best, price, polish,
+    reference = price(ctx.table, cuts).latency if tuple(b * g for b in bounds) != \
+        best.boundaries else best.latency
+    return cut_inside_blocks(ctx.table, best, reference, price, polish,
                              out_of_time=lambda: time.perf_counter() > stop)
 
 

@@ -8,10 +8,12 @@ Terms:
 Placement searches whole layers (the search space, and planning time, stay those of the
 blocks). Then, one stage boundary at a time, the refinement tries the boundary at the waist
 of the block before it (that block's second part moves to the next stage) and of the block
-after it (its first part moves back), each simulated on the plan's chunks, and keeps the
-fastest; the chunks of the chosen placement are then improved on the simulated makespan
-(the local search of :func:`tppc.planner.refine.improve_split`). On a CPU whose LM head
-costs about three blocks, half a block is what balances the stages.
+after it (its first part moves back), each with its own exact split (TeraPipe's DP, as the
+whole-layer search prices a placement), and keeps the fastest by simulated latency; the
+chosen placement's chunks are then improved on the simulated makespan (the local search of
+:func:`tppc.planner.refine.improve_split`) and it replaces the plan only when that beats the
+whole-layer plan so improved. On a CPU whose LM head costs about three blocks, half a
+block is what balances the stages.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from tppc.planner.plan import Plan
 __all__ = ["cut_inside_blocks"]
 
 
-def cut_inside_blocks(table: CostTable, best: Plan,
+def cut_inside_blocks(table: CostTable, best: Plan, reference: float,
                       price: Callable[[CostTable, tuple[int, ...]], Plan],
                       polish: Callable[[CostTable, tuple[int, ...], Plan], Plan],
                       *, out_of_time: Callable[[], bool] = lambda: False) -> Plan:
@@ -34,10 +36,13 @@ def cut_inside_blocks(table: CostTable, best: Plan,
 
     Args:
         table: the cost table ``best`` was planned on (whole layers).
-        best: the plan; its cuts index ``table``'s layers.
-        price: the plan of a placement ``cuts`` on a table with some blocks split, on
-            ``best``'s chunks (one simulation; candidates are compared on it).
-        polish: the chosen placement's plan with its split improved (from its chunks).
+        best: the plan (its chunks improved by ``polish``'s local search); its cuts index
+            ``table``'s layers.
+        reference: the simulated latency of ``best``'s placement with the split ``price``
+            would give it (before the local search): candidates are compared on that footing.
+        price: the plan of a placement ``cuts`` on a table with some blocks split, with the
+            split the whole-layer search gives a placement (TeraPipe's exact DP).
+        polish: that plan with its chunks improved on the simulated makespan.
         out_of_time: stops the search (the best plan so far is returned).
     """
     if best.num_stages < 2 or not any(lc.parts for lc in table.layers[0]):
@@ -45,11 +50,10 @@ def cut_inside_blocks(table: CostTable, best: Plan,
     cuts = [0, *(st.layer_end for st in best.stages)]
     if table.layer_names != tuple(n for st in best.stages for n in st.layer_names):
         return best  # already refined, or planned on other layers
-    base = best
     split: dict[int, int] = {}  # boundary k -> the block it cuts
+    chosen: Plan | None = None
     tried = 0
     for k in range(1, len(cuts) - 1):
-        choice = None
         for layer in (cuts[k] - 1, cuts[k]):
             if out_of_time():
                 break
@@ -59,19 +63,20 @@ def cut_inside_blocks(table: CostTable, best: Plan,
             plan = price(table.with_layers(names), fine)
             tried += 1
             fits = all(st.memory_bytes <= st.capacity_bytes for st in plan.stages)
-            if fits and plan.latency < best.latency * (1 - 1e-9):
-                best, choice = plan, layer
-        if choice is not None:
-            split[k] = choice
-    if not split:
+            if fits and plan.latency < reference * (1 - 1e-9):
+                reference, chosen = plan.latency, plan
+                split = {**{b: j for b, j in split.items() if b != k}, k: layer}
+    if chosen is None:
         return best
     names, fine = _refined(table, cuts, split)
-    best = polish(table.with_layers(names), fine, best)
+    polished = polish(table.with_layers(names), fine, chosen)
+    if polished.latency >= best.latency * (1 - 1e-9):
+        return best
     cut = ", ".join(table.layers[0][j].name for j in split.values())
-    gain = 100 * (1 - best.latency / base.latency)
-    detail = (f"{base.solver.detail}; then stage boundaries at the waist of {cut}, "
+    gain = 100 * (1 - polished.latency / best.latency)
+    detail = (f"{best.solver.detail}; then stage boundaries at the waist of {cut}, "
               f"{gain:.2f}% faster ({tried} in-block cuts tried)")
-    return dataclasses.replace(best, solver=dataclasses.replace(base.solver, detail=detail))
+    return dataclasses.replace(polished, solver=dataclasses.replace(best.solver, detail=detail))
 
 
 def _refined(table: CostTable, cuts: list[int], split: dict[int, int]
