@@ -10,6 +10,9 @@ Measured, for one thread count (a pipeline stage on CPU runs with
     attention efficiency: ``tppc::chunk_attention`` (8 heads of 64, 2 K/V heads, a causal
         chunk of 256 queries after 768 keys) against the matmul model of its two matmuls
         over the keys it visits;
+    weight streaming (CPU): a linear whose weight is 4× the last-level cache, timed against
+        the curve above; the excess per weight byte prices the GEMM's packing pass over
+        weights beyond the cache (an LM head), which does not overlap the multiply;
     memory bandwidth: ``out = a + b`` on arrays well above the last-level cache
         (3 arrays of 64 MiB on CPU), bytes moved / time;
     vector throughput: elementwise ops on an L2-resident array, overhead subtracted;
@@ -52,7 +55,7 @@ from .specs import DeviceSpec, MatrixUnit, Memory, VectorUnit
 __all__ = ["cache_dir", "calibrate"]
 
 _SCHEMA = 4  # 3: half_rows, attention_efficiency, nn.Module op overhead, min timer;
-# 4: attention efficiency of tppc::chunk_attention (causal, keys visited)
+# 4: attention efficiency of tppc::chunk_attention (causal, keys visited), weight streaming
 
 
 def cache_dir() -> Path:
@@ -211,6 +214,39 @@ def _matmul_curve(device: torch.device, measure) -> tuple[float, float]:
     return peak, float(max(intercept / slope, 0.0))
 
 
+def _last_level_cache() -> int:
+    """Bytes of the CPU's largest cache (sysfs), 32 MiB when it cannot be read."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = path.read_text(encoding="utf-8").strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes, default=32 * 2**20)
+
+
+def _stream_bandwidth(device: torch.device, measure, peak: float, half_rows: float,
+                      cache: int) -> float:
+    """Bytes/s of the pass a GEMM makes over a weight 4× the last-level cache (0: none).
+
+    A linear of 128 rows on a 1024-column weight of ``4 · cache`` bytes is timed against
+    the skinny-matmul curve (fitted on weights that fit); the time above the curve,
+    per weight byte, is the packing pass that streams the weight from memory.
+    """
+    k, m = 1024, 128
+    n = max(1024, 4 * cache // (4 * k))
+    w = torch.empty(n, k, device=device).uniform_()
+    x = torch.randn(m, k, device=device)
+    out = torch.zeros(m, n, device=device)
+    seconds = measure(lambda: torch.ops.aten.linear.out(x, w, out=out), 3)
+    excess = seconds - 2.0 * n * k * (m + half_rows) / peak
+    return float(4 * n * k / excess) if excess > 0.02 * seconds else 0.0
+
+
 def _attention_efficiency(device: torch.device, measure, peak: float, half_rows: float
                           ) -> float:
     """Fraction of ``peak`` the attention that runs reaches: ``tppc::chunk_attention`` (the
@@ -290,6 +326,9 @@ def _measure(device: torch.device) -> dict[str, float]:
         bf16 = _matmul_peak(device, torch.bfloat16, measure, [(256, 1024, 1024)])
         if bf16 > out["fp32"]:  # only native bf16 (AMX, AVX512-BF16) beats fp32
             out["bf16"] = bf16
+        out["cache_bytes"] = float(_last_level_cache())
+        out["stream_bandwidth"] = _stream_bandwidth(device, measure, out["fp32"],
+                                                    out["half_rows"], int(out["cache_bytes"]))
     out["attention_efficiency"] = _attention_efficiency(device, measure, out["fp32"],
                                                         out["half_rows"])
     out["op_overhead"] = _op_overhead(device, measure)
@@ -318,7 +357,9 @@ def _spec_from(name: str, measured: dict[str, float], description: str) -> Devic
     peaks = {k: measured[k] for k in ("fp32", "tf32", "bf16", "fp16") if k in measured}
     return DeviceSpec(
         name=name,
-        matrix=MatrixUnit(peak_flops=peaks, half_rows=measured.get("half_rows", 0.0)),
+        matrix=MatrixUnit(peak_flops=peaks, half_rows=measured.get("half_rows", 0.0),
+                          cache_bytes=int(measured.get("cache_bytes", 0)),
+                          stream_bandwidth=measured.get("stream_bandwidth", 0.0)),
         vector=VectorUnit(peak_flops=measured["vector"]),
         memory=Memory(bandwidth=measured["bandwidth"], capacity=int(measured["capacity"])),
         op_overhead=measured["op_overhead"],
