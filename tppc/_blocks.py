@@ -42,10 +42,18 @@ def expand_layers(layers: list[LayerInfo], path: str, count: int) -> list[LayerI
     if not blocks or len(blocks) >= count or not blocks[-1].name.startswith(f"{path}."):
         return layers
     template = blocks[-1]
-    extra = [dataclasses.replace(template, name=f"{path}.{i}") for i in range(len(blocks), count)]
+    extra = [_renamed(template, f"{path}.{i}") for i in range(len(blocks), count)]
     at = layers.index(template) + 1
     merged = layers[:at] + extra + layers[at:]
-    return [dataclasses.replace(layer, index=i) for i, layer in enumerate(merged)]
+    return [dataclasses.replace(layer, index=i, parts=tuple(
+        dataclasses.replace(p, index=i) for p in layer.parts)) for i, layer in enumerate(merged)]
+
+
+def _renamed(layer: LayerInfo, name: str) -> LayerInfo:
+    """``layer`` named ``name``, its parts ``name.<suffix>``."""
+    parts = tuple(dataclasses.replace(p, name=name + p.name[len(layer.name):])
+                  for p in layer.parts)
+    return dataclasses.replace(layer, name=name, parts=parts)
 
 
 def _repeated_list(model: nn.Module) -> tuple[str, str, nn.ModuleList] | None:

@@ -23,6 +23,7 @@ __all__ = [
     "CHUNK_INPUT",
     "CHUNK_SIGNATURE",
     "LAYER",
+    "PART",
     "STAGE_INFO",
     "TOKEN",
     "AttentionKind",
@@ -36,6 +37,7 @@ __all__ = [
     "Role",
     "StageInfo",
     "TokenInfo",
+    "layer_of",
 ]
 
 TOKEN = "tppc.token"
@@ -130,6 +132,10 @@ class LayerInfo:
         through: names of the token values produced before the layer and used after it
             (long skip connections, block i -> block N-i): a stage boundary inside or
             after this layer must forward them.
+        parts: a block's two sub-layers (``<name>.attn``, ``<name>.mlp``), split at its
+            waist (:mod:`tppc.passes._waist`), where a stage boundary may also fall; empty
+            when the block has no waist. A plan that cuts the block names its parts as
+            layers.
     """
 
     index: int
@@ -144,6 +150,20 @@ class LayerInfo:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     through: tuple[str, ...] = ()
+    parts: tuple[LayerInfo, ...] = ()
+
+
+PART = "tppc.part"
+"""Node-meta key: the sub-layer suffix (``"attn"``/``"mlp"``) of a node of a block that has
+parts; its sub-layer is ``f"{meta[LAYER]}.{meta[PART]}"`` (see :func:`layer_of`)."""
+
+
+def layer_of(meta: dict, split: set[str] | frozenset[str] = frozenset()) -> str:
+    """The layer a node runs in: its sub-layer when its block is in ``split``, else its
+    layer (``meta[LAYER]``)."""
+    layer = meta.get(LAYER, "")
+    part = meta.get(PART)
+    return f"{layer}.{part}" if part and layer in split else layer
 
 
 CHUNK_INPUT = "tppc.chunk_input"

@@ -10,10 +10,14 @@ Terms:
 ``torch.ops.tppc.chunk_attention`` is a ``torch.library`` custom op, so a stage graph that
 calls it can be exported (``torch.export`` keeps it as one node) and priced as one node.
 It never builds an ``L × L`` mask: the first chunk of a causal sequence is SDPA with
-``is_causal=True``; a later chunk is cut into query blocks whose boolean mask holds at
-most :data:`MASK_ELEMENTS` elements, each block reading only the keys it may see. A padding
-mask arrives as an O(L) key-validity vector and a sliding window as an int, combined per
-block: a window of ``w`` keys reads ``O(c · w)`` keys, not the whole prefix.
+``is_causal=True``; on CPU a later chunk visits the keys a causal kernel visits, the prefix
+``[0, p)`` without a mask and the diagonal block ``[p, p + c)`` with ``is_causal`` (its
+upper triangle skipped), merged by their log-sum-exps: the ``p·c + c²/2`` keys the cost
+model prices. Otherwise (other devices, padding, windows) a chunk is cut into query blocks
+whose boolean mask holds at most :data:`MASK_ELEMENTS` elements, each block reading only
+the keys it may see. A padding mask arrives as an O(L) key-validity vector and a sliding
+window as an int, combined per block: a window of ``w`` keys reads ``O(c · w)`` keys, not
+the whole prefix.
 
 Example:
     >>> q = k = v = torch.randn(1, 2, 8, 4)
@@ -28,6 +32,8 @@ import torch
 from torch.nn import functional as F
 
 __all__ = ["MASK_ELEMENTS", "chunk_attention", "chunk_attention_eager"]
+
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 MASK_ELEMENTS = 1 << 24
 """Largest boolean mask (query rows × keys) one block of a causal chunk builds (16 MiB)."""
@@ -72,6 +78,8 @@ def chunk_attention_eager(query: torch.Tensor, key: torch.Tensor, value: torch.T
     if plain and chunk_start == 0 and c == kv_len:
         return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale,
                                               enable_gqa=enable_gqa)
+    if plain and _split_ok(query, key, value, enable_gqa):
+        return _prefix_and_diagonal(query, key, value, chunk_start, scale)
     out = query.new_empty((*query.shape[:-1], value.shape[-1]))
     batch = 1 if key_valid is None else key_valid.shape[0]
     span = chunk_start + c if window is None else min(chunk_start + c, window + c)
@@ -93,6 +101,39 @@ def chunk_attention_eager(query: torch.Tensor, key: torch.Tensor, value: torch.T
             query[..., r0:r1, :], key[..., lo:hi, :], value[..., lo:hi, :], attn_mask=mask,
             scale=scale, enable_gqa=enable_gqa)
     return out
+
+
+def _split_ok(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              enable_gqa: bool) -> bool:
+    """Whether :func:`_prefix_and_diagonal` applies: CPU floating tensors of 4 dims, as many
+    K/V heads as query heads (or a divisor of them with ``enable_gqa``), a prefix."""
+    if query.device.type != "cpu" or query.dim() != 4 or not query.dtype.is_floating_point:
+        return False
+    if not (key.dtype == value.dtype == query.dtype and key.device == query.device):
+        return False
+    heads, kv_heads = query.shape[1], key.shape[1]
+    return heads == kv_heads or (enable_gqa and heads % kv_heads == 0)
+
+
+def _prefix_and_diagonal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         chunk_start: int, scale: float | None) -> torch.Tensor:
+    """Causal attention of a chunk after ``chunk_start`` prefix keys, visiting only the keys
+    each row sees: the prefix ``[0, p)`` unmasked, the diagonal block ``[p, p + c)`` with
+    SDPA's causal mask (its upper triangle skipped), merged by their log-sum-exps.
+
+    ``softmax`` over the union of two key sets is the two partial softmaxes weighted by
+    ``exp(lse_i) / (exp(lse_1) + exp(lse_2))``, i.e. ``sigmoid(lse_1 - lse_2)`` for the
+    prefix. Grouped-query K/V heads are read in place (the CPU flash kernel groups them).
+    """
+    c = query.shape[-2]
+    p = chunk_start
+    diag, lse_d = _FLASH_CPU(query, key.narrow(-2, p, c), value.narrow(-2, p, c),
+                             is_causal=True, scale=scale)
+    if p == 0:
+        return diag
+    pre, lse_p = _FLASH_CPU(query, key.narrow(-2, 0, p), value.narrow(-2, 0, p), scale=scale)
+    weight = torch.sigmoid(lse_p - lse_d).unsqueeze(-1).to(pre.dtype)
+    return torch.lerp(diag, pre, weight)
 
 
 @torch.library.custom_op("tppc::chunk_attention", mutates_args=())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -112,3 +113,26 @@ def test_stale_calibration_cache_is_measured_again(tmp_path, monkeypatch):
 def test_calibrate_rejects_unknown_device():
     with pytest.raises(SpecError, match="calibrate"):
         calibrate_module.calibrate("npu:0")
+
+
+def test_a_weight_beyond_the_last_level_cache_pays_its_packing_pass_and_a_small_one_not():
+    import sympy
+
+    from tppc.cost_models.node_costs import C, NodeCost
+    from tppc.cost_models.roofline import node_time_terms
+
+    unit = MatrixUnit(peak_flops={"fp32": 1e11}, cache_bytes=32 * 2**20, stream_bandwidth=1e10)
+    spec = DeviceSpec(name="cpu", matrix=unit, vector=VectorUnit(peak_flops=1e10),
+                      memory=Memory(bandwidth=4e10, capacity=2**34))
+
+    def linear(n: int, k: int) -> NodeCost:
+        mm = ((sympy.Integer(1), C, sympy.Integer(n), sympy.Integer(k)),)
+        return NodeCost("x", "linear", "matrix", 2 * C * n * k, mm, sympy.Integer(0),
+                        sympy.Integer(4 * n * k), "fp32")
+
+    head = node_time_terms(linear(32000, 768), spec)  # 98 MB of weight: streamed
+    block = node_time_terms(linear(2048, 768), spec)  # 6 MB: packed from the cache
+    assert float(head.serial) == pytest.approx(4 * 32000 * 768 / 1e10)
+    assert block.serial == 0
+    plain = dataclasses.replace(spec, matrix=MatrixUnit(peak_flops={"fp32": 1e11}))
+    assert node_time_terms(linear(32000, 768), plain).serial == 0  # presets: no such pass

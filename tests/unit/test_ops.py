@@ -31,8 +31,36 @@ def test_causal_chunk_equals_the_rows_of_full_causal_attention(length, data):
     torch.testing.assert_close(out, full[:, :, start:end], atol=1e-5, rtol=1e-5)
 
 
+def test_a_later_causal_chunk_visits_the_prefix_and_the_diagonal_triangle_only(monkeypatch):
+    calls: list[tuple[int, int, bool, bool]] = []
+    real = ops._FLASH_CPU
+
+    def spy(q, k, v, *args, **kwargs):
+        calls.append((q.shape[-2], k.shape[-2], kwargs.get("is_causal", False),
+                      kwargs.get("attn_mask") is not None))
+        return real(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(ops, "_FLASH_CPU", spy)
+    q, k, v = _qkv(30, heads=4, kv_heads=2)
+    full = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    out = ops.chunk_attention_eager(q[:, :, 10:20], k, v, 10, True, None, True)  # 30 keys given
+    torch.testing.assert_close(out, full[:, :, 10:20], atol=1e-5, rtol=1e-5)
+    # keys [10, 20) under SDPA's causal mask, then the 10 prefix keys unmasked; none after 20
+    assert sorted(calls) == [(10, 10, False, False), (10, 10, True, False)]
+
+
+def test_the_causal_split_keeps_bf16_close_and_the_output_layout():
+    q, k, v = (t.to(torch.bfloat16) for t in _qkv(64, heads=4, kv_heads=4))
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # (b, c, h, d) storage, like HF's
+    full = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    out = ops.chunk_attention_eager(q[:, :, 40:], k, v, 40, True)
+    assert out.dtype == torch.bfloat16 and out.shape == q[:, :, 40:].shape
+    torch.testing.assert_close(out.float(), full[:, :, 40:], atol=2e-2, rtol=2e-2)
+
+
 def test_long_chunks_are_cut_into_row_blocks_with_bounded_masks(monkeypatch):
     monkeypatch.setattr(ops, "MASK_ELEMENTS", 64)  # 64 mask elements: blocks of 2-3 rows
+    monkeypatch.setattr(ops, "_split_ok", lambda *a: False)  # the path of other devices
     seen: list[tuple[int, ...]] = []
     real = F.scaled_dot_product_attention
 

@@ -76,3 +76,19 @@ def test_threads_executor_runs_under_the_callers_inference_mode() -> None:
     outside = cp(*args)  # buffers and outputs made in inference mode must not leak out
     torch.testing.assert_close(outside, inside)
     assert not outside.requires_grad or outside.grad_fn is not None
+
+
+def test_the_last_stage_touches_fresh_outputs_only_until_its_first_chunk(monkeypatch):
+    from tppc.backends import torch_threads
+
+    monkeypatch.setattr(torch_threads, "_TOUCH_ELEMENTS", 4)
+    out = torch.full((3, 8), float("nan"))
+    looks = []
+
+    def ready() -> bool:  # the first chunk arrives at the third look
+        looks.append(1)
+        return len(looks) > 2
+
+    torch_threads._touch_while_idle((None, out, torch.full((2,), 7.0)[::2]), ready)
+    flat = out.view(-1)
+    assert (flat[:8] == 0).all() and flat[8:].isnan().all()  # two slices, then it stopped

@@ -7,8 +7,12 @@ Measured, for one thread count (a pipeline stage on CPU runs with
         not fit in L2 (16 MiB); ``t(m) = 2·n·k·(m + m½) / peak`` fitted to the times, so
         skinny matmuls are priced at m / (m + m½) of peak. bf16 where the CPU runs it
         natively fast. On GPUs: the best of large matmuls per dtype, m½ = 0;
-    attention efficiency: SDPA (8 heads of 64, 256 queries, 1024 keys, boolean
-        offset-causal mask) against the matmul model of its two matmuls;
+    attention efficiency: ``tppc::chunk_attention`` (8 heads of 64, 2 K/V heads, a causal
+        chunk of 256 queries after 768 keys) against the matmul model of its two matmuls
+        over the keys it visits;
+    weight streaming (CPU): a linear whose weight is 4× the last-level cache, timed against
+        the curve above; the excess per weight byte prices the GEMM's packing pass over
+        weights beyond the cache (an LM head), which does not overlap the multiply;
     memory bandwidth: ``out = a + b`` on arrays well above the last-level cache
         (3 arrays of 64 MiB on CPU), bytes moved / time;
     vector throughput: elementwise ops on an L2-resident array, overhead subtracted;
@@ -18,7 +22,9 @@ Measured, for one thread count (a pipeline stage on CPU runs with
         stage graph (:mod:`.dispatch`).
 
 Every timing is the fastest of a few ~20 ms batches: on a shared machine the least
-disturbed batch is the best estimate of what the device can do.
+disturbed batch is the best estimate of what the device can do. ``co_running=k`` measures
+all of it while ``k - 1`` other threads run a stage's load, as ``k`` CPU stages of one
+pipeline do (``Cluster.parse("2xcpu")`` asks for ``k = 2``).
 
 Results are cached as JSON in ``$TPPC_CACHE_DIR`` or ``$XDG_CACHE_HOME/tppc`` or
 ``~/.cache/tppc``, keyed by device, thread count, CPU model and torch version;
@@ -32,12 +38,14 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import re
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +57,8 @@ from .specs import DeviceSpec, MatrixUnit, Memory, VectorUnit
 
 __all__ = ["cache_dir", "calibrate"]
 
-_SCHEMA = 4  # 3: half_rows, attention_efficiency, nn.Module op overhead, min timer; 4: dispatch
+_SCHEMA = 5  # 3: half_rows, attention_efficiency, nn.Module op overhead, min timer; 4: dispatch;
+# 5: attention efficiency of tppc::chunk_attention (causal, keys visited), weight streaming
 
 
 def cache_dir() -> Path:
@@ -208,25 +217,96 @@ def _matmul_curve(device: torch.device, measure) -> tuple[float, float]:
     return peak, float(max(intercept / slope, 0.0))
 
 
+def _last_level_cache() -> int:
+    """Bytes of the CPU's largest cache (sysfs), 32 MiB when it cannot be read."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = path.read_text(encoding="utf-8").strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes, default=32 * 2**20)
+
+
+def _stream_bandwidth(device: torch.device, measure, peak: float, half_rows: float,
+                      cache: int) -> float:
+    """Bytes/s of the pass a GEMM makes over a weight 4× the last-level cache (0: none).
+
+    A linear of 128 rows on a 1024-column weight of ``4 · cache`` bytes is timed against
+    the skinny-matmul curve (fitted on weights that fit); the time above the curve,
+    per weight byte, is the packing pass that streams the weight from memory.
+    """
+    k, m = 1024, 128
+    n = max(1024, 4 * cache // (4 * k))
+    w = torch.empty(n, k, device=device).uniform_()
+    x = torch.randn(m, k, device=device)
+    out = torch.zeros(m, n, device=device)
+    seconds = measure(lambda: torch.ops.aten.linear.out(x, w, out=out), 3)
+    excess = seconds - 2.0 * n * k * (m + half_rows) / peak
+    return float(4 * n * k / excess) if excess > 0.02 * seconds else 0.0
+
+
 def _attention_efficiency(device: torch.device, measure, peak: float, half_rows: float
                           ) -> float:
-    """Fraction of ``peak`` SDPA reaches: 8 heads of 64, 256 queries, 1024 keys, bool mask.
-
-    The boolean mask is offset-causal (what HF models and tppc's chunk attention pass);
-    the skinny-matmul curve is applied as for any matmul, so this is what is left.
+    """Fraction of ``peak`` the attention that runs reaches: ``tppc::chunk_attention`` (the
+    op every emitted program calls), causal, a chunk of 256 queries after 768 prefix keys,
+    8 heads of 64 over 2 grouped K/V heads, priced as the cost model prices it: the keys it
+    visits (``p + (c + 1)/2`` per row) at the skinny-matmul curve; this is what is left.
     """
-    heads, dim, rows, keys = 8, 64, 256, 1024
-    q = torch.randn(1, heads, rows, dim, device=device)
-    k = torch.randn(1, heads, keys, dim, device=device)
-    v = torch.randn(1, heads, keys, dim, device=device)
-    offset = keys - rows
-    mask = (torch.arange(keys, device=device)[None]
-            <= torch.arange(offset, keys, device=device)[:, None])[None, None]
+    from .. import ops
+
+    heads, kv_heads, dim, rows, prefix = 8, 2, 64, 256, 768
+    q = torch.randn(1, rows, heads, dim, device=device).transpose(1, 2)  # as HF lays it out
+    k = torch.randn(1, kv_heads, prefix + rows, dim, device=device)
+    v = torch.randn(1, kv_heads, prefix + rows, dim, device=device)
     with torch.inference_mode():
-        seconds = measure(lambda: torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask), 9)
-    modelled = 4.0 * heads * (rows + half_rows) * keys * dim / peak
+        seconds = measure(lambda: ops.chunk_attention(q, k, v, prefix, True, None, True), 9)
+    modelled = 4.0 * heads * (rows + half_rows) * (prefix + (rows + 1) / 2) * dim / peak
     return float(min(1.0, max(0.05, modelled / seconds)))
+
+
+@contextlib.contextmanager
+def _co_running(device: torch.device, others: int, threads: int) -> Iterator[None]:
+    """Run ``others`` threads of a pipeline stage's load while the body measures.
+
+    Stages on one CPU share its last-level cache, its memory bandwidth and the interpreter
+    lock: measured alone, a core is faster than it is while its neighbours run their own
+    stages. Each thread (``threads`` intra-op threads, as a stage worker) loops over the
+    ops a transformer block spends its time in: linears whose weights stream from memory
+    (4 of 1024 × 1024 on 128 rows), causal attention, an elementwise product.
+    """
+    if others <= 0 or device.type != "cpu":
+        yield
+        return
+    stop = threading.Event()
+
+    def stage_load() -> None:
+        torch.set_num_threads(threads)
+        weights = [torch.randn(1024, 1024) for _ in range(4)]
+        x = torch.randn(128, 1024)
+        q = torch.randn(1, 8, 128, 64)
+        kv = torch.randn(1, 8, 1024, 64)
+        with torch.inference_mode():
+            while not stop.is_set():
+                for w in weights:
+                    torch.nn.functional.linear(x, w)
+                torch.nn.functional.scaled_dot_product_attention(q, kv, kv)
+                torch.mul(x, x)
+
+    workers = [threading.Thread(target=stage_load, daemon=True) for _ in range(others)]
+    for w in workers:
+        w.start()
+    time.sleep(0.05)  # let them reach their loop
+    try:
+        yield
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()
 
 
 def _measure(device: torch.device) -> dict[str, float]:
@@ -249,6 +329,9 @@ def _measure(device: torch.device) -> dict[str, float]:
         bf16 = _matmul_peak(device, torch.bfloat16, measure, [(256, 1024, 1024)])
         if bf16 > out["fp32"]:  # only native bf16 (AMX, AVX512-BF16) beats fp32
             out["bf16"] = bf16
+        out["cache_bytes"] = float(_last_level_cache())
+        out["stream_bandwidth"] = _stream_bandwidth(device, measure, out["fp32"],
+                                                    out["half_rows"], int(out["cache_bytes"]))
     out["attention_efficiency"] = _attention_efficiency(device, measure, out["fp32"],
                                                         out["half_rows"])
     out["op_overhead"] = _op_overhead(device, measure)
@@ -280,7 +363,9 @@ def _spec_from(name: str, measured: dict[str, float], description: str) -> Devic
     peaks = {k: measured[k] for k in ("fp32", "tf32", "bf16", "fp16") if k in measured}
     return DeviceSpec(
         name=name,
-        matrix=MatrixUnit(peak_flops=peaks, half_rows=measured.get("half_rows", 0.0)),
+        matrix=MatrixUnit(peak_flops=peaks, half_rows=measured.get("half_rows", 0.0),
+                          cache_bytes=int(measured.get("cache_bytes", 0)),
+                          stream_bandwidth=measured.get("stream_bandwidth", 0.0)),
         vector=VectorUnit(peak_flops=measured["vector"]),
         memory=Memory(bandwidth=measured["bandwidth"], capacity=int(measured["capacity"])),
         op_overhead=measured["op_overhead"],
@@ -291,8 +376,8 @@ def _spec_from(name: str, measured: dict[str, float], description: str) -> Devic
     )
 
 
-def calibrate(device: str = "cpu", *, threads: int | None = 1, force: bool = False
-              ) -> DeviceSpec:
+def calibrate(device: str = "cpu", *, threads: int | None = 1, force: bool = False,
+              co_running: int = 1) -> DeviceSpec:
     """Measure ``device`` (``"cpu"`` or ``"cuda:N"``) and return its spec (cached).
 
     Args:
@@ -300,6 +385,9 @@ def calibrate(device: str = "cpu", *, threads: int | None = 1, force: bool = Fal
         threads: CPU threads to measure with (``torch.set_num_threads``), restored after;
             ``None`` keeps the current setting. Ignored for CUDA.
         force: measure again even when a cached result exists.
+        co_running: CPU pipeline stages that run at once on this machine (``2xcpu``: 2; at
+            most the core count): every rate is measured while ``co_running - 1`` other
+            threads run a stage-like load (see :func:`_co_running`). Ignored for CUDA.
 
     Raises:
         SpecError: the device string is not ``cpu`` or an available ``cuda:N``.
@@ -319,8 +407,10 @@ def calibrate(device: str = "cpu", *, threads: int | None = 1, force: bool = Fal
     else:
         raise SpecError(f"calibrate: device type {dev.type!r} unsupported; use 'cpu' or 'cuda:N'")
     n_threads = threads if threads is not None else torch.get_num_threads()
-    key = f"{dev.type}{'' if dev.index is None else dev.index}-t{n_threads}-{_slug(hw)}-" \
-          f"torch{_slug(torch.__version__)}"
+    co_running = max(1, min(int(co_running), os.cpu_count() or 1)) if dev.type == "cpu" else 1
+    together = f"-x{co_running}" if co_running > 1 else ""
+    key = f"{dev.type}{'' if dev.index is None else dev.index}-t{n_threads}{together}-" \
+          f"{_slug(hw)}-torch{_slug(torch.__version__)}"
     path = cache_dir() / "calibration" / f"{key}.json"
     if path.exists() and not force:
         try:
@@ -333,11 +423,13 @@ def calibrate(device: str = "cpu", *, threads: int | None = 1, force: bool = Fal
     if dev.type == "cpu" and threads is not None:
         torch.set_num_threads(threads)
     try:
-        measured = _measure(dev)
+        with _co_running(dev, co_running - 1, n_threads):
+            measured = _measure(dev)
     finally:
         torch.set_num_threads(old_threads)
     name = "cpu" if dev.type == "cpu" else f"cuda{dev.index}"
-    description = f"calibrated {hw}, {n_threads} thread(s), torch {torch.__version__}"
+    description = f"calibrated {hw}, {n_threads} thread(s), torch {torch.__version__}" + (
+        f", {co_running} stages at once" if co_running > 1 else "")
     spec = _spec_from(name, measured, description)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,8 @@ Cluster strings are groups joined by ``+``; a group is ``N x PRESET`` with an op
     2xh100-sxm+2xa100-80gb      a heterogeneous chain; H100→A100 uses the slower link
     4xa100-80gb@pcie4           4 A100s on PCIe Gen4
     4xtpu-v5p                   4 TPU v5p chips over ICI
-    2xcpu                       2 stages on this CPU, priced by calibration (1 thread each)
+    2xcpu                       2 stages on this CPU, priced by calibration (1 thread each,
+                                measured while the other stage's load runs)
 
 The link joining two groups is the slower of the two groups' links.
 
@@ -41,8 +42,9 @@ def _valid_names() -> str:
     return f"valid devices: {devices}; valid links: {links}"
 
 
-def device_preset(name: str) -> DeviceSpec:
-    """The spec of preset ``name``; ``cpu`` is calibrated on this machine (cached).
+def device_preset(name: str, *, co_running: int = 1) -> DeviceSpec:
+    """The spec of preset ``name``; ``cpu`` is calibrated on this machine (cached), with
+    ``co_running`` CPU stages running at once (see :func:`.calibration.calibrate`).
 
     Raises:
         SpecError: unknown name; the message lists the valid presets.
@@ -51,7 +53,7 @@ def device_preset(name: str) -> DeviceSpec:
     if key == "cpu":
         from .calibration import calibrate
 
-        return calibrate("cpu")
+        return calibrate("cpu", co_running=co_running) if co_running > 1 else calibrate("cpu")
     if key not in DEVICE_PRESETS:
         raise SpecError(f"unknown device preset {name!r}; {_valid_names()}")
     return DEVICE_PRESETS[key]
@@ -123,6 +125,8 @@ class Cluster:
         devices: list[DeviceSpec] = []
         links: list[LinkSpec] = []
         prev_link: LinkSpec | None = None
+        groups = [_GROUP.match(part) for part in text.lower().split("+")]
+        cpus = sum(int(g.group(1) or 1) for g in groups if g and g.group(2).strip() == "cpu")
         for part in text.lower().split("+"):
             match = _GROUP.match(part)
             if match is None:
@@ -139,7 +143,7 @@ class Cluster:
                     "a token pipeline has one stage per device: plan for at most "
                     f"{MAX_DEVICES} devices (e.g. one pipeline per node group)"
                 )
-            device = device_preset(match.group(2))
+            device = device_preset(match.group(2), co_running=cpus)  # CPU stages share it
             family = match.group(2).strip()
             link_name = match.group(3) or DEFAULT_LINK.get(family)
             if link_name is None:

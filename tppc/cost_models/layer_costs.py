@@ -141,7 +141,8 @@ class _Pricer:
         self._layer_cache: dict[tuple, tuple] = {}
         self._priced: dict[str, list[tuple[tuple, NodeCost]]] = {}
         self._descriptions: dict[str, tuple] = {}
-        self._acts: dict[str, int] = {}
+        self._acts: dict[str | tuple, int] = {}
+        self._rest: dict[tuple, TimeFn] = {}  # second parts' times, one per distinct block
 
     def _describe(self, node: fx.Node) -> tuple:
         if node.name not in self._descriptions:
@@ -185,6 +186,29 @@ class _Pricer:
                                                                      self.shapes),
                          workspace_bytes_per_key=attention_workspace(self.nodes, info.nodes),
                          unpriced=tuple(sorted({c.op for c in costs if c.unpriced})))
+
+    def parts(self, whole: LayerExpr, device: DeviceSpec, fuse: bool) -> tuple[LayerCost, ...]:
+        """The costs of a block's two parts: the first priced like any layer, the second
+        the block's time less the first's (its nodes are the rest of the block's, and a
+        layer's time is the sum of its nodes'), so a part costs one expression, not two."""
+        if not whole.info.parts:
+            return ()
+        first_info, second_info = whole.info.parts
+        first = self.layer(first_info, device, fuse)
+        key = ("rest", id(whole.fn), id(first.fn))
+        if key not in self._rest:
+            self._rest[key] = _difference(whole.fn, first.fn)
+        costs = [self.node(n)[1] for n in second_info.nodes]
+        second = LayerCost(
+            name=second_info.name, time=self._rest[key],
+            weight_bytes=int(second_info.param_bytes),
+            kv_bytes_per_token=int(sum(c.kv_bytes_per_key for c in costs)),
+            act_bytes_per_token=self._act_bytes(second_info),
+            peak_bytes_per_token=self._peak_bytes(second_info),
+            positional_bytes_per_token=positional_bytes(self.nodes, second_info.nodes,
+                                                        self.shapes),
+            workspace_bytes_per_key=attention_workspace(self.nodes, second_info.nodes))
+        return _layer_cost(first), second
 
     def _sum(self, costs: Sequence[NodeCost], device: DeviceSpec, fuse: bool) -> tuple:
         full = {L: self.seq_len}
@@ -312,14 +336,7 @@ def build_cost_table(gm: fx.GraphModule, layers: Sequence[LayerInfo],
         fuse = device.name.startswith("tpu") if fuse_elementwise is None else fuse_elementwise
         exprs = [pricer.layer(info, device, fuse) for info in layer_list]
         unpriced.update(op for e in exprs for op in e.unpriced)
-        per_device.append(tuple(
-            LayerCost(name=e.info.name, time=e.fn, weight_bytes=e.weight_bytes,
-                      kv_bytes_per_token=e.kv_bytes_per_token,
-                      act_bytes_per_token=e.act_bytes_per_token,
-                      peak_bytes_per_token=e.peak_bytes_per_token,
-                      positional_bytes_per_token=e.positional_bytes_per_token,
-                      workspace_bytes_per_key=e.workspace_bytes_per_key)
-            for e in exprs))
+        per_device.append(tuple(_layer_cost(e, pricer.parts(e, device, fuse)) for e in exprs))
     causal = _is_causal(pricer, default_attention)
     return CostTable(
         device_names=cluster.device_names,
@@ -331,6 +348,22 @@ def build_cost_table(gm: fx.GraphModule, layers: Sequence[LayerInfo],
         causal=causal,
         unpriced_ops=tuple(sorted(unpriced)),
     )
+
+
+def _difference(whole: TimeFn, part: TimeFn) -> TimeFn:
+    def time(c: np.ndarray, p: np.ndarray) -> np.ndarray:
+        return whole(c, p) - part(c, p)
+
+    return time
+
+
+def _layer_cost(e: LayerExpr, parts: tuple[LayerCost, ...] = ()) -> LayerCost:
+    return LayerCost(name=e.info.name, time=e.fn, weight_bytes=e.weight_bytes,
+                     kv_bytes_per_token=e.kv_bytes_per_token,
+                     act_bytes_per_token=e.act_bytes_per_token,
+                     peak_bytes_per_token=e.peak_bytes_per_token,
+                     positional_bytes_per_token=e.positional_bytes_per_token,
+                     workspace_bytes_per_key=e.workspace_bytes_per_key, parts=parts)
 
 
 def _is_causal(pricer: _Pricer, default_attention: str) -> bool:

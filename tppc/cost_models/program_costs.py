@@ -34,7 +34,7 @@ import torch
 from torch import fx
 
 from ..errors import CostModelError
-from ..ir import CHUNK_INPUT, CHUNK_SIGNATURE, LAYER, ChunkInput, LayerInfo
+from ..ir import CHUNK_INPUT, CHUNK_SIGNATURE, LAYER, PART, ChunkInput, LayerInfo
 from .attention import attention_work
 from .moe import moe_node_cost
 from .node_costs import C, L, NodeCost, P, _bytes, _numel, _Shapes, _tensors
@@ -54,7 +54,8 @@ def program_layers(gm: fx.GraphModule, layers: Sequence[LayerInfo]) -> list[Laye
 
     A layer absent from ``gm`` that has the same annotated nodes as one present (a block
     re-expanded by ``tppc._blocks.expand_layers``) takes that layer's nodes; a layer with no
-    per-chunk node (only positional work, computed once per call) gets none.
+    per-chunk node (only positional work, computed once per call) gets none. A block's
+    parts (``LayerInfo.parts``) get the nodes of their ``meta[PART]``.
 
     An annotated graph (no chunk signature) is accepted only for models the emitter cannot
     rewrite yet (patched DiTs: see :func:`tppc.analysis.program_of`); its layers are read the
@@ -64,11 +65,15 @@ def program_layers(gm: fx.GraphModule, layers: Sequence[LayerInfo]) -> list[Laye
     for node in gm.graph.nodes:
         if node.op == "call_function" and isinstance(node.meta.get(LAYER), str):
             members.setdefault(node.meta[LAYER], []).append(node.name)
+            if node.meta.get(PART):
+                members.setdefault(f"{node.meta[LAYER]}.{node.meta[PART]}", []).append(node.name)
     template = {info.nodes: info.name for info in layers if info.name in members}
     out = []
     for info in layers:
         name = info.name if info.name in members else template.get(info.nodes, "")
-        out.append(dataclasses.replace(info, nodes=tuple(members.get(name, ()))))
+        parts = tuple(dataclasses.replace(part, nodes=tuple(
+            members.get(name + part.name[len(info.name):], ()))) for part in info.parts)
+        out.append(dataclasses.replace(info, nodes=tuple(members.get(name, ())), parts=parts))
     return out
 
 

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import sympy
 
 from .node_costs import NodeCost, P
-from .specs import DeviceSpec
+from .specs import DeviceSpec, MatrixUnit
 
 __all__ = ["TimeTerms", "node_time_terms"]
 
@@ -40,7 +40,8 @@ class TimeTerms(NamedTuple):
         matrix: padded matmul FLOPs / rate.
         vector: vector FLOPs / vector rate.
         memory: bytes the op's own kernel moves / bandwidth.
-        serial: bytes of separate copy kernels (not overlapped) / bandwidth.
+        serial: bytes of separate copy kernels (not overlapped) / bandwidth, plus the
+            packing pass of a weight larger than the last-level cache (CPU GEMMs).
         overhead: launch and dispatch seconds (a number, or an expression in c for a node
             whose launches depend on the chunk, e.g. a loop over the experts touched).
     """
@@ -70,6 +71,22 @@ def _pad_dim(x: sympy.Expr, tile: int, cost: NodeCost) -> sympy.Expr:
     if cost.causal_keys and x.free_symbols & {P}:
         return x
     return _pad(x, tile)
+
+
+_ITEMSIZE = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
+
+
+def _streamed_weights(cost: NodeCost, unit: MatrixUnit) -> sympy.Expr:
+    """Seconds of packing a weight larger than the last-level cache (CPU GEMMs pack their
+    ``n × k`` operand before multiplying; beyond the cache that pass streams from memory)."""
+    if cost.kind != "matrix" or unit.stream_bandwidth <= 0:
+        return sympy.Integer(0)
+    total = 0
+    for b, _m, n, k in cost.matmuls:
+        size = b * n * k * _ITEMSIZE.get(cost.dtype, 4)
+        if size.is_number and size > unit.cache_bytes:  # no token axis: a weight
+            total += int(size)
+    return sympy.Float(total / unit.stream_bandwidth) if total else sympy.Integer(0)
 
 
 def node_time_terms(cost: NodeCost, device: DeviceSpec, *, fuse_elementwise: bool = False
@@ -103,7 +120,7 @@ def node_time_terms(cost: NodeCost, device: DeviceSpec, *, fuse_elementwise: boo
     t_vec = cost.vector_flops / device.vector.peak_flops
     serial = zero if fuse_elementwise else cost.serial_bytes
     t_mem = (cost.bytes - serial) / device.memory.bandwidth
-    t_serial = serial / device.memory.bandwidth
+    t_serial = serial / device.memory.bandwidth + _streamed_weights(cost, unit)
     overhead = device.op_overhead * cost.launches if cost.launches != 1 else device.op_overhead
     if cost.op == "chunk_attention":
         overhead = overhead + device.attention_overhead

@@ -79,6 +79,10 @@ class MatrixUnit:
         tile_k: reduction length a matmul is padded to a multiple of.
         half_rows: m½, rows added to every matmul's (padded) row count: a matmul of m rows
             runs at m / (m + m½) of peak. 0 means size-independent throughput.
+        cache_bytes: the last-level cache (CPUs): a matmul operand without a token axis
+            (a weight) larger than this is packed in a pass over memory of its own.
+        stream_bandwidth: bytes/s of that pass, which does not overlap the multiply (0: no
+            such pass; datasheet presets).
     """
 
     peak_flops: Mapping[str, float]
@@ -86,6 +90,8 @@ class MatrixUnit:
     tile_n: int = 1
     tile_k: int = 1
     half_rows: float = 0.0
+    cache_bytes: int = 0
+    stream_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.peak_flops:
@@ -119,7 +125,7 @@ class MatrixUnit:
 
     def __hash__(self) -> int:
         return hash((tuple(sorted(self.peak_flops.items())), self.tile_m, self.tile_n, self.tile_k,
-                     self.half_rows))
+                     self.half_rows, self.cache_bytes, self.stream_bandwidth))
 
 
 @dataclass(frozen=True, kw_only=True)

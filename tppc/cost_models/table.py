@@ -12,7 +12,8 @@ shape.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +40,8 @@ class LayerCost:
             tables) the layer reads, held at the full length by its stage.
         workspace_bytes_per_key: bytes per (query row, key) of the causal attention kernel's
             mask, built for at most ``tppc.ops.MASK_ELEMENTS`` rows × keys at once.
+        parts: a block's two sub-layers (``<name>.attn``, ``<name>.mlp``: the block cut at
+            its waist, see :mod:`tppc.passes._waist`), priced alike; empty when it has none.
     """
 
     name: str
@@ -49,6 +52,7 @@ class LayerCost:
     peak_bytes_per_token: int = 0
     positional_bytes_per_token: int = 0
     workspace_bytes_per_key: int = 0
+    parts: tuple[LayerCost, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -101,3 +105,35 @@ class CostTable:
     def num_layers(self) -> int:
         """Number of layers (prologue and epilogue included, when present)."""
         return len(self.layers[0]) if self.layers else 0
+
+    @property
+    def layer_names(self) -> tuple[str, ...]:
+        """The layers' names, in order."""
+        return tuple(lc.name for lc in self.layers[0]) if self.layers else ()
+
+    def with_layers(self, names: Sequence[str]) -> CostTable:
+        """This table with some layers replaced by their two parts, so that its layers are
+        ``names`` (a plan's layers: ``LayerCost.parts`` where it cuts a block at its waist).
+
+        Raises:
+            ValueError: ``names`` is not this table's layers with some of them split.
+        """
+        names = tuple(names)
+        if names == self.layer_names:
+            return self
+        wanted = set(names)
+        rows = tuple(tuple(part for lc in row for part in (
+            lc.parts if lc.parts and lc.name not in wanted else (lc,))) for row in self.layers)
+        table = dataclasses.replace(self, layers=rows)
+        if table.layer_names != names:
+            raise ValueError(f"layers {list(names[:4])}... are not the table's layers "
+                             f"{list(self.layer_names[:4])}... with some cut into their parts")
+        return table
+
+    def split_layer(self, index: int) -> CostTable:
+        """This table with layer ``index`` replaced by its two parts (it must have them)."""
+        row = self.layers[0]
+        if not row[index].parts:
+            raise ValueError(f"layer {row[index].name!r} has no parts (no waist)")
+        return dataclasses.replace(self, layers=tuple(
+            (*r[:index], *r[index].parts, *r[index + 1:]) for r in self.layers))

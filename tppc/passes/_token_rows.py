@@ -29,7 +29,7 @@ from torch import fx
 
 from tppc.context import CompileContext
 from tppc.errors import PassError
-from tppc.ir import LAYER, TOKEN, TokenInfo
+from tppc.ir import LAYER, PART, TOKEN, TokenInfo
 from tppc.passes._segments import split_tokens
 from tppc.passes._shapes import size_expr, tensor_val
 
@@ -114,6 +114,8 @@ def table_rows(graph: fx.Graph, env: dict[fx.Node, Any], node: fx.Node, table: f
     rows = graph.call_function(_aten.narrow.default, (table, axis, offset, size))
     for new in (size, rows):
         new.meta[TOKEN], new.meta[LAYER] = TokenInfo("token"), node.meta.get(LAYER, "")
+        if PART in node.meta:
+            new.meta[PART] = node.meta[PART]
     return rows
 
 

@@ -56,6 +56,7 @@ from tppc.ir import (
     CHUNK_INPUT,
     CHUNK_SIGNATURE,
     LAYER,
+    PART,
     TOKEN,
     ChunkInput,
     ChunkSignature,
@@ -250,6 +251,8 @@ class _Rewriter:
                 name = f"{attn.name}_{which}_buffer"
                 ph = self._input(name, spec)
                 ph.meta[LAYER] = spec.layer
+                if PART in attn.meta:
+                    ph.meta[PART] = attn.meta[PART]
                 self.buffers.append(KVBuffer(name, spec))
                 self.buffer_nodes[attn.name, which] = ph
             mask = attn.meta[TOKEN].mask
@@ -294,7 +297,7 @@ class _Rewriter:
 
     def _attention(self, node: fx.Node) -> fx.Node:
         kwargs = sdpa_kwargs(node)
-        layer = node.meta.get(LAYER, "")
+        layer = node  # new nodes take its layer and part
         info: TokenInfo = node.meta[TOKEN]
         causal = info.attention == "causal"
         kv_len = self._kv_end() if causal else self.seq_len
@@ -361,7 +364,7 @@ class _Rewriter:
         return self.full_inputs[name]
 
     def _read_buffer(self, arg: fx.Node, buf: fx.Node, axis: int, kv_len: Any,
-                     layer: str, *, repeat: bool, rows: tuple[int, int] = (1, 0)) -> fx.Node:
+                     layer: fx.Node, *, repeat: bool, rows: tuple[int, int] = (1, 0)) -> fx.Node:
         source, chain = cache_source(arg, self.sym)
         chain = chain if repeat else []
         offset, size = self.start, self.size
@@ -388,11 +391,14 @@ class _Rewriter:
             self.kv_end.meta[TOKEN] = TokenInfo("positional")
         return self.kv_end
 
-    def _new(self, target: Any, args: tuple, layer: str,
+    def _new(self, target: Any, args: tuple, layer: fx.Node,
              kwargs: dict[str, Any] | None = None) -> fx.Node:
+        """A token node of ``layer``'s layer (and sub-layer: ``PART``)."""
         node = self.graph.call_function(target, args, kwargs or {})
         node.meta[TOKEN] = TokenInfo("token")
-        node.meta[LAYER] = layer
+        node.meta[LAYER] = layer.meta.get(LAYER, "")
+        if PART in layer.meta:
+            node.meta[PART] = layer.meta[PART]
         return node
 
     def _output(self, flat: list[Any]

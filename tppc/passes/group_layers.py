@@ -8,6 +8,10 @@ layer that reads them (through ``get_attr``). Token values that skip layers (Hun
 skips, block i -> block N-i) are an output of their layer, an input of their reader's, and
 ``through`` every layer in between.
 
+A block with a waist (one token value live across a point of it: the residual stream
+between attention and MLP) also gets two sub-layers, ``LayerInfo.parts`` (``<block>.attn``,
+``<block>.mlp``; each node's suffix in ``meta[PART]``), where a plan may cut it.
+
 Example:
     >>> group_layers_pass(gm, ctx)                                       # doctest: +SKIP
     >>> [layer.name for layer in ctx.layers]
@@ -16,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import re
 from collections import Counter, defaultdict
@@ -26,6 +31,7 @@ from torch import fx
 from tppc.context import CompileContext
 from tppc.errors import AnnotationError
 from tppc.ir import LAYER, TOKEN, LayerInfo
+from tppc.passes._waist import find_waist, mark_parts, part_names
 
 __all__ = ["group_layers_pass"]
 
@@ -48,8 +54,41 @@ def group_layers_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule
     names = _assign(nodes, block_of, order)
     for node, name in names.items():
         node.meta[LAYER] = name
-    ctx.layers = _layer_infos(gm, nodes, names, order)
+    ctx.layers = _with_parts(gm, nodes, names, order, _layer_infos(gm, nodes, names, order))
     return gm
+
+
+def _with_parts(gm: fx.GraphModule, nodes: list[fx.Node], names: dict[fx.Node, str],
+                order: list[str], infos: list[LayerInfo]) -> list[LayerInfo]:
+    """``infos`` with each block's two sub-layers (``LayerInfo.parts``) where it has a waist
+    (:mod:`tppc.passes._waist`); marks their nodes' ``meta[PART]``."""
+    rank = {info.name: info.index for info in infos}
+    output = nodes[-1]
+    fine = dict(names)
+    fine_order: list[str] = []
+    split: dict[str, tuple[str, str]] = {}
+    for name in order:
+        own = [n for n in nodes if names.get(n) == name and n.op not in ("placeholder", "get_attr")]
+        after = {n for n in nodes if rank.get(names.get(n, ""), -1) > rank[name]} | {output}
+        cut = find_waist(own, after, gm)
+        if cut is None:
+            fine_order.append(name)
+            continue
+        suffixes = part_names(own, cut)
+        mark_parts(own, cut, suffixes)
+        split[name] = (f"{name}.{suffixes[0]}", f"{name}.{suffixes[1]}")
+        fine_order.extend(split[name])
+        for i, node in enumerate(own):
+            fine[node] = split[name][0 if i <= cut else 1]
+    if not split:
+        return infos
+    for node in nodes:
+        if node.op in ("placeholder", "get_attr") and names.get(node) in split:
+            fine[node] = split[names[node]][0]
+    by_name = {info.name: info for info in _layer_infos(gm, nodes, fine, fine_order)}
+    return [dataclasses.replace(info, parts=tuple(
+        dataclasses.replace(by_name[p], index=info.index) for p in split[info.name]))
+        if info.name in split else info for info in infos]
 
 
 def _block_prefix(gm: fx.GraphModule) -> set[str]:

@@ -35,19 +35,52 @@ from torch import fx
 
 from tppc.context import CompileContext
 from tppc.errors import PassError, PlanError
-from tppc.ir import CHUNK_INPUT, CHUNK_SIGNATURE, LAYER, STAGE_INFO, TOKEN, ChunkInput, StageInfo
+from tppc.ir import (
+    CHUNK_INPUT,
+    CHUNK_SIGNATURE,
+    LAYER,
+    PART,
+    STAGE_INFO,
+    TOKEN,
+    ChunkInput,
+    LayerInfo,
+    StageInfo,
+)
 from tppc.passes.runner import Pass
 from tppc.planner.plan import Plan
 
-__all__ = ["partition_stages", "split_stages"]
+__all__ = ["partition_stages", "plan_layer_names", "split_stages"]
 
 def partition_stages(plan: Plan) -> Pass:
     """The partition pass for ``plan`` (a ``(gm, ctx) -> gm`` pass; see the module docstring)."""
 
     def partition_stages_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-        return split_stages(gm, [layer.name for layer in ctx.layers], plan)
+        return split_stages(gm, plan_layer_names(ctx.layers, plan), plan)
 
     return partition_stages_pass
+
+
+def plan_layer_names(layers: Sequence[LayerInfo], plan: Plan) -> list[str]:
+    """The layer names ``plan`` indexes: ``layers``' names, with a block the plan cuts at its
+    waist replaced by its two parts (``LayerInfo.parts``, named in the plan's stages).
+
+    Raises:
+        PlanError: the plan names some parts but its layers are not ``layers`` so refined.
+    """
+    coarse = [layer.name for layer in layers]
+    planned = [name for st in plan.stages for name in st.layer_names]
+    part_names = {p.name for layer in layers for p in layer.parts}
+    if not part_names.intersection(planned):
+        return coarse
+    names: list[str] = []
+    for layer in layers:
+        parts = [p.name for p in layer.parts]
+        names.extend(parts if parts and parts[0] in planned else [layer.name])
+    if names != planned:
+        raise PlanError(
+            f"the plan's layers ({', '.join(planned[:4])}, ...) are not the model's layers with "
+            "some blocks cut at their waist; fix: plan for this model")
+    return names
 
 
 def split_stages(gm: fx.GraphModule, layer_names: Sequence[str], plan: Plan) -> fx.GraphModule:
@@ -55,7 +88,8 @@ def split_stages(gm: fx.GraphModule, layer_names: Sequence[str], plan: Plan) -> 
 
     Args:
         gm: output of ``chunk_attention_pass``.
-        layer_names: names of the layers in order (``ctx.layers``), as the plan indexes them.
+        layer_names: names of the layers in order, as the plan indexes them
+            (:func:`plan_layer_names`: ``ctx.layers``, a block the plan cuts as its parts).
         plan: the plan; stage ``s`` runs layers ``[layer_start, layer_end)``.
 
     Raises:
@@ -123,13 +157,21 @@ def _stage_of_layer(layer_names: Sequence[str], plan: Plan) -> dict[str, int]:
 def _owner(node: fx.Node, stage_of_layer: dict[str, int]) -> int | None:
     if node.op == "placeholder":
         spec: ChunkInput = node.meta[CHUNK_INPUT]
-        return stage_of_layer[spec.layer] if spec.kind in ("key", "value") else None
-    if node.op != "call_function":
+        if spec.kind not in ("key", "value"):
+            return None
+    elif node.op != "call_function":
         return None
-    info = node.meta.get(TOKEN)
-    if info is None or info.role not in ("token", "mixing"):
-        return None
-    return stage_of_layer[node.meta[LAYER]]
+    else:
+        info = node.meta.get(TOKEN)
+        if info is None or info.role not in ("token", "mixing"):
+            return None
+    layer, part = node.meta.get(LAYER) or node.meta[CHUNK_INPUT].layer, node.meta.get(PART)
+    if part and f"{layer}.{part}" in stage_of_layer:  # a block the plan cuts at its waist
+        return stage_of_layer[f"{layer}.{part}"]
+    if layer not in stage_of_layer:
+        raise PassError(f"node {node.name!r} of layer {layer!r} has no sub-layer (meta "
+                        f"{PART!r}), but the plan cuts that layer into parts")
+    return stage_of_layer[layer]
 
 
 def _closure(nodes: list[fx.Node], owner: dict[fx.Node, int | None], s: int,

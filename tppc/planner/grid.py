@@ -71,8 +71,9 @@ def plan_any_length(table_at: Callable[[int], CostTable], length: int, *,
         return grid
     cuts = (0, *(st.layer_end for st in grid.stages))
     chosen = tuple(st.device_index for st in grid.stages)
-    plan = plan_for(sub_table(table_at(length), chosen), cuts, bounds, workload,
-                    granularity=g, solver=grid.solver)
+    names = [name for st in grid.stages for name in st.layer_names]  # blocks cut at a waist
+    plan = plan_for(sub_table(table_at(length), chosen).with_layers(names), cuts, bounds,
+                    workload, granularity=g, solver=grid.solver)
     stages = tuple(dataclasses.replace(st, device_index=old.device_index)
                    for st, old in zip(plan.stages, grid.stages))
     return dataclasses.replace(plan, stages=stages, notes=grid.notes)

@@ -41,6 +41,7 @@ from tppc.planner.plan import Plan, SolverInfo, SplitSearch, Workload
 from tppc.planner.refine import diffusion_candidates, improve_split
 from tppc.planner.schedule import simulate
 from tppc.planner.split import check_grid, solve_split
+from tppc.planner.sublayers import cut_inside_blocks
 
 __all__ = ["plan_for", "plan_from_costs"]
 
@@ -139,6 +140,7 @@ def plan_from_costs(
         )
     if workload.kind == "causal_prefill" and num_stages > 1:
         best = _improve(ctx, cuts, bounds, best, t0, certify)
+        best = _in_block_cuts(ctx, cuts, bounds, best, t0, certify)
     first = time.perf_counter() - t0
     for k in range(1, coarser_grids + 1):
         coarse, left = granularity * 2**k, t0 + time_limit - time.perf_counter()
@@ -215,6 +217,39 @@ def _improve(ctx: _Ctx, cuts: tuple[int, ...], bounds: tuple[int, ...], best: Pl
         status=status, bound=lower, gap=max(0.0, 1 - lower / plan.latency),
         seconds=time.perf_counter() - s0)
     return dataclasses.replace(plan, split=split)
+
+
+def _sub_ctx(ctx: _Ctx, table: CostTable) -> _Ctx:
+    """``ctx`` for ``table`` (the same layers, some of them cut at their waist)."""
+    sub = _Ctx(table, ctx.workload, ctx.g, ctx.S, ctx.max_chunks, ctx.deadline)
+    sub._cache = ctx._cache  # unchanged layers keep their time functions
+    return sub
+
+
+def _in_block_cuts(ctx: _Ctx, cuts: tuple[int, ...], bounds: tuple[int, ...], best: Plan,
+                   t0: float, certify: bool) -> Plan:
+    """:func:`cut_inside_blocks` with this search's split (DP) and its improvement."""
+    now = time.perf_counter()  # in-block cuts get at most as long as the search had
+    stop = min(ctx.deadline, now + max(0.5, now - t0))
+    g = ctx.g
+    solver = best.solver
+
+    def price(table: CostTable, cuts: tuple[int, ...]) -> Plan:
+        m, f, _warm = _split_matrices(_sub_ctx(ctx, table), cuts)
+        sol = terapipe_dp(m, f, ctx.S, repeats=ctx.K, max_chunks=ctx.max_chunks,
+                          deadline=stop)
+        split = sol.bounds if math.isfinite(sol.objective) else bounds
+        return plan_for(table, cuts, tuple(b * g for b in split), ctx.workload,
+                        granularity=g, solver=solver)
+
+    def polish(table: CostTable, cuts: tuple[int, ...], plan: Plan) -> Plan:
+        return _improve(_sub_ctx(ctx, table), cuts, tuple(b // g for b in plan.boundaries),
+                        plan, t0, certify)
+
+    reference = price(ctx.table, cuts).latency if tuple(b * g for b in bounds) != \
+        best.boundaries else best.latency
+    return cut_inside_blocks(ctx.table, best, reference, price, polish,
+                             out_of_time=lambda: time.perf_counter() > stop)
 
 
 def _check(table: CostTable, num_stages: int | None) -> int:

@@ -269,6 +269,11 @@ class Plan:
             rng = f"[{st.layer_start}, {st.layer_end})"
             lines.append(f"{st.index:>5}  {st.device_name:<12} {rng:<12} {mem:<24} {_ms(busy):>10}")
         lines += ["", "chunks (tokens): " + " ".join(str(c) for c in self.chunk_sizes)]
+        inside = [st.layer_names[0] for st in self.stages[1:]
+                  if st.layer_names and st.layer_names[0].endswith((".mlp", ".attn", ".part1"))]
+        if inside:  # layer indices count the parts of the blocks cut at their waist
+            lines.append("stage boundaries inside a block: " + ", ".join(
+                f"before {name}" for name in inside))
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
