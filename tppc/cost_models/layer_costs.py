@@ -184,7 +184,8 @@ class _Pricer:
                          peak_bytes_per_token=self._peak_bytes(info),
                          positional_bytes_per_token=positional_bytes(self.nodes, info.nodes,
                                                                      self.shapes),
-                         workspace_bytes_per_key=attention_workspace(self.nodes, info.nodes),
+                         workspace_bytes_per_key=attention_workspace(self.nodes, info.nodes,
+                                                                     device.name == "cpu"),
                          unpriced=tuple(sorted({c.op for c in costs if c.unpriced})))
 
     def parts(self, whole: LayerExpr, device: DeviceSpec, fuse: bool) -> tuple[LayerCost, ...]:
@@ -207,7 +208,8 @@ class _Pricer:
             peak_bytes_per_token=self._peak_bytes(second_info),
             positional_bytes_per_token=positional_bytes(self.nodes, second_info.nodes,
                                                         self.shapes),
-            workspace_bytes_per_key=attention_workspace(self.nodes, second_info.nodes))
+            workspace_bytes_per_key=attention_workspace(self.nodes, second_info.nodes,
+                                                        device.name == "cpu"))
         return _layer_cost(first), second
 
     def _sum(self, costs: Sequence[NodeCost], device: DeviceSpec, fuse: bool) -> tuple:

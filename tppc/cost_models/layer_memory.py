@@ -13,7 +13,9 @@ Terms:
     attention workspace: a causal ``tppc::chunk_attention`` block of ``r`` query rows over
         ``k`` keys builds a boolean mask (1 byte per row and key) that SDPA turns into a
         mask of the query's type: ``(1 + element size)`` bytes per row and key, for at most
-        ``tppc.ops.MASK_ELEMENTS`` rows × keys per block.
+        ``tppc.ops.MASK_ELEMENTS`` rows × keys per block. On a CPU device a causal chunk
+        without a padding vector or a window builds no mask (the prefix and the diagonal
+        block run unmasked / ``is_causal`` and merge by log-sum-exp): no workspace per key.
 
 Example:
     >>> peak_live_bytes(pricer.nodes, info.nodes, pricer.shapes, seq_len)  # doctest: +SKIP
@@ -111,15 +113,19 @@ def positional_bytes(nodes: Mapping[str, fx.Node], layer_nodes: Sequence[str],
     return sum(seen.values())
 
 
-def attention_workspace(nodes: Mapping[str, fx.Node], layer_nodes: Sequence[str]) -> int:
-    """Bytes per (query row, key) of the layer's causal chunk-attention blocks (0: none)."""
+def attention_workspace(nodes: Mapping[str, fx.Node], layer_nodes: Sequence[str],
+                        cpu: bool = False) -> int:
+    """Bytes per (query row, key) of the layer's causal chunk-attention blocks (0: none);
+    ``cpu``: only the calls that still build a mask there (a padding vector or a window)."""
     out = 0
     for name in layer_nodes:
         node = nodes[name]
         if node.op != "call_function" or getattr(node.target, "_opname", "") != "chunk_attention":
             continue
         causal = bool(node.args[4]) if len(node.args) > 4 else bool(node.kwargs.get("causal"))
-        vals = _tensors(node.args[0].meta.get("val")) if causal else ()
+        masked = any((node.args[i] if len(node.args) > i else node.kwargs.get(k)) is not None
+                     for i, k in ((8, "key_valid"), (9, "window")))
+        vals = _tensors(node.args[0].meta.get("val")) if causal and (masked or not cpu) else ()
         if vals:
             out = max(out, 1 + vals[0].element_size())
     return out
