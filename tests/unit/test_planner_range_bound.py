@@ -105,7 +105,7 @@ def test_a_path_bound_without_its_threshold_gap_is_caught(monkeypatch) -> None:
     F = {}
     for i in {int(i) for i in np.linspace(0, levels.size - 1, 16)}:
         m = np.where(v <= levels[i], u, np.inf)
-        F[i] = path_bound._min_sum(m[None])[0]
+        F[i] = path_bound.min_tiling_sum(m[None])[0]
     pts = sorted(F)
     wrong = min(levels[j] + F[j] for j in pts)  # each interval priced at its top
     assert wrong > _brute_path(u, v)

@@ -26,7 +26,7 @@ import numpy as np
 
 from tppc.cost_models.table import CostTable
 
-__all__ = ["end_pairs_bound", "path_value", "range_sum"]
+__all__ = ["end_pairs_bound", "min_tiling_sum", "path_value", "range_sum"]
 
 _ROUNDS = 12
 """Refinements of the least interval at most (each prices 15 more thresholds)."""
@@ -41,8 +41,9 @@ def range_sum(mats: list[np.ndarray], keys: np.ndarray, lo: int, hi: int) -> np.
     return out
 
 
-def _min_sum(m: np.ndarray) -> np.ndarray:
-    """Least ``Σ m`` over tilings of ``[0, n)`` for each of ``K`` matrices ``(K, n+1, n+1)``."""
+def min_tiling_sum(m: np.ndarray) -> np.ndarray:
+    """Least ``Σ m`` over tilings of ``[0, n)`` for each of ``K`` matrices ``(K, n+1, n+1)``
+    (:func:`tppc.planner.dp.min_sum_dp` batched, without the argmin)."""
     n = m.shape[1] - 1
     best = np.full((m.shape[0], n + 1), np.inf)
     best[:, 0] = 0.0
@@ -68,7 +69,7 @@ def path_value(u: np.ndarray, v: np.ndarray, stop: float = np.inf) -> float:
         idx = [i for i in idx if i not in F]
         if idx:
             m = np.where(v[None] <= levels[idx][:, None, None], u[None], np.inf)
-            F.update(zip(idx, map(float, _min_sum(m))))
+            F.update(zip(idx, map(float, min_tiling_sum(m))))
 
     price(sorted({int(i) for i in np.linspace(0, levels.size - 1, 16)}))
     best = np.inf

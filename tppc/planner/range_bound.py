@@ -37,7 +37,7 @@ from collections import OrderedDict
 import numpy as np
 
 from tppc.cost_models.table import CostTable
-from tppc.planner.path_bound import end_pairs_bound
+from tppc.planner.path_bound import end_pairs_bound, min_tiling_sum
 
 __all__ = ["MAX_GRID", "range_bound"]
 
@@ -68,16 +68,6 @@ def _minmax(cost: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[int]]:
     for s in range(S - 1, -1, -1):
         cuts.append(int(arg[s][cuts[-1]]))
     return fwd, bwd, cuts[::-1]
-
-
-def _min_sum(m: np.ndarray) -> np.ndarray:
-    """Least ``Σ m`` over tilings of ``[0, n)`` for each of ``K`` matrices ``(K, n+1, n+1)``."""
-    n = m.shape[1] - 1
-    best = np.full((m.shape[0], n + 1), np.inf)
-    best[:, 0] = 0.0
-    for b in range(1, n + 1):
-        best[:, b] = np.min(best[:, :b] + m[:, :b, b], axis=1)
-    return best[:, n]
 
 
 _CACHE: OrderedDict[tuple, tuple[CostTable, float | None]] = OrderedDict()
@@ -187,6 +177,6 @@ def _price(table: CostTable, s: int, pairs: list[tuple[int, int]], x: np.ndarray
         m[:, 0, 1:] += np.stack([head[lo] for lo, _ in chunk]) + before[s]
         m[:, :-1, n] += np.stack([tail[hi] for _, hi in chunk]) + after[s]
         m[:, np.tril_indices(n + 1)[0], np.tril_indices(n + 1)[1]] = np.inf
-        got = _min_sum(m)
+        got = min_tiling_sum(m)
         out[k:k + len(chunk)] = np.maximum(got, [cost[s, lo, hi] for lo, hi in chunk])
     return out

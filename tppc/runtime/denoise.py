@@ -31,7 +31,7 @@ import itertools
 import queue
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -71,14 +71,11 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any, num_inference_steps:
     steps = list(scheduler.timesteps)
     x = latents.detach().clone()
     kwargs = dict(model_kwargs or {})
-    calls_in = [((x,), {**kwargs, timestep_arg: t.expand(len(x))}) for t in steps]
-    front, bound = cp.bind(*calls_in[0])
-    length = bound.length
-    plan, bounds = _patches(cp, front, length, len(steps), warmup_steps, patches)
+    b = _bind_steps(cp, x, kwargs, steps, timestep_arg, warmup_steps, patches)
+    front, length, plan, bounds, flats = b.front, b.length, b.plan, b.bounds, b.flats
     full, first, rest = _programs(cp, front, plan, length, bounds)
-    axis, scale = _latent_axis(front, bound.flat, x)
+    axis, scale = b.axis, b.scale
     epoch = next_epoch()
-    flats = [cp.bind(a, k)[1].flat for a, k in calls_in]
     state = front.pool.acquire(length)
     state.reset()
     run = _Run(cp, x, axis, scale, output_transform)
@@ -175,6 +172,33 @@ def _run_stage(stage: StageProgram, call: Call, state: CallState, start: int, en
     from tppc.backends.torch_local import run_stage
 
     return run_stage(stage, call, state, start, end, boundary)
+
+
+class _Bound(NamedTuple):
+    """One denoising call bound to the pipeline: its front end, length, plan and patch
+    boundaries, the latents' token axis and scale, and every step's flat inputs."""
+
+    front: Any
+    bound: Any
+    length: int
+    plan: Any
+    bounds: tuple[int, ...]
+    axis: int
+    scale: int
+    flats: list
+
+
+def _bind_steps(cp: Any, x: torch.Tensor, kwargs: Mapping[str, Any], steps: list, arg: str,
+                warmup: int, patches: int | None) -> _Bound:
+    """Bind every step's inputs (``x`` and ``kwargs`` with ``arg = t``) and choose the patches
+    (every executor's denoise starts here)."""
+    calls_in = [((x,), {**kwargs, arg: t.expand(len(x))}) for t in steps]
+    front, bound = cp.bind(*calls_in[0])
+    length = bound.length
+    plan, bounds = _patches(cp, front, length, len(steps), warmup, patches)
+    axis, scale = _latent_axis(front, bound.flat, x)
+    flats = [cp.bind(a, k)[1].flat for a, k in calls_in]
+    return _Bound(front, bound, length, plan, bounds, axis, scale, flats)
 
 
 def _patches(cp: Any, front: Any, length: int, steps: int, warmup: int, patches: int | None

@@ -32,7 +32,7 @@ from tppc.backends.torch_local import run_stage
 from tppc.errors import RuntimeInputError, SpecError, StageFailed, StageTimeout
 from tppc.passes.chunk_attention import REST_CHUNK
 from tppc.program import Program, StageProgram, build_program
-from tppc.runtime.denoise import _latent_axis, _patches, _Run
+from tppc.runtime.denoise import _bind_steps, _Run
 from tppc.runtime.schedulers import check_scheduler, patch_scheduler
 from tppc.runtime.state import Call, next_epoch
 
@@ -71,15 +71,12 @@ def distributed_denoise(cp: DistributedPipeline, latents: torch.Tensor | None, s
     scheduler.set_timesteps(steps_n)
     steps = list(scheduler.timesteps)
     x = x.detach().clone().contiguous().to(cp.device)
-    calls_in = [((x,), {**kwargs, arg: t.expand(len(x))}) for t in steps]
-    front, bound = cp.bind(*calls_in[0])
-    length = bound.length
-    plan, bounds = _patches(cp, front, length, len(steps), warmup_steps, patches)
+    b = _bind_steps(cp, x, kwargs, steps, arg, warmup_steps, patches)
+    front, length, plan, bounds, flats = b.front, b.length, b.plan, b.bounds, b.flats
     full, first, rest = _programs(cp, front, plan, length, bounds)
-    axis, scale = _latent_axis(front, bound.flat, x)
-    latent = next(j for j, v in enumerate(bound.flat) if v is x)
+    axis, scale = b.axis, b.scale
+    latent = next(j for j, v in enumerate(b.bound.flat) if v is x)
     epoch = next_epoch()
-    flats = [cp.bind(a, k)[1].flat for a, k in calls_in]
     state = front.pool.acquire(length)
     state.reset()
     run = _Run(cp, x, axis, scale, output_transform)
