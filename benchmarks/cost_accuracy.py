@@ -1,6 +1,6 @@
 """Cost-model accuracy on this CPU: predicted vs measured time of one Llama block per chunk.
 
-Predicted: ``layer_expressions`` on the chunk-step graph (tppc.analysis.annotate_program) priced on
+Predicted: ``layer_expressions`` on the chunk-step graph (tppc.frontend.annotate.annotate_program) priced on
 ``calibrate("cpu", threads=1)``. Measured: the same HF ``LlamaDecoderLayer`` run eagerly on
 a chunk of c tokens after p tokens, with the chunk semantics of ``chunk_attention``: the
 chunk's K/V are written into full-length buffers, keys [0, p + c) are read back, and an
@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tppc.analysis import annotate_program
 from tppc.cost_models import calibrate, layer_expressions
+from tppc.frontend.annotate import annotate_program
 
 CHUNKS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 PREFIXES = (0, 512, 2048)

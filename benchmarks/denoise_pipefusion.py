@@ -23,8 +23,8 @@ from diffusers import (
 
 import tppc
 from tppc import examples
-from tppc.models import DiT, DiTConfig
-from tppc.runtime.compile import manual_plan
+from tppc.examples.models import DiT, DiTConfig
+from tppc.planner.manual import manual_plan
 
 __all__: list[str] = []
 

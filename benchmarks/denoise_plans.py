@@ -1,6 +1,6 @@
 """Cost model: tppc's diffusion plan against uniform patches (xDiT's default), issue 13.
 
-DiT-XL/2 (``tppc.models.DiT``, hidden 1152, depth 28, 16 heads) and a Flux-shaped model
+DiT-XL/2 (``tppc.examples.models.DiT``, hidden 1152, depth 28, 16 heads) and a Flux-shaped model
 (diffusers ``FluxTransformer2DModel`` at Flux.1's width, 3072 = 24 × 128, 512 text tokens;
 captured with 2 double- and 2 single-stream blocks on meta, the layer list re-expanded to
 19 + 38 blocks as ``tppc.plan`` does for one block list) at 1024² and 2048² (latents /8,
@@ -20,11 +20,11 @@ import time
 
 import torch
 
-from tppc._blocks import expand_layers, few_blocks
-from tppc.analysis import annotate, program_of
 from tppc.cost_models.layer_costs import build_cost_table
 from tppc.errors import PlanError
-from tppc.models import DiT, DiTConfig
+from tppc.examples.models import DiT, DiTConfig
+from tppc.frontend.annotate import annotate, program_of
+from tppc.frontend.blocks import expand_layers, few_blocks
 from tppc.planner import plan_for
 from tppc.planner.devices import sub_table
 from tppc.planner.grid import plan_any_length

@@ -36,11 +36,11 @@ from torch import fx
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import tppc
-from tppc._blocks import expand_layers, few_blocks
-from tppc.analysis import annotate, program_of
-from tppc.context import CompileContext
 from tppc.cost_models.layer_costs import build_cost_table
 from tppc.cost_models.table import CostTable
+from tppc.frontend.annotate import annotate, program_of
+from tppc.frontend.blocks import expand_layers, few_blocks
+from tppc.ir.context import CompileContext
 from tppc.planner import plan_for, plan_from_costs, simulate, terapipe_dp
 from tppc.planner.dp import chunk_matrix
 

@@ -66,8 +66,8 @@ def measure_stage(length: int, stage_index: int, cluster: str = "3xcpu") -> dict
     import tppc
     from tppc.backends.torch_local import run_stage
     from tppc.planner.memory import QUEUE_DEPTH
+    from tppc.program.state import Call, CallState
     from tppc.runtime.compiled import _new_outputs
-    from tppc.runtime.state import Call, CallState
 
     torch.set_num_threads(1)
     model = _model()

@@ -11,6 +11,7 @@ without torch, ``import tppc`` offers ``load`` and the errors only).
 
 from __future__ import annotations
 
+from tppc.artifact.load import load
 from tppc.errors import (
     AnnotationError,
     CaptureError,
@@ -24,7 +25,7 @@ from tppc.errors import (
     StageTimeout,
     TppcError,
 )
-from tppc.export_runtime import load
+from tppc.version import __version__ as __version__
 
 try:  # a serving machine may have no torch: tppc.load needs numpy and onnxruntime only
     import torch as _torch
@@ -32,22 +33,23 @@ except ImportError:
     _torch = None
 
 if _torch is not None:
-    from tppc.analysis import annotate
-    from tppc.capture import capture
-    from tppc.context import CompileContext, PassRecord
+    from tppc.artifact.write import export
     from tppc.cost_models import Cluster, CostTable, DeviceSpec, LinkSpec, calibrate
-    from tppc.costing import cost_report
-    from tppc.export import export
-    from tppc.inspect import layer_table
-    from tppc.launch import LaunchResult, launch
+    from tppc.driver.costing import cost_report
+    from tppc.driver.options import CompileOptions
+    from tppc.driver.planning import plan
+    from tppc.frontend.annotate import annotate
+    from tppc.frontend.capture import capture
+    from tppc.ir.context import CompileContext, PassRecord
     from tppc.planner import Plan, Workload, plan_from_costs, split_tokens
-    from tppc.planning import plan
-    from tppc.program import Program
+    from tppc.planner.manual import manual_plan
+    from tppc.program.program import Program
+    from tppc.report.layers import layer_table
+    from tppc.report.timeline import draw_timeline as plan_timeline
+    from tppc.report.trace import plan_trace
     from tppc.runtime.compile import compile_pipeline as compile
-    from tppc.runtime.compile import manual_plan
     from tppc.runtime.compiled import CompiledPipeline, StageSummary
-    from tppc.runtime.options import CompileOptions
-    from tppc.trace import plan_trace
+    from tppc.runtime.launch import LaunchResult, launch
 
 __all__ = [
     "AnnotationError",
@@ -86,8 +88,8 @@ __all__ = [
     "manual_plan",
     "plan",
     "plan_from_costs",
+    "plan_timeline",
     "plan_trace",
     "split_tokens",
 ]
 
-__version__ = "0.1.0"

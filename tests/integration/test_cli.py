@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tppc.cli import main
+from tppc.cli.main import main
 
 
 def test_demo_quick_passes_its_checks(capsys) -> None:

@@ -8,7 +8,7 @@ import torch
 import tppc
 from tppc import examples
 from tppc.errors import SpecError
-from tppc.runtime.compile import manual_plan
+from tppc.planner.manual import manual_plan
 
 diffusers = pytest.importorskip("diffusers")
 

@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import tppc
 from tppc import examples
-from tppc.runtime.compile import manual_plan
+from tppc.planner.manual import manual_plan
 
 diffusers = pytest.importorskip("diffusers")
 

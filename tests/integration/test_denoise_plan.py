@@ -10,9 +10,9 @@ import torch
 
 import tppc
 from tppc import examples
+from tppc.planner.manual import manual_plan
 from tppc.planner.plan import Workload
 from tppc.runtime import denoise as denoise_module
-from tppc.runtime.compile import manual_plan
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -102,7 +102,7 @@ def test_a_plain_compile_of_a_dit_is_priced_in_tokens_not_patch_rows() -> None:
 def test_tppc_plan_of_a_dit_cuts_whole_patch_rows() -> None:
     """Own DiT, 32x32 latent, patch 2: 16 patch rows of 16 tokens; ``tppc.plan`` prices
     tokens, and its chunks (patches) are whole patch rows."""
-    from tppc.planning import plan
+    from tppc.driver.planning import plan
 
     model, args, kwargs = examples.dit(size=32)
     result = plan(model, args, kwargs, cluster="4xh100-sxm", time_limit=5.0,

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import tppc
+from tppc.artifact.load import ArtifactError, verify
 from tppc.examples import gpt, hf_llama
-from tppc.export_runtime import ArtifactError, verify
 
 pytestmark = pytest.mark.timeout(600)
 

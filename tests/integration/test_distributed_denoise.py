@@ -9,8 +9,8 @@ import torch
 import tppc
 from tppc import examples
 from tppc.errors import StageFailed
+from tppc.planner.manual import manual_plan
 from tppc.runtime.checkpoint import save_checkpoint
-from tppc.runtime.compile import manual_plan
 
 diffusers = pytest.importorskip("diffusers")
 pytestmark = pytest.mark.timeout(600)

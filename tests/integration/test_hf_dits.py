@@ -7,8 +7,8 @@ import torch
 
 import tppc
 from tppc import examples
-from tppc.capture import bind_inputs
-from tppc.ir import TOKEN
+from tppc.frontend.capture import bind_inputs
+from tppc.ir.records import TOKEN
 
 pytest.importorskip("diffusers")
 

@@ -8,7 +8,7 @@ import torch
 import tppc
 from tppc import examples
 from tppc.errors import AnnotationError
-from tppc.ir import TOKEN, MaskSpec
+from tppc.ir.records import TOKEN, MaskSpec
 
 pytest.importorskip("transformers")
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tppc
-from tppc.cli import main
+from tppc.cli.main import main
 from tppc.examples import hf_gpt2, hf_llama
 
 pytest.importorskip("transformers")

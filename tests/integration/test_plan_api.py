@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tppc._blocks import expand_layers, few_blocks
-from tppc.analysis import annotate
-from tppc.planning import plan
+from tppc.driver.planning import plan
+from tppc.frontend.annotate import annotate
+from tppc.frontend.blocks import expand_layers, few_blocks
 
 transformers = pytest.importorskip("transformers")
 

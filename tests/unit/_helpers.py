@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from tppc.ir import LAYER, TOKEN
+from tppc.ir.records import LAYER, TOKEN
 from tppc.passes._shapes import tensor_val
 
 

@@ -11,7 +11,7 @@ import tppc
 from tests.unit._helpers import block_activations, roles_by_target
 from tppc import examples
 from tppc.errors import AnnotationError
-from tppc.ir import LAYER, TOKEN
+from tppc.ir.records import LAYER, TOKEN
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ import sympy
 import torch
 
 from tppc import examples
-from tppc.analysis import annotate, program_of
 from tppc.cost_models.cluster import Cluster
 from tppc.cost_models.layer_costs import build_cost_table, layer_expressions
 from tppc.cost_models.moe import FALLBACK_LAUNCHES_PER_EXPERT, expected_experts
@@ -18,7 +17,8 @@ from tppc.cost_models.node_costs import C, NodeCost, P
 from tppc.cost_models.presets import LINK_PRESETS
 from tppc.cost_models.roofline import node_time_terms
 from tppc.cost_models.specs import DeviceSpec, MatrixUnit, Memory, VectorUnit
-from tppc.ir import LAYER
+from tppc.frontend.annotate import annotate, program_of
+from tppc.ir.records import LAYER
 from tppc.planner.joint import plan_from_costs
 
 pytest.importorskip("transformers")

@@ -33,7 +33,7 @@ def test_torch_shape_functions_evaluate_like_python(expr, by_hand) -> None:
 
 def test_plan_of_a_diffusers_dit_runs(capsys) -> None:
     pytest.importorskip("diffusers")
-    from tppc.cli import main
+    from tppc.cli.main import main
 
     assert main(["plan", "tppc.examples:hf_dit", "--cluster", "4xa100-80gb"]) == 0
     assert "predicted latency" in capsys.readouterr().out

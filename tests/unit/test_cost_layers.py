@@ -10,11 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as hst
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tppc.analysis import annotate_program
 from tppc.cost_models.cluster import Cluster
 from tppc.cost_models.layer_costs import build_cost_table, layer_expressions
 from tppc.cost_models.node_costs import C, P
 from tppc.cost_models.presets import DEVICE_PRESETS
+from tppc.frontend.annotate import annotate_program
 
 D, FF, H, KV, HD, VOCAB = 64, 128, 4, 2, 16, 128
 

@@ -8,12 +8,12 @@ import pytest
 import sympy
 
 from tppc import examples
-from tppc.analysis import annotate, program_of
 from tppc.cost_models.attention import windowed_visited
 from tppc.cost_models.layer_costs import layer_expressions
 from tppc.cost_models.moe import expected_experts
 from tppc.cost_models.node_costs import C, P
 from tppc.cost_models.presets import DEVICE_PRESETS
+from tppc.frontend.annotate import annotate, program_of
 
 pytest.importorskip("transformers")
 DEVICE = DEVICE_PRESETS["h100-sxm"]

@@ -27,7 +27,7 @@ from tppc.cost_models.report import report_from_graph
 from tppc.cost_models.roofline import node_time_terms
 from tppc.cost_models.specs import DeviceSpec, MatrixUnit, Memory, VectorUnit
 from tppc.errors import CostModelError
-from tppc.ir import LAYER, TOKEN, LayerInfo, TokenInfo
+from tppc.ir.records import LAYER, TOKEN, LayerInfo, TokenInfo
 
 
 def _export(module: nn.Module, *args: torch.Tensor, axis: int = 1, max_len: int = 1024):

@@ -7,11 +7,11 @@ import sympy
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tppc.analysis import annotate, program_of
 from tppc.cost_models.layer_costs import layer_expressions
 from tppc.cost_models.node_costs import C, L, P, graph_node_costs
 from tppc.cost_models.presets import DEVICE_PRESETS
-from tppc.ir import LAYER
+from tppc.frontend.annotate import annotate, program_of
+from tppc.ir.records import LAYER
 
 D, FF, H, KV, HD, VOCAB = 64, 128, 4, 2, 16, 128
 DEVICE = DEVICE_PRESETS["h100-sxm"]

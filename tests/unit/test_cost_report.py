@@ -9,10 +9,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tppc.analysis import annotate
+from tppc.cli.cost import add_cost_arguments, cost_command
 from tppc.cost_models.presets import DEVICE_PRESETS
-from tppc.cost_models.report import add_cost_arguments, cost_command, report_from_graph
+from tppc.cost_models.report import report_from_graph
 from tppc.errors import SpecError
+from tppc.frontend.annotate import annotate, program_of
 
 
 def factory():
@@ -26,7 +27,8 @@ def factory():
 @pytest.fixture(scope="module")
 def tiny():
     model, args = factory()
-    return annotate(model, args)
+    gm, ctx = annotate(model, args)
+    return program_of(gm, ctx), ctx
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +38,8 @@ def llama70b_block():
                       num_hidden_layers=1, num_attention_heads=64, num_key_value_heads=8)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
-    return annotate(model, (torch.randint(0, 256, (1, 32), device="meta"),))
+    gm, ctx = annotate(model, (torch.randint(0, 256, (1, 32), device="meta"),))
+    return program_of(gm, ctx), ctx
 
 
 def _block_row(report):
@@ -111,7 +114,7 @@ def test_cost_command_prints_the_report(capsys):
 
 def test_report_of_a_bidirectional_dit_substitutes_the_full_length() -> None:
     from tppc import examples
-    from tppc.costing import cost_report
+    from tppc.driver.costing import cost_report
 
     model, args, kwargs = examples.dit(size=16)
     short = cost_report(model, args, kwargs, cluster="1xa100-80gb", chunk=16, seq_len=64)

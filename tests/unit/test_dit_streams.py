@@ -8,7 +8,7 @@ from torch.nn import functional as F
 
 import tppc
 from tppc import examples
-from tppc.ir import TOKEN
+from tppc.ir.records import TOKEN
 
 
 class _Joint(nn.Module):

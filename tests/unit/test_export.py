@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import tppc
+from tppc.artifact.graphs import export_stage_graph, split_attention
+from tppc.artifact.load import SCHEMA, sha256_file
 from tppc.examples import gpt
-from tppc.export_graphs import export_stage_graph, split_attention
-from tppc.export_runtime import SCHEMA, sha256_file
-from tppc.ops import chunk_attention_eager
+from tppc.ir.ops import chunk_attention_eager
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 import tppc
-import tppc.loaded as loaded_module
+import tppc.artifact.loaded as loaded_module
+from tppc.artifact.load import ArtifactError
 from tppc.errors import RuntimeInputError
 from tppc.examples import gpt
-from tppc.export_runtime import ArtifactError
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +130,7 @@ runner = tppc.load(sys.argv[1], threads_per_stage=1)
 out = runner(np.arange(32, dtype=np.int64).reshape(1, 32) % 256)
 np.save(sys.argv[2], out)
 np.savez(sys.argv[2] + ".in.npz", input_ids=np.zeros((1, 32), dtype=np.int64))
-from tppc.cli import main
+from tppc.cli.main import main
 assert main(["run", sys.argv[1], "--input", sys.argv[2] + ".in.npz", "--output",
              sys.argv[2] + ".out.npz"]) == 0
 print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "onnx")))

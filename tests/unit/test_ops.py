@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn import functional as F
 
-import tppc.ops as ops
+import tppc.ir.ops as ops
 
 
 def _qkv(length: int, heads: int = 2, kv_heads: int = 2, dim: int = 8, seed: int = 0):

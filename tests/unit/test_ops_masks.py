@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-import tppc.ops  # noqa: F401
+import tppc.ir.ops  # noqa: F401
 
 
 @pytest.mark.parametrize("window", [None, 3, 50])

@@ -8,7 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tppc import examples
-from tppc.pipeline import compile_pipeline, manual_plan
+from tppc.planner.manual import manual_plan
+from tppc.runtime.compile import compile_pipeline
 
 SEQ = 16
 LAYERS = 6  # prologue, 4 blocks, epilogue

@@ -8,7 +8,8 @@ import torch
 from tppc import examples
 from tppc.backends import torch_local
 from tppc.errors import RuntimeInputError
-from tppc.pipeline import compile_pipeline, manual_plan
+from tppc.planner.manual import manual_plan
+from tppc.runtime.compile import compile_pipeline
 
 SEQ = 16
 

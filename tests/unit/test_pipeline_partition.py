@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from tppc import examples
-from tppc.ir import CHUNK_INPUT, STAGE_INFO, TOKEN
-from tppc.pipeline import compile_pipeline, manual_plan
+from tppc.ir.records import CHUNK_INPUT, STAGE_INFO, TOKEN
+from tppc.planner.manual import manual_plan
+from tppc.runtime.compile import compile_pipeline
 
 SEQ = 16
 

@@ -1,5 +1,5 @@
 """The certified split search (tppc.planner.certify) against brute force over every split,
-simulated by tppc.planner.schedule; broken prunes are caught by the same comparison."""
+simulated by tppc.program.schedule; broken prunes are caught by the same comparison."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from tppc.planner import certify
 from tppc.planner.certify import search_split, split_bound
-from tppc.planner.schedule import simulate
+from tppc.program.schedule import simulate
 
 
 def _instance(seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:

@@ -273,7 +273,7 @@ def test_diffusion_plan_uses_fewer_chunks_than_stages_when_overhead_dominates() 
 
 
 def test_plan_trace_has_one_slice_per_job_with_predicted_times() -> None:
-    from tppc.trace import plan_trace
+    from tppc.report.trace import plan_trace
 
     t = table(4, (1.0, 1.0))
     p = plan_from_costs(t, granularity=128)
@@ -285,7 +285,7 @@ def test_plan_trace_has_one_slice_per_job_with_predicted_times() -> None:
 
 
 def test_diffusion_trace_names_steps_and_warm_up() -> None:
-    from tppc.trace import plan_trace
+    from tppc.report.trace import plan_trace
 
     t = _bidirectional_table(4, fixed=1e-3)
     p = plan_from_costs(t, workload=Workload(kind="diffusion", steps=5, warmup_steps=1),

@@ -11,7 +11,7 @@ import torch
 import tppc
 from tppc import examples
 from tppc.errors import RuntimeInputError, SpecError, StageTimeout
-from tppc.pipeline import manual_plan
+from tppc.planner.manual import manual_plan
 
 SEQ = 16
 

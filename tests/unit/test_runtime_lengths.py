@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 import tppc
 from tppc import examples
 from tppc.errors import PlanError
-from tppc.pipeline import manual_plan
 from tppc.planner.grid import default_granularity
+from tppc.planner.manual import manual_plan
 
 LAYERS = 4  # prologue, 2 blocks, epilogue
 PRIMES = [2, 3, 5, 7, 13, 31, 127, 509, 1021, 2039]

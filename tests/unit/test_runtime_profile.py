@@ -6,7 +6,7 @@ import pytest
 
 import tppc
 from tppc import examples
-from tppc.cli import main
+from tppc.cli.main import main
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def test_profile_times_every_job_of_every_stage_in_pipeline_order(profiled):
 def test_timeline_writes_a_png_with_the_measured_run(profiled, tmp_path):
     pytest.importorskip("matplotlib")
     _, prof = profiled
-    out = prof.plan.timeline(tmp_path / "plan.png", measured=prof)
+    out = tppc.plan_timeline(prof.plan, tmp_path / "plan.png", measured=prof)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -10,7 +10,7 @@ import pytest
 import tppc
 from tppc import examples
 from tppc.errors import PlanError
-from tppc.planner.schedule import Action, flow_shop, serial_order, simulate
+from tppc.program.schedule import Action, flow_shop, serial_order, simulate
 
 
 def test_simulate_replays_a_given_stage_order_by_hand() -> None:

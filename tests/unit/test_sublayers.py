@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from tppc import examples
-from tppc.analysis import annotate
 from tppc.cost_models import build_cost_table
 from tppc.cost_models.table import CostTable, LayerCost, LinkCost
 from tppc.errors import PlanError
-from tppc.pipeline import compile_pipeline, manual_plan
+from tppc.frontend.annotate import annotate
 from tppc.planner.joint import plan_from_costs
+from tppc.planner.manual import manual_plan
+from tppc.runtime.compile import compile_pipeline
 
 
 @pytest.mark.parametrize("example", ["gpt", "hf_llama", "hf_gpt2"])
@@ -78,7 +79,7 @@ def test_a_plan_whose_layers_are_not_the_models_parts_is_refused():
 
 def test_the_parts_of_a_block_cost_what_the_block_costs():
     model, args, _ = examples.hf_llama(seq_len=64, layers=2)
-    from tppc.analysis import annotate_program
+    from tppc.frontend.annotate import annotate_program
 
     program, ctx = annotate_program(model, args)
     table = build_cost_table(program, ctx.layers, "1xh100-sxm", 64)

@@ -10,9 +10,9 @@ Terms:
         that every chunk binds with IOBinding, and each stage's positional values.
     K/V rows: an exported stage returns the chunk's new K and V rows; the stage writes them
         into its buffers (``c`` rows, in place) before its next chunk, so no chunk copies a
-        whole buffer (see :mod:`tppc.export_graphs`).
+        whole buffer (see :mod:`tppc.artifact.graphs`).
 
-Imports no torch: this module, :mod:`tppc.export_runtime` and numpy/onnxruntime are all
+Imports no torch: this module, :mod:`tppc.artifact.load` and numpy/onnxruntime are all
 a loaded artifact needs. ONNX Runtime releases the GIL in ``run_with_iobinding``, so the
 stage threads overlap like the torch ``threads`` executor.
 """

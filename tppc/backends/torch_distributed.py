@@ -42,8 +42,8 @@ import torch.distributed as dist
 
 from tppc.backends.torch_local import Sink, run_stage
 from tppc.errors import StageFailed, StageTimeout
-from tppc.program import Program, StageProgram
-from tppc.runtime.state import Call, CallState
+from tppc.program.program import Program, StageProgram
+from tppc.program.state import Call, CallState
 
 __all__ = ["FAILURE_KEY", "DistributedExecutor", "read_failure", "recv_values", "send_values",
            "token_axes"]
@@ -208,7 +208,7 @@ class DistributedExecutor:
         tensors = tuple(_tensor(v, stage, j).contiguous() for j, v in enumerate(values))
         if first or None in axes:
             header = [(str(t.dtype), tuple(t.shape), a) for t, a in zip(tensors, axes)]
-            _send_bytes(pickle.dumps(header), dst, tensors[0].device if tensors else None)
+            send_bytes(pickle.dumps(header), dst, tensors[0].device if tensors else None)
         work = [dist.isend(t, dst) for t in tensors]
         return work, tensors  # the tensors stay alive until the send completes
 
@@ -219,7 +219,7 @@ class DistributedExecutor:
         device = program.stages[self.rank].device
         templates = _remember(self._received, key, program, lambda: None)
         if templates is None or any(t.axis is None for t in templates):
-            header = pickle.loads(_recv_bytes(src, device, self.span(deadline)))
+            header = pickle.loads(recv_bytes(src, device, self.span(deadline)))
             templates = [_Template(getattr(torch, d.split(".")[-1]), tuple(s), a,
                                    (s[a] // size) if a is not None else 0)
                          for d, s, a in header]
@@ -274,7 +274,7 @@ def send_values(values: Sequence[Any], dst: int, device: torch.device | None = N
     """Send a list of tensors and small objects to ``dst`` (header first, then tensors)."""
     header = [("t", str(v.dtype), tuple(v.shape)) if isinstance(v, torch.Tensor) else ("o", v)
               for v in values]
-    _send_bytes(pickle.dumps(header), dst, device)
+    send_bytes(pickle.dumps(header), dst, device)
     for v in values:
         if isinstance(v, torch.Tensor):
             dist.send(v.detach().contiguous().to(device or v.device), dst)
@@ -284,7 +284,7 @@ def recv_values(src: int, device: torch.device, timeout: float = 60.0) -> list[A
     """Receive what :func:`send_values` sent from ``src``."""
     wait = timedelta(seconds=timeout)
     out = []
-    for entry in pickle.loads(_recv_bytes(src, device, wait)):
+    for entry in pickle.loads(recv_bytes(src, device, wait)):
         if entry[0] == "o":
             out.append(entry[1])
             continue
@@ -295,14 +295,14 @@ def recv_values(src: int, device: torch.device, timeout: float = 60.0) -> list[A
     return out
 
 
-def _send_bytes(data: bytes, dst: int, device: torch.device | None) -> None:
+def send_bytes(data: bytes, dst: int, device: torch.device | None) -> None:
     device = device or torch.device("cpu")
     payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
     dist.send(torch.tensor([payload.numel()], dtype=torch.int64, device=device), dst)
     dist.send(payload, dst)
 
 
-def _recv_bytes(src: int, device: torch.device, wait: timedelta) -> bytes:
+def recv_bytes(src: int, device: torch.device, wait: timedelta) -> bytes:
     size = torch.empty(1, dtype=torch.int64, device=device)
     dist.irecv(size, src).wait(wait)
     payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)

@@ -5,9 +5,9 @@ A stage step feeds each placeholder of the stage graph from the call and its sta
 of a user input, a whole const input, the chunk's rows of a positional value, the stage's
 K/V buffers, a whole user input (``full``: the key-validity mask), or an int. The last stage writes a bias-free linear output (an LM head)
 straight into the call's full-length output when that slice is contiguous
-(:mod:`tppc.backends._direct_output`).
+(:mod:`tppc.passes.direct_output`).
 
-The ``local`` executor runs the program's actions (:mod:`tppc.planner.schedule`) one at a
+The ``local`` executor runs the program's actions (:mod:`tppc.program.schedule`) one at a
 time, chunk by chunk, in the calling thread: the
 reference the others are tested against; it also runs the decoding steps of ``generate``.
 """
@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from tppc.backends._hoist import const_values
-from tppc.planner.schedule import serial_order
-from tppc.program import Program, StageProgram
-from tppc.runtime.state import Call, CallState
+from tppc.passes.hoist_consts import const_values
+from tppc.program.program import Program, StageProgram
+from tppc.program.schedule import serial_order
+from tppc.program.state import Call, CallState
 
 __all__ = ["LocalExecutor", "Sink", "prepare_stage", "run_stage"]
 

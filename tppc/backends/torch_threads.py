@@ -1,6 +1,6 @@
 """The ``threads`` executor: one worker thread per stage, joined by bounded queues.
 
-Stage ``s``'s worker runs its actions (``program.actions[s]``, :mod:`tppc.planner.schedule`)
+Stage ``s``'s worker runs its actions (``program.actions[s]``, :mod:`tppc.program.schedule`)
 in order: it takes the action's chunk from its input queue, runs it, and puts the boundary
 values on the queue of stage ``s + 1`` while it goes on with its next action: the stages run
 concurrently (PyTorch releases the GIL inside every op). Each worker sets its own intra-op
@@ -31,8 +31,8 @@ import torch
 
 from tppc.backends.torch_local import Sink, run_stage
 from tppc.errors import StageTimeout
-from tppc.program import Program
-from tppc.runtime.state import Call, CallState
+from tppc.program.program import Program
+from tppc.program.state import Call, CallState
 
 __all__ = ["ThreadsExecutor"]
 

@@ -15,14 +15,14 @@ Modules (one concern each):
 
 from __future__ import annotations
 
-from .calibration import calibrate
-from .cluster import Cluster
-from .layer_costs import build_cost_table, layer_expressions
-from .op_tables import UnpricedOpWarning
-from .presets import DEVICE_PRESETS, LINK_PRESETS
-from .report import CostReport, cost_command, report_from_graph
-from .specs import DeviceSpec, LinkSpec, MatrixUnit, Memory, VectorUnit
-from .table import CostTable, LayerCost, LinkCost
+from tppc.cost_models.calibration import calibrate
+from tppc.cost_models.cluster import Cluster
+from tppc.cost_models.layer_costs import build_cost_table, layer_expressions
+from tppc.cost_models.op_tables import UnpricedOpWarning
+from tppc.cost_models.presets import DEVICE_PRESETS, LINK_PRESETS
+from tppc.cost_models.report import CostReport, report_from_graph
+from tppc.cost_models.specs import DeviceSpec, LinkSpec, MatrixUnit, Memory, VectorUnit
+from tppc.cost_models.table import CostTable, LayerCost, LinkCost
 
 __all__ = [
     "DEVICE_PRESETS",
@@ -40,7 +40,6 @@ __all__ = [
     "VectorUnit",
     "build_cost_table",
     "calibrate",
-    "cost_command",
     "layer_expressions",
     "report_from_graph",
 ]

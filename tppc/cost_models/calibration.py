@@ -51,9 +51,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import SpecError
-from .dispatch import attention_overhead, view_overhead
-from .specs import DeviceSpec, MatrixUnit, Memory, VectorUnit
+from tppc.cost_models.dispatch import attention_overhead, view_overhead
+from tppc.cost_models.specs import DeviceSpec, MatrixUnit, Memory, VectorUnit
+from tppc.errors import SpecError
 
 __all__ = ["cache_dir", "calibrate"]
 
@@ -257,7 +257,7 @@ def _attention_efficiency(device: torch.device, measure, peak: float, half_rows:
     8 heads of 64 over 2 grouped K/V heads, priced as the cost model prices it: the keys it
     visits (``p + (c + 1)/2`` per row) at the skinny-matmul curve; this is what is left.
     """
-    from .. import ops
+    from tppc.ir import ops
 
     heads, kv_heads, dim, rows, prefix = 8, 2, 64, 256, 768
     q = torch.randn(1, rows, heads, dim, device=device).transpose(1, 2)  # as HF lays it out

@@ -23,9 +23,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..errors import SpecError
-from .presets import DEFAULT_LINK, DEVICE_PRESETS, LINK_PRESETS
-from .specs import DeviceSpec, LinkSpec
+from tppc.cost_models.presets import DEFAULT_LINK, DEVICE_PRESETS, LINK_PRESETS
+from tppc.cost_models.specs import DeviceSpec, LinkSpec
+from tppc.errors import SpecError
 
 __all__ = ["MAX_DEVICES", "Cluster", "device_preset", "link_preset"]
 
@@ -51,7 +51,7 @@ def device_preset(name: str, *, co_running: int = 1) -> DeviceSpec:
     """
     key = name.strip().lower()
     if key == "cpu":
-        from .calibration import calibrate
+        from tppc.cost_models.calibration import calibrate
 
         return calibrate("cpu", co_running=co_running) if co_running > 1 else calibrate("cpu")
     if key not in DEVICE_PRESETS:

@@ -60,7 +60,7 @@ def attention_overhead(measure: Timer, op_overhead: float) -> float:
     A chunk of 4 queries after 4 prefix tokens, 2 heads of 8 over an 8-key buffer: its
     arithmetic is negligible, so the time is the op's fixed cost per call.
     """
-    from tppc import ops  # noqa: F401  (registers torch.ops.tppc)
+    from tppc.ir import ops  # noqa: F401  (registers torch.ops.tppc)
 
     q = torch.randn(1, 2, 4, 8)
     k, v = torch.randn(1, 2, 8, 8), torch.randn(1, 2, 8, 8)

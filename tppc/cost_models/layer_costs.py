@@ -1,7 +1,7 @@
 """Per-layer prices: sum the node costs of each layer into time(c, p) and memory needs.
 
 Terms:
-    layer: a :class:`tppc.ir.LayerInfo` of ``group_layers`` (prologue, repeated block,
+    layer: a :class:`tppc.ir.records.LayerInfo` of ``group_layers`` (prologue, repeated block,
         epilogue) whose nodes are the chunk-step graph's nodes of that layer
         (:func:`.program_costs.program_layers`).
     layer time: ``Σ_nodes max(matrix_s, vector_s, memory_s) + serial_s + overhead`` on one
@@ -27,28 +27,28 @@ import numpy as np
 import sympy
 from torch import fx
 
-from ..errors import CostModelError
-from ..ir import TOKEN, LayerInfo, TokenInfo
-from .cluster import Cluster
-from .lambdify import to_numpy
-from .layer_memory import attention_workspace, peak_live_bytes, positional_bytes
-from .node_costs import (
+from tppc.cost_models.cluster import Cluster
+from tppc.cost_models.lambdify import to_numpy
+from tppc.cost_models.layer_memory import attention_workspace, peak_live_bytes, positional_bytes
+from tppc.cost_models.node_costs import (
     C,
     L,
     NodeCost,
     P,
+    Shapes,
     TokenSubstitution,
-    _arg_nodes,
-    _dtype_name,
-    _Shapes,
-    _tensors,
+    arg_nodes,
+    dtype_name,
     find_seq_symbol,
     node_cost,
+    tensor_vals,
 )
-from .program_costs import program_layers, program_node_cost, program_signature
-from .roofline import node_time_terms
-from .specs import DeviceSpec
-from .table import CostTable, LayerCost, LinkCost, TimeFn
+from tppc.cost_models.program_costs import program_layers, program_node_cost, program_signature
+from tppc.cost_models.roofline import node_time_terms
+from tppc.cost_models.specs import DeviceSpec
+from tppc.cost_models.table import CostTable, LayerCost, LinkCost, TimeFn
+from tppc.errors import CostModelError
+from tppc.ir.records import TOKEN, LayerInfo, TokenInfo
 
 __all__ = ["LayerExpr", "build_cost_table", "layer_expressions"]
 
@@ -114,7 +114,7 @@ def _describe(n: fx.Node) -> tuple:
     info = n.meta.get(TOKEN)
     axes = (info.role, info.axis, info.other_axes, info.attention) \
         if isinstance(info, TokenInfo) else None
-    shapes = tuple((tuple(map(_raw_dim, t.shape)), t.dtype) for t in _tensors(n.meta.get("val")))
+    shapes = tuple((tuple(map(_raw_dim, t.shape)), t.dtype) for t in tensor_vals(n.meta.get("val")))
     return (n.op, shapes, axes)
 
 
@@ -136,7 +136,7 @@ class _Pricer:
         self.seq_len = seq_len
         self.default_attention = default_attention
         self.compute_dtype = compute_dtype
-        self.shapes = _Shapes(subs, default_attention)
+        self.shapes = Shapes(subs, default_attention)
         self._node_cache: dict[tuple, NodeCost] = {}
         self._layer_cache: dict[tuple, tuple] = {}
         self._priced: dict[str, list[tuple[tuple, NodeCost]]] = {}
@@ -153,7 +153,7 @@ class _Pricer:
         node = self.nodes[name]
         sig = _node_signature(node, self._describe)
         if sig not in self._node_cache:
-            dtype = _dtype_name(node, _arg_nodes(node), self.compute_dtype)
+            dtype = dtype_name(node, arg_nodes(node), self.compute_dtype)
             self._node_cache[sig] = program_node_cost(node, self.shapes, dtype) or node_cost(
                 node, self.subs, default_attention=self.default_attention,
                 compute_dtype=self.compute_dtype, _shapes=self.shapes)
@@ -247,11 +247,11 @@ class _Pricer:
         for name in info.outputs:
             node = self.nodes.get(name)
             info_out = node.meta.get(TOKEN) if node is not None else None
-            if node is None or not _tensors(node.meta.get("val")) or (
+            if node is None or not tensor_vals(node.meta.get("val")) or (
                     isinstance(info_out, TokenInfo) and info_out.role != "token"):
                 continue
             shape = self.shapes.shape(node)
-            size = sympy.Mul(*shape) * _tensors(node.meta["val"])[0].element_size()
+            size = sympy.Mul(*shape) * tensor_vals(node.meta["val"])[0].element_size()
             if C in size.free_symbols:
                 total += size.subs({C: 1, P: 0, L: self.seq_len})
         return int(sympy.ceiling(total))
@@ -310,7 +310,7 @@ def build_cost_table(gm: fx.GraphModule, layers: Sequence[LayerInfo],
 
     Args:
         gm: the chunk-step graph (``FrontEnd.chunk``, or
-            :func:`tppc.analysis.annotate_program`): the program that runs for one chunk.
+            :func:`tppc.frontend.annotate.annotate_program`): the program that runs for one chunk.
         layers: ``ctx.layers`` (``group_layers``); each layer's nodes are read off ``gm``'s
             ``tppc.layer`` meta (see :func:`.program_costs.program_layers`).
         cluster: a :class:`Cluster` or a cluster string.

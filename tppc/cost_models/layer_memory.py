@@ -13,7 +13,7 @@ Terms:
     attention workspace: a causal ``tppc::chunk_attention`` block of ``r`` query rows over
         ``k`` keys builds a boolean mask (1 byte per row and key) that SDPA turns into a
         mask of the query's type: ``(1 + element size)`` bytes per row and key, for at most
-        ``tppc.ops.MASK_ELEMENTS`` rows × keys per block. On a CPU device a causal chunk
+        ``tppc.ir.ops.MASK_ELEMENTS`` rows × keys per block. On a CPU device a causal chunk
         without a padding vector or a window builds no mask (the prefix and the diagonal
         block run unmasked / ``is_causal`` and merge by log-sum-exp): no workspace per key.
 
@@ -29,8 +29,8 @@ from collections.abc import Mapping, Sequence
 import sympy
 from torch import fx
 
-from ..ir import CHUNK_INPUT, TOKEN, ChunkInput, TokenInfo
-from .node_costs import C, L, P, _Shapes, _tensors
+from tppc.cost_models.node_costs import C, L, P, Shapes, tensor_vals
+from tppc.ir.records import CHUNK_INPUT, TOKEN, ChunkInput, TokenInfo
 
 __all__ = ["attention_workspace", "peak_live_bytes", "positional_bytes"]
 
@@ -48,14 +48,14 @@ def _op_name(node: fx.Node) -> str:
     return name.split(".")[0]
 
 
-def _per_token(node: fx.Node, shapes: _Shapes, seq_len: int) -> int:
+def _per_token(node: fx.Node, shapes: Shapes, seq_len: int) -> int:
     """Bytes per chunk token of a token value (0 when it does not scale with the chunk).
 
     The growth per split token (the slope in ``c``): a constant text prefix (joint attention,
     ``(c + 512, 15360)`` in a Flux single-stream block) is not multiplied by the chunk size;
     that fixed part (at most ``prefix × width``, 16 MB for Flux) is not counted.
     """
-    vals = _tensors(node.meta.get("val"))
+    vals = tensor_vals(node.meta.get("val"))
     if not vals:
         return 0
     size = sympy.Mul(*shapes.shape(node)) * vals[0].element_size()
@@ -67,7 +67,7 @@ def _per_token(node: fx.Node, shapes: _Shapes, seq_len: int) -> int:
 
 
 def peak_live_bytes(nodes: Mapping[str, fx.Node], layer_nodes: Sequence[str],
-                    shapes: _Shapes, seq_len: int) -> int:
+                    shapes: Shapes, seq_len: int) -> int:
     """Largest sum of live token values inside a layer, per chunk token (module docstring)."""
     members = set(layer_nodes)
     order = {name: i for i, name in enumerate(layer_nodes)}
@@ -95,7 +95,7 @@ def peak_live_bytes(nodes: Mapping[str, fx.Node], layer_nodes: Sequence[str],
 
 
 def positional_bytes(nodes: Mapping[str, fx.Node], layer_nodes: Sequence[str],
-                     shapes: _Shapes) -> int:
+                     shapes: Shapes) -> int:
     """Bytes per sequence token of the positional values the layer's nodes read."""
     seen: dict[str, int] = {}
     for name in layer_nodes:
@@ -104,7 +104,7 @@ def positional_bytes(nodes: Mapping[str, fx.Node], layer_nodes: Sequence[str],
             if arg.op != "placeholder" or not isinstance(spec, ChunkInput) or (
                     spec.kind != "positional") or arg.name in seen:
                 continue
-            vals = _tensors(arg.meta.get("val"))
+            vals = tensor_vals(arg.meta.get("val"))
             if not vals:
                 continue
             size = sympy.Mul(*shapes.shape(arg)) * vals[0].element_size()
@@ -125,7 +125,7 @@ def attention_workspace(nodes: Mapping[str, fx.Node], layer_nodes: Sequence[str]
         causal = bool(node.args[4]) if len(node.args) > 4 else bool(node.kwargs.get("causal"))
         masked = any((node.args[i] if len(node.args) > i else node.kwargs.get(k)) is not None
                      for i, k in ((8, "key_valid"), (9, "window")))
-        vals = _tensors(node.args[0].meta.get("val")) if causal and (masked or not cpu) else ()
+        vals = tensor_vals(node.args[0].meta.get("val")) if causal and (masked or not cpu) else ()
         if vals:
             out = max(out, 1 + vals[0].element_size())
     return out

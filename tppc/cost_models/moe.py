@@ -33,7 +33,7 @@ from __future__ import annotations
 import sympy
 from torch import fx
 
-from .node_costs import NodeCost, _bytes, _itemsize, _numel, _Shapes, _tensors
+from tppc.cost_models.node_costs import NodeCost, Shapes, itemsize, numel, tensor_vals, value_bytes
 
 __all__ = ["FALLBACK_LAUNCHES_PER_EXPERT", "GROUPED_MM", "ROUTING", "expected_experts",
            "moe_node_cost"]
@@ -57,7 +57,7 @@ def _name(node: fx.Node) -> str:
     return name.rstrip("_") if name.endswith("_") and not name.startswith("__") else name
 
 
-def moe_node_cost(node: fx.Node, shapes: _Shapes, dtype: str) -> NodeCost | None:
+def moe_node_cost(node: fx.Node, shapes: Shapes, dtype: str) -> NodeCost | None:
     """The price of a grouped expert matmul or a routing op (None for any other node)."""
     op = _name(node)
     if op in GROUPED_MM and len(node.args) >= 2:
@@ -65,30 +65,30 @@ def moe_node_cost(node: fx.Node, shapes: _Shapes, dtype: str) -> NodeCost | None
     if op not in ROUTING or not isinstance(node.args[0], fx.Node):
         return None
     src = shapes.shape(node.args[0]) or ()
-    numel = _numel(src)
+    count = numel(src)
     if op == "histc":
-        vector = numel
+        vector = count
     else:
         dim = node.args[2 if op == "topk" else 1] if len(node.args) > (2 if op == "topk" else 1) \
             else node.kwargs.get("dim", -1)
         n = src[int(dim)] if src else sympy.Integer(1)
         k = sympy.Integer(int(node.args[1])) if op == "topk" else n
-        vector = numel * sympy.Max(sympy.log(k, 2), 1)
-    nbytes = _bytes(shapes, [node.args[0]]) + _bytes(shapes, [node])
+        vector = count * sympy.Max(sympy.log(k, 2), 1)
+    nbytes = value_bytes(shapes, [node.args[0]]) + value_bytes(shapes, [node])
     return NodeCost(node.name, op, "vector", sympy.Integer(0), (), sympy.expand(vector),
                     sympy.expand(nbytes), dtype)
 
 
-def _grouped_mm(node: fx.Node, op: str, shapes: _Shapes, dtype: str) -> NodeCost:
+def _grouped_mm(node: fx.Node, op: str, shapes: Shapes, dtype: str) -> NodeCost:
     x_node, w_node = node.args[0], node.args[1]
     x, w = shapes.shape(x_node), shapes.shape(w_node)
     rows, k = x[0], x[-1]
     experts, n = int(w[0]), w[-1]
     touched = expected_experts(experts, rows)
-    w_item = _itemsize(_tensors(w_node.meta["val"])[0])
-    nbytes = (_bytes(shapes, [x_node]) + _bytes(shapes, [node])
+    w_item = itemsize(tensor_vals(w_node.meta["val"])[0])
+    nbytes = (value_bytes(shapes, [x_node]) + value_bytes(shapes, [node])
               + touched * k * n * w_item
-              + _bytes(shapes, [a for a in node.args[2:3] if isinstance(a, fx.Node)]))
+              + value_bytes(shapes, [a for a in node.args[2:3] if isinstance(a, fx.Node)]))
     matmuls = ((touched, rows / touched, n, k),)
     launches = 2 + FALLBACK_LAUNCHES_PER_EXPERT * touched if op == "grouped_mm_fallback" \
         else sympy.S.One

@@ -40,11 +40,8 @@ import sympy
 import torch
 from torch import fx
 
-from ..errors import CostModelError
-from ..ir import TOKEN, TokenInfo
-from ..passes._chunk_parts import cache_source, is_head_repeat
-from .attention import AttentionWork, attention_work
-from .op_tables import (
+from tppc.cost_models.attention import AttentionWork, attention_work
+from tppc.cost_models.op_tables import (
     ATTENTION,
     CONVERT,
     CREATE,
@@ -57,6 +54,9 @@ from .op_tables import (
     UnpricedOpWarning,
     warn_unpriced,
 )
+from tppc.errors import CostModelError
+from tppc.ir.records import TOKEN, TokenInfo
+from tppc.passes.chunk_parts import cache_source, is_head_repeat
 
 __all__ = [
     "C",
@@ -169,11 +169,11 @@ def _op_name(node: fx.Node) -> str:
     return name.rstrip("_") if name.endswith("_") and not name.startswith("__") else name
 
 
-def _tensors(val: object) -> list[torch.Tensor]:
+def tensor_vals(val: object) -> list[torch.Tensor]:
     if isinstance(val, torch.Tensor):
         return [val]
     if isinstance(val, list | tuple):
-        return [t for v in val for t in _tensors(v)]
+        return [t for v in val for t in tensor_vals(v)]
     return []
 
 
@@ -183,7 +183,7 @@ def _dim(size: object) -> sympy.Expr:
     return sympy.Integer(int(size))
 
 
-class _Shapes:
+class Shapes:
     """Substituted shapes of node values, cached per node."""
 
     def __init__(self, subs: TokenSubstitution, default_attention: str) -> None:
@@ -195,7 +195,7 @@ class _Shapes:
         key = (node.name, index)
         if key in self._cache:
             return self._cache[key]
-        tensors = _tensors(node.meta.get("val"))
+        tensors = tensor_vals(node.meta.get("val"))
         if index >= len(tensors):
             return None
         info = node.meta.get(TOKEN)
@@ -212,43 +212,43 @@ class _Shapes:
         return self._cache[key]
 
 
-def _numel(shape: Sequence[sympy.Expr]) -> sympy.Expr:
+def numel(shape: Sequence[sympy.Expr]) -> sympy.Expr:
     return sympy.Mul(*shape) if shape else sympy.Integer(1)
 
 
-def _itemsize(t: torch.Tensor) -> int:
+def itemsize(t: torch.Tensor) -> int:
     return t.element_size() if hasattr(t, "element_size") else 4
 
 
-def _arg_nodes(node: fx.Node) -> list[fx.Node]:
+def arg_nodes(node: fx.Node) -> list[fx.Node]:
     seen: dict[fx.Node, None] = {}
     for a in (*node.args, *node.kwargs.values()):
         for n in a if isinstance(a, list | tuple) else (a,):
-            if isinstance(n, fx.Node) and _tensors(n.meta.get("val")):
+            if isinstance(n, fx.Node) and tensor_vals(n.meta.get("val")):
                 seen[n] = None
     return list(seen)
 
 
-def _bytes(shapes: _Shapes, nodes: Iterable[fx.Node]) -> sympy.Expr:
+def value_bytes(shapes: Shapes, nodes: Iterable[fx.Node]) -> sympy.Expr:
     total = sympy.Integer(0)
     for n in nodes:
-        for i, t in enumerate(_tensors(n.meta.get("val"))):
+        for i, t in enumerate(tensor_vals(n.meta.get("val"))):
             shape = shapes.shape(n, i)
-            total += _numel(shape) * _itemsize(t)
+            total += numel(shape) * itemsize(t)
     return total
 
 
-def _depends(shapes: _Shapes, nodes: Iterable[fx.Node]) -> bool:
-    return any(_numel(shapes.shape(n) or ()).free_symbols & {C, P, L} for n in nodes)
+def _depends(shapes: Shapes, nodes: Iterable[fx.Node]) -> bool:
+    return any(numel(shapes.shape(n) or ()).free_symbols & {C, P, L} for n in nodes)
 
 
-def _matmul_dims(op: str, node: fx.Node, shapes: _Shapes, args: list[fx.Node]
+def _matmul_dims(op: str, node: fx.Node, shapes: Shapes, args: list[fx.Node]
                  ) -> list[tuple[sympy.Expr, sympy.Expr, sympy.Expr, sympy.Expr]]:
     out = shapes.shape(node) or ()
     if op == "linear":
         x, w = shapes.shape(args[0]), shapes.shape(node.args[1])
         k = x[-1]
-        return [(sympy.Integer(1), sympy.cancel(_numel(x) / k), w[0], k)]
+        return [(sympy.Integer(1), sympy.cancel(numel(x) / k), w[0], k)]
     if op in ("mm", "addmm", "bmm", "baddbmm", "matmul"):
         a_node, b_node = (node.args[1], node.args[2]) if op in ("addmm", "baddbmm") \
             else (node.args[0], node.args[1])
@@ -256,15 +256,15 @@ def _matmul_dims(op: str, node: fx.Node, shapes: _Shapes, args: list[fx.Node]
         k = a[-1]
         m = a[-2] if len(a) >= 2 else sympy.Integer(1)
         n = b[-1] if len(b) >= 2 else sympy.Integer(1)
-        batch = sympy.cancel(_numel(out) / (m * n)) if out else sympy.Integer(1)
+        batch = sympy.cancel(numel(out) / (m * n)) if out else sympy.Integer(1)
         return [(batch, m, n, k)]
     if op in ("conv1d", "conv2d", "conv3d", "convolution", "_convolution"):
         w = shapes.shape(node.args[1])
         groups = node.args[8] if op in ("convolution", "_convolution") and len(node.args) > 8 \
             else (node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1))
         groups = int(groups)
-        spatial = _numel(out[2:])
-        cout, k = w[0], _numel(w[1:])  # w[1] is already Cin / groups
+        spatial = numel(out[2:])
+        cout, k = w[0], numel(w[1:])  # w[1] is already Cin / groups
         return [(sympy.Integer(groups), out[0] * spatial, cout / groups, k)]
     if op == "einsum":
         equation = str(node.args[0]).replace(" ", "")
@@ -273,13 +273,13 @@ def _matmul_dims(op: str, node: fx.Node, shapes: _Shapes, args: list[fx.Node]
         for spec, operand in zip(ins.split(","), node.args[1], strict=False):
             for letter, size in zip(spec, shapes.shape(operand) or (), strict=False):
                 sizes[letter] = size
-        total = _numel(list(sizes.values()))
-        out_n = _numel([sizes[ch] for ch in outs if ch in sizes])
+        total = numel(list(sizes.values()))
+        out_n = numel([sizes[ch] for ch in outs if ch in sizes])
         return [(sympy.Integer(1), out_n, sympy.Integer(1), sympy.cancel(total / out_n))]
     raise CostModelError(f"node {node.name}: no matmul rule for op {op!r}")
 
 
-def _attention(node: fx.Node, shapes: _Shapes, args: list[fx.Node], attention: str
+def _attention(node: fx.Node, shapes: Shapes, args: list[fx.Node], attention: str
                ) -> tuple[AttentionWork, int]:
     """Read ``(c, p, causal, heads, head_dims, kv_heads)`` off an SDPA node and price it."""
     q_node, k_node, v_node = node.args[0], node.args[1], node.args[2]
@@ -287,8 +287,8 @@ def _attention(node: fx.Node, shapes: _Shapes, args: list[fx.Node], attention: s
     key_len = shapes.subs.key(attention)
     if shapes.subs.seq_symbol is None:  # static graph: keys as captured
         key_len = shapes.shape(k_node)[-2]
-    item = _itemsize(_tensors(q_node.meta["val"])[0])
-    batch_heads = _numel(q[:-2])
+    item = itemsize(tensor_vals(q_node.meta["val"])[0])
+    batch_heads = numel(q[:-2])
     k_src, v_src = _kv_source(k_node, shapes), _kv_source(v_node, shapes)
     k_per, v_per = _per_token(shapes, k_src), _per_token(shapes, v_src)
     kv_heads = sympy.cancel(k_per / q[-1]) if k_per else batch_heads
@@ -296,15 +296,15 @@ def _attention(node: fx.Node, shapes: _Shapes, args: list[fx.Node], attention: s
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
     mask_bytes = sympy.Integer(0)
     if isinstance(mask, fx.Node):
-        mt = _tensors(mask.meta.get("val"))[0]
-        mask_bytes = _numel(shapes.shape(mask)[:-1]) * key_len * _itemsize(mt)
+        mt = tensor_vals(mask.meta.get("val"))[0]
+        mask_bytes = numel(shapes.shape(mask)[:-1]) * key_len * itemsize(mt)
     work = attention_work(q[-2], P, causal=attention != "bidirectional", heads=batch_heads,
                           head_dim=q[-1], kv_heads=kv_heads, value_dim=value_dim,
                           itemsize=item, keys=key_len)
     return replace(work, bytes=work.bytes + mask_bytes), int(work.kv_bytes_per_key)
 
 
-def _kv_source(node: fx.Node, shapes: _Shapes) -> fx.Node:
+def _kv_source(node: fx.Node, shapes: Shapes) -> fx.Node:
     """The value a K/V buffer stores (the emitter's rule: before HF's head repeat)."""
     sym = shapes.subs.seq_symbol
     if sym is not None:
@@ -314,45 +314,45 @@ def _kv_source(node: fx.Node, shapes: _Shapes) -> fx.Node:
     return node
 
 
-def _per_token(shapes: _Shapes, node: fx.Node) -> sympy.Expr:
+def _per_token(shapes: Shapes, node: fx.Node) -> sympy.Expr:
     """Elements of ``node``'s value per token (0 when it has no token axis)."""
-    numel = _numel(shapes.shape(node) or ())
-    per = sympy.cancel(numel / C)
+    count = numel(shapes.shape(node) or ())
+    per = sympy.cancel(count / C)
     return per if not per.free_symbols else sympy.Integer(0)
 
 
-def _dtype_name(node: fx.Node, args: list[fx.Node], compute_dtype: str | None) -> str:
+def dtype_name(node: fx.Node, args: list[fx.Node], compute_dtype: str | None) -> str:
     if compute_dtype is not None:
         return compute_dtype
     for n in [*args, node]:
-        ts = _tensors(n.meta.get("val"))
+        ts = tensor_vals(n.meta.get("val"))
         if ts and ts[0].dtype in DTYPE_NAMES and ts[0].is_floating_point():
             return DTYPE_NAMES[ts[0].dtype]
     return "fp32"
 
 
 def node_cost(node: fx.Node, subs: TokenSubstitution, *, default_attention: str = "causal",
-              compute_dtype: str | None = None, _shapes: _Shapes | None = None) -> NodeCost:
+              compute_dtype: str | None = None, _shapes: Shapes | None = None) -> NodeCost:
     """Price one node (see the module docstring for what is counted).
 
     Raises:
         CostModelError: a tensor-producing node has no ``meta["val"]`` or odd shapes.
     """
-    shapes = _shapes or _Shapes(subs, default_attention)
+    shapes = _shapes or Shapes(subs, default_attention)
     op = _op_name(node)
     zero = sympy.Integer(0)
-    args = _arg_nodes(node)
-    outs = _tensors(node.meta.get("val"))
-    dtype = _dtype_name(node, args, compute_dtype)
+    args = arg_nodes(node)
+    outs = tensor_vals(node.meta.get("val"))
+    dtype = dtype_name(node, args, compute_dtype)
     if node.op in ("placeholder", "output", "get_attr") or not outs or op in VIEW:
         return NodeCost(node.name, op, "view", zero, (), zero, zero, dtype)
-    if op in CONVERT and args and outs[0].dtype == _tensors(args[0].meta["val"])[0].dtype \
+    if op in CONVERT and args and outs[0].dtype == tensor_vals(args[0].meta["val"])[0].dtype \
             and op != "clone":
         return NodeCost(node.name, op, "view", zero, (), zero, zero, dtype)
     info = node.meta.get(TOKEN)
     role = info.role if isinstance(info, TokenInfo) else None
     const = role == "const" or (role is None and not _depends(shapes, [node, *args]))
-    out_bytes = _bytes(shapes, [node])
+    out_bytes = value_bytes(shapes, [node])
     kv = 0
     serial = zero
     unpriced = False
@@ -367,17 +367,17 @@ def node_cost(node: fx.Node, subs: TokenSubstitution, *, default_attention: str 
             kind: Kind = "attention"
         elif op in MATMUL:
             matmuls = _matmul_dims(op, node, shapes, args)
-            vector, nbytes, kind = zero, _bytes(shapes, args) + out_bytes, "matrix"
+            vector, nbytes, kind = zero, value_bytes(shapes, args) + out_bytes, "matrix"
         elif op == "embedding":
             idx = node.args[1]
             matmuls, vector, kind = [], zero, "memory"
-            nbytes = 2 * out_bytes + _bytes(shapes, [idx])
+            nbytes = 2 * out_bytes + value_bytes(shapes, [idx])
         else:
             matmuls, kind = [], "vector"
-            nbytes = (zero if op in CREATE else _bytes(shapes, args)) + out_bytes
-            out_n = _numel(shapes.shape(node) or ())
+            nbytes = (zero if op in CREATE else value_bytes(shapes, args)) + out_bytes
+            out_n = numel(shapes.shape(node) or ())
             if op in PER_IN and args:
-                vector = PER_IN[op] * _numel(shapes.shape(args[0]) or ())
+                vector = PER_IN[op] * numel(shapes.shape(args[0]) or ())
             elif op in PER_OUT:
                 vector = PER_OUT[op] * out_n
             else:  # copies, gathers, concatenations, creation and unknown ops: memory only
@@ -405,7 +405,7 @@ def graph_node_costs(gm: fx.GraphModule, *, seq_symbol: sympy.Symbol | None = No
     if seq_symbol is None:
         seq_symbol = find_seq_symbol(gm)
     subs = TokenSubstitution.build(seq_symbol, token_count)
-    shapes = _Shapes(subs, default_attention)
+    shapes = Shapes(subs, default_attention)
     return {n.name: node_cost(n, subs, default_attention=default_attention,
                               compute_dtype=compute_dtype, _shapes=shapes)
             for n in gm.graph.nodes}
@@ -419,7 +419,7 @@ def find_seq_symbol(gm: fx.GraphModule) -> sympy.Symbol | None:
     """
     found: set[sympy.Symbol] = set()
     for node in gm.graph.find_nodes(op="placeholder"):
-        for t in _tensors(node.meta.get("val")):
+        for t in tensor_vals(node.meta.get("val")):
             for size in t.shape:
                 found |= _dim(size).free_symbols
     if len(found) > 1:

@@ -12,7 +12,7 @@ Example:
 
 from __future__ import annotations
 
-from .specs import DeviceSpec, LinkSpec, MatrixUnit, Memory, VectorUnit
+from tppc.cost_models.specs import DeviceSpec, LinkSpec, MatrixUnit, Memory, VectorUnit
 
 __all__ = ["DEFAULT_LINK", "DEVICE_PRESETS", "LINK_PRESETS"]
 

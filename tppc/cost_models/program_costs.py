@@ -3,11 +3,11 @@
 Terms:
     chunk-step graph: the graph ``chunk_attention_pass`` emits (``FrontEnd.chunk``), the
         program that runs for one chunk. The cost model prices it and nothing else.
-    program layer: a :class:`tppc.ir.LayerInfo` from ``group_layers`` whose ``nodes`` are the
+    program layer: a :class:`tppc.ir.records.LayerInfo` from ``group_layers`` whose ``nodes`` are the
         chunk-step graph's nodes carrying that layer's ``tppc.layer`` meta (the emitter copies
         the meta, so it is ``group_layers``' assignment; masks the emitter dropped are gone,
         buffer writes and ``tppc::chunk_attention`` are in).
-    K/V buffer: a placeholder whose :class:`tppc.ir.ChunkInput` kind is ``key``/``value``;
+    K/V buffer: a placeholder whose :class:`tppc.ir.records.ChunkInput` kind is ``key``/``value``;
         its bytes per token are its fixed dims times its element size.
 
 Rules: ``tppc::chunk_attention`` is priced by :func:`.attention.attention_work` with the op's
@@ -33,11 +33,11 @@ import sympy
 import torch
 from torch import fx
 
-from ..errors import CostModelError
-from ..ir import CHUNK_INPUT, CHUNK_SIGNATURE, LAYER, PART, ChunkInput, LayerInfo
-from .attention import attention_work
-from .moe import moe_node_cost
-from .node_costs import C, L, NodeCost, P, _bytes, _numel, _Shapes, _tensors
+from tppc.cost_models.attention import attention_work
+from tppc.cost_models.moe import moe_node_cost
+from tppc.cost_models.node_costs import C, L, NodeCost, P, Shapes, numel, tensor_vals, value_bytes
+from tppc.errors import CostModelError
+from tppc.ir.records import CHUNK_INPUT, CHUNK_SIGNATURE, LAYER, PART, ChunkInput, LayerInfo
 
 __all__ = ["is_chunk_graph", "program_layers", "program_node_cost", "program_signature"]
 
@@ -53,12 +53,12 @@ def program_layers(gm: fx.GraphModule, layers: Sequence[LayerInfo]) -> list[Laye
     """``layers`` with their nodes read off ``gm``'s ``tppc.layer`` meta.
 
     A layer absent from ``gm`` that has the same annotated nodes as one present (a block
-    re-expanded by ``tppc._blocks.expand_layers``) takes that layer's nodes; a layer with no
+    re-expanded by ``tppc.frontend.blocks.expand_layers``) takes that layer's nodes; a layer with no
     per-chunk node (only positional work, computed once per call) gets none. A block's
     parts (``LayerInfo.parts``) get the nodes of their ``meta[PART]``.
 
     An annotated graph (no chunk signature) is accepted only for models the emitter cannot
-    rewrite yet (patched DiTs: see :func:`tppc.analysis.program_of`); its layers are read the
+    rewrite yet (patched DiTs: see :func:`tppc.frontend.annotate.program_of`); its layers are read the
     same way, from the ``tppc.layer`` meta ``group_layers`` wrote.
     """
     members: dict[str, list[str]] = {}
@@ -105,21 +105,21 @@ def _name(node: fx.Node) -> str:
     return getattr(node.target, "_opname", "") if node.op == "call_function" else ""
 
 
-def program_node_cost(node: fx.Node, shapes: _Shapes, dtype: str) -> NodeCost | None:
+def program_node_cost(node: fx.Node, shapes: Shapes, dtype: str) -> NodeCost | None:
     """The price of a node the emitter adds (None for any other node)."""
     if _name(node) == _CHUNK_ATTENTION:
         return _chunk_attention(node, shapes, dtype)
     moe = moe_node_cost(node, shapes, dtype)
     if moe is not None:
         return moe
-    if node.target is torch.ops.aten.copy_.default and not _tensors(node.args[0].meta.get("val")):
-        nbytes = 2 * _bytes(shapes, [node.args[1]])
+    if node.target is torch.ops.aten.copy_.default and not tensor_vals(node.args[0].meta.get("val")):
+        nbytes = 2 * value_bytes(shapes, [node.args[1]])
         return NodeCost(node.name, "copy_", "memory", sympy.Integer(0), (), sympy.Integer(0),
                         sympy.expand(nbytes), dtype)
     return None
 
 
-def _chunk_attention(node: fx.Node, shapes: _Shapes, dtype: str) -> NodeCost:
+def _chunk_attention(node: fx.Node, shapes: Shapes, dtype: str) -> NodeCost:
     query = node.args[0]
     causal = bool(node.args[4]) if len(node.args) > 4 else bool(node.kwargs.get("causal"))
     key, value = _buffer(node.args[1], node), _buffer(node.args[2], node)
@@ -127,17 +127,17 @@ def _chunk_attention(node: fx.Node, shapes: _Shapes, dtype: str) -> NodeCost:
     if not q or len(q) < 3:
         raise CostModelError(f"node {node.name}: its query {query} has no shape in meta['val']; "
                              "the emitter copies meta['val'] of the query")
-    item = _tensors(query.meta["val"])[0].element_size()
+    item = tensor_vals(query.meta["val"])[0].element_size()
     kv_heads = sympy.cancel(sympy.Integer(_per_token(key)) / q[-1])
     window = node.args[9] if len(node.args) > 9 else node.kwargs.get("window")
     window = int(window) if causal and window is not None else None
     keys = (P + C if window is None else sympy.Min(P + C, C + window - 1)) if causal else L
     mask = node.args[7] if len(node.args) > 7 else node.kwargs.get("attn_mask")
     mask_bytes = sympy.Integer(0)
-    if isinstance(mask, fx.Node) and _tensors(mask.meta.get("val")):
-        rows = _numel((shapes.shape(mask) or (1,))[:-1])
-        mask_bytes = rows * keys * _tensors(mask.meta["val"])[0].element_size()
-    work = attention_work(q[-2], P, causal=causal, heads=_numel(q[:-2]), head_dim=q[-1],
+    if isinstance(mask, fx.Node) and tensor_vals(mask.meta.get("val")):
+        rows = numel((shapes.shape(mask) or (1,))[:-1])
+        mask_bytes = rows * keys * tensor_vals(mask.meta["val"])[0].element_size()
+    work = attention_work(q[-2], P, causal=causal, heads=numel(q[:-2]), head_dim=q[-1],
                           kv_heads=kv_heads, value_dim=sympy.cancel(_per_token(value) / kv_heads),
                           itemsize=item, keys=keys, writes_kv=False, window=window)
     matrix = sum((2 * b * m * n * k for b, m, n, k in work.matmuls), sympy.Integer(0))

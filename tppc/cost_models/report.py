@@ -16,7 +16,6 @@ Example:
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -25,16 +24,15 @@ from typing import Any
 import sympy
 from torch import fx
 
-from ..errors import CostModelError, SpecError
-from ..ir import LayerInfo
-from .cluster import Cluster
-from .layer_costs import LayerExpr, layer_expressions
-from .node_costs import C, L, P
-from .program_costs import is_chunk_graph
-from .roofline import node_time_terms
+from tppc.cost_models.cluster import Cluster
+from tppc.cost_models.layer_costs import LayerExpr, layer_expressions
+from tppc.cost_models.node_costs import C, L, P
+from tppc.cost_models.program_costs import is_chunk_graph
+from tppc.cost_models.roofline import node_time_terms
+from tppc.errors import CostModelError, SpecError
+from tppc.ir.records import LayerInfo
 
-__all__ = ["CostReport", "LayerReport", "add_cost_arguments", "cost_command",
-           "report_from_graph"]
+__all__ = ["CostReport", "LayerReport", "report_from_graph"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -215,8 +213,8 @@ def report_from_graph(gm: fx.GraphModule, ctx: Any = None, *, cluster: Cluster |
     """Price each layer of the chunk-step program for one chunk on one device of ``cluster``.
 
     Args:
-        gm: the chunk-step graph, or the annotated graph (then rewritten into the chunk-step
-            graph with ``ctx``: the report prices the program that runs).
+        gm: the chunk-step graph (:func:`tppc.frontend.annotate.program_of`): the report
+            prices the program that runs.
         ctx: the compile context (``seq_symbol``, ``token_count``, ``layers``).
         cluster: a cluster or cluster string; the report prices ``devices[device_index]``.
         chunk: tokens in the chunk (c >= 1).
@@ -246,11 +244,11 @@ def report_from_graph(gm: fx.GraphModule, ctx: Any = None, *, cluster: Cluster |
     layers = layers if layers is not None else getattr(ctx, "layers", None)
     if layers is None:
         raise SpecError("report_from_graph needs the layers of group_layers: pass ctx (from "
-                        "tppc.analysis.annotate) or layers=")
+                        "tppc.frontend.annotate.annotate) or layers=")
     if not is_chunk_graph(gm) and ctx is not None:
-        from tppc.analysis import program_of
-
-        gm = program_of(gm, ctx)
+        raise SpecError("report_from_graph prices the chunk-step graph (what runs), got the "
+                        "annotated graph. fix: pass tppc.frontend.annotate.program_of(gm, ctx) "
+                        "or use tppc.cost_report(model, args, ...)")
     fuse = options.get("fuse_elementwise")
     fuse = device.name.startswith("tpu") if fuse is None else fuse
     exprs = layer_expressions(gm, layers, device, seq_len, **options)
@@ -266,34 +264,3 @@ def report_from_graph(gm: fx.GraphModule, ctx: Any = None, *, cluster: Cluster |
                       seq_len=seq_len, dtype=dtype, ridge_point=device.ridge_point(dtype),
                       layers=tuple(rows), formulas=formulas,
                       unpriced_ops=tuple(sorted({op for e in exprs for op in e.unpriced})))
-
-
-def add_cost_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``tppc cost`` arguments to ``parser`` (for the CLI's subparser)."""
-    parser.add_argument("factory", metavar="MODULE:FACTORY",
-                        help="a function returning (model, args) or (model, args, kwargs)")
-    parser.add_argument("--cluster", default="1xcpu", help="cluster string, e.g. 4xh100-sxm")
-    parser.add_argument("--chunk", type=int, required=True, help="tokens in the chunk")
-    parser.add_argument("--prefix", type=int, default=0, help="tokens before the chunk")
-    parser.add_argument("--seq-len", type=int, default=None, help="full sequence length L")
-    parser.add_argument("--device-index", type=int, default=0, help="device of the cluster")
-    parser.add_argument("--formula", default=None, metavar="LAYER",
-                        help="also print this layer's formulas")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    return parser
-
-
-def cost_command(ns: argparse.Namespace) -> int:
-    """``tppc cost``: capture the factory's model and print its cost report; returns 0."""
-    from tppc.analysis import annotate  # capture + annotation passes
-    from tppc.factory import load_factory
-
-    model, args, kwargs = load_factory(ns.factory)
-    gm, ctx = annotate(model, args, kwargs)
-    report = report_from_graph(gm, ctx, cluster=ns.cluster, chunk=ns.chunk, prefix=ns.prefix,
-                               seq_len=ns.seq_len, device_index=ns.device_index)
-    print(report.to_json() if ns.json else report)
-    if ns.formula and not ns.json:
-        print()
-        print(report.formula(ns.formula))
-    return 0

@@ -26,8 +26,8 @@ from typing import NamedTuple
 
 import sympy
 
-from .node_costs import NodeCost, P
-from .specs import DeviceSpec, MatrixUnit
+from tppc.cost_models.node_costs import NodeCost, P
+from tppc.cost_models.specs import DeviceSpec, MatrixUnit
 
 __all__ = ["TimeTerms", "node_time_terms"]
 

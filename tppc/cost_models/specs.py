@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..errors import SpecError
+from tppc.errors import SpecError
 
 __all__ = [
     "DTYPES",

@@ -39,7 +39,7 @@ class LayerCost:
         positional_bytes_per_token: bytes per sequence token of the positional values (rope
             tables) the layer reads, held at the full length by its stage.
         workspace_bytes_per_key: bytes per (query row, key) of the causal attention kernel's
-            mask, built for at most ``tppc.ops.MASK_ELEMENTS`` rows × keys at once.
+            mask, built for at most ``tppc.ir.ops.MASK_ELEMENTS`` rows × keys at once.
         parts: a block's two sub-layers (``<name>.attn``, ``<name>.mlp``: the block cut at
             its waist, see :mod:`tppc.passes._waist`), priced alike; empty when it has none.
     """

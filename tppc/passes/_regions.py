@@ -23,8 +23,8 @@ import sympy
 import torch
 from torch import fx
 
-from tppc.context import CompileContext
-from tppc.ir import TOKEN, TokenInfo
+from tppc.ir.context import CompileContext
+from tppc.ir.records import TOKEN, TokenInfo
 from tppc.passes._shapes import ancestors, module_path, seq_axes, size_expr, tensor_val
 
 __all__ = ["annotate_region", "row_wise_region"]
@@ -163,7 +163,7 @@ def _close(a: Any, b: Any) -> bool:
 def _example_inputs(inputs: list[fx.Node], gm: fx.GraphModule, ctx: CompileContext
                     ) -> list[Any]:
     """The region inputs' values on the example (token ids as given, floats random)."""
-    from tppc.passes._attention import _call, _concrete, _on_cpu
+    from tppc.passes._positional import call_target, concrete_value, on_cpu
 
     needed = ancestors(inputs)
     env: dict[fx.Node, Any] = {}
@@ -172,15 +172,15 @@ def _example_inputs(inputs: list[fx.Node], gm: fx.GraphModule, ctx: CompileConte
         if n not in needed:
             continue
         if n.op == "placeholder":
-            value = _concrete(n, ctx, ctx.example_seq)
+            value = concrete_value(n, ctx, ctx.example_seq)
             if isinstance(value, torch.Tensor) and value.is_floating_point():
                 value = torch.randn(value.shape, generator=generator, dtype=value.dtype)
             env[n] = value
         elif n.op == "get_attr":
             env[n] = _attr(gm, str(n.target))
         else:
-            env[n] = _call(n, _on_cpu(fx.node.map_arg(n.args, lambda a: env[a])),
-                           _on_cpu(fx.node.map_arg(n.kwargs, lambda a: env[a])))
+            env[n] = call_target(n, on_cpu(fx.node.map_arg(n.args, lambda a: env[a])),
+                           on_cpu(fx.node.map_arg(n.kwargs, lambda a: env[a])))
     return [env[a] for a in inputs]
 
 

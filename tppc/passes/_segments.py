@@ -2,7 +2,7 @@
 
 Joint-attention MM-DiTs (Flux, SD3, CogVideoX) concatenate the text tokens of the context
 stream before the image tokens along the token axis, attend over both, and cut them apart
-again. Such a value's token axis is ``[prefix | split tokens]``: :class:`~tppc.ir.TokenInfo`
+again. Such a value's token axis is ``[prefix | split tokens]``: :class:`~tppc.ir.records.TokenInfo`
 records the prefix length (``prefix``). The rules:
 
 - ``cat`` along the token axis of constant-length segments (text, or a prefix-only value)
@@ -30,7 +30,7 @@ import sympy
 import torch
 from torch import fx
 
-from tppc.ir import TOKEN, TokenInfo
+from tppc.ir.records import TOKEN, TokenInfo
 from tppc.passes._shapes import size_expr, tensor_val
 
 __all__ = ["segment_info", "split_tokens", "with_prefix"]

@@ -27,9 +27,9 @@ import sympy
 import torch
 from torch import fx
 
-from tppc.context import CompileContext
 from tppc.errors import PassError
-from tppc.ir import LAYER, PART, TOKEN, TokenInfo
+from tppc.ir.context import CompileContext
+from tppc.ir.records import LAYER, PART, TOKEN, TokenInfo
 from tppc.passes._segments import split_tokens
 from tppc.passes._shapes import size_expr, tensor_val
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 from torch import fx
 
-from tppc.ir import PART, TOKEN
+from tppc.ir.records import PART, TOKEN
 
 __all__ = ["find_waist", "mark_parts", "part_names"]
 

@@ -1,6 +1,6 @@
 """Pass: find the token axis and the role of every node (writes ``meta[TOKEN]``).
 
-Roles (see :data:`tppc.ir.Role`) flow forward through the graph: a node that reads a token
+Roles (see :data:`tppc.ir.records.Role`) flow forward through the graph: a node that reads a token
 value is ``token`` (row-wise), ``mixing`` (recognised attention), ``global`` (a reduction
 over tokens, or a reshape that breaks their order) — or an error when it mixes along the
 token axis in a way tppc cannot pipeline. Nodes without token inputs are ``positional``
@@ -11,7 +11,7 @@ merges of the token axis are followed by the symbolic shapes themselves.
 Graphs come from torch.export and hold aten ops.
 
 Example:
-    >>> gm, ctx = tppc.capture(tppc.models.GPT(), (ids,))          # doctest: +SKIP
+    >>> gm, ctx = tppc.capture(tppc.examples.models.GPT(), (ids,))          # doctest: +SKIP
     >>> annotate_seq_dims_pass(gm, ctx)
     >>> [n.meta[TOKEN].role for n in gm.graph.nodes][-3:]
     ['token', 'token', 'token']
@@ -26,9 +26,9 @@ import sympy
 import torch
 from torch import fx
 
-from tppc.context import CompileContext
 from tppc.errors import AnnotationError
-from tppc.ir import TOKEN, TokenInfo
+from tppc.ir.context import CompileContext
+from tppc.ir.records import TOKEN, TokenInfo
 from tppc.passes._attention import ATTENTION_OPS, classify_attention
 from tppc.passes._regions import annotate_region, row_wise_region
 from tppc.passes._segments import segment_info, split_tokens, with_prefix

@@ -49,10 +49,10 @@ from typing import Any
 import torch
 from torch import fx
 
-import tppc.ops  # noqa: F401  (registers torch.ops.tppc)
-from tppc.context import CompileContext
+import tppc.ir.ops  # noqa: F401  (registers torch.ops.tppc)
 from tppc.errors import PassError
-from tppc.ir import (
+from tppc.ir.context import CompileContext
+from tppc.ir.records import (
     CHUNK_INPUT,
     CHUNK_SIGNATURE,
     LAYER,
@@ -64,17 +64,6 @@ from tppc.ir import (
     TokenInfo,
 )
 from tppc.passes._attention import ATTENTION_OPS
-from tppc.passes._chunk_parts import (
-    SIZE_ARG_OPS,
-    cache_source,
-    input_value_error,
-    inputs_read,
-    is_head_repeat,
-    leaves,
-    positional_program,
-    sdpa_kwargs,
-    tail_program,
-)
 from tppc.passes._shapes import module_path, size_expr, tensor_val
 from tppc.passes._token_rows import (
     ABSENT,
@@ -87,6 +76,17 @@ from tppc.passes._token_rows import (
     rows_per_unit,
     split_size,
     table_rows,
+)
+from tppc.passes.chunk_parts import (
+    SIZE_ARG_OPS,
+    cache_source,
+    input_value_error,
+    inputs_read,
+    is_head_repeat,
+    leaves,
+    positional_program,
+    sdpa_kwargs,
+    tail_program,
 )
 
 __all__ = [

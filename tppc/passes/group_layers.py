@@ -28,9 +28,9 @@ from collections import Counter, defaultdict
 import torch
 from torch import fx
 
-from tppc.context import CompileContext
 from tppc.errors import AnnotationError
-from tppc.ir import LAYER, TOKEN, LayerInfo
+from tppc.ir.context import CompileContext
+from tppc.ir.records import LAYER, TOKEN, LayerInfo
 from tppc.passes._waist import find_waist, mark_parts, part_names
 
 __all__ = ["group_layers_pass"]

@@ -1,6 +1,9 @@
-"""Pass: split a chunk-step graph by a Plan into one GraphModule per stage.
+"""Pass: split a chunk-step graph at stage cuts into one GraphModule per stage.
 
 Terms:
+    cuts: the layer ranges of the stages, ``((0, e_1), (e_1, e_2), ..., (e_{S-1}, N))``,
+        and the layer names they index (a plan's ``StagePlan.layer_start/layer_end`` and
+        ``layer_names``); the pass never sees the plan itself.
     owned node: a ``token``/``mixing`` node (and each K/V buffer); it runs in the stage whose
         layer range holds its layer.
     shared node: a ``const`` node (weights, conditioning, symbolic sizes); it is recomputed
@@ -18,7 +21,7 @@ The pass returns a GraphModule whose graph calls ``stage_0 … stage_{S-1}`` in 
 chunk step of the whole model, equal to the chunk-step graph it was made from.
 
 Example:
-    >>> gm = run_passes(gm, ctx, [..., chunk_attention_pass, partition_stages(plan)])
+    >>> gm = run_passes(gm, ctx, [..., chunk_attention_pass, partition_stages(ranges, names)])
     >>> [type(m).__name__ for m in gm.children()]                      # doctest: +SKIP
     ['Stage', 'Stage']
 """
@@ -33,9 +36,9 @@ from typing import Any
 import torch
 from torch import fx
 
-from tppc.context import CompileContext
 from tppc.errors import PassError, PlanError
-from tppc.ir import (
+from tppc.ir.context import CompileContext
+from tppc.ir.records import (
     CHUNK_INPUT,
     CHUNK_SIGNATURE,
     LAYER,
@@ -47,28 +50,29 @@ from tppc.ir import (
     StageInfo,
 )
 from tppc.passes.runner import Pass
-from tppc.planner.plan import Plan
 
 __all__ = ["partition_stages", "plan_layer_names", "split_stages"]
 
-def partition_stages(plan: Plan) -> Pass:
-    """The partition pass for ``plan`` (a ``(gm, ctx) -> gm`` pass; see the module docstring)."""
+def partition_stages(ranges: Sequence[tuple[int, int]], planned: Sequence[str]) -> Pass:
+    """The partition pass for stage layer ``ranges`` over the ``planned`` layer names (a
+    ``(gm, ctx) -> gm`` pass; see the module docstring)."""
 
     def partition_stages_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-        return split_stages(gm, plan_layer_names(ctx.layers, plan), plan)
+        return split_stages(gm, plan_layer_names(ctx.layers, planned), ranges)
 
     return partition_stages_pass
 
 
-def plan_layer_names(layers: Sequence[LayerInfo], plan: Plan) -> list[str]:
-    """The layer names ``plan`` indexes: ``layers``' names, with a block the plan cuts at its
-    waist replaced by its two parts (``LayerInfo.parts``, named in the plan's stages).
+def plan_layer_names(layers: Sequence[LayerInfo], planned: Sequence[str]) -> list[str]:
+    """The layer names a plan indexes: ``layers``' names, with a block the plan cuts at its
+    waist replaced by its two parts (``LayerInfo.parts``, named in ``planned``, the plan's
+    layer names stage by stage).
 
     Raises:
         PlanError: the plan names some parts but its layers are not ``layers`` so refined.
     """
     coarse = [layer.name for layer in layers]
-    planned = [name for st in plan.stages for name in st.layer_names]
+    planned = list(planned)
     part_names = {p.name for layer in layers for p in layer.parts}
     if not part_names.intersection(planned):
         return coarse
@@ -83,23 +87,24 @@ def plan_layer_names(layers: Sequence[LayerInfo], plan: Plan) -> list[str]:
     return names
 
 
-def split_stages(gm: fx.GraphModule, layer_names: Sequence[str], plan: Plan) -> fx.GraphModule:
-    """Split the chunk-step graph ``gm`` into the stages of ``plan``.
+def split_stages(gm: fx.GraphModule, layer_names: Sequence[str],
+                 ranges: Sequence[tuple[int, int]]) -> fx.GraphModule:
+    """Split the chunk-step graph ``gm`` into stages, stage ``s`` running ``ranges[s]``.
 
     Args:
         gm: output of ``chunk_attention_pass``.
         layer_names: names of the layers in order, as the plan indexes them
             (:func:`plan_layer_names`: ``ctx.layers``, a block the plan cuts as its parts).
-        plan: the plan; stage ``s`` runs layers ``[layer_start, layer_end)``.
+        ranges: stage ``s`` runs layers ``[ranges[s][0], ranges[s][1])``.
 
     Raises:
         PlanError: the plan's stages do not cover the layers contiguously.
         PassError: a node would read a value from a later stage.
     """
-    stage_of_layer = _stage_of_layer(layer_names, plan)
+    stage_of_layer = _stage_of_layer(layer_names, ranges)
     nodes = list(gm.graph.nodes)
     owner = {n: _owner(n, stage_of_layer) for n in nodes}
-    num = plan.num_stages
+    num = len(ranges)
     output = nodes[-1]
     needs = [_closure(nodes, owner, s, output if s == num - 1 else None) for s in range(num)]
     final = {a for a in output.all_input_nodes if owner[a] is not None}
@@ -116,7 +121,7 @@ def split_stages(gm: fx.GraphModule, layer_names: Sequence[str], plan: Plan) -> 
         inputs = boundaries[s - 1] if s else []
         outs = boundaries[s] if s < num - 1 else None
         stage = _stage_module(gm, nodes, owner, s, needs[s][0], inputs, outs, output,
-                              tuple(layer_names[i] for i in _layers_of(plan, s)))
+                              tuple(layer_names[i] for i in range(*ranges[s])))
         name = f"stage_{s}"
         root.add_module(name, stage)
         args = [*prev, *(top_env[p] for p in _driver_placeholders(stage))]
@@ -129,23 +134,19 @@ def split_stages(gm: fx.GraphModule, layer_names: Sequence[str], plan: Plan) -> 
     return result
 
 
-def _layers_of(plan: Plan, s: int) -> range:
-    st = plan.stages[s]
-    return range(st.layer_start, st.layer_end)
-
-
-def _stage_of_layer(layer_names: Sequence[str], plan: Plan) -> dict[str, int]:
+def _stage_of_layer(layer_names: Sequence[str], ranges: Sequence[tuple[int, int]]
+                    ) -> dict[str, int]:
     expected = 0
     out: dict[str, int] = {}
-    for s, st in enumerate(plan.stages):
-        if st.layer_start != expected or st.layer_end <= st.layer_start:
+    for s, (start, end) in enumerate(ranges):
+        if start != expected or end <= start:
             raise PlanError(
-                f"plan stage {s} runs layers [{st.layer_start}, {st.layer_end}); stages must "
+                f"plan stage {s} runs layers [{start}, {end}); stages must "
                 f"be non-empty and contiguous from layer {expected}. fix: re-plan"
             )
-        for i in range(st.layer_start, st.layer_end):
+        for i in range(start, end):
             out[layer_names[i]] = s
-        expected = st.layer_end
+        expected = end
     if expected != len(layer_names):
         raise PlanError(
             f"the plan's stages cover {expected} layers, the model has {len(layer_names)} "

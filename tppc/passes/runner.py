@@ -1,7 +1,7 @@
 """The pass runner: runs ``(gm, ctx) -> gm`` passes, timing and linting each one.
 
 ``TPPC_DEBUG=1`` prints each pass and its time; ``TPPC_DEBUG=2`` also prints the graph after
-it. Every run leaves a :class:`tppc.context.PassRecord` on ``ctx.history``.
+it. Every run leaves a :class:`tppc.ir.context.PassRecord` on ``ctx.history``.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 
 from torch import fx
 
-from tppc.context import CompileContext, PassRecord
 from tppc.errors import PassError, TppcError
+from tppc.ir.context import CompileContext, PassRecord
 
 __all__ = ["Pass", "run_passes"]
 

@@ -14,8 +14,8 @@ from tppc.planner.dp import brute_force_split, terapipe_dp
 from tppc.planner.evaluate import plan_for
 from tppc.planner.joint import plan_from_costs
 from tppc.planner.plan import PLAN_SCHEMA, Plan, SolverInfo, StagePlan, Workload
-from tppc.planner.schedule import Schedule, simulate
 from tppc.planner.split import TokenSplit, split_tokens
+from tppc.program.schedule import Schedule, simulate
 
 __all__ = [
     "PLAN_SCHEMA",

@@ -4,7 +4,7 @@ Terms (grid as in :mod:`tppc.planner.dp`; ``S`` stages, ``n`` grid steps):
     ``t[s][a, b]``: seconds stage ``s`` spends on chunk ``[a, b)`` (``inf``: not allowed).
     ``lk[s][a, b]``: seconds to send that chunk from stage ``s`` to ``s + 1``.
     label: the completion times ``C`` (one per stage) of the chunks tiling ``[0, a)``, the
-        state of the flow shop (:mod:`tppc.planner.schedule`) after them. Adding chunk
+        state of the flow shop (:mod:`tppc.program.schedule`) after them. Adding chunk
         ``[a, b)``: ``end_s = max(C_s, end_{s-1} + lk[s-1][a, b]) + t[s][a, b]``.
     dominance: a label whose times are all ≤ another's at the same position finishes every
         continuation no later (the recursion is monotone), so the other is dropped.

@@ -14,7 +14,7 @@ from tppc.planner.memory import stage_memory
 from tppc.planner.placement import stage_times
 from tppc.planner.plan import Plan, SolverInfo, StagePlan, Workload
 from tppc.planner.range_bound import range_bound
-from tppc.planner.schedule import flow_shop, simulate
+from tppc.program.schedule import flow_shop, simulate
 
 __all__ = ["lower_bounds", "plan_for"]
 

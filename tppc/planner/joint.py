@@ -39,9 +39,9 @@ from tppc.planner.memory import memory_parts, positional_part, stage_memory
 from tppc.planner.placement import balanced_placement, infeasible_error, place_layers
 from tppc.planner.plan import Plan, SolverInfo, SplitSearch, Workload
 from tppc.planner.refine import diffusion_candidates, improve_split
-from tppc.planner.schedule import simulate
 from tppc.planner.split import check_grid, solve_split
 from tppc.planner.sublayers import cut_inside_blocks
+from tppc.program.schedule import simulate
 
 __all__ = ["plan_for", "plan_from_costs"]
 

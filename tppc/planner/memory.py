@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from tppc.cost_models.table import CostTable
-from tppc.ops import MASK_ELEMENTS
+from tppc.ir.ops import MASK_ELEMENTS
 
 __all__ = ["IN_FLIGHT", "QUEUE_DEPTH", "memory_parts", "positional_part", "smallest_fit",
            "stage_memory"]

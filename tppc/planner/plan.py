@@ -5,7 +5,7 @@ Terms:
         ``s`` sends its output activations to stage ``s + 1``.
     chunk: a contiguous range of tokens ``[a, b)``; chunks enter stage 0 in order.
     job: one chunk of one pipelined step (prefill: the chunk; diffusion: step × chunk).
-    latency: the makespan of the flow-shop simulation (:mod:`tppc.planner.schedule`),
+    latency: the makespan of the flow-shop simulation (:mod:`tppc.program.schedule`),
         warm-up steps included.
     lower bound: no plan on these devices can be faster (under the roofline assumption that
         cutting a chunk never reduces its work): the larger of the serial time divided by
@@ -232,14 +232,6 @@ class Plan:
                 "split": SplitSearch(**data["split"]) if data.get("split") else None,
             }
         )
-
-    def timeline(self, path: str, *, measured: Any = None) -> Any:
-        """Draw a Gantt chart of stages × time into ``path`` (a PNG; needs matplotlib): chunk
-        jobs, link transfers, bubbles, the lower bound, and ``measured`` (a
-        :class:`tppc.runtime.profile.Profile`) overlaid. Returns the path."""
-        from tppc.timeline import draw_timeline
-
-        return draw_timeline(self, path, measured=measured)
 
     def summary(self) -> str:
         """A readable table of the plan (stages, memory, busy time, chunks, solver)."""

@@ -1,11 +1,11 @@
 """A model compiled into a token pipeline: :class:`CompiledPipeline` (call it like the model).
 
 Terms:
-    program cache: one :class:`tppc.program.Program` per (batch shape, sequence length),
+    program cache: one :class:`tppc.program.program.Program` per (batch shape, sequence length),
         least recently used first out (``CompileOptions.program_cache``). A length tppc has
         not planned is re-planned (when tppc made the plan) or refused (when it was given).
     call state: each call takes its own K/V buffers from the front end's pool
-        (:mod:`tppc.runtime.state`), so concurrent calls of one pipeline are independent;
+        (:mod:`tppc.program.state`), so concurrent calls of one pipeline are independent;
         a call that fails drops its state and leaves the pipeline as it was.
 """
 
@@ -25,18 +25,19 @@ from torch.utils import _pytree as pytree
 
 from tppc.backends.torch_local import LocalExecutor, Sink
 from tppc.backends.torch_threads import ThreadsExecutor
-from tppc.context import PassRecord
+from tppc.driver.emit import build_program
+from tppc.driver.options import CompileOptions, ExecutorName, chunk_bounds
+from tppc.driver.planning import Planner
 from tppc.errors import CaptureError, RuntimeInputError, SpecError
+from tppc.frontend.front_end import BoundCall, FrontEnd, bind, capture_front_end, input_structure
+from tppc.ir.context import PassRecord
 from tppc.planner.plan import Plan, Workload
-from tppc.program import Program, build_program
-from tppc.runtime.frontend import BoundCall, FrontEnd, bind, capture_front_end, input_structure
+from tppc.program.program import Program
+from tppc.program.state import Call, CallState, StatePool, next_epoch
 from tppc.runtime.io import OutputAssembler
-from tppc.runtime.options import CompileOptions, ExecutorName, chunk_bounds
-from tppc.runtime.state import Call, CallState, StatePool, next_epoch
 
 __all__ = ["CompiledPipeline", "StageSummary"]
 
-Planner = Callable[..., Plan]
 """``(front end, length[, workload]) -> plan`` for lengths tppc plans itself."""
 
 

@@ -35,13 +35,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from tppc.backends._hoist import hoist_constants
+from tppc.driver.emit import build_program
 from tppc.errors import SpecError
 from tppc.passes.chunk_attention import REST_CHUNK
-from tppc.program import Program, StageProgram, build_program
+from tppc.passes.hoist_consts import hoist_constants
+from tppc.program.program import Program, StageProgram
+from tppc.program.state import Call, CallState, next_epoch
 from tppc.runtime.io import OutputAssembler
 from tppc.runtime.schedulers import check_scheduler, patch_scheduler
-from tppc.runtime.state import Call, CallState, next_epoch
 
 __all__ = ["denoise"]
 
@@ -71,14 +72,14 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any, num_inference_steps:
     steps = list(scheduler.timesteps)
     x = latents.detach().clone()
     kwargs = dict(model_kwargs or {})
-    b = _bind_steps(cp, x, kwargs, steps, timestep_arg, warmup_steps, patches)
+    b = bind_steps(cp, x, kwargs, steps, timestep_arg, warmup_steps, patches)
     front, length, plan, bounds, flats = b.front, b.length, b.plan, b.bounds, b.flats
     full, first, rest = _programs(cp, front, plan, length, bounds)
     axis, scale = b.axis, b.scale
     epoch = next_epoch()
     state = front.pool.acquire(length)
     state.reset()
-    run = _Run(cp, x, axis, scale, output_transform)
+    run = DenoiseRun(cp, x, axis, scale, output_transform)
     warm = min(warmup_steps, len(steps))
     threaded = (executor or cp.executor) == "threads" and len(first.stages) > 1
     with _intra_op_threads(_all_threads(cp, len(full.stages)) if threaded else None):
@@ -120,7 +121,7 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any, num_inference_steps:
     return x
 
 
-class _Run:
+class DenoiseRun:
     """The model's output of a chunk: its rows written into full-length outputs (kept across
     steps), the ``global`` tail applied, the output transform applied."""
 
@@ -188,7 +189,7 @@ class _Bound(NamedTuple):
     flats: list
 
 
-def _bind_steps(cp: Any, x: torch.Tensor, kwargs: Mapping[str, Any], steps: list, arg: str,
+def bind_steps(cp: Any, x: torch.Tensor, kwargs: Mapping[str, Any], steps: list, arg: str,
                 warmup: int, patches: int | None) -> _Bound:
     """Bind every step's inputs (``x`` and ``kwargs`` with ``arg = t``) and choose the patches
     (every executor's denoise starts here)."""
@@ -258,7 +259,7 @@ def _programs(cp: Any, front: Any, plan: Any, length: int, bounds: tuple[int, ..
 
 def _hoist(program: Program) -> Program:
     """``program`` with every stage's const sub-graphs (text K/V, timestep embedding)
-    computed once per set of input values and fed in (:mod:`tppc.backends._hoist`)."""
+    computed once per set of input values and fed in (:mod:`tppc.passes.hoist_consts`)."""
     return dataclasses.replace(program, stages=tuple(hoist_constants(st)
                                                      for st in program.stages))
 

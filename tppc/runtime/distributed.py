@@ -33,17 +33,18 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from tppc.backends.torch_distributed import DistributedExecutor, recv_values, send_values
+from tppc.driver.options import CompileOptions
+from tppc.driver.planning import Planner, length_planner
 from tppc.errors import RuntimeInputError, SpecError, StageFailed, TppcError
+from tppc.frontend.front_end import FrontEnd, capture_front_end
 from tppc.planner.plan import Plan
-from tppc.program import Program
+from tppc.program.program import Program
+from tppc.program.state import Call, next_epoch
 from tppc.runtime.checkpoint import StageWeights
-from tppc.runtime.compiled import CompiledPipeline, Planner
-from tppc.runtime.frontend import FrontEnd, capture_front_end
+from tppc.runtime.compiled import CompiledPipeline
 from tppc.runtime.io import OutputAssembler
-from tppc.runtime.options import CompileOptions
 from tppc.runtime.result_stream import ResultSender, receive_results, streamable
 from tppc.runtime.shared_results import SharedOutputs
-from tppc.runtime.state import Call, next_epoch
 
 __all__ = ["DistributedPipeline", "compile_distributed", "init_distributed"]
 
@@ -112,9 +113,8 @@ def compile_distributed(model: torch.nn.Module, args: tuple[Any, ...],
                               seq_dims=seq_dims, keep_states=opts.keep_states)
     planner = None
     if plan is None:
-        from tppc.runtime.compile import _auto_planner
 
-        planner = _shared_planner(_auto_planner(opts), rank)
+        planner = _shared_planner(length_planner(opts), rank)
         plan = planner(front, front.ctx.example_seq)
     weights = StageWeights(checkpoint, model, dict(buffers or {}), where)
     return DistributedPipeline(model, front, plan, planner=planner, options=opts,

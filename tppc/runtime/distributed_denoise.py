@@ -22,27 +22,25 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from tppc.backends._hoist import hoist_constants
 from tppc.backends.torch_local import run_stage
+from tppc.driver.emit import build_program
 from tppc.errors import RuntimeInputError, SpecError, StageFailed, StageTimeout
 from tppc.passes.chunk_attention import REST_CHUNK
-from tppc.program import Program, StageProgram, build_program
-from tppc.runtime.denoise import _bind_steps, _Run
+from tppc.passes.hoist_consts import hoist_constants
+from tppc.program.program import Program, StageProgram
+from tppc.program.state import Call, next_epoch
+from tppc.runtime.denoise import DenoiseRun, bind_steps
 from tppc.runtime.schedulers import check_scheduler, patch_scheduler
-from tppc.runtime.state import Call, next_epoch
-
-if TYPE_CHECKING:
-    from tppc.runtime.distributed import DistributedPipeline
 
 __all__ = ["distributed_denoise"]
 
 
-def distributed_denoise(cp: DistributedPipeline, latents: torch.Tensor | None, scheduler: Any,
+def distributed_denoise(cp: Any, latents: torch.Tensor | None, scheduler: Any,
                         num_inference_steps: int = 20, *, warmup_steps: int = 1,
                         patches: int | None = None,
                         model_kwargs: Mapping[str, Any] | None = None,
@@ -71,7 +69,7 @@ def distributed_denoise(cp: DistributedPipeline, latents: torch.Tensor | None, s
     scheduler.set_timesteps(steps_n)
     steps = list(scheduler.timesteps)
     x = x.detach().clone().contiguous().to(cp.device)
-    b = _bind_steps(cp, x, kwargs, steps, arg, warmup_steps, patches)
+    b = bind_steps(cp, x, kwargs, steps, arg, warmup_steps, patches)
     front, length, plan, bounds, flats = b.front, b.length, b.plan, b.bounds, b.flats
     full, first, rest = _programs(cp, front, plan, length, bounds)
     axis, scale = b.axis, b.scale
@@ -79,7 +77,7 @@ def distributed_denoise(cp: DistributedPipeline, latents: torch.Tensor | None, s
     epoch = next_epoch()
     state = front.pool.acquire(length)
     state.reset()
-    run = _Run(cp, x, axis, scale, output_transform)
+    run = DenoiseRun(cp, x, axis, scale, output_transform)
     last = cp.world - 1
     warm = min(warmup_steps, len(steps))
     got: dict[str, Any] = {}
@@ -121,7 +119,7 @@ def distributed_denoise(cp: DistributedPipeline, latents: torch.Tensor | None, s
 class _Jobs:
     """This rank's pipelined jobs (see the module docstring)."""
 
-    def __init__(self, cp: DistributedPipeline, calls: dict[int, Call], state: Any,
+    def __init__(self, cp: Any, calls: dict[int, Call], state: Any,
                  program_of: Callable[[int], Program], rows: Callable[[int], torch.Tensor],
                  readers: tuple[int, ...]) -> None:
         self.cp, self.ex, self.calls, self.state = cp, cp._dist, calls, state
@@ -180,7 +178,7 @@ def _readers(world: int, latent: int, *programs: Program | None) -> tuple[int, .
         for p in programs if p is not None for _, spec in p.stages[r].inputs))
 
 
-def _programs(cp: DistributedPipeline, front: Any, plan: Any, length: int,
+def _programs(cp: Any, front: Any, plan: Any, length: int,
               bounds: tuple[int, ...]) -> tuple[Program, Program, Program | None]:
     """Warm-up, patch and later-patch programs with this rank's stage loaded and its const
     sub-graphs hoisted (as :func:`tppc.runtime.denoise._programs`), cached on ``cp``."""

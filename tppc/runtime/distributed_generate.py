@@ -9,22 +9,19 @@ every rank appends the same token, ends the same sequences and stops at the same
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from tppc.generation_rules import DEFAULT, stop_tokens
-from tppc.runtime.generate import _logits_output, _token_input_index
-from tppc.runtime.state import Call, next_epoch
-
-if TYPE_CHECKING:
-    from tppc.runtime.distributed import DistributedPipeline
+from tppc.generation import DEFAULT, stop_tokens
+from tppc.program.state import Call, next_epoch
+from tppc.runtime.generate import logits_output, token_input_index
 
 __all__ = ["distributed_generate"]
 
 
 
-def distributed_generate(cp: DistributedPipeline, input_ids: torch.Tensor | None,
+def distributed_generate(cp: Any, input_ids: torch.Tensor | None,
                          max_new_tokens: int = 20, *,
                          eos_token_id: int | Sequence[int] | Any | None = DEFAULT,
                          pad_token_id: int | Any | None = DEFAULT) -> torch.Tensor | None:
@@ -37,8 +34,8 @@ def distributed_generate(cp: DistributedPipeline, input_ids: torch.Tensor | None
     prompt = bound.length
     total = prompt + max_new_tokens
     program = cp.program(prompt, front)
-    index = _token_input_index(cp, front)
-    logits_at = _logits_output(cp, front)
+    index = token_input_index(cp, front)
+    logits_at = logits_output(cp, front)
     flat = list(bound.flat)
     ids = torch.zeros(input_ids.shape[0], total, dtype=input_ids.dtype)
     ids[:, :prompt] = input_ids

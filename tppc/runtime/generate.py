@@ -23,18 +23,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tppc.errors import RuntimeInputError
-from tppc.generation_rules import DEFAULT, check_max_new_tokens, stop_tokens
-from tppc.runtime.state import Call, next_epoch
+from tppc.generation import DEFAULT, check_max_new_tokens, stop_tokens
+from tppc.program.state import Call, next_epoch
 
 if TYPE_CHECKING:
-    from tppc.runtime.compiled import CompiledPipeline
-    from tppc.runtime.frontend import FrontEnd
+    from tppc.frontend.front_end import FrontEnd
 
 __all__ = ["greedy_generate"]
 
 
 
-def greedy_generate(cp: CompiledPipeline, input_ids: torch.Tensor, max_new_tokens: int = 20,
+def greedy_generate(cp: Any, input_ids: torch.Tensor, max_new_tokens: int = 20,
                     *, attention_mask: torch.Tensor | None = None,
                     eos_token_id: int | Sequence[int] | Any | None = DEFAULT,
                     pad_token_id: int | Any | None = DEFAULT) -> torch.Tensor:
@@ -68,10 +67,10 @@ def greedy_generate(cp: CompiledPipeline, input_ids: torch.Tensor, max_new_token
             f"max_seq={cp.max_seq}. fix: lower max_new_tokens to {cp.max_seq - prompt} or "
             f"compile with max_seq={total}")
     program = cp.program(prompt, front)
-    index = _token_input_index(cp, front)
+    index = token_input_index(cp, front)
     flat = _extended(cp, front, bound.flat, total)
     ids = flat[index]
-    logits_at = _logits_output(cp, front)
+    logits_at = logits_output(cp, front)
     state = front.pool.acquire(total)
     epoch = next_epoch()
     call = Call(tuple(flat), program.chunks, total, total, epoch)
@@ -96,7 +95,7 @@ def greedy_generate(cp: CompiledPipeline, input_ids: torch.Tensor, max_new_token
     return ids[:, :length].clone()
 
 
-def _mask_inputs(cp: CompiledPipeline, attention_mask: torch.Tensor | None
+def _mask_inputs(cp: Any, attention_mask: torch.Tensor | None
                  ) -> dict[str, torch.Tensor]:
     """``attention_mask`` and HF's ``position_ids`` for it (when the model takes them)."""
     if attention_mask is None:
@@ -109,7 +108,7 @@ def _mask_inputs(cp: CompiledPipeline, attention_mask: torch.Tensor | None
     return kwargs
 
 
-def _extended(cp: CompiledPipeline, front: FrontEnd, flat: Sequence[Any], total: int
+def _extended(cp: Any, front: FrontEnd, flat: Sequence[Any], total: int
               ) -> list[Any]:
     """The flat inputs with every sequence input grown to ``total`` positions: token ids
     (zeros, filled as they are generated), ``attention_mask`` (ones: generated tokens are
@@ -131,7 +130,7 @@ def _extended(cp: CompiledPipeline, front: FrontEnd, flat: Sequence[Any], total:
     return out
 
 
-def _token_input_index(cp: CompiledPipeline, front: FrontEnd) -> int:
+def token_input_index(cp: Any, front: FrontEnd) -> int:
     names = front.signature.user_inputs
     if "input_ids" in names:
         return names.index("input_ids")
@@ -143,7 +142,7 @@ def _token_input_index(cp: CompiledPipeline, front: FrontEnd) -> int:
     return seq[0]
 
 
-def _logits_output(cp: CompiledPipeline, front: FrontEnd) -> int:
+def logits_output(cp: Any, front: FrontEnd) -> int:
     for j, axis in enumerate(front.signature.output_axes):
         if axis is not None:
             return j

@@ -5,12 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import fx
 
-from tppc.errors import RuntimeInputError
-from tppc.runtime.state import Call
+from tppc.program.state import Call
 
-__all__ = ["OutputAssembler", "check_input"]
+__all__ = ["OutputAssembler"]
 
 
 class OutputAssembler:
@@ -44,32 +42,3 @@ class OutputAssembler:
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
             and a.dtype == b.dtype and a.device == b.device)
-
-
-def check_input(ph: fx.Node, value: Any, *, skip_axes: tuple[int, ...] = ()) -> None:
-    """Check one flat input against its captured placeholder (type, dtype, rank, sizes).
-
-    ``skip_axes``: static axes not checked (the batch axis, which is re-captured).
-
-    Raises:
-        RuntimeInputError: naming the input, what it is, what was compiled, and the fix.
-    """
-    val = ph.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        if val is not None and value != val:
-            raise RuntimeInputError(f"input {ph.name!r} is {value!r}, compiled with {val!r}. "
-                                    f"fix: pass {ph.name}={val!r}")
-        return
-    if not isinstance(value, torch.Tensor):
-        raise RuntimeInputError(f"input {ph.name!r} must be a tensor, got {type(value).__name__}")
-    if value.dtype != val.dtype or value.dim() != val.dim():
-        raise RuntimeInputError(
-            f"input {ph.name!r} is {value.dtype} of rank {value.dim()}, compiled for "
-            f"{val.dtype} of rank {val.dim()}. fix: pass a {val.dtype} tensor of rank "
-            f"{val.dim()}")
-    for axis, (got, want) in enumerate(zip(value.shape, val.shape)):
-        if axis not in skip_axes and not isinstance(want, torch.SymInt) and got != int(want):
-            raise RuntimeInputError(
-                f"input {ph.name!r} has size {got} on axis {axis} (shape "
-                f"{tuple(value.shape)}), compiled for {int(want)}. fix: pass inputs of the "
-                f"compiled shape (only the batch and the sequence axes may change)")

@@ -8,19 +8,16 @@ Terms:
 Example:
     >>> prof = cp.profile(ids)                                         # doctest: +SKIP
     >>> print(prof.table())
-    >>> prof.plan.timeline("plan.png", measured=prof)     # Gantt chart, measured overlaid
+    >>> tppc.plan_timeline(prof.plan, "plan.png", measured=prof)   # Gantt chart, measured overlaid
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tppc.planner.plan import Plan
-
-if TYPE_CHECKING:
-    from tppc.runtime.compiled import CompiledPipeline
 
 __all__ = ["JobTiming", "Profile", "profile_call"]
 
@@ -82,7 +79,7 @@ class Profile:
         return "\n".join(lines)
 
 
-def profile_call(cp: CompiledPipeline, args: tuple[Any, ...], kwargs: dict[str, Any], *,
+def profile_call(cp: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *,
                  warmup: int = 1) -> Profile:
     """Run ``cp`` with the ``threads`` executor (after ``warmup`` untimed calls, which plan
     the length and warm the kernels) and time every job of the last call."""

@@ -1,0 +1,257 @@
+"""The import layers of ``tppc/`` (DESIGN.md, "Layout"): imports point down, never in a circle,
+and no private name crosses a module.
+
+Every import in ``tppc/`` is read from the AST (module level, function level and
+``TYPE_CHECKING`` blocks alike). A package may import its own modules and any package on a
+lower floor of :data:`FLOORS`; anything else is an upward import. Modules import each other
+without a circle (inside a package too). A name with a leading underscore is imported only
+inside its own module, and a module with a leading underscore only from its own package.
+
+To see the test fail, add ``from tppc.runtime.compiled import CompiledPipeline`` to any
+function in ``tppc/planner/plan.py``: the planner (floor 8) may not import the runtime (11).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2] / "tppc"
+
+#: Packages from the bottom up: a package imports only those on lower floors (and itself).
+FLOORS: tuple[str, ...] = (
+    "version", "errors", "generation", "ir", "program", "passes", "frontend", "cost_models", "planner",
+    "driver", "backends", "runtime", "artifact", "report", "examples", "cli",
+)
+#: Packages a package may not import although they sit lower (DESIGN.md's rules): the cost
+#: model never calls the front end, the planner never reads fx graphs, executors know
+#: programs, never plans or the planner.
+FORBIDDEN: dict[str, frozenset[str]] = {
+    "cost_models": frozenset({"frontend"}),
+    "planner": frozenset({"passes", "frontend"}),
+    "backends": frozenset({"frontend", "cost_models", "planner", "driver"}),
+}
+#: The top: the public API (``tppc/__init__.py``) and the ``python -m tppc.run`` shim.
+TOP = ("__init__", "run")
+
+
+def module_name(path: Path) -> str:
+    """``tppc/a/b.py`` -> ``tppc.a.b``; a package's ``__init__.py`` -> the package."""
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> list[tuple[str, str | None, int]]:
+    """Every ``(module, name or None, line)`` a file imports from ``tppc``, at any depth."""
+    tree = ast.parse(path.read_text(), str(path))
+    me = module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    found: list[tuple[str, str | None, int]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(a.name, None, node.lineno) for a in node.names if _ours(a.name)]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*up, base] if base else up)
+            if not _ours(base):
+                continue
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                is_module = (ROOT.parent / sub.replace(".", "/")).with_suffix(".py").exists() \
+                    or (ROOT.parent / sub.replace(".", "/") / "__init__.py").exists()
+                found.append((sub, None, node.lineno) if is_module
+                             else (base, alias.name, node.lineno))
+    return found
+
+
+def _ours(module: str) -> bool:
+    return module == "tppc" or module.startswith("tppc.")
+
+
+def floor_of(module: str) -> int:
+    """The floor of a ``tppc`` module: its package's index in :data:`FLOORS`."""
+    parts = module.split(".")
+    if len(parts) == 1 or parts[1] in TOP:
+        return len(FLOORS)
+    if parts[1] not in FLOORS:
+        raise AssertionError(f"{module}: package {parts[1]!r} has no floor; add it to FLOORS")
+    return FLOORS.index(parts[1])
+
+
+def _files() -> list[Path]:
+    return sorted(p for p in ROOT.rglob("*.py"))
+
+
+def _edges() -> dict[str, set[str]]:
+    modules = {module_name(p) for p in _files()}
+    edges: dict[str, set[str]] = {}
+    for path in _files():
+        me = module_name(path)
+        targets = edges.setdefault(me, set())
+        for module, _name, _line in imports_of(path):
+            while module not in modules and "." in module:
+                module = module.rpartition(".")[0]
+            if module != me:
+                targets.add(module)
+    return edges
+
+
+def upward_imports() -> list[str]:
+    """Every import from a package to one on a higher floor (or to another top package)."""
+    bad = []
+    for path in _files():
+        me = module_name(path)
+        mine = floor_of(me)
+        for module, name, line in imports_of(path):
+            theirs = floor_of(module)
+            same_package = module.split(".")[:2] == me.split(".")[:2]
+            forbidden = module.split(".")[1:2] and module.split(".")[1] in FORBIDDEN.get(
+                me.split(".")[1] if "." in me else "", ())
+            if theirs > mine or (theirs == mine and not same_package) or forbidden:
+                what = f"{module}:{name}" if name else module
+                bad.append(f"{path.relative_to(ROOT.parent)}:{line} imports {what} "
+                           f"(floor {mine} -> {theirs})")
+    return bad
+
+
+def private_imports() -> list[str]:
+    """Private names imported from another module, private modules from another package."""
+    bad = []
+    for path in _files():
+        me = module_name(path)
+        my_package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+        for module, name, line in imports_of(path):
+            where = f"{path.relative_to(ROOT.parent)}:{line}"
+            if name is not None and name.startswith("_") and not name.endswith("__"):
+                bad.append(f"{where} imports the private name {module}:{name}")
+            private_at = [i for i, p in enumerate(module.split(".")) if p.startswith("_")]
+            if private_at:
+                owner = ".".join(module.split(".")[: private_at[0]])
+                if my_package != owner and not my_package.startswith(owner + "."):
+                    bad.append(f"{where} imports the private module {module} from outside "
+                               f"{owner}")
+    return bad
+
+
+def import_cycles() -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan)."""
+    edges = _edges()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_every_package_has_a_floor() -> None:
+    for path in _files():
+        floor_of(module_name(path))
+
+
+def test_imports_point_down() -> None:
+    bad = upward_imports()
+    assert not bad, "imports that run up:\n" + "\n".join(bad)
+
+
+def test_no_import_cycles() -> None:
+    cycles = import_cycles()
+    assert not cycles, "import circles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_no_private_name_crosses_a_module() -> None:
+    bad = private_imports()
+    assert not bad, "private imports:\n" + "\n".join(bad)
+
+
+def test_no_package_is_named_like_a_public_function() -> None:
+    import tppc
+
+    public = {n for n in tppc.__all__ if callable(getattr(tppc, n)) and n[0].islower()}
+    packages = {p.stem if p.suffix else p.name for p in ROOT.iterdir()
+                if p.suffix == ".py" or (p / "__init__.py").exists()}
+    assert not public & packages, f"modules named like public functions: {public & packages}"
+
+
+def test_an_upward_import_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checker itself fails on a planner module that imports the runtime."""
+    fake = tmp_path / "tppc"
+    (fake / "planner").mkdir(parents=True)
+    (fake / "runtime").mkdir()
+    for pkg in ("", "planner", "runtime"):
+        (fake / pkg / "__init__.py").write_text("")
+    (fake / "runtime" / "compiled.py").write_text("X = 1\n")
+    (fake / "planner" / "plan.py").write_text(
+        "def f():\n    from tppc.runtime.compiled import X\n    return X\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", fake)
+    assert any("tppc/planner/plan.py:2 imports tppc.runtime.compiled:X" in b
+               for b in upward_imports())
+    (fake / "runtime" / "compiled.py").write_text("from tppc.runtime.other import _y\n")
+    (fake / "runtime" / "other.py").write_text("from tppc.runtime.compiled import *\n_y = 1\n")
+    assert import_cycles() == [["tppc.runtime.compiled", "tppc.runtime.other"]]
+    assert private_imports() == ["tppc/runtime/compiled.py:1 imports the private name "
+                                 "tppc.runtime.other:_y"]
+
+
+def test_tppc_loads_an_artifact_without_torch(tmp_path: Path) -> None:
+    """``import tppc`` and ``tppc.load`` work where ``import torch`` fails."""
+    code = textwrap.dedent(f"""
+        import builtins, sys
+        real = builtins.__import__
+        def no_torch(name, *a, **k):
+            if name == "torch" or name.startswith("torch."):
+                raise ImportError("torch is not installed here")
+            return real(name, *a, **k)
+        builtins.__import__ = no_torch
+        import tppc
+        runner = tppc.load({str(tmp_path / "art")!r})
+        import numpy as np
+        out = runner(np.arange(12, dtype=np.int64).reshape(1, 12) % 50)
+        assert "torch" not in sys.modules, sorted(m for m in sys.modules if "torch" in m)
+        print("ok", sorted(out) if isinstance(out, dict) else type(out).__name__)
+    """)
+    import torch
+
+    import tppc
+    from tppc.examples import gpt
+
+    model, args, kwargs = gpt(seq_len=12, n_layer=2)
+    with torch.no_grad():
+        cp = tppc.compile(model, args, kwargs, cluster="2xcpu", chunks=2)
+    tppc.export(cp, tmp_path / "art")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("ok"), result.stdout

@@ -1,0 +1,157 @@
+"""Stage graphs for export: K/V rows as outputs instead of in-place writes into the buffer.
+
+Terms:
+    in-place K/V write: what an emitted stage graph does per attention,
+        ``copy_(narrow(buffer, axis, chunk_start, chunk_size), kv)``, then reads
+        ``narrow(buffer, axis, 0, kv_len)``. A portable graph cannot mutate its inputs, and
+        returning the whole updated buffer would copy the cache on every chunk.
+    export stage graph: the same stage with every write removed; the chunk's new K and V
+        rows are extra outputs (``kv.<buffer>``) that the runner writes into its persistent
+        buffer after the chunk; each attention becomes :func:`split_attention`, which reads
+        the buffer's prefix ``[0, chunk_start)`` (and, for bidirectional attention, its
+        suffix ``[chunk_start + chunk_size, kv_len)``) and the chunk's own K/V directly.
+
+So a chunk reads the keys its attention needs and writes only its own rows: per-chunk work
+does not depend on the buffer's capacity.
+
+Example:
+    >>> gm, kv_names = export_stage_graph(stage)                           # doctest: +SKIP
+    >>> kv_names
+    ('kv.scaled_dot_product_attention_key_buffer', 'kv.scaled_dot_product_attention_value_buffer')
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import torch
+from torch import fx
+
+import tppc.ir.ops  # noqa: F401  (registers torch.ops.tppc)
+from tppc.errors import TppcError
+
+__all__ = ["ExportError", "export_stage_graph", "split_attention"]
+
+_aten = torch.ops.aten
+
+
+class ExportError(TppcError):
+    """A stage or program that cannot be exported, or an artifact that cannot be loaded."""
+
+
+def split_attention(query: torch.Tensor, key_buffer: torch.Tensor, value_buffer: torch.Tensor,
+                    key: torch.Tensor, value: torch.Tensor, chunk_start: int, kv_len: int,
+                    causal: bool, scale: float | None = None, enable_gqa: bool = False,
+                    attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of a chunk over ``buffer[:chunk_start]``, its own K/V, ``buffer[end:kv_len]``.
+
+    The torch reference of what the ONNX translation computes: one softmax over the scores
+    of the three key segments (in position order), the chunk's own segment offset-causal
+    when ``causal``. Buffers and K/V are ``(..., heads_kv, tokens, d)``.
+    """
+    c = query.shape[-2]
+    end = chunk_start + c
+    keys = [key_buffer[..., :chunk_start, :], key]
+    values = [value_buffer[..., :chunk_start, :], value]
+    if not causal:
+        keys.append(key_buffer[..., end:kv_len, :])
+        values.append(value_buffer[..., end:kv_len, :])
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    q = query
+    if enable_gqa and query.shape[-3] != key.shape[-3]:
+        group = query.shape[-3] // key.shape[-3]
+        q = query.unflatten(-3, (key.shape[-3], group))
+        keys = [k.unsqueeze(-3) for k in keys]
+        values = [v.unsqueeze(-3) for v in values]
+    scores = [q @ k.transpose(-1, -2) * scale for k in keys]
+    if causal:
+        rows = torch.arange(c, device=query.device)
+        scores[1] = scores[1].masked_fill(rows[None, :] > rows[:, None], float("-inf"))
+    full = torch.cat(scores, dim=-1)
+    if attn_mask is not None:
+        mask = attn_mask.unsqueeze(-3) if q is not query else attn_mask
+        full = full.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool \
+            else full + mask
+    probs = torch.softmax(full, dim=-1)
+    out = 0
+    offset = 0
+    for v in values:
+        n = v.shape[-2]
+        out = out + probs[..., offset:offset + n] @ v
+        offset += n
+    return out.flatten(-4, -3) if q is not query else out
+
+
+def export_stage_graph(stage: Any) -> tuple[fx.GraphModule, tuple[str, ...]]:
+    """The export stage graph of a :class:`tppc.program.program.StageProgram` (module docstring).
+
+    Returns the graph (a copy; the stage is untouched) and the names of its new K/V outputs,
+    one per buffer in ``stage.buffers`` order, after the stage's own outputs.
+
+    Raises:
+        ExportError: an attention whose K/V are not read straight from a buffer.
+    """
+    gm = fx.GraphModule(stage.module, copy.deepcopy(stage.module.graph))
+    graph = gm.graph
+    buffers = {b.name for b in stage.buffers}
+    new_rows: dict[str, fx.Node] = {}
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is _aten.copy_.default:
+            view = node.args[0]
+            if _is_buffer_narrow(view, buffers):
+                new_rows[view.args[0].name] = node.args[1]
+                graph.erase_node(node)
+                if not view.users:
+                    graph.erase_node(view)
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.tppc.chunk_attention.default:
+            _rewrite_attention(graph, node, buffers, new_rows)
+    missing = buffers - set(new_rows)
+    if missing:
+        raise ExportError(f"stage {stage.index}: no in-place write of the chunk's rows into "
+                          f"K/V buffer(s) {sorted(missing)}; tppc cannot export this stage. "
+                          "fix: report the model (its attention pattern is not supported)")
+    output = next(iter(graph.find_nodes(op="output")))
+    outs = tuple(output.args[0])
+    graph.erase_node(output)
+    graph.output((*outs, *(new_rows[b.name] for b in stage.buffers)))
+    graph.eliminate_dead_code()
+    graph.lint()
+    gm.recompile()
+    return gm, tuple(f"kv.{b.name}" for b in stage.buffers)
+
+
+def _is_buffer_narrow(node: Any, buffers: set[str]) -> bool:
+    return (isinstance(node, fx.Node) and node.target is _aten.narrow.default
+            and isinstance(node.args[0], fx.Node) and node.args[0].op == "placeholder"
+            and node.args[0].name in buffers)
+
+
+def _rewrite_attention(graph: fx.Graph, node: fx.Node, buffers: set[str],
+                       new_rows: dict[str, fx.Node]) -> None:
+    args = list(node.args) + [None, False, None][len(node.args) - 5:]
+    for i, name in enumerate(("scale", "enable_gqa", "attn_mask")):
+        args[5 + i] = node.kwargs.get(name, args[5 + i])
+    query, key_view, value_view, start, causal, scale, gqa, mask = args
+    views = (key_view, value_view)
+    if not all(_is_buffer_narrow(v, buffers) for v in views) or \
+            any(v.args[2] != 0 for v in views):
+        raise ExportError(f"attention {node.name!r} reads K/V that are not a prefix of a "
+                          "K/V buffer; tppc cannot export it. fix: report the model")
+    key_buffer, value_buffer = (v.args[0] for v in views)
+    rows = [new_rows.get(b.name) for b in (key_buffer, value_buffer)]
+    if any(r is None for r in rows):
+        raise ExportError(f"attention {node.name!r} reads a buffer before its chunk's rows "
+                          "are written; tppc cannot export it. fix: report the model")
+    with graph.inserting_before(node):
+        new = graph.call_function(split_attention, (
+            query, key_buffer, value_buffer, rows[0], rows[1], start, key_view.args[3],
+            causal, scale, gqa, mask))
+    new.meta = dict(node.meta)
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+    for view in views:
+        if not view.users:
+            graph.erase_node(view)

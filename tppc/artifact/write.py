@@ -1,0 +1,186 @@
+"""Ahead-of-time artifacts: write a compiled pipeline as ``plan.json`` + one ONNX file per stage.
+
+Terms:
+    artifact: a directory holding ``plan.json`` (schema :data:`SCHEMA`) and, per stage, its
+        export graph (``stage_<s>.onnx``, weights in ``stage_<s>.onnx.data`` when large) and
+        its positional program (``stage_<s>.positional.onnx``). Each stage file holds only
+        that stage's weights; chunk start and size are inputs, so one file serves every
+        chunk of every exported length.
+    exported length: a sequence length whose chunk boundaries ``plan.json`` records (the
+        placement, i.e. which layers each stage runs, is the first length's for all).
+
+``plan.json`` also holds the wiring of every stage (what feeds each input, which outputs
+are boundary values, model outputs or new K/V rows), the K/V buffer specs, the model's
+input/output signature as JSON (no pickle) and the sha256 and size of every file.
+:func:`tppc.artifact.load.load` verifies all of it before it loads anything.
+
+Example:
+    >>> cp = tppc.compile(model, (ids,), cluster="2xcpu")                  # doctest: +SKIP
+    >>> tppc.export(cp, "out/", lengths=[128, 256])
+    >>> runner = tppc.load("out/"); runner(ids)["logits"].shape
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import onnx
+import torch
+
+from tppc.artifact.graphs import ExportError, export_stage_graph
+from tppc.artifact.load import SCHEMA, sha256_file
+from tppc.artifact.signature import model_signature
+from tppc.artifact.to_onnx import OPSET, to_onnx
+from tppc.backends.torch_distributed import token_axes as _token_axes
+from tppc.version import __version__
+
+__all__ = ["EXTERNAL_DATA_BYTES", "ExportError", "export", "lengths_arg"]
+
+EXTERNAL_DATA_BYTES = 1 << 28
+"""A stage whose weights exceed this (256 MiB) keeps them in ``stage_<s>.onnx.data``."""
+
+Progress = Callable[[str], None]
+
+
+def export(compiled: Any, path: str | os.PathLike[str], *, format: str = "onnx",
+           lengths: Iterable[int] | None = None, external_data: bool | None = None,
+           progress: Progress | None = None) -> Path:
+    """Write ``compiled`` (a :class:`tppc.CompiledPipeline`) as an artifact directory.
+
+    Args:
+        compiled: the pipeline (its planned length's placement is exported).
+        path: the directory (created; files of an earlier export are overwritten).
+        format: ``"onnx"`` (the only format).
+        lengths: sequence lengths whose chunk boundaries to record (default: the planned
+            length); lengths tppc did not plan are planned now (or refused for a given plan).
+        external_data: weights in a ``.data`` file next to each stage (default: when a
+            stage's weights exceed :data:`EXTERNAL_DATA_BYTES`).
+        progress: called with one line per stage written.
+
+    Raises:
+        ExportError: an unknown format, a program with a global epilogue, or an op the
+            ONNX translation does not support (naming the node).
+    """
+    if format != "onnx":
+        raise ExportError(f"format={format!r}: tppc exports 'onnx' only. fix: format='onnx'")
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    program = compiled.program(compiled.plan.seq_len)
+    if program.tail is not None:
+        raise ExportError(f"{compiled.model_name} has a global epilogue (a loss or pooling "
+                          "over tokens) that runs once on the whole sequence; tppc does not "
+                          "export it yet. fix: export the model without it")
+    wanted = sorted({int(n) for n in (lengths or ())} | {program.seq_len})
+    chunks = {str(n): [list(c) for c in compiled.program(n).chunks] for n in wanted}
+    files: dict[str, dict[str, Any]] = {}
+    stages = []
+    for stage in program.stages:
+        t0 = time.perf_counter()
+        entry = _write_stage(stage, program, out, external_data, files)
+        stages.append(entry)
+        if progress is not None:
+            size = sum(files[f]["size"] for f in entry["files"])
+            progress(f"stage {stage.index}: {len(stage.layers)} layers "
+                     f"({stage.layers[0]} .. {stage.layers[-1]}), {stage.param_count:,} "
+                     f"parameters, {size / 2**20:.1f} MiB, {time.perf_counter() - t0:.1f} s")
+    doc = {
+        "schema": SCHEMA,
+        "tppc_version": __version__,
+        "model": compiled.model_name,
+        "format": "onnx",
+        "opset": OPSET,
+        "cluster": compiled.options.cluster,
+        "placement": [{"stage": s.index, "device": s.device_name, "device_index":
+                       s.device_index, "layers": [s.layer_start, s.layer_end]}
+                      for s in program.plan.stages],
+        "lengths": chunks,
+        "signature": model_signature(compiled, program),
+        "stages": stages,
+        "files": files,
+    }
+    tmp = out / "plan.json.tmp"
+    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.replace(out / "plan.json")
+    return out
+
+
+def _write_stage(stage: Any, program: Any, out: Path, external: bool | None,
+                 files: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    gm, kv_names = export_stage_graph(stage)
+    last = not stage.boundary_out
+    outputs = tuple(f"output.{j}" for j in range(len(program.signature.output_axes))) \
+        if last else tuple(f"boundary.{n}" for n in stage.boundary_out)
+    model = to_onnx(gm, sym_name="chunk", name=f"stage_{stage.index}",
+                    output_names=(*outputs, *kv_names))
+    name = f"stage_{stage.index}.onnx"
+    written = _save(model, out, name, external, stage.param_bytes)
+    pos_name: str | None = None
+    pos_inputs = list(stage.positional.graph.find_nodes(op="placeholder"))
+    constants = {p.name: p.meta.get("val") for p in pos_inputs
+                 if not isinstance(p.meta.get("val"), torch.Tensor)}
+    n_pos = _output_count(stage.positional)
+    if n_pos:  # a stage that reads no positional values has no positional program
+        pos_name = f"stage_{stage.index}.positional.onnx"
+        pos_model = to_onnx(stage.positional, sym_name="length", constants=constants,
+                            name=f"stage_{stage.index}_positional",
+                            output_names=tuple(f"positional.{i}" for i in range(n_pos)))
+        written += _save(pos_model, out, pos_name, False, 0)
+    for f in written:
+        files[f] = {"sha256": sha256_file(out / f), "size": (out / f).stat().st_size}
+    return {
+        "index": stage.index,
+        "layers": list(stage.layers),
+        "file": name,
+        "positional_file": pos_name,
+        "positional_inputs": [p.name for p in pos_inputs
+                              if n_pos and p.name not in constants],
+        "files": written,
+        "inputs": [_input(n, spec) for n, spec in stage.inputs],
+        "outputs": list(outputs),
+        "boundary_in": list(stage.boundary_in),
+        "boundary_out": list(stage.boundary_out),
+        "boundary_axes": list(_token_axes(stage)),  # read by a distributed job's receiver
+        "buffers": [{"name": b.name, "kind": b.kind, "attention": b.attention,
+                     "layer": b.layer, "axis": b.axis, "shape": list(b.shape),
+                     "dtype": str(b.dtype).removeprefix("torch."), "output": f"kv.{b.name}"}
+                    for b in stage.buffers],
+        "param_count": stage.param_count,
+        "param_bytes": stage.param_bytes,
+    }
+
+
+def _input(name: str, spec: Any) -> dict[str, Any]:
+    return {"name": name, "kind": spec.kind, "source": spec.source, "index": spec.index,
+            "axis": spec.axis}
+
+
+def _output_count(gm: torch.fx.GraphModule) -> int:
+    output = next(iter(gm.graph.find_nodes(op="output")))
+    return len(output.args[0])
+
+
+def _save(model: onnx.ModelProto, out: Path, name: str, external: bool | None,
+          weight_bytes: int) -> list[str]:
+    external = weight_bytes > EXTERNAL_DATA_BYTES if external is None else external
+    target = out / name
+    data = f"{name}.data"
+    if (out / data).exists():
+        (out / data).unlink()
+    if external:
+        onnx.save_model(model, str(target), save_as_external_data=True,
+                        all_tensors_to_one_file=True, location=data, size_threshold=1024)
+        return [name, data] if (out / data).exists() else [name]
+    onnx.save_model(model, str(target))
+    return [name]
+
+
+def lengths_arg(values: Sequence[str] | None) -> list[int] | None:
+    """``--lengths 128 256`` or ``--lengths 128,256`` of the CLI as ints."""
+    if not values:
+        return None
+    return [int(v) for item in values for v in str(item).split(",") if v]

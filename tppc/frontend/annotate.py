@@ -1,0 +1,75 @@
+"""Capture plus the annotation passes: the annotated graph every later stage starts from."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import fx
+
+from tppc.errors import PassError
+from tppc.frontend.capture import capture
+from tppc.ir.context import CompileContext
+from tppc.ir.records import TOKEN
+from tppc.passes.annotate_seq_dims import annotate_seq_dims_pass
+from tppc.passes.chunk_attention import chunk_attention_pass
+from tppc.passes.group_layers import group_layers_pass
+from tppc.passes.runner import run_passes
+
+__all__ = ["ANALYSIS_PASSES", "annotate", "annotate_program", "program_of"]
+
+ANALYSIS_PASSES = (annotate_seq_dims_pass, group_layers_pass)
+
+
+def annotate(
+    model: torch.nn.Module,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    seq_dims: Mapping[str, int | tuple[int, ...]] | None = None,
+) -> tuple[fx.GraphModule, CompileContext]:
+    """Capture ``model`` and run the annotation passes (token axes, roles, layers).
+
+    Returns:
+        The annotated GraphModule and its context (``ctx.layers`` lists the layers).
+    """
+    gm, ctx = capture(model, args, kwargs, seq_dims=seq_dims)
+    gm = run_passes(gm, ctx, ANALYSIS_PASSES)
+    return gm, ctx
+
+
+def annotate_program(
+    model: torch.nn.Module,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    seq_dims: Mapping[str, int | tuple[int, ...]] | None = None,
+) -> tuple[fx.GraphModule, CompileContext]:
+    """:func:`annotate`, then the chunk-step rewrite: the program the cost model prices.
+
+    Returns:
+        The chunk-step GraphModule (as ``FrontEnd.chunk``) and its context.
+    """
+    gm, ctx = annotate(model, args, kwargs, seq_dims=seq_dims)
+    return program_of(gm, ctx), ctx
+
+
+def program_of(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    """The chunk-step graph of an annotated graph (``chunk_attention_pass``).
+
+    For a model the emitter refuses (today: diffusion transformers whose token axis is
+    the patch grid, or that capture only in specialized mode; the pipeline does not run them
+    yet) the annotated graph itself is returned with a warning saying why, so that
+    ``tppc.plan`` and the cost report can still price the model.
+    """
+    try:
+        return run_passes(gm, ctx, [chunk_attention_pass])
+    except PassError as exc:
+        if not any(n.meta.get(TOKEN) is not None and n.meta[TOKEN].attention == "bidirectional"
+                   for n in gm.graph.nodes):
+            raise
+        warnings.warn(f"pricing the annotated graph of {ctx.model_name}: the chunk-step "
+                      f"emitter refuses it ({exc})", stacklevel=2)
+        return gm

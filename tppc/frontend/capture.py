@@ -1,0 +1,235 @@
+"""Capture a model as an fx graph whose shapes carry the sequence length as a sympy symbol.
+
+Terms:
+    sequence axis: the axis of an input that grows with the sequence (``input_ids`` axis 1;
+        a DiT latent's height, whose patch rows become the token axis).
+    sequence symbol: the sympy symbol torch.export gives that axis (``s70``), shared by
+        every sequence axis.
+
+Strategies, tried in order (``ctx.capture_mode`` records the one that worked):
+    ``dynamic``: torch.export with one ``Dim`` on every sequence axis (latents: height only).
+    ``dynamic-square``: latents whose height and width share the ``Dim`` (square images).
+    ``specialized``: every strategy above exported, but torch.export guarded the sequence
+        size to its example value (diffusers' DiT computes its patch grid with ``sqrt``).
+        The graph's shapes are still symbolic, so annotation and costing work; the graph
+        itself only runs at the example length, and ``ctx.specialization`` says why.
+
+When torch.export fails, the :class:`CaptureError` carries tppc's diagnosis (the construct,
+the user frame, the fix) on top of torch.export's error in full.
+
+Example:
+    >>> gm, ctx = capture(model, (input_ids,))          # doctest: +SKIP
+    >>> ctx.seq_symbol, ctx.capture_mode
+    (s70, 'dynamic')
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import fx
+
+from tppc.errors import CaptureError
+from tppc.frontend.torch_export import export_dynamic, is_latent
+from tppc.ir.context import CompileContext
+
+__all__ = ["bind_inputs", "capture"]
+
+
+_MANAGED_KWARGS = {"use_cache": False}
+"""Keyword arguments tppc sets itself when the model's forward accepts them."""
+
+
+def capture(
+    model: torch.nn.Module,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    seq_dims: Mapping[str, int | tuple[int, ...]] | None = None,
+    max_seq: int | None = None,
+) -> tuple[fx.GraphModule, CompileContext]:
+    """Capture ``model`` with a symbolic sequence length.
+
+    Args:
+        model: the module to capture (in eval mode; it is not modified).
+        args: example positional inputs.
+        kwargs: example keyword inputs; ``use_cache`` is set to False by tppc.
+        seq_dims: input name -> sequence axis (or axes); found automatically when None.
+        max_seq: largest sequence length the graph must accept (default: 64 × the example).
+
+    Returns:
+        The captured GraphModule (runnable with the same inputs) and its context.
+
+    Raises:
+        CaptureError: naming the construct that failed and what to do.
+    """
+    start = time.perf_counter()
+    bound = bind_inputs(model, args, dict(kwargs or {}))
+    axes = _resolve_seq_dims(model, bound, seq_dims)
+    patch = _patch_size(model)
+    fallback: tuple[fx.GraphModule, CompileContext] | None = None
+    for mode in _strategies(bound, axes):
+        try:
+            gm, ctx = export_dynamic(model, bound, axes, patch, mode=mode, max_seq=max_seq)
+        except CaptureError:
+            if fallback is None:
+                raise
+            break  # a more general strategy failed: keep the specialised capture
+        ctx.model_name = type(model).__name__
+        ctx.capture_seconds = time.perf_counter() - start
+        _describe_streams(model, ctx, bound, axes, patch)
+        if ctx.specialization is None:
+            return gm, ctx
+        fallback = (gm, ctx)  # the last strategy is the most general one
+    assert fallback is not None
+    ctx = fallback[1]
+    ctx.capture_mode = "specialized"
+    ctx.specialized_to = {name: tuple(bound.arguments[name].shape) for name in axes}
+    return fallback
+
+
+def _describe_streams(model: torch.nn.Module, ctx: CompileContext, bound: inspect.BoundArguments,
+                      axes: dict[str, tuple[int, ...]], patch: int) -> None:
+    """Record the patch grid of a latent input and the context-stream inputs on ``ctx``."""
+    tensors = {k: v for k, v in bound.arguments.items() if isinstance(v, torch.Tensor)}
+    ctx.context_inputs = tuple(n for n, t in tensors.items()
+                               if n not in axes and t.dim() >= 2 and t.numel() > 1)
+    ctx.example_values = {n: t.detach() for n, t in tensors.items() if t.device.type != "meta"
+                          and (n in ctx.context_inputs or not t.is_floating_point())}
+    for name, dims in axes.items():
+        t = tensors[name]
+        if is_latent(t, dims):
+            ctx.patch_size = patch
+            rows, cols = int(t.shape[-2]) // patch, int(t.shape[-1]) // patch
+            channels = getattr(getattr(model, "config", None), "in_channels", None)
+            frames = [] if t.dim() == 4 else [int(t.shape[1 if t.shape[2] == channels else 2])]
+            ctx.patch_grid = (*frames, rows, cols)
+            return
+
+
+def bind_inputs(model: torch.nn.Module, args: tuple, kwargs: dict) -> inspect.BoundArguments:
+    """Bind inputs to ``model.forward``, setting the kwargs tppc manages (``use_cache``)."""
+    sig = inspect.signature(model.forward)
+    for name, value in _MANAGED_KWARGS.items():
+        if name in sig.parameters:
+            if kwargs.get(name, value) != value:
+                raise CaptureError(
+                    f"{name}={kwargs[name]!r} was passed to {type(model).__name__}; tppc manages "
+                    f"the key/value cache itself. fix: drop {name}= (tppc passes {name}={value})"
+                )
+            kwargs[name] = value
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise CaptureError(
+            f"example inputs do not match {type(model).__name__}.forward{sig}: {exc}"
+        ) from exc
+    return bound
+
+
+def _resolve_seq_dims(
+    model: torch.nn.Module,
+    bound: inspect.BoundArguments,
+    seq_dims: Mapping[str, int | tuple[int, ...]] | None,
+) -> dict[str, tuple[int, ...]]:
+    tensors = {k: v for k, v in bound.arguments.items() if isinstance(v, torch.Tensor)}
+    if seq_dims is not None:
+        out: dict[str, tuple[int, ...]] = {}
+        for name, dims in seq_dims.items():
+            if name not in tensors:
+                raise CaptureError(
+                    f"seq_dims names input {name!r}, but the tensor inputs of "
+                    f"{type(model).__name__}.forward are {sorted(tensors)}; fix: use one of those"
+                )
+            dims_t = (dims,) if isinstance(dims, int) else tuple(dims)
+            rank = tensors[name].dim()
+            for d in dims_t:
+                if not -rank <= d < rank:
+                    raise CaptureError(
+                        f"seq_dims[{name!r}] = {d}, but {name} has rank {rank} "
+                        f"(shape {tuple(tensors[name].shape)}); fix: an axis in 0..{rank - 1}"
+                    )
+            out[name] = tuple(d % rank for d in dims_t)
+        return out
+    out = {name: dims for name, t in tensors.items()
+           if (dims := _stream_axes(name, t)) is not None}
+    if not out:
+        shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+        raise CaptureError(
+            f"no sequence axis found among the inputs of {type(model).__name__} {shapes}; "
+            "tppc looks for token ids (batch, seq), embeddings (batch, seq, hidden), image "
+            "latents (batch, channels, height, width) or video latents (batch, frames, "
+            "channels, height, width). fix: pass seq_dims={'input': axis}"
+        )
+    return _tie_to_main(out, tensors, _patch_size(model))
+
+
+_CONTEXT_NAME = re.compile(r"encoder|text|txt|prompt|caption|context|pooled|cond|added|mask_t5",
+                           re.IGNORECASE)
+"""Input names of the context stream (text conditioning): never a sequence axis."""
+
+
+def _stream_axes(name: str, t: torch.Tensor) -> tuple[int, ...] | None:
+    """The sequence axis of an input of the token stream, or None (context, scalars)."""
+    if _CONTEXT_NAME.search(name):
+        return None  # encoder_hidden_states, text masks, pooled projections, txt_ids
+    if t.dim() == 2 and not t.is_floating_point() and t.shape[1] > 1:
+        return (1,)  # token ids, position ids, attention masks: (batch, seq)
+    if t.dim() == 4 and t.is_floating_point():
+        return (2,)  # image latents (b, c, h, w): patch rows are the token axis
+    if t.dim() == 5 and t.is_floating_point():
+        return (3,)  # video latents (b, f, c, h, w) or (b, c, f, h, w): patch rows
+    if t.dim() == 3 and t.is_floating_point() and t.shape[1] > 1:
+        return (1,)  # embeddings or packed latents (b, seq, hidden)
+    return None
+
+
+def _tie_to_main(found: dict[str, tuple[int, ...]], tensors: dict[str, torch.Tensor],
+                 patch: int) -> dict[str, tuple[int, ...]]:
+    """Keep the axes as long as the main (first) stream's; the others are context inputs.
+
+    The main stream is the first input with a sequence axis; an input whose axis has another
+    length (a text prompt of 6 tokens next to 16 image patches) is conditioning whose length
+    stays constant, never tied to the image's.
+    """
+    main = next(iter(found))
+    units = _units(tensors[main], found[main], patch)
+    kept = {n: d for n, d in found.items() if _units(tensors[n], d, patch) == units}
+    token_count = _tokens(tensors[main], found[main], patch)
+    for name, t in tensors.items():  # position ids of packed latents (Flux's img_ids)
+        if t.dim() == 2 and t.is_floating_point() and t.shape[0] == token_count \
+                and not _CONTEXT_NAME.search(name) and name not in kept:
+            kept[name] = (0,)
+    return kept
+
+
+def _units(t: torch.Tensor, dims: tuple[int, ...], patch: int) -> int:
+    size = int(t.shape[dims[0]])
+    return size // patch if is_latent(t, dims) else size
+
+
+def _tokens(t: torch.Tensor, dims: tuple[int, ...], patch: int) -> int:
+    if is_latent(t, dims):
+        return int(t.shape[-1] * t.shape[-2]) // patch**2
+    return int(t.shape[dims[0]])
+
+
+def _patch_size(model: torch.nn.Module) -> int:
+    for owner in (getattr(model, "config", None), model):
+        p = getattr(owner, "patch_size", None)
+        if isinstance(p, int) and p > 0:
+            return p
+    return 1
+
+
+def _strategies(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]]) -> list[str]:
+    for name, dims in axes.items():
+        t = bound.arguments[name]
+        if is_latent(t, dims) and t.shape[-2] == t.shape[-1]:
+            return ["dynamic", "dynamic-square"]
+    return ["dynamic"]

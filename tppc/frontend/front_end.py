@@ -1,0 +1,199 @@
+"""The captured side of a pipeline: graphs of one batch shape, and binding call inputs to them.
+
+Terms:
+    front end: the annotated graph, the chunk-step graph and the compile context of one
+        capture (:class:`FrontEnd`). Captured graphs fix every axis but the sequence axes,
+        so a call with another batch size is captured again (cached per batch shape).
+    batch shape: the sizes of every tensor input with its sequence axes left out; calls
+        that differ from a front end's only on axis 0 (the batch) get their own front end,
+        and so do calls with other keyword inputs (``generate`` adds ``position_ids`` to a
+        model compiled with ``attention_mask``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+from tppc.errors import CaptureError, RuntimeInputError
+from tppc.frontend.capture import bind_inputs, capture
+from tppc.ir.context import CompileContext
+from tppc.ir.records import CHUNK_SIGNATURE, TOKEN
+from tppc.passes.annotate_seq_dims import annotate_seq_dims_pass
+from tppc.passes.chunk_attention import ChunkSignature, chunk_attention_pass
+from tppc.passes.group_layers import group_layers_pass
+from tppc.passes.runner import run_passes
+from tppc.program.state import StatePool
+
+__all__ = ["BoundCall", "FrontEnd", "batch_shape", "bind", "capture_front_end",
+           "input_structure"]
+
+BatchShape = tuple[tuple[int | None, ...] | None, ...]
+
+
+@dataclass(frozen=True)
+class FrontEnd:
+    """One capture of the model (see the module docstring).
+
+    Attributes:
+        annotated: the annotated, grouped graph (what the cost model prices).
+        chunk: the chunk-step graph.
+        ctx: its compile context.
+        signature: the chunk step's signature.
+        batch: its batch shape.
+        bidirectional: names of its bidirectional attention nodes (their calls run as one
+            chunk: exact, see DESIGN.md "Token semantics").
+        pool: idle call states for this batch shape.
+    """
+
+    annotated: fx.GraphModule
+    chunk: fx.GraphModule
+    ctx: CompileContext
+    signature: ChunkSignature
+    batch: BatchShape
+    bidirectional: tuple[str, ...]
+    pool: StatePool
+
+    @property
+    def key(self) -> tuple[str, BatchShape]:
+        """Cache key: the input structure (which keyword inputs) and the batch shape."""
+        return (repr(self.signature.in_spec), self.batch)
+
+    @property
+    def placeholders(self) -> list[fx.Node]:
+        """The captured graph's user inputs, in flat order."""
+        return list(self.annotated.graph.find_nodes(op="placeholder"))
+
+
+@dataclass(frozen=True)
+class BoundCall:
+    """Call inputs bound to a front end: flat inputs, sequence length, batch shape."""
+
+    flat: list[Any]
+    length: int
+    batch: BatchShape
+
+
+def capture_front_end(model: torch.nn.Module, args: tuple[Any, ...],
+                      kwargs: Mapping[str, Any] | None, *,
+                      seq_dims: Mapping[str, int | tuple[int, ...]] | None,
+                      keep_states: int) -> FrontEnd:
+    """Capture, annotate, group and chunk ``model`` for inputs shaped like ``args``."""
+    gm, ctx = capture(model, args, kwargs, seq_dims=seq_dims)
+    annotated = run_passes(gm, ctx, [annotate_seq_dims_pass, group_layers_pass])
+    chunk = run_passes(annotated, ctx, [chunk_attention_pass])
+    flat = _flat(model, args, kwargs or {})
+    bidirectional = tuple(n.name for n in annotated.graph.nodes
+                          if n.meta.get(TOKEN) is not None
+                          and n.meta[TOKEN].attention == "bidirectional")
+    return FrontEnd(annotated=annotated, chunk=chunk, ctx=ctx,
+                    signature=chunk.meta[CHUNK_SIGNATURE],
+                    batch=batch_shape(flat, ctx, [p.name for p in
+                                                  annotated.graph.find_nodes(op="placeholder")]),
+                    bidirectional=bidirectional, pool=StatePool(keep_states))
+
+
+def batch_shape(flat: list[Any], ctx: CompileContext, names: list[str]) -> BatchShape:
+    """The sizes of each flat tensor input without its sequence axes (None: not a tensor)."""
+    out: list[tuple[int | None, ...] | None] = []
+    for name, value in zip(names, flat):
+        if not isinstance(value, torch.Tensor):
+            out.append(None)
+            continue
+        seq = ctx.seq_inputs.get(name, ())
+        out.append(tuple(None if i in seq else int(s) for i, s in enumerate(value.shape)))
+    return tuple(out)
+
+
+def bind(front: FrontEnd, model: torch.nn.Module, args: tuple[Any, ...],
+         kwargs: Mapping[str, Any]) -> BoundCall:
+    """Bind and check call inputs against ``front``; only the batch axis may differ.
+
+    Raises:
+        RuntimeInputError: naming the input, what it is, what was compiled, and the fix.
+    """
+    flat = _flat(model, args, kwargs)
+    signature = front.signature
+    _, spec = pytree.tree_flatten(_bound(model, args, kwargs))
+    if signature.in_spec is not None and spec != signature.in_spec:
+        raise RuntimeInputError(
+            f"inputs of {type(model).__name__} have structure {spec}, the pipeline was "
+            f"compiled for {signature.in_spec}. fix: pass the inputs used at compile time")
+    lengths = {}
+    placeholders = front.placeholders
+    for ph, value in zip(placeholders, flat):
+        seq = front.ctx.seq_inputs.get(ph.name, ())
+        check_input(ph, value, skip_axes=(0,) if 0 not in seq else ())
+        for axis in seq:
+            lengths[ph.name] = int(value.shape[axis]) // _rows_per_unit(ph, axis)
+    if len(set(lengths.values())) != 1:
+        raise RuntimeInputError(f"sequence inputs disagree in length: {lengths}. fix: give "
+                                "every sequence input the same number of tokens")
+    length = next(iter(lengths.values()))
+    if length < 1:
+        raise RuntimeInputError("the sequence has 0 tokens. fix: pass at least one token")
+    names = [p.name for p in placeholders]
+    return BoundCall(flat=flat, length=length, batch=batch_shape(flat, front.ctx, names))
+
+
+def input_structure(model: torch.nn.Module, args: tuple[Any, ...],
+                    kwargs: Mapping[str, Any]) -> str:
+    """The call's input structure as :attr:`FrontEnd.key` spells it."""
+    return repr(pytree.tree_flatten(_bound(model, args, kwargs))[1])
+
+
+def _rows_per_unit(ph: fx.Node, axis: int) -> int:
+    """Positions of an input's sequence axis per unit of the symbol (a latent's patch size)."""
+    size = ph.meta["val"].shape[axis]
+    if not isinstance(size, torch.SymInt):
+        return 1
+    expr = size.node.expr
+    coeff = expr.as_coeff_Mul()[0]
+    return int(coeff) if expr.is_Mul and coeff.is_Integer and coeff > 0 else 1
+
+
+def _bound(model: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    try:
+        bound = bind_inputs(model, tuple(args), dict(kwargs))
+    except CaptureError as exc:
+        raise RuntimeInputError(str(exc)) from exc
+    return (bound.args, bound.kwargs)
+
+
+def _flat(model: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+          ) -> list[Any]:
+    return pytree.tree_flatten(_bound(model, args, kwargs))[0]
+
+
+def check_input(ph: fx.Node, value: Any, *, skip_axes: tuple[int, ...] = ()) -> None:
+    """Check one flat input against its captured placeholder (type, dtype, rank, sizes).
+
+    ``skip_axes``: static axes not checked (the batch axis, which is re-captured).
+
+    Raises:
+        RuntimeInputError: naming the input, what it is, what was compiled, and the fix.
+    """
+    val = ph.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        if val is not None and value != val:
+            raise RuntimeInputError(f"input {ph.name!r} is {value!r}, compiled with {val!r}. "
+                                    f"fix: pass {ph.name}={val!r}")
+        return
+    if not isinstance(value, torch.Tensor):
+        raise RuntimeInputError(f"input {ph.name!r} must be a tensor, got {type(value).__name__}")
+    if value.dtype != val.dtype or value.dim() != val.dim():
+        raise RuntimeInputError(
+            f"input {ph.name!r} is {value.dtype} of rank {value.dim()}, compiled for "
+            f"{val.dtype} of rank {val.dim()}. fix: pass a {val.dtype} tensor of rank "
+            f"{val.dim()}")
+    for axis, (got, want) in enumerate(zip(value.shape, val.shape)):
+        if axis not in skip_axes and not isinstance(want, torch.SymInt) and got != int(want):
+            raise RuntimeInputError(
+                f"input {ph.name!r} has size {got} on axis {axis} (shape "
+                f"{tuple(value.shape)}), compiled for {int(want)}. fix: pass inputs of the "
+                f"compiled shape (only the batch and the sequence axes may change)")

@@ -1,0 +1,250 @@
+"""torch.export with a symbolic sequence length, specialisation checks and readable errors."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import traceback
+from typing import Any
+
+import sympy
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+from tppc.errors import CaptureError
+from tppc.ir.context import CompileContext
+
+__all__ = ["example_units", "export_dynamic", "is_latent"]
+
+_DEFAULT_MAX_FACTOR = 64
+
+
+def export_dynamic(
+    model: torch.nn.Module,
+    bound: inspect.BoundArguments,
+    axes: dict[str, tuple[int, ...]],
+    patch: int,
+    *,
+    mode: str,
+    max_seq: int | None,
+) -> tuple[fx.GraphModule, CompileContext]:
+    """Export with one shared ``Dim`` on every sequence axis; check it was not specialised.
+
+    Returns the unlifted, runnable GraphModule (parameters as ``get_attr``) and a context
+    whose ``specialization`` is set when torch.export fixed the sequence size.
+    """
+    units = example_units(bound, axes, patch)
+    upper = max_seq or max(units * _DEFAULT_MAX_FACTOR, 4096)
+    dim = torch.export.Dim("seq", min=2, max=max(upper, units + 1))
+    shapes = _dynamic_shapes(bound, axes, dim, patch, square=mode == "dynamic-square")
+    try:
+        ep, pinned = _export(model, bound, shapes), None
+    except CaptureError:
+        raise
+    except Exception as exc:  # torch raises many types; we name the construct
+        if not re.search(_PINNED, str(exc)):
+            raise CaptureError(_explain(model, exc)) from exc
+        try:  # the model pins the size: keep the shapes symbolic, run at the example only
+            ep = _export(model, bound, shapes, deferred=True)
+        except Exception:
+            raise CaptureError(_explain(model, exc)) from exc
+        pinned = f"torch.export: {str(exc).strip().splitlines()[0]} ({_pinned_line(exc)})"
+    gm = ep.module()
+    guard = pinned or _check_guards(gm, bound, axes, patch, mode == "dynamic-square", units)
+    _drop_guards(gm)
+    symbol = _seq_symbol(gm, axes)
+    if symbol is None:
+        guard = guard or "the sequence axis became a constant"
+        symbol = sympy.Symbol("s", positive=True, integer=True)
+    ctx = CompileContext(
+        seq_symbol=symbol,
+        example_seq=units,
+        seq_inputs=dict(axes),
+        capture_mode=mode,  # type: ignore[arg-type]
+        specialization=guard,
+        input_names=tuple(n.name for n in gm.graph.nodes if n.op == "placeholder"),
+    )
+    return gm, ctx
+
+
+def _export(model: torch.nn.Module, bound: inspect.BoundArguments, shapes: dict[str, Any],
+            *, deferred: bool = False) -> torch.export.ExportedProgram:
+    """torch.export; ``deferred`` turns size guards into runtime asserts instead of failing."""
+    return torch.export.export(model, bound.args, bound.kwargs, dynamic_shapes=shapes,
+                               strict=False, prefer_deferred_runtime_asserts_over_guards=deferred)
+
+
+_PINNED = r"Constraints violated|specialized it to be a constant"
+
+
+def _pinned_line(exc: Exception) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if "specialized" in ln]
+    return lines[0].lstrip("- ") if lines else "the model code fixed it"
+
+
+def example_units(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]],
+                  patch: int) -> int:
+    """The example's sequence length in units (tokens, or patch rows of a latent)."""
+    sizes: dict[str, int] = {}
+    for name, dims in axes.items():
+        t = bound.arguments[name]
+        for d in dims:
+            size = int(t.shape[d])
+            if is_latent(t, dims):
+                if size % patch:
+                    raise CaptureError(
+                        f"input {name!r} axis {d} has size {size}, not a multiple of the patch "
+                        f"size {patch}; fix: pad the latent to a multiple of {patch}"
+                    )
+                size //= patch
+            sizes[f"{name}[{d}]"] = size
+    if len(set(sizes.values())) != 1:
+        raise CaptureError(
+            f"sequence axes disagree in length: {sizes}; every sequence axis must have the "
+            "same length. fix: pass seq_dims= naming only the axes that grow with the sequence"
+        )
+    units = next(iter(sizes.values()))
+    if units < 2:
+        raise CaptureError(
+            f"the example sequence has length {units}; torch.export specialises lengths 0 and "
+            "1. fix: capture with an example of at least 2 tokens"
+        )
+    return units
+
+
+def is_latent(t: torch.Tensor, dims: tuple[int, ...]) -> bool:
+    """Whether ``t`` is a latent whose height (in patch rows) is the sequence axis.
+
+    Image latents ``(b, c, h, w)`` (axis 2) or video latents ``(b, f, c, h, w)`` /
+    ``(b, c, f, h, w)`` (axis 3); the width is the last axis in both.
+    """
+    return t.is_floating_point() and dims == (t.dim() - 2,) and t.dim() in (4, 5)
+
+
+def _dynamic_shapes(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]],
+                    dim: Any, patch: int, *, square: bool) -> dict[str, Any]:
+    shapes: dict[str, Any] = {}
+    sig = bound.signature
+    for name, value in bound.arguments.items():
+        kind = sig.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            shapes[name] = {k: _spec_for(k, v, axes, dim, patch, square) for k, v in value.items()}
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            shapes[name] = tuple(None for _ in value)
+        else:
+            shapes[name] = _spec_for(name, value, axes, dim, patch, square)
+    return shapes
+
+
+def _spec_for(name: str, value: Any, axes: dict[str, tuple[int, ...]], dim: Any, patch: int,
+              square: bool) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return pytree.tree_map(lambda _: None, value) if isinstance(value, list | tuple | dict) \
+            else None
+    if name not in axes:
+        return None
+    if is_latent(value, axes[name]):
+        height = value.dim() - 2
+        spec = {height: patch * dim if patch > 1 else dim}
+        if square:
+            spec[height + 1] = spec[height]
+        return spec
+    return dict.fromkeys(axes[name], dim)
+
+
+def _check_guards(gm: fx.GraphModule, bound: inspect.BoundArguments,
+                  axes: dict[str, tuple[int, ...]], patch: int, square: bool,
+                  units: int) -> str | None:
+    """Run the export's input guards on meta inputs one sequence unit longer."""
+    guards = getattr(gm, "_guards_fn", None)
+    if guards is None:
+        return None
+
+    def grow(name: str, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or name not in axes:
+            return value
+        shape = list(value.shape)
+        step = patch if is_latent(value, axes[name]) else 1
+        grown = list(axes[name]) + ([value.dim() - 1] if square and is_latent(value, axes[name])
+                                    else [])
+        for d in grown:
+            shape[d] += step
+        return torch.empty(shape, dtype=value.dtype, device="meta")
+
+    args = tuple(grow(n, v) for n, v in zip(bound.signature.parameters, bound.args))
+    kwargs = {k: grow(k, v) for k, v in bound.kwargs.items()}
+    flat, _ = pytree.tree_flatten((args, kwargs))
+    try:
+        guards(*flat)
+    except Exception as exc:
+        return f"{exc} (at a sequence length of {units + 1} instead of {units})"
+    return None
+
+
+def _drop_guards(gm: fx.GraphModule) -> None:
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn":
+            gm.graph.erase_node(node)
+    if hasattr(gm, "_guards_fn"):
+        delattr(gm, "_guards_fn")
+    gm.recompile()
+
+
+def _seq_symbol(gm: fx.GraphModule, axes: dict[str, tuple[int, ...]]) -> sympy.Symbol | None:
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" or node.name not in axes:
+            continue
+        val = node.meta.get("val")
+        for d in axes[node.name]:
+            size = val.shape[d]
+            if isinstance(size, torch.SymInt):
+                free = sorted(size.node.expr.free_symbols, key=str)
+                if free:
+                    return free[0]
+    return None
+
+
+_DATA_DEPENDENT = r"GuardOnDataDependentSymNode|data-dependent|Could not guard on data-dependent"
+_CACHE = r"cache|past_key_values|DynamicCache"
+_HINTS: list[tuple[str, str, str]] = [
+    (_DATA_DEPENDENT,
+     "data-dependent control flow (a Python branch or size that depends on tensor values)",
+     "replace the branch with torch.where / torch.cond, or move it out of forward"),
+    (r"Unsupported|not supported|NotImplementedError|No registered",
+     "an operation torch.export does not support",
+     "rewrite that operation with standard torch ops, or capture a submodule without it"),
+    (r"Constraints violated|specializ",
+     "the sequence length was fixed to its example value by the model code",
+     "avoid int()/math on sizes, or pass seq_dims= with the right axes"),
+    (_CACHE,
+     "a key/value cache object in the inputs or outputs",
+     "do not pass past_key_values; tppc builds its own K/V buffers"),
+]
+
+
+def _hint(exc: Exception) -> tuple[str, str, str] | None:
+    """The first entry of ``_HINTS`` whose pattern matches the error, or None."""
+    text = f"{type(exc).__name__}: {exc}"
+    return next((h for h in _HINTS if re.search(h[0], text, flags=re.IGNORECASE)), None)
+
+
+def _explain(model: torch.nn.Module, exc: Exception) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    where = _user_frame(exc)
+    hint = _hint(exc)
+    if hint is not None:
+        _pattern, what, fix = hint
+        return (f"torch.export could not capture {type(model).__name__}: {what}{where}.\n"
+                f"fix: {fix}.\ntorch.export's error, in full:\n{text.strip()}")
+    return (f"torch.export could not capture {type(model).__name__}{where}.\n"
+            "fix: make the failing construct exportable (see torch.export's error below), or "
+            f"capture a submodule without it.\ntorch.export's error, in full:\n{text.strip()}")
+
+
+def _user_frame(exc: Exception) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    for frame in reversed(frames):
+        if "/torch/" not in frame.filename and "/tppc/" not in frame.filename:
+            return f" at {frame.filename}:{frame.lineno} ({frame.line})"
+    return ""

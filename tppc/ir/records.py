@@ -1,0 +1,279 @@
+"""Node-meta keys written by tppc passes and the frozen records stored under them.
+
+Terms:
+    sequence symbol: the sympy symbol of the dynamic sequence dimension in ``meta["val"]``.
+    token axis: the axis of a value whose size is a non-constant function of that symbol.
+    role: how a node relates to the token axis (see :data:`Role`).
+    layer: one repeated block (``block``), or the code before (``prologue``) or after
+        (``epilogue``) the blocks.
+
+Annotations live only in ``node.meta`` under the keys below; passes never set attributes
+on ``fx.Node`` objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import sympy
+import torch
+
+__all__ = [
+    "CHUNK_INPUT",
+    "CHUNK_SIGNATURE",
+    "LAYER",
+    "PART",
+    "STAGE_INFO",
+    "TOKEN",
+    "AttentionKind",
+    "ChunkInput",
+    "ChunkSignature",
+    "InputKind",
+    "KVBuffer",
+    "LayerInfo",
+    "LayerKind",
+    "MaskSpec",
+    "Role",
+    "StageInfo",
+    "TokenInfo",
+    "layer_of",
+]
+
+TOKEN = "tppc.token"
+"""Key of a :class:`TokenInfo`: the node's role and the token axis of its value."""
+
+LAYER = "tppc.layer"
+"""Key of the layer name (``str``) that a node belongs to, written by ``group_layers``."""
+
+Role = Literal["const", "positional", "token", "mixing", "global"]
+"""const: no token dependence (weights, timestep/class conditioning);
+positional: depends on positions only (arange, position ids, rope tables, masks);
+token: row-wise along the token axis (linear, norm, activation, residual add);
+mixing: attention over the token axis;
+global: needs the whole sequence (pooling, a reshape that breaks the token order, loss)."""
+
+AttentionKind = Literal["causal", "bidirectional"]
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """An attention mask that tppc rebuilds per chunk from O(L) data, never ``L × L``.
+
+    Query ``i`` sees key ``j`` when the attention's kind allows it (causal: ``j ≤ i``), and
+    ``i - j < window`` (when set), and ``key_valid[b, j] != 0`` (when set).
+
+    Attributes:
+        window: a causal sliding window of this many keys (the query's own included).
+        key_valid: name of the user input (``attention_mask``) whose nonzero entries mark
+            the keys every query may see (padding masks).
+    """
+
+    window: int | None = None
+    key_valid: str | None = None
+LayerKind = Literal["prologue", "block", "epilogue"]
+
+
+@dataclass(frozen=True)
+class TokenInfo:
+    """Role of a node and the token axis of its value.
+
+    Attributes:
+        role: one of :data:`Role`.
+        axis: the token axis of the node's (first) tensor value, or None.
+        axis_size: that axis' size as a sympy expression of the sequence symbol, or None.
+        other_axes: further axes whose size depends on the sequence (a mask's key axis).
+        attention: for ``mixing`` nodes, whether the attention is causal or bidirectional.
+        module: the innermost module path of the node (``""`` at top level).
+        mask: for ``mixing`` nodes, the structured mask (window, padding) that replaces the
+            model's mask in the chunk step; None: plain causal or all-visible.
+        inputs: a ``positional`` value that also depends on the *values* of integer
+            sequence inputs (a padding mask built from ``attention_mask``); it cannot be
+            evaluated from the sequence length alone.
+        prefix: length of the constant, unsplit segment at the start of the token axis: the
+            text tokens of a joint-attention MM-DiT concatenated before the image tokens
+            (``cat([text, image], dim=axis)``). The split tokens are ``axis_size - prefix``
+            positions from ``prefix`` on. A value with ``axis_size == prefix`` is the text
+            segment alone (carried with the first patch of a step, never split).
+    """
+
+    role: Role
+    axis: int | None = None
+    axis_size: sympy.Expr | None = None
+    other_axes: tuple[int, ...] = ()
+    attention: AttentionKind | None = None
+    module: str = ""
+    prefix: int = 0
+    mask: MaskSpec | None = None
+    inputs: bool = False
+
+    @property
+    def prefix_only(self) -> bool:
+        """Whether the value is a prefix segment alone (no split tokens)."""
+        return self.prefix > 0 and self.axis_size is not None and not self.axis_size.free_symbols
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """One pipeline-able layer of the graph, as found by ``group_layers``.
+
+    Attributes:
+        index: position in execution order (prologue is 0 when present).
+        name: module path of the block (``"model.layers.3"``), or ``"prologue"``/``"epilogue"``.
+        kind: prologue, block or epilogue.
+        nodes: names of the graph nodes in the layer, in graph order.
+        params: fully qualified names of the parameters and buffers the layer reads.
+        param_count: number of parameter elements (buffers excluded).
+        param_bytes: bytes of parameters and buffers.
+        attention_nodes: names of the ``mixing`` nodes in the layer.
+        attention_kinds: the kind of each attention node, in the same order.
+        inputs: names of the token values produced before the layer and used in it.
+        outputs: names of the token values produced in the layer and used after it.
+        through: names of the token values produced before the layer and used after it
+            (long skip connections, block i -> block N-i): a stage boundary inside or
+            after this layer must forward them.
+        parts: a block's two sub-layers (``<name>.attn``, ``<name>.mlp``), split at its
+            waist (:mod:`tppc.passes._waist`), where a stage boundary may also fall; empty
+            when the block has no waist. A plan that cuts the block names its parts as
+            layers.
+    """
+
+    index: int
+    name: str
+    kind: LayerKind
+    nodes: tuple[str, ...]
+    params: tuple[str, ...]
+    param_count: int
+    param_bytes: int
+    attention_nodes: tuple[str, ...]
+    attention_kinds: tuple[AttentionKind, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    through: tuple[str, ...] = ()
+    parts: tuple[LayerInfo, ...] = ()
+
+
+PART = "tppc.part"
+"""Node-meta key: the sub-layer suffix (``"attn"``/``"mlp"``) of a node of a block that has
+parts; its sub-layer is ``f"{meta[LAYER]}.{meta[PART]}"`` (see :func:`layer_of`)."""
+
+
+def layer_of(meta: dict, split: set[str] | frozenset[str] = frozenset()) -> str:
+    """The layer a node runs in: its sub-layer when its block is in ``split``, else its
+    layer (``meta[LAYER]``)."""
+    layer = meta.get(LAYER, "")
+    part = meta.get(PART)
+    return f"{layer}.{part}" if part and layer in split else layer
+
+
+CHUNK_INPUT = "tppc.chunk_input"
+"""Placeholder-meta key of a :class:`ChunkInput`."""
+
+CHUNK_SIGNATURE = "tppc.chunk_signature"
+"""``GraphModule.meta`` key of the :class:`ChunkSignature` of a chunk-step graph."""
+
+InputKind = Literal["token", "const", "chunk_start", "chunk_size", "seq_len", "positional",
+                    "key", "value", "boundary", "full", "hoisted"]
+
+
+@dataclass(frozen=True)
+class ChunkInput:
+    """What a placeholder of a chunk-step (or stage) graph receives.
+
+    Attributes:
+        kind: ``token`` (a chunk of a user input), ``const`` (a whole user input),
+            ``chunk_start`` / ``chunk_size`` / ``seq_len`` (ints), ``positional`` (a slice of
+            a frontier value), ``key`` / ``value`` (a K/V buffer), ``boundary`` (a token value
+            sent by the previous stage; only in stage graphs), ``full`` (a user input with a
+            sequence axis, whole: the key-validity mask of every position so far),
+            ``hoisted`` (a const sub-graph's value, :mod:`tppc.passes.hoist_consts`).
+        source: the user input's name, the frontier node's name, the attention node's name,
+            or the boundary value's name.
+        index: flat user-input index (token, const) or positional-program output index.
+        axis: the token axis to slice (token, positional) or the buffer's token axis.
+        shape: key/value buffers: the buffer shape with ``None`` at the token axis.
+        dtype: key/value buffers: the element type.
+        layer: key/value buffers: the layer that owns the buffer.
+        scale: positions of the token axis per unit of the sequence symbol (a DiT's patch
+            columns, a latent's patch size; 1 for LLM tokens), see
+            :mod:`tppc.passes._token_rows`.
+        prefix: the unsplit text segment before the split positions (joint attention).
+    """
+
+    kind: InputKind
+    source: str = ""
+    index: int | None = None
+    axis: int | None = None
+    shape: tuple[int | None, ...] = ()
+    dtype: torch.dtype | None = None
+    layer: str = ""
+    scale: int = 1
+    prefix: int = 0
+
+    def rows(self, start: int, end: int) -> tuple[int, int]:
+        """``(offset, count)`` of the chunk ``[start, end)`` along the token axis; the first
+        chunk (``start == 0``) carries the prefix."""
+        lo = 0 if start == 0 else self.prefix + self.scale * start
+        return lo, self.prefix + self.scale * end - lo
+
+
+STAGE_INFO = "tppc.stage_info"
+"""``GraphModule.meta`` key of the :class:`StageInfo` of a stage graph."""
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """What a stage graph is.
+
+    Attributes:
+        index: stage number.
+        layers: names of its layers.
+        inputs: names of its boundary inputs (sent by the previous stage), in order.
+        outputs: names of its boundary outputs (the last stage: ``()``; it returns the
+            model's flat outputs).
+        buffers: names of the K/V buffer placeholders it owns.
+    """
+
+    index: int
+    layers: tuple[str, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    buffers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class KVBuffer:
+    """One K or V buffer: placeholder name and its :class:`ChunkInput`."""
+
+    name: str
+    spec: ChunkInput
+
+
+@dataclass(frozen=True)
+class ChunkSignature:
+    """How to call a chunk-step graph and assemble its outputs.
+
+    Attributes:
+        user_inputs: names of the captured graph's flat user inputs, in order.
+        in_spec: pytree spec of ``(args, kwargs)`` of the model's forward.
+        out_spec: pytree spec of the model's outputs.
+        output_axes: per flat output, the token axis along which chunks are concatenated
+            (``None``: not a token value; the last chunk's value is returned).
+        frontier: names of the positional program's outputs, in order.
+        buffers: every K/V buffer, in graph order.
+        attention: names of the attention nodes, in graph order.
+        tail: True when a ``global`` epilogue (``gm.tppc_tail``) turns the full-length chunk
+            outputs into the model's outputs; False when the chunk outputs are the model's.
+        output_rows: per flat output, ``(scale, prefix)`` of its token axis (see
+            :mod:`tppc.passes._token_rows`), None where ``output_axes`` is None.
+    """
+
+    user_inputs: tuple[str, ...]
+    in_spec: Any
+    out_spec: Any
+    output_axes: tuple[int | None, ...]
+    frontier: tuple[str, ...]
+    buffers: tuple[KVBuffer, ...]
+    attention: tuple[str, ...]
+    tail: bool = False
+    output_rows: tuple[tuple[int, int] | None, ...] = ()

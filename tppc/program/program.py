@@ -1,0 +1,169 @@
+"""The emitted program of one sequence length: what every backend runs and export writes.
+
+Terms:
+    program: the stage graphs of one plan on their devices, the chunk boundaries, and how
+        every stage input is fed (the wiring). Immutable and free of per-call state: the
+        K/V buffers, positional values and fill level of a call live in a
+        :class:`tppc.program.state.CallState`, so one program serves concurrent calls.
+    stage program: one stage graph with its own parameter tensors on its device, its
+        positional program, its inputs in order (:class:`tppc.ir.records.ChunkInput` each), the K/V
+        buffers it owns (:class:`BufferSpec`) and, on the last stage, the outputs it writes
+        in place (out slots).
+    wiring: stage ``s`` receives the boundary values ``boundary_in`` from stage ``s - 1``
+        (in that order) and sends ``boundary_out`` to stage ``s + 1``; every other input is
+        fed from the call (a chunk of a user input, a positional slice, a buffer, an int).
+
+Example:
+    >>> program = build_program(chunk_gm, ctx, plan)   # tppc.driver.emit  # doctest: +SKIP
+    >>> [(st.index, st.layers, [b.name for b in st.buffers]) for st in program.stages]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+from tppc.ir.records import ChunkInput, ChunkSignature
+from tppc.program.schedule import Actions, flow_shop
+
+__all__ = ["BufferSpec", "OutSlot", "Program", "StageProgram"]
+
+
+@dataclass(frozen=True)
+class OutSlot:
+    """One output written in place (see the module docstring).
+
+    Attributes:
+        index: flat output index of the stage graph (and of the chunk-step graph).
+        axis: token axis of the output.
+        shape: full-length shape with ``None`` at the token axis.
+        dtype: element type.
+    """
+
+    index: int
+    axis: int
+    shape: tuple[int | None, ...]
+    dtype: torch.dtype
+
+    def full_shape(self, length: int) -> list[int]:
+        """The shape with ``length`` tokens on the token axis."""
+        return [length if s is None else s for s in self.shape]
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """One K or V buffer a stage owns.
+
+    Attributes:
+        name: its placeholder name in the stage graph.
+        kind: ``"key"`` or ``"value"``.
+        attention: the attention node it belongs to.
+        layer: the layer that owns it.
+        axis: its token axis.
+        shape: its shape with ``None`` at the token axis.
+        dtype: its element type.
+        scale: token rows per unit of the sequence (a DiT's patch columns; 1 for LLMs).
+        prefix: rows of the unsplit text segment before them (joint attention).
+    """
+
+    name: str
+    kind: str
+    attention: str
+    layer: str
+    axis: int
+    shape: tuple[int | None, ...]
+    dtype: torch.dtype
+    scale: int = 1
+    prefix: int = 0
+
+    def rows(self, capacity: int) -> int:
+        """Rows of the token axis for ``capacity`` units of the sequence."""
+        return self.prefix + self.scale * capacity
+
+    def allocate(self, capacity: int, device: torch.device) -> torch.Tensor:
+        """A zero buffer of ``capacity`` tokens on ``device``."""
+        shape = [self.rows(capacity) if s is None else s for s in self.shape]
+        return torch.zeros(shape, dtype=self.dtype, device=device)
+
+    def nbytes(self, capacity: int) -> int:
+        """Bytes of a buffer of ``capacity`` tokens."""
+        n = self.rows(capacity)
+        for s in self.shape:
+            n *= 1 if s is None else s
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class StageProgram:
+    """One stage (see the module docstring).
+
+    Attributes:
+        index: stage number.
+        device: where it runs.
+        layers: names of its layers.
+        module: the stage graph (its own parameter tensors on ``device``).
+        runnable: what runs: ``module``, or the last stage's copy that writes out slots.
+        positional: its positional program (frontier values at the full length).
+        inputs: ``(placeholder name, ChunkInput)`` of ``module``, in order.
+        boundary_in: names of the boundary values it receives, in order.
+        boundary_out: names of the boundary values it sends (last stage: ``()``).
+        buffers: the K/V buffers it owns.
+        out_slots: the last stage's outputs written in place, in placeholder order.
+        param_count: parameter elements it holds.
+        param_bytes: bytes of its parameters and module buffers.
+        consts: const programs feeding its ``hoisted`` inputs (:mod:`tppc.passes.hoist_consts`;
+            ``denoise`` only, else empty).
+    """
+
+    index: int
+    device: torch.device
+    layers: tuple[str, ...]
+    module: fx.GraphModule
+    runnable: fx.GraphModule
+    positional: fx.GraphModule
+    inputs: tuple[tuple[str, ChunkInput], ...]
+    boundary_in: tuple[str, ...]
+    boundary_out: tuple[str, ...]
+    buffers: tuple[BufferSpec, ...]
+    out_slots: tuple[OutSlot, ...]
+    param_count: int
+    param_bytes: int
+    consts: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True)
+class Program:
+    """The emitted program of one sequence length (see the module docstring).
+
+    Attributes:
+        plan: the :class:`tppc.planner.Plan` it was emitted for (opaque to executors).
+        seq_len: tokens per call.
+        chunks: ``(start, end)`` token ranges of one call, in order.
+        stages: one :class:`StageProgram` per stage.
+        signature: how the model's inputs and outputs map to the chunk step.
+        tail: the ``global`` epilogue run once on the full outputs, or None.
+        actions: what each stage runs, in order (:mod:`tppc.program.schedule`): the lists the
+            plan's simulation replayed, read by every executor.
+    """
+
+    plan: Any
+    seq_len: int
+    chunks: tuple[tuple[int, int], ...]
+    stages: tuple[StageProgram, ...]
+    signature: ChunkSignature
+    tail: fx.GraphModule | None
+    actions: Actions = ()
+
+    def actions_for(self, chunks: tuple[tuple[int, int], ...]) -> Actions:
+        """The actions of a call with ``chunks``: the program's own for its chunks; other
+        chunkings (a decoding step) run every chunk in order on every stage."""
+        if chunks == self.chunks and self.actions:
+            return self.actions
+        return flow_shop(chunks, len(self.stages))
+
+    def buffer_specs(self) -> tuple[BufferSpec, ...]:
+        """Every K/V buffer of the program, stage by stage."""
+        return tuple(b for st in self.stages for b in st.buffers)
