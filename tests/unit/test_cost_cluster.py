@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -64,7 +65,7 @@ def test_zero_count_is_rejected():
         Cluster.parse("0xh100-sxm")
 
 
-def test_calibration_is_cached_and_forced_on_request(tmp_path, monkeypatch):
+def test_calibration_is_cached_and_forced_on_request(tmp_path, monkeypatch, real_calibration):
     monkeypatch.setenv("TPPC_CACHE_DIR", str(tmp_path))
     calls = []
     real = calibrate_module._measure
@@ -88,7 +89,8 @@ def test_calibration_is_cached_and_forced_on_request(tmp_path, monkeypatch):
 
 
 def test_real_calibration_measures_skinny_matmuls_attention_and_overhead(tmp_path,
-                                                                         monkeypatch):
+                                                                         monkeypatch,
+                                                                         real_calibration):
     monkeypatch.setenv("TPPC_CACHE_DIR", str(tmp_path))
     spec = calibrate_module.calibrate("cpu", threads=1)
     assert spec.matrix.half_rows > 0  # a 16-row matmul is slower per FLOP than a 512-row one
@@ -96,7 +98,7 @@ def test_real_calibration_measures_skinny_matmuls_attention_and_overhead(tmp_pat
     assert 1e-7 < spec.op_overhead < 1e-3
 
 
-def test_stale_calibration_cache_is_measured_again(tmp_path, monkeypatch):
+def test_stale_calibration_cache_is_measured_again(tmp_path, monkeypatch, real_calibration):
     monkeypatch.setenv("TPPC_CACHE_DIR", str(tmp_path))
     fake = {"fp32": 1e11, "half_rows": 8.0, "attention_efficiency": 0.7, "op_overhead": 1e-6,
             "bandwidth": 2e10, "vector": 5e9, "capacity": 2.0**34}
@@ -108,6 +110,21 @@ def test_stale_calibration_cache_is_measured_again(tmp_path, monkeypatch):
     data["measured"]["fp32"] = 3e9
     path.write_text(json.dumps(data))
     assert calibrate_module.calibrate("cpu", threads=1).matrix.peak("fp32") == 1e11
+
+
+def test_a_pinned_calibration_is_used_without_measuring(tmp_path, monkeypatch):
+    pinned = json.loads((Path(__file__).parents[1] / "data" / "cpu_calibration.json").read_text())
+    pinned["2"]["measured"]["fp32"] = 1.25e11
+    path = tmp_path / "pinned.json"
+    path.write_text(json.dumps(pinned))
+    monkeypatch.setenv("TPPC_CALIBRATION", str(path))
+    monkeypatch.setattr(calibrate_module, "_measure", lambda device: pytest.fail("measured"))
+    assert calibrate_module.calibrate("cpu", co_running=2).matrix.peak("fp32") == 1.25e11
+    assert calibrate_module.calibrate("cpu").matrix.peak("fp32") == \
+        pinned["1"]["measured"]["fp32"]
+    path.write_text("{not json")
+    with pytest.raises(SpecError, match="TPPC_CALIBRATION=.*fix"):
+        calibrate_module.calibrate("cpu")
 
 
 def test_calibrate_rejects_unknown_device():

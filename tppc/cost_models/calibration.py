@@ -30,6 +30,12 @@ Results are cached as JSON in ``$TPPC_CACHE_DIR`` or ``$XDG_CACHE_HOME/tppc`` or
 ``~/.cache/tppc``, keyed by device, thread count, CPU model and torch version;
 ``force=True`` measures again. One CPU calibration takes about 2 s.
 
+A pinned calibration: ``$TPPC_CALIBRATION`` names a JSON file (a cached calibration, or a
+``{"1": {...}, "2": {...}}`` map from ``co_running`` to one) whose ``measured`` rates every
+CPU calibration returns without measuring (``force=True`` still measures). Plans then do not
+depend on this machine's speed or load: the test suite pins one (``tests/data``), and a user
+can pin the calibration measured once on an idle machine.
+
 Example:
     >>> spec = calibrate("cpu")            # doctest: +SKIP
     >>> spec.name, spec.ridge_point("fp32")  # doctest: +SKIP
@@ -411,6 +417,9 @@ def calibrate(device: str = "cpu", *, threads: int | None = 1, force: bool = Fal
     together = f"-x{co_running}" if co_running > 1 else ""
     key = f"{dev.type}{'' if dev.index is None else dev.index}-t{n_threads}{together}-" \
           f"{_slug(hw)}-torch{_slug(torch.__version__)}"
+    pinned = os.environ.get("TPPC_CALIBRATION")
+    if pinned and dev.type == "cpu" and not force:
+        return _pinned(pinned, co_running)
     path = cache_dir() / "calibration" / f"{key}.json"
     if path.exists() and not force:
         try:
@@ -440,3 +449,20 @@ def calibrate(device: str = "cpu", *, threads: int | None = 1, force: bool = Fal
     except OSError:
         pass  # read-only cache dir: the spec is still returned
     return spec
+
+
+def _pinned(path: str, co_running: int) -> DeviceSpec:
+    """The CPU spec of the pinned calibration file ``path`` (see the module docstring)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise SpecError(f"TPPC_CALIBRATION={path!r} cannot be read as JSON ({exc}). fix: point "
+                        "it at a calibration file (~/.cache/tppc/calibration/*.json) or unset "
+                        "it") from exc
+    if "measured" not in data:  # a map from co_running to calibrations
+        data = data.get(str(co_running)) or data[max(data, key=int)]
+    if data.get("schema") != _SCHEMA:
+        raise SpecError(f"TPPC_CALIBRATION={path!r} has schema {data.get('schema')!r}, this tppc "
+                        f"reads schema {_SCHEMA}. fix: calibrate again (tppc.calibrate('cpu', "
+                        "force=True)) and pin the new file")
+    return _spec_from(data["name"], data["measured"], data["description"] + " (pinned)")
