@@ -9,7 +9,7 @@ its parameter tensors (``StageProgram.param_bytes``, held before the measurement
 plus the peak resident growth (``VmHWM`` reset through ``/proc/self/clear_refs``) while it
 allocates its call state (K/V buffers, positional values), the last stage's full-length
 outputs, and runs every chunk with the threaded runtime's queue window: the chunk it runs
-and the ``QUEUE_DEPTH`` chunks after it are alive (copies of the previous stage's outputs,
+and the ``queue_depth`` chunks after it are alive (copies of the previous stage's outputs,
 computed before the measurement). Large allocations are ``mmap``-ed
 (``MALLOC_MMAP_THRESHOLD_``) so freed memory leaves the resident set.
 
@@ -65,7 +65,6 @@ def measure_stage(length: int, stage_index: int, cluster: str = "3xcpu") -> dict
 
     import tppc
     from tppc.backends.torch_local import run_stage
-    from tppc.planner.memory import QUEUE_DEPTH
     from tppc.program.state import Call, CallState
     from tppc.runtime.compiled import _new_outputs
 
@@ -97,7 +96,7 @@ def measure_stage(length: int, stage_index: int, cluster: str = "3xcpu") -> dict
         state = CallState(length)
         window: dict[int, tuple] = {}
         for i, (a, b) in enumerate(chunks):
-            for j in range(i, min(i + QUEUE_DEPTH + 1, len(chunks))):  # queue + running
+            for j in range(i, min(i + cp.options.queue_depth + 1, len(chunks))):  # queue + running
                 if j not in window:
                     window[j] = tuple(v.clone() if isinstance(v, torch.Tensor) else v
                                       for v in received[j])

@@ -317,13 +317,29 @@ def test_split_is_improved_on_the_simulated_makespan_and_stays_above_the_true_op
 
 
 def test_stage_memory_counts_weights_buffers_queued_chunks_peak_and_kept_outputs() -> None:
-    from tppc.planner.memory import QUEUE_DEPTH, stage_memory
+    from tppc.planner.memory import stage_memory
 
     t = table(num_layers=3, speeds=(1.0,), seq_len=1024, weight_bytes=1000, kv_per_token=10,
               act_per_token=7)
     layers = tuple(dataclasses.replace(lc, peak_bytes_per_token=50) for lc in t.layers[0])
     t = dataclasses.replace(t, layers=(layers,))
     chunk = 256
-    by_hand = 3 * 1000 + 3 * 10 * 1024 + 7 * 1024 + chunk * ((QUEUE_DEPTH + 1) * 7 + 50)
+    by_hand = 3 * 1000 + 3 * 10 * 1024 + 7 * 1024 + chunk * (3 * 7 + 50)  # queue_depth 2
     assert stage_memory(t, 0, 0, 3, chunk) == by_hand
     assert stage_memory(t, 0, 0, 2, chunk) == by_hand - 1000 - 10 * 1024 - 7 * 1024
+    deep = dataclasses.replace(t, queue_depth=8)  # 8 chunks may wait, 9 held at once
+    assert stage_memory(deep, 0, 0, 3, chunk) == by_hand + chunk * 6 * 7
+
+
+def test_the_memory_rule_follows_the_compiled_queue_depth() -> None:
+    """Queue depths 1, 2 and 8 hold 2, 3 and 9 chunks of boundary activations at once."""
+    import tppc
+    from tppc import examples
+
+    model, args, kwargs = examples.gpt(seq_len=64, n_layer=2)
+    mem = {q: [st.memory_bytes for st in tppc.compile(
+        model, args, kwargs, cluster="2xcpu", num_stages=2, chunks=4,
+        queue_depth=q).plan.stages] for q in (1, 2, 8)}
+    for s in range(2):
+        assert mem[1][s] < mem[2][s] < mem[8][s]
+        assert mem[8][s] - mem[2][s] == 6 * (mem[2][s] - mem[1][s])  # linear in the depth

@@ -305,7 +305,7 @@ def build_cost_table(gm: fx.GraphModule, layers: Sequence[LayerInfo],
                      seq_symbol: sympy.Symbol | None = None,
                      token_count: sympy.Expr | None = None,
                      default_attention: str = "causal", compute_dtype: str | None = None,
-                     fuse_elementwise: bool | None = None) -> CostTable:
+                     fuse_elementwise: bool | None = None, queue_depth: int = 2) -> CostTable:
     """Price every layer of the chunk-step graph on every device of a cluster.
 
     Args:
@@ -322,6 +322,8 @@ def build_cost_table(gm: fx.GraphModule, layers: Sequence[LayerInfo],
             each node's inputs.
         fuse_elementwise: vector ops fused into matmuls (no memory traffic, no launch);
             None means True on TPUs (XLA) and False elsewhere (eager torch).
+        queue_depth: chunks that may wait between two stages at run time (the memory rule
+            holds ``queue_depth + 1`` chunks of a stage's input activations).
 
     Ops without a pricing rule are priced as memory traffic only, listed in the table's
     ``unpriced_ops`` and warned about once per op name (:class:`UnpricedOpWarning`).
@@ -349,6 +351,7 @@ def build_cost_table(gm: fx.GraphModule, layers: Sequence[LayerInfo],
         seq_len=seq_len,
         causal=causal,
         unpriced_ops=tuple(sorted(unpriced)),
+        queue_depth=queue_depth,
     )
 
 

@@ -86,6 +86,9 @@ class CostTable:
             bidirectional (DiT) attention, whose cost does not depend on ``p``.
         unpriced_ops: op names the cost model has no rule for (priced as memory traffic
             only, so those layers may be under-priced); empty when every op was priced.
+        queue_depth: chunks that may wait between two stages (the runtime's
+            ``queue_depth``): a stage holds ``queue_depth + 1`` chunks of its input
+            activations at once (see :mod:`tppc.planner.memory`).
     """
 
     device_names: tuple[str, ...]
@@ -95,6 +98,7 @@ class CostTable:
     seq_len: int
     causal: bool
     unpriced_ops: tuple[str, ...] = ()
+    queue_depth: int = 2
 
     @property
     def num_devices(self) -> int:

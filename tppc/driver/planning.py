@@ -122,7 +122,8 @@ def length_planner(opts: CompileOptions) -> Planner:
         def table_at(tokens: int) -> Any:
             return build_cost_table(front.chunk, front.ctx.layers, opts.cluster, tokens,
                                     seq_symbol=front.ctx.seq_symbol,
-                                    token_count=front.ctx.token_count)
+                                    token_count=front.ctx.token_count,
+                                    queue_depth=opts.queue_depth)
 
         bounds = None
         diffusion = workload is not None and workload.kind == "diffusion"

@@ -6,11 +6,11 @@ A stage holding layers ``[lo, hi)`` with chunks of at most ``c`` tokens allocate
     Σ weights + Σ K/V bytes per token · L          (buffers at the full buffer length L)
     + outputs of the model's last layer · L         (only the stage that holds that layer)
     + max_j positional bytes_j · L                   (rope tables: once per stage)
-    + c · max_j (IN_FLIGHT · boundary bytes_j + peak bytes_j
+    + c · max_j ((q + 1) · boundary bytes_j + peak bytes_j
                  + workspace_j · min(L, MASK_ELEMENTS / c))   (attention mask of one block)
 
-``IN_FLIGHT = QUEUE_DEPTH + 1``: the chunks that may wait in the stage's input queue plus
-the one it runs; ``peak bytes`` is the largest sum of values live at once inside a layer per
+``q + 1``, ``q = CostTable.queue_depth`` (the runtime's ``queue_depth``): the chunks that may
+wait in the stage's input queue plus the one it runs; ``peak bytes`` is the largest sum of values live at once inside a layer per
 token (the MLP intermediates of a transformer block:
 :func:`tppc.cost_models.layer_memory.peak_live_bytes`). Positional values are counted once
 per stage at the largest layer's size: the runtime evaluates one positional program per
@@ -28,14 +28,7 @@ import numpy as np
 from tppc.cost_models.table import CostTable
 from tppc.ir.ops import MASK_ELEMENTS
 
-__all__ = ["IN_FLIGHT", "QUEUE_DEPTH", "memory_parts", "positional_part", "smallest_fit",
-           "stage_memory"]
-
-QUEUE_DEPTH = 2
-"""Chunks that may wait between two stages (the threaded runtime's default ``queue_depth``)."""
-
-IN_FLIGHT = QUEUE_DEPTH + 1
-"""Chunk activations a stage holds at once: its queue and the chunk it runs."""
+__all__ = ["memory_parts", "positional_part", "smallest_fit", "stage_memory"]
 
 
 def memory_parts(table: CostTable, device: int, max_chunk: int | None = None
@@ -55,7 +48,7 @@ def memory_parts(table: CostTable, device: int, max_chunk: int | None = None
     keys = table.seq_len if not max_chunk else min(table.seq_len,
                                                    max(1, MASK_ELEMENTS // max_chunk))
     transient = np.array(
-        [IN_FLIGHT * lc.act_bytes_per_token + lc.peak_bytes_per_token
+        [(table.queue_depth + 1) * lc.act_bytes_per_token + lc.peak_bytes_per_token
          + lc.workspace_bytes_per_key * keys for lc in layers], float
     )
     return static, transient
