@@ -26,15 +26,11 @@ disturbed batch is the best estimate of what the device can do. ``co_running=k``
 all of it while ``k - 1`` other threads run a stage's load, as ``k`` CPU stages of one
 pipeline do (``Cluster.parse("2xcpu")`` asks for ``k = 2``).
 
-Results are cached as JSON in ``$TPPC_CACHE_DIR`` or ``$XDG_CACHE_HOME/tppc`` or
-``~/.cache/tppc``, keyed by device, thread count, CPU model and torch version;
-``force=True`` measures again. One CPU calibration takes about 2 s.
-
-A pinned calibration: ``$TPPC_CALIBRATION`` names a JSON file (a cached calibration, or a
-``{"1": {...}, "2": {...}}`` map from ``co_running`` to one) whose ``measured`` rates every
-CPU calibration returns without measuring (``force=True`` still measures). Plans then do not
-depend on this machine's speed or load: the test suite pins one (``tests/data``), and a user
-can pin the calibration measured once on an idle machine.
+Results are cached (:mod:`.calibration_store`), keyed by device, thread count, CPU model and
+torch version; ``force=True`` measures again. One CPU calibration takes about 2 s. A pinned
+calibration (``$TPPC_CALIBRATION``, a JSON file) is returned without measuring: plans then do
+not depend on this machine's speed or load; the test suite pins one (``tests/data``), and a
+user can pin the calibration measured once on an idle machine.
 
 Example:
     >>> spec = calibrate("cpu")            # doctest: +SKIP
@@ -45,7 +41,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import platform
 import re
@@ -57,22 +52,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tppc.cost_models.calibration_store import cache_dir, pinned, read_cached, write_cached
 from tppc.cost_models.dispatch import attention_overhead, view_overhead
 from tppc.cost_models.specs import DeviceSpec, MatrixUnit, Memory, VectorUnit
 from tppc.errors import SpecError
 
 __all__ = ["cache_dir", "calibrate"]
-
-_SCHEMA = 5  # 3: half_rows, attention_efficiency, nn.Module op overhead, min timer; 4: dispatch;
-# 5: attention efficiency of tppc::chunk_attention (causal, keys visited), weight streaming
-
-
-def cache_dir() -> Path:
-    """Directory of tppc's cache (``$TPPC_CACHE_DIR``, else ``$XDG_CACHE_HOME/tppc``)."""
-    if os.environ.get("TPPC_CACHE_DIR"):
-        return Path(os.environ["TPPC_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "tppc"
 
 
 def _cpu_model() -> str:
@@ -417,17 +402,15 @@ def calibrate(device: str = "cpu", *, threads: int | None = 1, force: bool = Fal
     together = f"-x{co_running}" if co_running > 1 else ""
     key = f"{dev.type}{'' if dev.index is None else dev.index}-t{n_threads}{together}-" \
           f"{_slug(hw)}-torch{_slug(torch.__version__)}"
-    pinned = os.environ.get("TPPC_CALIBRATION")
-    if pinned and dev.type == "cpu" and not force:
-        return _pinned(pinned, co_running)
+    pin = os.environ.get("TPPC_CALIBRATION")
+    if pin and dev.type == "cpu" and not force:
+        data = pinned(pin, co_running)
+        return _spec_from(data["name"], data["measured"], data["description"] + " (pinned)")
     path = cache_dir() / "calibration" / f"{key}.json"
-    if path.exists() and not force:
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            if data.get("schema") == _SCHEMA:
-                return _spec_from(data["name"], data["measured"], data["description"])
-        except (OSError, ValueError, KeyError, SpecError):
-            pass  # unreadable cache: measure again
+    data = None if force else read_cached(path)
+    if data is not None:
+        with contextlib.suppress(KeyError, SpecError):  # a broken cache: measure again
+            return _spec_from(data["name"], data["measured"], data["description"])
     old_threads = torch.get_num_threads()
     if dev.type == "cpu" and threads is not None:
         torch.set_num_threads(threads)
@@ -440,29 +423,5 @@ def calibrate(device: str = "cpu", *, threads: int | None = 1, force: bool = Fal
     description = f"calibrated {hw}, {n_threads} thread(s), torch {torch.__version__}" + (
         f", {co_running} stages at once" if co_running > 1 else "")
     spec = _spec_from(name, measured, description)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"schema": _SCHEMA, "name": name, "description": description,
-                                   "measured": measured}, indent=2), encoding="utf-8")
-        tmp.replace(path)
-    except OSError:
-        pass  # read-only cache dir: the spec is still returned
+    write_cached(path, name, description, measured)
     return spec
-
-
-def _pinned(path: str, co_running: int) -> DeviceSpec:
-    """The CPU spec of the pinned calibration file ``path`` (see the module docstring)."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise SpecError(f"TPPC_CALIBRATION={path!r} cannot be read as JSON ({exc}). fix: point "
-                        "it at a calibration file (~/.cache/tppc/calibration/*.json) or unset "
-                        "it") from exc
-    if "measured" not in data:  # a map from co_running to calibrations
-        data = data.get(str(co_running)) or data[max(data, key=int)]
-    if data.get("schema") != _SCHEMA:
-        raise SpecError(f"TPPC_CALIBRATION={path!r} has schema {data.get('schema')!r}, this tppc "
-                        f"reads schema {_SCHEMA}. fix: calibrate again (tppc.calibrate('cpu', "
-                        "force=True)) and pin the new file")
-    return _spec_from(data["name"], data["measured"], data["description"] + " (pinned)")

@@ -1,0 +1,79 @@
+"""Where CPU and GPU calibrations are kept: the cache of measured rates, and a pinned file.
+
+Terms:
+    cache: ``$TPPC_CACHE_DIR`` or ``$XDG_CACHE_HOME/tppc`` or ``~/.cache/tppc``; one JSON
+        file per calibration key (device, threads, co-running stages, CPU model, torch).
+    pinned calibration: ``$TPPC_CALIBRATION`` names a JSON file (a cached calibration, or a
+        ``{"1": {...}, "2": {...}}`` map from ``co_running`` to one) used instead of measuring.
+    schema: the version of the measured fields; a file of another schema is measured again
+        (cache) or refused (pinned).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from tppc.errors import SpecError
+
+__all__ = ["SCHEMA", "cache_dir", "pinned", "read_cached", "write_cached"]
+
+SCHEMA = 5
+"""3: half_rows, attention_efficiency, nn.Module op overhead, min timer; 4: dispatch;
+5: attention efficiency of tppc::chunk_attention (causal, keys visited), weight streaming."""
+
+
+def cache_dir() -> Path:
+    """Directory of tppc's cache (``$TPPC_CACHE_DIR``, else ``$XDG_CACHE_HOME/tppc``)."""
+    if os.environ.get("TPPC_CACHE_DIR"):
+        return Path(os.environ["TPPC_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tppc"
+
+
+def read_cached(path: Path) -> dict[str, Any] | None:
+    """The cached calibration at ``path`` (name, description, measured), or None when it is
+    missing, unreadable or of another schema (then it is measured again)."""
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    ok = data.get("schema") == SCHEMA and isinstance(data.get("measured"), dict)
+    return data if ok and "name" in data and "description" in data else None
+
+
+def write_cached(path: Path, name: str, description: str, measured: dict[str, float]) -> None:
+    """Write a calibration to the cache (atomically; a read-only cache is skipped)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"schema": SCHEMA, "name": name, "description": description,
+                                   "measured": measured}, indent=2), encoding="utf-8")
+        tmp.replace(path)
+    except OSError:
+        pass  # read-only cache dir: the spec is still returned
+
+
+def pinned(path: str, co_running: int) -> dict[str, Any]:
+    """The pinned calibration of ``co_running`` stages in the file ``path``.
+
+    Raises:
+        SpecError: the file cannot be read, or is of another schema.
+    """
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise SpecError(f"TPPC_CALIBRATION={path!r} cannot be read as JSON ({exc}). fix: point "
+                        "it at a calibration file (~/.cache/tppc/calibration/*.json) or unset "
+                        "it") from exc
+    if "measured" not in data:  # a map from co_running to calibrations
+        data = data.get(str(co_running)) or data[max(data, key=int)]
+    if data.get("schema") != SCHEMA:
+        raise SpecError(f"TPPC_CALIBRATION={path!r} has schema {data.get('schema')!r}, this tppc "
+                        f"reads schema {SCHEMA}. fix: calibrate again (tppc.calibrate('cpu', "
+                        "force=True)) and pin the new file")
+    return data
