@@ -66,7 +66,7 @@ def measure_stage(length: int, stage_index: int, cluster: str = "3xcpu") -> dict
     import tppc
     from tppc.backends.torch_local import run_stage
     from tppc.program.state import Call, CallState
-    from tppc.runtime.compiled import _new_outputs
+    from tppc.runtime.call import new_outputs
 
     torch.set_num_threads(1)
     model = _model()
@@ -91,7 +91,7 @@ def measure_stage(length: int, stage_index: int, cluster: str = "3xcpu") -> dict
         last = stage_index == len(stages) - 1
         _reset_peak()
         base = _rss()
-        outputs = _new_outputs(stage, length, len(program.signature.output_axes)) if last else ()
+        outputs = new_outputs(stage, length, len(program.signature.output_axes)) if last else ()
         call = Call(flat, chunks, length, length, 1, outputs)
         state = CallState(length)
         window: dict[int, tuple] = {}

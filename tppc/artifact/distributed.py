@@ -21,7 +21,6 @@ Terms:
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -34,11 +33,11 @@ import torch
 import torch.distributed as dist
 
 from tppc.artifact.load import verify
-from tppc.artifact.loaded import Assembler, LoadedPipeline, unflatten
+from tppc.artifact.loaded import LoadedPipeline
+from tppc.backends import wire
 from tppc.backends.onnxruntime import OrtCall, default_threads
-from tppc.backends.torch_distributed import DistributedExecutor, recv_bytes, send_bytes
+from tppc.backends.torch_distributed import DistributedExecutor
 from tppc.errors import RuntimeInputError, SpecError, StageFailed, StageTimeout, TppcError
-from tppc.generation import DEFAULT, check_max_new_tokens, stop_tokens
 
 __all__ = ["DistributedArtifact", "load_distributed"]
 
@@ -98,70 +97,31 @@ class DistributedArtifact(LoadedPipeline):
         self._templates: list[tuple[str, list[int], int | None, int]] | None = None
         self._header_sent = False
 
-    # -- calls ----------------------------------------------------------------------------------
-    def run(self, args: Sequence[Any], inputs: dict[str, Any] | None = None, *,
-            timeout: float | None = None) -> Any:
-        """``model(*args, **inputs)`` through the job (collective; rank 0's inputs).
+    # -- the call algorithm's hooks (LoadedPipeline.run and .generate) -------------------------
+    def _execute(self, call: OrtCall, sink: Callable[[int, list[np.ndarray]], None],
+                 timeout: float | None, *, step: bool = False) -> None:
+        """This rank's stage over every chunk of ``call`` (a decoding step too).
 
         Raises:
-            RuntimeInputError: rank 0 refused the inputs (raised on every rank).
             StageTimeout: the call outlived ``timeout`` seconds (naming the stage awaited).
             StageFailed: a stage raised or died (naming it).
         """
-        flat, length = self._share(lambda: self.bind(args, inputs or {}))
-        call = self._call(flat, self.chunks(length), length, length)
-        leaves = Assembler(self.signature["outputs"], length)
-        self._pipeline(call, leaves, timeout)
-        out = self._results(leaves.leaves)
-        return None if out is None else unflatten(self.signature["out_spec"], iter(out))
+        self._pipeline(call, sink, timeout)
 
-    def generate(self, input_ids: Any, max_new_tokens: int = 20, *,
-                 eos_token_id: Any = DEFAULT, pad_token_id: Any = DEFAULT
-                 ) -> np.ndarray | None:
-        """Greedy decoding through the job (collective; rank 0's ``input_ids``): the prompt's
-        chunks pipelined, then one-token steps; the last rank broadcasts each token."""
-        gen = self.signature["generate"]
-        token, logits_at = gen.get("token_input"), gen.get("logits_output")
-
-        def check() -> tuple[list[Any], int]:
-            if token is None or logits_at is None:
-                raise RuntimeInputError("generate needs one token-id input and a per-token "
-                                        "output (logits); this artifact has neither")
-            check_max_new_tokens(max_new_tokens)
-            return self.bind((), {self.signature["inputs"][token]["name"]: input_ids})
-
-        (flat, prompt), new = self._share(check, extra=max_new_tokens)
-        eos_ids, pad = stop_tokens(eos_token_id, pad_token_id, model_eos=self.eos_token_id,
-                                   model_pad=self.pad_token_id)
-        total = prompt + new
-        ids = np.zeros((flat[token].shape[0], total), dtype=flat[token].dtype)
-        ids[:, :prompt] = flat[token]
-        flat[token] = ids
-        call = self._call(flat, self.chunks(prompt), total, total)
-        last: dict[int, list[np.ndarray]] = {}
-        sink = lambda i, out: last.update({0: out})  # noqa: E731
-        self._pipeline(call, sink, None)
-        unfinished = np.ones(ids.shape[0], dtype=bool)
-        length = prompt
-        while True:
+    def _token_share(self, ids: np.ndarray) -> Callable[[Any], Any]:
+        """The last rank's token on every rank."""
+        def share(token: np.ndarray | None) -> np.ndarray:
             pick = np.zeros(ids.shape[0], dtype=np.int64)
-            if 0 in last:  # the last rank
-                pick[:] = last.pop(0)[logits_at][:, -1].astype(np.float32).argmax(axis=-1)
-            self._guard(lambda p=pick: dist.broadcast(torch.from_numpy(p), self.world - 1),
+            if token is not None:  # the last rank
+                pick[:] = token
+            self._guard(lambda: dist.broadcast(torch.from_numpy(pick), self.world - 1),
                         "token broadcast")
-            if pad is not None:
-                pick = np.where(unfinished, pick, pad)
-            ids[:, length] = pick
-            length += 1
-            if eos_ids:
-                unfinished &= ~np.isin(pick, eos_ids)
-            if length == total or not unfinished.any():
-                break
-            call.chunks = ((length - 1, length),)
-            self._pipeline(call, sink, None)
-        if self.results == "rank0" and self.rank != 0:
-            return None
-        return ids[:, :length].copy()
+            return pick
+
+        return share
+
+    def _keeps_results(self) -> bool:
+        return self.results == "all" or self.rank == 0
 
     # -- the pipeline ---------------------------------------------------------------------------
     def _pipeline(self, call: OrtCall, sink: Callable[[int, list[np.ndarray]], None],
@@ -199,9 +159,8 @@ class DistributedArtifact(LoadedPipeline):
         self._comm._peer = dst
         arrays = [np.ascontiguousarray(v) for v in values]
         axes = self.plan["stages"][self.rank].get("boundary_axes") or [None] * len(arrays)
-        if not self._header_sent or None in axes:
-            header = [[str(a.dtype), list(a.shape)] for a in arrays]
-            send_bytes(json.dumps(header).encode(), dst, None)
+        if not self._header_sent or None in axes:  # the handshake (the wire format's header)
+            wire.send_header(arrays, dst, "cpu")
             self._header_sent = True
         return [dist.isend(torch.from_numpy(a), dst) for a in arrays], arrays
 
@@ -209,10 +168,10 @@ class DistributedArtifact(LoadedPipeline):
         src = self.rank - 1
         self._comm._peer = src
         if self._templates is None or None in [t[2] for t in self._templates]:
-            header = json.loads(recv_bytes(src, torch.device("cpu"), self._comm.span(deadline)))
+            header = wire.recv_header(src, "cpu", self._comm.span(deadline))
             axes = self._axes_in or [None] * len(header)
-            self._templates = [(d, s, a, s[a] // size if a is not None else 0)
-                               for (d, s), a in zip(header, axes)]
+            self._templates = [(v.dtype, list(v.shape), a, v.shape[a] // size
+                                if a is not None else 0) for v, a in zip(header, axes)]
         out = []
         for dtype, shape, axis, rows in self._templates:
             shape = list(shape)
@@ -230,61 +189,38 @@ class DistributedArtifact(LoadedPipeline):
 
     # -- collectives ----------------------------------------------------------------------------
     def _share(self, bind: Callable[[], tuple[list[Any], int]], extra: Any = None) -> Any:
-        """Rank 0's bound inputs on every rank (validated there first; its error everywhere).
-        Returns ``(flat, length)``, or ``((flat, length), extra)`` when ``extra`` is given."""
-        flat: list[Any] = []
-        meta: dict[str, Any] = {}
+        """Rank 0's bound inputs on every rank (validated there first; its error everywhere),
+        in the wire format. Returns ``(flat, length)``, or ``((flat, length), extra)`` when
+        ``extra`` is given."""
+        message: dict[str, Any] | None = None
         if self.rank == 0:
             try:
                 flat, length = bind()
-                meta = {"length": length, "extra": extra, "arrays": [
-                    [str(v.dtype), list(v.shape)] if isinstance(v, np.ndarray) else None
-                    for v in flat]}
+                message = {"flat": flat, "length": length, "extra": extra}
+                wire.encode(message)  # refuses what cannot travel, before anything is sent
             except TppcError as exc:
-                meta = {"error": f"{type(exc).__name__}: {exc}"}
-                self._guard(lambda: _broadcast_bytes(json.dumps(meta).encode(), 0), "inputs")
+                message = {"error": f"{type(exc).__name__}: {exc}"}
+                self._guard(lambda: wire.broadcast(message, 0, "cpu"), "inputs")
                 raise
-        meta = json.loads(self._guard(lambda: _broadcast_bytes(
-            json.dumps(meta).encode() if self.rank == 0 else None, 0), "inputs"))
-        if "error" in meta:
-            raise RuntimeInputError(f"rank 0 refused the inputs: {meta['error']}")
-        if self.rank:
-            specs = self.signature["inputs"]
-            flat = [np.empty(a[1], dtype=np.dtype(a[0])) if a is not None
-                    else specs[j].get("value") for j, a in enumerate(meta["arrays"])]
-        for value in flat:
-            if isinstance(value, np.ndarray):
-                self._guard(lambda v=value: dist.broadcast(_tensor(v), 0), "inputs")
-        shared = (flat, meta["length"])
-        return shared if extra is None else (shared, meta["extra"])
+        message = self._guard(lambda: wire.broadcast(message, 0, "cpu"), "inputs")
+        if "error" in message:
+            raise RuntimeInputError(f"rank 0 refused the inputs: {message['error']}")
+        shared = (list(message["flat"]), message["length"])
+        return shared if extra is None else (shared, message["extra"])
 
-    def _results(self, leaves: list[Any]) -> list[Any] | None:
-        """The last rank's output leaves on rank 0 (or every rank)."""
+    def _gather(self, leaves: list[Any]) -> list[Any] | None:
+        """The last rank's output leaves on rank 0 (or every rank), in the wire format."""
         last = self.world - 1
         if last == 0:
             return leaves
-        everyone = self.results == "all"
-        if not everyone and self.rank not in (0, last):
-            return None
-        header = json.dumps([[str(v.dtype), list(v.shape)] for v in leaves]).encode() \
-            if self.rank == last else None
-        if everyone:
-            header = self._guard(lambda: _broadcast_bytes(header, last), "results")
-        elif self.rank == last:
-            self._guard(lambda: send_bytes(header, 0, None), "results")
-        else:
-            header = self._guard(lambda: recv_bytes(last, torch.device("cpu"),
-                                                     timedelta(seconds=self.comm_timeout)),
-                                 "results")
-        if self.rank != last:
-            leaves = [np.empty(s, dtype=np.dtype(d)) for d, s in json.loads(header)]
-        for v in leaves:
-            t = _tensor(v)
-            op = (lambda t=t: dist.broadcast(t, last)) if everyone else \
-                (lambda t=t: dist.send(t, 0)) if self.rank == last else \
-                (lambda t=t: dist.irecv(t, last).wait(timedelta(seconds=self.comm_timeout)))
-            self._guard(op, "results")
-        return leaves
+        if self.results == "all":
+            return self._guard(lambda: wire.broadcast(leaves, last, "cpu"), "results")
+        if self.rank == last:
+            self._guard(lambda: wire.send(leaves, 0, "cpu"), "results")
+        elif self.rank == 0:
+            wait = timedelta(seconds=self.comm_timeout)
+            return self._guard(lambda: wire.recv(last, "cpu", wait), "results")
+        return None
 
     def _guard(self, op: Callable[[], Any], what: str) -> Any:
         try:
@@ -293,20 +229,3 @@ class DistributedArtifact(LoadedPipeline):
             raise
         except Exception as exc:
             raise self._comm.failure(exc, f"the {what}") from exc
-
-
-def _tensor(array: np.ndarray) -> torch.Tensor:
-    """``array`` as a tensor sharing its memory (bools as bytes: gloo has no bool)."""
-    if not array.flags.c_contiguous:
-        raise StageFailed("a non-contiguous array reached the transport. fix: report this")
-    return torch.from_numpy(array.view(np.uint8) if array.dtype == np.bool_ else array)
-
-
-def _broadcast_bytes(data: bytes | None, src: int) -> bytes:
-    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
-    dist.broadcast(size, src)
-    buf = torch.empty(int(size.item()), dtype=torch.uint8)
-    if data is not None:
-        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    dist.broadcast(buf, src)
-    return buf.numpy().tobytes()

@@ -12,7 +12,7 @@ Terms:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +26,16 @@ from tppc.backends.onnxruntime import (
     run_serial,
 )
 from tppc.errors import RuntimeInputError
-from tppc.generation import DEFAULT, check_max_new_tokens, stop_tokens
+from tppc.generation import DEFAULT, ArrayOps, check_max_new_tokens, greedy_decode, stop_tokens
 
-__all__ = ["LoadedPipeline", "Outputs"]
+__all__ = ["NUMPY_OPS", "LoadedPipeline", "Outputs"]
 
+NUMPY_OPS = ArrayOps(
+    pick=lambda logits, ids: logits[:, -1].astype(np.float32).argmax(axis=-1),
+    isin=lambda tokens, eos: np.isin(tokens, eos),
+    where=lambda keep, tokens, pad: np.where(keep, tokens, pad),
+    trues=lambda ids: np.ones(ids.shape[0], dtype=bool))
+"""The decode loop's array operations on numpy arrays."""
 
 
 class Outputs(dict):
@@ -56,7 +62,8 @@ class LoadedPipeline:
         lengths: the exported sequence lengths.
         stages: one :class:`tppc.backends.onnxruntime.OrtStage` per stage (only stage
             ``only`` when given: a rank of a distributed job).
-        last_trace: ``(stage, chunk, start, end)`` of every job of the last call.
+        last_trace: ``(stage, chunk, start, end)`` of every job of the last pipelined run (a
+            call, or the prefill of ``generate``).
     """
 
     def __init__(self, doc: dict[str, Any], root: Path, *, providers: list[Any] | None,
@@ -88,13 +95,19 @@ class LoadedPipeline:
 
     def run(self, args: Sequence[Any], inputs: dict[str, Any] | None = None, *,
             timeout: float | None = None) -> Any:
-        """``model(*args, **inputs)`` through the ORT stages (``timeout`` in seconds)."""
-        flat, length = self.bind(args, inputs or {})
+        """``model(*args, **inputs)`` through the ORT stages (``timeout`` in seconds).
+
+        The call algorithm of a loaded artifact, in one process or on every rank of a job
+        (whose runner overrides :meth:`_share`, :meth:`_execute` and :meth:`_gather`): bind
+        the inputs, the chunks of their length, each stage's state, run the chunks, assemble
+        the outputs, the model's output structure.
+        """
+        flat, length = self._share(lambda: self.bind(args, inputs or {}))
         call = self._call(flat, self.chunks(length), length, length)
         leaves = Assembler(self.signature["outputs"], length)
-        self.last_trace = []
-        run_pipeline(self.stages, call, leaves, timeout=timeout, trace=self.last_trace)
-        return unflatten(self.signature["out_spec"], iter(leaves.leaves))
+        self._execute(call, leaves, timeout)
+        out = self._gather(leaves.leaves)
+        return None if out is None else unflatten(self.signature["out_spec"], iter(out))
 
     def bind(self, args: Sequence[Any], inputs: dict[str, Any]) -> tuple[list[Any], int]:
         """Check inputs against the signature; returns the flat inputs and the length.
@@ -139,45 +152,74 @@ class LoadedPipeline:
         return flat, next(iter(lengths.values()))
 
     def generate(self, input_ids: Any, max_new_tokens: int = 20, *,
-                 eos_token_id: Any = DEFAULT, pad_token_id: Any = DEFAULT) -> np.ndarray:
+                 eos_token_id: Any = DEFAULT, pad_token_id: Any = DEFAULT
+                 ) -> np.ndarray | None:
         """Greedy decoding (HF's ``generate(do_sample=False)`` rule); returns prompt + new ids.
 
-        The prompt length must be an exported length; decoding steps are one-token chunks.
+        The prompt length must be an exported length; decoding steps are one-token chunks
+        (:func:`tppc.generation.greedy_decode`). On a job: collective, rank 0's
+        ``input_ids``, the last rank's tokens broadcast, None on ranks that keep no results.
         """
         gen = self.signature["generate"]
         token, logits_at = gen.get("token_input"), gen.get("logits_output")
-        if token is None or logits_at is None:
-            raise RuntimeInputError("generate needs one token-id input and a per-token "
-                                    "output (logits); this artifact has neither")
-        check_max_new_tokens(max_new_tokens)
+
+        def check() -> tuple[list[Any], int]:
+            if token is None or logits_at is None:
+                raise RuntimeInputError("generate needs one token-id input and a per-token "
+                                        "output (logits); this artifact has neither")
+            check_max_new_tokens(max_new_tokens)
+            return self.bind((), {self.signature["inputs"][token]["name"]: input_ids})
+
+        (flat, prompt), new = self._share(check, extra=max_new_tokens)
         eos_ids, pad = stop_tokens(eos_token_id, pad_token_id, model_eos=self.eos_token_id,
                                    model_pad=self.pad_token_id)
-        name = self.signature["inputs"][token]["name"]
-        flat, prompt = self.bind((), {name: input_ids})
-        total = prompt + max_new_tokens
+        total = prompt + new
         ids = np.zeros((flat[token].shape[0], total), dtype=flat[token].dtype)
         ids[:, :prompt] = flat[token]
         flat[token] = ids
         call = self._call(flat, self.chunks(prompt), total, total)
-        last: dict[int, list[np.ndarray]] = {}
-        run_pipeline(self.stages, call, lambda i, out: last.update({0: out}))
-        logits = last[0][logits_at]
-        unfinished = np.ones(ids.shape[0], dtype=bool)
-        length = prompt
-        while True:
-            new = logits[:, -1].astype(np.float32).argmax(axis=-1)
-            if pad is not None:
-                new = np.where(unfinished, new, pad)
-            ids[:, length] = new
-            length += 1
-            if eos_ids:
-                unfinished &= ~np.isin(new, eos_ids)
-            if length == total or not unfinished.any():
-                break
-            call.chunks = ((length - 1, length),)
-            run_serial(self.stages, call, lambda i, out: last.update({0: out}))
-            logits = last[0][logits_at]
-        return ids[:, :length].copy()
+
+        def step(n: int) -> np.ndarray | None:
+            """The prefill (``n == prompt``) or one decoding step; the logits (None on a
+            rank of a job without them)."""
+            last: list[list[np.ndarray]] = []
+            if n > prompt:
+                call.chunks = ((n - 1, n),)
+            self._execute(call, lambda i, out: last.append(out), None, step=n > prompt)
+            return last[-1][logits_at] if last else None
+
+        length = greedy_decode(ids, prompt, step, NUMPY_OPS, eos_ids=eos_ids, pad=pad,
+                               share=self._token_share(ids))
+        return ids[:, :length].copy() if self._keeps_results() else None
+
+    # -- what a job's runner overrides ------------------------------------------------------------
+    def _share(self, bind: Callable[[], tuple[list[Any], int]], extra: Any = None) -> Any:
+        """The bound inputs ``(flat, length)``, or ``((flat, length), extra)`` when ``extra``
+        is given (a job: rank 0's, on every rank)."""
+        shared = bind()
+        return shared if extra is None else (shared, extra)
+
+    def _execute(self, call: OrtCall, sink: Callable[[int, list[np.ndarray]], None],
+                 timeout: float | None, *, step: bool = False) -> None:
+        """Every chunk of ``call`` through the stages: pipelined in threads (traced in
+        :attr:`last_trace`), or in order in this thread for a decoding ``step``."""
+        if step:
+            run_serial(self.stages, call, sink)
+            return
+        self.last_trace = []
+        run_pipeline(self.stages, call, sink, timeout=timeout, trace=self.last_trace)
+
+    def _gather(self, leaves: list[Any]) -> list[Any] | None:
+        """The output leaves this process returns (a job: the last rank's, on rank 0)."""
+        return leaves
+
+    def _token_share(self, ids: np.ndarray) -> Callable[[Any], Any] | None:
+        """The token broadcast of a job (None here: one process picks its own tokens)."""
+        return None
+
+    def _keeps_results(self) -> bool:
+        """Whether this process returns results (a job's other ranks return None)."""
+        return True
 
     def _call(self, flat: list[Any], chunks: tuple[tuple[int, int], ...], seq_len: int,
               capacity: int) -> OrtCall:

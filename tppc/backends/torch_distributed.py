@@ -8,9 +8,9 @@ chunk; at most ``queue_depth`` sends are in flight.
 
 Terms:
     handshake: the first chunk of a program carries a small header (dtype, shape and token
-        axis of every boundary value); later chunks, and the one-token steps of
-        ``generate``, send bare tensors whose shapes the receiver derives from the chunk
-        sizes (the token axis holds ``k × chunk size`` rows, ``k`` from the header). A
+        axis of every boundary value, in the wire format of :mod:`tppc.backends.wire`);
+        later chunks, and the one-token steps of ``generate``, send bare tensors whose
+        shapes the receiver derives from the chunk sizes (the token axis holds ``k × chunk size`` rows, ``k`` from the header). A
         value without a token axis makes every chunk carry a header.
     failure record: the first rank that fails writes one line naming the failed stage into
         the job's c10d store (key :data:`FAILURE_KEY`) before it raises; a rank that sees a
@@ -28,7 +28,6 @@ dead peer; NCCL needs the timeout and ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, set b
 from __future__ import annotations
 
 import os
-import pickle
 import signal
 import time
 from collections import OrderedDict
@@ -40,13 +39,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tppc.backends import wire
 from tppc.backends.torch_local import Sink, run_stage
 from tppc.errors import StageFailed, StageTimeout
 from tppc.program.program import Program, StageProgram
 from tppc.program.state import Call, CallState
 
-__all__ = ["FAILURE_KEY", "DistributedExecutor", "read_failure", "recv_values", "send_values",
-           "token_axes"]
+__all__ = ["FAILURE_KEY", "DistributedExecutor", "read_failure", "token_axes"]
 
 FAILURE_KEY = "tppc/failure"
 """c10d store key of the first failure's description."""
@@ -206,9 +205,9 @@ class DistributedExecutor:
         dst = self.rank + 1
         self._peer = dst
         tensors = tuple(_tensor(v, stage, j).contiguous() for j, v in enumerate(values))
-        if first or None in axes:
-            header = [(str(t.dtype), tuple(t.shape), a) for t, a in zip(tensors, axes)]
-            send_bytes(pickle.dumps(header), dst, tensors[0].device if tensors else None)
+        if first or None in axes:  # the handshake (the wire format's header alone)
+            wire.send_header({"values": list(tensors), "axes": list(axes)}, dst,
+                             tensors[0].device if tensors else None)
         work = [dist.isend(t, dst) for t in tensors]
         return work, tensors  # the tensors stay alive until the send completes
 
@@ -219,10 +218,10 @@ class DistributedExecutor:
         device = program.stages[self.rank].device
         templates = _remember(self._received, key, program, lambda: None)
         if templates is None or any(t.axis is None for t in templates):
-            header = pickle.loads(recv_bytes(src, device, self.span(deadline)))
-            templates = [_Template(getattr(torch, d.split(".")[-1]), tuple(s), a,
-                                   (s[a] // size) if a is not None else 0)
-                         for d, s, a in header]
+            header = wire.recv_header(src, device, self.span(deadline))
+            templates = [_Template(wire.torch_dtype(v.dtype), v.shape, a,
+                                   (v.shape[a] // size) if a is not None else 0)
+                         for v, a in zip(header["values"], header["axes"])]
             self._received[key] = (program, templates)
         out = []
         for t in templates:
@@ -268,46 +267,6 @@ def _tensor(value: Any, stage: StageProgram, j: int) -> torch.Tensor:
                           f"({stage.boundary_out[j]}) of type {type(value).__name__}; only "
                           "tensors cross stage boundaries. fix: report this model")
     return value
-
-
-def send_values(values: Sequence[Any], dst: int, device: torch.device | None = None) -> None:
-    """Send a list of tensors and small objects to ``dst`` (header first, then tensors)."""
-    header = [("t", str(v.dtype), tuple(v.shape)) if isinstance(v, torch.Tensor) else ("o", v)
-              for v in values]
-    send_bytes(pickle.dumps(header), dst, device)
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            dist.send(v.detach().contiguous().to(device or v.device), dst)
-
-
-def recv_values(src: int, device: torch.device, timeout: float = 60.0) -> list[Any]:
-    """Receive what :func:`send_values` sent from ``src``."""
-    wait = timedelta(seconds=timeout)
-    out = []
-    for entry in pickle.loads(recv_bytes(src, device, wait)):
-        if entry[0] == "o":
-            out.append(entry[1])
-            continue
-        buf = torch.empty(entry[2], dtype=getattr(torch, entry[1].split(".")[-1]),
-                          device=device)
-        dist.irecv(buf, src).wait(wait)
-        out.append(buf)
-    return out
-
-
-def send_bytes(data: bytes, dst: int, device: torch.device | None) -> None:
-    device = device or torch.device("cpu")
-    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-    dist.send(torch.tensor([payload.numel()], dtype=torch.int64, device=device), dst)
-    dist.send(payload, dst)
-
-
-def recv_bytes(src: int, device: torch.device, wait: timedelta) -> bytes:
-    size = torch.empty(1, dtype=torch.int64, device=device)
-    dist.irecv(size, src).wait(wait)
-    payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    dist.irecv(payload, src).wait(wait)
-    return payload.cpu().numpy().tobytes()
 
 
 def _parse_fault(text: str) -> tuple[str, int, int] | None:

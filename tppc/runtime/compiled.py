@@ -33,12 +33,10 @@ from tppc.frontend.front_end import BoundCall, FrontEnd, bind, capture_front_end
 from tppc.ir.context import PassRecord
 from tppc.planner.plan import Plan, Workload
 from tppc.program.program import Program
-from tppc.program.state import Call, CallState, StatePool, next_epoch
-from tppc.runtime.io import OutputAssembler
+from tppc.program.state import Call, CallState, StatePool
+from tppc.runtime.call import Delivery, LocalDelivery, run_call
 
 __all__ = ["CompiledPipeline", "StageSummary"]
-
-"""``(front end, length[, workload]) -> plan`` for lengths tppc plans itself."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +103,11 @@ class CompiledPipeline:
         return self._front.ctx
 
     @property
+    def model(self) -> torch.nn.Module:
+        """The model this pipeline was compiled from."""
+        return self._model
+
+    @property
     def max_seq(self) -> int | None:
         """Longest sequence accepted (``None``: no limit)."""
         return self.options.max_seq
@@ -141,25 +144,8 @@ class CompiledPipeline:
         """``model(*args, **kwargs)`` through the pipeline, with a per-call ``timeout``, an
         executor other than the compiled one, and a ``trace`` list that receives
         ``(stage, chunk, start, end)`` (``time.perf_counter``) of every job."""
-        front, bound = self.bind(args, kwargs or {})
-        program = self.program(bound.length, front)
-        state = front.pool.acquire(bound.length)
-        last = program.stages[-1]
-        axes = program.signature.output_axes
-        full = _new_outputs(last, bound.length, len(axes))
-        call = Call(tuple(bound.flat), program.chunks, bound.length, bound.length,
-                    next_epoch(), full)
-        outputs = OutputAssembler(axes, call, program.signature.output_rows)
-        self.execute(program, call, state, outputs, executor, timeout,  # a failure drops state
-                     trace=trace)
-        self.finish(front, state, bound.length)
-        leaves = outputs.leaves
-        if program.tail is not None:
-            device = last.device
-            with torch.no_grad():
-                leaves = list(program.tail(*(x.to(device) if isinstance(x, torch.Tensor) else x
-                                             for x in bound.flat), *leaves))
-        return self.assemble(program, leaves)
+        return run_call(self, tuple(args), kwargs or {}, self._delivery(), timeout=timeout,
+                        executor=executor, trace=trace)
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 20, **kwargs: Any
                  ) -> torch.Tensor:
@@ -331,6 +317,10 @@ class CompiledPipeline:
         return pytree.tree_unflatten(leaves, program.signature.out_spec)
 
     # -- building ------------------------------------------------------------------------------
+    def _delivery(self) -> Delivery:
+        """How one call's outputs reach the caller (:mod:`tppc.runtime.call`)."""
+        return LocalDelivery()
+
     def _capture(self, args: tuple[Any, ...], kwargs: Mapping[str, Any],
                  bound: BoundCall | None) -> FrontEnd:
         if bound is None:
@@ -378,15 +368,6 @@ class CompiledPipeline:
             raise SpecError(f"executor {self.executor!r} cannot run these stages: {reason}. "
                             "fix: use executor='local' or other devices")
         return program
-
-
-def _new_outputs(last: Any, length: int, count: int) -> tuple[Any, ...]:
-    """Empty full-length outputs for the last stage's out slots, by flat index."""
-    outputs: list[Any] = [None] * count
-    for slot in last.out_slots:
-        outputs[slot.index] = torch.empty(slot.full_shape(length), dtype=slot.dtype,
-                                          device=last.device)
-    return tuple(outputs)
 
 
 def _summary(stage: Any, length: int) -> StageSummary:

@@ -16,14 +16,14 @@ Terms:
 ``generate`` and ``denoise`` (DiT, :mod:`tppc.runtime.distributed_denoise`) step the same
 loop on every rank; the last rank sends what stage 0 needs next (tokens, stepped patches).
 An ahead-of-time export directory would replace capture and
-planning by reading ``plan.json`` and the stage files: only :meth:`_materialise` reads weights.
+planning by reading ``plan.json`` and the stage files: only :meth:`DistributedPipeline.materialise` reads weights.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -32,19 +32,18 @@ import torch.distributed as dist
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from tppc.backends.torch_distributed import DistributedExecutor, recv_values, send_values
+from tppc.backends import wire
+from tppc.backends.torch_distributed import DistributedExecutor
 from tppc.driver.options import CompileOptions
 from tppc.driver.planning import Planner, length_planner
 from tppc.errors import RuntimeInputError, SpecError, StageFailed, TppcError
 from tppc.frontend.front_end import FrontEnd, capture_front_end
 from tppc.planner.plan import Plan
 from tppc.program.program import Program
-from tppc.program.state import Call, next_epoch
+from tppc.program.state import Call
 from tppc.runtime.checkpoint import StageWeights
 from tppc.runtime.compiled import CompiledPipeline
-from tppc.runtime.io import OutputAssembler
-from tppc.runtime.result_stream import ResultSender, receive_results, streamable
-from tppc.runtime.shared_results import SharedOutputs
+from tppc.runtime.rank_delivery import RankDelivery
 
 __all__ = ["DistributedPipeline", "compile_distributed", "init_distributed"]
 
@@ -130,6 +129,7 @@ class DistributedPipeline(CompiledPipeline):
         world: number of ranks.
         device: this rank's device.
         weights: this rank's loaded tensors (``weights.nbytes``).
+        comm: this rank's :class:`tppc.backends.torch_distributed.DistributedExecutor`.
     """
 
     def __init__(self, model: torch.nn.Module, front: FrontEnd, plan: Plan, *,
@@ -139,72 +139,22 @@ class DistributedPipeline(CompiledPipeline):
         self.rank, self.world, self.results = rank, world, results
         self.device, self.weights = weights.device, weights
         self.comm_timeout = comm_timeout
-        self._dist = DistributedExecutor(rank, world, options.queue_depth, comm_timeout)
+        self.comm = DistributedExecutor(rank, world, options.queue_depth, comm_timeout)
         super().__init__(model, front, plan, planner=planner, options=options,
                          seq_dims=seq_dims)
 
     @property
     def last_trace(self) -> list[tuple[int, int, float, float]]:
         """``(stage, chunk, start, end)`` of this rank's jobs in the last call."""
-        return self._dist.last_trace
+        return self.comm.last_trace
 
     def run(self, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None, *,
             timeout: float | None = None, executor: Any = None,
             trace: list | None = None) -> Any:
-        """``model(*args, **kwargs)`` through the job (collective; rank 0's inputs)."""
-        args, kwargs = self._share("call", (tuple(args), dict(kwargs or {})))
-        front, bound = self.bind(args, kwargs)
-        program = self.program(bound.length, front)
-        state = front.pool.acquire(bound.length)
-        stage = program.stages[self.rank]
-        axes = program.signature.output_axes
-        last = self.world - 1
-        stream = (self.world > 1 and self.results == "rank0" and self.device.type == "cpu"
-                  and streamable(axes, program.tail is not None))
-        full: tuple[Any, ...] = ()
-        shared: SharedOutputs | None = None
-        if self.rank == last:
-            slots = _slots_by_index(stage, len(axes))
-            specs = [(slot.full_shape(bound.length), slot.dtype) for slot in slots if slot]
-            if stream and len(specs) == len(slots) and SharedOutputs.possible(specs):
-                shared = SharedOutputs(specs)  # written in place, mapped by rank 0
-                full = shared.tensors
-            else:
-                full = tuple(torch.empty(slot.full_shape(bound.length), dtype=slot.dtype,
-                                         device=stage.device) if slot else None
-                             for slot in slots)
-        call = Call(tuple(bound.flat), program.chunks, bound.length, bound.length,
-                    next_epoch(), full)
-        outputs = OutputAssembler(axes, call, program.signature.output_rows)
-        sender = ResultSender(outputs, program.chunks, 0) \
-            if stream and self.rank == last and shared is None else None
-        try:
-            self.execute(program, call, state, sender or outputs, timeout=timeout,
-                         trace=trace)
-            if sender is not None:
-                self._collective(lambda: sender.finish(self.comm_timeout), "results")
-            if shared is not None:
-                self._collective(lambda: shared.send(0, self.comm_timeout), "results")
-        finally:
-            if shared is not None:
-                shared.close()
-        self.finish(front, state, bound.length)
-        if stream:  # the outputs went to rank 0 chunk by chunk, overlapping the last stage
-            if self.rank != 0:
-                return None
-            leaves = self._collective(lambda: receive_results(
-                program.chunks, axes, bound.length, last, self.device, self.comm_timeout),
-                "results")
-            return self.assemble(program, list(leaves))
-        leaves: list[Any] = []
-        if self.rank == self.world - 1:
-            leaves = outputs.leaves
-            if program.tail is not None:
-                with torch.no_grad():
-                    leaves = list(program.tail(*(x.to(stage.device) if isinstance(
-                        x, torch.Tensor) else x for x in bound.flat), *leaves))
-        leaves = self._gather(leaves)
-        return None if leaves is None else self.assemble(program, leaves)
+        """``model(*args, **kwargs)`` through the job (collective; rank 0's inputs); the
+        outputs on rank 0 (every rank with ``results="all"``), None elsewhere."""
+        args, kwargs = self.share_inputs("call", (tuple(args), dict(kwargs or {})))
+        return super().run(args, kwargs, timeout=timeout, trace=trace)
 
     def generate(self, input_ids: torch.Tensor | None = None, max_new_tokens: int = 20,
                  **kwargs: Any) -> torch.Tensor | None:
@@ -232,9 +182,9 @@ class DistributedPipeline(CompiledPipeline):
         """This rank's stage of ``call`` (``executor`` is ignored: always the job); a call
         longer than ``timeout`` (default ``options.timeout``) raises StageTimeout."""
         timeout = self.options.timeout if timeout is None else timeout
-        return self._dist.run(program, call, state, sink, timeout=timeout, trace=trace)
+        return self.comm.run(program, call, state, sink, timeout=timeout, trace=trace)
 
-    # -- collective helpers (used by generate) ----------------------------------------------------
+    # -- collective helpers (used by generate and denoise) -----------------------------------------
     def share_generate(self, input_ids: Any, max_new_tokens: int) -> tuple[Any, int]:
         """Rank 0's ``(input_ids, max_new_tokens)`` on every rank (validated on rank 0)."""
         def check(value: tuple[Any, int]) -> None:
@@ -242,17 +192,18 @@ class DistributedPipeline(CompiledPipeline):
             if isinstance(value[1], bool) or not isinstance(value[1], int) or value[1] < 1:
                 raise RuntimeInputError(f"max_new_tokens={value[1]!r} must be an integer ≥ 1")
 
-        return self._share("generate", (input_ids, max_new_tokens), check)
+        return self.share_inputs("generate", (input_ids, max_new_tokens), check)
 
     def broadcast_token(self, token: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
         """The last rank's ``token`` (shaped like ``like``) on every rank."""
         buf = (token if token is not None else torch.empty_like(like)).to(self.device)
-        self._collective(lambda: dist.broadcast(buf, src=self.world - 1), "token broadcast")
+        self.collective(lambda: dist.broadcast(buf, src=self.world - 1), "token broadcast")
         return buf.to(like.device)
 
-    def _share(self, what: str, value: Any, check: Any = None) -> Any:
-        """Rank 0's ``value`` on every rank, after rank 0 validated it (``bind``)."""
-        box: list[Any] = [None]
+    def share_inputs(self, what: str, value: Any, check: Any = None) -> Any:
+        """Rank 0's ``value`` on every rank (in the wire format), after rank 0 validated it
+        with ``check(value)`` (default: ``bind(*value)``); rank 0's error on every rank."""
+        message: dict[str, Any] | None = None
         error: TppcError | None = None
         if self.rank == 0:
             try:
@@ -260,45 +211,37 @@ class DistributedPipeline(CompiledPipeline):
                     check(value)
                 else:
                     self.bind(*value)
-                box[0] = ("ok", value)
+                message = {"ok": value}
+                wire.encode(message)  # refuses what cannot travel, before anything is sent
             except TppcError as exc:
-                error, box[0] = exc, ("error", f"{type(exc).__name__}: {exc}")
-        self._collective(lambda: dist.broadcast_object_list(box, src=0), f"{what} inputs")
-        if box[0][0] == "error":
+                error, message = exc, {"error": f"{type(exc).__name__}: {exc}"}
+        message = self.collective(lambda: wire.broadcast(message, 0, self.device),
+                                  f"{what} inputs")
+        if "error" in message:
             if error is not None:
                 raise error
-            raise RuntimeInputError(f"rank 0 refused the {what} inputs: {box[0][1]}")
-        return box[0][1]
+            raise RuntimeInputError(f"rank 0 refused the {what} inputs: {message['error']}")
+        return message["ok"]
 
-    def _gather(self, leaves: list[Any]) -> list[Any] | None:
-        last = self.world - 1
-        if self.results == "all":
-            box = [leaves if self.rank == last else None]
-            self._collective(lambda: dist.broadcast_object_list(box, src=last), "results")
-            return [x.to(self.device) if isinstance(x, torch.Tensor) else x for x in box[0]]
-        if last == 0:
-            return leaves
-        if self.rank == last:
-            self._collective(lambda: send_values(leaves, 0, self.device), "results")
-        elif self.rank == 0:
-            return self._collective(lambda: recv_values(last, self.device, self.comm_timeout),
-                                    "results")
-        return None
-
-    def _collective(self, op: Any, what: str) -> Any:
+    def collective(self, op: Callable[[], Any], what: str) -> Any:
+        """``op()``, a communication of ``what``: its failure raised as ``StageFailed``."""
         try:
             return op()
         except TppcError:
             raise
         except Exception as exc:
-            raise self._dist.failure(exc, f"the {what}") from exc
+            raise self.comm.failure(exc, f"the {what}") from exc
 
     # -- building -----------------------------------------------------------------------------
-    def _build(self, front: FrontEnd, plan: Plan) -> Program:
-        self._executors.setdefault("distributed", self._dist)
-        return self._materialise(super()._build(front, plan))
+    def _delivery(self) -> RankDelivery:
+        return RankDelivery(self.rank, self.world, self.results, self.device,
+                            self.comm_timeout, self.collective)
 
-    def _materialise(self, program: Program) -> Program:
+    def _build(self, front: FrontEnd, plan: Plan) -> Program:
+        self._executors.setdefault("distributed", self.comm)
+        return self.materialise(super()._build(front, plan))
+
+    def materialise(self, program: Program) -> Program:
         """The meta program with this rank's stage (and tail, on the last rank) loaded."""
         stage = program.stages[self.rank]
         modules = [stage.module] + ([stage.runnable] if stage.runnable is not stage.module
@@ -337,7 +280,7 @@ def _shared_planner(planner: Planner, rank: int) -> Planner:
             except TppcError as exc:
                 box[0] = ("error", f"{type(exc).__name__}: {exc}")
         try:
-            dist.broadcast_object_list(box, src=0)
+            box[0] = wire.broadcast(box[0], 0)
         except Exception as exc:
             raise StageFailed(f"rank 0 did not share the plan for {length} tokens: {exc}. "
                               "fix: see rank 0's log") from exc
@@ -365,13 +308,6 @@ def _retarget(module: torch.nn.Module, device: torch.device) -> None:
                 node.args, node.kwargs, changed = args, kwargs, True
         if changed:
             sub.recompile()
-
-
-def _slots_by_index(stage: Any, count: int) -> list[Any]:
-    slots: list[Any] = [None] * count
-    for slot in stage.out_slots:
-        slots[slot.index] = slot
-    return slots
 
 
 def _meta_if(model: torch.nn.Module, tree: Any) -> Any:

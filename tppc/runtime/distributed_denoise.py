@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -37,10 +37,41 @@ from tppc.program.state import Call, next_epoch
 from tppc.runtime.denoise import DenoiseRun, bind_steps
 from tppc.runtime.schedulers import check_scheduler, patch_scheduler
 
-__all__ = ["distributed_denoise"]
+if TYPE_CHECKING:
+    from tppc.backends.torch_distributed import DistributedExecutor
+    from tppc.driver.options import CompileOptions
+    from tppc.frontend.front_end import BoundCall, FrontEnd
+
+__all__ = ["DenoisingRank", "distributed_denoise"]
 
 
-def distributed_denoise(cp: Any, latents: torch.Tensor | None, scheduler: Any,
+class DenoisingRank(Protocol):
+    """What :func:`distributed_denoise` needs of a rank (a ``DistributedPipeline``; the
+    helpers of :mod:`tppc.runtime.denoise` it calls read ``program``, ``assemble``,
+    ``denoise_plan`` and ``executor`` too)."""
+
+    rank: int
+    world: int
+    results: str
+    device: torch.device
+    comm: DistributedExecutor
+    options: CompileOptions
+
+    def bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+             ) -> tuple[FrontEnd, BoundCall]: ...
+
+    def execute(self, program: Program, call: Call, state: Any, sink: Any = None,
+                executor: Any = None, timeout: float | None = None,
+                trace: list | None = None) -> list[tuple[Any, ...]]: ...
+
+    def share_inputs(self, what: str, value: Any, check: Any = None) -> Any: ...
+
+    def collective(self, op: Callable[[], Any], what: str) -> Any: ...
+
+    def materialise(self, program: Program) -> Program: ...
+
+
+def distributed_denoise(cp: DenoisingRank, latents: torch.Tensor | None, scheduler: Any,
                         num_inference_steps: int = 20, *, warmup_steps: int = 1,
                         patches: int | None = None,
                         model_kwargs: Mapping[str, Any] | None = None,
@@ -63,7 +94,7 @@ def distributed_denoise(cp: Any, latents: torch.Tensor | None, scheduler: Any,
         scheduler.set_timesteps(steps)
         cp.bind((x,), {**kwargs, arg: scheduler.timesteps[0].expand(len(x))})
 
-    x, kwargs, steps_n, warmup_steps, patches, arg = cp._share(
+    x, kwargs, steps_n, warmup_steps, patches, arg = cp.share_inputs(
         "denoise", (latents, dict(model_kwargs or {}), num_inference_steps, warmup_steps,
                     patches, timestep_arg), check)
     scheduler.set_timesteps(steps_n)
@@ -87,7 +118,7 @@ def distributed_denoise(cp: Any, latents: torch.Tensor | None, scheduler: Any,
         if cp.rank == last:
             out = run.model_output(full, call, 0, got["v"])
             x.copy_(scheduler.step(out, steps[i], x).prev_sample)
-        cp._collective(lambda: dist.broadcast(x, src=last), "latents broadcast")
+        cp.collective(lambda: dist.broadcast(x, src=last), "latents broadcast")
     jobs = [(i, m) for i in range(warm, len(steps)) for m in range(len(bounds) - 1)]
     if jobs:
         chunks = tuple(itertools.pairwise(bounds))
@@ -110,7 +141,7 @@ def distributed_denoise(cp: Any, latents: torch.Tensor | None, scheduler: Any,
 
         readers = _readers(cp.world, latent, first, rest)
         _Jobs(cp, calls, state, program_of, rows, readers).run(jobs, finish, len(steps))
-    cp._collective(lambda: dist.broadcast(x, src=last), "latents broadcast")
+    cp.collective(lambda: dist.broadcast(x, src=last), "latents broadcast")
     state.consts.clear()  # the text K/V are this request's
     front.pool.release(state)
     return x if cp.rank == 0 or cp.results == "all" else None
@@ -119,10 +150,10 @@ def distributed_denoise(cp: Any, latents: torch.Tensor | None, scheduler: Any,
 class _Jobs:
     """This rank's pipelined jobs (see the module docstring)."""
 
-    def __init__(self, cp: Any, calls: dict[int, Call], state: Any,
+    def __init__(self, cp: DenoisingRank, calls: dict[int, Call], state: Any,
                  program_of: Callable[[int], Program], rows: Callable[[int], torch.Tensor],
                  readers: tuple[int, ...]) -> None:
-        self.cp, self.ex, self.calls, self.state = cp, cp._dist, calls, state
+        self.cp, self.ex, self.calls, self.state = cp, cp.comm, calls, state
         self.program_of, self.rows, self.readers = program_of, rows, readers
 
     def run(self, jobs: list[tuple[int, int]],
@@ -178,7 +209,7 @@ def _readers(world: int, latent: int, *programs: Program | None) -> tuple[int, .
         for p in programs if p is not None for _, spec in p.stages[r].inputs))
 
 
-def _programs(cp: Any, front: Any, plan: Any, length: int,
+def _programs(cp: DenoisingRank, front: Any, plan: Any, length: int,
               bounds: tuple[int, ...]) -> tuple[Program, Program, Program | None]:
     """Warm-up, patch and later-patch programs with this rank's stage loaded and its const
     sub-graphs hoisted (as :func:`tppc.runtime.denoise._programs`), cached on ``cp``."""
@@ -189,7 +220,7 @@ def _programs(cp: Any, front: Any, plan: Any, length: int,
         chunks = tuple(itertools.pairwise(bounds))
 
         def make(gm: Any, chunks: tuple[tuple[int, int], ...]) -> Program:
-            program = cp._materialise(build_program(gm, front.ctx, plan, chunks,
+            program = cp.materialise(build_program(gm, front.ctx, plan, chunks,
                                                     cp.options.devices))
             stages = list(program.stages)
             stages[cp.rank] = hoist_constants(stages[cp.rank])

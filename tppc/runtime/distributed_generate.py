@@ -2,26 +2,40 @@
 
 The prefill runs the prompt's chunks through the ranks; each decoding step is a one-token
 chunk through every rank in order. Only the last rank has the logits: it picks the token
-(argmax of the last position, HF's ``generate(do_sample=False)`` rule) and broadcasts it, so
-every rank appends the same token, ends the same sequences and stops at the same step.
+(:func:`tppc.generation.greedy_decode`, HF's ``generate(do_sample=False)`` rule) and
+broadcasts it, so every rank appends the same token, ends the same sequences and stops at
+the same step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from tppc.generation import DEFAULT, stop_tokens
+from tppc.generation import DEFAULT, greedy_decode, stop_tokens
 from tppc.program.state import Call, next_epoch
-from tppc.runtime.generate import logits_output, token_input_index
+from tppc.runtime.generate import TORCH_OPS, Generating, logits_output, token_input_index
 
-__all__ = ["distributed_generate"]
+__all__ = ["GeneratingRank", "distributed_generate"]
 
 
+class GeneratingRank(Generating, Protocol):
+    """What :func:`distributed_generate` needs of a rank (a ``DistributedPipeline``)."""
 
-def distributed_generate(cp: Any, input_ids: torch.Tensor | None,
+    @property
+    def rank(self) -> int: ...
+    @property
+    def results(self) -> str: ...
+
+    def share_generate(self, input_ids: Any, max_new_tokens: int) -> tuple[Any, int]: ...
+
+    def broadcast_token(self, token: torch.Tensor | None, like: torch.Tensor
+                        ) -> torch.Tensor: ...
+
+
+def distributed_generate(cp: GeneratingRank, input_ids: torch.Tensor | None,
                          max_new_tokens: int = 20, *,
                          eos_token_id: int | Sequence[int] | Any | None = DEFAULT,
                          pad_token_id: int | Any | None = DEFAULT) -> torch.Tensor | None:
@@ -34,36 +48,28 @@ def distributed_generate(cp: Any, input_ids: torch.Tensor | None,
     prompt = bound.length
     total = prompt + max_new_tokens
     program = cp.program(prompt, front)
-    index = token_input_index(cp, front)
-    logits_at = logits_output(cp, front)
-    flat = list(bound.flat)
+    logits_at = logits_output(cp.model_name, front)
     ids = torch.zeros(input_ids.shape[0], total, dtype=input_ids.dtype)
     ids[:, :prompt] = input_ids
-    flat[index] = ids
+    flat = list(bound.flat)
+    flat[token_input_index(cp.model_name, front)] = ids
     state = front.pool.acquire(total)
     epoch = next_epoch()
-    last: dict[str, Any] = {}
-    sink = last.__setitem__
-    cp.execute(program, Call(tuple(flat), program.chunks, total, total, epoch), state,
-               sink=lambda i, values: sink("values", values))
-    unfinished = torch.ones(ids.shape[0], dtype=torch.bool)
-    length = prompt
-    while True:
-        token = None
-        if "values" in last:  # the last rank
-            token = last.pop("values")[logits_at].select(1, -1).float().argmax(dim=-1)
-            token = token.to(ids.dtype).cpu()
-        token = cp.broadcast_token(token, ids[:, 0])
-        if pad is not None:
-            token = torch.where(unfinished, token, torch.full_like(token, pad))
-        ids[:, length] = token
-        length += 1
-        if eos_ids:
-            unfinished &= ~torch.isin(token, torch.tensor(eos_ids))
-        if length == total or not bool(unfinished.any()):
-            break
-        step = Call(tuple(flat), ((length - 1, length),), total, total, epoch)
-        cp.execute(program, step, state, sink=lambda i, values: sink("values", values))
+
+    def step(n: int) -> torch.Tensor | None:
+        """This rank's share of the prefill (``n == prompt``) or of one decoding step; the
+        logits on the last rank, None elsewhere."""
+        chunks = program.chunks if n == prompt else ((n - 1, n),)
+        last: dict[str, Any] = {}
+        cp.execute(program, Call(tuple(flat), chunks, total, total, epoch), state,
+                   sink=lambda i, values: last.update(values=values))
+        return last["values"][logits_at] if "values" in last else None
+
+    def share(token: torch.Tensor | None) -> torch.Tensor:
+        return cp.broadcast_token(None if token is None else token.to(ids.dtype), ids[:, 0])
+
+    length = greedy_decode(ids, prompt, step, TORCH_OPS, eos_ids=eos_ids, pad=pad,
+                           share=share)
     cp.finish(front, state, length - 1)
     if cp.results == "rank0" and cp.rank != 0:
         return None

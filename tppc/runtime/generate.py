@@ -5,9 +5,8 @@ fills every stage's K/V buffers. Each decoding step is a one-token chunk at posi
 that runs through the stages in order (one sequence cannot overlap with itself), reading
 the buffers. The positional values (rope tables, masks) are evaluated once, at the final
 length, and sliced per step; a padding mask (``attention_mask``) reaches every step whole.
-The rule for ending matches HF's ``generate(do_sample=False)``:
-argmax of the last position's logits; a sequence that produced an end-of-sequence token is
-padded; generation stops when every sequence has ended or ``max_new_tokens`` were produced.
+The loop and its rule for ending are :func:`tppc.generation.greedy_decode` (HF's
+``generate(do_sample=False)``); this module gives it the pipeline as a step function.
 
 Example:
     >>> cp.generate(input_ids, max_new_tokens=8).shape                  # doctest: +SKIP
@@ -17,23 +16,58 @@ Example:
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from tppc.errors import RuntimeInputError
-from tppc.generation import DEFAULT, check_max_new_tokens, stop_tokens
+from tppc.generation import DEFAULT, ArrayOps, check_max_new_tokens, greedy_decode, stop_tokens
 from tppc.program.state import Call, next_epoch
 
 if TYPE_CHECKING:
-    from tppc.frontend.front_end import FrontEnd
+    from tppc.backends.torch_local import Sink
+    from tppc.frontend.front_end import BoundCall, FrontEnd
+    from tppc.program.program import Program
+    from tppc.program.state import CallState
 
-__all__ = ["greedy_generate"]
+__all__ = ["TORCH_OPS", "Generating", "greedy_generate", "logits_output", "token_input_index"]
+
+TORCH_OPS = ArrayOps(
+    pick=lambda logits, ids: logits.select(1, -1).float().argmax(dim=-1).to(ids.device),
+    isin=lambda tokens, eos: torch.isin(tokens, torch.tensor(eos, device=tokens.device)),
+    where=lambda keep, tokens, pad: torch.where(keep, tokens, torch.full_like(tokens, pad)),
+    trues=lambda ids: torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device))
+"""The decode loop's array operations on torch tensors."""
 
 
+class Generating(Protocol):
+    """What :func:`greedy_generate` needs of a pipeline (a :class:`tppc.CompiledPipeline`)."""
 
-def greedy_generate(cp: Any, input_ids: torch.Tensor, max_new_tokens: int = 20,
+    @property
+    def model(self) -> torch.nn.Module: ...
+    @property
+    def model_name(self) -> str: ...
+    @property
+    def eos_token_id(self) -> Any: ...
+    @property
+    def pad_token_id(self) -> Any: ...
+    @property
+    def max_seq(self) -> int | None: ...
+
+    def bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+             ) -> tuple[FrontEnd, BoundCall]: ...
+
+    def program(self, length: int, front: FrontEnd | None = None) -> Program: ...
+
+    def execute(self, program: Program, call: Call, state: CallState, sink: Sink | None = None,
+                executor: Any = None, timeout: float | None = None,
+                trace: list | None = None) -> list[tuple[Any, ...]]: ...
+
+    def finish(self, front: FrontEnd, state: CallState, filled: int) -> None: ...
+
+
+def greedy_generate(cp: Generating, input_ids: torch.Tensor, max_new_tokens: int = 20,
                     *, attention_mask: torch.Tensor | None = None,
                     eos_token_id: int | Sequence[int] | Any | None = DEFAULT,
                     pad_token_id: int | Any | None = DEFAULT) -> torch.Tensor:
@@ -67,49 +101,40 @@ def greedy_generate(cp: Any, input_ids: torch.Tensor, max_new_tokens: int = 20,
             f"max_seq={cp.max_seq}. fix: lower max_new_tokens to {cp.max_seq - prompt} or "
             f"compile with max_seq={total}")
     program = cp.program(prompt, front)
-    index = token_input_index(cp, front)
-    flat = _extended(cp, front, bound.flat, total)
-    ids = flat[index]
-    logits_at = logits_output(cp, front)
+    flat = tuple(_extended(front, bound.flat, total))
+    ids = flat[token_input_index(cp.model_name, front)]
+    logits_at = logits_output(cp.model_name, front)
     state = front.pool.acquire(total)
     epoch = next_epoch()
-    call = Call(tuple(flat), program.chunks, total, total, epoch)
-    last: dict[str, Any] = {}
-    cp.execute(program, call, state, sink=lambda i, values: last.update(values=values))
-    logits = last["values"][logits_at]
-    unfinished = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
-    length = prompt
-    while True:
-        token = logits.select(1, -1).float().argmax(dim=-1).to(ids.device)
-        if pad is not None:
-            token = torch.where(unfinished, token, torch.full_like(token, pad))
-        ids[:, length] = token
-        length += 1
-        if eos_ids:
-            unfinished &= ~torch.isin(token, torch.tensor(eos_ids, device=token.device))
-        if length == total or not bool(unfinished.any()):
-            break
-        step = Call(tuple(flat), ((length - 1, length),), total, total, epoch)
-        logits = cp.execute(program, step, state, executor="local")[-1][logits_at]
+
+    def step(n: int) -> torch.Tensor:
+        if n == prompt:  # the prefill: the prompt's chunks, pipelined
+            last: dict[str, Any] = {}
+            cp.execute(program, Call(flat, program.chunks, total, total, epoch), state,
+                       sink=lambda i, values: last.update(values=values))
+            return last["values"][logits_at]
+        call = Call(flat, ((n - 1, n),), total, total, epoch)
+        return cp.execute(program, call, state, executor="local")[-1][logits_at]
+
+    length = greedy_decode(ids, prompt, step, TORCH_OPS, eos_ids=eos_ids, pad=pad)
     cp.finish(front, state, length - 1)  # the last token's K/V are not computed
     return ids[:, :length].clone()
 
 
-def _mask_inputs(cp: Any, attention_mask: torch.Tensor | None
+def _mask_inputs(cp: Generating, attention_mask: torch.Tensor | None
                  ) -> dict[str, torch.Tensor]:
     """``attention_mask`` and HF's ``position_ids`` for it (when the model takes them)."""
     if attention_mask is None:
         return {}
     kwargs = {"attention_mask": attention_mask}
-    forward = inspect.signature(cp._model.forward).parameters
+    forward = inspect.signature(cp.model.forward).parameters
     if "position_ids" in forward:
         positions = attention_mask.long().cumsum(-1) - 1
         kwargs["position_ids"] = positions.masked_fill(attention_mask == 0, 0)
     return kwargs
 
 
-def _extended(cp: Any, front: FrontEnd, flat: Sequence[Any], total: int
-              ) -> list[Any]:
+def _extended(front: FrontEnd, flat: Sequence[Any], total: int) -> list[Any]:
     """The flat inputs with every sequence input grown to ``total`` positions: token ids
     (zeros, filled as they are generated), ``attention_mask`` (ones: generated tokens are
     valid), ``position_ids`` (counting on from each row's last position)."""
@@ -130,20 +155,30 @@ def _extended(cp: Any, front: FrontEnd, flat: Sequence[Any], total: int
     return out
 
 
-def token_input_index(cp: Any, front: FrontEnd) -> int:
+def token_input_index(model_name: str, front: FrontEnd) -> int:
+    """The flat index of the token-id input (``input_ids``, else the one sequence input).
+
+    Raises:
+        RuntimeInputError: the model has no single sequence input.
+    """
     names = front.signature.user_inputs
     if "input_ids" in names:
         return names.index("input_ids")
     seq = [i for i, n in enumerate(names) if n in front.ctx.seq_inputs]
     if len(seq) != 1:
         raise RuntimeInputError(
-            f"generate needs exactly one sequence input (token ids); {cp.model_name} has "
+            f"generate needs exactly one sequence input (token ids); {model_name} has "
             f"{[names[i] for i in seq]}. fix: compile with the token ids as the only one")
     return seq[0]
 
 
-def logits_output(cp: Any, front: FrontEnd) -> int:
+def logits_output(model_name: str, front: FrontEnd) -> int:
+    """The flat index of the first per-token output (the logits).
+
+    Raises:
+        RuntimeInputError: the model returns no per-token output.
+    """
     for j, axis in enumerate(front.signature.output_axes):
         if axis is not None:
             return j
-    raise RuntimeInputError(f"{cp.model_name} returns no per-token output (logits) to decode")
+    raise RuntimeInputError(f"{model_name} returns no per-token output (logits) to decode")

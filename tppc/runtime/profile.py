@@ -14,12 +14,30 @@ Example:
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tppc.planner.plan import Plan
 
-__all__ = ["JobTiming", "Profile", "profile_call"]
+if TYPE_CHECKING:
+    from tppc.frontend.front_end import BoundCall, FrontEnd
+    from tppc.program.program import Program
+
+__all__ = ["JobTiming", "Profile", "Profiled", "profile_call"]
+
+
+class Profiled(Protocol):
+    """What :func:`profile_call` needs of a pipeline (a :class:`tppc.CompiledPipeline`)."""
+
+    def bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+             ) -> tuple[FrontEnd, BoundCall]: ...
+
+    def program(self, length: int, front: FrontEnd | None = None) -> Program: ...
+
+    def run(self, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None, *,
+            timeout: float | None = None, executor: Any = None,
+            trace: list | None = None) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -79,7 +97,7 @@ class Profile:
         return "\n".join(lines)
 
 
-def profile_call(cp: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *,
+def profile_call(cp: Profiled, args: tuple[Any, ...], kwargs: dict[str, Any], *,
                  warmup: int = 1) -> Profile:
     """Run ``cp`` with the ``threads`` executor (after ``warmup`` untimed calls, which plan
     the length and warm the kernels) and time every job of the last call."""

@@ -6,8 +6,9 @@ Terms:
         into full-length outputs. The transfer of chunk ``i`` overlaps the last stage's work on
         chunks ``i + 1 …`` instead of following the whole call (logits are the largest value
         a causal LM returns: ``L × vocab``).
-    header: sent once per call before the first chunk's tensors, as JSON bytes (no pickle):
-        each output's dtype, its shape for the first chunk and its token axis.
+    header: sent once per call before the first chunk's tensors, in the wire format
+        (:mod:`tppc.backends.wire`, no pickle): the first chunk's size and each output's
+        dtype and shape for it.
 
 Streaming is used when every output has a token axis and there is no global epilogue; the
 ranks decide that from the same program, so they agree without a message. When rank 0 and
@@ -17,7 +18,6 @@ the last rank share a machine the outputs go through shared memory instead
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -25,7 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tppc.runtime.shared_results import map_outputs, send_header
+from tppc.backends import wire
+from tppc.runtime.shared_results import map_outputs
 
 __all__ = ["ResultSender", "receive_results", "streamable"]
 
@@ -54,9 +55,8 @@ class ResultSender:
         tensors = [v.detach().contiguous() for v in values]
         if index == 0:
             start, end = self.chunks[0]
-            self._pending += send_header({"size": end - start, "outputs": [
-                {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
-                for t in tensors]}, self.dst, 0)
+            self._pending += wire.post_header({"size": end - start, "outputs": tensors},
+                                              self.dst)
         for t in tensors:  # each tensor stays alive until its send completed
             self._pending.append((dist.isend(t, self.dst), t))
 
@@ -74,15 +74,11 @@ def receive_results(chunks: tuple[tuple[int, int], ...], axes: tuple[int | None,
     """Rank 0: receive what :class:`ResultSender` sent into full-length outputs (or map
     those a :class:`tppc.runtime.shared_results.SharedOutputs` header names)."""
     wait = timedelta(seconds=timeout)
-    size = torch.empty(1, dtype=torch.int64)
-    dist.irecv(size, src).wait(wait)
-    payload = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.irecv(payload, src).wait(wait)
-    header = json.loads(bytes(payload.tolist()).decode())
+    header = wire.recv_header(src, "cpu", wait)
     if "shared" in header:  # the last rank wrote them into shared memory
         return map_outputs(header, src, timeout)
     first = header["size"]
-    specs = [(getattr(torch, o["dtype"]), o["shape"]) for o in header["outputs"]]
+    specs = [(wire.torch_dtype(o.dtype), list(o.shape)) for o in header["outputs"]]
     full = []
     for (dtype, shape), axis in zip(specs, axes):
         rows = shape[axis] // first

@@ -4,8 +4,8 @@ Terms:
     shared outputs: the last rank creates one file in ``/dev/shm`` holding every full-length
         output (each at a 64-byte aligned offset), maps it and lets its stage write each
         chunk's rows in place (the same direct writes as the ``threads`` executor). After its
-        last chunk it sends rank 0 a JSON header (the file's path, each output's dtype, shape
-        and offset); rank 0 maps the file, unlinks it and returns tensors over the mapping:
+        last chunk it sends rank 0 a header (:mod:`tppc.backends.wire`: the file's path, each
+        output's dtype, shape and offset); rank 0 maps the file, unlinks it and returns tensors over the mapping:
         no bytes cross a socket, and rank 0 has its outputs as soon as the last chunk is done.
         The last rank touches the file's pages when it creates it, at the start of the call
         while it waits for its first chunk, so its stage does not take the page faults. The last rank unlinks
@@ -21,7 +21,6 @@ Terms:
 from __future__ import annotations
 
 import itertools
-import json
 import os
 from collections.abc import Sequence
 from datetime import timedelta
@@ -31,7 +30,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["SharedOutputs", "map_outputs", "send_header"]
+from tppc.backends import wire
+from tppc.errors import StageFailed
+
+__all__ = ["SharedOutputs", "map_outputs"]
 
 _ROOT = Path("/dev/shm")
 _ALIGN = 64
@@ -71,8 +73,9 @@ class SharedOutputs:
 
     def send(self, dst: int, timeout: float) -> None:
         """Tell ``dst`` (rank 0) where the outputs are and wait until it mapped them."""
-        send_header({"shared": str(self.path), "nbytes": self.nbytes,
-                     "outputs": self.entries}, dst, timeout)
+        header = {"shared": str(self.path), "nbytes": self.nbytes, "outputs": self.entries}
+        for work, _ in wire.post_header(header, dst):
+            work.wait(timedelta(seconds=timeout))
         ack = torch.zeros(1, dtype=torch.uint8)
         dist.irecv(ack, dst).wait(timedelta(seconds=timeout))
 
@@ -81,21 +84,14 @@ class SharedOutputs:
         self.path.unlink(missing_ok=True)
 
 
-def send_header(header: dict[str, Any], dst: int, timeout: float) -> list[Any]:
-    """Send ``header`` as JSON bytes (length first); returns the works and their tensors."""
-    payload = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
-    size = torch.tensor([payload.numel()], dtype=torch.int64)
-    works = [(dist.isend(size, dst), size), (dist.isend(payload, dst), payload)]
-    if timeout > 0:
-        for work, _ in works:
-            work.wait(timedelta(seconds=timeout))
-    return works
-
-
 def map_outputs(header: dict[str, Any], src: int, timeout: float) -> list[torch.Tensor]:
     """Rank 0: the outputs a :class:`SharedOutputs` header names; acknowledges to ``src``
     (the last rank), which then unlinks the file."""
     path = header["shared"]
+    if not (isinstance(path, str) and Path(path).parent == _ROOT
+            and Path(path).name.startswith("tppc-")):
+        raise StageFailed(f"the last rank named the shared outputs {path!r}, not a file "
+                          f"{_ROOT}/tppc-*. fix: run the same tppc version on every rank")
     try:
         whole = torch.from_file(path, shared=True, size=header["nbytes"], dtype=torch.uint8)
     finally:
@@ -105,7 +101,7 @@ def map_outputs(header: dict[str, Any], src: int, timeout: float) -> list[torch.
 
 
 def _view(whole: torch.Tensor, entry: dict[str, Any]) -> torch.Tensor:
-    dtype = getattr(torch, entry["dtype"])
+    dtype = wire.torch_dtype(entry["dtype"])
     nbytes = _numel(entry["shape"]) * torch.empty((), dtype=dtype).element_size()
     return whole.narrow(0, entry["offset"], nbytes).view(dtype).view(entry["shape"])
 
