@@ -1,4 +1,6 @@
-"""Executors of the stage graphs: ``torch_local`` (the reference) and ``torch_threads``."""
+"""Executors of the stage graphs: ``torch_local`` (the reference), ``torch_threads``,
+``torch_distributed`` (one process per stage, over ``wire``: the one wire format between
+ranks) and ``onnxruntime`` (torch-free)."""
 
 from __future__ import annotations
 

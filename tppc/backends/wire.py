@@ -28,7 +28,6 @@ Example (no process group needed to encode and decode):
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
@@ -40,8 +39,7 @@ import torch.distributed as dist
 from tppc.errors import RuntimeInputError, StageFailed
 
 __all__ = ["TensorSpec", "allocate", "broadcast", "byte_view", "decode", "encode",
-           "post_header", "recv", "recv_header", "send", "send_header", "specs_of",
-           "torch_dtype"]
+           "post_header", "recv", "recv_header", "send", "send_header", "torch_dtype"]
 
 _TORCH_DTYPES: dict[str, torch.dtype] = {
     name: d for name, d in vars(torch).items() if isinstance(d, torch.dtype)}
@@ -160,19 +158,6 @@ def _decode(node: Any) -> Any:
             raise ValueError(f"bad device type {device!r}")
         return TensorSpec(tag, dtype, shape, device)
     raise ValueError(f"unknown tag {tag!r}")
-
-
-def _specs(tree: Any, out: list[Any]) -> list[Any]:
-    """The leaves of ``tree`` that are tensors, arrays or specs, in tree order."""
-    if isinstance(tree, TensorSpec | torch.Tensor | np.ndarray):
-        out.append(tree)
-    elif isinstance(tree, list | tuple):
-        for v in tree:
-            _specs(v, out)
-    elif isinstance(tree, dict):
-        for v in tree.values():
-            _specs(v, out)
-    return out
 
 
 def allocate(tree: Any, device: torch.device | str | None = None) -> tuple[Any, list[Any]]:
@@ -309,7 +294,3 @@ def _home(spec: Any, filled: Any) -> Any:
         return {k: _home(spec[k], filled[k]) for k in spec}
     return filled
 
-
-def specs_of(tree: Any) -> Sequence[Any]:
-    """The tensors, arrays or :class:`TensorSpec` of ``tree``, in tree order."""
-    return _specs(tree, [])

@@ -4,9 +4,11 @@ compile     ``tppc.compile``: the compile driver and ``manual_plan``
 options     ``CompileOptions``: every option, validated up front
 frontend    captures per batch shape; binding and checking call inputs
 compiled    ``CompiledPipeline``: program cache, per-call states, calls
-state       ``Call``, ``CallState`` (K/V buffers, positional values), ``StatePool``
-generate    pipelined prefill + greedy decoding
-io          input checks and output assembly
+call        THE call algorithm (bind, program, state, run, release, epilogue, assemble)
+generate    pipelined prefill + greedy decoding (the loop: ``tppc.generation``)
+io          output assembly
+distributed, distributed_generate, distributed_denoise, rank_delivery, result_stream,
+shared_results    one rank of a torch.distributed job and how its outputs reach rank 0
 """
 
 from __future__ import annotations
