@@ -22,7 +22,7 @@ import torch
 import tppc
 import tppc.artifact.loaded as loaded_module
 from tppc.artifact.load import sha256_file
-from tppc.errors import ArtifactError, RuntimeInputError
+from tppc.errors import ArtifactError, RuntimeInputError, SpecError
 from tppc.examples import gpt
 
 VOCAB = 256  # tppc.examples.gpt's vocabulary
@@ -243,10 +243,10 @@ def test_a_plan_json_claiming_a_wider_vocabulary_is_not_trusted(artifact, monkey
         runner(np.full((1, 32), VOCAB, dtype=np.int64))
 
 
-@pytest.mark.parametrize("timeout", [0, -1, float("nan"), "3"])
+@pytest.mark.parametrize("timeout", [0, -1, float("nan"), float("inf"), "3"])
 def test_an_invalid_timeout_is_refused(exported, timeout) -> None:
     runner = tppc.load(exported[0])
-    with pytest.raises(RuntimeInputError, match=f"timeout={timeout!r} must be a positive"):
+    with pytest.raises(SpecError, match=f"timeout={timeout!r} must be a positive"):
         runner.run((np.zeros((1, 32), np.int64),), timeout=timeout)
 
 

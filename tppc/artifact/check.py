@@ -36,7 +36,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from tppc.artifact.graph_io import Graph, GraphIO, read_graph
-from tppc.errors import ArtifactError, RuntimeInputError
+from tppc.errors import ArtifactError, RuntimeInputError, SpecError
 
 __all__ = ["check_graphs", "check_plan", "check_timeout", "check_token_ids"]
 
@@ -339,17 +339,19 @@ def check_token_ids(name: str, array: np.ndarray, ids_below: int | None) -> None
 
 
 def check_timeout(timeout: Any) -> None:
-    """A per-call ``timeout``: None, or a positive finite number of seconds.
+    """A per-call ``timeout``: None, or a positive finite number of seconds (the torch
+    side's rule, :func:`tppc.driver.options.check_seconds`, which a torch-free module cannot
+    import; infinity is refused too: a thread cannot wait that long).
 
     Raises:
-        RuntimeInputError: naming the value.
+        SpecError: naming the value.
     """
     if timeout is None:
         return
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) \
             or not 0 < timeout < math.inf:
-        raise RuntimeInputError(f"timeout={timeout!r} must be a positive number of seconds "
-                                "(or None: no limit). fix: e.g. timeout=30")
+        raise SpecError(f"timeout={timeout!r} must be a positive number of seconds. fix: e.g. "
+                        "timeout=30, or timeout=None for no limit")
 
 
 def _refuse(what: str) -> NoReturn:
