@@ -88,6 +88,23 @@ def test_a_removed_last_stage_is_refused(artifact) -> None:
         tppc.load(artifact)
 
 
+def test_tppc_run_of_an_artifact_missing_its_last_stage_exits_with_the_error(
+        artifact, tmp_path, capsys) -> None:
+    """The issue's probe: hidden states written as the output, exit 0. Now: exit 2, named."""
+    from tppc.cli.main import main
+
+    def drop(doc):
+        doc["stages"].pop()
+        doc["placement"].pop()
+    _edit(artifact, drop)
+    np.savez(tmp_path / "in.npz", input_ids=np.zeros((1, 32), np.int64))
+    out = tmp_path / "out.npz"
+    assert main(["run", str(artifact), "--input", str(tmp_path / "in.npz"), "--output",
+                 str(out)]) == 2
+    assert "is the last stage but returns boundary values" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_a_removed_stage_with_placement_kept_is_refused(artifact) -> None:
     _edit(artifact, lambda d: d["stages"].pop())
     with pytest.raises(ArtifactError, match="placement lists 2 stages and stages 1"):

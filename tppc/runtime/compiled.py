@@ -326,7 +326,7 @@ class CompiledPipeline:
             check_executor(name)
             raise SpecError(f"executor={name!r} is not available in this pipeline (it has "
                             f"{sorted(self._executors)}). fix: use one of those, or compile "
-                            f"with executor={name!r}")
+                            "with backend='distributed' (one process per stage, torchrun)")
         return found
 
     def profile(self, *args: Any, **kwargs: Any) -> Any:
