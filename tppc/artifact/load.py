@@ -11,8 +11,8 @@ Terms:
         raises :class:`ArtifactError` naming the field or file, the value and the fix;
         nothing is half-loaded.
 
-This module imports no torch (nor transformers, diffusers, pickle): a serving machine
-needs numpy, onnx and onnxruntime only. ``tppc.load`` is this module's :func:`load`.
+This module imports no torch (nor transformers, diffusers, onnx, pickle): a serving
+machine needs numpy and onnxruntime only. ``tppc.load`` is this module's :func:`load`.
 
 Example:
     >>> runner = load("out/", threads_per_stage=1)                          # doctest: +SKIP
