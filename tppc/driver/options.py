@@ -55,8 +55,8 @@ class CompileOptions:
     """Idle call states (K/V buffers) kept per batch shape for the next call."""
 
     def __post_init__(self) -> None:
-        check_executor(self.executor)
-        check_devices(self.devices)
+        if self.executor not in EXECUTORS:
+            raise SpecError(f"executor={self.executor!r}; use one of {list(EXECUTORS)}")
         _check_chunks(self.chunks)
         _positive("max_seq", self.max_seq)
         _positive("num_stages", self.num_stages)
@@ -69,6 +69,7 @@ class CompileOptions:
             _positive("threads_per_stage", t)
         check_seconds("time_limit", self.time_limit)
         check_seconds("timeout", self.timeout)
+        check_devices(self.devices)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> CompileOptions:
@@ -83,8 +84,7 @@ class CompileOptions:
 def check_executor(executor: Any) -> None:
     """Refuse an executor name tppc does not have (:class:`SpecError` naming it)."""
     if executor not in EXECUTORS:
-        raise SpecError(f"executor={executor!r} is not an executor of tppc. fix: use one of "
-                        f"{list(EXECUTORS)}")
+        raise SpecError(f"executor={executor!r}; use one of {list(EXECUTORS)}")
 
 
 def check_seconds(name: str, value: Any) -> None:

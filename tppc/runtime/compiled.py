@@ -147,8 +147,6 @@ class CompiledPipeline:
         """``model(*args, **kwargs)`` through the pipeline, with a per-call ``timeout``, an
         executor other than the compiled one, and a ``trace`` list that receives
         ``(stage, chunk, start, end)`` (``time.perf_counter``) of every job."""
-        check_seconds("timeout", timeout)
-        self._executor(executor)  # refused before any capture
         front, bound = self.bind(args, kwargs or {})
         program = self.program(bound.length, front)
         state = front.pool.acquire(bound.length)
@@ -314,6 +312,7 @@ class CompiledPipeline:
                 executor: ExecutorName | None = None, timeout: float | None = None,
                 trace: list | None = None) -> list[tuple[Any, ...]]:
         """Run ``call`` on ``program`` with an executor (default: the compiled one)."""
+        check_seconds("timeout", timeout)  # refused before any stage runs
         timeout = self.options.timeout if timeout is None else timeout
         return self._executor(executor).run(program, call, state, sink, timeout=timeout,
                                             trace=trace)

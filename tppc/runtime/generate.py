@@ -17,7 +17,6 @@ Example:
 from __future__ import annotations
 
 import inspect
-import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +25,7 @@ import torch
 from tppc.errors import RuntimeInputError
 from tppc.generation import DEFAULT, check_max_new_tokens, stop_tokens
 from tppc.program.state import Call, next_epoch
+from tppc.runtime.kv_memory import check_generation_memory
 
 if TYPE_CHECKING:
     from tppc.frontend.front_end import FrontEnd
@@ -52,8 +52,7 @@ def greedy_generate(cp: Any, input_ids: torch.Tensor, max_new_tokens: int = 20,
         pad_token_id: id appended to ended sequences (default: the model's, else the EOS).
 
     Raises:
-        RuntimeInputError: bad inputs (see :meth:`CompiledPipeline.bind`), or more tokens
-            than the K/V buffers of a device can hold in its free memory; checked before
+        RuntimeInputError: bad inputs (see :meth:`CompiledPipeline.bind`), checked before
             anything runs; the pipeline is unchanged by a failed call.
     """
     check_max_new_tokens(max_new_tokens)
@@ -68,8 +67,9 @@ def greedy_generate(cp: Any, input_ids: torch.Tensor, max_new_tokens: int = 20,
             f"{prompt} prompt tokens + max_new_tokens={max_new_tokens} = {total} tokens, "
             f"max_seq={cp.max_seq}. fix: lower max_new_tokens to {cp.max_seq - prompt} or "
             f"compile with max_seq={total}")
+    check_generation_memory(cp.program(prompt, front), front, bound.flat, prompt,
+                            max_new_tokens)  # before anything is allocated
     program = cp.program(prompt, front)
-    _check_memory(program, front, bound.flat, prompt, max_new_tokens)
     index = token_input_index(cp, front)
     flat = _extended(cp, front, bound.flat, total)
     ids = flat[index]
@@ -96,52 +96,6 @@ def greedy_generate(cp: Any, input_ids: torch.Tensor, max_new_tokens: int = 20,
         logits = cp.execute(program, step, state, executor="local")[-1][logits_at]
     cp.finish(front, state, length - 1)  # the last token's K/V are not computed
     return ids[:, :length].clone()
-
-
-def _check_memory(program: Any, front: FrontEnd, flat: Sequence[Any], prompt: int,
-                  max_new_tokens: int) -> None:
-    """Refuse a generation whose K/V buffers (:meth:`BufferSpec.nbytes`) and grown sequence
-    inputs need more than a device's free memory (summed over the stages it holds)."""
-    total = prompt + max_new_tokens
-    need: dict[torch.device, int] = {}
-    for stage in program.stages:
-        kv = sum(b.nbytes(total) for b in stage.buffers)
-        need[stage.device] = need.get(stage.device, 0) + kv
-    for name, value in zip(front.signature.user_inputs, flat):
-        axes = front.ctx.seq_inputs.get(name)
-        if axes and isinstance(value, torch.Tensor) and value.shape[axes[0]]:
-            grown = value.numel() // value.shape[axes[0]] * total * value.element_size()
-            need[value.device] = need.get(value.device, 0) + grown
-    for device, nbytes in need.items():
-        free = _free_bytes(device)
-        if free is None or nbytes <= free:
-            continue
-        fits = int(free / (nbytes / total)) - prompt
-        hint = (f"lower max_new_tokens to at most {fits}" if fits >= 1 else
-                "use a shorter prompt, a smaller batch, or a device with more memory")
-        raise RuntimeInputError(
-            f"{prompt} prompt tokens + max_new_tokens={max_new_tokens} = {total} tokens need "
-            f"{nbytes / 2**30:,.1f} GiB on {device} (K/V buffers of its stages and the grown "
-            f"inputs), which has {free / 2**30:,.1f} GiB free. fix: {hint}")
-
-
-def _free_bytes(device: torch.device) -> int | None:
-    """Free memory of ``device`` in bytes (None: unknown)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    if device.type != "cpu":
-        return None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def _mask_inputs(cp: Any, attention_mask: torch.Tensor | None
