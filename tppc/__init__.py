@@ -14,6 +14,7 @@ from __future__ import annotations
 from tppc.artifact.load import load
 from tppc.errors import (
     AnnotationError,
+    ArtifactError,
     CaptureError,
     CostModelError,
     PassError,
@@ -53,6 +54,7 @@ if _torch is not None:
 
 __all__ = [
     "AnnotationError",
+    "ArtifactError",
     "CaptureError",
     "Cluster",
     "CompileContext",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 __all__ = [
     "AnnotationError",
+    "ArtifactError",
     "CaptureError",
     "CostModelError",
     "PassError",
@@ -23,6 +24,10 @@ __all__ = [
 
 class TppcError(Exception):
     """Base class of every error tppc raises on purpose."""
+
+
+class ArtifactError(TppcError):
+    """An artifact directory that is missing, altered, malformed, or from another schema."""
 
 
 class CaptureError(TppcError):

@@ -1,12 +1,15 @@
 """Load an exported artifact: verify ``plan.json`` and every file, then open the stages.
 
 Terms:
-    verification: before any session is created, :func:`verify` checks the schema version,
-        the type of every field :mod:`tppc.backends.onnxruntime` reads, that every file
-        name stays inside the directory (a bare name: no ``/``, ``\\``, ``..``, no
-        absolute path), and the size and sha256 of every file. Any failure raises
-        :class:`ArtifactError` naming the field or file, the value and the fix; nothing
-        is half-loaded.
+    verification: before any session is created, :func:`verify` reads ``plan.json`` with
+        bounds (at most :data:`MAX_PLAN_BYTES`, nested at most :data:`MAX_DEPTH` deep),
+        checks the schema version, the type of every field :mod:`tppc.backends.onnxruntime`
+        reads, that every file name stays inside the directory (a bare name: no ``/``,
+        ``\\``, ``..``, no absolute path, no link out), the size and sha256 of every file,
+        and then the meaning (:mod:`tppc.artifact.check`: the chain of stages, the stage
+        graphs' inputs and outputs, the signature and the buffer specs agree). Any failure
+        raises :class:`ArtifactError` naming the field or file, the value and the fix;
+        nothing is half-loaded.
 
 This module imports no torch (nor transformers, diffusers, onnx, pickle): a serving
 machine needs numpy and onnxruntime only. ``tppc.load`` is this module's :func:`load`.
@@ -25,20 +28,22 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tppc.errors import TppcError
+from tppc.artifact.check import check_graphs, check_plan
+from tppc.errors import ArtifactError
 
-__all__ = ["SCHEMA", "ArtifactError", "load", "sha256_file", "verify"]
+__all__ = ["MAX_DEPTH", "MAX_PLAN_BYTES", "SCHEMA", "ArtifactError", "load", "sha256_file",
+           "verify"]
 
 SCHEMA = "tppc.export/1"
 """The ``plan.json`` schema this tppc writes and reads."""
+MAX_PLAN_BYTES = 64 << 20
+"""The largest ``plan.json`` read (an export of hundreds of stages takes well under 1 MiB)."""
+MAX_DEPTH = 64
+"""The deepest nesting of ``plan.json`` read (an export nests about 10 deep)."""
 
 _KINDS = {"token", "const", "chunk_start", "chunk_size", "seq_len", "positional", "key",
           "value", "boundary"}
 _DTYPES = {"float32", "float16", "float64", "int64", "int32", "bool"}
-
-
-class ArtifactError(TppcError):
-    """An artifact directory that is missing, altered, malformed, or from another schema."""
 
 
 def sha256_file(path: Path) -> str:
@@ -64,11 +69,7 @@ def verify(path: str | os.PathLike[str], stage: int | None = None) -> dict[str, 
     if not plan_file.is_file():
         raise ArtifactError(f"{root} has no plan.json. fix: pass the directory that "
                             "tppc.export wrote")
-    try:
-        doc = json.loads(plan_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ArtifactError(f"{plan_file} is not valid JSON ({exc}). fix: re-export") from exc
-    _check(isinstance(doc, dict), "plan.json", doc, "a JSON object")
+    doc = _read_plan(plan_file)
     schema = doc.get("schema")
     if schema != SCHEMA:
         raise ArtifactError(f"{plan_file}: schema {schema!r} is not {SCHEMA!r}, the one this "
@@ -86,6 +87,7 @@ def verify(path: str | os.PathLike[str], stage: int | None = None) -> dict[str, 
     _check(len(stages) > 0, "stages", stages, "a non-empty list")
     for s, entry in enumerate(stages):
         _check_stage(entry, s, files)
+    check_plan(doc)
     if stage is not None:
         _check(_is_int(stage) and 0 <= stage < len(stages), "stage", stage,
                f"a stage index below {len(stages)} (one rank per stage)")
@@ -107,6 +109,7 @@ def verify(path: str | os.PathLike[str], stage: int | None = None) -> dict[str, 
             raise ArtifactError(f"{root / name}: sha256 {digest[:16]}… does not match "
                                 f"plan.json's {meta['sha256'][:16]}… (altered). fix: copy it "
                                 "again, or re-export")
+    check_graphs(doc, root, range(len(stages)) if stage is None else [stage])
     return doc
 
 
@@ -134,6 +137,41 @@ def load(path: str | os.PathLike[str], *, backend: str = "onnxruntime",
     from tppc.artifact.loaded import LoadedPipeline
 
     return LoadedPipeline(doc, Path(path), providers=providers, threads=threads_per_stage)
+
+
+def _read_plan(plan_file: Path) -> dict[str, Any]:
+    """``plan.json`` parsed within :data:`MAX_PLAN_BYTES` and :data:`MAX_DEPTH`."""
+    size = plan_file.stat().st_size
+    if size > MAX_PLAN_BYTES:
+        raise ArtifactError(f"{plan_file} has {size:,} bytes, more than the {MAX_PLAN_BYTES:,} "
+                            "tppc reads (an export writes far less). fix: re-export")
+    try:
+        doc = json.loads(plan_file.read_bytes())
+    except RecursionError:
+        doc = None  # nested deeper than the parser's stack: reported as too deep below
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ArtifactError(f"{plan_file} is not valid JSON ({exc}). fix: re-export") from exc
+    depth = _depth(doc) if doc is not None else MAX_DEPTH + 1
+    if depth > MAX_DEPTH:
+        raise ArtifactError(f"{plan_file} nests deeper than {MAX_DEPTH} levels (an export "
+                            "nests about 10). fix: re-export (plan.json was edited or is "
+                            "damaged)")
+    _check(isinstance(doc, dict), "plan.json", doc, "a JSON object")
+    return doc
+
+
+def _depth(doc: Any) -> int:
+    """Nesting depth of a parsed JSON value (iterative: no recursion limit)."""
+    deepest, todo = 0, [(doc, 1)]
+    while todo:
+        value, depth = todo.pop()
+        deepest = max(deepest, depth)
+        if depth > MAX_DEPTH:
+            break
+        children = value.values() if isinstance(value, dict) else \
+            value if isinstance(value, list) else ()
+        todo.extend((c, depth + 1) for c in children)
+    return deepest
 
 
 # -- field checks ------------------------------------------------------------------------------
@@ -235,8 +273,12 @@ def _check_stage(entry: Any, s: int, files: dict[str, Any]) -> None:
             and all(x is None or _is_int(x) for x in b["shape"]) \
             and _is_int(b.get("axis")) and b["shape"][b["axis"]] is None
         _check(ok, f"{where}buffers[{i}]", b, "{name, dtype, shape with one null at axis}")
-    _field(entry, "outputs", list, where)
-    _field(entry, "positional_inputs", list, where)
+        _check(b.get("kind") in ("key", "value"), f"{where}buffers[{i}].kind", b.get("kind"),
+               "'key' or 'value'")
+    for key in ("outputs", "positional_inputs", "boundary_in", "boundary_out"):
+        names = _field(entry, key, list, where)
+        _check(all(isinstance(n, str) for n in names), f"{where}{key}", names,
+               "a list of names")
     axes = entry.get("boundary_axes", [])  # optional (older artifacts have none)
     _check(isinstance(axes, list) and all(a is None or _is_int(a) for a in axes),
            f"{where}boundary_axes", axes, "a list of ints and nulls")

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from tppc.artifact.check import check_timeout, check_token_ids
 from tppc.backends.onnxruntime import (
     OrtCall,
     OrtStage,
@@ -102,6 +103,7 @@ class LoadedPipeline:
         the inputs, the chunks of their length, each stage's state, run the chunks, assemble
         the outputs, the model's output structure.
         """
+        check_timeout(timeout)
         flat, length = self._share(lambda: self.bind(args, inputs or {}))
         call = self._call(flat, self.chunks(length), length, length)
         leaves = Assembler(self.signature["outputs"], length)
@@ -242,6 +244,7 @@ def _check_array(name: str, value: Any, spec: dict[str, Any]) -> np.ndarray:
             raise RuntimeInputError(
                 f"input {name!r} has size {got} on axis {axis} (shape {array.shape}), "
                 f"exported for {size}. fix: pass shape {want} (null: any number of tokens)")
+    check_token_ids(name, array, spec.get("ids_below"))
     return array
 
 

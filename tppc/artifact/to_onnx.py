@@ -66,6 +66,7 @@ class _Translator:
         self.by_storage: dict[tuple[int, tuple[int, ...], str], str] = {}
         self.inputs: list[onnx.ValueInfoProto] = []
         self.env: dict[fx.Node, Any] = {}
+        self.symbols: set[Any] = set()  # the symbols named ``sym_name`` (input axes)
         self.count = 0
 
     # -- plumbing ------------------------------------------------------------------------------
@@ -132,23 +133,32 @@ class _Translator:
                 self.env[node] = fn(self, node, *args, **kwargs)
             elif node.op == "output":
                 outputs = list(fx.node.map_arg(node.args[0], self.env.__getitem__))
+                shapes = [self.shape(a) for a in node.args[0]]
             else:
                 raise ExportError(f"node {node.name!r} is a {node.op}; tppc exports flat "
                                   "ATen graphs only")
         names = output_names or tuple(f"out_{i}" for i in range(len(outputs)))
         infos = []
-        for out_name, value in zip(names, outputs):
+        for out_name, value, shape in zip(names, outputs, shapes):
             if not isinstance(value, Tensor):
                 raise ExportError(f"output {out_name!r} is not a tensor ({value!r})")
             self.nodes.append(helper.make_node("Identity", [value.name], [out_name]))
-            infos.append(helper.make_tensor_value_info(out_name, onnx_dtype(value.dtype),
-                                                       [None] * value.rank))
+            infos.append(helper.make_tensor_value_info(  # sizes: checked by tppc.load
+                out_name, onnx_dtype(value.dtype), shape or [None] * value.rank))
         graph = helper.make_graph(self.nodes, self.name, self.inputs, infos,
                                   initializer=list(self.inits.values()))
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
                                   producer_name="tppc")
         model.ir_version = 9
         return model
+
+    def shape(self, arg: Any) -> list[int | str | None] | None:
+        """An output's declared shape: static sizes, an input's symbol, None for the rest."""
+        val = arg.meta.get("val") if isinstance(arg, fx.Node) else None
+        if not isinstance(val, torch.Tensor):
+            return None
+        return [int(s) if not isinstance(s, torch.SymInt) else
+                self.sym if s.node.expr in self.symbols else None for s in val.shape]
 
     def placeholder(self, node: fx.Node) -> Any:
         if node.name in self.constants:
@@ -163,6 +173,8 @@ class _Translator:
             dtype = spec.dtype
         elif isinstance(val, torch.Tensor):
             shape = [self.sym if isinstance(s, torch.SymInt) else int(s) for s in val.shape]
+            self.symbols |= {s.node.expr for s in val.shape
+                             if isinstance(s, torch.SymInt) and s.node.expr.is_Symbol}
             dtype = val.dtype
         else:
             raise ExportError(f"input {node.name!r} is neither a tensor nor a chunk int "

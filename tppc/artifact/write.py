@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import json
+import operator
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -63,9 +64,10 @@ def export(compiled: Any, path: str | os.PathLike[str], *, format: str = "onnx",
         progress: called with one line per stage written.
 
     Raises:
-        ExportError: an unknown format, a program with a global epilogue, or an op the
-            ONNX translation does not support (naming the node).
+        ExportError: an unknown format, a length that is not an int ≥ 1, a program with a
+            global epilogue, or an op the ONNX translation does not support (naming the node).
     """
+    wanted_lengths = _check_lengths(lengths)
     if format != "onnx":
         raise ExportError(f"format={format!r}: tppc exports 'onnx' only. fix: format='onnx'")
     out = Path(path)
@@ -75,7 +77,7 @@ def export(compiled: Any, path: str | os.PathLike[str], *, format: str = "onnx",
         raise ExportError(f"{compiled.model_name} has a global epilogue (a loss or pooling "
                           "over tokens) that runs once on the whole sequence; tppc does not "
                           "export it yet. fix: export the model without it")
-    wanted = sorted({int(n) for n in (lengths or ())} | {program.seq_len})
+    wanted = sorted({*wanted_lengths, program.seq_len})
     chunks = {str(n): [list(c) for c in compiled.program(n).chunks] for n in wanted}
     files: dict[str, dict[str, Any]] = {}
     stages = []
@@ -152,6 +154,26 @@ def _write_stage(stage: Any, program: Any, out: Path, external: bool | None,
         "param_count": stage.param_count,
         "param_bytes": stage.param_bytes,
     }
+
+
+def _check_lengths(lengths: Iterable[int] | None) -> list[int]:
+    """The lengths to export as ints; each must be a whole number of tokens ≥ 1."""
+    if lengths is None:
+        return []
+    if isinstance(lengths, str | bytes) or not isinstance(lengths, Iterable):
+        raise ExportError(f"lengths={lengths!r} must be a list of sequence lengths. fix: "
+                          "e.g. lengths=[128, 256]")
+    out = []
+    for n in lengths:
+        try:
+            value = operator.index(n) if not isinstance(n, bool) else None
+        except TypeError:
+            value = None
+        if value is None or value < 1:
+            raise ExportError(f"lengths contains {n!r}; each length is a number of tokens, "
+                              "an integer ≥ 1. fix: e.g. lengths=[128, 256]")
+        out.append(value)
+    return out
 
 
 def _input(name: str, spec: Any) -> dict[str, Any]:

@@ -15,7 +15,8 @@ import torch
 
 from tppc.errors import RuntimeInputError, SpecError
 
-__all__ = ["CompileOptions", "ExecutorName", "chunk_bounds"]
+__all__ = ["CompileOptions", "ExecutorName", "check_devices", "check_executor", "check_seconds",
+           "chunk_bounds"]
 
 ExecutorName = Literal["local", "threads", "distributed"]
 EXECUTORS: tuple[ExecutorName, ...] = ("local", "threads", "distributed")
@@ -66,10 +67,9 @@ class CompileOptions:
         threads = self.threads_per_stage
         for t in (threads,) if threads is None or isinstance(threads, int) else threads:
             _positive("threads_per_stage", t)
-        for name in ("time_limit", "timeout"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, int | float) and value > 0):
-                raise SpecError(f"{name}={value!r} must be a positive number of seconds")
+        check_seconds("time_limit", self.time_limit)
+        check_seconds("timeout", self.timeout)
+        check_devices(self.devices)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> CompileOptions:
@@ -79,6 +79,49 @@ class CompileOptions:
             if isinstance(value, Sequence) and not isinstance(value, str):
                 kwargs[name] = tuple(value)
         return cls(**kwargs)
+
+
+def check_executor(executor: Any) -> None:
+    """Refuse an executor name tppc does not have (:class:`SpecError` naming it)."""
+    if executor not in EXECUTORS:
+        raise SpecError(f"executor={executor!r}; use one of {list(EXECUTORS)}")
+
+
+def check_seconds(name: str, value: Any) -> None:
+    """Refuse a time limit that is not a positive number of seconds (None: no limit).
+
+    Raises:
+        SpecError: naming the limit and its value (0, negative, NaN, not a number).
+    """
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        none = f", or {name}=None for no limit" if name == "timeout" else ""
+        raise SpecError(f"{name}={value!r} must be a positive number of seconds. fix: e.g. "
+                        f"{name}=30{none}")
+
+
+def check_devices(devices: Any) -> None:
+    """Refuse devices this machine does not have (a CUDA device without CUDA, a bad name).
+
+    Raises:
+        SpecError: naming the device, what this machine has, and the fix.
+    """
+    for d in devices or ():
+        try:
+            device = torch.device(d)
+        except (RuntimeError, TypeError) as exc:
+            raise SpecError(f"devices contains {d!r}, which is not a torch device ({exc}). "
+                            "fix: e.g. devices=('cpu', 'cpu') or ('cuda:0', 'cuda:1')") from exc
+        if device.type != "cuda":
+            continue
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            has = f"{count} CUDA device(s)" if count else "no CUDA (torch.cuda.is_available() " \
+                "is False)"
+            raise SpecError(f"devices contains {d!r}, but this machine has {has}. fix: pass "
+                            "devices=None (the cluster's default) or CPU devices, e.g. "
+                            "devices=('cpu', 'cpu'); or run on a machine with that GPU")
 
 
 def _positive(name: str, value: Any, *, optional: bool = True, minimum: int = 1) -> None:

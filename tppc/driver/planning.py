@@ -18,7 +18,7 @@ import torch
 from tppc.cost_models.cluster import Cluster
 from tppc.cost_models.layer_costs import build_cost_table
 from tppc.cost_models.table import CostTable
-from tppc.driver.options import CompileOptions, chunk_bounds
+from tppc.driver.options import CompileOptions, check_seconds, chunk_bounds
 from tppc.errors import PlanError
 from tppc.frontend.annotate import annotate, program_of
 from tppc.frontend.blocks import expand_layers, few_blocks
@@ -71,6 +71,7 @@ def plan(
     Returns:
         The :class:`Plan`.
     """
+    check_seconds("time_limit", time_limit)
     t0 = time.perf_counter()
     if _on_meta(model):
         args, kwargs = _to_meta((tuple(args), dict(kwargs or {})))

@@ -70,6 +70,7 @@ def capture(
     """
     start = time.perf_counter()
     bound = bind_inputs(model, args, dict(kwargs or {}))
+    _check_batch(model, bound)
     axes = _resolve_seq_dims(model, bound, seq_dims)
     patch = _patch_size(model)
     fallback: tuple[fx.GraphModule, CompileContext] | None = None
@@ -159,14 +160,41 @@ def _resolve_seq_dims(
     out = {name: dims for name, t in tensors.items()
            if (dims := _stream_axes(name, t)) is not None}
     if not out:
-        shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+        reasons = [_not_a_stream(k, v) for k, v in tensors.items()]
+        found = "; ".join(what for what, _ in reasons) or "no tensor inputs"
+        fix = next((fix for _, fix in reasons if fix), "pass seq_dims={'input': axis}")
         raise CaptureError(
-            f"no sequence axis found among the inputs of {type(model).__name__} {shapes}; "
-            "tppc looks for token ids (batch, seq), embeddings (batch, seq, hidden), image "
-            "latents (batch, channels, height, width) or video latents (batch, frames, "
-            "channels, height, width). fix: pass seq_dims={'input': axis}"
+            f"no sequence axis found among the inputs of {type(model).__name__}: {found}. "
+            "tppc looks for token ids (batch, seq) of at least 2 tokens, embeddings (batch, "
+            "seq, hidden), image latents (batch, channels, height, width) or video latents "
+            f"(batch, frames, channels, height, width). fix: {fix}"
         )
     return _tie_to_main(out, tensors, _patch_size(model))
+
+
+def _not_a_stream(name: str, t: torch.Tensor) -> tuple[str, str]:
+    """What an input is and why it is not a sequence input; the fix ('' if none fits)."""
+    what = f"{name} is {str(t.dtype).removeprefix('torch.')} of shape {tuple(t.shape)}"
+    if _CONTEXT_NAME.search(name):
+        return f"{what} (named like a text-conditioning input)", ""
+    if t.dim() in (2, 3) and t.shape[1] < 2 and (t.dim() == 2) != t.is_floating_point():
+        return (f"{what}: {int(t.shape[1])} token(s)", "pass an example of at least 2 tokens "
+                "(torch.export fixes an axis of size 0 or 1; the compiled pipeline then runs "
+                "other lengths)")
+    if t.dim() == 2 and t.is_floating_point():
+        return (f"{what}: token ids are integers", f"pass {name} as integer token ids "
+                f"({name}.long()), or seq_dims={{{name!r}: 1}} if it is a float sequence")
+    return f"{what}: not a shape tppc recognises", f"pass seq_dims={{{name!r}: axis}}"
+
+
+def _check_batch(model: torch.nn.Module, bound: inspect.BoundArguments) -> None:
+    """Refuse an example with an empty batch: a capture of nothing plans nothing."""
+    for name, t in bound.arguments.items():
+        if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == 0:
+            raise CaptureError(
+                f"example input {name!r} of {type(model).__name__} has batch size 0 (shape "
+                f"{tuple(t.shape)}). fix: pass an example with at least one sequence; the "
+                "compiled pipeline then accepts other batch sizes")
 
 
 _CONTEXT_NAME = re.compile(r"encoder|text|txt|prompt|caption|context|pooled|cond|added|mask_t5",

@@ -129,6 +129,11 @@ def bind(front: FrontEnd, model: torch.nn.Module, args: tuple[Any, ...],
     for ph, value in zip(placeholders, flat):
         seq = front.ctx.seq_inputs.get(ph.name, ())
         check_input(ph, value, skip_axes=(0,) if 0 not in seq else ())
+        if 0 not in seq and isinstance(value, torch.Tensor) and value.dim() \
+                and value.shape[0] == 0:
+            raise RuntimeInputError(
+                f"input {ph.name!r} has batch size 0 (shape {tuple(value.shape)}): there is "
+                "nothing to run. fix: pass at least one sequence (batch size ≥ 1)")
         for axis in seq:
             lengths[ph.name] = int(value.shape[axis]) // _rows_per_unit(ph, axis)
     if len(set(lengths.values())) != 1:

@@ -26,7 +26,13 @@ from torch.utils import _pytree as pytree
 from tppc.backends.torch_local import LocalExecutor, Sink
 from tppc.backends.torch_threads import ThreadsExecutor
 from tppc.driver.emit import build_program
-from tppc.driver.options import CompileOptions, ExecutorName, chunk_bounds
+from tppc.driver.options import (
+    CompileOptions,
+    ExecutorName,
+    check_executor,
+    check_seconds,
+    chunk_bounds,
+)
 from tppc.driver.planning import Planner
 from tppc.errors import CaptureError, RuntimeInputError, SpecError
 from tppc.frontend.front_end import BoundCall, FrontEnd, bind, capture_front_end, input_structure
@@ -292,9 +298,21 @@ class CompiledPipeline:
                 executor: ExecutorName | None = None, timeout: float | None = None,
                 trace: list | None = None) -> list[tuple[Any, ...]]:
         """Run ``call`` on ``program`` with an executor (default: the compiled one)."""
+        check_seconds("timeout", timeout)  # refused before any stage runs
         timeout = self.options.timeout if timeout is None else timeout
-        return self._executors[executor or self.executor].run(program, call, state, sink,
-                                                              timeout=timeout, trace=trace)
+        return self._executor(executor).run(program, call, state, sink, timeout=timeout,
+                                            trace=trace)
+
+    def _executor(self, name: ExecutorName | None) -> Any:
+        """The executor called ``name`` (default: the compiled one), or a named refusal."""
+        name = name or self.executor
+        found = self._executors.get(name)
+        if found is None:
+            check_executor(name)
+            raise SpecError(f"executor={name!r} is not available in this pipeline (it has "
+                            f"{sorted(self._executors)}). fix: use one of those, or compile "
+                            "with backend='distributed' (one process per stage, torchrun)")
+        return found
 
     def profile(self, *args: Any, **kwargs: Any) -> Any:
         """Run once untimed, then once with the ``threads`` executor timing every job against

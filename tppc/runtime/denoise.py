@@ -44,7 +44,7 @@ from tppc.program.state import Call, CallState, next_epoch
 from tppc.runtime.io import OutputAssembler
 from tppc.runtime.schedulers import check_scheduler, patch_scheduler
 
-__all__ = ["denoise"]
+__all__ = ["check_steps", "denoise"]
 
 _POLL = 0.05
 
@@ -65,9 +65,7 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any, num_inference_steps:
             latents = scheduler.step(out, t, latents).prev_sample
     """
     check_scheduler(scheduler)
-    if not 1 <= warmup_steps:
-        raise SpecError(f"warmup_steps={warmup_steps}; the first step must fill the K/V "
-                        "buffers. fix: warmup_steps >= 1")
+    check_steps(num_inference_steps, warmup_steps)
     scheduler.set_timesteps(num_inference_steps)
     steps = list(scheduler.timesteps)
     x = latents.detach().clone()
@@ -146,6 +144,20 @@ class DenoiseRun:
         out = out[0] if isinstance(out, tuple | list) else out
         out = getattr(out, "sample", out)
         return self.transform(out) if self.transform is not None else out
+
+
+def check_steps(num_inference_steps: Any, warmup_steps: Any) -> None:
+    """Refuse step counts that are not ints ≥ 1 (before the scheduler sees them).
+
+    Raises:
+        SpecError: naming the argument, its value and the fix.
+    """
+    for name, value in (("num_inference_steps", num_inference_steps),
+                        ("warmup_steps", warmup_steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            why = "the first step must fill the K/V buffers" if name == "warmup_steps" \
+                else "a denoising call runs at least one step"
+            raise SpecError(f"{name}={value!r}; {why}. fix: pass an integer {name} >= 1")
 
 
 def _all_threads(cp: Any, n_stages: int) -> int | None:

@@ -29,12 +29,12 @@ import torch.distributed as dist
 
 from tppc.backends.torch_local import run_stage
 from tppc.driver.emit import build_program
-from tppc.errors import RuntimeInputError, SpecError, StageFailed, StageTimeout
+from tppc.errors import RuntimeInputError, StageFailed, StageTimeout
 from tppc.passes.chunk_attention import REST_CHUNK
 from tppc.passes.hoist_consts import hoist_constants
 from tppc.program.program import Program, StageProgram
 from tppc.program.state import Call, next_epoch
-from tppc.runtime.denoise import DenoiseRun, bind_steps
+from tppc.runtime.denoise import DenoiseRun, bind_steps, check_steps
 from tppc.runtime.schedulers import check_scheduler, patch_scheduler
 
 if TYPE_CHECKING:
@@ -86,9 +86,7 @@ def distributed_denoise(cp: DenoisingRank, latents: torch.Tensor | None, schedul
 
     def check(value: tuple[Any, ...]) -> None:
         x, kwargs, steps, warm, _, arg = value
-        if not isinstance(warm, int) or warm < 1:
-            raise SpecError(f"warmup_steps={warm!r}; the first step must fill the K/V "
-                            "buffers. fix: warmup_steps >= 1")
+        check_steps(steps, warm)
         if not isinstance(x, torch.Tensor):
             raise RuntimeInputError(f"latents of type {type(x).__name__}; pass a tensor")
         scheduler.set_timesteps(steps)

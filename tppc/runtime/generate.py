@@ -24,6 +24,7 @@ import torch
 from tppc.errors import RuntimeInputError
 from tppc.generation import DEFAULT, ArrayOps, check_max_new_tokens, greedy_decode, stop_tokens
 from tppc.program.state import Call, next_epoch
+from tppc.runtime.kv_memory import check_generation_memory
 
 if TYPE_CHECKING:
     from tppc.backends.torch_local import Sink
@@ -100,6 +101,8 @@ def greedy_generate(cp: Generating, input_ids: torch.Tensor, max_new_tokens: int
             f"{prompt} prompt tokens + max_new_tokens={max_new_tokens} = {total} tokens, "
             f"max_seq={cp.max_seq}. fix: lower max_new_tokens to {cp.max_seq - prompt} or "
             f"compile with max_seq={total}")
+    check_generation_memory(cp.program(prompt, front), front, bound.flat, prompt,
+                            max_new_tokens)  # before anything is allocated
     program = cp.program(prompt, front)
     flat = tuple(_extended(front, bound.flat, total))
     ids = flat[token_input_index(cp.model_name, front)]

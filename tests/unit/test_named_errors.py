@@ -1,0 +1,165 @@
+"""Bad arguments that used to crash (AssertionError, KeyError, IndexError, ZeroDivisionError,
+a 256 GB allocation) or mislead are refused by name: the thing, the value and the fix.
+
+Each refusal is checked to come before any work (no capture, no file, no allocation), and
+where a fix is named, following it is checked against eager torch.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+
+import pytest
+import torch
+
+import tppc
+from tppc.artifact.write import ExportError
+from tppc.errors import CaptureError, RuntimeInputError, SpecError
+from tppc.examples import gpt
+
+SEQ = 16
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    model, args, kwargs = gpt(seq_len=SEQ, n_layer=2)
+    with torch.no_grad():
+        cp = tppc.compile(model, args, kwargs, cluster="2xcpu", num_stages=2, chunks=2)
+    return model, args, cp
+
+
+def _no_capture(monkeypatch) -> None:
+    def refuse(*_, **__):
+        raise AssertionError("captured before the argument was refused")
+    monkeypatch.setattr("tppc.frontend.capture.export_dynamic", refuse)
+
+
+def test_a_cuda_device_this_machine_lacks_is_refused(monkeypatch) -> None:
+    model, args, kwargs = gpt(seq_len=SEQ, n_layer=2)
+    absent = f"cuda:{torch.cuda.device_count() if torch.cuda.is_available() else 0}"
+    _no_capture(monkeypatch)
+    with pytest.raises(SpecError, match=f"devices contains '{absent}', but this machine has "
+                                        r".*fix: pass devices=None"):
+        tppc.compile(model, args, kwargs, devices=(absent, "cpu"))
+    with pytest.raises(SpecError, match="devices contains 'gpu7', which is not a torch device"):
+        tppc.compile(model, args, kwargs, devices=("gpu7", "cpu"))
+
+
+def test_an_unknown_executor_is_refused_at_compile_and_per_call(compiled, monkeypatch) -> None:
+    model, args, cp = compiled
+    with pytest.raises(SpecError, match=r"executor='bogus'; use one of \['local', 'threads', "
+                                        r"'distributed'\]"):
+        tppc.compile(model, args, executor="bogus")
+    with pytest.raises(SpecError, match="executor='bogus'; use one of"):
+        cp.run(args, executor="bogus")
+    with pytest.raises(SpecError, match=r"executor='distributed' is not available in this "
+                                        r"pipeline \(it has \['local', 'threads'\]\)"):
+        cp.run(args, executor="distributed")
+    with torch.no_grad():  # the pipeline still works, and equals eager
+        torch.testing.assert_close(cp.run(args, executor="local"), model(*args))
+
+
+@pytest.mark.parametrize("value", [0, -1, float("nan"), "5", True])
+def test_invalid_time_limits_and_timeouts_are_refused(compiled, monkeypatch, value) -> None:
+    model, args, cp = compiled
+    text = f"={value!r} must be a positive number of seconds"
+    with pytest.raises(SpecError, match="timeout" + _re(text)):
+        cp.run(args, timeout=value)
+    _no_capture(monkeypatch)
+    with pytest.raises(SpecError, match="time_limit" + _re(text)):
+        tppc.plan(model, args, time_limit=value)
+    for name in ("timeout", "time_limit"):
+        with pytest.raises(SpecError, match=name + _re(text)):
+            tppc.compile(model, args, **{name: value})
+
+
+@pytest.mark.parametrize("steps,warmup,name", [(-3, 1, "num_inference_steps=-3"),
+                                               (0, 1, "num_inference_steps=0"),
+                                               (2.5, 1, "num_inference_steps=2.5"),
+                                               (4, 0, "warmup_steps=0")])
+def test_invalid_denoising_step_counts_are_refused(compiled, steps, warmup, name) -> None:
+    diffusers = pytest.importorskip("diffusers")
+    scheduler = diffusers.DDIMScheduler()
+    with pytest.raises(SpecError, match=_re(name) + r"; .* fix: pass an integer \w+ >= 1"):
+        compiled[2].denoise(torch.randn(1, 4, 8, 8), scheduler, steps, warmup_steps=warmup)
+    assert scheduler.num_inference_steps is None  # refused before the scheduler was set
+
+
+@pytest.mark.parametrize("lengths,text", [([0], "lengths contains 0"),
+                                          ([-3], "lengths contains -3"),
+                                          ([16, "x"], "lengths contains 'x'"),
+                                          ([True], "lengths contains True"),
+                                          ("128", "lengths='128' must be a list")])
+def test_invalid_export_lengths_are_refused(compiled, tmp_path, lengths, text) -> None:
+    out = tmp_path / "artifact"
+    with pytest.raises(ExportError, match=_re(text) + ".*fix: e.g. lengths=\\[128, 256\\]"):
+        tppc.export(compiled[2], out, lengths=lengths)
+    assert not out.exists()
+
+
+def test_an_empty_batch_is_refused_at_compile_and_per_call(compiled, monkeypatch) -> None:
+    model, args, cp = compiled
+    empty = args[0][:0]
+    with pytest.raises(RuntimeInputError, match=r"input 'input_ids' has batch size 0 \(shape "
+                                                r"\(0, 16\)\).*fix: pass at least one"):
+        cp(empty)
+    with pytest.raises(RuntimeInputError, match="batch size 0"):
+        cp.generate(empty, max_new_tokens=2)
+    _no_capture(monkeypatch)
+    with pytest.raises(CaptureError, match=r"example input 'input_ids' of GPT has batch size "
+                                           r"0 \(shape \(0, 16\)\)"):
+        tppc.compile(model, (empty,))
+
+
+def test_a_one_token_example_names_the_token_count_and_the_fix() -> None:
+    model, args, _ = gpt(seq_len=SEQ, n_layer=2)
+    with pytest.raises(CaptureError, match=r"input_ids is int64 of shape \(1, 1\): 1 token\(s\)"
+                                           r".*fix: pass an example of at least 2 tokens"):
+        tppc.compile(model, (args[0][:, :1],))
+    cp = tppc.compile(model, (args[0][:, :2],), chunks=1)  # the fix: 2 tokens, then 1 runs
+    with torch.no_grad():
+        torch.testing.assert_close(cp(args[0][:, :1]), model(args[0][:, :1]))
+
+
+def test_a_float_example_of_token_ids_names_the_dtype_and_the_fix() -> None:
+    model, args, _ = gpt(seq_len=SEQ, n_layer=2)
+    with pytest.raises(CaptureError, match=r"input_ids is float32 of shape \(1, 16\): token "
+                                           r"ids are integers.*fix: pass input_ids as integer "
+                                           r"token ids \(input_ids.long\(\)\)"):
+        tppc.compile(model, (args[0].float(),))
+
+
+def test_generating_past_the_memory_is_refused_with_the_numbers(compiled, monkeypatch) -> None:
+    """10**9 new tokens: refused at once, naming the need computed from the model's shape."""
+    model, args, cp = compiled
+    cfg = model.cfg
+    total = SEQ + 10**9
+    kv = cfg.n_layer * 2 * cfg.n_embd * 4 * total  # K and V rows of every layer, float32
+    ids = 8 * total  # the token ids, grown to the full length (int64)
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeInputError) as info:
+        cp.generate(args[0], max_new_tokens=10**9)
+    assert time.perf_counter() - t0 < 5
+    message = str(info.value)
+    assert f"{total} tokens need {(kv + ids) / 2**30:,.1f} GiB on cpu" in message, message
+    assert "fix: lower max_new_tokens to at most" in message
+    free = 2**30  # a machine with 1 GiB free: the named bound is what fits in it
+    monkeypatch.setattr("tppc.runtime.kv_memory.free_bytes", lambda device: free)
+    with pytest.raises(RuntimeInputError) as info:
+        cp.generate(args[0], max_new_tokens=10**9)
+    fits = int(free / ((kv + ids) / total)) - SEQ
+    assert f"max_new_tokens to at most {fits}" in str(info.value)
+    assert math.isclose(fits, free / (cfg.n_layer * 2 * cfg.n_embd * 4 + 8) - SEQ, abs_tol=2)
+    out = cp.generate(args[0], max_new_tokens=3)  # the pipeline is unchanged
+    with torch.no_grad():
+        want = args[0]
+        for _ in range(3):
+            want = torch.cat([want, model(want)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    torch.testing.assert_close(out, want)
+
+
+def _re(text: str) -> str:
+    """``text`` as a literal regular expression."""
+    return re.escape(text)
