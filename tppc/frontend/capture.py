@@ -35,6 +35,7 @@ import torch
 from torch import fx
 
 from tppc.errors import CaptureError
+from tppc.frontend.isolation import CAPTURE_LOCK
 from tppc.frontend.torch_export import export_dynamic, is_latent
 from tppc.ir.context import CompileContext
 
@@ -56,7 +57,9 @@ def capture(
     """Capture ``model`` with a symbolic sequence length.
 
     Args:
-        model: the module to capture (in eval mode; it is not modified).
+        model: the module to capture (in eval mode). It is left as it was: every parameter,
+            buffer and attribute is the same object with the same value afterwards
+            (:mod:`tppc.frontend.isolation`); captures in other threads wait for this one.
         args: example positional inputs.
         kwargs: example keyword inputs; ``use_cache`` is set to False by tppc.
         seq_dims: input name -> sequence axis (or axes); found automatically when None.
@@ -68,6 +71,13 @@ def capture(
     Raises:
         CaptureError: naming the construct that failed and what to do.
     """
+    with CAPTURE_LOCK:  # one capture at a time in the process, every strategy in one go
+        return _capture(model, args, kwargs, seq_dims, max_seq)
+
+
+def _capture(model: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None,
+             seq_dims: Mapping[str, int | tuple[int, ...]] | None, max_seq: int | None
+             ) -> tuple[fx.GraphModule, CompileContext]:
     start = time.perf_counter()
     bound = bind_inputs(model, args, dict(kwargs or {}))
     _check_batch(model, bound)

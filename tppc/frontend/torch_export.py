@@ -13,6 +13,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from tppc.errors import CaptureError
+from tppc.frontend.isolation import isolated
 from tppc.ir.context import CompileContext
 
 __all__ = ["example_units", "export_dynamic", "is_latent"]
@@ -70,9 +71,15 @@ def export_dynamic(
 
 def _export(model: torch.nn.Module, bound: inspect.BoundArguments, shapes: dict[str, Any],
             *, deferred: bool = False) -> torch.export.ExportedProgram:
-    """torch.export; ``deferred`` turns size guards into runtime asserts instead of failing."""
-    return torch.export.export(model, bound.args, bound.kwargs, dynamic_shapes=shapes,
-                               strict=False, prefer_deferred_runtime_asserts_over_guards=deferred)
+    """torch.export; ``deferred`` turns size guards into runtime asserts instead of failing.
+
+    One export at a time in the process, and ``model`` is left as it was (see
+    :mod:`tppc.frontend.isolation`), whether the export succeeded or raised.
+    """
+    with isolated(model):
+        return torch.export.export(model, bound.args, bound.kwargs, dynamic_shapes=shapes,
+                                   strict=False,
+                                   prefer_deferred_runtime_asserts_over_guards=deferred)
 
 
 _PINNED = r"Constraints violated|specialized it to be a constant"
