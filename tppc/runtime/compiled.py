@@ -16,6 +16,7 @@ import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +69,10 @@ class StageSummary:
     kv_bytes: int
 
 
+_ANY_BATCH = object()
+"""First item of a front-end key that matches any batch shape of an input structure."""
+
+
 class CompiledPipeline:
     """A model compiled into pipeline stages; call it like the model.
 
@@ -89,6 +94,7 @@ class CompiledPipeline:
         self._fronts: OrderedDict[Any, FrontEnd] = OrderedDict({front.key: front})
         self._programs: OrderedDict[tuple[Any, int], Program] = OrderedDict()
         self._lock = threading.RLock()
+        self._pending: dict[Any, Future[FrontEnd]] = {}  # captures in flight, by front key
         self._executors = {"local": LocalExecutor(),
                            "threads": ThreadsExecutor(options.threads_per_stage,
                                                       options.queue_depth)}
@@ -250,29 +256,52 @@ class CompiledPipeline:
             RuntimeInputError: naming the input, what it is, what was compiled, and the fix.
         """
         structure = input_structure(self._model, args, kwargs)
-        with self._lock:
-            base = next((f for f in reversed(self._fronts.values()) if f.key[0] == structure),
-                        None)
-        if base is None:  # other keyword inputs: capture them
-            base = self._capture(args, kwargs, None)
-            with self._lock:
-                self._fronts[base.key] = base
+        base = self._front_for((_ANY_BATCH, structure),  # other keyword inputs: capture them
+                               lambda: self._capture(args, kwargs, None))
         bound = bind(base, self._model, args, kwargs)
         if self.options.max_seq is not None and bound.length > self.options.max_seq:
             raise RuntimeInputError(
                 f"the sequence has {bound.length} tokens, max_seq={self.options.max_seq}. "
                 f"fix: compile with max_seq={bound.length} (or more), or max_seq=None")
+        front = self._front_for((structure, bound.batch),
+                                lambda: self._capture(args, kwargs, bound))
+        return front, bound
+
+    def _front_for(self, key: tuple[Any, Any], capture: Callable[[], FrontEnd]) -> FrontEnd:
+        """The cached front end for ``key`` (``(_ANY_BATCH, structure)``: the latest of any
+        batch shape), else ``capture()``'s, run once for concurrent callers: the first
+        captures (the process runs one capture at a time, :mod:`tppc.frontend.isolation`),
+        the others wait for it and share its front end or its error."""
         with self._lock:
-            front = self._fronts.get((structure, bound.batch))
+            front = (self._fronts.get(key) if key[0] is not _ANY_BATCH else
+                     next((f for f in reversed(self._fronts.values()) if f.key[0] == key[1]),
+                          None))
             if front is not None:
-                self._fronts.move_to_end(front.key)
-                return front, bound
-        front = self._capture(args, kwargs, bound)
+                if key[0] is not _ANY_BATCH:
+                    self._fronts.move_to_end(key)
+                return front
+            pending = self._pending.get(key)
+            if pending is None:
+                pending = self._pending[key] = Future()
+                owner = True
+            else:
+                owner = False
+        if not owner:
+            return pending.result()
+        try:
+            front = capture()
+        except BaseException as exc:
+            with self._lock:
+                del self._pending[key]
+            pending.set_exception(exc)
+            raise
         with self._lock:
             self._fronts[front.key] = front
             while len(self._fronts) > self.options.program_cache:
                 self._fronts.popitem(last=False)
-        return front, bound
+            del self._pending[key]
+        pending.set_result(front)
+        return front
 
     def program(self, length: int, front: FrontEnd | None = None) -> Program:
         """The program for ``length`` tokens (re-planned and cached, or refused)."""
