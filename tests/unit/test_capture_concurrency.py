@@ -1,0 +1,135 @@
+"""Threads that call, generate and compile at once, with shapes never captured: exact results.
+
+torch.export is not re-entrant: tppc runs one capture at a time in the process, concurrent
+first calls of one new batch shape share one capture, and no capture leaves state in the
+user's model. Without that (main before issue 19), every job of the stress test below fails
+and the user's models end up holding FakeTensor weights.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import tppc
+from tppc import examples
+from tppc.errors import RuntimeInputError
+
+pytest.importorskip("transformers")
+pytest.importorskip("diffusers")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from stress_concurrency import intact_models, make_target, stress
+
+
+def _together(count: int, work) -> list[BaseException]:
+    """Run ``work(i)`` in ``count`` threads released at once; the exceptions raised."""
+    barrier, errors = threading.Barrier(count), []
+
+    def run(i: int) -> None:
+        barrier.wait()
+        try:
+            work(i)
+        except BaseException as exc:  # reported by the caller
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
+def test_threads_calling_generating_and_compiling_new_shapes_get_eager_results() -> None:
+    target = make_target(batches=(2, 3, 4), lengths=(5, 9, 14))
+    report = stress(target, threads=8, jobs_per_thread=2, seed=1)
+    assert report.failures == []
+    assert sum(report.done.values()) == 16
+    assert intact_models(target) == [None, None, None]
+
+
+def test_concurrent_first_calls_of_one_new_batch_shape_capture_once(monkeypatch) -> None:
+    model, args, _ = examples.gpt(seq_len=8, n_layer=2)
+    cp = tppc.compile(model, args, chunks=2, executor="threads")
+    captures = []
+    real = tppc.runtime.compiled.capture_front_end
+
+    def counted(*a, **k):
+        captures.append(a[1][0].shape)
+        return real(*a, **k)
+
+    monkeypatch.setattr("tppc.runtime.compiled.capture_front_end", counted)
+    ids = torch.randint(0, 256, (3, 10))
+    with torch.no_grad():
+        expected = model(ids)
+    results = [None] * 6
+
+    def call(i: int) -> None:
+        results[i] = cp(ids)
+
+    assert _together(6, call) == []
+    assert len(captures) == 1
+    for out in results:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_captures_never_overlap_across_pipelines_and_compiles(monkeypatch) -> None:
+    model, args, _ = examples.gpt(seq_len=8, n_layer=2)
+    cp = tppc.compile(model, args, chunks=2)
+    other, other_args, _ = examples.gpt(seq_len=6, n_layer=2)
+    active, most = [0], [0]
+    lock = threading.Lock()
+    real = torch.export.export
+
+    def exclusive(*a, **k):
+        with lock:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        try:
+            return real(*a, **k)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    monkeypatch.setattr(torch.export, "export", exclusive)
+
+    def work(i: int) -> None:
+        if i < 2:
+            tppc.compile(other, other_args, chunks=2)
+        else:
+            cp(torch.randint(0, 256, (i, 7)))
+
+    assert _together(5, work) == []
+    assert most[0] == 1
+
+
+def test_a_failed_capture_reaches_every_waiting_caller_and_is_not_cached(monkeypatch) -> None:
+    model, args, _ = examples.gpt(seq_len=8, n_layer=2)
+    cp = tppc.compile(model, args, chunks=2)
+    real, calls = tppc.runtime.compiled.capture_front_end, []
+    started = threading.Event()
+
+    def failing(*a, **k):
+        calls.append(1)
+        started.wait(5)  # let the other callers queue up behind this capture
+        raise tppc.errors.CaptureError("injected")
+
+    monkeypatch.setattr("tppc.runtime.compiled.capture_front_end", failing)
+    ids = torch.randint(0, 256, (2, 8))
+
+    def call(i: int) -> None:
+        if i == 0:
+            threading.Timer(0.3, started.set).start()
+        cp(ids)
+
+    errors = _together(4, call)
+    assert len(errors) == 4 and all(isinstance(e, RuntimeInputError) for e in errors)
+    assert all("injected" in str(e) for e in errors)
+    assert len(calls) == 1
+    monkeypatch.setattr("tppc.runtime.compiled.capture_front_end", real)
+    with torch.no_grad():
+        torch.testing.assert_close(cp(ids), model(ids), rtol=1e-5, atol=1e-5)
