@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -110,23 +111,23 @@ def test_captures_never_overlap_across_pipelines_and_compiles(monkeypatch) -> No
 def test_a_failed_capture_reaches_every_waiting_caller_and_is_not_cached(monkeypatch) -> None:
     model, args, _ = examples.gpt(seq_len=8, n_layer=2)
     cp = tppc.compile(model, args, chunks=2)
-    real, calls = tppc.runtime.compiled.capture_front_end, []
-    started = threading.Event()
+    real, calls, waiting = tppc.runtime.compiled.capture_front_end, [], threading.Semaphore(0)
+
+    class CountedFuture(Future):
+        def result(self, timeout=None):
+            waiting.release()
+            return super().result(timeout)
 
     def failing(*a, **k):
         calls.append(1)
-        started.wait(5)  # let the other callers queue up behind this capture
+        for _ in range(3):  # the other callers queue up behind this capture
+            assert waiting.acquire(timeout=30)
         raise tppc.errors.CaptureError("injected")
 
+    monkeypatch.setattr("tppc.runtime.compiled.Future", CountedFuture)
     monkeypatch.setattr("tppc.runtime.compiled.capture_front_end", failing)
     ids = torch.randint(0, 256, (2, 8))
-
-    def call(i: int) -> None:
-        if i == 0:
-            threading.Timer(0.3, started.set).start()
-        cp(ids)
-
-    errors = _together(4, call)
+    errors = _together(4, lambda i: cp(ids))
     assert len(errors) == 4 and all(isinstance(e, RuntimeInputError) for e in errors)
     assert all("injected" in str(e) for e in errors)
     assert len(calls) == 1
