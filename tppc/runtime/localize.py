@@ -19,7 +19,6 @@ a value made inside the graph and written in place).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -34,6 +33,7 @@ from tppc.passes.chunk_attention import REST_CHUNK
 from tppc.planner.manual import manual_plan
 from tppc.program.program import Program
 from tppc.runtime.replay import (
+    Difference,
     RecordingStage,
     Replay,
     chunk_rows,
@@ -43,7 +43,7 @@ from tppc.runtime.replay import (
     token_info,
 )
 
-__all__ = ["construct_of", "raise_divergence"]
+__all__ = ["construct_of", "describe", "raise_divergence"]
 
 _UNINITIALISED = {"empty", "new_empty", "empty_like", "empty_strided", "empty_permuted"}
 _CREATORS = {"zeros", "zeros_like", "new_zeros", "full", "full_like", "new_full", "ones",
@@ -58,27 +58,26 @@ class _Divergence:
     emitted: str           # its name in the stage graph
     stage: int
     chunk: tuple[int, int]
-    max_diff: float
-    tolerance: float
+    diff: Difference
     inside: bool           # found node by node (else: a boundary value of the stage)
 
 
-def raise_divergence(front: FrontEnd, replay: Replay, reference: Sequence[Any], index: int,
-                     diff: float, tol: float, *, label: str) -> NoReturn:
+def raise_divergence(front: FrontEnd, replay: Replay, index: int, diff: Difference, *,
+                     label: str) -> NoReturn:
     """Raise :class:`SoundnessError` for output ``index`` of ``replay``, naming the first
     diverging node when the per-layer replay finds it."""
     what = (f"length {replay.length}, chunks {list(replay.chunks)}, stages "
             f"{[list(st.layers) for st in replay.program.stages]}"
             + (", after a one-chunk warm-up pass" if replay.warmup else ""))
     head = (f"{front.ctx.model_name}: the {label} ({what}) differs from the captured graph: "
-            f"output {index} max |diff| {diff:.3g} (tolerance {tol:.3g}).")
+            f"output {index} {describe(diff)}.")
     fix = (" fix: rewrite that construct in the model (the README's refusal table lists the "
            "known ones), or compile with verify=False to keep this pipeline although its "
            "outputs differ.")
     found = _first_divergence(front, replay)
     if found is None:
         raise SoundnessError(head + " A replay with one layer per stage does not reproduce it"
-                             " (it depends on this placement)." + fix, max_diff=diff)
+                             " (it depends on this placement)." + fix, max_diff=diff.max_abs)
     node = found.node
     module, cls = _module(node)
     layer = front.ctx.layers[found.stage].name  # the per-layer replay: stage s = layer s
@@ -90,10 +89,17 @@ def raise_divergence(front: FrontEnd, replay: Replay, reference: Sequence[Any], 
              else "a value this layer sends on; no node inside it could be compared")
     raise SoundnessError(
         f"{head} First diverging value: {where}, chunk {list(found.chunk)} of a replay with "
-        f"one layer per stage: max |diff| {found.max_diff:.3g} (tolerance "
-        f"{found.tolerance:.3g}); {level}. Construct: {construct}." + fix,
+        f"one layer per stage: {describe(found.diff)}; {level}. Construct: {construct}." + fix,
         node=node.name, op=str(node.target), module=module, layer=layer, construct=construct,
-        max_diff=found.max_diff)
+        max_diff=found.diff.max_abs)
+
+
+def describe(diff: Difference) -> str:
+    """``max |diff| 0.13 (tolerance 0.00014)``, with the relative norm where it counts."""
+    text = f"max |diff| {diff.max_abs:.3g} (tolerance {diff.tolerance:.3g}"
+    if diff.norm_tolerance is not None:
+        text += f"; relative norm {diff.rel_norm:.3g}, tolerance {diff.norm_tolerance:.3g}"
+    return text + ")"
 
 
 def _first_divergence(front: FrontEnd, failing: Replay) -> _Divergence | None:
@@ -117,12 +123,12 @@ def _first_divergence(front: FrontEnd, failing: Replay) -> _Divergence | None:
                     continue
                 want = chunk_rows(values[captured.name], sent[s, m][k], token_info(captured),
                                   chunk[0], replay.length)
-                diff, tol = compare(sent[s, m][k], want)
-                if want is not None and diff > tol:
+                diff = compare(sent[s, m][k], want)
+                if want is not None and diff.exceeds:
                     inside = _inside(front, replay, s, [m], origins)
-                    return inside or _Divergence(captured, emitted.name, s, chunk, diff, tol,
+                    return inside or _Divergence(captured, emitted.name, s, chunk, diff,
                                                  inside=False)
-    if all(compare(a, b)[0] <= compare(a, b)[1] for a, b in zip(got, outputs, strict=False)):
+    if not any(compare(a, b).exceeds for a, b in zip(got, outputs, strict=False)):
         return None
     return _inside(front, replay, last, list(range(len(replay.chunks))), origins)
 
@@ -146,10 +152,9 @@ def _inside(front: FrontEnd, replay: Replay, s: int, chunks: list[int],
             got = recorder.values[emitted.name]
             want = _rows_of(emitted, captured, values[captured.name], got, start, end,
                             replay.length)
-            diff, tol = compare(got, want)
-            if want is not None and diff > tol:
-                return _Divergence(captured, emitted.name, s, (start, end), diff, tol,
-                                   inside=True)
+            diff = compare(got, want)
+            if want is not None and diff.exceeds:
+                return _Divergence(captured, emitted.name, s, (start, end), diff, inside=True)
     return None
 
 

@@ -42,7 +42,7 @@ from tppc.passes.chunk_attention import REST_CHUNK
 from tppc.planner.manual import manual_plan
 from tppc.program.program import Program
 from tppc.runtime.localize import raise_divergence
-from tppc.runtime.replay import Replay, compare, run_reference
+from tppc.runtime.replay import Difference, Replay, compare, run_reference
 
 __all__ = ["CheckRun", "Validation", "validate_pipeline"]
 
@@ -168,13 +168,13 @@ def _check(front: FrontEnd, label: str, program: Program, rest: Program | None,
         got = replay.run()
     worst = 0.0
     for index, (value, want) in enumerate(zip(got, reference, strict=False)):
-        diff, tol = compare(value, want)
-        if diff > tol:
-            raise_divergence(front, replay, reference, index, diff, tol, label=label)
-        worst = max(worst, diff)
+        diff = compare(value, want)
+        if diff.exceeds:
+            raise_divergence(front, replay, index, diff, label=label)
+        worst = max(worst, diff.max_abs)
     if len(got) != len(reference):
-        raise_divergence(front, replay, reference, min(len(got), len(reference)),
-                         float("inf"), 0.0, label=label)
+        raise_divergence(front, replay, min(len(got), len(reference)),
+                         Difference(float("inf"), 0.0), label=label)
     return CheckRun(label=label, length=length, chunks=chunks,
                     stages=tuple(st.layers for st in program.stages), warmup=warmup,
                     max_diff=worst)
