@@ -45,6 +45,7 @@ from tppc.runtime.replay import (
 
 __all__ = ["construct_of", "describe", "raise_divergence"]
 
+_UNKNOWN = "not one of the known constructs"
 _UNINITIALISED = {"empty", "new_empty", "empty_like", "empty_strided", "empty_permuted"}
 _CREATORS = {"zeros", "zeros_like", "new_zeros", "full", "full_like", "new_full", "ones",
              "ones_like", "new_ones", *_UNINITIALISED}
@@ -71,27 +72,36 @@ def raise_divergence(front: FrontEnd, replay: Replay, index: int, diff: Differen
             + (", after a one-chunk warm-up pass" if replay.warmup else ""))
     head = (f"{front.ctx.model_name}: the {label} ({what}) differs from the captured graph: "
             f"output {index} {describe(diff)}.")
-    fix = (" fix: rewrite that construct in the model (the README's refusal table lists the "
-           "known ones), or compile with verify=False to keep this pipeline although its "
-           "outputs differ.")
     found = _first_divergence(front, replay)
     if found is None:
         raise SoundnessError(head + " A replay with one layer per stage does not reproduce it"
-                             " (it depends on this placement)." + fix, max_diff=diff.max_abs)
+                             " (it depends on this placement)." + _fix(known=False),
+                             max_diff=diff.max_abs)
     node = found.node
     module, cls = _module(node)
     layer = front.ctx.layers[found.stage].name  # the per-layer replay: stage s = layer s
     construct = construct_of(node)
+    start, end = found.chunk
     where = (f"node {node.name!r} (op {node.target}, module {module or '<top level>'}"
              f"{f' ({cls})' if cls else ''}, layer {layer}"
              + (f", emitted as {found.emitted!r}" if found.emitted != node.name else "") + ")")
     level = ("every value before it in the layer agrees" if found.inside
              else "a value this layer sends on; no node inside it could be compared")
     raise SoundnessError(
-        f"{head} First diverging value: {where}, chunk {list(found.chunk)} of a replay with "
-        f"one layer per stage: {describe(found.diff)}; {level}. Construct: {construct}." + fix,
+        f"{head} First diverging value: {where}, chunk [{start}, {end}) of a replay with one "
+        f"layer per stage: {describe(found.diff)}; {level}. Construct: {construct}."
+        + _fix(known=not construct.startswith(_UNKNOWN)),
         node=node.name, op=str(node.target), module=module, layer=layer, construct=construct,
         max_diff=found.diff.max_abs)
+
+
+def _fix(*, known: bool) -> str:
+    skip = "or compile with verify=False to keep this pipeline although its outputs differ."
+    if known:
+        return (" fix: rewrite that construct in the model (the README's refusal table lists "
+                f"the known ones), {skip}")
+    return (" fix: this is a tppc bug for an ordinary op: report it with this message, "
+            f"{skip}")
 
 
 def describe(diff: Difference) -> str:
@@ -256,8 +266,8 @@ def construct_of(node: fx.Node) -> str:
                 f"{writer.name!r}, as in x[..., n:] = f(x[..., n:])): the write does not "
                 "reach the emitted program")
     if token_info(node) is not None and token_info(node).role == "mixing":
-        return f"attention ({node.target}); not one of the known constructs"
-    return f"not one of the known constructs (op {node.target})"
+        return f"{_UNKNOWN} (attention, {node.target})"
+    return f"{_UNKNOWN} (op {node.target})"
 
 
 def _written_in_place(node: fx.Node, depth: int = 4) -> tuple[fx.Node, fx.Node] | None:
