@@ -28,6 +28,7 @@ from tppc.backends.torch_local import run_stage
 from tppc.ir.records import TOKEN, TokenInfo
 from tppc.program.program import Program, StageProgram
 from tppc.program.state import Call, CallState, next_epoch
+from tppc.runtime.call import new_outputs, with_tail
 from tppc.runtime.io import OutputAssembler
 
 __all__ = ["Difference", "RecordingStage", "Replay", "chunk_rows", "compare", "origin",
@@ -117,14 +118,10 @@ class Replay:
 
     def _pass(self, chunks: tuple[tuple[int, int], ...], state: CallState, epoch: int,
               hook: StageHook | None, swap: dict[tuple[int, int], StageProgram]) -> list[Any]:
-        last = self.program.stages[-1]
-        outputs: list[Any] = [None] * len(self.program.signature.output_axes)
-        for slot in last.out_slots:
-            outputs[slot.index] = torch.empty(slot.full_shape(self.length), dtype=slot.dtype,
-                                              device=last.device)
-        call = Call(self.flat, chunks, self.length, self.length, epoch, tuple(outputs))
-        sink = OutputAssembler(self.program.signature.output_axes, call,
-                               self.program.signature.output_rows)
+        axes = self.program.signature.output_axes
+        call = Call(self.flat, chunks, self.length, self.length, epoch,
+                    new_outputs(self.program.stages[-1], self.length, len(axes)))
+        sink = OutputAssembler(axes, call, self.program.signature.output_rows)
         for m, (start, end) in enumerate(chunks):
             values: tuple[Any, ...] = ()
             for s in range(len(self.program.stages)):
@@ -133,12 +130,7 @@ class Replay:
                 if hook is not None:
                     hook(s, m, values)
             sink(m, values)
-        leaves = sink.leaves
-        if self.program.tail is not None:
-            with torch.no_grad():
-                leaves = list(self.program.tail(*(x.to(last.device) if isinstance(x, torch.Tensor)
-                                                   else x for x in self.flat), *leaves))
-        return leaves
+        return with_tail(self.program, self.flat, sink.leaves)
 
 
 def origin(node: fx.Node) -> tuple[str, int]:

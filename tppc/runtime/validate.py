@@ -32,19 +32,21 @@ import itertools
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from tppc.driver.emit import build_program
-from tppc.frontend.front_end import FrontEnd
+from tppc.driver.options import CompileOptions
+from tppc.frontend.front_end import BoundCall, FrontEnd
 from tppc.passes.chunk_attention import REST_CHUNK
 from tppc.planner.manual import manual_plan
+from tppc.planner.plan import Plan
 from tppc.program.program import Program
 from tppc.runtime.localize import raise_divergence
 from tppc.runtime.replay import Difference, Replay, compare, run_reference
 
-__all__ = ["CheckRun", "Validation", "validate_pipeline"]
+__all__ = ["CheckRun", "Validated", "Validation", "resize_inputs", "validate_pipeline"]
 
 
 @dataclass(frozen=True)
@@ -107,9 +109,21 @@ class Validation:
         return "\n".join(lines)
 
 
-def validate_pipeline(cp: Any, model: torch.nn.Module, args: tuple[Any, ...],
+class Validated(Protocol):
+    """What :func:`validate_pipeline` reads of a pipeline (a :class:`tppc.CompiledPipeline`)."""
+
+    plan: Plan
+    options: CompileOptions
+
+    def bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+             ) -> tuple[FrontEnd, BoundCall]: ...
+
+    def program(self, length: int, front: FrontEnd | None = None) -> Program: ...
+
+
+def validate_pipeline(cp: Validated, model: torch.nn.Module, args: tuple[Any, ...],
                       kwargs: Mapping[str, Any] | None = None) -> Validation:
-    """Check ``cp`` (a :class:`tppc.runtime.compiled.CompiledPipeline`) against its capture.
+    """Check ``cp`` (a :class:`tppc.CompiledPipeline`) against its capture.
 
     Args:
         cp: the compiled pipeline.
@@ -217,7 +231,7 @@ def _split(front: FrontEnd, length: int) -> tuple[tuple[tuple[int, int], ...], s
     return tuple(itertools.pairwise(cuts)), ""
 
 
-def _probe_length(front: FrontEnd, cp: Any, length: int) -> tuple[int | None, str]:
+def _probe_length(front: FrontEnd, cp: Validated, length: int) -> tuple[int | None, str]:
     """One more length the capture admits, or None and why not."""
     ctx = front.ctx
     if ctx.capture_mode == "specialized":
@@ -225,7 +239,7 @@ def _probe_length(front: FrontEnd, cp: Any, length: int) -> tuple[int | None, st
                       f"({ctx.specialization})")
     if ctx.capture_mode == "dynamic-square":
         return None, "no probe length: square latents (height and width share one size)"
-    step = max(1, int(getattr(cp.plan, "granularity", 1) or 1))
+    step = max(1, cp.plan.granularity)
     probe = length - step if length - step >= 2 else length + step
     limit = cp.options.max_seq
     if limit is not None and probe > limit:
