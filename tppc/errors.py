@@ -15,6 +15,7 @@ __all__ = [
     "PlanError",
     "PlanInfeasible",
     "RuntimeInputError",
+    "SoundnessError",
     "SpecError",
     "StageFailed",
     "StageTimeout",
@@ -40,6 +41,28 @@ class AnnotationError(TppcError):
 
 class PassError(TppcError):
     """A compiler pass failed; the message names the pass and the original error."""
+
+
+class SoundnessError(TppcError):
+    """A compiled program computes something other than the captured model (translation
+    validation, :mod:`tppc.runtime.validate`); the message names the first diverging node,
+    its op, module path and construct, what was compared and the max abs difference.
+
+    Attributes:
+        node: the diverging node of the captured graph (None: not localised).
+        op: its op.
+        module: its module path (``""``: top level).
+        layer: the layer it belongs to.
+        construct: the construct it belongs to, in words.
+        max_diff: the max abs difference of its value (or of the output).
+    """
+
+    def __init__(self, message: str, *, node: str | None = None, op: str | None = None,
+                 module: str | None = None, layer: str | None = None,
+                 construct: str | None = None, max_diff: float = float("nan")) -> None:
+        super().__init__(message)
+        self.node, self.op, self.module, self.layer = node, op, module, layer
+        self.construct, self.max_diff = construct, max_diff
 
 
 class SpecError(TppcError, ValueError):

@@ -35,6 +35,8 @@ class CompileOptions:
     """Override the planner's split: a number of equal chunks, or the boundaries."""
     devices: tuple[str | torch.device, ...] | None = None
     """One torch device per stage (default: ``cpu`` for CPU presets, else ``cuda:i``)."""
+    verify: bool = True
+    """Check the emitted program against the captured graph before returning it (real weights)."""
     max_seq: int | None = None
     """Longest sequence (prompt + generated tokens) accepted; None: no limit."""
     num_stages: int | None = None

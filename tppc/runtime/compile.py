@@ -19,6 +19,7 @@ from tppc.errors import SpecError
 from tppc.frontend.front_end import capture_front_end
 from tppc.planner.plan import Plan
 from tppc.runtime.compiled import CompiledPipeline
+from tppc.runtime.validate import validate_pipeline
 
 __all__ = ["compile_pipeline"]
 
@@ -49,11 +50,13 @@ def compile_pipeline(
         **options: the fields of :class:`tppc.driver.options.CompileOptions` (``cluster``,
             ``executor``, ``chunks``, ``devices``, ``max_seq``, ``num_stages``,
             ``granularity``, ``threads_per_stage``, ``queue_depth``, ``time_limit``,
-            ``timeout``, ``program_cache``, ``keep_states``).
+            ``timeout``, ``program_cache``, ``keep_states``, ``verify``).
 
     Raises:
         SpecError: a bad option (before anything is captured).
         CaptureError, AnnotationError, PassError, PlanError: naming the problem.
+        SoundnessError: the emitted program differs from the captured graph on the example
+            or on a probe length (see :mod:`tppc.runtime.validate`; ``verify=False`` skips it).
     """
     if backend == "distributed" or options.get("executor") == "distributed":
         from tppc.runtime.distributed import compile_distributed
@@ -75,5 +78,7 @@ def compile_pipeline(
     if plan is None:
         planner = length_planner(opts)
         plan = planner(front, front.ctx.example_seq)
-    return CompiledPipeline(model, front, plan, planner=planner, options=opts,
-                            seq_dims=seq_dims)
+    cp = CompiledPipeline(model, front, plan, planner=planner, options=opts, seq_dims=seq_dims)
+    if opts.verify:  # translation validation: SoundnessError names the first diverging node
+        cp.validation = validate_pipeline(cp, model, args, kwargs)
+    return cp

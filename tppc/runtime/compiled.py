@@ -82,7 +82,11 @@ class CompiledPipeline:
         context: the compile context of the example's capture.
         executor: the executor calls run on.
         last_trace: ``(stage, chunk, start, end)`` of the last ``threads`` call.
+        validation: what ``tppc.compile`` checked (:class:`tppc.runtime.validate.Validation`),
+            or None (``verify=False``, :meth:`with_plan`).
     """
+
+    validation: Any = None
 
     def __init__(self, model: torch.nn.Module, front: FrontEnd, plan: Plan, *,
                  planner: Planner | None, options: CompileOptions,

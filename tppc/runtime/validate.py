@@ -1,0 +1,271 @@
+"""Translation validation: ``tppc.compile`` checks the program it emitted against the capture.
+
+Terms:
+    check: one replay of an emitted program (:mod:`tppc.runtime.replay`) compared, output by
+        output, with the unsplit captured graph on the same inputs (:class:`CheckRun`).
+    validation program: the compiled program when it has two stages or more; else the same
+        chunk-step graph emitted with two stages (a manual plan cut in the middle of the
+        layers), on the compiled stage's device, so that a stage boundary is always crossed.
+    probe length: one more sequence length the capture admits (the example length minus the
+        plan's granularity, or plus it for short examples); the example's inputs are cut (or
+        extended with their own first rows) along every sequence axis to that length.
+
+What runs (:func:`validate_pipeline`): the compiled program with its own chunks on the example
+(what a call returns); the validation program on the example in two or three chunks (a
+bidirectional model's chunked pass runs after a one-chunk pass filled its K/V buffers); the
+validation program at the probe length in two or three chunks. A difference above the
+tolerance (:func:`tppc.runtime.replay.tolerance`) is localised and raised as
+:class:`tppc.errors.SoundnessError` (:mod:`tppc.runtime.localize`). Skipped for models on the
+meta device (planning only) and with ``verify=False``.
+
+Example:
+    >>> cp = tppc.compile(model, (ids,))                              # doctest: +SKIP
+    >>> print(cp.validation.summary())
+    validated in 0.05 s: lengths (32, 31), max |diff| 2.4e-07
+      compiled program  length 32  chunks 1  stages 1
+      ...
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from tppc.driver.emit import build_program
+from tppc.driver.options import CompileOptions
+from tppc.frontend.front_end import BoundCall, FrontEnd
+from tppc.passes.chunk_attention import REST_CHUNK
+from tppc.planner.manual import manual_plan
+from tppc.planner.plan import Plan
+from tppc.program.program import Program
+from tppc.runtime.localize import raise_divergence
+from tppc.runtime.replay import Difference, Replay, compare, run_reference
+
+__all__ = ["CheckRun", "Validated", "Validation", "resize_inputs", "validate_pipeline"]
+
+
+@dataclass(frozen=True)
+class CheckRun:
+    """One replay compared with the captured graph.
+
+    Attributes:
+        label: ``"compiled program"`` or ``"validation program"``.
+        length: units of the sequence axis (tokens; a DiT's patch rows).
+        chunks: the chunks of the compared pass.
+        stages: the layers of each stage.
+        warmup: a one-chunk pass filled the K/V buffers first (bidirectional attention).
+        max_diff: the largest max-abs difference over the outputs.
+    """
+
+    label: str
+    length: int
+    chunks: tuple[tuple[int, int], ...]
+    stages: tuple[tuple[str, ...], ...]
+    warmup: bool
+    max_diff: float
+
+
+@dataclass(frozen=True)
+class Validation:
+    """What ``tppc.compile`` checked before returning a pipeline (``cp.validation``).
+
+    Attributes:
+        runs: every check, in order.
+        seconds: wall time of the whole validation.
+        notes: what was not checked, and why (no probe length, one token).
+        skipped: why nothing was checked (the meta device), else None.
+    """
+
+    runs: tuple[CheckRun, ...]
+    seconds: float
+    notes: tuple[str, ...] = ()
+    skipped: str | None = None
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        """The sequence lengths checked, the example's first."""
+        return tuple(dict.fromkeys(run.length for run in self.runs))
+
+    @property
+    def max_diff(self) -> float:
+        """The largest max-abs difference of any check (0.0 when nothing ran)."""
+        return max((run.max_diff for run in self.runs), default=0.0)
+
+    def summary(self) -> str:
+        """A few lines: lengths, chunks, stages and the differences."""
+        if self.skipped:
+            return f"not validated: {self.skipped}"
+        lines = [f"validated in {self.seconds:.2f} s: lengths {self.lengths}, "
+                 f"max |diff| {self.max_diff:.2g}"]
+        lines += [f"  {r.label:<18} length {r.length:<5} chunks {len(r.chunks):<2} stages "
+                  f"{len(r.stages)}{'  (after a warm-up pass)' if r.warmup else ''}  "
+                  f"max |diff| {r.max_diff:.2g}" for r in self.runs]
+        lines += [f"  note: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+
+class Validated(Protocol):
+    """What :func:`validate_pipeline` reads of a pipeline (a :class:`tppc.CompiledPipeline`)."""
+
+    plan: Plan
+    options: CompileOptions
+
+    def bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+             ) -> tuple[FrontEnd, BoundCall]: ...
+
+    def program(self, length: int, front: FrontEnd | None = None) -> Program: ...
+
+
+def validate_pipeline(cp: Validated, model: torch.nn.Module, args: tuple[Any, ...],
+                      kwargs: Mapping[str, Any] | None = None) -> Validation:
+    """Check ``cp`` (a :class:`tppc.CompiledPipeline`) against its capture.
+
+    Args:
+        cp: the compiled pipeline.
+        model: the model it was compiled from.
+        args: the example's positional inputs.
+        kwargs: the example's keyword inputs.
+
+    Returns:
+        The :class:`Validation` record (``skipped`` on the meta device).
+
+    Raises:
+        SoundnessError: a program's output differs from the captured graph's; the message
+            names the first diverging node (see :mod:`tppc.runtime.localize`).
+    """
+    start = time.perf_counter()
+    skip = _skip_reason(model, args, kwargs or {})
+    if skip is not None:
+        return Validation(runs=(), seconds=0.0, skipped=skip)
+    front, bound = cp.bind(args, kwargs or {})
+    length, notes = bound.length, []
+    compiled = cp.program(length, front)
+    staged = _validation_program(front, compiled)
+    warmup = bool(front.bidirectional)
+    reference = run_reference(front.annotated, bound.flat)[0]
+    runs = [_check(front, "compiled program", compiled, None, bound.flat, length,
+                   compiled.chunks, warmup=False, reference=reference)]
+    chunks, note = _split(front, length)
+    if note:
+        notes.append(note)
+    if staged is not compiled or chunks != compiled.chunks:
+        runs.append(_check(front, "validation program", staged, _rest(front, staged, chunks),
+                           bound.flat, length, chunks, warmup=warmup, reference=reference))
+    if len(staged.stages) < 2:
+        notes.append(f"{len(front.ctx.layers)} layer(s): one stage only")
+    probe, note = _probe_length(front, cp, length)
+    if probe is None:
+        notes.append(note)
+    else:
+        flat = resize_inputs(front, bound.flat, length, probe)
+        chunks = _split(front, probe)[0]
+        runs.append(_check(front, "validation program", staged, _rest(front, staged, chunks),
+                           flat, probe, chunks, warmup=warmup))
+    return Validation(runs=tuple(runs), seconds=time.perf_counter() - start, notes=tuple(notes))
+
+
+def _check(front: FrontEnd, label: str, program: Program, rest: Program | None,
+           flat: Sequence[Any], length: int, chunks: tuple[tuple[int, int], ...], *,
+           warmup: bool, reference: list[Any] | None = None) -> CheckRun:
+    """Replay ``program`` and compare every output with the captured graph's (``reference``:
+    computed here when not given)."""
+    if reference is None:
+        reference = run_reference(front.annotated, flat)[0]
+    warmup = warmup and chunks != ((0, length),)
+    replay = Replay(program, rest, flat, length, chunks, warmup=warmup)
+    with torch.no_grad():
+        got = replay.run()
+    worst = 0.0
+    for index, (value, want) in enumerate(zip(got, reference, strict=False)):
+        diff = compare(value, want)
+        if diff.exceeds:
+            raise_divergence(front, replay, index, diff, label=label)
+        worst = max(worst, diff.max_abs)
+    if len(got) != len(reference):
+        raise_divergence(front, replay, min(len(got), len(reference)),
+                         Difference(float("inf"), 0.0), label=label)
+    return CheckRun(label=label, length=length, chunks=chunks,
+                    stages=tuple(st.layers for st in program.stages), warmup=warmup,
+                    max_diff=worst)
+
+
+def _validation_program(front: FrontEnd, compiled: Program) -> Program:
+    """The compiled program when it has two stages (or the model one layer), else the chunk
+    step emitted in two stages on the compiled stage's device."""
+    names = [layer.name for layer in front.ctx.layers]
+    if len(compiled.stages) >= 2 or len(names) < 2:
+        return compiled
+    cut = len(names) // 2
+    plan = manual_plan(names, compiled.seq_len, cuts=(0, cut, len(names)),
+                       boundaries=(0, compiled.seq_len))
+    device = compiled.stages[0].device
+    return build_program(front.chunk, front.ctx, plan, plan.chunks, (device, device))
+
+
+def _rest(front: FrontEnd, program: Program, chunks: tuple[tuple[int, int], ...]
+          ) -> Program | None:
+    """The later chunks' program of a model with a text prefix (joint attention), else None."""
+    rest = front.chunk.meta.get(REST_CHUNK)
+    if rest is None or len(chunks) < 2:
+        return None
+    return build_program(rest, front.ctx, program.plan, chunks,
+                         tuple(st.device for st in program.stages))
+
+
+def _split(front: FrontEnd, length: int) -> tuple[tuple[tuple[int, int], ...], str]:
+    """Two or three chunks of unequal sizes, or one and why."""
+    grid = front.ctx.patch_grid
+    if front.bidirectional and len(grid) == 3 and grid[0] > 1:
+        return ((0, length),), (f"video latents of {grid[0]} frames: one chunk (a band of "
+                                "patch rows is not a contiguous token range; denoise runs "
+                                "them as one patch too)")
+    if length < 2:
+        return ((0, length),), f"the example has {length} unit of sequence: one chunk"
+    cuts = sorted({0, *(c for c in (length // 3, (2 * length) // 3 + 1) if 0 < c < length),
+                   length})
+    return tuple(itertools.pairwise(cuts)), ""
+
+
+def _probe_length(front: FrontEnd, cp: Validated, length: int) -> tuple[int | None, str]:
+    """One more length the capture admits, or None and why not."""
+    ctx = front.ctx
+    if ctx.capture_mode == "specialized":
+        return None, (f"no probe length: the capture is specialised to {ctx.specialized_to} "
+                      f"({ctx.specialization})")
+    if ctx.capture_mode == "dynamic-square":
+        return None, "no probe length: square latents (height and width share one size)"
+    step = max(1, cp.plan.granularity)
+    probe = length - step if length - step >= 2 else length + step
+    limit = cp.options.max_seq
+    if limit is not None and probe > limit:
+        return None, f"no probe length: {probe} is over max_seq={limit}"
+    return probe, ""
+
+
+def resize_inputs(front: FrontEnd, flat: Sequence[Any], length: int, probe: int) -> list[Any]:
+    """The flat inputs cut (or extended with their own first rows) along every sequence axis
+    from ``length`` to ``probe`` units."""
+    out = []
+    for ph, value in zip(front.placeholders, flat, strict=False):
+        for axis in front.ctx.seq_inputs.get(ph.name, ()):
+            per = value.shape[axis] // length
+            if probe <= length:
+                value = value.narrow(axis, 0, per * probe)
+            else:
+                reps = -(-probe // length)
+                value = torch.cat([value] * reps, axis).narrow(axis, 0, per * probe)
+        out.append(value)
+    return out
+
+
+def _skip_reason(model: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+                 ) -> str | None:
+    tensors = [*model.parameters(), *model.buffers(), *args, *kwargs.values()]
+    if any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in tensors):
+        return "the model or its inputs are on the meta device (planning only)"
+    return None
