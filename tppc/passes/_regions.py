@@ -26,6 +26,7 @@ from torch import fx
 from tppc.ir.context import CompileContext
 from tppc.ir.records import TOKEN, TokenInfo
 from tppc.passes._shapes import ancestors, module_path, seq_axes, size_expr, tensor_val
+from tppc.passes.subgraph import copy_subgraph
 
 __all__ = ["annotate_region", "row_wise_region"]
 
@@ -99,7 +100,8 @@ def _row_wise(region: list[fx.Node], gm: fx.GraphModule, ctx: CompileContext) ->
         values = _example_inputs(inputs, gm, ctx)
     except Exception:  # meta weights, inputs tppc cannot evaluate
         return False
-    sub = _subgraph(gm, region, inputs, outputs)
+    sub = copy_subgraph(gm, region, tuple(outputs), inputs=inputs,
+                        rename={a: f"in_{i}" for i, a in enumerate(inputs)})
     n = ctx.example_seq
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(0))
     half = n // 2
@@ -191,15 +193,3 @@ def _attr(gm: fx.GraphModule, target: str) -> Any:
     if isinstance(value, torch.Tensor) and value.device.type == "meta":
         raise ValueError(f"{target} is on the meta device")
     return value
-
-
-def _subgraph(gm: fx.GraphModule, region: list[fx.Node], inputs: list[fx.Node],
-              outputs: list[fx.Node]) -> fx.GraphModule:
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for i, a in enumerate(inputs):
-        env[a] = graph.placeholder(f"in_{i}")
-    for n in region:
-        env[n] = graph.node_copy(n, lambda a: env[a])
-    graph.output(tuple(env[o] for o in outputs))
-    return fx.GraphModule(gm, graph)
