@@ -24,6 +24,7 @@ import torch
 from torch import fx
 
 from tppc.ir.context import CompileContext
+from tppc.ir.op_rules import op_rule
 from tppc.ir.records import TOKEN, TokenInfo
 from tppc.passes._shapes import ancestors, module_path, seq_axes, size_expr, tensor_val
 from tppc.passes.subgraph import copy_subgraph
@@ -36,14 +37,12 @@ _RTOL, _ATOL = 1e-4, 1e-5
 def row_wise_region(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext
                     ) -> list[fx.Node] | None:
     """The nodes of the smallest module around ``node`` proved row-wise, or None."""
-    from tppc.passes._attention import ATTENTION_OPS
-
     path = module_path(node)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     while path:
         region = [n for n in gm.graph.nodes if n.op == "call_function"
                   and _inside(module_path(n), path)]
-        if any(n.target in ATTENTION_OPS for n in region):
+        if any(op_rule(n.target).role == "attention" for n in region):
             return None
         between = list(gm.graph.nodes)[order[region[0]]: order[region[-1]] + 1] if region else []
         contiguous = all(n.op != "call_function" or n in region for n in between)

@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
@@ -87,20 +88,23 @@ def copy_subgraph(root: torch.nn.Module, nodes: Collection[fx.Node], outputs: An
             if node in wanted and node not in env and node.op != "output":
                 env[node] = graph.node_copy(node, lambda a, user=node: _lookup(env, a, user))
     graph.output(fx.node.map_arg(outputs, lambda a: _lookup(env, a, None)))
-    if prune:
-        graph.eliminate_dead_code()
-    return fx.GraphModule(root, graph, class_name=class_name)
+    module = fx.GraphModule(root, graph, class_name=class_name)
+    if prune and graph.eliminate_dead_code():  # the purity check needs the owning module
+        module = fx.GraphModule(root, graph, class_name=class_name)  # only what is still read
+    return module
 
 
 def copy_graph(gm: fx.GraphModule, class_name: str = "GraphModule") -> fx.GraphModule:
-    """A copy of ``gm``'s graph (same nodes, names, node meta; ``gm``'s parameters) that can
-    be edited without touching ``gm``'s. The module-level ``gm.meta`` is not copied."""
-    output = next(iter(gm.graph.find_nodes(op="output")))
+    """A copy of ``gm``'s graph (same nodes, names, node meta, calling convention; ``gm``'s
+    parameters) that can be edited without touching ``gm``'s. ``gm.meta`` is not copied."""
+    output = gm.graph.output_node()
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    copy = copy_subgraph(gm, list(gm.graph.nodes), output.args[0], inputs=placeholders,
-                         class_name=class_name)
-    copy.graph.output_node().meta.update(output.meta)
-    return copy
+    result = copy_subgraph(gm, list(gm.graph.nodes), output.args[0], inputs=placeholders,
+                           class_name=class_name)
+    result.graph.output_node().meta.update(output.meta)
+    result.graph._codegen = copy.deepcopy(gm.graph._codegen)  # pytree in/out specs
+    result.recompile()
+    return result
 
 
 def _lookup(env: Mapping[fx.Node, fx.Node], arg: fx.Node, user: fx.Node | None) -> fx.Node:
