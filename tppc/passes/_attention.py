@@ -27,7 +27,7 @@ from tppc.ir.records import TOKEN, AttentionKind, MaskSpec
 from tppc.passes._masks import mask_spec
 from tppc.passes._shapes import ancestors, module_path
 
-__all__ = ["MAX_PROBE", "attention_kind", "classify_attention", "probe_lengths"]
+__all__ = ["MAX_PROBE", "classify_attention", "probe_lengths"]
 
 _aten = torch.ops.aten
 MAX_PROBE = 8192
@@ -35,11 +35,6 @@ MAX_PROBE = 8192
 _SHORT_PROBE = 7
 _SENTINEL = 1 << 30
 """Integer constants this large are slice ends and dtype limits, not window sizes."""
-
-
-def attention_kind(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext) -> AttentionKind:
-    """Causal or bidirectional, from ``is_causal`` or the mask's values."""
-    return classify_attention(node, gm, ctx)[0]
 
 
 def classify_attention(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext

@@ -26,6 +26,7 @@ from torch import fx
 from tppc.ir.context import CompileContext
 from tppc.ir.op_rules import op_rule
 from tppc.ir.records import TOKEN, TokenInfo
+from tppc.passes._positional import call_target, concrete_value, on_cpu
 from tppc.passes._shapes import ancestors, module_path, seq_axes, size_expr, tensor_val
 from tppc.passes.subgraph import copy_subgraph
 
@@ -164,8 +165,6 @@ def _close(a: Any, b: Any) -> bool:
 def _example_inputs(inputs: list[fx.Node], gm: fx.GraphModule, ctx: CompileContext
                     ) -> list[Any]:
     """The region inputs' values on the example (token ids as given, floats random)."""
-    from tppc.passes._positional import call_target, concrete_value, on_cpu
-
     needed = ancestors(inputs)
     env: dict[fx.Node, Any] = {}
     generator = torch.Generator().manual_seed(0)
