@@ -88,10 +88,10 @@ def copy_subgraph(root: torch.nn.Module, nodes: Collection[fx.Node], outputs: An
             if node in wanted and node not in env and node.op != "output":
                 env[node] = graph.node_copy(node, lambda a, user=node: _lookup(env, a, user))
     graph.output(fx.node.map_arg(outputs, lambda a: _lookup(env, a, None)))
-    module = fx.GraphModule(root, graph, class_name=class_name)
-    if prune and graph.eliminate_dead_code():  # the purity check needs the owning module
-        module = fx.GraphModule(root, graph, class_name=class_name)  # only what is still read
-    return module
+    if prune:
+        graph.owning_module = root  # type: ignore[assignment]  (call_module purity lookups)
+        graph.eliminate_dead_code()
+    return fx.GraphModule(root, graph, class_name=class_name)
 
 
 def copy_graph(gm: fx.GraphModule, class_name: str = "GraphModule") -> fx.GraphModule:
