@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.export import Dim
 
-from tppc.cost_models import op_tables
+from tppc.cost_models import unpriced
 from tppc.cost_models.layer_costs import build_cost_table
 from tppc.cost_models.node_costs import (
     C,
@@ -21,11 +21,11 @@ from tppc.cost_models.node_costs import (
     find_seq_symbol,
     graph_node_costs,
 )
-from tppc.cost_models.op_tables import UnpricedOpWarning
 from tppc.cost_models.presets import DEVICE_PRESETS
 from tppc.cost_models.report import report_from_graph
 from tppc.cost_models.roofline import node_time_terms
 from tppc.cost_models.specs import DeviceSpec, MatrixUnit, Memory, VectorUnit
+from tppc.cost_models.unpriced import UnpricedOpWarning
 from tppc.errors import CostModelError
 from tppc.ir.records import LAYER, TOKEN, LayerInfo, TokenInfo
 
@@ -162,7 +162,7 @@ def test_op_without_a_rule_is_recorded_and_warned_once(monkeypatch):
         def forward(self, x):
             return torch.special.i0(x) * 2
 
-    monkeypatch.setattr(op_tables, "_WARNED", set())
+    monkeypatch.setattr(unpriced, "_WARNED", set())
     gm = _export(M(), torch.randn(1, 8, 64))
     with pytest.warns(UnpricedOpWarning, match="'special_i0'"):
         costs = graph_node_costs(gm)

@@ -22,7 +22,6 @@ Example:
 
 from __future__ import annotations
 
-import copy
 import math
 from typing import Any
 
@@ -31,6 +30,7 @@ from torch import fx
 
 import tppc.ir.ops  # noqa: F401  (registers torch.ops.tppc)
 from tppc.errors import TppcError
+from tppc.passes.subgraph import copy_graph
 
 __all__ = ["ExportError", "export_stage_graph", "split_attention"]
 
@@ -93,7 +93,7 @@ def export_stage_graph(stage: Any) -> tuple[fx.GraphModule, tuple[str, ...]]:
     Raises:
         ExportError: an attention whose K/V are not read straight from a buffer.
     """
-    gm = fx.GraphModule(stage.module, copy.deepcopy(stage.module.graph))
+    gm = copy_graph(stage.module)
     graph = gm.graph
     buffers = {b.name for b in stage.buffers}
     new_rows: dict[str, fx.Node] = {}

@@ -5,7 +5,7 @@ Modules (one concern each):
     presets      H100/H200/A100/V100/TPU v4-v5p devices; NVLink, PCIe, ICI, Ethernet links
     cluster      Cluster: a chain of devices and links, ``Cluster.parse("2xh100-sxm")``
     calibration  ``calibrate("cpu")``: micro-benchmarks → DeviceSpec (cached JSON)
-    op_tables    which ATen ops are views, matmuls, attention, vector or memory work
+    unpriced     the warning for ops without a rule (the rules: :mod:`tppc.ir.op_rules`)
     node_costs   FLOPs and bytes of one fx node as sympy in (c, p, L)
     roofline     a node's time terms on a device (tile padding, skinny matmuls, attention)
     layer_costs  per-layer roofline time(c, p) → :class:`CostTable` for the planner
@@ -18,11 +18,11 @@ from __future__ import annotations
 from tppc.cost_models.calibration import calibrate
 from tppc.cost_models.cluster import Cluster
 from tppc.cost_models.layer_costs import build_cost_table, layer_expressions
-from tppc.cost_models.op_tables import UnpricedOpWarning
 from tppc.cost_models.presets import DEVICE_PRESETS, LINK_PRESETS
 from tppc.cost_models.report import CostReport, report_from_graph
 from tppc.cost_models.specs import DeviceSpec, LinkSpec, MatrixUnit, Memory, VectorUnit
 from tppc.cost_models.table import CostTable, LayerCost, LinkCost
+from tppc.cost_models.unpriced import UnpricedOpWarning
 
 __all__ = [
     "DEVICE_PRESETS",

@@ -7,7 +7,7 @@ Terms:
         largest sum over its nodes, per chunk token (the MLP's gate, up and product of a
         Llama block live together: three intermediates, not one).
     view: a node whose result shares its input's storage (``view``, ``transpose``,
-        ``narrow``...): it allocates nothing.
+        ``narrow``...; ``aliases`` in :mod:`tppc.ir.op_rules`): it allocates nothing.
     positional bytes: bytes per sequence token of the positional values (rope tables) the
         layer reads; the runtime evaluates them at the full length once per call and stage.
     attention workspace: a causal ``tppc::chunk_attention`` block of ``r`` query rows over
@@ -30,23 +30,10 @@ import sympy
 from torch import fx
 
 from tppc.cost_models.node_costs import C, L, P, Shapes, tensor_vals
+from tppc.ir.op_rules import op_rule
 from tppc.ir.records import CHUNK_INPUT, TOKEN, ChunkInput, TokenInfo
 
 __all__ = ["attention_workspace", "peak_live_bytes", "positional_bytes"]
-
-_VIEWS = frozenset({
-    "view", "_unsafe_view", "reshape", "transpose", "t", "permute", "unsqueeze", "squeeze",
-    "narrow", "slice", "select", "expand", "alias", "as_strided", "unflatten", "flatten",
-    "split", "split_with_sizes", "chunk", "unbind", "detach", "getitem", "view_as_real",
-    "view_as_complex", "contiguous",
-})
-
-
-def _op_name(node: fx.Node) -> str:
-    target = node.target
-    name = getattr(target, "__name__", str(target))
-    return name.split(".")[0]
-
 
 def _per_token(node: fx.Node, shapes: Shapes, seq_len: int) -> int:
     """Bytes per chunk token of a token value (0 when it does not scale with the chunk).
@@ -77,7 +64,7 @@ def peak_live_bytes(nodes: Mapping[str, fx.Node], layer_nodes: Sequence[str],
     for name in layer_nodes:
         node = nodes[name]
         token = node.meta.get(TOKEN)
-        if node.op != "call_function" or _op_name(node) in _VIEWS or (
+        if node.op != "call_function" or op_rule(node.target).aliases or (
                 isinstance(token, TokenInfo) and token.role != "token"):
             continue
         size = _per_token(node, shapes, seq_len)

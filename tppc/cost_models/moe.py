@@ -34,14 +34,10 @@ import sympy
 from torch import fx
 
 from tppc.cost_models.node_costs import NodeCost, Shapes, itemsize, numel, tensor_vals, value_bytes
+from tppc.ir.op_rules import op_rule
 
-__all__ = ["FALLBACK_LAUNCHES_PER_EXPERT", "GROUPED_MM", "ROUTING", "expected_experts",
-           "moe_node_cost"]
+__all__ = ["FALLBACK_LAUNCHES_PER_EXPERT", "expected_experts", "moe_node_cost"]
 
-GROUPED_MM = frozenset({"grouped_mm_fallback", "_grouped_mm", "grouped_mm"})
-"""Short names of grouped (ragged) expert matmuls: ``(R, K) @ (E, K, N)`` by offsets."""
-ROUTING = frozenset({"sort", "topk", "histc"})
-"""Short names of the routing ops priced here."""
 FALLBACK_LAUNCHES_PER_EXPERT = 4
 """Ops ``grouped_mm_fallback`` runs per touched expert: input rows, weight, output rows, mm."""
 
@@ -58,11 +54,14 @@ def _name(node: fx.Node) -> str:
 
 
 def moe_node_cost(node: fx.Node, shapes: Shapes, dtype: str) -> NodeCost | None:
-    """The price of a grouped expert matmul or a routing op (None for any other node)."""
-    op = _name(node)
-    if op in GROUPED_MM and len(node.args) >= 2:
+    """The price of a grouped expert matmul or a routing op (None for any other node): the
+    ops whose price in :mod:`tppc.ir.op_rules` is ``grouped_matmul`` or ``routing``."""
+    if node.op != "call_function":
+        return None
+    op, price = _name(node), op_rule(node.target).price
+    if price == "grouped_matmul" and len(node.args) >= 2:
         return _grouped_mm(node, op, shapes, dtype)
-    if op not in ROUTING or not isinstance(node.args[0], fx.Node):
+    if price != "routing" or not isinstance(node.args[0], fx.Node):
         return None
     src = shapes.shape(node.args[0]) or ()
     count = numel(src)

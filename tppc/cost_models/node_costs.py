@@ -41,20 +41,9 @@ import torch
 from torch import fx
 
 from tppc.cost_models.attention import AttentionWork, attention_work
-from tppc.cost_models.op_tables import (
-    ATTENTION,
-    CONVERT,
-    CREATE,
-    DTYPE_NAMES,
-    MATMUL,
-    MEMORY,
-    PER_IN,
-    PER_OUT,
-    VIEW,
-    UnpricedOpWarning,
-    warn_unpriced,
-)
+from tppc.cost_models.unpriced import UnpricedOpWarning, warn_unpriced
 from tppc.errors import CostModelError
+from tppc.ir.op_rules import op_rule
 from tppc.ir.records import TOKEN, TokenInfo
 from tppc.passes.chunk_parts import cache_source, is_head_repeat
 
@@ -71,6 +60,11 @@ __all__ = [
 ]
 
 C, P, L = sympy.symbols("c p L", positive=True, integer=True)
+_DTYPE_NAMES = {torch.float32: "fp32", torch.float64: "fp32", torch.bfloat16: "bf16",
+                torch.float16: "fp16", torch.int8: "int8", torch.uint8: "int8"}
+for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
+    if hasattr(torch, _name):
+        _DTYPE_NAMES[getattr(torch, _name)] = "fp8"
 Kind = Literal["matrix", "attention", "vector", "memory", "view", "const"]
 
 
@@ -326,8 +320,8 @@ def dtype_name(node: fx.Node, args: list[fx.Node], compute_dtype: str | None) ->
         return compute_dtype
     for n in [*args, node]:
         ts = tensor_vals(n.meta.get("val"))
-        if ts and ts[0].dtype in DTYPE_NAMES and ts[0].is_floating_point():
-            return DTYPE_NAMES[ts[0].dtype]
+        if ts and ts[0].dtype in _DTYPE_NAMES and ts[0].is_floating_point():
+            return _DTYPE_NAMES[ts[0].dtype]
     return "fp32"
 
 
@@ -340,14 +334,15 @@ def node_cost(node: fx.Node, subs: TokenSubstitution, *, default_attention: str 
     """
     shapes = _shapes or Shapes(subs, default_attention)
     op = _op_name(node)
+    rule = op_rule(node.target)
     zero = sympy.Integer(0)
     args = arg_nodes(node)
     outs = tensor_vals(node.meta.get("val"))
     dtype = dtype_name(node, args, compute_dtype)
-    if node.op in ("placeholder", "output", "get_attr") or not outs or op in VIEW:
+    if node.op in ("placeholder", "output", "get_attr") or not outs or rule.price == "free":
         return NodeCost(node.name, op, "view", zero, (), zero, zero, dtype)
-    if op in CONVERT and args and outs[0].dtype == tensor_vals(args[0].meta["val"])[0].dtype \
-            and op != "clone":
+    if rule.price == "convert" and args \
+            and outs[0].dtype == tensor_vals(args[0].meta["val"])[0].dtype:
         return NodeCost(node.name, op, "view", zero, (), zero, zero, dtype)
     info = node.meta.get(TOKEN)
     role = info.role if isinstance(info, TokenInfo) else None
@@ -358,31 +353,31 @@ def node_cost(node: fx.Node, subs: TokenSubstitution, *, default_attention: str 
     unpriced = False
     causal_keys = False
     try:
-        if op in ATTENTION:
+        if rule.price == "attention":
             attention = (info.attention if isinstance(info, TokenInfo) and info.attention
                          else ("causal" if node.kwargs.get("is_causal") else default_attention))
             work, kv = _attention(node, shapes, args, attention)
             matmuls, vector, nbytes = list(work.matmuls), work.vector_flops, work.bytes
             causal_keys = work.causal
             kind: Kind = "attention"
-        elif op in MATMUL:
+        elif rule.price == "matrix":
             matmuls = _matmul_dims(op, node, shapes, args)
             vector, nbytes, kind = zero, value_bytes(shapes, args) + out_bytes, "matrix"
-        elif op == "embedding":
+        elif rule.price == "lookup":  # an embedding reads only the gathered rows
             idx = node.args[1]
             matmuls, vector, kind = [], zero, "memory"
             nbytes = 2 * out_bytes + value_bytes(shapes, [idx])
         else:
             matmuls, kind = [], "vector"
-            nbytes = (zero if op in CREATE else value_bytes(shapes, args)) + out_bytes
+            nbytes = (zero if rule.price == "create" else value_bytes(shapes, args)) + out_bytes
             out_n = numel(shapes.shape(node) or ())
-            if op in PER_IN and args:
-                vector = PER_IN[op] * numel(shapes.shape(args[0]) or ())
-            elif op in PER_OUT:
-                vector = PER_OUT[op] * out_n
+            if rule.flops_per_in and args:
+                vector = rule.flops_per_in * numel(shapes.shape(args[0]) or ())
+            elif rule.flops_per_out:
+                vector = rule.flops_per_out * out_n
             else:  # copies, gathers, concatenations, creation and unknown ops: memory only
                 vector, kind = zero, "memory"
-                unpriced = op not in MEMORY and op not in CREATE
+                unpriced = rule.price not in ("memory", "create", "convert")
     except (IndexError, TypeError, AttributeError, ValueError) as exc:
         raise CostModelError(
             f"node {node.name} ({op}): cannot read its shapes ({exc}); check that "

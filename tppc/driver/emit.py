@@ -4,7 +4,6 @@ its outputs in place (:mod:`tppc.passes.direct_output`): a :class:`~tppc.program
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 
 import torch
@@ -16,6 +15,7 @@ from tppc.ir.records import CHUNK_INPUT, CHUNK_SIGNATURE, STAGE_INFO, ChunkSigna
 from tppc.passes.direct_output import write_outputs_in_place
 from tppc.passes.partition_stages import partition_stages
 from tppc.passes.runner import run_passes
+from tppc.passes.subgraph import copy_graph
 from tppc.planner.plan import Plan, StagePlan
 from tppc.program.program import BufferSpec, Program, StageProgram
 from tppc.program.schedule import flow_shop
@@ -47,7 +47,7 @@ def build_program(chunk: fx.GraphModule, ctx: CompileContext, plan: Plan,
                    for s, st in enumerate(plan.stages))
     tail = getattr(chunk, "tppc_tail", None)
     if tail is not None:  # a copy with its own module tree (the chunk graph's stays as is)
-        tail = _own_tensors(fx.GraphModule(tail, copy.deepcopy(tail.graph)), stages[-1].device)
+        tail = _own_tensors(copy_graph(tail), stages[-1].device)
     chunks = chunks or plan.chunks
     return Program(plan=plan, seq_len=plan.seq_len, chunks=chunks, stages=stages,
                    signature=signature, tail=tail, actions=flow_shop(chunks, len(stages)))

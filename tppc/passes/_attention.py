@@ -1,7 +1,10 @@
-"""Recognise attention nodes and tell causal from bidirectional attention.
+"""Tell causal from bidirectional attention.
 
-Attention nodes are aten SDPA ops (torch.export captures) or calls of
-``torch.nn.functional.scaled_dot_product_attention`` (fx captures). An SDPA node is causal
+Attention nodes are the ops whose role in :mod:`tppc.ir.op_rules` is ``attention``. Of
+those, tppc chunks ``aten.scaled_dot_product_attention`` (what torch.export captures) and
+calls of ``torch.nn.functional.scaled_dot_product_attention``; the fused kernels SDPA
+decomposes to (flash, efficient, cuDNN) are refused when they attend over the split tokens
+(their arguments and outputs differ). An SDPA node is causal
 when ``is_causal=True``, bidirectional when it has neither a mask nor ``is_causal``, and
 otherwise classified by evaluating its mask (a positional value) at small *probe lengths*,
 never at the example length (so classifying costs the same for a 32k-token example as for
@@ -24,15 +27,9 @@ from tppc.ir.records import TOKEN, AttentionKind, MaskSpec
 from tppc.passes._masks import mask_spec
 from tppc.passes._shapes import ancestors, module_path
 
-__all__ = ["ATTENTION_OPS", "MAX_PROBE", "attention_kind", "classify_attention",
-           "probe_lengths"]
+__all__ = ["MAX_PROBE", "classify_attention", "probe_lengths"]
 
 _aten = torch.ops.aten
-ATTENTION_OPS = {
-    _aten.scaled_dot_product_attention.default,
-    _aten._scaled_dot_product_flash_attention_for_cpu.default,
-    F.scaled_dot_product_attention,
-}
 MAX_PROBE = 8192
 """Longest probe length at which a mask is evaluated (its ``L × L`` pattern: 64 MiB)."""
 _SHORT_PROBE = 7
@@ -40,15 +37,22 @@ _SENTINEL = 1 << 30
 """Integer constants this large are slice ends and dtype limits, not window sizes."""
 
 
-def attention_kind(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext) -> AttentionKind:
-    """Causal or bidirectional, from ``is_causal`` or the mask's values."""
-    return classify_attention(node, gm, ctx)[0]
-
-
 def classify_attention(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext
                        ) -> tuple[AttentionKind, MaskSpec | None]:
     """The attention's kind and the structured mask (window, padding) tppc rebuilds per
-    chunk, or None for plain causal or all-visible attention (see :mod:`._masks`)."""
+    chunk, or None for plain causal or all-visible attention (see :mod:`._masks`).
+
+    Raises:
+        AnnotationError: a fused attention kernel, or a mask computed from activations.
+    """
+    if getattr(node.target, "overloadpacket", node.target) not in (
+            _aten.scaled_dot_product_attention, F.scaled_dot_product_attention):
+        raise AnnotationError(
+            f"attention node {node.name!r} (op {node.target}, module "
+            f"{module_path(node) or '<top level>'}) is a fused attention kernel over the split "
+            "tokens; tppc chunks aten.scaled_dot_product_attention only. fix: capture without "
+            "decompositions (torch.export keeps scaled_dot_product_attention) or call "
+            "F.scaled_dot_product_attention")
     args = list(node.args) + [None] * 8
     mask = node.kwargs.get("attn_mask", args[3])
     is_causal = bool(node.kwargs.get("is_causal", args[5] or False))

@@ -20,6 +20,7 @@ from torch import fx
 from tppc.errors import AnnotationError
 from tppc.ir.context import CompileContext
 from tppc.ir.records import AttentionKind, MaskSpec
+from tppc.passes._positional import evaluate_positional
 from tppc.passes._shapes import ancestors, module_path, tensor_val
 
 __all__ = ["mask_spec"]
@@ -35,8 +36,6 @@ def mask_spec(node: fx.Node, mask: fx.Node, gm: fx.GraphModule, ctx: CompileCont
         AnnotationError: the mask is not a causal band or all-visible pattern, combined with
             at most one key-validity input; names the node and what was found.
     """
-    from tppc.passes._positional import evaluate_positional
-
     closure = ancestors([mask])
     inputs = [p for p in gm.graph.find_nodes(op="placeholder")
               if p in closure and p.name in ctx.seq_inputs and _read_by_value(p, closure)]

@@ -24,8 +24,11 @@ import torch
 from torch import fx
 
 from tppc.ir.context import CompileContext
+from tppc.ir.op_rules import op_rule
 from tppc.ir.records import TOKEN, TokenInfo
+from tppc.passes._positional import call_target, concrete_value, on_cpu
 from tppc.passes._shapes import ancestors, module_path, seq_axes, size_expr, tensor_val
+from tppc.passes.subgraph import copy_subgraph
 
 __all__ = ["annotate_region", "row_wise_region"]
 
@@ -35,14 +38,12 @@ _RTOL, _ATOL = 1e-4, 1e-5
 def row_wise_region(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext
                     ) -> list[fx.Node] | None:
     """The nodes of the smallest module around ``node`` proved row-wise, or None."""
-    from tppc.passes._attention import ATTENTION_OPS
-
     path = module_path(node)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     while path:
         region = [n for n in gm.graph.nodes if n.op == "call_function"
                   and _inside(module_path(n), path)]
-        if any(n.target in ATTENTION_OPS for n in region):
+        if any(op_rule(n.target).role == "attention" for n in region):
             return None
         between = list(gm.graph.nodes)[order[region[0]]: order[region[-1]] + 1] if region else []
         contiguous = all(n.op != "call_function" or n in region for n in between)
@@ -99,7 +100,8 @@ def _row_wise(region: list[fx.Node], gm: fx.GraphModule, ctx: CompileContext) ->
         values = _example_inputs(inputs, gm, ctx)
     except Exception:  # meta weights, inputs tppc cannot evaluate
         return False
-    sub = _subgraph(gm, region, inputs, outputs)
+    sub = copy_subgraph(gm, region, tuple(outputs), inputs=inputs,
+                        rename={a: f"in_{i}" for i, a in enumerate(inputs)})
     n = ctx.example_seq
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(0))
     half = n // 2
@@ -163,8 +165,6 @@ def _close(a: Any, b: Any) -> bool:
 def _example_inputs(inputs: list[fx.Node], gm: fx.GraphModule, ctx: CompileContext
                     ) -> list[Any]:
     """The region inputs' values on the example (token ids as given, floats random)."""
-    from tppc.passes._positional import call_target, concrete_value, on_cpu
-
     needed = ancestors(inputs)
     env: dict[fx.Node, Any] = {}
     generator = torch.Generator().manual_seed(0)
@@ -191,15 +191,3 @@ def _attr(gm: fx.GraphModule, target: str) -> Any:
     if isinstance(value, torch.Tensor) and value.device.type == "meta":
         raise ValueError(f"{target} is on the meta device")
     return value
-
-
-def _subgraph(gm: fx.GraphModule, region: list[fx.Node], inputs: list[fx.Node],
-              outputs: list[fx.Node]) -> fx.GraphModule:
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for i, a in enumerate(inputs):
-        env[a] = graph.placeholder(f"in_{i}")
-    for n in region:
-        env[n] = graph.node_copy(n, lambda a: env[a])
-    graph.output(tuple(env[o] for o in outputs))
-    return fx.GraphModule(gm, graph)

@@ -28,8 +28,9 @@ from torch import fx
 
 from tppc.errors import AnnotationError
 from tppc.ir.context import CompileContext
+from tppc.ir.op_rules import op_rule
 from tppc.ir.records import TOKEN, TokenInfo
-from tppc.passes._attention import ATTENTION_OPS, classify_attention
+from tppc.passes._attention import classify_attention
 from tppc.passes._regions import annotate_region, row_wise_region
 from tppc.passes._segments import segment_info, split_tokens, with_prefix
 from tppc.passes._shapes import (
@@ -44,27 +45,8 @@ __all__ = ["annotate_seq_dims_pass"]
 
 _aten = torch.ops.aten
 
-_SHAPE_ONLY = {
-    _aten.sym_size.int, _aten.sym_numel.default, _aten.new_ones.default,
-    _aten.new_zeros.default, _aten.new_empty.default, _aten.new_full.default,
-    _aten.zeros_like.default, _aten.ones_like.default, _aten.empty_like.default,
-    _aten.full_like.default, _aten._assert_tensor_metadata.default,
-}
 _SHAPE_ATTRS = {"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "layout"}
-_REDUCTIONS = {
-    "sum", "mean", "amax", "amin", "max", "min", "var", "std", "prod", "argmax", "argmin",
-    "logsumexp", "norm", "linalg_vector_norm", "any", "all", "var_mean", "std_mean",
-}
-_MIXING_ALONG_DIM = {
-    "softmax", "_softmax", "log_softmax", "_log_softmax", "cumsum", "cumprod", "cummax",
-    "cummin", "logcumsumexp", "sort", "topk", "diff", "flip", "roll", "gather", "scatter",
-    "index_select", "kthvalue", "median", "mode", "softmin", "glu",
-}
-_SELECTING = {"select", "slice", "narrow", "split", "split_with_sizes", "chunk", "unbind",
-              "cat", "stack", "unsafe_split", "tensor_split", "index"}
-_RESHAPES = {"view", "reshape", "_unsafe_view", "flatten", "unflatten", "view_as", "reshape_as"}
-_CONVS = {"conv1d", "conv2d", "conv3d", "convolution", "_convolution"}
-_MATMULS = {"matmul", "bmm", "mm", "baddbmm", "einsum"}
+
 
 def annotate_seq_dims_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     """Annotate every node with a :class:`TokenInfo`; set ``ctx.token_count``.
@@ -112,7 +94,7 @@ def _annotate(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext,
     roles = {i.role for i in ins}
     if "global" in roles:
         return _info("global", axes, sizes, where)
-    if node.target in ATTENTION_OPS and roles & {"token", "mixing"}:
+    if op_rule(node.target).role == "attention" and roles & {"token", "mixing"}:
         return _attention(node, gm, ctx, axes, sizes, where)
     segment = None if _shape_only(node) else segment_info(node, where)
     if segment is not None:
@@ -133,44 +115,44 @@ def _token_op(node: fx.Node, axes: list[int], sizes: list[sympy.Expr], where: st
     with the tokens by GPT-2's ``Conv1D``, a video's frames): its rows are still one per
     (batch, token), so row-wise ops on it stay ``token``.
     """
-    name = _op_name(node)
+    name, role = _op_name(node), op_rule(node.target).role
     src = _token_input(node)
     src_info: TokenInfo = src.meta[TOKEN]
     dims = op_dims(node, src)
-    if name in _MIXING_ALONG_DIM and src_info.axis in dims:
+    if role == "mixes_along_dim" and src_info.axis in dims:
         hint = " Eager attention (matmul → softmax → matmul) is not supported; load the model " \
             "with attn_implementation='sdpa'." if "softmax" in name else ""
         raise _mix_error(node, name, where, f"{name} along the token axis {src_info.axis}.{hint}")
-    if name in _CONVS:
+    if role == "conv":
         _check_conv(node, src_info, name, where)
-    if name in _REDUCTIONS and (src_info.axis in dims or not dims) and not _binary(node):
+    if role == "reduction" and (src_info.axis in dims or not dims) and not _binary(node):
         return _info("global", axes, sizes, where)
-    if name in _SELECTING and src_info.axis in dims and not _full_slice(node, src_info):
+    if role == "selects" and src_info.axis in dims and not _full_slice(node, src_info):
         return _info("global", axes, sizes, where)
     if node.target is operator.getitem and not _getitem_keeps_tokens(node):
         return _info("global", axes, sizes, where)
-    if name in _RESHAPES and not _keeps_token_order(node, src, axes, merge=True):
+    if role == "reshape" and not _keeps_token_order(node, src, axes, merge=True):
         return _info("global", axes, sizes, where)
-    if len(axes) > 1 and name in _MATMULS:
+    if len(axes) > 1 and role == "contracts":
         raise _mix_error(node, name, where, f"its value has {len(axes)} token axes {axes}: the "
                          "score matrix of eager attention. fix: load the model with "
                          "attn_implementation='sdpa' (or call F.scaled_dot_product_attention)")
-    if name in _MATMULS and not axes:
+    if role == "contracts" and not axes:
         raise _mix_error(node, name, where, "a matmul contracts over the token axis")
     if not axes and _has_tensor(node):
         return _info("global", axes, sizes, where)
-    if _resizes_tokens(node, name, src_info, sizes):
+    if _resizes_tokens(node, src_info, sizes):
         return _info("global", axes, sizes, where)
     return with_prefix(_info("token", axes, sizes, where), src_info)
 
 
-def _resizes_tokens(node: fx.Node, name: str, src: TokenInfo, sizes: list[sympy.Expr]) -> bool:
+def _resizes_tokens(node: fx.Node, src: TokenInfo, sizes: list[sympy.Expr]) -> bool:
     """A row-wise op keeps the token count; one that pads, repeats or crops it is global.
 
     Reshapes and (patchify) convolutions change the axis' extent legitimately and are checked
     by their own rules.
     """
-    if name in _RESHAPES or name in _CONVS:
+    if op_rule(node.target).role in ("reshape", "conv"):
         return False
     if src.axis_size is None or not sizes:
         return False
@@ -221,7 +203,8 @@ def _from_inputs(node: fx.Node, ctx: CompileContext) -> bool:
     Such values are rebuilt per chunk when they are attention masks (see ``_masks``);
     anything else reading them is refused by ``chunk_attention``.
     """
-    if node.op != "call_function" or _shape_only(node) or node.target in ATTENTION_OPS:
+    if node.op != "call_function" or _shape_only(node) \
+            or op_rule(node.target).role == "attention":
         return False
     found = False
     for arg in node.all_input_nodes:
@@ -382,7 +365,7 @@ def _shape_only(node: fx.Node) -> bool:
     """Ops that read only the shape, dtype or device of their token input."""
     if node.target is getattr:
         return node.args[1] in _SHAPE_ATTRS
-    return node.op == "call_function" and node.target in _SHAPE_ONLY
+    return node.op == "call_function" and op_rule(node.target).role == "shape_only"
 
 
 def _symbolic_scalar(node: fx.Node, sym: sympy.Symbol) -> bool:

@@ -52,6 +52,7 @@ from torch import fx
 import tppc.ir.ops  # noqa: F401  (registers torch.ops.tppc)
 from tppc.errors import PassError
 from tppc.ir.context import CompileContext
+from tppc.ir.op_rules import op_rule
 from tppc.ir.records import (
     CHUNK_INPUT,
     CHUNK_SIGNATURE,
@@ -63,7 +64,6 @@ from tppc.ir.records import (
     KVBuffer,
     TokenInfo,
 )
-from tppc.passes._attention import ATTENTION_OPS
 from tppc.passes._shapes import module_path, size_expr, tensor_val
 from tppc.passes._token_rows import (
     ABSENT,
@@ -139,7 +139,8 @@ class _Rewriter:
         self._classify([r for r in roots if isinstance(r, fx.Node)])
         frontier = [n for n in self.gm.graph.nodes if self.mode.get(n) == "frontier"]
         attention = [n for n in self.gm.graph.nodes if self.mode.get(n) == "copy"
-                     and n.target in ATTENTION_OPS and n.meta[TOKEN].role == "mixing"]
+                     and op_rule(n.target).role == "attention"
+                     and n.meta[TOKEN].role == "mixing"]
         self._placeholders(frontier, attention)
         for node in self.gm.graph.nodes:
             if self.mode.get(node) == "copy" and node not in self.env:
@@ -275,7 +276,7 @@ class _Rewriter:
             rows = prefixed_size(node, self.ctx)
             if rows is not None:  # a later chunk's size has no text rows
                 return row_offset(self.graph, self.size, rows, 0)
-        if node.target in ATTENTION_OPS and node.meta[TOKEN].role == "mixing":
+        if op_rule(node.target).role == "attention" and node.meta[TOKEN].role == "mixing":
             return self._attention(node)  # cross-attention (const K/V) is row-wise: copied
         args = {a: self.env[a] for a in node.all_input_nodes}
         if node.meta[TOKEN].role in ("token", "mixing"):

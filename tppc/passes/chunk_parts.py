@@ -15,6 +15,7 @@ from torch.fx.operator_schemas import normalize_function
 from tppc.errors import PassError
 from tppc.ir.records import TOKEN, TokenInfo
 from tppc.passes._shapes import ancestors, size_expr, tensor_val
+from tppc.passes.subgraph import copy_subgraph
 
 __all__ = ["cache_source", "input_value_error", "inputs_read", "is_head_repeat", "leaves",
            "positional_program", "sdpa_kwargs", "tail_program"]
@@ -59,20 +60,11 @@ def tail_program(gm: fx.GraphModule, output: fx.Node, sym: Any,
         todo.extend(n.all_input_nodes)
     if not any(n.op != "placeholder" for n in needed):
         return None, []
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
     inputs = [n for n in gm.graph.nodes if n in reads]
-    for n in gm.graph.nodes:
-        if n.op == "placeholder":
-            env[n] = graph.node_copy(n)
-    for n in inputs:
-        env[n] = graph.placeholder(f"full_{n.name}")
-        env[n].meta.update(n.meta)
-    for n in gm.graph.nodes:
-        if n in needed and n.op != "placeholder":
-            env[n] = graph.node_copy(n, lambda a: env[a])
-    graph.output(tuple(env[a] if isinstance(a, fx.Node) else a for a in leaves(output)))
-    return fx.GraphModule(gm, graph, class_name="GlobalTail"), inputs
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    tail = copy_subgraph(gm, needed, tuple(leaves(output)), inputs=[*placeholders, *inputs],
+                         rename={n: f"full_{n.name}" for n in inputs}, class_name="GlobalTail")
+    return tail, inputs
 
 
 def cache_source(arg: fx.Node, sym: Any) -> tuple[fx.Node, list[fx.Node]]:
@@ -112,14 +104,9 @@ def is_head_repeat(source: fx.Node, chain: list[fx.Node]) -> bool:
 
 def positional_program(gm: fx.GraphModule, frontier: list[fx.Node]) -> fx.GraphModule:
     """Flat user inputs (zero-valued at the full length) → the frontier values."""
-    needed = ancestors(frontier)
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for node in gm.graph.nodes:
-        if node.op == "placeholder" or node in needed:
-            env[node] = graph.node_copy(node, lambda a: env[a])
-    graph.output(tuple(env[n] for n in frontier))
-    return fx.GraphModule(gm, graph, class_name="PositionalProgram")
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    return copy_subgraph(gm, ancestors(frontier), tuple(frontier), inputs=placeholders,
+                         class_name="PositionalProgram")
 
 
 def input_value_error(node: fx.Node, info: TokenInfo) -> PassError:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from tppc.passes.subgraph import copy_graph
 from tppc.program.program import OutSlot
 
 __all__ = ["write_outputs_in_place"]
@@ -38,11 +39,9 @@ def write_outputs_in_place(module: fx.GraphModule, axes: tuple[int | None, ...]
         ``(graph module, {placeholder name: slot})``; the module itself and ``{}`` when no
         output qualifies. The new placeholders follow the stage's own placeholders.
     """
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for node in module.graph.nodes:
-        env[node] = graph.node_copy(node, lambda a: env[a])
-    output = env[next(iter(module.graph.find_nodes(op="output")))]
+    copy = copy_graph(module, class_name=type(module).__name__)
+    graph = copy.graph
+    output = graph.output_node()
     leaves = list(output.args[0]) if isinstance(output.args[0], tuple | list) else []
     slots: dict[str, OutSlot] = {}
     last_placeholder = list(graph.find_nodes(op="placeholder"))[-1:]
@@ -63,7 +62,8 @@ def write_outputs_in_place(module: fx.GraphModule, axes: tuple[int | None, ...]
         slots[ph.name] = slot
     if not slots:
         return module, {}
-    return fx.GraphModule(module, graph, class_name=type(module).__name__), slots
+    copy.recompile()
+    return copy, slots
 
 
 def _slot(leaf: object, index: int, axis: int | None, leaves: list[object]) -> OutSlot | None:

@@ -16,7 +16,6 @@ Terms:
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +25,7 @@ from torch import fx
 
 from tppc.ir.records import ChunkInput
 from tppc.passes._shapes import ancestors
+from tppc.passes.subgraph import copy_subgraph
 
 __all__ = ["ConstProgram", "const_values", "hoist_constants"]
 
@@ -50,7 +50,7 @@ class ConstProgram:
 def hoist_constants(stage: Any) -> Any:
     """``stage`` (a :class:`tppc.program.program.StageProgram`) with its const frontier computed by
     const programs and fed to its runnable as ``hoisted`` inputs (unchanged when none)."""
-    graph = copy.deepcopy(stage.runnable.graph)
+    graph = stage.runnable.graph
     placeholders = list(graph.find_nodes(op="placeholder"))
     deps = _const_deps(graph, placeholders, stage.inputs)
     frontier = [n for n in graph.nodes
@@ -63,20 +63,20 @@ def hoist_constants(stage: Any) -> Any:
     for node in frontier:
         groups.setdefault(deps[node], []).append(node)
     programs, first = [], 0
-    for key, nodes in groups.items():  # extracted before the graph is rewritten
+    for key, nodes in groups.items():
         programs.append(ConstProgram(
             names=tuple(n.name for n in nodes), inputs=tuple(sorted(key)), first=first,
             module=_extract(stage.runnable, nodes, sorted(key), placeholders, stage.inputs)))
         first += len(nodes)
-    inputs, after = list(stage.inputs), placeholders[len(stage.inputs) - 1]
-    for k, node in enumerate(n for nodes in groups.values() for n in nodes):
-        with graph.inserting_after(after):
-            after = graph.placeholder(f"tppc_hoisted_{node.name}")
-        after.meta = dict(node.meta)
-        node.replace_all_uses_with(after)
-        inputs.append((after.name, ChunkInput(kind="hoisted", source=node.name, index=k)))
-    graph.eliminate_dead_code()
-    runnable = fx.GraphModule(stage.runnable, graph)
+    hoisted = [n for nodes in groups.values() for n in nodes]
+    count = len(stage.inputs)  # hoisted inputs follow the stage's inputs (before ``out_`` slots)
+    runnable = copy_subgraph(
+        stage.runnable, list(graph.nodes), graph.output_node().args[0],
+        inputs=[*placeholders[:count], *hoisted, *placeholders[count:]],
+        rename={n: f"tppc_hoisted_{n.name}" for n in hoisted}, prune=True)
+    names = [p.name for p in runnable.graph.find_nodes(op="placeholder")][count:]
+    inputs = [*stage.inputs, *((name, ChunkInput(kind="hoisted", source=node.name, index=k))
+                               for k, (name, node) in enumerate(zip(names, hoisted)))]
     return dataclasses.replace(stage, runnable=runnable, inputs=tuple(inputs),
                                consts=tuple(programs))
 
@@ -122,16 +122,8 @@ def _const_deps(graph: fx.Graph, placeholders: list[fx.Node], inputs: Any
 def _extract(root: fx.GraphModule, nodes: list[fx.Node], indices: list[int],
              placeholders: list[fx.Node], inputs: Any) -> fx.GraphModule:
     """A module computing ``nodes`` from the const inputs ``indices`` (and the weights)."""
-    needed = ancestors(nodes)
-    graph, env = fx.Graph(), {}
     by_index = {inputs[i][1].index: ph for i, ph in enumerate(placeholders[: len(inputs)])
                 if inputs[i][1].kind == "const"}
-    for index in indices:
-        ph = by_index[index]
-        env[ph] = graph.placeholder(ph.name)
-        env[ph].meta = dict(ph.meta)
-    for node in nodes[0].graph.nodes:
-        if node in needed and node.op != "placeholder":
-            env[node] = graph.node_copy(node, lambda n: env[n])
-    graph.output(tuple(env[n] for n in nodes))
-    return fx.GraphModule(root, graph, class_name="ConstProgram")
+    body = [n for n in ancestors(nodes) if n.op != "placeholder"]
+    return copy_subgraph(root, body, tuple(nodes), inputs=[by_index[i] for i in indices],
+                         class_name="ConstProgram")

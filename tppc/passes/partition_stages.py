@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import fx
@@ -50,6 +49,7 @@ from tppc.ir.records import (
     StageInfo,
 )
 from tppc.passes.runner import Pass
+from tppc.passes.subgraph import copy_placeholders, copy_subgraph
 
 __all__ = ["partition_stages", "plan_layer_names", "split_stages"]
 
@@ -114,7 +114,8 @@ def split_stages(gm: fx.GraphModule, layer_names: Sequence[str],
         boundaries.append([n for n in nodes if n in later and owner[n] is not None
                            and owner[n] <= s])
     top = fx.Graph()
-    top_env = {n.name: top.node_copy(n) for n in nodes if n.op == "placeholder"}
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    top_env = {n.name: ph for n, ph in copy_placeholders(top, placeholders).items()}
     root = torch.nn.Module()
     prev: list[fx.Node] = []
     for s in range(num):
@@ -202,29 +203,17 @@ def _stage_module(gm: fx.GraphModule, nodes: list[fx.Node], owner: dict[fx.Node,
                   s: int, local: set[fx.Node], inputs: list[fx.Node],
                   outs: list[fx.Node] | None, output: fx.Node,
                   layers: tuple[str, ...]) -> fx.GraphModule:
-    graph = fx.Graph()
-    env: dict[fx.Node, Any] = {}
-    for n in inputs:
-        ph = graph.placeholder(n.name)
-        ph.meta.update(n.meta)
-        ph.meta[CHUNK_INPUT] = ChunkInput("boundary", n.name, axis=n.meta[TOKEN].axis)
-        env[n] = ph
     frontier = [n for n in nodes if n in local and n.op == "placeholder"
                 and n.meta[CHUNK_INPUT].kind == "positional"]
-    for n in nodes:
-        if n in local and n.op == "placeholder":
-            env[n] = graph.node_copy(n)
-            if n in frontier:
-                spec: ChunkInput = n.meta[CHUNK_INPUT]
-                env[n].meta[CHUNK_INPUT] = dataclasses.replace(spec, index=frontier.index(n))
-    for n in nodes:
-        if n in local and n.op not in ("placeholder", "output"):
-            env[n] = graph.node_copy(n, lambda a: env[a])
-    if outs is None:
-        graph.output(tuple(fx.node.map_arg(output.args[0], lambda a: env[a])))
-    else:
-        graph.output(tuple(env[n] for n in outs))
-    stage = fx.GraphModule(gm, graph, class_name="Stage")
+    own = [n for n in nodes if n in local and n.op == "placeholder"]
+    result = tuple(output.args[0] if outs is None else outs)
+    stage = copy_subgraph(gm, local, result, inputs=[*inputs, *own], class_name="Stage")
+    for n, ph in zip([*inputs, *own], stage.graph.find_nodes(op="placeholder"), strict=True):
+        if n in frontier:
+            ph.meta[CHUNK_INPUT] = dataclasses.replace(n.meta[CHUNK_INPUT],
+                                                       index=frontier.index(n))
+        elif n not in own:
+            ph.meta[CHUNK_INPUT] = ChunkInput("boundary", n.name, axis=n.meta[TOKEN].axis)
     stage.add_submodule("tppc_positional", _prune(gm.tppc_positional,
                                                   [n.meta[CHUNK_INPUT].source for n in frontier]))
     buffers = tuple(n.name for n in nodes if n in local and n.op == "placeholder"
@@ -243,16 +232,9 @@ def _driver_placeholders(stage: fx.GraphModule) -> list[str]:
 
 def _prune(positional: fx.GraphModule, names: list[str]) -> fx.GraphModule:
     """A copy of the positional program that returns only the frontier values ``names``."""
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    outputs: dict[str, fx.Node] = {}
-    src_out = next(n for n in positional.graph.nodes if n.op == "output")
+    src_out = positional.graph.output_node()
     by_name = {n.name: n for n in src_out.args[0]}
-    for n in positional.graph.nodes:
-        if n.op != "output":
-            env[n] = graph.node_copy(n, lambda a: env[a])
-    for name in names:
-        outputs[name] = env[by_name[name]]
-    graph.output(tuple(outputs[name] for name in names))
-    graph.eliminate_dead_code()
-    return fx.GraphModule(positional, graph, class_name="PositionalProgram")
+    placeholders = list(positional.graph.find_nodes(op="placeholder"))
+    return copy_subgraph(positional, list(positional.graph.nodes),
+                         tuple(by_name[name] for name in names), inputs=placeholders,
+                         class_name="PositionalProgram", prune=True)
