@@ -32,7 +32,7 @@ import tppc.ir.ops  # noqa: F401  (registers torch.ops.tppc)
 from tppc.errors import TppcError
 from tppc.passes.subgraph import copy_graph
 
-__all__ = ["ExportError", "export_stage_graph", "split_attention"]
+__all__ = ["ExportError", "attention_args", "export_stage_graph", "split_attention"]
 
 _aten = torch.ops.aten
 
@@ -44,17 +44,23 @@ class ExportError(TppcError):
 def split_attention(query: torch.Tensor, key_buffer: torch.Tensor, value_buffer: torch.Tensor,
                     key: torch.Tensor, value: torch.Tensor, chunk_start: int, kv_len: int,
                     causal: bool, scale: float | None = None, enable_gqa: bool = False,
-                    attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of a chunk over ``buffer[:chunk_start]``, its own K/V, ``buffer[end:kv_len]``.
+                    attn_mask: torch.Tensor | None = None, key_valid: torch.Tensor | None = None,
+                    window: int | None = None) -> torch.Tensor:
+    """Attention of a chunk over ``buffer[lo:chunk_start]``, its own K/V, ``buffer[end:kv_len]``.
 
     The torch reference of what the ONNX translation computes: one softmax over the scores
-    of the three key segments (in position order), the chunk's own segment offset-causal
-    when ``causal``. Buffers and K/V are ``(..., heads_kv, tokens, d)``.
+    of the key segments (in position order). Causal: the keys are ``[lo, chunk_start + c)``
+    with ``lo = max(0, chunk_start - window + 1)`` (0 without a window), each row seeing
+    the keys ``i - window < j ≤ i``; bidirectional: ``[0, kv_len)`` with the suffix. A
+    padding mask ``key_valid`` (``(batch, ≥ kv_len)``, 0 = hidden) hides keys of every row;
+    a row that sees no key gives 0 (as ``tppc::chunk_attention``). Buffers and K/V are
+    ``(..., heads_kv, tokens, d)``.
     """
     c = query.shape[-2]
     end = chunk_start + c
-    keys = [key_buffer[..., :chunk_start, :], key]
-    values = [value_buffer[..., :chunk_start, :], value]
+    lo = 0 if window is None else max(0, chunk_start - window + 1)
+    keys = [key_buffer[..., lo:chunk_start, :], key]
+    values = [value_buffer[..., lo:chunk_start, :], value]
     if not causal:
         keys.append(key_buffer[..., end:kv_len, :])
         values.append(value_buffer[..., end:kv_len, :])
@@ -65,16 +71,26 @@ def split_attention(query: torch.Tensor, key_buffer: torch.Tensor, value_buffer:
         q = query.unflatten(-3, (key.shape[-3], group))
         keys = [k.unsqueeze(-3) for k in keys]
         values = [v.unsqueeze(-3) for v in values]
-    scores = [q @ k.transpose(-1, -2) * scale for k in keys]
+    full = torch.cat([q @ k.transpose(-1, -2) * scale for k in keys], dim=-1)
+    hi = end if causal else kv_len
+    visible = None
     if causal:
-        rows = torch.arange(c, device=query.device)
-        scores[1] = scores[1].masked_fill(rows[None, :] > rows[:, None], float("-inf"))
-    full = torch.cat(scores, dim=-1)
+        rows = torch.arange(chunk_start, end, device=query.device)[:, None]
+        cols = torch.arange(lo, hi, device=query.device)
+        visible = cols <= rows if window is None else (cols <= rows) & (cols > rows - window)
+    if key_valid is not None:
+        valid = key_valid[:, lo:hi].bool().reshape(
+            key_valid.shape[0], *[1] * (full.dim() - 2), hi - lo)
+        visible = valid if visible is None else visible & valid
     if attn_mask is not None:
         mask = attn_mask.unsqueeze(-3) if q is not query else attn_mask
         full = full.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool \
             else full + mask
+    if visible is not None:
+        full = full.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(full, dim=-1)
+    if key_valid is not None or attn_mask is not None:  # a row that sees no key: 0
+        probs = probs.masked_fill(full.amax(-1, keepdim=True) == float("-inf"), 0.0)
     out = 0
     offset = 0
     for v in values:
@@ -129,17 +145,42 @@ def _is_buffer_narrow(node: Any, buffers: set[str]) -> bool:
             and node.args[0].name in buffers)
 
 
+_ATTENTION_ARGS = ("query", "key", "value", "chunk_start", "causal", "scale", "enable_gqa",
+                   "attn_mask", "key_valid", "window")
+_ATTENTION_DEFAULTS = {"scale": None, "enable_gqa": False, "attn_mask": None,
+                       "key_valid": None, "window": None}
+
+
+def attention_args(node: fx.Node) -> dict[str, Any]:
+    """The arguments of a ``tppc::chunk_attention`` node by name (defaults filled in)."""
+    args = dict(_ATTENTION_DEFAULTS)
+    args.update(zip(_ATTENTION_ARGS, node.args))
+    args.update(node.kwargs)
+    unknown = set(args) - set(_ATTENTION_ARGS)
+    if unknown:
+        raise ExportError(f"attention {node.name!r} has argument(s) {sorted(unknown)} that "
+                          "tppc's export does not know. fix: report the model")
+    return args
+
+
 def _rewrite_attention(graph: fx.Graph, node: fx.Node, buffers: set[str],
                        new_rows: dict[str, fx.Node]) -> None:
-    args = list(node.args) + [None, False, None][len(node.args) - 5:]
-    for i, name in enumerate(("scale", "enable_gqa", "attn_mask")):
-        args[5 + i] = node.kwargs.get(name, args[5 + i])
-    query, key_view, value_view, start, causal, scale, gqa, mask = args
-    views = (key_view, value_view)
+    a = attention_args(node)
+    views = (a["key"], a["value"])
     if not all(_is_buffer_narrow(v, buffers) for v in views) or \
             any(v.args[2] != 0 for v in views):
         raise ExportError(f"attention {node.name!r} reads K/V that are not a prefix of a "
                           "K/V buffer; tppc cannot export it. fix: report the model")
+    window = a["window"]
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+        raise ExportError(f"attention {node.name!r} has a sliding window of {window!r} keys "
+                          "that is not a constant int; tppc exports windows fixed at compile "
+                          "time only. fix: a model config with an int sliding_window")
+    valid = a["key_valid"]
+    if valid is not None and not (isinstance(valid, fx.Node) and valid.op == "placeholder"):
+        raise ExportError(f"attention {node.name!r} reads a padding mask computed inside the "
+                          f"stage ({valid!r}), not a model input; tppc cannot export it. fix: "
+                          "pass the attention_mask as a model input")
     key_buffer, value_buffer = (v.args[0] for v in views)
     rows = [new_rows.get(b.name) for b in (key_buffer, value_buffer)]
     if any(r is None for r in rows):
@@ -147,8 +188,9 @@ def _rewrite_attention(graph: fx.Graph, node: fx.Node, buffers: set[str],
                           "are written; tppc cannot export it. fix: report the model")
     with graph.inserting_before(node):
         new = graph.call_function(split_attention, (
-            query, key_buffer, value_buffer, rows[0], rows[1], start, key_view.args[3],
-            causal, scale, gqa, mask))
+            a["query"], key_buffer, value_buffer, rows[0], rows[1], a["chunk_start"],
+            views[0].args[3], a["causal"], a["scale"], a["enable_gqa"], a["attn_mask"],
+            valid, window))
     new.meta = dict(node.meta)
     node.replace_all_uses_with(new)
     graph.erase_node(node)

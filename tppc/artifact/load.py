@@ -41,7 +41,7 @@ MAX_PLAN_BYTES = 64 << 20
 MAX_DEPTH = 64
 """The deepest nesting of ``plan.json`` read (an export nests about 10 deep)."""
 
-_KINDS = {"token", "const", "chunk_start", "chunk_size", "seq_len", "positional", "key",
+_KINDS = {"token", "const", "full", "chunk_start", "chunk_size", "seq_len", "positional", "key",
           "value", "boundary"}
 _DTYPES = {"float32", "float16", "float64", "int64", "int32", "bool"}
 

@@ -258,7 +258,8 @@ def _identity(t: Any, node: fx.Node, x: Any, *_: Any, **__: Any) -> Any:
 
 def _attention(t: Any, node: fx.Node, q: Tensor, kb: Tensor, vb: Tensor,
                k: Tensor, v: Tensor, start: Any, kv_len: Any, causal: bool,
-               scale: float | None, gqa: bool, mask: Any) -> Tensor:
+               scale: float | None, gqa: bool, mask: Any, key_valid: Any = None,
+               window: int | None = None) -> Tensor:
     """:func:`split_attention` in ONNX ops (see its docstring)."""
     val = node.meta["val"]
     heads, kv_heads, d = int(q_shape(node)[-3]), int(node.args[3].meta["val"].shape[-3]), \
@@ -266,8 +267,10 @@ def _attention(t: Any, node: fx.Node, q: Tensor, kb: Tensor, vb: Tensor,
     axis = kb.rank - 2
     c = t.op("Squeeze", [t.op("Shape", [q.name], start=-2, end=-1), t.const([0])])
     end = Int(t.op("Add", [t.scalar(start), c]))
-    keys = [t.op("Slice", [kb.name, t.i64([0]), t.i64([start]), t.i64([axis])]), k.name]
-    vals = [t.op("Slice", [vb.name, t.i64([0]), t.i64([start]), t.i64([axis])]), v.name]
+    lo: Any = 0 if window is None else Int(t.op("Max", [t.const(0), t.op(
+        "Sub", [t.scalar(start), t.const(int(window) - 1)])]))
+    keys = [t.op("Slice", [kb.name, t.i64([lo]), t.i64([start]), t.i64([axis])]), k.name]
+    vals = [t.op("Slice", [vb.name, t.i64([lo]), t.i64([start]), t.i64([axis])]), v.name]
     if not causal:
         keys.append(t.op("Slice", [kb.name, t.i64([end]), t.i64([kv_len]), t.i64([axis])]))
         vals.append(t.op("Slice", [vb.name, t.i64([end]), t.i64([kv_len]), t.i64([axis])]))
@@ -283,21 +286,28 @@ def _attention(t: Any, node: fx.Node, q: Tensor, kb: Tensor, vb: Tensor,
     s = t.const(float(scale if scale is not None else 1 / np.sqrt(d)), val.dtype)
     scores = [t.op("Mul", [t.op("MatMul", [query, t.op("Transpose", [x], perm=perm)]), s])
               for x in keys]
-    if causal:  # key j of the chunk is hidden from row i when j > i
-        rows = t.op("Range", [t.const(0), c, t.const(1)])
-        hidden = t.op("Less", [t.op("Unsqueeze", [rows, t.const([1])]),
-                               t.op("Unsqueeze", [rows, t.const([0])])])
-        scores[1] = t.op("Where", [hidden, t.const(-np.inf, val.dtype), scores[1]])
     full = t.op("Concat", scores, axis=-1)
+    hi = end if causal else kv_len
+    visible = _visible(t, start, end, lo, hi, window) if causal else None
+    if key_valid is not None:  # (B, ≥ kv_len) → (B, 1, .., 1, keys)
+        rows = t.op("Slice", [key_valid.name, t.i64([lo]), t.i64([hi]), t.i64([1])])
+        valid = t.op("Unsqueeze", [t.op("Cast", [rows], to=TensorProto.BOOL),
+                                   t.i64(list(range(1, rank - 1)))])
+        visible = valid if visible is None else t.op("And", [visible, valid])
+    hidden = t.const(-np.inf, val.dtype)
     if mask is not None:
         m = mask.name if not grouped else t.op("Unsqueeze", [mask.name, t.i64([-3])])
-        full = t.op("Where", [m, full, t.const(-np.inf, val.dtype)]) \
-            if mask.dtype == torch.bool else t.op("Add", [full, t.like(mask, Tensor(
-                "", val.dtype, 0))])
+        full = t.op("Where", [m, full, hidden]) if mask.dtype == torch.bool \
+            else t.op("Add", [full, t.like(mask, Tensor("", val.dtype, 0))])
+    if visible is not None:
+        full = t.op("Where", [visible, full, hidden])
     probs = t.op("Softmax", [full], axis=-1)
-    bounds: list[Any] = [0, start, end, kv_len]  # segments of the concatenated key axis
+    if key_valid is not None or mask is not None:  # a row that sees no key gives 0
+        empty = t.op("Equal", [t.op("ReduceMax", [full, t.i64([-1])], keepdims=1), hidden])
+        probs = t.op("Where", [empty, t.const(0.0, val.dtype), probs])
     out = None
-    for i, x in enumerate(vals):
+    bounds = [0, _minus(t, start, lo), _minus(t, end, lo), _minus(t, kv_len, lo)]
+    for i, x in enumerate(vals):  # segments of the concatenated key axis
         p = t.op("Slice", [probs, t.i64([bounds[i]]), t.i64([bounds[i + 1]]), t.i64([-1])])
         part = t.op("MatMul", [p, x])
         out = part if out is None else t.op("Add", [out, part])
@@ -305,6 +315,27 @@ def _attention(t: Any, node: fx.Node, q: Tensor, kb: Tensor, vb: Tensor,
         lead = [int(s) for s in q_shape(node)[:-3]]
         out = t.op("Reshape", [out, t.i64([*lead, heads, -1, d])])
     return Tensor(out, val.dtype, val.dim())
+
+
+def _minus(t: Any, a: Any, b: Any) -> Any:
+    """``a - b`` of ints and dynamic ints."""
+    if isinstance(b, int) and b == 0:
+        return a
+    return Int(t.op("Sub", [t.scalar(a), t.scalar(b)]))
+
+
+def _visible(t: Any, start: Any, end: Any, lo: Any, hi: Any, window: int | None) -> str:
+    """``(c, keys)`` bool: key ``j`` (positions ``[lo, hi)``) visible from query ``i``
+    (positions ``[start, end)``) when ``j ≤ i`` and, with a window, ``j > i - window``."""
+    rows = t.op("Unsqueeze", [t.op("Range", [t.scalar(start), t.scalar(end), t.const(1)]),
+                              t.const([1])])
+    cols = t.op("Unsqueeze", [t.op("Range", [t.scalar(lo), t.scalar(hi), t.const(1)]),
+                              t.const([0])])
+    seen = t.op("Not", [t.op("Greater", [cols, rows])])
+    if window is None:
+        return seen
+    near = t.op("Greater", [cols, t.op("Sub", [rows, t.const(int(window))])])
+    return t.op("And", [seen, near])
 
 
 def q_shape(node: fx.Node) -> tuple[Any, ...]:

@@ -10,8 +10,9 @@ Terms:
 Supported ops are the table :data:`tppc.artifact.onnx_ops.OPS` (the ATen ops emitted for
 GPT-style causal LMs: embedding, linear/addmm, layer/RMS norm, rope, GELU/SiLU, views) plus
 :func:`tppc.artifact.graphs.split_attention`, decomposed to MatMul-Softmax-MatMul with an
-offset-causal mask built from ``Range``/``Less`` on the chunk's rows only. Anything else
-raises :class:`~tppc.artifact.graphs.ExportError` naming the node and the op.
+offset-causal mask built from ``Range``/``Greater`` on the chunk's rows only (a sliding
+window reads its last ``window`` keys; a padding mask, a ``full`` input of kind key
+validity, hides keys; a row that sees none gives 0). Anything else raises :class:`~tppc.artifact.graphs.ExportError` naming the node and the op.
 
 Example:
     >>> model = to_onnx(gm, sym_name="chunk")                              # doctest: +SKIP
@@ -171,6 +172,9 @@ class _Translator:
         if spec is not None and spec.kind in ("key", "value"):
             shape = ["capacity" if s is None else s for s in spec.shape]
             dtype = spec.dtype
+        elif spec is not None and spec.kind == "full" and isinstance(val, torch.Tensor):
+            shape = ["length" if isinstance(s, torch.SymInt) else int(s) for s in val.shape]
+            dtype = val.dtype  # a whole user input (key validity): its own length axis
         elif isinstance(val, torch.Tensor):
             shape = [self.sym if isinstance(s, torch.SymInt) else int(s) for s in val.shape]
             self.symbols |= {s.node.expr for s in val.shape

@@ -135,7 +135,7 @@ class OrtStage:
                 value = next(received)
             elif kind == "token":
                 value = _rows(call.flat[spec["index"]], spec["axis"], start, size)
-            elif kind == "const":
+            elif kind in ("const", "full"):
                 value = np.ascontiguousarray(call.flat[spec["index"]])
             elif kind == "positional":
                 value = positional[spec["index"]]
