@@ -46,8 +46,9 @@ def _one_frame_video():
 def _serial(model, x, scheduler, steps, arg, kwargs, transform):
     scheduler.set_timesteps(steps)
     with torch.no_grad():
-        for t in scheduler.timesteps:
-            out = model(x, **{arg: t.expand(len(x))}, **kwargs)
+        for t in scheduler.timesteps:  # diffusers' loop: scale_model_input, model, step
+            scale = getattr(scheduler, "scale_model_input", lambda x, t: x)  # flow matching
+            out = model(scale(x, t), **{arg: t.expand(len(x))}, **kwargs)
             out = out[0] if isinstance(out, tuple) else out
             out = transform(out) if transform else out
             x = scheduler.step(out, t, x).prev_sample

@@ -42,7 +42,12 @@ from tppc.passes.hoist_consts import hoist_constants
 from tppc.program.program import Program, StageProgram
 from tppc.program.state import Call, CallState, next_epoch
 from tppc.runtime.io import OutputAssembler
-from tppc.runtime.schedulers import check_scheduler, patch_scheduler
+from tppc.runtime.schedulers import (
+    StepProtocol,
+    check_scheduler,
+    patch_protocols,
+    start_timesteps,
+)
 
 __all__ = ["check_steps", "denoise"]
 
@@ -58,19 +63,22 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any, num_inference_steps:
 
     Equals, when ``warmup_steps == num_inference_steps``::
 
-        scheduler.set_timesteps(num_inference_steps)
+        scheduler.set_timesteps(num_inference_steps)  # and set_begin_index(0)
         for t in scheduler.timesteps:
-            out = model(latents, **{timestep_arg: t.expand(len(latents))}, **model_kwargs)[0]
+            model_in = scheduler.scale_model_input(latents, t)
+            out = model(model_in, **{timestep_arg: t.expand(len(latents))}, **model_kwargs)[0]
             out = output_transform(out) if output_transform else out
             latents = scheduler.step(out, t, latents).prev_sample
+
+    (the step protocol of diffusers' pipelines, :mod:`tppc.runtime.schedulers`).
     """
     check_scheduler(scheduler)
     check_steps(num_inference_steps, warmup_steps)
-    scheduler.set_timesteps(num_inference_steps)
-    steps = list(scheduler.timesteps)
+    steps = start_timesteps(scheduler, num_inference_steps)
     x = latents.detach().clone()
+    x_in = x.clone()  # the model's input: scale_model_input of the latents
     kwargs = dict(model_kwargs or {})
-    b = bind_steps(cp, x, kwargs, steps, timestep_arg, warmup_steps, patches)
+    b = bind_steps(cp, x_in, kwargs, steps, timestep_arg, warmup_steps, patches)
     front, length, plan, bounds, flats = b.front, b.length, b.plan, b.bounds, b.flats
     full, first, rest = _programs(cp, front, plan, length, bounds)
     axis, scale = b.axis, b.scale
@@ -80,28 +88,33 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any, num_inference_steps:
     run = DenoiseRun(cp, x, axis, scale, output_transform)
     warm = min(warmup_steps, len(steps))
     threaded = (executor or cp.executor) == "threads" and len(first.stages) > 1
+    whole = StepProtocol(scheduler, x, x_in)
     with _intra_op_threads(_all_threads(cp, len(full.stages)) if threaded else None):
         for i in range(warm):  # synchronous: the stages' cores share each op instead
+            whole.model_input(steps[i])
             call = Call(tuple(flats[i]), ((0, length),), length, length, epoch)
             values: tuple[Any, ...] = ()
             for stage in full.stages:
                 values = _run_stage(stage, call, state, 0, length, values)
             out = run.model_output(full, call, 0, values)
-            x.copy_(scheduler.step(out, steps[i], x).prev_sample)
+            whole.step(out, steps[i])
     jobs = [(i, m) for i in range(warm, len(steps)) for m in range(len(bounds) - 1)]
     if jobs:
         chunks = tuple(itertools.pairwise(bounds))
         calls = {i: Call(tuple(flats[i]), chunks, length, length, epoch)
                  for i in range(warm, len(steps))}
-        scheds = [patch_scheduler(scheduler, x.shape, axis, scale * a, scale * (b - a))
-                  for a, b in chunks]
+        scheds = patch_protocols(scheduler, x, x_in, axis,
+                                 [(scale * a, scale * b) for a, b in chunks])
+        for patch in scheds:
+            patch.model_input(steps[warm])
 
         def finish(i: int, m: int, values: tuple[Any, ...]) -> None:
             a, b = chunks[m]
             out = run.model_output(first, calls[i], m, values).narrow(axis, scale * a,
                                                                       scale * (b - a))
-            rows = x.narrow(axis, scale * a, scale * (b - a))
-            rows.copy_(scheds[m].step(out, steps[i], rows).prev_sample)
+            scheds[m].step(out, steps[i])
+            if i + 1 < len(steps):  # patch m's input of the next step
+                scheds[m].model_input(steps[i + 1])
 
         def stage_of(m: int, s: int) -> StageProgram:
             return (first if m == 0 or rest is None else rest).stages[s]

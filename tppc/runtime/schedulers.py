@@ -8,18 +8,28 @@ Terms:
     patch scheduler: a copy of the scheduler for one patch, its per-sample history (tensors
         shaped like the latents) cut to the patch's rows; it is stepped once per step, so
         its step counter advances as the whole image's would.
+    step protocol: what every diffusers pipeline's loop calls, per step ``t``:
+        ``model_in = scheduler.scale_model_input(latents, t)`` before the model (Euler
+        divides by ``sqrt(sigma² + 1)``; DDIM is the identity; a scheduler without it, e.g.
+        flow-matching Euler, passes the latents through), then
+        ``latents = scheduler.step(model_output, t, latents).prev_sample``. The loop starts
+        at the first timestep (``set_begin_index(0)`` where the scheduler has it, as
+        text-to-image pipelines do). :class:`StepProtocol` runs it on a band of rows: the
+        whole latents (warm-up, the caller's scheduler) or one patch (its copy).
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from tppc.errors import SpecError
 
-__all__ = ["ELEMENTWISE_SCHEDULERS", "check_scheduler", "patch_scheduler"]
+__all__ = ["ELEMENTWISE_SCHEDULERS", "StepProtocol", "check_scheduler", "patch_protocols",
+           "patch_scheduler", "start_timesteps"]
 
 ELEMENTWISE_SCHEDULERS = ("DDIMScheduler", "EulerDiscreteScheduler",
                           "FlowMatchEulerDiscreteScheduler", "DPMSolverMultistepScheduler")
@@ -71,3 +81,48 @@ def patch_scheduler(scheduler: Any, shape: torch.Size, axis: int, start: int, ro
     for key, value in vars(patch).items():
         setattr(patch, key, cut(value))
     return patch
+
+
+def start_timesteps(scheduler: Any, num_inference_steps: int) -> list[Any]:
+    """``scheduler.set_timesteps(n)`` and the loop's start at the first timestep
+    (``set_begin_index(0)`` where the scheduler has it); returns the timesteps."""
+    scheduler.set_timesteps(num_inference_steps)
+    if hasattr(scheduler, "set_begin_index"):
+        scheduler.set_begin_index(0)
+    return list(scheduler.timesteps)
+
+
+class StepProtocol:
+    """The step protocol (module docstring) of ``scheduler`` on the rows
+    ``[start, start + rows)`` along ``axis`` of ``latents``; the model reads ``model_input``
+    (same shape), whose rows :meth:`model_input` writes.
+
+    Example:
+        >>> whole = StepProtocol(scheduler, x, x_in)                       # doctest: +SKIP
+        >>> whole.model_input(t); out = model(x_in, t); whole.step(out, t)
+    """
+
+    def __init__(self, scheduler: Any, latents: torch.Tensor, model_input: torch.Tensor,
+                 axis: int = 0, start: int = 0, rows: int | None = None) -> None:
+        rows = latents.shape[axis] - start if rows is None else rows
+        self.scheduler = scheduler
+        self.latents = latents.narrow(axis, start, rows)
+        self.inputs = model_input.narrow(axis, start, rows)
+
+    def model_input(self, t: Any) -> None:
+        """The model input of step ``t``: ``scale_model_input`` of the rows, written into
+        the model input's rows."""
+        scale = getattr(self.scheduler, "scale_model_input", None)
+        self.inputs.copy_(self.latents if scale is None else scale(self.latents, t))
+
+    def step(self, model_output: torch.Tensor, t: Any) -> None:
+        """``scheduler.step`` of the rows with the model's output for them."""
+        self.latents.copy_(self.scheduler.step(model_output, t, self.latents).prev_sample)
+
+
+def patch_protocols(scheduler: Any, latents: torch.Tensor, model_input: torch.Tensor,
+                    axis: int, bands: Sequence[tuple[int, int]]) -> list[StepProtocol]:
+    """One :class:`StepProtocol` per band ``[a, b)`` of rows, each with its own
+    :func:`patch_scheduler` copy (taken now: its step counter continues the caller's)."""
+    return [StepProtocol(patch_scheduler(scheduler, latents.shape, axis, a, b - a), latents,
+                         model_input, axis, a, b - a) for a, b in bands]
