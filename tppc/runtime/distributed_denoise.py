@@ -4,13 +4,14 @@ Terms:
     shared call: rank 0's latents, model inputs and step counts are validated on rank 0 and
         broadcast (or its error, raised by every rank); every rank passes its own scheduler
         (only the last rank steps it; the others read its timesteps).
-    warm-up step: the whole image as one chunk through the ranks; the last rank applies the
-        scheduler step and broadcasts the new latents.
+    warm-up step: the last rank computes the model input (``scale_model_input``, the step
+        protocol of :mod:`tppc.runtime.schedulers`) and broadcasts it, the whole image runs
+        as one chunk through the ranks, the last rank applies the scheduler step.
     pipelined step: job ``(i, m)`` (patch ``m`` of step ``i``) runs on every rank in the
         order of :mod:`tppc.runtime.denoise`; the boundary values go rank to rank as in
         ``__call__``. When job ``(i, m)`` leaves the last rank it steps patch ``m`` and sends
-        its rows to every earlier rank that reads the latents (stage 0), which waits for them
-        before job ``(i + 1, m)``: the same jobs in the same order per stage as the
+        its next model input's rows to every earlier rank that reads the latents (stage 0),
+        which waits for them before job ``(i + 1, m)``: the same jobs in the same order per stage as the
         ``threads`` and ``local`` executors, so the latents are theirs.
 
 The final latents are broadcast from the last rank; rank 0 returns them (every rank with
@@ -35,7 +36,12 @@ from tppc.passes.hoist_consts import hoist_constants
 from tppc.program.program import Program, StageProgram
 from tppc.program.state import Call, next_epoch
 from tppc.runtime.denoise import DenoiseRun, bind_steps, check_steps
-from tppc.runtime.schedulers import check_scheduler, patch_scheduler
+from tppc.runtime.schedulers import (
+    StepProtocol,
+    check_scheduler,
+    patch_protocols,
+    start_timesteps,
+)
 
 if TYPE_CHECKING:
     from tppc.backends.torch_distributed import DistributedExecutor
@@ -95,14 +101,14 @@ def distributed_denoise(cp: DenoisingRank, latents: torch.Tensor | None, schedul
     x, kwargs, steps_n, warmup_steps, patches, arg = cp.share_inputs(
         "denoise", (latents, dict(model_kwargs or {}), num_inference_steps, warmup_steps,
                     patches, timestep_arg), check)
-    scheduler.set_timesteps(steps_n)
-    steps = list(scheduler.timesteps)
+    steps = start_timesteps(scheduler, steps_n)
     x = x.detach().clone().contiguous().to(cp.device)
-    b = bind_steps(cp, x, kwargs, steps, arg, warmup_steps, patches)
+    x_in = x.clone()  # the model's input (scale_model_input, on the last rank), broadcast
+    b = bind_steps(cp, x_in, kwargs, steps, arg, warmup_steps, patches)
     front, length, plan, bounds, flats = b.front, b.length, b.plan, b.bounds, b.flats
     full, first, rest = _programs(cp, front, plan, length, bounds)
     axis, scale = b.axis, b.scale
-    latent = next(j for j, v in enumerate(b.bound.flat) if v is x)
+    latent = next(j for j, v in enumerate(b.bound.flat) if v is x_in)
     epoch = next_epoch()
     state = front.pool.acquire(length)
     state.reset()
@@ -110,29 +116,37 @@ def distributed_denoise(cp: DenoisingRank, latents: torch.Tensor | None, schedul
     last = cp.world - 1
     warm = min(warmup_steps, len(steps))
     got: dict[str, Any] = {}
+    whole = StepProtocol(scheduler, x, x_in)
     for i in range(warm):
+        if cp.rank == last:
+            whole.model_input(steps[i])
+        cp.collective(lambda: dist.broadcast(x_in, src=last), "model input broadcast")
         call = Call(tuple(flats[i]), ((0, length),), length, length, epoch)
         cp.execute(full, call, state, sink=lambda _, values: got.__setitem__("v", values))
         if cp.rank == last:
             out = run.model_output(full, call, 0, got["v"])
-            x.copy_(scheduler.step(out, steps[i], x).prev_sample)
-        cp.collective(lambda: dist.broadcast(x, src=last), "latents broadcast")
+            whole.step(out, steps[i])
     jobs = [(i, m) for i in range(warm, len(steps)) for m in range(len(bounds) - 1)]
     if jobs:
         chunks = tuple(itertools.pairwise(bounds))
         calls = {i: Call(tuple(flats[i]), chunks, length, length, epoch)
                  for i in range(warm, len(steps))}
-        scheds = [patch_scheduler(scheduler, x.shape, axis, scale * a, scale * (b - a))
-                  for a, b in chunks] if cp.rank == last else []
+        scheds = patch_protocols(scheduler, x, x_in, axis, [(scale * a, scale * b)
+                                 for a, b in chunks]) if cp.rank == last else []
+        for patch in scheds:
+            patch.model_input(steps[warm])
+        cp.collective(lambda: dist.broadcast(x_in, src=last), "model input broadcast")
 
-        def rows(m: int) -> torch.Tensor:
+        def rows(m: int) -> torch.Tensor:  # what the readers receive: the model input
             a, b = chunks[m]
-            return x.narrow(axis, scale * a, scale * (b - a))
+            return x_in.narrow(axis, scale * a, scale * (b - a))
 
         def finish(i: int, m: int, values: tuple[Any, ...]) -> None:
             out = run.model_output(first, calls[i], m, values).narrow(
                 axis, scale * chunks[m][0], scale * (chunks[m][1] - chunks[m][0]))
-            rows(m).copy_(scheds[m].step(out, steps[i], rows(m)).prev_sample)
+            scheds[m].step(out, steps[i])
+            if i + 1 < len(steps):
+                scheds[m].model_input(steps[i + 1])
 
         def program_of(m: int) -> Program:
             return first if m == 0 or rest is None else rest
