@@ -97,3 +97,19 @@ def test_a_planning_front_end_holds_two_blocks_and_is_never_emitted() -> None:
     assert len(model.model.layers) == 4  # restored
     with pytest.raises(SpecError, match="priced, not emitted"):
         example_plan(front, CompileOptions())
+
+
+def test_cost_report_prices_the_layers_of_the_whole_model() -> None:
+    """``tppc.cost_report`` captures as ``tppc.plan`` does (two blocks); its report equals
+    the report of the whole model's chunk-step graph."""
+    pytest.importorskip("transformers")
+    from tppc.cost_models.report import report_from_graph
+    from tppc.frontend.annotate import annotate_program
+
+    model, args, kwargs = examples.hf_llama(seq_len=64, layers=4)
+    report = tppc.cost_report(model, args, kwargs, cluster="1xh100-sxm", chunk=128,
+                              prefix=256, seq_len=1024)
+    gm, ctx = annotate_program(model, args, kwargs)
+    whole = report_from_graph(gm, ctx, cluster="1xh100-sxm", chunk=128, prefix=256,
+                              seq_len=1024)
+    assert report.to_json() == whole.to_json()
