@@ -33,6 +33,7 @@ from tppc.errors import CaptureError, RuntimeInputError
 from tppc.frontend.annotate import annotate
 from tppc.frontend.blocks import expand_layers, few_blocks
 from tppc.frontend.capture import bind_inputs
+from tppc.frontend.isolation import CAPTURE_LOCK
 from tppc.ir.context import CompileContext
 from tppc.ir.records import CHUNK_SIGNATURE, TOKEN
 from tppc.passes.chunk_attention import ChunkSignature, chunk_attention_pass
@@ -107,7 +108,7 @@ def capture_front_end(model: torch.nn.Module, args: tuple[Any, ...],
     args, kwargs = on_meta_if(model, (tuple(args), dict(kwargs or {})))
     if not plan_only:
         return _front_end(model, args, kwargs, seq_dims, keep_states, t0)
-    with few_blocks(model) as truncated:
+    with CAPTURE_LOCK, few_blocks(model) as truncated:  # no other capture sees two blocks
         front = _front_end(model, args, kwargs, seq_dims, keep_states, t0)
     if truncated is None:
         return front
