@@ -24,7 +24,7 @@ from tppc.cost_models.layer_costs import build_cost_table
 from tppc.errors import PlanError
 from tppc.examples.models import DiT, DiTConfig
 from tppc.frontend.annotate import annotate, program_of
-from tppc.frontend.blocks import expand_layers, few_blocks
+from tppc.frontend.front_end import capture_front_end
 from tppc.planner import plan_for
 from tppc.planner.devices import sub_table
 from tppc.planner.grid import plan_any_length
@@ -41,10 +41,8 @@ def dit(pixels: int):
         side = pixels // 8
         args = (torch.randn(1, 4, side, side, dtype=torch.half), torch.tensor([10]),
                 torch.tensor([3]))
-    with few_blocks(model) as truncated:
-        gm, ctx = annotate(model, args)
-    ctx.layers = expand_layers(ctx.layers, *truncated)
-    return program_of(gm, ctx), ctx
+    front = capture_front_end(model, args, {}, seq_dims=None, plan_only=True)  # as tppc.plan
+    return front.chunk, front.ctx
 
 
 def flux(pixels: int):

@@ -38,8 +38,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import tppc
 from tppc.cost_models.layer_costs import build_cost_table
 from tppc.cost_models.table import CostTable
-from tppc.frontend.annotate import annotate, program_of
-from tppc.frontend.blocks import expand_layers, few_blocks
+from tppc.frontend.front_end import capture_front_end
 from tppc.ir.context import CompileContext
 from tppc.planner import plan_for, plan_from_costs, simulate, terapipe_dp
 from tppc.planner.dp import chunk_matrix
@@ -80,14 +79,11 @@ def build(shape: Shape) -> tuple[torch.nn.Module, tuple[torch.Tensor]]:
 
 
 def capture(model: torch.nn.Module, args: tuple) -> tuple[fx.GraphModule, CompileContext]:
-    """Capture and annotate as ``tppc.plan`` does (few blocks, layer list re-expanded)."""
-    with few_blocks(model) as truncated:
-        gm, ctx = annotate(model, args)
-    if truncated is not None:
-        layers = expand_layers(ctx.layers, *truncated)
-        assert sum(layer.kind == "block" for layer in layers) == truncated[1]
-        ctx.layers = layers
-    return program_of(gm, ctx), ctx  # the chunk-step graph: what runs, and what is priced
+    """Capture as ``tppc.plan`` does: its front end, two blocks exported, the layer list
+    re-expanded; the chunk-step graph (what runs, and what is priced) and its context."""
+    front = capture_front_end(model, args, {}, seq_dims=None, plan_only=True)
+    assert front.truncated is not None, "expected the blocks to be captured once"
+    return front.chunk, front.ctx
 
 
 def price(gm: fx.GraphModule, ctx: CompileContext, cluster: str, seq_len: int) -> CostTable:

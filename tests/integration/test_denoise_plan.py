@@ -99,13 +99,15 @@ def test_a_plain_compile_of_a_dit_is_priced_in_tokens_not_patch_rows() -> None:
     assert at_rows != pytest.approx(by_hand, rel=1e-6)  # the two pricings differ
 
 
-def test_tppc_plan_of_a_dit_cuts_whole_patch_rows() -> None:
+def test_tppc_plan_of_a_dit_counts_whole_patch_rows() -> None:
     """Own DiT, 32x32 latent, patch 2: 16 patch rows of 16 tokens; ``tppc.plan`` prices
-    tokens, and its chunks (patches) are whole patch rows."""
+    tokens and returns its plan in patch rows (the unit of the latent's sequence axis, as
+    ``tppc.compile`` does), saying so: its chunks (patches) are whole patch rows."""
     from tppc.driver.planning import plan
 
     model, args, kwargs = examples.dit(size=32)
     result = plan(model, args, kwargs, cluster="4xh100-sxm", time_limit=5.0,
                   workload=Workload(kind="diffusion", steps=20, warmup_steps=1))
-    assert result.seq_len == 256 and result.granularity == 16
-    assert all(b % 16 == 0 for b in result.boundaries)
+    assert (result.seq_len, result.granularity, result.tokens_per_unit) == (16, 1, 16)
+    assert (result.unit, result.seq_tokens) == ("rows of 16 tokens", 256)
+    assert result.boundaries[0] == 0 and result.boundaries[-1] == 16

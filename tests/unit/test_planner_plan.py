@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 
 import numpy as np
 import pulp
@@ -14,7 +15,7 @@ from planner_helpers import hand_makespan, table
 
 from tppc.cost_models.table import CostTable, LayerCost, LinkCost
 from tppc.errors import PlanError, PlanInfeasible
-from tppc.planner import Plan, Workload, plan_for, plan_from_costs, simulate
+from tppc.planner import PLAN_SCHEMA, Plan, Workload, plan_for, plan_from_costs, simulate
 from tppc.planner import placement as placement_module
 from tppc.planner.dp import brute_force_split, evaluate_split
 from tppc.planner.joint import _Ctx, _split_matrices
@@ -206,9 +207,29 @@ def test_plan_json_round_trip() -> None:
 
 def test_plan_json_with_wrong_schema_is_rejected() -> None:
     plan = plan_for(table(num_layers=2, speeds=(1.0, 1.0)), (0, 1, 2), (0, 512, 1024))
-    bad = plan.to_json().replace("tppc.plan/1", "tppc.plan/0")
+    bad = plan.to_json().replace(PLAN_SCHEMA, "tppc.plan/0")
+    assert bad != plan.to_json()
     with pytest.raises(PlanError, match="schema"):
         Plan.from_json(bad)
+
+
+def test_plan_json_says_its_unit_and_round_trips_it() -> None:
+    plan = dataclasses.replace(
+        plan_for(table(num_layers=2, speeds=(1.0, 1.0)), (0, 1, 2), (0, 512, 1024)),
+        seq_len=64, granularity=8, boundaries=(0, 32, 64), tokens_per_unit=16)
+    data = json.loads(plan.to_json())
+    assert (data["schema"], data["tokens_per_unit"]) == ("tppc.plan/2", 16)
+    assert Plan.from_json(plan.to_json()) == plan
+    assert (plan.unit, plan.seq_tokens) == ("rows of 16 tokens", 1024)
+    assert "chunks (rows of 16 tokens): 32 32" in plan.summary()
+
+
+def test_a_schema_1_plan_json_reads_as_tokens() -> None:
+    plan = plan_for(table(num_layers=2, speeds=(1.0, 1.0)), (0, 1, 2), (0, 512, 1024))
+    data = json.loads(plan.to_json())
+    del data["tokens_per_unit"]
+    old = Plan.from_json(json.dumps({**data, "schema": "tppc.plan/1"}))
+    assert old == plan and (old.tokens_per_unit, old.unit) == (1, "tokens")
 
 
 @pytest.mark.parametrize(

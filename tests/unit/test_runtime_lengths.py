@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import tppc
 from tppc import examples
-from tppc.errors import PlanError
+from tppc.errors import PlanError, SpecError
 from tppc.planner.grid import default_granularity
 from tppc.planner.manual import manual_plan
 
@@ -92,12 +92,20 @@ def test_the_program_cache_is_bounded():
 
 
 @pytest.mark.parametrize(("options", "message"), [
-    ({"seq_len": 0}, "seq_len=0"), ({"seq_len": -4}, "seq_len=-4"),
-    ({"granularity": 0}, "granularity=0")])
-def test_tppc_plan_refuses_empty_lengths_and_grids(options, message):
+    ({"seq_len": 0}, "seq_len=0"), ({"seq_len": -4}, "seq_len=-4")])
+def test_tppc_plan_refuses_empty_lengths(options, message):
     model, args, _ = examples.gpt(seq_len=16, n_layer=2)
     with pytest.raises(PlanError, match=message):
         tppc.plan(model, args, cluster="2xh100-sxm", **options)
+
+
+def test_tppc_plan_refuses_an_empty_grid_as_compile_does():
+    """``granularity`` is a :class:`CompileOptions` field: a bad value is a SpecError from
+    both entry points, before anything is captured."""
+    model, args, _ = examples.gpt(seq_len=16, n_layer=2)
+    for entry in (tppc.plan, tppc.compile):
+        with pytest.raises(SpecError, match="granularity=0"):
+            entry(model, args, cluster="2xh100-sxm", granularity=0)
 
 
 def test_tppc_plan_takes_a_length_the_granularity_does_not_divide():

@@ -9,7 +9,7 @@ import torch
 
 from tppc.cost_models.cluster import Cluster
 from tppc.cost_models.report import CostReport, report_from_graph
-from tppc.frontend.annotate import annotate, program_of
+from tppc.frontend.front_end import capture_front_end
 
 __all__ = ["cost_report"]
 
@@ -28,7 +28,10 @@ def cost_report(
     """Per-layer FLOPs, bytes, intensity, bound and time for one chunk on one device.
 
     Prints as a table; ``.formula(layer)`` gives the sympy formula, ``.to_json()`` the data.
+    The model is captured as ``tppc.plan`` captures it (the same front end, identical blocks
+    captured once: :func:`tppc.frontend.front_end.capture_front_end`), so the report prices
+    the layers the planner prices.
     """
-    gm, ctx = annotate(model, args, kwargs)
-    return report_from_graph(program_of(gm, ctx), ctx, cluster=cluster, chunk=chunk, prefix=prefix,
-                             seq_len=seq_len, device_index=device_index)
+    front = capture_front_end(model, args, kwargs, seq_dims=None, plan_only=True)
+    return report_from_graph(front.chunk, front.ctx, cluster=cluster, chunk=chunk,
+                             prefix=prefix, seq_len=seq_len, device_index=device_index)

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import torch
 
+from tppc.cost_models.cluster import Cluster
 from tppc.errors import RuntimeInputError, SpecError
 
 __all__ = ["CompileOptions", "ExecutorName", "check_devices", "check_executor", "check_seconds",
@@ -24,10 +25,16 @@ EXECUTORS: tuple[ExecutorName, ...] = ("local", "threads", "distributed")
 
 @dataclass(kw_only=True, frozen=True)
 class CompileOptions:
-    """How ``tppc.compile`` plans, emits and runs (see :func:`tppc.compile`)."""
+    """How ``tppc.compile`` and ``tppc.plan`` plan, emit and run (see :func:`tppc.compile`).
 
-    cluster: str = "2xcpu"
-    """Cluster string priced by the cost model (``"2xcpu"``, ``"4xh100-sxm"``)."""
+    ``tppc.plan`` reads the planning fields (``cluster``, ``chunks``, ``num_stages``,
+    ``granularity``, ``time_limit``, ``verbose``); lengths are in units of the sequence axis
+    (:attr:`tppc.planner.plan.Plan.unit`).
+    """
+
+    cluster: str | Cluster = "2xcpu"
+    """Cluster priced by the cost model: a string (``"2xcpu"``, ``"4xh100-sxm"``) or a
+    :class:`~tppc.cost_models.cluster.Cluster`."""
     executor: ExecutorName = "threads"
     """``"threads"`` (one worker per stage), ``"local"`` (the reference), or ``"distributed"``
     (one process per stage; set by ``backend="distributed"``, see :mod:`tppc.runtime.distributed`)."""
@@ -42,21 +49,28 @@ class CompileOptions:
     num_stages: int | None = None
     """Stages to plan for (default: the planner's choice)."""
     granularity: int | None = None
-    """Chunk sizes are multiples of this (the last chunk may be shorter); None: automatic."""
+    """Chunk sizes are multiples of this many units of the sequence axis (the last chunk may
+    be shorter); None: automatic (one patch row for a DiT)."""
     threads_per_stage: int | tuple[int, ...] | None = None
     """Intra-op threads of each ``threads`` worker (None: torch's setting)."""
     queue_depth: int = 2
     """Chunks that may wait between two stages."""
     time_limit: float = 10.0
-    """Seconds for the planner's solver."""
+    """Seconds for the planner's solver (per planned length); on expiry the best plan found
+    is used and its ``solver.status`` says ``"time_limit"``."""
     timeout: float | None = None
     """Seconds a call may take before :class:`tppc.errors.StageTimeout` (None: no limit)."""
     program_cache: int = 8
     """Programs (one per sequence length and batch shape) kept, least recently used first out."""
     keep_states: int = 1
     """Idle call states (K/V buffers) kept per batch shape for the next call."""
+    verbose: bool = False
+    """Print the time of capture and of each plan to stderr (``[tppc plan] ...``)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.cluster, str | Cluster):
+            raise SpecError(f"cluster={self.cluster!r} must be a cluster string such as "
+                            "'4xh100-sxm' or a tppc.Cluster")
         if self.executor not in EXECUTORS:
             raise SpecError(f"executor={self.executor!r}; use one of {list(EXECUTORS)}")
         _check_chunks(self.chunks)
@@ -75,7 +89,15 @@ class CompileOptions:
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> CompileOptions:
-        """Options from ``tppc.compile``'s keywords (sequences become tuples)."""
+        """Options from ``tppc.compile``'s or ``tppc.plan``'s keywords (sequences become tuples).
+
+        Raises:
+            SpecError: an unknown option name, or a bad value (see the class).
+        """
+        unknown = sorted(set(kwargs) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise SpecError(f"unknown compile option(s) {unknown}; the options are "
+                            f"{sorted(cls.__dataclass_fields__)}")
         for name in ("chunks", "devices", "threads_per_stage"):
             value = kwargs.get(name)
             if isinstance(value, Sequence) and not isinstance(value, str):

@@ -1,8 +1,19 @@
-"""``tppc.plan``: capture, annotate, price and plan a model without running it.
+"""The one planning path of ``tppc.plan``, ``tppc.compile`` and the distributed compile.
 
-Works on a model built on the meta device (no weights allocated), so a user can plan a
-70B model for a cluster they do not have. A model whose blocks are all the same computation
-is captured with two of them and the layer list re-expanded (see :mod:`tppc.frontend.blocks`).
+All three capture with :func:`tppc.frontend.front_end.capture_front_end` and plan each
+sequence length with :func:`length_planner` under one :class:`CompileOptions`, so for the same
+model, inputs and options they return the same :class:`~tppc.planner.Plan`.
+
+Terms:
+    unit: what a plan's lengths count: one position of the sequence axis the model's inputs
+        carry. A token for a language model; a patch row of ``tokens_per_unit`` tokens for a
+        diffusion transformer whose latent's height is the sequence axis. Layers are priced
+        on tokens, chunks are cut on whole units, and the plan says its unit
+        (:attr:`Plan.tokens_per_unit`, :attr:`Plan.unit`).
+    planning front end: ``tppc.plan`` captures only two of a model's identical blocks
+        (``plan_only``, see :mod:`tppc.frontend.front_end`); it prices the same layers, so
+        its plan equals ``tppc.compile``'s, and a 70B model on the meta device plans in
+        seconds without allocating its weights.
 """
 
 from __future__ import annotations
@@ -18,15 +29,13 @@ import torch
 from tppc.cost_models.cluster import Cluster
 from tppc.cost_models.layer_costs import build_cost_table
 from tppc.cost_models.table import CostTable
-from tppc.driver.options import CompileOptions, check_seconds, chunk_bounds
-from tppc.errors import PlanError
-from tppc.frontend.annotate import annotate, program_of
-from tppc.frontend.blocks import expand_layers, few_blocks
-from tppc.frontend.front_end import FrontEnd
+from tppc.driver.options import CompileOptions, chunk_bounds
+from tppc.errors import PlanError, SpecError
+from tppc.frontend.front_end import FrontEnd, capture_front_end
 from tppc.planner import Plan, Workload
 from tppc.planner.grid import default_granularity, plan_any_length
 
-__all__ = ["Planner", "default_granularity", "length_planner", "plan"]
+__all__ = ["Planner", "default_granularity", "example_plan", "length_planner", "plan"]
 
 #: ``planner(front, length, workload=None) -> Plan``: the plan of one sequence length.
 Planner = Callable[..., Plan]
@@ -45,105 +54,135 @@ def plan(
     time_limit: float = 10.0,
     seq_dims: Mapping[str, int | tuple[int, ...]] | None = None,
     verbose: bool = False,
+    **options: Any,
 ) -> Plan:
     """Plan ``model`` on ``cluster``: chunk boundaries and the layer range of every device.
+
+    The same plan as ``tppc.compile(model, args, kwargs, cluster=..., ...).plan`` (with a
+    diffusion ``workload``: as its ``denoise_plan``), without emitting or running anything.
 
     Args:
         model: the model; parameters may live on the meta device.
         args: example inputs (moved to the meta device when the model is there).
         kwargs: example keyword inputs.
         cluster: a :class:`Cluster` or a string such as ``"8xh100-sxm"``.
-        seq_len: sequence length to plan for, in tokens (default: the example's).
-        workload: causal prefill (default) or multi-step diffusion.
-        granularity: chunk sizes are multiples of this, the last chunk may be shorter
-            (default: :func:`tppc.planner.grid.default_granularity`; for a DiT one patch
-            row of tokens).
+        seq_len: sequence length to plan for, in units of the sequence axis (tokens for a
+            language model, patch rows for a DiT; default: the example's).
+        workload: causal prefill (default) or multi-step diffusion. Without a diffusion
+            workload a model with bidirectional attention is planned as one chunk (exact).
+        granularity: chunk sizes are multiples of this many units, the last chunk may be
+            shorter (default: :func:`tppc.planner.grid.default_granularity`; for a DiT one
+            patch row).
         num_stages: number of stages (default: the planner chooses how many devices, and
             which, to use; see :mod:`tppc.planner.devices`).
-        time_limit: seconds for pricing and solving together (capture excluded); on expiry
-            the best plan found so far is returned, its ``solver.status`` says
-            ``"time_limit"``. Limits: at most :data:`tppc.cost_models.cluster.MAX_DEVICES`
-            devices and :data:`tppc.planner.split.MAX_GRID_POINTS` grid points
-            (``seq_len / granularity``); beyond them a named error says what to change.
+        time_limit: seconds for the solver; on expiry the best plan found so far is
+            returned, its ``solver.status`` says ``"time_limit"``. Limits: at most
+            :data:`tppc.cost_models.cluster.MAX_DEVICES` devices and
+            :data:`tppc.planner.split.MAX_GRID_POINTS` grid points (``seq_len /
+            granularity``); beyond them a named error says what to change.
         seq_dims: input name -> sequence axis, when not found automatically.
         verbose: print the time of each phase to stderr.
+        **options: other :class:`CompileOptions` fields (``chunks`` fixes the split).
 
     Returns:
-        The :class:`Plan`.
+        The :class:`Plan`; its lengths are in :attr:`Plan.unit`.
+
+    Raises:
+        SpecError: a bad option (before anything is captured).
+        CaptureError, AnnotationError, PassError, PlanError: naming the problem.
     """
-    check_seconds("time_limit", time_limit)
-    t0 = time.perf_counter()
-    if _on_meta(model):
-        args, kwargs = _to_meta((tuple(args), dict(kwargs or {})))
-    with few_blocks(model) as truncated:
-        gm, ctx = annotate(model, args, kwargs, seq_dims=seq_dims)
-    if truncated is not None:
-        layers = expand_layers(ctx.layers, *truncated)
-        if sum(layer.kind == "block" for layer in layers) == truncated[1]:
-            ctx.layers = layers
-        else:  # the blocks group_layers found are not the list we shortened: capture it all
-            gm, ctx = annotate(model, args, kwargs, seq_dims=seq_dims)
-    program = program_of(gm, ctx)  # the chunk-step graph: what runs, and what is priced
-    t1 = time.perf_counter()
-    if seq_len is None:
-        if ctx.token_count is None:
-            raise PlanError(f"{ctx.model_name} has no attention node; nothing to pipeline")
-        seq_len = int(ctx.token_count.subs(ctx.seq_symbol, ctx.example_seq))
-    if granularity is None and ctx.tokens_per_unit() > 1:
-        granularity = ctx.tokens_per_unit()  # a DiT: chunks of whole patch rows
-
-    def table_at(tokens: int) -> CostTable:
-        return build_cost_table(program, ctx.layers, cluster, tokens, seq_symbol=ctx.seq_symbol,
-                                token_count=ctx.token_count)
-
-    left = max(0.1, time_limit - (time.perf_counter() - t1))  # costing counts, capture not
-    result = plan_any_length(table_at, seq_len, granularity=granularity,
-                             num_stages=num_stages, time_limit=left, workload=workload)
-    if verbose:
-        print(f"[tppc plan] capture+annotate {t1 - t0:.1f} s, costing+solving "
-              f"{time.perf_counter() - t1:.2f} s", file=sys.stderr)
-    return result
+    opts = CompileOptions.from_kwargs(cluster=cluster, granularity=granularity,
+                                      num_stages=num_stages, time_limit=time_limit,
+                                      verbose=verbose, **options)
+    front = capture_front_end(model, args, kwargs, seq_dims=seq_dims, plan_only=True)
+    length = front.ctx.example_seq if seq_len is None else seq_len
+    return length_planner(opts)(front, length, workload=workload)
 
 
-def _on_meta(model: torch.nn.Module) -> bool:
-    return any(p.device.type == "meta" for p in model.parameters())
+def example_plan(front: FrontEnd, opts: CompileOptions, plan: Plan | None = None,
+                 share: Callable[[Planner], Planner] | None = None
+                 ) -> tuple[Plan, Planner | None]:
+    """The plan of the example's length and the planner of the other lengths.
+
+    Args:
+        front: the captured model (never a planning front end).
+        opts: the options.
+        plan: a plan to use as is (the planner is then None: other lengths are refused).
+        share: wraps the planner (the distributed compile: rank 0 plans, all ranks get it).
+
+    Raises:
+        SpecError: a given plan whose unit is not the model's.
+    """
+    if front.truncated is not None:
+        raise SpecError(f"the front end of {front.ctx.model_name} holds only some of its "
+                        f"blocks ({front.truncated[0]}); it can be priced, not emitted. "
+                        "fix: capture with plan_only=False")
+    if plan is not None:
+        _check_unit(plan, front)
+        return plan, None
+    planner = length_planner(opts)
+    if share is not None:
+        planner = share(planner)
+    return planner(front, front.ctx.example_seq), planner
 
 
-def _to_meta(tree: Any) -> Any:
-    return torch.utils._pytree.tree_map(
-        lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, tree)
+def _check_unit(plan: Plan, front: FrontEnd) -> None:
+    per = front.ctx.tokens_per_unit()
+    if plan.tokens_per_unit not in (1, per):  # 1: written by hand (manual_plan) in units
+        raise SpecError(
+            f"the given plan counts {plan.unit}, {front.ctx.model_name}'s sequence axis has "
+            f"{per} tokens per unit. fix: plan this model at this resolution (tppc.plan with "
+            "the same inputs)")
 
 
 def length_planner(opts: CompileOptions) -> Planner:
-    """The planner ``tppc.compile`` re-plans each new length with: ``(front, length, workload)``."""
+    """The planner of every length: ``(front, length, workload=None) -> Plan``.
+
+    ``length`` is in units of the sequence axis. A model with bidirectional attention is
+    planned as one chunk unless the workload is diffusion (patches, for ``denoise``);
+    ``opts.chunks`` fixes the split (the placement is still planned).
+    """
 
     def plan_length(front: FrontEnd, length: int, workload: Workload | None = None) -> Plan:
-        """The plan of ``length``; a diffusion ``workload`` plans patches (``denoise``)."""
+        """The plan of ``length`` units; a diffusion ``workload`` plans patches."""
+        t0 = time.perf_counter()
+        result = _plan_length(front, opts, length, workload)
+        if opts.verbose:
+            print(f"[tppc plan] capture+annotate {front.seconds:.1f} s, costing+solving "
+                  f"{time.perf_counter() - t0:.2f} s ({length} {result.unit}, "
+                  f"{result.num_stages} stages)", file=sys.stderr)
+        return result
 
-        def table_at(tokens: int) -> Any:
-            return build_cost_table(front.chunk, front.ctx.layers, opts.cluster, tokens,
-                                    seq_symbol=front.ctx.seq_symbol,
-                                    token_count=front.ctx.token_count,
-                                    queue_depth=opts.queue_depth)
+    return plan_length
 
-        bounds = None
-        diffusion = workload is not None and workload.kind == "diffusion"
-        if opts.chunks is not None:
-            bounds = chunk_bounds(opts.chunks, length)
-        elif front.bidirectional and not diffusion:
-            bounds = (0, length)
-        per = front.ctx.tokens_per_unit()
-        if per > 1:  # a DiT: priced in tokens on a grid of whole patch rows, returned in rows
-            g = per * (opts.granularity or 1)
-            plan = plan_any_length(table_at, length * per, granularity=g,
-                                   num_stages=opts.num_stages, time_limit=opts.time_limit,
-                                   workload=workload,
-                                   bounds=None if bounds is None else tuple(b * per
-                                                                           for b in bounds))
-            return dataclasses.replace(plan, seq_len=length, granularity=g // per,
-                                       boundaries=tuple(b // per for b in plan.boundaries))
+
+def _plan_length(front: FrontEnd, opts: CompileOptions, length: int,
+                 workload: Workload | None) -> Plan:
+    """Price in tokens on a grid of whole units, return the plan in units."""
+    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+        raise PlanError(f"seq_len={length!r} must be a positive number of units of the "
+                        "sequence axis (tokens; patch rows for a DiT)")
+    ctx = front.ctx
+
+    def table_at(tokens: int) -> CostTable:
+        return build_cost_table(front.chunk, ctx.layers, opts.cluster, tokens,
+                                seq_symbol=ctx.seq_symbol, token_count=ctx.token_count,
+                                queue_depth=opts.queue_depth)
+
+    bounds = None
+    diffusion = workload is not None and workload.kind == "diffusion"
+    if opts.chunks is not None:
+        bounds = chunk_bounds(opts.chunks, length)
+    elif front.bidirectional and not diffusion:
+        bounds = (0, length)
+    per = ctx.tokens_per_unit()
+    if per == 1:
         return plan_any_length(table_at, length, granularity=opts.granularity,
                                num_stages=opts.num_stages, time_limit=opts.time_limit,
                                workload=workload, bounds=bounds)
-
-    return plan_length
+    g = per * (opts.granularity or 1)
+    plan = plan_any_length(table_at, length * per, granularity=g, num_stages=opts.num_stages,
+                           time_limit=opts.time_limit, workload=workload,
+                           bounds=None if bounds is None else tuple(b * per for b in bounds))
+    return dataclasses.replace(plan, seq_len=length, granularity=g // per, tokens_per_unit=per,
+                               boundaries=tuple(b // per for b in plan.boundaries))

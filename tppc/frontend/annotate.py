@@ -1,4 +1,10 @@
-"""Capture plus the annotation passes: the annotated graph every later stage starts from."""
+"""Capture plus the annotation passes: the annotated graph every later stage starts from.
+
+``tppc.plan``, ``tppc.compile`` and ``tppc.cost_report`` go through
+:func:`tppc.frontend.front_end.capture_front_end`, which calls :func:`annotate` and then the
+chunk-step rewrite; :func:`annotate_program` and :func:`program_of` are the same two steps for
+callers that want the graphs without a front end (tests, benchmarks).
+"""
 
 from __future__ import annotations
 
@@ -59,10 +65,9 @@ def annotate_program(
 def program_of(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     """The chunk-step graph of an annotated graph (``chunk_attention_pass``).
 
-    For a model the emitter refuses (today: diffusion transformers whose token axis is
-    the patch grid, or that capture only in specialized mode; the pipeline does not run them
-    yet) the annotated graph itself is returned with a warning saying why, so that
-    ``tppc.plan`` and the cost report can still price the model.
+    For a model with bidirectional attention that the emitter refuses, the annotated graph
+    itself is returned with a warning saying why, so that the caller can still look at its
+    layers (``tppc.plan`` and ``tppc.compile`` refuse such a model with the pass's error).
     """
     try:
         return run_passes(gm, ctx, [chunk_attention_pass])

@@ -2,8 +2,10 @@
 
 Sound only when every block is the same computation: same class, same parameter and buffer
 shapes and dtypes, and no per-layer attention type in the config (``layer_types``). Used by
-``tppc.plan`` so that an 80-layer model is exported with 2 blocks (torch.export dominates
-planning time); the priced layers are identical, so the plan is the same.
+the planning front end (``capture_front_end(plan_only=True)``: ``tppc.plan``,
+``tppc.cost_report``) so that an 80-layer model is exported with 2 blocks (torch.export
+dominates planning time); the priced layers are identical, so the plan is the one
+``tppc.compile`` makes from the whole model.
 """
 
 from __future__ import annotations

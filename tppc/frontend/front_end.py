@@ -8,10 +8,19 @@ Terms:
         that differ from a front end's only on axis 0 (the batch) get their own front end,
         and so do calls with other keyword inputs (``generate`` adds ``position_ids`` to a
         model compiled with ``attention_mask``).
+    planning front end: a front end made only to be priced (``tppc.plan``): a model whose
+        blocks are all the same computation is captured with two of them and its layer list
+        re-expanded (:mod:`tppc.frontend.blocks`), so an 80-layer model plans in seconds. Its
+        chunk graph holds fewer blocks than ``ctx.layers`` lists: it is never emitted.
+
+``tppc.plan``, ``tppc.compile`` and the distributed compile all start here
+(:func:`capture_front_end`), then plan with :func:`tppc.driver.planning.length_planner`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -21,17 +30,18 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from tppc.errors import CaptureError, RuntimeInputError
-from tppc.frontend.capture import bind_inputs, capture
+from tppc.frontend.annotate import annotate
+from tppc.frontend.blocks import expand_layers, few_blocks
+from tppc.frontend.capture import bind_inputs
+from tppc.frontend.isolation import CAPTURE_LOCK
 from tppc.ir.context import CompileContext
 from tppc.ir.records import CHUNK_SIGNATURE, TOKEN
-from tppc.passes.annotate_seq_dims import annotate_seq_dims_pass
 from tppc.passes.chunk_attention import ChunkSignature, chunk_attention_pass
-from tppc.passes.group_layers import group_layers_pass
 from tppc.passes.runner import run_passes
 from tppc.program.state import StatePool
 
 __all__ = ["BoundCall", "FrontEnd", "batch_shape", "bind", "capture_front_end",
-           "input_structure"]
+           "input_structure", "on_meta_if"]
 
 BatchShape = tuple[tuple[int | None, ...] | None, ...]
 
@@ -49,6 +59,9 @@ class FrontEnd:
         bidirectional: names of its bidirectional attention nodes (their calls run as one
             chunk: exact, see DESIGN.md "Token semantics").
         pool: idle call states for this batch shape.
+        seconds: wall time of the capture (capture, annotation, grouping, chunk rewrite).
+        truncated: ``(module path, real block count)`` of a planning front end (see the
+            module docstring), None for a front end that may be emitted.
     """
 
     annotated: fx.GraphModule
@@ -58,6 +71,8 @@ class FrontEnd:
     batch: BatchShape
     bidirectional: tuple[str, ...]
     pool: StatePool
+    seconds: float = 0.0
+    truncated: tuple[str, int] | None = None
 
     @property
     def key(self) -> tuple[str, BatchShape]:
@@ -82,20 +97,51 @@ class BoundCall:
 def capture_front_end(model: torch.nn.Module, args: tuple[Any, ...],
                       kwargs: Mapping[str, Any] | None, *,
                       seq_dims: Mapping[str, int | tuple[int, ...]] | None,
-                      keep_states: int) -> FrontEnd:
-    """Capture, annotate, group and chunk ``model`` for inputs shaped like ``args``."""
-    gm, ctx = capture(model, args, kwargs, seq_dims=seq_dims)
-    annotated = run_passes(gm, ctx, [annotate_seq_dims_pass, group_layers_pass])
+                      keep_states: int = 1, plan_only: bool = False) -> FrontEnd:
+    """Capture, annotate, group and chunk ``model`` for inputs shaped like ``args``.
+
+    Inputs move to the meta device when the model's parameters are there (a model built
+    without weights). ``plan_only``: a planning front end (see the module docstring), made
+    when the blocks are identical (:func:`tppc.frontend.blocks.few_blocks` checks).
+    """
+    t0 = time.perf_counter()
+    args, kwargs = on_meta_if(model, (tuple(args), dict(kwargs or {})))
+    if not plan_only:
+        return _front_end(model, args, kwargs, seq_dims, keep_states, t0)
+    with CAPTURE_LOCK, few_blocks(model) as truncated:  # no other capture sees two blocks
+        front = _front_end(model, args, kwargs, seq_dims, keep_states, t0)
+    if truncated is None:
+        return front
+    layers = expand_layers(front.ctx.layers, *truncated)
+    if sum(layer.kind == "block" for layer in layers) != truncated[1]:
+        # the blocks group_layers found are not the list we shortened: capture it all
+        return _front_end(model, args, kwargs, seq_dims, keep_states, t0)
+    front.ctx.layers = layers
+    return dataclasses.replace(front, truncated=truncated,
+                               seconds=time.perf_counter() - t0)
+
+
+def _front_end(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+               seq_dims: Mapping[str, int | tuple[int, ...]] | None, keep_states: int,
+               t0: float) -> FrontEnd:
+    annotated, ctx = annotate(model, args, kwargs, seq_dims=seq_dims)
     chunk = run_passes(annotated, ctx, [chunk_attention_pass])
-    flat = _flat(model, args, kwargs or {})
+    flat = _flat(model, args, kwargs)
     bidirectional = tuple(n.name for n in annotated.graph.nodes
                           if n.meta.get(TOKEN) is not None
                           and n.meta[TOKEN].attention == "bidirectional")
+    names = [p.name for p in annotated.graph.find_nodes(op="placeholder")]
     return FrontEnd(annotated=annotated, chunk=chunk, ctx=ctx,
-                    signature=chunk.meta[CHUNK_SIGNATURE],
-                    batch=batch_shape(flat, ctx, [p.name for p in
-                                                  annotated.graph.find_nodes(op="placeholder")]),
-                    bidirectional=bidirectional, pool=StatePool(keep_states))
+                    signature=chunk.meta[CHUNK_SIGNATURE], batch=batch_shape(flat, ctx, names),
+                    bidirectional=bidirectional, pool=StatePool(keep_states),
+                    seconds=time.perf_counter() - t0)
+
+
+def on_meta_if(model: torch.nn.Module, tree: Any) -> Any:
+    """``tree``'s tensors on the meta device when ``model``'s parameters are there."""
+    if not any(p.device.type == "meta" for p in model.parameters()):
+        return tree
+    return pytree.tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, tree)
 
 
 def batch_shape(flat: list[Any], ctx: CompileContext, names: list[str]) -> BatchShape:

@@ -23,8 +23,11 @@ from tppc.errors import PlanError
 
 __all__ = ["PLAN_SCHEMA", "Plan", "SolverInfo", "SplitSearch", "StagePlan", "Workload"]
 
-PLAN_SCHEMA = "tppc.plan/1"
-"""Schema tag written by :meth:`Plan.to_json`; bumped on incompatible changes."""
+PLAN_SCHEMA = "tppc.plan/2"
+"""Schema tag written by :meth:`Plan.to_json`; bumped on incompatible changes (2: the unit,
+``tokens_per_unit``). :meth:`Plan.from_json` also reads schema 1, whose plans count tokens."""
+
+_READS = ("tppc.plan/1", PLAN_SCHEMA)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,11 +144,16 @@ class StagePlan:
 class Plan:
     """A complete pipeline plan (see the module docstring for the terms).
 
+    Lengths are in units of the sequence axis the model's inputs carry (:attr:`unit`): tokens
+    for a language model, patch rows for a diffusion transformer whose latent's height is the
+    sequence axis (``tokens_per_unit`` tokens each). ``tppc.plan`` and ``tppc.compile`` give
+    the same units; a chunk is always a band of whole units.
+
     Attributes:
         workload: what one call computes.
-        seq_len: tokens in the sequence.
-        granularity: chunk sizes are multiples of this.
-        boundaries: token offsets ``(0, b_1, ..., seq_len)`` of the chunks.
+        seq_len: units in the sequence.
+        granularity: chunk sizes are multiples of this (units).
+        boundaries: offsets ``(0, b_1, ..., seq_len)`` of the chunks (units).
         stages: the stages in pipeline order.
         start: ``start[s][j]`` predicted start (seconds) of job ``j`` on stage ``s``.
         end: ``end[s][j]`` predicted end.
@@ -159,6 +167,9 @@ class Plan:
             (at least one read of every weight).
         solver: provenance of the plan's solve.
         split: the certified split search for this placement (``None`` when not run).
+        tokens_per_unit: tokens in one unit of the sequence axis (1: the unit is a token; a
+            DiT's patch columns: the unit is a patch row). Every time in the plan is priced
+            on tokens.
     """
 
     workload: Workload
@@ -176,15 +187,34 @@ class Plan:
     solver: SolverInfo
     notes: tuple[str, ...] = field(default=())
     split: SplitSearch | None = None
+    tokens_per_unit: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tokens_per_unit, bool) or not isinstance(self.tokens_per_unit, int) \
+                or self.tokens_per_unit < 1:
+            raise PlanError(f"Plan.tokens_per_unit={self.tokens_per_unit!r} must be an integer "
+                            "≥ 1 (tokens in one unit of the sequence axis)")
+
+    @property
+    def unit(self) -> str:
+        """What :attr:`seq_len`, :attr:`boundaries` and :attr:`granularity` count:
+        ``"tokens"`` or ``"rows of N tokens"``."""
+        n = self.tokens_per_unit
+        return "tokens" if n == 1 else f"rows of {n} tokens"
+
+    @property
+    def seq_tokens(self) -> int:
+        """Tokens in the sequence (``seq_len * tokens_per_unit``)."""
+        return self.seq_len * self.tokens_per_unit
 
     @property
     def chunks(self) -> tuple[tuple[int, int], ...]:
-        """Chunks as ``(start, end)`` token ranges."""
+        """Chunks as ``(start, end)`` ranges of units."""
         return tuple(itertools.pairwise(self.boundaries))
 
     @property
     def chunk_sizes(self) -> tuple[int, ...]:
-        """Chunk sizes in tokens."""
+        """Chunk sizes in units (:attr:`unit`)."""
         return tuple(b - a for a, b in self.chunks)
 
     @property
@@ -206,14 +236,16 @@ class Plan:
     def from_json(cls, text: str) -> Plan:
         """Inverse of :meth:`to_json`.
 
+        Schema 1 (no ``tokens_per_unit``) is read with ``tokens_per_unit=1``.
+
         Raises:
-            PlanError: when the schema tag is missing or not :data:`PLAN_SCHEMA`.
+            PlanError: when the schema tag is missing or neither :data:`PLAN_SCHEMA` nor 1.
         """
         data = json.loads(text)
         schema = data.pop("schema", None)
-        if schema != PLAN_SCHEMA:
+        if schema not in _READS:
             raise PlanError(
-                f"plan.json has schema {schema!r}, this tppc reads {PLAN_SCHEMA!r}; "
+                f"plan.json has schema {schema!r}, this tppc reads {list(_READS)}; "
                 "re-plan with this version"
             )
         stages = tuple(
@@ -241,8 +273,9 @@ class Plan:
         )
         s = self.solver
         lines = [
-            f"tppc plan: {w.kind}{steps}, seq_len={self.seq_len} (granularity "
-            f"{self.granularity}), {self.num_stages} stages, {len(self.boundaries) - 1} chunks",
+            f"tppc plan: {w.kind}{steps}, seq_len={self.seq_len} {self._in_units()}, "
+            f"granularity {self.granularity}, {self.num_stages} stages, "
+            f"{len(self.boundaries) - 1} chunks",
             f"predicted latency {_ms(self.latency)}   lower bound {_ms(self.lower_bound)} "
             f"(work {_ms(self.lower_bound_work)}, path {_ms(self.lower_bound_path)})   "
             f"ratio {self.ratio_to_bound:.3f}",
@@ -260,7 +293,7 @@ class Plan:
             mem = f"{st.memory_bytes / 1e9:.2f} / {st.capacity_bytes / 1e9:.2f} GB"
             rng = f"[{st.layer_start}, {st.layer_end})"
             lines.append(f"{st.index:>5}  {st.device_name:<12} {rng:<12} {mem:<24} {_ms(busy):>10}")
-        lines += ["", "chunks (tokens): " + " ".join(str(c) for c in self.chunk_sizes)]
+        lines += ["", f"chunks ({self.unit}): " + " ".join(str(c) for c in self.chunk_sizes)]
         inside = [st.layer_names[0] for st in self.stages[1:]
                   if st.layer_names and st.layer_names[0].endswith((".mlp", ".attn", ".part1"))]
         if inside:  # layer indices count the parts of the blocks cut at their waist
@@ -268,6 +301,11 @@ class Plan:
                 f"before {name}" for name in inside))
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+    def _in_units(self) -> str:
+        if self.tokens_per_unit == 1:
+            return "tokens"
+        return f"{self.unit} ({self.seq_tokens} tokens)"
 
 
 def _ms(seconds: float) -> str:

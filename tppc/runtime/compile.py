@@ -14,7 +14,7 @@ from typing import Any, Literal
 import torch
 
 from tppc.driver.options import CompileOptions
-from tppc.driver.planning import length_planner
+from tppc.driver.planning import example_plan
 from tppc.errors import SpecError
 from tppc.frontend.front_end import capture_front_end
 from tppc.planner.plan import Plan
@@ -45,12 +45,16 @@ def compile_pipeline(
             ``"distributed"`` (one process per stage; call on every rank of a torchrun job;
             extra keywords ``checkpoint``, ``buffers``, ``results``, ``comm_timeout``,
             ``device``: see :func:`tppc.runtime.distributed.compile_distributed`).
-        plan: a plan to use as is (then other lengths are refused).
+        plan: a plan to use as is (then other lengths are refused); its lengths are in units
+            of the sequence axis (:attr:`tppc.planner.plan.Plan.unit`).
         seq_dims: sequence axes of the inputs (see :func:`tppc.frontend.capture.capture`).
         **options: the fields of :class:`tppc.driver.options.CompileOptions` (``cluster``,
             ``executor``, ``chunks``, ``devices``, ``max_seq``, ``num_stages``,
             ``granularity``, ``threads_per_stage``, ``queue_depth``, ``time_limit``,
-            ``timeout``, ``program_cache``, ``keep_states``, ``verify``).
+            ``timeout``, ``program_cache``, ``keep_states``, ``verify``, ``verbose``).
+
+    The plan is the one ``tppc.plan`` gives for the same inputs and options
+    (:mod:`tppc.driver.planning`).
 
     Raises:
         SpecError: a bad option (before anything is captured).
@@ -67,17 +71,10 @@ def compile_pipeline(
     if backend != "torch":
         raise SpecError(f"backend={backend!r}; use 'torch' or 'distributed' (ONNX Runtime "
                         "stages come with tppc.export)")
-    unknown = sorted(set(options) - set(CompileOptions.__dataclass_fields__))
-    if unknown:
-        raise SpecError(f"unknown compile option(s) {unknown}; the options are "
-                        f"{sorted(CompileOptions.__dataclass_fields__)}")
     opts = CompileOptions.from_kwargs(**options)
     front = capture_front_end(model, args, kwargs, seq_dims=seq_dims,
                               keep_states=opts.keep_states)
-    planner = None
-    if plan is None:
-        planner = length_planner(opts)
-        plan = planner(front, front.ctx.example_seq)
+    plan, planner = example_plan(front, opts, plan)
     cp = CompiledPipeline(model, front, plan, planner=planner, options=opts, seq_dims=seq_dims)
     if opts.verify:  # translation validation: SoundnessError names the first diverging node
         cp.validation = validate_pipeline(cp, model, args, kwargs)

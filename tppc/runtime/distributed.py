@@ -35,7 +35,7 @@ from torch.utils import _pytree as pytree
 from tppc.backends import wire
 from tppc.backends.torch_distributed import DistributedExecutor
 from tppc.driver.options import CompileOptions
-from tppc.driver.planning import Planner, length_planner
+from tppc.driver.planning import Planner, example_plan
 from tppc.errors import RuntimeInputError, SpecError, StageFailed, TppcError
 from tppc.frontend.front_end import FrontEnd, capture_front_end
 from tppc.planner.plan import Plan
@@ -108,13 +108,10 @@ def compile_distributed(model: torch.nn.Module, args: tuple[Any, ...],
     if where.type == "cpu" and opts.threads_per_stage is not None:
         t = opts.threads_per_stage
         torch.set_num_threads(t if isinstance(t, int) else t[rank])
-    front = capture_front_end(model, _meta_if(model, tuple(args)), _meta_if(model, kwargs),
-                              seq_dims=seq_dims, keep_states=opts.keep_states)
-    planner = None
-    if plan is None:
-
-        planner = _shared_planner(length_planner(opts), rank)
-        plan = planner(front, front.ctx.example_seq)
+    front = capture_front_end(model, args, kwargs, seq_dims=seq_dims,
+                              keep_states=opts.keep_states)  # on meta when the model is
+    plan, planner = example_plan(front, opts, plan,
+                                 share=lambda planner: _shared_planner(planner, rank))
     weights = StageWeights(checkpoint, model, dict(buffers or {}), where)
     return DistributedPipeline(model, front, plan, planner=planner, options=opts,
                                seq_dims=seq_dims, weights=weights, rank=rank, world=world,
