@@ -92,7 +92,15 @@ def _functional(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgra
     later pass sees what each reader reads."""
     if not any(_mutates(n) for n in ep.graph.nodes):
         return ep
-    return ep.run_decompositions({})
+    ep = ep.run_decompositions({})
+    for node in ep.graph.nodes:  # functionalisation turns reshapes into views that hold only
+        if node.target in _VIEWS:  # for the example's strides; a chunk's may differ
+            node.target = torch.ops.aten.reshape.default
+    ep.graph_module.recompile()
+    return ep
+
+
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 
 
 def _mutates(node: fx.Node) -> bool:
