@@ -77,9 +77,35 @@ def _export(model: torch.nn.Module, bound: inspect.BoundArguments, shapes: dict[
     :mod:`tppc.frontend.isolation`), whether the export succeeded or raised.
     """
     with isolated(model):
-        return torch.export.export(model, bound.args, bound.kwargs, dynamic_shapes=shapes,
-                                   strict=False,
-                                   prefer_deferred_runtime_asserts_over_guards=deferred)
+        ep = torch.export.export(model, bound.args, bound.kwargs, dynamic_shapes=shapes,
+                                 strict=False,
+                                 prefer_deferred_runtime_asserts_over_guards=deferred)
+        return _functional(ep)
+
+
+def _functional(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """``ep`` with every in-place write made out-of-place when it has any (functionalisation,
+    no decomposition): a value made inside the graph (``new_empty``, ``zeros_like``,
+    ``clone``...) and then written through views (``x[..., :r] = f(...)``, ``copy_``,
+    ``index_put_``, ``scatter_``) becomes one chain of values (``slice_scatter``,
+    ``index_put``, ``scatter``), each the previous one with the write applied, so that every
+    later pass sees what each reader reads."""
+    if not any(_mutates(n) for n in ep.graph.nodes):
+        return ep
+    ep = ep.run_decompositions({})
+    for node in ep.graph.nodes:  # functionalisation turns reshapes into views that hold only
+        if node.target in _VIEWS:  # for the example's strides; a chunk's may differ
+            node.target = torch.ops.aten.reshape.default
+    ep.graph_module.recompile()
+    return ep
+
+
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def _mutates(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return node.op == "call_function" and schema is not None and schema.is_mutable
 
 
 _PINNED = r"Constraints violated|specialized it to be a constant"

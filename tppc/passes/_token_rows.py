@@ -176,6 +176,10 @@ def rest_of_step(node: fx.Node, env: dict[fx.Node, Any]) -> Any:
     if src is not None and src.prefix and node.target is _aten.slice.Tensor \
             and _dim(node, 1, base) == src.axis and split_tokens(info):
         return env[base]
+    if src is not None and src.prefix and node.target is _aten.slice_scatter.default:
+        written = _written_image_tokens(node, src)
+        if written is not None:
+            return env[written]
     if isinstance(base, fx.Node) and env.get(base) is ABSENT and base.target in _SPLITS:
         return env[base.args[0]] if split_tokens(info) else ABSENT
     if any(env.get(a) is ABSENT for a in node.all_input_nodes):
@@ -183,6 +187,25 @@ def rest_of_step(node: fx.Node, env: dict[fx.Node, Any]) -> Any:
             f"node {node.name!r} ({node.target}) mixes text-only values with the image "
             "tokens outside joint attention; a later patch of a step carries no text tokens. "
             "fix: join text and image tokens with cat([text, image]) before attention")
+    return None
+
+
+def _written_image_tokens(node: fx.Node, src: TokenInfo) -> fx.Node | None:
+    """The value a ``slice_scatter`` writes over every image token of its prefixed base
+    (``x[:, k:] = y`` with ``k <= prefix``, functionalised): a later chunk's result is that
+    value's image tokens; None for any other write."""
+    args = list(node.args) + [None] * 6
+    written, dim, start, end = args[1], args[2] or 0, args[3] or 0, args[4]
+    if dim % tensor_val(node).dim() != src.axis or not isinstance(start, int) \
+            or not isinstance(written, fx.Node) or args[5] not in (None, 1):
+        return None
+    info: TokenInfo = written.meta[TOKEN]
+    whole = end is None or (isinstance(end, int) and end >= 2**62) or (
+        isinstance(end, fx.Node) and src.axis_size is not None
+        and sympy.simplify(size_expr(end.meta.get("val")) - src.axis_size) == 0)
+    if whole and start <= src.prefix and split_tokens(info) and info.axis == src.axis \
+            and info.prefix == src.prefix - start:
+        return written
     return None
 
 

@@ -36,6 +36,7 @@ from tppc.runtime.replay import (
     Difference,
     RecordingStage,
     Replay,
+    StageFailed,
     chunk_rows,
     compare,
     origin,
@@ -43,7 +44,7 @@ from tppc.runtime.replay import (
     token_info,
 )
 
-__all__ = ["construct_of", "describe", "raise_divergence"]
+__all__ = ["construct_of", "describe", "raise_crash", "raise_divergence"]
 
 _UNKNOWN = "not one of the known constructs"
 _UNINITIALISED = {"empty", "new_empty", "empty_like", "empty_strided", "empty_permuted"}
@@ -72,7 +73,10 @@ def raise_divergence(front: FrontEnd, replay: Replay, index: int, diff: Differen
             + (", after a one-chunk warm-up pass" if replay.warmup else ""))
     head = (f"{front.ctx.model_name}: the {label} ({what}) differs from the captured graph: "
             f"output {index} {describe(diff)}.")
-    found = _first_divergence(front, replay)
+    try:
+        found = _first_divergence(front, replay)
+    except StageFailed as failed:  # the per-layer replay crashes where the checked one did not
+        raise_crash(front, _per_layer(front, replay), failed, label="per-layer replay")
     if found is None:
         raise SoundnessError(head + " A replay with one layer per stage does not reproduce it"
                              " (it depends on this placement)." + _fix(known=False),
@@ -93,6 +97,33 @@ def raise_divergence(front: FrontEnd, replay: Replay, index: int, diff: Differen
         + _fix(known=not construct.startswith(_UNKNOWN)),
         node=node.name, op=str(node.target), module=module, layer=layer, construct=construct,
         max_diff=found.diff.max_abs)
+
+
+def raise_crash(front: FrontEnd, replay: Replay, failed: StageFailed, *,
+                label: str) -> NoReturn:
+    """Raise :class:`SoundnessError` for a stage of ``replay`` that raised: the emitted program
+    cannot run what the captured graph runs, so it is unsound for this model."""
+    start, end = failed.rows
+    what = (f"length {replay.length}, chunks {list(replay.chunks)}, stages "
+            f"{[list(st.layers) for st in replay.program.stages]}"
+            + (", after a one-chunk warm-up pass" if replay.warmup else ""))
+    error = f"{type(failed.error).__name__}: {str(failed.error).strip().splitlines()[0]}"
+    head = (f"{front.ctx.model_name}: the {label} ({what}) crashed in stage {failed.stage} "
+            f"(layers {list(failed.layers)}), chunk [{start}, {end}): {error}.")
+    emitted = failed.node
+    origins = {origin(n): n for n in front.annotated.graph.nodes}
+    node = origins.get(origin(emitted)) if emitted is not None else None
+    if node is None:
+        where = f" At stage node {emitted.name!r} ({emitted.target})." if emitted else ""
+        raise SoundnessError(head + where + _fix(known=False), node=None)
+    module, cls = _module(node)
+    construct = construct_of(node)
+    raise SoundnessError(
+        f"{head} Failing node: {node.name!r} (op {node.target}, module "
+        f"{module or '<top level>'}{f' ({cls})' if cls else ''}"
+        + (f", emitted as {emitted.name!r}" if emitted.name != node.name else "")
+        + f"). Construct: {construct}." + _fix(known=not construct.startswith(_UNKNOWN)),
+        node=node.name, op=str(node.target), module=module, construct=construct)
 
 
 def _fix(*, known: bool) -> str:

@@ -17,6 +17,7 @@ Terms:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,14 +26,15 @@ import torch
 from torch import fx
 
 from tppc.backends.torch_local import run_stage
+from tppc.errors import TppcError
 from tppc.ir.records import TOKEN, TokenInfo
 from tppc.program.program import Program, StageProgram
 from tppc.program.state import Call, CallState, next_epoch
 from tppc.runtime.call import new_outputs, with_tail
 from tppc.runtime.io import OutputAssembler
 
-__all__ = ["Difference", "RecordingStage", "Replay", "chunk_rows", "compare", "origin",
-           "run_reference", "token_info", "tolerance"]
+__all__ = ["Difference", "RecordingStage", "Replay", "StageFailed", "chunk_rows", "compare",
+           "origin", "run_reference", "token_info", "tolerance"]
 
 StageHook = Callable[[int, int, tuple[Any, ...]], None]
 """Receives ``(stage, chunk, stage outputs)`` of the checked pass."""
@@ -47,8 +49,10 @@ class _Recorder(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, keep: Callable[[fx.Node], bool] | None) -> None:
         super().__init__(gm)
         self.keep, self.values = keep, {}
+        self.current: fx.Node | None = None  # the node running (the failing one after a raise)
 
     def run_node(self, n: fx.Node) -> Any:
+        self.current = n
         value = super().run_node(n)
         if self.keep is not None and self.keep(n):
             self.values[n.name] = _snapshot(value)
@@ -76,15 +80,38 @@ def run_reference(gm: fx.GraphModule, flat: Sequence[Any], keep: Collection[str]
 class RecordingStage:
     """A stage's runnable that also keeps a copy of every node's value (one chunk's run)."""
 
-    def __init__(self, runnable: fx.GraphModule) -> None:
+    def __init__(self, runnable: fx.GraphModule, *, keep: bool = True) -> None:
         self.graph_module = runnable
+        self.keep = keep
         self.values: dict[str, Any] = {}
+        self.current: fx.Node | None = None  # the node that raised, after a failed call
 
     def __call__(self, *args: Any) -> Any:
-        recorder = _Recorder(self.graph_module, lambda n: n.op != "output")
-        out = recorder.run(*args)
-        self.values = recorder.values
-        return out
+        recorder = _Recorder(self.graph_module, (lambda n: n.op != "output") if self.keep
+                             else None)
+        try:
+            return recorder.run(*args)
+        finally:
+            self.values, self.current = recorder.values, recorder.current
+
+
+class StageFailed(Exception):  # an internal signal, turned into SoundnessError
+    """A stage of an emitted program raised (not a :class:`TppcError`) during a replay.
+
+    Attributes:
+        stage: the stage index.
+        chunk: the chunk index in the pass that failed.
+        rows: the chunk's ``(start, end)``.
+        layers: the stage's layers.
+        node: the stage-graph node that raised (None: not found by a second run).
+        error: the exception.
+    """
+
+    def __init__(self, stage: int, chunk: int, rows: tuple[int, int], layers: tuple[str, ...],
+                 node: fx.Node | None, error: Exception) -> None:
+        super().__init__(f"stage {stage} chunk {chunk}: {type(error).__name__}: {error}")
+        self.stage, self.chunk, self.rows, self.layers = stage, chunk, rows, layers
+        self.node, self.error = node, error
 
 
 class Replay:
@@ -109,15 +136,21 @@ class Replay:
         return (self.program if m == 0 or self.rest is None else self.rest).stages[s]
 
     def run(self, hook: StageHook | None = None,
-            swap: dict[tuple[int, int], StageProgram] | None = None) -> list[Any]:
-        """The model's flat outputs; ``swap`` replaces stage ``(s, m)`` of the checked pass."""
+            swap: dict[tuple[int, int], StageProgram] | None = None, *,
+            locate: bool = True) -> list[Any]:
+        """The model's flat outputs; ``swap`` replaces stage ``(s, m)`` of the checked pass.
+
+        Raises:
+            StageFailed: a stage raised; ``locate``: its node is found by a second run.
+        """
         state, epoch = CallState(self.length), next_epoch()
         if self.warmup and self.chunks != ((0, self.length),):
-            self._pass(((0, self.length),), state, epoch, None, {})
-        return self._pass(self.chunks, state, epoch, hook, swap or {})
+            self._pass(((0, self.length),), state, epoch, None, {}, locate=False)
+        return self._pass(self.chunks, state, epoch, hook, swap or {}, locate=locate)
 
     def _pass(self, chunks: tuple[tuple[int, int], ...], state: CallState, epoch: int,
-              hook: StageHook | None, swap: dict[tuple[int, int], StageProgram]) -> list[Any]:
+              hook: StageHook | None, swap: dict[tuple[int, int], StageProgram], *,
+              locate: bool) -> list[Any]:
         axes = self.program.signature.output_axes
         call = Call(self.flat, chunks, self.length, self.length, epoch,
                     new_outputs(self.program.stages[-1], self.length, len(axes)))
@@ -126,11 +159,33 @@ class Replay:
             values: tuple[Any, ...] = ()
             for s in range(len(self.program.stages)):
                 stage = swap.get((s, m)) or self.stage(s, m)
-                values = run_stage(stage, call, state, start, end, values)
+                try:
+                    values = run_stage(stage, call, state, start, end, values)
+                except TppcError:
+                    raise
+                except Exception as exc:  # the emitted program crashed: name where
+                    raise StageFailed(s, m, (start, end), tuple(stage.layers),
+                                      self._failing_node(s, m) if locate else None,
+                                      exc) from exc
                 if hook is not None:
                     hook(s, m, values)
             sink(m, values)
         return with_tail(self.program, self.flat, sink.leaves)
+
+    def _failing_node(self, s: int, m: int) -> fx.Node | None:
+        """The node of stage ``s`` that raises in chunk ``m``: the replay run once more with
+        that stage under an interpreter (None when the second run does not raise there)."""
+        stage = self.stage(s, m)
+        if not isinstance(stage.runnable, fx.GraphModule):
+            return None
+        recorder = RecordingStage(stage.runnable, keep=False)
+        try:
+            self.run(swap={(s, m): dataclasses.replace(stage, runnable=recorder)}, locate=False)
+        except StageFailed as again:
+            return recorder.current if (again.stage, again.chunk) == (s, m) else None
+        except Exception:
+            return recorder.current
+        return None
 
 
 def origin(node: fx.Node) -> tuple[str, int]:

@@ -43,8 +43,8 @@ from tppc.passes.chunk_attention import REST_CHUNK
 from tppc.planner.manual import manual_plan
 from tppc.planner.plan import Plan
 from tppc.program.program import Program
-from tppc.runtime.localize import raise_divergence
-from tppc.runtime.replay import Difference, Replay, compare, run_reference
+from tppc.runtime.localize import raise_crash, raise_divergence
+from tppc.runtime.replay import Difference, Replay, StageFailed, compare, run_reference
 
 __all__ = ["CheckRun", "Validated", "Validation", "resize_inputs", "validate_pipeline"]
 
@@ -178,8 +178,11 @@ def _check(front: FrontEnd, label: str, program: Program, rest: Program | None,
         reference = run_reference(front.annotated, flat)[0]
     warmup = warmup and chunks != ((0, length),)
     replay = Replay(program, rest, flat, length, chunks, warmup=warmup)
-    with torch.no_grad():
-        got = replay.run()
+    try:
+        with torch.no_grad():
+            got = replay.run()
+    except StageFailed as failed:  # the emitted program crashed: unsound for this model
+        raise_crash(front, replay, failed, label=label)
     worst = 0.0
     for index, (value, want) in enumerate(zip(got, reference, strict=False)):
         diff = compare(value, want)
