@@ -96,7 +96,7 @@ def export(compiled: Any, path: str | os.PathLike[str], *, format: str = "onnx",
         "model": compiled.model_name,
         "format": "onnx",
         "opset": OPSET,
-        "cluster": compiled.options.cluster,
+        "cluster": str(compiled.options.cluster),
         "placement": [{"stage": s.index, "device": s.device_name, "device_index":
                        s.device_index, "layers": [s.layer_start, s.layer_end]}
                       for s in program.plan.stages],

@@ -100,7 +100,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     pl = sub.add_parser("plan", help="capture, price and plan MODULE:FACTORY on a cluster")
     pl.add_argument("factory", help="e.g. tppc.examples:hf_llama")
     pl.add_argument("--cluster", default="2xcpu", help="e.g. 8xh100-sxm, 2xh100-sxm+2xa100-80gb")
-    pl.add_argument("--seq-len", type=int, default=None, help="tokens (default: the example's)")
+    pl.add_argument("--seq-len", type=int, default=None,
+                    help="length in the plan's unit: tokens, or patch rows for a DiT "
+                         "(default: the example's)")
     pl.add_argument("--granularity", type=int, default=None, help="chunk sizes are multiples")
     pl.add_argument("--steps", type=int, default=0, help="diffusion steps (DiT workloads)")
     pl.add_argument("--time-limit", type=float, default=10.0, help="solver seconds")

@@ -71,7 +71,7 @@ def draw_timeline(plan: Plan, path: str | Path, *, measured: Any = None) -> Path
     ax.invert_yaxis()
     ax.set_xlabel("ms" + (" (outlined: measured)" if measured is not None else ""))
     ax.set_xlim(0, end * 1e3 * 1.02 if end > 0 else 1)
-    ax.set_title(f"{plan.seq_len} tokens, {len(plan.chunks)} chunks, {stages} stages: "
+    ax.set_title(f"{plan.seq_len} {plan.unit}, {len(plan.chunks)} chunks, {stages} stages: "
                  f"predicted {plan.latency * 1e3:.2f} ms")
     if plan.lower_bound > 0:
         ax.legend(loc="lower right", fontsize=8)
