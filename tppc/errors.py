@@ -15,6 +15,7 @@ __all__ = [
     "PlanError",
     "PlanInfeasible",
     "RuntimeInputError",
+    "ScheduleError",
     "SoundnessError",
     "SpecError",
     "StageFailed",
@@ -75,6 +76,12 @@ class CostModelError(TppcError):
 
 class PlanError(TppcError, ValueError):
     """Bad planner arguments (sequence length, granularity, stage count...)."""
+
+
+class ScheduleError(PlanError):
+    """Per-stage action lists that cannot run (deadlock, an unmatched send or receive, a job
+    missing, repeated or out of order); the message prints the action grid, the failing
+    action marked."""
 
 
 class PlanInfeasible(PlanError):

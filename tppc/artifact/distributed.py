@@ -5,6 +5,9 @@ Terms:
         one ORT stage (its session with its own intra-op threads, its K/V buffers). It
         verifies ``plan.json`` and only its own stage's files (size, sha256), so a rank never
         reads another stage's weights.
+    actions: the rank follows its stage's lowered action list (receive, compute, send) of
+        the compute lists the loaded runner derives from ``plan.json``'s chunks
+        (:meth:`tppc.artifact.loaded.LoadedPipeline.actions_for`), dry-run first.
     transport: boundary values are numpy arrays handed to torch.distributed point to point
         through ``torch.from_numpy`` (no copies; gloo on CPU); a receive fills a numpy
         array in place. The send of chunk ``i`` (``isend``) overlaps the compute of chunk
@@ -38,6 +41,7 @@ from tppc.backends import wire
 from tppc.backends.onnxruntime import OrtCall, default_threads
 from tppc.backends.torch_distributed import DistributedExecutor
 from tppc.errors import RuntimeInputError, SpecError, StageFailed, StageTimeout, TppcError
+from tppc.program.dry_run import check_actions
 
 __all__ = ["DistributedArtifact", "load_distributed"]
 
@@ -126,33 +130,41 @@ class DistributedArtifact(LoadedPipeline):
     # -- the pipeline ---------------------------------------------------------------------------
     def _pipeline(self, call: OrtCall, sink: Callable[[int, list[np.ndarray]], None],
                   timeout: float | None) -> None:
-        """This rank's stage over every chunk of ``call`` (receive, run, send)."""
+        """This rank's lowered action list of ``call`` (receive, compute, send)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        dry = check_actions(self.actions_for(call.chunks))
         pending: list[tuple[list[Any], list[np.ndarray]]] = []
+        got: dict[tuple[int, int], list[np.ndarray]] = {}  # received, not yet computed
+        made: dict[tuple[int, int], list[np.ndarray]] = {}  # computed, not yet sent
         self.last_trace = []
-        i, start, end = 0, 0, 0
+        k = 0
         try:
-            for i, (start, end) in enumerate(call.chunks):
-                received = self._recv(end - start, deadline) if self.rank else []
-                self._comm._inject(i)
-                t0 = time.perf_counter()
-                out = self.stage.step(call, start, end, received)
-                self.last_trace.append((self.rank, i, t0, time.perf_counter()))
-                if self.rank + 1 < self.world:
-                    pending.append(self._send(out))
+            for k, act in enumerate(dry.actions[self.rank]):  # noqa: B007 (k names a failing action)
+                if act.kind == "recv":
+                    got[act.job] = self._recv(act.end - act.start, deadline)
+                elif act.kind == "compute":
+                    self._comm._inject(act.chunk)
+                    t0 = time.perf_counter()
+                    out = self.stage.step(call, act.start, act.end, got.pop(act.job, []))
+                    self.last_trace.append((self.rank, act.chunk, t0, time.perf_counter()))
+                    if self.rank + 1 < self.world:
+                        made[act.job] = out
+                    else:
+                        sink(act.chunk, out)
+                else:
+                    pending.append(self._send(made.pop(act.job)))
                     while len(pending) > self._comm.queue_depth:
                         self._wait(pending.pop(0)[0], self.rank + 1, deadline)
-                else:
-                    sink(i, out)
             for works, _ in pending:
                 self._wait(works, self.rank + 1, deadline)
         except (StageFailed, StageTimeout):
             raise
         except Exception as exc:
-            where = f"stage {self.rank}, chunk {i} [{start}, {end})"
+            where = f"stage {self.rank}, {dry.where(self.rank, k)}"
+            grid = dry.describe(self.rank, k)
             if deadline is not None and time.monotonic() >= deadline:
-                raise self._comm.timed_out(timeout, where) from exc
-            raise self._comm.failure(exc, where) from exc
+                raise self._comm.timed_out(timeout, where, grid) from exc
+            raise self._comm.failure(exc, where, grid) from exc
 
     def _send(self, values: list[np.ndarray]) -> tuple[list[Any], list[np.ndarray]]:
         dst = self.rank + 1

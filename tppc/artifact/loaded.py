@@ -8,6 +8,9 @@ Terms:
         (HF ModelOutputs become :class:`Outputs`, a dict with attribute access).
         ``runner.generate`` is greedy decoding like ``CompiledPipeline.generate``: a
         pipelined prefill, then one-token chunks through every stage.
+    actions: what each stage computes for a call (:mod:`tppc.program.schedule`), derived
+        at load time from ``plan.json``'s chunks (every stage runs every chunk in order, the
+        flow shop the plan simulated); both ONNX Runtime loops follow them.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from tppc.backends.onnxruntime import (
 )
 from tppc.errors import RuntimeInputError
 from tppc.generation import DEFAULT, ArrayOps, check_max_new_tokens, greedy_decode, stop_tokens
+from tppc.program.actions import Actions, flow_shop
 
 __all__ = ["NUMPY_OPS", "LoadedPipeline", "Outputs"]
 
@@ -37,7 +41,6 @@ NUMPY_OPS = ArrayOps(
     where=lambda keep, tokens, pad: np.where(keep, tokens, pad),
     trues=lambda ids: np.ones(ids.shape[0], dtype=bool))
 """The decode loop's array operations on numpy arrays."""
-
 
 class Outputs(dict):
     """A model's named outputs (what HF's ModelOutput is): ``out.logits``, ``out["logits"]``
@@ -77,9 +80,18 @@ class LoadedPipeline:
         self.stages = tuple(OrtStage(e, root, self.signature, threads, providers)
                             for e in entries)  # sessions are created one at a time
         self.threads_per_stage = threads
+        self.actions = {c: flow_shop(c, len(doc["stages"]))
+                        for c in (self.chunks(n) for n in self.lengths)}
+        """The compute lists of each exported length's chunks (from ``plan.json``)."""
         self.last_trace: list[tuple[int, int, float, float]] = []
         gen = self.signature["generate"]
         self.eos_token_id, self.pad_token_id = gen.get("eos_token_id"), gen.get("pad_token_id")
+
+    def actions_for(self, chunks: tuple[tuple[int, int], ...]) -> Actions:
+        """The compute lists of a call with ``chunks``: an exported length's own, or (a
+        decoding step) every chunk through every stage in order."""
+        own = self.actions.get(chunks)
+        return own if own is not None else flow_shop(chunks, len(self.plan["stages"]))
 
     def chunks(self, length: int) -> tuple[tuple[int, int], ...]:
         """The chunks of an exported length."""
@@ -205,11 +217,13 @@ class LoadedPipeline:
                  timeout: float | None, *, step: bool = False) -> None:
         """Every chunk of ``call`` through the stages: pipelined in threads (traced in
         :attr:`last_trace`), or in order in this thread for a decoding ``step``."""
+        actions = self.actions_for(call.chunks)
         if step:
-            run_serial(self.stages, call, sink)
+            run_serial(self.stages, call, sink, actions)
             return
         self.last_trace = []
-        run_pipeline(self.stages, call, sink, timeout=timeout, trace=self.last_trace)
+        run_pipeline(self.stages, call, sink, actions=actions, timeout=timeout,
+                     trace=self.last_trace)
 
     def _gather(self, leaves: list[Any]) -> list[Any] | None:
         """The output leaves this process returns (a job: the last rank's, on rank 0)."""

@@ -12,6 +12,11 @@ Terms:
         into its buffers (``c`` rows, in place) before its next chunk, so no chunk copies a
         whole buffer (see :mod:`tppc.artifact.graphs`).
 
+Both loops follow the call's action lists (:mod:`tppc.program.schedule`; the loaded
+artifact derives them from ``plan.json``'s chunks): :func:`run_serial` does the computes in
+the dry run's order in the calling thread, :func:`run_pipeline` gives each stage a thread
+that follows its lowered list (receive, compute, send).
+
 Imports no torch: this module, :mod:`tppc.artifact.load` and numpy/onnxruntime are all
 a loaded artifact needs. ONNX Runtime releases the GIL in ``run_with_iobinding``, so the
 stage threads overlap like the torch ``threads`` executor.
@@ -31,7 +36,9 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from tppc.errors import StageTimeout
+from tppc.errors import ScheduleError, StageTimeout
+from tppc.program.actions import Actions, flow_shop
+from tppc.program.dry_run import DryRun, check_actions
 
 __all__ = ["OrtCall", "OrtStage", "default_threads", "run_pipeline", "run_serial",
            "session_options"]
@@ -163,57 +170,77 @@ def _rows(value: np.ndarray, axis: int, start: int, size: int) -> np.ndarray:
     return np.ascontiguousarray(value[tuple(index)])
 
 
-def run_serial(stages: Sequence[OrtStage], call: OrtCall, sink: Sink) -> None:
-    """Every chunk through every stage in order, in the calling thread (decoding steps)."""
-    for i, (start, end) in enumerate(call.chunks):
-        values: list[np.ndarray] = []
-        for stage in stages:
-            try:
-                values = stage.step(call, start, end, values)
-            except Exception as exc:
-                exc.add_note(f"[tppc] in ORT stage {stage.index}, chunk {i} [{start}, {end})")
-                raise
-        sink(i, values)
+def run_serial(stages: Sequence[OrtStage], call: OrtCall, sink: Sink,
+               actions: Actions | None = None) -> None:
+    """The computes of ``actions`` (default: every chunk through every stage in order) in
+    the dry run's order, in the calling thread (decoding steps, one-stage pipelines)."""
+    dry = _dry_run(stages, call, actions)
+    last = len(stages) - 1
+    sent: dict[tuple[int, tuple[int, int]], list[np.ndarray]] = {}
+    for s, act in dry.computes():
+        try:
+            values = stages[s].step(call, act.start, act.end, sent.pop((s - 1, act.job), []))
+        except Exception as exc:
+            exc.add_note(f"[tppc] in ORT stage {s}, chunk {act.chunk} [{act.start}, "
+                         f"{act.end})")
+            raise
+        if s < last:
+            sent[(s, act.job)] = values
+        else:
+            sink(act.chunk, values)
 
 
 def run_pipeline(stages: Sequence[OrtStage], call: OrtCall, sink: Sink, *,
-                 timeout: float | None = None,
+                 actions: Actions | None = None, timeout: float | None = None,
                  trace: list[tuple[int, int, float, float]] | None = None) -> None:
-    """Every chunk through the stages, one thread per stage (chunk i on stage s+1 while
-    chunk i+1 runs on stage s); ``sink`` runs in the last stage's thread, in chunk order.
+    """The stages' lowered lists of ``actions`` (default: every chunk through every stage
+    in order), one thread per stage (chunk i on stage s+1 while chunk i+1 runs on stage s);
+    ``sink`` runs in the last stage's thread, in chunk order.
 
     Raises:
+        ScheduleError: the actions cannot run (the message prints the action grid).
         StageTimeout: the call took longer than ``timeout`` seconds.
-        Exception: the first stage's error, with a note naming the stage and the chunk.
+        Exception: the first stage's error, with a note naming the stage and the action.
     """
     if len(stages) == 1:
-        run_serial(stages, call, sink)
+        run_serial(stages, call, sink, actions)
         return
+    dry = _dry_run(stages, call, actions)
     inbox: list[queue.Queue[Any]] = [queue.Queue() for _ in stages]
     errors: list[BaseException] = []
     stop = threading.Event()
 
     def work(s: int) -> None:
-        stage = stages[s]
-        for i, (start, end) in enumerate(call.chunks):
-            item = inbox[s].get() if s else []
-            if item is _STOP or stop.is_set():
-                break
-            t0 = time.perf_counter()
-            try:
-                out = stage.step(call, start, end, item)
-                if s + 1 == len(stages):
-                    sink(i, out)
-            except BaseException as exc:  # re-raised in the caller
-                exc.add_note(f"[tppc] in ORT stage {s}, chunk {i} [{start}, {end})")
-                errors.append(exc)
-                stop.set()
-                break
-            if trace is not None:
-                trace.append((s, i, t0, time.perf_counter()))
-            if s + 1 < len(stages):
-                inbox[s + 1].put(out)
-        if s + 1 < len(stages) and stop.is_set():
+        k, stage, last = 0, stages[s], len(stages) - 1
+        got: dict[tuple[int, int], list[np.ndarray]] = {}  # received, not yet computed
+        made: dict[tuple[int, int], list[np.ndarray]] = {}  # computed, not yet sent
+        try:
+            for k, act in enumerate(dry.actions[s]):  # noqa: B007 (k names a failing action)
+                if stop.is_set():
+                    break
+                if act.kind == "recv":
+                    item = inbox[s].get()
+                    if item is _STOP:
+                        break
+                    if item[0] != act.job:
+                        raise ScheduleError(f"ORT stage {s} expected {act}, got {item[0]}")
+                    got[act.job] = item[1]
+                elif act.kind == "compute":
+                    t0 = time.perf_counter()
+                    out = stage.step(call, act.start, act.end, got.pop(act.job, []))
+                    if s == last:
+                        sink(act.chunk, out)
+                    else:
+                        made[act.job] = out
+                    if trace is not None:
+                        trace.append((s, act.chunk, t0, time.perf_counter()))
+                else:
+                    inbox[act.peer].put((act.job, made.pop(act.job)))
+        except BaseException as exc:  # re-raised in the caller
+            exc.add_note(f"[tppc] in ORT stage {s}, {dry.describe(s, k)}")
+            errors.append(exc)
+            stop.set()
+        if s < len(stages) - 1 and stop.is_set():
             inbox[s + 1].put(_STOP)
 
     threads = [threading.Thread(target=work, args=(s,), name=f"tppc-ort-stage{s}",
@@ -231,6 +258,11 @@ def run_pipeline(stages: Sequence[OrtStage], call: OrtCall, sink: Sink, *,
                                f"(stage {s} still running). fix: raise timeout")
     if errors:
         raise errors[0]
+
+
+def _dry_run(stages: Sequence[OrtStage], call: OrtCall, actions: Actions | None) -> DryRun:
+    """The dry run of the call's actions (the flow shop of its chunks when None)."""
+    return check_actions(flow_shop(call.chunks, len(stages)) if actions is None else actions)
 
 
 def default_threads(stages: int) -> int:

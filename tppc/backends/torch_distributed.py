@@ -1,10 +1,12 @@
 """The ``distributed`` executor: one process per stage, point-to-point over torch.distributed.
 
 Rank ``r`` runs stage ``r`` only (the other stages of its program are never materialised).
-For each chunk it receives the boundary values from rank ``r - 1``, runs the chunk
-(:func:`tppc.backends.torch_local.run_stage`, the same code every executor runs) and posts
-an asynchronous send (``isend``) to rank ``r + 1``, which proceeds while it computes the next
-chunk; at most ``queue_depth`` sends are in flight.
+It follows stage ``r``'s lowered action list (``program.actions`` with their sends and
+receives written out and dry-run, :func:`tppc.program.schedule.check_actions`): a receive
+takes the boundary values from rank ``r - 1``, a compute runs the chunk
+(:func:`tppc.backends.torch_local.run_stage`, the same code every executor runs), a send
+posts an asynchronous send (``isend``) to rank ``r + 1``, which proceeds while it computes
+the next chunk; at most ``queue_depth`` sends are in flight.
 
 Terms:
     handshake: the first chunk of a program carries a small header (dtype, shape and token
@@ -43,6 +45,7 @@ from tppc.backends import wire
 from tppc.backends.torch_local import Sink, run_stage
 from tppc.errors import StageFailed, StageTimeout
 from tppc.program.program import Program, StageProgram
+from tppc.program.schedule import check_actions
 from tppc.program.state import Call, CallState
 
 __all__ = ["FAILURE_KEY", "DistributedExecutor", "read_failure", "token_axes"]
@@ -105,42 +108,52 @@ class DistributedExecutor:
         """
         stage = program.stages[self.rank]
         deadline = None if timeout is None else time.monotonic() + timeout
+        dry = check_actions(program.actions_for(call.chunks))
         pending: list[tuple[Any, tuple[Any, ...]]] = []
         results: list[tuple[Any, ...]] = []
         jobs: list[tuple[int, int, float, float]] = []
-        i, start, end = 0, 0, 0
+        got: dict[tuple[int, int], tuple[Any, ...]] = {}  # received, not yet computed
+        made: dict[tuple[int, int], tuple[Any, ...]] = {}  # computed, not yet sent
+        k = 0
         try:
-            for i, (start, end) in enumerate(call.chunks):
-                received = self._recv(program, end - start, deadline) if self.rank else ()
-                self._inject(i)
-                t0 = time.perf_counter()
-                values = run_stage(stage, call, state, start, end, received)
-                jobs.append((self.rank, i, t0, time.perf_counter()))
-                if self.rank + 1 < self.world:
-                    pending.append(self._send(program, stage, values))
+            for k, act in enumerate(dry.actions[self.rank]):  # noqa: B007 (k names a failing action)
+                if act.kind == "recv":
+                    got[act.job] = self._recv(program, act.end - act.start, deadline)
+                elif act.kind == "compute":
+                    self._inject(act.chunk)
+                    t0 = time.perf_counter()
+                    values = run_stage(stage, call, state, act.start, act.end,
+                                       got.pop(act.job, ()))
+                    jobs.append((self.rank, act.chunk, t0, time.perf_counter()))
+                    if self.rank + 1 < self.world:
+                        made[act.job] = values
+                    elif sink is None:
+                        results.append(values)
+                    else:
+                        sink(act.chunk, values)
+                else:
+                    pending.append(self._send(program, stage, made.pop(act.job)))
                     while len(pending) > self.queue_depth:
                         self._wait(pending.pop(0)[0], self.rank + 1, deadline)
-                elif sink is None:
-                    results.append(values)
-                else:
-                    sink(i, values)
             for work, _ in pending:
                 self._wait(work, self.rank + 1, deadline)
         except (StageFailed, StageTimeout):
             raise
         except Exception as exc:
-            where = f"stage {self.rank}, chunk {i} [{start}, {end})"
+            where = f"stage {self.rank}, {dry.where(self.rank, k)}"
+            grid = dry.describe(self.rank, k)
             if deadline is not None and time.monotonic() >= deadline:
-                raise self.timed_out(timeout, where) from exc
-            raise self.failure(exc, where) from exc
+                raise self.timed_out(timeout, where, grid) from exc
+            raise self.failure(exc, where, grid) from exc
         self.last_trace = jobs
         if trace is not None:
             trace.extend(jobs)
         return results
 
     # -- failure ------------------------------------------------------------------------------
-    def failure(self, exc: BaseException, where: str) -> StageFailed:
-        """A :class:`StageFailed` naming the failed stage; records it first when it is ours."""
+    def failure(self, exc: BaseException, where: str, detail: str = "") -> StageFailed:
+        """A :class:`StageFailed` naming the failed stage; records it first when it is ours.
+        ``detail`` (the action grid) follows on the next lines of this rank's message."""
         if _is_comm_error(exc):
             root = read_failure(wait=3.0)
             if root is None:
@@ -154,16 +167,16 @@ class DistributedExecutor:
             _write_failure(root)
             root = read_failure(wait=0.0) or root
         return StageFailed(f"{root}. fix: see the log of that rank; the other ranks stopped "
-                           f"(this is rank {self.rank})")
+                           f"(this is rank {self.rank}){_lines(detail)}")
 
-    def timed_out(self, timeout: float | None, where: str) -> StageTimeout:
+    def timed_out(self, timeout: float | None, where: str, detail: str = "") -> StageTimeout:
         """A :class:`StageTimeout` naming the peer this rank waited for (recorded first)."""
         peer = self._peer if self._peer is not None else "?"
         _write_failure(f"stage {peer} (rank {peer}) did not answer within the call's timeout "
                        f"of {timeout} s (seen by rank {self.rank} in {where})")
         return StageTimeout(f"the distributed call did not finish in {timeout} s: rank "
                             f"{self.rank} waited for stage {peer} (rank {peer}) in {where}. "
-                            "fix: raise timeout, or see that rank's log")
+                            f"fix: raise timeout, or see that rank's log{_lines(detail)}")
 
     def span(self, deadline: float | None) -> timedelta:
         """How long the next wait may last: the communication timeout, or less when the
@@ -287,6 +300,11 @@ def _is_comm_error(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(
         m in text for m in ("Connection", "connection", "Timed out", "timed out", "peer",
                             "Gloo", "gloo", "NCCL", "closed"))
+
+
+def _lines(detail: str) -> str:
+    """``detail`` on lines of its own after a one-line message (empty: nothing)."""
+    return f"\nthis rank was at {detail}" if detail else ""
 
 
 def _first_line(exc: BaseException) -> str:

@@ -1,9 +1,10 @@
 """The ``threads`` executor: one worker thread per stage, joined by bounded queues.
 
-Stage ``s``'s worker runs its actions (``program.actions[s]``, :mod:`tppc.program.schedule`)
-in order: it takes the action's chunk from its input queue, runs it, and puts the boundary
-values on the queue of stage ``s + 1`` while it goes on with its next action: the stages run
-concurrently (PyTorch releases the GIL inside every op). Each worker sets its own intra-op
+Stage ``s``'s worker follows its lowered action list (``program.actions`` with their sends
+and receives written out and dry-run, :func:`tppc.program.schedule.check_actions`): a
+receive takes the next item from its input queue, a compute runs the chunk, a send puts the
+boundary values on the queue of stage ``s + 1`` while the worker goes on with its next
+action: the stages run concurrently (PyTorch releases the GIL inside every op). Each worker sets its own intra-op
 thread count (``torch.set_num_threads`` is per thread) and grad mode.
 
 Transfers: when the next stage lives on another CUDA device, the worker copies its outputs
@@ -12,7 +13,8 @@ next worker's stream waits on that event, so the copy of chunk ``i`` overlaps th
 of chunk ``i + 1``. On CPU a transfer is a hand-over of the tensor.
 
 A failure in any worker stops every worker and is re-raised in the calling thread, with a
-note naming the stage and the chunk. A run returns only when every chunk has left the last
+note naming the stage, the step, the chunk and the action, and the action grid with that
+action marked. A run returns only when every chunk has left the last
 stage; ``timeout`` (seconds) raises :class:`tppc.errors.StageTimeout` naming the stage that
 has not answered. Each call gets its own queues, workers and trace, so concurrent calls (on
 their own call states) do not interfere.
@@ -30,8 +32,9 @@ from typing import Any
 import torch
 
 from tppc.backends.torch_local import Sink, run_stage
-from tppc.errors import StageTimeout
+from tppc.errors import ScheduleError, StageTimeout
 from tppc.program.program import Program
+from tppc.program.schedule import DryRun, check_actions
 from tppc.program.state import Call, CallState
 
 __all__ = ["ThreadsExecutor"]
@@ -45,6 +48,7 @@ class _Item:
     index: int
     values: tuple[Any, ...]
     event: Any = None
+    step: int = 0
 
 
 class _Stopped(Exception):
@@ -92,11 +96,12 @@ class ThreadsExecutor:
             StageTimeout: ``timeout`` seconds passed before the last chunk left the last stage.
         """
         stages = program.stages
+        dry = check_actions(program.actions_for(call.chunks))
         run = _Run(call, state, len(stages), self.queue_depth,
                    [] if trace is None else trace)
         mode = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
         workers = [threading.Thread(target=self._work_in_mode, name=f"tppc-stage-{s}",
-                                    daemon=True, args=(mode, program, s, run))
+                                    daemon=True, args=(mode, program, s, run, dry))
                    for s in range(len(stages))]
         for w in workers:
             w.start()
@@ -104,7 +109,7 @@ class ThreadsExecutor:
         results: dict[int, tuple[Any, ...]] = {}
         timed_out = False
         try:
-            for _ in program.actions_for(call.chunks)[-1]:
+            for _ in range(sum(a.kind == "compute" for a in dry.actions[-1])):
                 item = self._next(run, workers, deadline, program, timeout)
                 if item is None:
                     break
@@ -157,10 +162,12 @@ class ThreadsExecutor:
         with torch.inference_mode() if inference else torch.set_grad_enabled(grad):
             self._work(*args)
 
-    def _work(self, program: Program, s: int, run: _Run) -> None:
+    def _work(self, program: Program, s: int, run: _Run, dry: DryRun) -> None:
+        """Stage ``s``'s lowered list: receive, compute, send (see the module docstring)."""
         stage = program.stages[s]
-        nxt = program.stages[s + 1].device if s + 1 < len(program.stages) else stage.device
-        call, i, start, end = run.call, 0, 0, 0
+        last = len(program.stages) - 1
+        nxt = program.stages[s + 1].device if s < last else stage.device
+        call, k = run.call, 0
         try:
             threads = self._threads(s)
             if threads is not None:
@@ -168,31 +175,38 @@ class ThreadsExecutor:
             if stage.device.type == "cuda":
                 torch.cuda.set_device(stage.device)
             copier = _Copier(stage.device, nxt)
-            if s > 0 and s == len(program.stages) - 1:
+            if s > 0 and s == last:
                 _touch_while_idle(call.outputs, lambda: not run.queues[s].empty()
                                   or run.stop.is_set())
-            early: dict[int, _Item] = {}  # chunks the previous stage sent ahead of this order
-            for act in program.actions_for(call.chunks)[s]:
-                i, start, end = act.chunk, act.start, act.end
-                if s == 0:
-                    received: tuple[Any, ...] = ()
-                else:
-                    while i not in early:
-                        item = _get(run.queues[s], run.stop)
-                        early[item.index] = item
-                    item = early.pop(i)
+            got: dict[tuple[int, int], tuple[Any, ...]] = {}  # received, not yet computed
+            made: dict[tuple[int, int], tuple[Any, ...]] = {}  # computed, not yet sent
+            for k, act in enumerate(dry.actions[s]):  # noqa: B007 (k names a failing action)
+                if act.kind == "recv":
+                    item = _get(run.queues[s], run.stop)
+                    if (item.step, item.index) != act.job:
+                        raise ScheduleError(f"stage {s} expected {act}, got job "
+                                            f"{(item.step, item.index)}")
                     _wait_event(item.event, stage.device)
-                    received = item.values
-                t0 = time.perf_counter()
-                values = run_stage(stage, call, run.state, start, end, received)
-                run.trace.append((s, i, t0, time.perf_counter()))
-                values, event = copier.send(values)
-                run.done[s] += 1
-                _put(run.queues[s + 1], _Item(i, values, event), run.stop)
+                    got[act.job] = item.values
+                elif act.kind == "compute":
+                    t0 = time.perf_counter()
+                    values = run_stage(stage, call, run.state, act.start, act.end,
+                                       got.pop(act.job, ()))
+                    run.trace.append((s, act.chunk, t0, time.perf_counter()))
+                    run.done[s] += 1
+                    if s == last:  # to the calling thread
+                        _put(run.queues[s + 1], _Item(act.chunk, values, None, act.step),
+                             run.stop)
+                    else:
+                        made[act.job] = values
+                else:
+                    values, event = copier.send(made.pop(act.job))
+                    _put(run.queues[act.peer], _Item(act.chunk, values, event, act.step),
+                         run.stop)
         except _Stopped:
             return
         except BaseException as exc:  # re-raised in the calling thread
-            exc.add_note(f"[tppc] in stage {s} ({stage.device}), chunk {i} [{start}, {end})")
+            exc.add_note(f"[tppc] in stage {s} ({stage.device}), {dry.describe(s, k)}")
             run.errors.append(exc)
             run.stop.set()
 

@@ -27,7 +27,7 @@ import torch
 from torch import fx
 
 from tppc.ir.records import ChunkInput, ChunkSignature
-from tppc.program.schedule import Actions, flow_shop
+from tppc.program.actions import Actions, flow_shop, job_count
 
 __all__ = ["BufferSpec", "OutSlot", "Program", "StageProgram"]
 
@@ -145,8 +145,9 @@ class Program:
         stages: one :class:`StageProgram` per stage.
         signature: how the model's inputs and outputs map to the chunk step.
         tail: the ``global`` epilogue run once on the full outputs, or None.
-        actions: what each stage runs, in order (:mod:`tppc.program.schedule`): the lists the
-            plan's simulation replayed, read by every executor.
+        actions: what each stage computes, in order (:mod:`tppc.program.schedule`; compute
+            lists, or lists with their sends and receives already written out): the lists
+            the plan's simulation replayed, which every executor lowers and follows.
     """
 
     plan: Any
@@ -157,12 +158,13 @@ class Program:
     tail: fx.GraphModule | None
     actions: Actions = ()
 
-    def actions_for(self, chunks: tuple[tuple[int, int], ...]) -> Actions:
-        """The actions of a call with ``chunks``: the program's own for its chunks; other
-        chunkings (a decoding step) run every chunk in order on every stage."""
-        if chunks == self.chunks and self.actions:
+    def actions_for(self, chunks: tuple[tuple[int, int], ...], steps: int = 1) -> Actions:
+        """The compute lists of a call with ``chunks`` and ``steps`` pipelined steps: the
+        program's own when they are for those chunks and steps; otherwise (a decoding step,
+        a denoising call) every stage runs every chunk of every step in order."""
+        if chunks == self.chunks and self.actions and job_count(self.actions)[0] == steps:
             return self.actions
-        return flow_shop(chunks, len(self.stages))
+        return flow_shop(chunks, len(self.stages), steps)
 
     def buffer_specs(self) -> tuple[BufferSpec, ...]:
         """Every K/V buffer of the program, stage by stage."""

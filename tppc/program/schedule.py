@@ -1,22 +1,30 @@
 """The schedule of a token pipeline as data (actions per stage), and its simulation.
 
 Terms:
-    action: one job a stage runs: chunk ``i`` (tokens ``[start, end)``) of pipelined step
-        ``t`` (:class:`Action`). A stage runs its actions in the order listed, as the
-        schedules of ``torch.distributed.pipelining`` do; ``simulate`` and every executor
-        read the same lists (``Program.actions``), so prediction and execution cannot drift.
+    action: one thing a stage does: compute chunk ``i`` (tokens ``[start, end)``) of
+        pipelined step ``t``, or send / receive that job (:class:`Action`). A stage does its
+        actions in the order listed, as the schedules of ``torch.distributed.pipelining``
+        do. ``Program.actions`` holds the compute lists; :func:`lower` writes out their
+        sends and receives; :func:`check_actions` dry-runs them (deadlock-free, complete)
+        and :func:`simulate` and every executor follow the same lowered lists, so
+        prediction and execution cannot drift.
     ``times[s, i]``: seconds stage ``s`` spends on chunk ``i``.
     ``links[s, i]``: seconds to send chunk ``i``'s output from stage ``s`` to ``s + 1``.
     job ``j = t·M + i``: chunk ``i`` of pipelined step ``t`` (``M`` chunks per step).
 
-Semantics (a permutation flow shop; one job at a time per stage, jobs in order)::
+Semantics of the lowered lists (sends are asynchronous, receives block; a stage's clock runs
+through its list)::
+
+    compute:   start = clock; end = clock = start + times[s, i]
+    send:      arrives at clock + links[s, i] (the last stage's send back: + back[i])
+    receive:   clock = max(clock, arrival)
+
+For :func:`flow_shop` lists this is the permutation flow shop::
 
     start(j, s) = max(end(j-1, s), end(j, s-1) + links[s-1, i])
     start(j, 0) = max(end(j-1, 0), end(j-M, S-1) + back[i])      # steps after the first
 
-(:func:`flow_shop` builds those lists; :func:`simulate` replays any lists it is given, with
-the same dependencies: a job runs after its stage's previous action and after the same job
-left the stage before.) The second line is PipeFusion's rule for multi-step diffusion: the pipeline does not drain
+The second line is PipeFusion's rule for multi-step diffusion: the pipeline does not drain
 between steps; chunk ``i`` of step ``t+1`` enters stage 0 after chunk ``M-1`` of step ``t``
 has left it and once chunk ``i`` of step ``t`` has come out of the last stage (and has been
 sent back, ``back[i]`` seconds).
@@ -29,62 +37,31 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 
 from tppc.errors import PlanError
+from tppc.program.actions import Action, Actions, flow_shop, is_lowered, job_count, lower
+from tppc.program.dry_run import DryRun, check_actions
 
-__all__ = ["Action", "Actions", "Schedule", "flow_shop", "serial_order", "simulate"]
-
-
-@dataclass(frozen=True)
-class Action:
-    """One job of a stage: chunk ``chunk`` (tokens ``[start, end)``) of step ``step``."""
-
-    step: int
-    chunk: int
-    start: int
-    end: int
+__all__ = ["Action", "Actions", "DryRun", "Schedule", "check_actions", "flow_shop", "lower",
+           "serial_order", "simulate"]
 
 
-Actions = tuple[tuple[Action, ...], ...]
-"""``actions[s]``: what stage ``s`` runs, in order."""
+def serial_order(actions: Actions, feedback: tuple[int, ...] = (0,)) -> list[tuple[int, Action]]:
+    """``(stage, compute action)`` pairs in an order one thread can run them (dependencies
+    first), from the dry run of the lists (:func:`check_actions`).
 
-
-def flow_shop(chunks: tuple[tuple[int, int], ...], num_stages: int, steps: int = 1) -> Actions:
-    """Every stage runs every chunk of every step in token order (a permutation flow shop)."""
-    jobs = tuple(Action(t, i, a, b) for t in range(steps) for i, (a, b) in enumerate(chunks))
-    return (jobs,) * num_stages
-
-
-def serial_order(actions: Actions) -> list[tuple[int, Action]]:
-    """``(stage, action)`` pairs in an order one thread can run them (dependencies first).
-
-    Each round runs at most one ready action per stage, last stage first, so a chunk leaves
-    the pipeline before many more enter (the local executor holds few boundary values).
+    Within a round of the dry run the last stage goes first, so a chunk leaves the pipeline
+    before many more enter (the local executor holds few boundary values).
 
     Raises:
-        PlanError: the lists wait on each other (no action can run).
+        ScheduleError: the lists cannot run (a :class:`tppc.errors.PlanError`); the message
+            prints the action grid with the failing action marked.
     """
-    done: set[tuple[int, int, int]] = set()
-    nxt = [0] * len(actions)
-    order: list[tuple[int, Action]] = []
-    while any(n < len(a) for n, a in zip(nxt, actions)):
-        progressed = False
-        for s in reversed(range(len(actions))):
-            if nxt[s] < len(actions[s]):
-                act = actions[s][nxt[s]]
-                before = (s - 1, act.step, act.chunk) if s else \
-                    (len(actions) - 1, act.step - 1, act.chunk)  # the previous step's exit
-                if before in done or (s == 0 and act.step == 0):
-                    order.append((s, act))
-                    done.add((s, act.step, act.chunk))
-                    nxt[s] += 1
-                    progressed = True
-        if not progressed:
-            raise PlanError(f"schedule deadlocks: stage actions wait on each other at {nxt}")
-    return order
+    return check_actions(actions, feedback).computes()
 
 
 @dataclass(frozen=True)
@@ -118,14 +95,15 @@ def simulate(
         steps: pipelined steps ``D`` (1 for prefill).
         back: ``(M,)`` time to return chunk ``i`` from the last stage to stage 0 between
             steps (zeros when ``None``).
-        actions: what each stage runs, in order (default: :func:`flow_shop`, as the
-            executors run a program); chunk indices index the columns of ``times``.
+        actions: compute or lowered lists (default: :func:`flow_shop`, as the executors run
+            a program); chunk indices index the columns of ``times``.
 
     Returns:
         Start and end of every (stage, job) and the makespan.
 
     Raises:
         PlanError: on mismatched shapes or ``steps < 1``.
+        ScheduleError: the lists cannot run (see :func:`check_actions`).
     """
     times = np.asarray(times, dtype=float)
     if times.ndim != 2 or times.shape[1] == 0:
@@ -141,16 +119,33 @@ def simulate(
         raise PlanError(f"steps={steps} must be at least 1")
     actions = flow_shop(tuple((i, i + 1) for i in range(num_chunks)), num_stages, steps) \
         if actions is None else actions
+    named = job_count(actions)
+    if len(actions) != num_stages or named[0] > steps or named[1] > num_chunks:
+        raise PlanError(f"actions of {len(actions)} stages, {named[0]} steps, {named[1]} "
+                        f"chunks do not fit times {times.shape} and steps={steps}")
+    dry = check_actions(actions) if is_lowered(actions) else \
+        _dry_run_of_jobs(tuple(tuple(a.job for a in row) for row in actions))
     start = np.zeros((num_stages, steps * num_chunks))
     end = np.zeros((num_stages, steps * num_chunks))
-    free = np.zeros(num_stages)  # when each stage finished its previous action
-    for s, act in serial_order(actions):
-        j, i = act.step * num_chunks + act.chunk, act.chunk
-        ready = free[s]
-        if s > 0:
-            ready = max(ready, end[s - 1, j] + links[s - 1, i])
-        elif act.step > 0:
-            ready = max(ready, end[num_stages - 1, j - num_chunks] + back[i])
-        start[s, j] = ready
-        end[s, j] = free[s] = ready + times[s, i]
+    clock = [0.0] * num_stages
+    arrive: dict[tuple[int, int, int, int], float] = {}  # (src, dst, step, chunk) -> time
+    for s, k in dry.order:
+        act = dry.actions[s][k]
+        i = act.chunk
+        if act.kind == "compute":
+            j = act.step * num_chunks + i
+            start[s, j] = clock[s]
+            end[s, j] = clock[s] = clock[s] + times[s, i]
+        elif act.kind == "send":
+            wire = links[s, i] if act.peer == s + 1 else back[i]
+            arrive[(s, act.peer, act.step, i)] = clock[s] + wire
+        else:
+            clock[s] = max(clock[s], arrive[(act.peer, s, act.step, i)])
     return Schedule(start, end, float(end[-1].max()))
+
+
+@functools.lru_cache(maxsize=256)
+def _dry_run_of_jobs(jobs: tuple[tuple[tuple[int, int], ...], ...]) -> DryRun:
+    """The dry run of compute lists given as ``(step, chunk)`` per stage: the simulation
+    needs no token ranges, so plans that differ only in their boundaries share it."""
+    return check_actions(tuple(tuple(Action(t, i, i, i + 1) for t, i in row) for row in jobs))

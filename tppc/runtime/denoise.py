@@ -11,13 +11,16 @@ Terms:
         attends to the whole buffer: rows of patches ``≤ m`` are this step's, the others
         the previous step's (PipeFusion's stale K/V). With joint attention (Flux) the first
         patch carries the text tokens, so only image K/V are stale.
-    job ``(i, m)``: patch ``m`` of step ``i``. Each stage runs the jobs in the order
-        ``(i, 0), (i, 1), …, (i + 1, 0), …``; when job ``(i, m)`` leaves the last stage the
+    job ``(i, m)``: patch ``m`` of step ``i``. Each stage runs the jobs in the order of
+        the patch program's action lists for the pipelined steps
+        (``Program.actions_for(patches, steps)``, by default ``(i, 0), (i, 1), …,
+        (i + 1, 0), …``, lowered with the feedback edge to stage 0 and dry-run,
+        :mod:`tppc.program.schedule`); when job ``(i, m)`` leaves the last stage the
         calling thread applies the scheduler step to patch ``m`` (one scheduler copy per
         patch, :mod:`tppc.runtime.schedulers`), and stage 0 may start job ``(i + 1, m)``:
         the pipeline fills once per image, not once per step. Every stage sees its jobs in
-        the same order as the serial reference (``executor="local"``), so both give the
-        same latents.
+        the same order as the serial reference (``executor="local"``, which does the
+        computes in the dry run's order), so both give the same latents.
 
 Buffers are zeroed at the start of every call; with ``warmup_steps == num_inference_steps``
 the result is the serial loop's (see :func:`denoise`).
@@ -35,11 +38,13 @@ from typing import Any, NamedTuple
 
 import torch
 
+from tppc.backends.torch_local import LocalExecutor, run_stage
 from tppc.driver.emit import build_program
-from tppc.errors import SpecError
+from tppc.errors import ScheduleError, SpecError
 from tppc.passes.chunk_attention import REST_CHUNK
 from tppc.passes.hoist_consts import hoist_constants
 from tppc.program.program import Program, StageProgram
+from tppc.program.schedule import Action, DryRun, check_actions
 from tppc.program.state import Call, CallState, next_epoch
 from tppc.runtime.io import OutputAssembler
 from tppc.runtime.schedulers import (
@@ -93,25 +98,24 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any, num_inference_steps:
         for i in range(warm):  # synchronous: the stages' cores share each op instead
             whole.model_input(steps[i])
             call = Call(tuple(flats[i]), ((0, length),), length, length, epoch)
-            values: tuple[Any, ...] = ()
-            for stage in full.stages:
-                values = _run_stage(stage, call, state, 0, length, values)
+            (values,) = LocalExecutor().run(full, call, state)
             out = run.model_output(full, call, 0, values)
             whole.step(out, steps[i])
-    jobs = [(i, m) for i in range(warm, len(steps)) for m in range(len(bounds) - 1)]
-    if jobs:
+    pipelined = len(steps) - warm
+    if pipelined:
         chunks = tuple(itertools.pairwise(bounds))
-        calls = {i: Call(tuple(flats[i]), chunks, length, length, epoch)
-                 for i in range(warm, len(steps))}
+        calls = [Call(tuple(flats[warm + t]), chunks, length, length, epoch)
+                 for t in range(pipelined)]
         scheds = patch_protocols(scheduler, x, x_in, axis,
                                  [(scale * a, scale * b) for a, b in chunks])
         for patch in scheds:
             patch.model_input(steps[warm])
 
-        def finish(i: int, m: int, values: tuple[Any, ...]) -> None:
+        def finish(t: int, m: int, values: tuple[Any, ...]) -> None:
             a, b = chunks[m]
-            out = run.model_output(first, calls[i], m, values).narrow(axis, scale * a,
+            out = run.model_output(first, calls[t], m, values).narrow(axis, scale * a,
                                                                       scale * (b - a))
+            i = warm + t
             scheds[m].step(out, steps[i])
             if i + 1 < len(steps):  # patch m's input of the next step
                 scheds[m].model_input(steps[i + 1])
@@ -119,14 +123,12 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any, num_inference_steps:
         def stage_of(m: int, s: int) -> StageProgram:
             return (first if m == 0 or rest is None else rest).stages[s]
 
+        jobs = _Jobs(check_actions(first.actions_for(chunks, pipelined)), calls, state,
+                     stage_of, finish, warm)
         if threaded:
-            _pipelined(cp, jobs, calls, state, stage_of, len(first.stages), finish)
+            _pipelined(cp, jobs)
         else:
-            for i, m in jobs:
-                values = ()
-                for s in range(len(first.stages)):
-                    values = _run_stage(stage_of(m, s), calls[i], state, *chunks[m], values)
-                finish(i, m, values)
+            _serial(jobs)
     state.consts.clear()  # the text K/V are this request's
     front.pool.release(state)
     return x
@@ -191,13 +193,6 @@ def _intra_op_threads(threads: int | None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def _run_stage(stage: StageProgram, call: Call, state: CallState, start: int, end: int,
-               boundary: tuple[Any, ...]) -> tuple[Any, ...]:
-    from tppc.backends.torch_local import run_stage
-
-    return run_stage(stage, call, state, start, end, boundary)
 
 
 class _Bound(NamedTuple):
@@ -302,54 +297,100 @@ def _latent_axis(front: Any, flat: list[Any], x: torch.Tensor) -> tuple[int, int
                     "the latents as the model's first argument, as in the compile example")
 
 
-def _pipelined(cp: Any, jobs: list[tuple[int, int]], calls: dict[int, Call], state: CallState,
-               stage_of: Callable[[int, int], StageProgram], n_stages: int,
-               finish: Callable[[int, int, tuple[Any, ...]], None]) -> None:
-    """Jobs through one worker per stage; stage 0 starts ``(i, m)`` once ``(i - 1, m)`` is
-    finished (its patch stepped by the scheduler in this thread)."""
-    queues = [queue.Queue(cp.options.queue_depth) for _ in range(n_stages + 1)]
+class _Jobs(NamedTuple):
+    """The pipelined steps of one call: the dry run of their lists (step ``t`` of the lists
+    is step ``warm + t`` of the call), each step's call, the state, the stage of a patch
+    (``stage_of(m, s)``) and what happens when a patch leaves the last stage (``finish``)."""
+
+    dry: DryRun
+    calls: list[Call]
+    state: CallState
+    stage_of: Callable[[int, int], StageProgram]
+    finish: Callable[[int, int, tuple[Any, ...]], None]
+    warm: int
+
+    def compute(self, s: int, act: Action, received: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Compute action ``act`` of stage ``s``."""
+        return run_stage(self.stage_of(act.chunk, s), self.calls[act.step], self.state,
+                         act.start, act.end, received)
+
+    def note(self, s: int, k: int) -> str:
+        return (f"[tppc] denoise (pipelined step t is step {self.warm} + t): stage {s}, "
+                f"{self.dry.describe(s, k)}")
+
+
+def _serial(jobs: _Jobs) -> None:
+    """The computes of the lists in the dry run's order, in the calling thread."""
+    last = len(jobs.dry.actions) - 1
+    sent: dict[tuple[int, tuple[int, int]], tuple[Any, ...]] = {}
+    for s, act in jobs.dry.computes():
+        values = jobs.compute(s, act, sent.pop((s - 1, act.job), ()))
+        if s < last:
+            sent[(s, act.job)] = values
+        else:
+            jobs.finish(act.step, act.chunk, values)
+
+
+def _pipelined(cp: Any, jobs: _Jobs) -> None:
+    """One worker per stage follows its lowered list; the calling thread steps each patch as
+    it leaves the last stage, and that is the send back: a feedback stage's receive of
+    patch ``m`` of step ``t`` waits until the calling thread has stepped it."""
+    dry = jobs.dry
+    last = len(dry.actions) - 1
+    queues = [queue.Queue(cp.options.queue_depth) for _ in range(last + 2)]
     stop, errors = threading.Event(), []
-    done: dict[int, int] = {}
+    done: dict[int, int] = {}  # patch -> the last step the calling thread stepped it for
     cond = threading.Condition()
-    first_step = jobs[0][0]
     threads = cp.options.threads_per_stage
 
-    def ready(i: int, m: int) -> bool:
-        return i == first_step or done.get(m, -1) >= i - 1
+    def back(t: int, m: int) -> None:
+        with cond:
+            while done.get(m, -1) < t:
+                if stop.is_set():
+                    raise _Stopped
+                cond.wait(_POLL)
 
     def work(s: int) -> None:
+        k = 0
+        got: dict[tuple[int, int], tuple[Any, ...]] = {}  # received, not yet computed
+        made: dict[tuple[int, int], tuple[Any, ...]] = {}  # computed, not yet sent
         try:
             t = threads if threads is None or isinstance(threads, int) else threads[s]
             if t is not None:
                 torch.set_num_threads(t)
-            for i, m in jobs:
-                if s == 0:
-                    with cond:
-                        while not ready(i, m) and not stop.is_set():
-                            cond.wait(_POLL)
-                    received: tuple[Any, ...] = ()
-                else:
-                    received = _get(queues[s], stop)
-                a, b = calls[i].chunks[m]
-                values = _run_stage(stage_of(m, s), calls[i], state, a, b, received)
-                _put(queues[s + 1], values, stop)
+            for k, act in enumerate(dry.actions[s]):  # noqa: B007 (k names a failing action)
+                if act.kind == "recv" and act.peer == last:  # back from the last stage
+                    back(*act.job)
+                elif act.kind == "recv":
+                    job, values = _get(queues[s], stop)
+                    if job != act.job:
+                        raise ScheduleError(f"stage {s} expected {act}, got job {job}")
+                    got[job] = values
+                elif act.kind == "compute":
+                    values = jobs.compute(s, act, got.pop(act.job, ()))
+                    if s == last:  # to the calling thread
+                        _put(queues[-1], (act.job, values), stop)
+                    else:
+                        made[act.job] = values
+                elif act.peer == s + 1:  # (a send back is the calling thread's step)
+                    _put(queues[s + 1], (act.job, made.pop(act.job)), stop)
         except _Stopped:
             return
         except BaseException as exc:  # re-raised in the calling thread
-            exc.add_note(f"[tppc] denoise: stage {s}, step {i}, patch {m}")
+            exc.add_note(jobs.note(s, k))
             errors.append(exc)
             stop.set()
 
     workers = [threading.Thread(target=work, args=(s,), daemon=True, name=f"tppc-denoise-{s}")
-               for s in range(n_stages)]
+               for s in range(last + 1)]
     for w in workers:
         w.start()
     try:
-        for i, m in jobs:
-            values = _get(queues[-1], stop)
-            finish(i, m, values)
+        for _ in range(sum(a.kind == "compute" for a in dry.actions[last])):
+            (t, m), values = _get(queues[-1], stop)
+            jobs.finish(t, m, values)
             with cond:
-                done[m] = i
+                done[m] = t
                 cond.notify_all()
     except _Stopped:
         pass

@@ -8,11 +8,13 @@ Terms:
         protocol of :mod:`tppc.runtime.schedulers`) and broadcasts it, the whole image runs
         as one chunk through the ranks, the last rank applies the scheduler step.
     pipelined step: job ``(i, m)`` (patch ``m`` of step ``i``) runs on every rank in the
-        order of :mod:`tppc.runtime.denoise`; the boundary values go rank to rank as in
-        ``__call__``. When job ``(i, m)`` leaves the last rank it steps patch ``m`` and sends
-        its next model input's rows to every earlier rank that reads the latents (stage 0),
-        which waits for them before job ``(i + 1, m)``: the same jobs in the same order per stage as the
-        ``threads`` and ``local`` executors, so the latents are theirs.
+        order of the patch program's action lists (as :mod:`tppc.runtime.denoise`), lowered
+        with the feedback edge to the ranks that read the latents and dry-run; each rank
+        follows its lowered list. The boundary values go rank to rank as in ``__call__``.
+        When job ``(i, m)`` leaves the last rank it steps patch ``m`` and sends its next
+        model input's rows to every earlier rank that reads the latents (stage 0), which
+        receives them before job ``(i + 1, m)``: the same jobs in the same order per stage
+        as the ``threads`` and ``local`` executors, so the latents are theirs.
 
 The final latents are broadcast from the last rank; rank 0 returns them (every rank with
 ``results="all"``), the others None.
@@ -34,6 +36,7 @@ from tppc.errors import RuntimeInputError, StageFailed, StageTimeout
 from tppc.passes.chunk_attention import REST_CHUNK
 from tppc.passes.hoist_consts import hoist_constants
 from tppc.program.program import Program, StageProgram
+from tppc.program.schedule import DryRun, check_actions
 from tppc.program.state import Call, next_epoch
 from tppc.runtime.denoise import DenoiseRun, bind_steps, check_steps
 from tppc.runtime.schedulers import (
@@ -126,11 +129,11 @@ def distributed_denoise(cp: DenoisingRank, latents: torch.Tensor | None, schedul
         if cp.rank == last:
             out = run.model_output(full, call, 0, got["v"])
             whole.step(out, steps[i])
-    jobs = [(i, m) for i in range(warm, len(steps)) for m in range(len(bounds) - 1)]
-    if jobs:
+    pipelined = len(steps) - warm
+    if pipelined:
         chunks = tuple(itertools.pairwise(bounds))
-        calls = {i: Call(tuple(flats[i]), chunks, length, length, epoch)
-                 for i in range(warm, len(steps))}
+        calls = [Call(tuple(flats[warm + t]), chunks, length, length, epoch)
+                 for t in range(pipelined)]
         scheds = patch_protocols(scheduler, x, x_in, axis, [(scale * a, scale * b)
                                  for a, b in chunks]) if cp.rank == last else []
         for patch in scheds:
@@ -141,9 +144,10 @@ def distributed_denoise(cp: DenoisingRank, latents: torch.Tensor | None, schedul
             a, b = chunks[m]
             return x_in.narrow(axis, scale * a, scale * (b - a))
 
-        def finish(i: int, m: int, values: tuple[Any, ...]) -> None:
-            out = run.model_output(first, calls[i], m, values).narrow(
+        def finish(t: int, m: int, values: tuple[Any, ...]) -> None:
+            out = run.model_output(first, calls[t], m, values).narrow(
                 axis, scale * chunks[m][0], scale * (chunks[m][1] - chunks[m][0]))
+            i = warm + t
             scheds[m].step(out, steps[i])
             if i + 1 < len(steps):
                 scheds[m].model_input(steps[i + 1])
@@ -152,7 +156,8 @@ def distributed_denoise(cp: DenoisingRank, latents: torch.Tensor | None, schedul
             return first if m == 0 or rest is None else rest
 
         readers = _readers(cp.world, latent, first, rest)
-        _Jobs(cp, calls, state, program_of, rows, readers).run(jobs, finish, len(steps))
+        dry = check_actions(first.actions_for(chunks, pipelined), readers)
+        _Jobs(cp, calls, state, program_of, rows, warm).run(dry, finish)
     cp.collective(lambda: dist.broadcast(x, src=last), "latents broadcast")
     state.consts.clear()  # the text K/V are this request's
     front.pool.release(state)
@@ -160,47 +165,53 @@ def distributed_denoise(cp: DenoisingRank, latents: torch.Tensor | None, schedul
 
 
 class _Jobs:
-    """This rank's pipelined jobs (see the module docstring)."""
+    """This rank's pipelined jobs (see the module docstring); step ``t`` of the action
+    lists is step ``warm + t`` of the call."""
 
-    def __init__(self, cp: DenoisingRank, calls: dict[int, Call], state: Any,
+    def __init__(self, cp: DenoisingRank, calls: list[Call], state: Any,
                  program_of: Callable[[int], Program], rows: Callable[[int], torch.Tensor],
-                 readers: tuple[int, ...]) -> None:
+                 warm: int) -> None:
         self.cp, self.ex, self.calls, self.state = cp, cp.comm, calls, state
-        self.program_of, self.rows, self.readers = program_of, rows, readers
+        self.program_of, self.rows, self.warm = program_of, rows, warm
 
-    def run(self, jobs: list[tuple[int, int]],
-            finish: Callable[[int, int, tuple[Any, ...]], None], n_steps: int) -> None:
-        """Every job on this rank's stage; the last rank steps and sends each patch."""
+    def run(self, dry: DryRun, finish: Callable[[int, int, tuple[Any, ...]], None]) -> None:
+        """This rank's lowered list: receive (from the previous rank, or a stepped patch
+        back from the last), compute (the last rank then steps the patch), send (to the
+        next rank, or the stepped patch back to the ranks that read the latents)."""
         cp, ex = self.cp, self.ex
         rank, last = cp.rank, cp.world - 1
         timeout = cp.options.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
-        first_step = jobs[0][0]
         sends: list[tuple[Any, Any]] = []  # boundary values to rank + 1 (bounded)
         patches: list[tuple[Any, Any]] = []  # stepped rows to the readers (waited at the end)
-        i, m = jobs[0]
+        got: dict[tuple[int, int], tuple[Any, ...]] = {}  # received, not yet computed
+        made: dict[tuple[int, int], tuple[Any, ...]] = {}  # computed, not yet sent
+        k = 0
         try:
-            for i, m in jobs:
-                program = self.program_of(m)
-                a, b = self.calls[i].chunks[m]
-                if rank in self.readers and rank != last and i > first_step:
-                    view = self.rows(m)
+            for k, act in enumerate(dry.actions[rank]):  # noqa: B007 (k names a failing action)
+                program = self.program_of(act.chunk)
+                if act.kind == "recv" and act.peer == last:  # a stepped patch comes back
+                    view = self.rows(act.chunk)
                     buf = torch.empty_like(view, memory_format=torch.contiguous_format)
                     ex.wait([dist.irecv(buf, last)], last, deadline)
                     view.copy_(buf)
-                received = ex.recv_chunk(program, b - a, deadline) if rank else ()
-                values = run_stage(program.stages[rank], self.calls[i], self.state, a, b,
-                                   received)
-                if rank < last:
-                    sends.append(ex.send_chunk(program, values))
+                elif act.kind == "recv":
+                    got[act.job] = ex.recv_chunk(program, act.end - act.start, deadline)
+                elif act.kind == "compute":
+                    values = run_stage(program.stages[rank], self.calls[act.step], self.state,
+                                       act.start, act.end, got.pop(act.job, ()))
+                    if rank < last:
+                        made[act.job] = values
+                    else:
+                        finish(act.step, act.chunk, values)
+                elif act.peer == rank + 1:
+                    sends.append(ex.send_chunk(program, made.pop(act.job)))
                     while len(sends) > cp.options.queue_depth:
                         ex.wait(sends.pop(0)[0], rank + 1, deadline)
-                    continue
-                finish(i, m, values)
-                if i + 1 < n_steps:
-                    out = self.rows(m).contiguous()
-                    patches += [(dist.isend(out, r), out) for r in self.readers if r != last]
+                else:  # the stepped patch back to a rank that reads the latents
+                    out = self.rows(act.chunk).contiguous()
                     patches = [p for p in patches if not p[0].is_completed()]
+                    patches.append((dist.isend(out, act.peer), out))
             for works, _ in sends:
                 ex.wait(works, rank + 1, deadline)
             for work, _ in patches:
@@ -208,10 +219,11 @@ class _Jobs:
         except (StageFailed, StageTimeout):
             raise
         except Exception as exc:
-            where = f"stage {rank}, denoise step {i}, patch {m}"
+            where = (f"stage {rank}, denoise (pipelined step t is step {self.warm} + t) "
+                     f"{dry.where(rank, k)}")
             if deadline is not None and time.monotonic() >= deadline:
-                raise ex.timed_out(timeout, where) from exc
-            raise ex.failure(exc, where) from exc
+                raise ex.timed_out(timeout, where, dry.describe(rank, k)) from exc
+            raise ex.failure(exc, where, dry.describe(rank, k)) from exc
 
 
 def _readers(world: int, latent: int, *programs: Program | None) -> tuple[int, ...]:

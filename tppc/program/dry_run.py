@@ -1,0 +1,258 @@
+"""The dry run of per-stage action lists: proof that they complete, or the action that fails.
+
+Terms:
+    round: one step of the symbolic run. In each round every stage, last stage first, does
+        the receives and sends at the head of its list that can go, at most one compute,
+        and the sends and receives after it that can go. A receive waits until its message
+        was sent (blocking); a send waits while ``capacity`` messages to that stage are not
+        yet received (``None``: never, as ``torch.distributed.pipelining`` simulates).
+    rules: a stage receives from the stage before it (and, in ``feedback`` stages, from the
+        last stage) and sends to the stage after it (the last stage: back to ``feedback``);
+        messages between two stages are received in the order they were sent; a job is
+        computed after its input arrived (from the previous stage; for a later step on a
+        ``feedback`` stage, the same chunk of the previous step from the last stage), after
+        the chunk before it in the same step and after the same chunk of the previous step;
+        every stage computes every chunk of every step exactly once; every send is received.
+    grid: the lists laid out by round (stages as rows), the actions no round reached in a
+        last column, the failing action marked ``[like this]``.
+
+The run is cached per list, so executors call :func:`check_actions` on every call.
+
+Example:
+    >>> from tppc.program.actions import flow_shop
+    >>> print(check_actions(flow_shop(((0, 4), (4, 8)), 2)).grid())
+    stage | 0           | 1           | 2
+        0 | C0.0 S0.0>1 | C0.1 S0.1>1 |
+        1 |             | R0.0<0 C0.0 | R0.1<0 C0.1
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from tppc.errors import ScheduleError
+from tppc.program.actions import Action, Actions, job_count, lower
+
+__all__ = ["DryRun", "check_actions"]
+
+
+@dataclass(frozen=True)
+class DryRun:
+    """The lowered lists and when the dry run did each action.
+
+    Attributes:
+        actions: the lowered lists (what executors follow).
+        rounds: ``rounds[s][k]``: the round of action ``k`` of stage ``s`` (``-1``: never).
+        order: ``(stage, k)`` in an order one thread can do them (dependencies first, the
+            last stage first within a round, so chunks leave the pipeline early).
+    """
+
+    actions: Actions
+    rounds: tuple[tuple[int, ...], ...]
+    order: tuple[tuple[int, int], ...]
+
+    def computes(self) -> list[tuple[int, Action]]:
+        """``(stage, compute action)`` in :attr:`order`."""
+        acts = self.actions
+        return [(s, acts[s][k]) for s, k in self.order if acts[s][k].kind == "compute"]
+
+    def where(self, stage: int, index: int) -> str:
+        """``step t, chunk i [a, b), action k (C0.1, a compute)`` of ``stage``."""
+        if not 0 <= index < len(self.actions[stage]):
+            return "before its first action"
+        act = self.actions[stage][index]
+        return (f"step {act.step}, chunk {act.chunk} [{act.start}, {act.end}), action "
+                f"{index} ({act}, a {act.kind})")
+
+    def describe(self, stage: int, index: int) -> str:
+        """:meth:`where`, and the grid with that action marked."""
+        return f"{self.where(stage, index)}:\n{self.grid([(stage, index)])}"
+
+    def grid(self, mark: Iterable[tuple[int, int]] = (), width: int = 8) -> str:
+        """The lists by round, ``mark``ed actions in brackets, at most ``width`` rounds
+        (around the first mark)."""
+        marked = set(mark)
+        done = [r for row in self.rounds for r in row if r >= 0]
+        total = max(done, default=-1) + 1
+        focus = min((self.rounds[s][k] for s, k in marked if self.rounds[s][k] >= 0),
+                    default=total)
+        lo = max(0, min(focus - width // 2, total - width))
+        cols = list(range(lo, min(total, lo + width)))
+        rest = any(r < 0 for row in self.rounds for r in row)
+        head = ["stage"] + (["…"] if lo else []) + [str(c) for c in cols] \
+            + (["…"] if cols and cols[-1] + 1 < total else []) + (["not run"] if rest else [])
+        table = [head]
+        for s, row in enumerate(self.actions):
+            def cell(keep: Iterable[int], s: int = s, row: tuple = row) -> str:
+                return " ".join(f"[{row[k]}]" if (s, k) in marked else str(row[k])
+                                for k in keep)
+            by = [cell(k for k in range(len(row)) if self.rounds[s][k] == c) for c in cols]
+            left = [k for k in range(len(row)) if self.rounds[s][k] < 0]
+            shown = left[:4] + [k for k in left[4:] if (s, k) in marked]
+            table.append([str(s)] + (["…"] if lo else []) + by
+                         + (["…"] if head[-1 - rest] == "…" else [])
+                         + ([cell(shown) + (" …" if len(left) > len(shown) else "")]
+                            if rest else []))
+        widths = [max(len(r[c]) for r in table) for c in range(len(head))]
+        lines = [" | ".join(v.rjust(w) if c == 0 else v.ljust(w)
+                            for c, (v, w) in enumerate(zip(r, widths))).rstrip()
+                 for r in table]
+        return "\n".join(lines)
+
+
+def check_actions(actions: Actions, feedback: Sequence[int] = (0,),
+                  capacity: int | None = None) -> DryRun:
+    """Dry-run the lists (compute lists are lowered first, :func:`tppc.program.actions.lower`).
+
+    Args:
+        actions: compute or lowered lists, one per stage.
+        feedback: stages that get each chunk back from the last stage between steps.
+        capacity: messages a send may leave unreceived per pair of stages (None: any).
+
+    Returns:
+        The lowered lists and the order of the dry run (cached per arguments).
+
+    Raises:
+        ScheduleError: a rule of the module docstring is broken; the message names the
+            action and prints the grid with it marked.
+    """
+    return _check(actions, tuple(sorted(set(feedback))), capacity)
+
+
+@functools.lru_cache(maxsize=256)
+def _check(actions: Actions, feedback: tuple[int, ...], capacity: int | None) -> DryRun:
+    run = _Replay(lower(actions, feedback), feedback, capacity)
+    run.play()
+    run.finish()
+    return run.result()
+
+
+class _Replay:
+    """The state of one dry run (see the module docstring)."""
+
+    def __init__(self, lowered: Actions, feedback: tuple[int, ...], capacity: int | None
+                 ) -> None:
+        self.acts, self.capacity = lowered, capacity
+        self.last = len(lowered) - 1
+        self.steps, self.chunks = job_count(lowered)
+        self.back = {r for r in feedback if 0 <= r < self.last} if self.steps > 1 else set()
+        self.pos = [0] * len(lowered)
+        self.rounds = [[-1] * len(row) for row in lowered]
+        self.order: list[tuple[int, int]] = []
+        self.computed: list[set[tuple[int, int]]] = [set() for _ in lowered]
+        self.got: list[set[tuple[int, int, int]]] = [set() for _ in lowered]
+        self.queues: dict[tuple[int, int], deque[tuple[tuple[int, int], int]]] = {}
+        self.round = 0
+
+    def result(self) -> DryRun:
+        return DryRun(self.acts, tuple(map(tuple, self.rounds)), tuple(self.order))
+
+    def fail(self, why: str, mark: Iterable[tuple[int, int]] = ()) -> ScheduleError:
+        grid = self.result().grid(list(mark))
+        return ScheduleError(f"{why}. fix: pass lists that follow the rules of "
+                             f"tppc.program.dry_run (or compute lists, which are lowered)\n{grid}")
+
+    def play(self) -> None:
+        """Rounds until every list is done; raises on a broken rule or a deadlock."""
+        while any(p < len(row) for p, row in zip(self.pos, self.acts)):
+            moved = False
+            for s in reversed(range(len(self.acts))):
+                moved |= self.turn(s)
+            if not moved:
+                heads = [(s, p) for s, p in enumerate(self.pos) if p < len(self.acts[s])]
+                waits = "; ".join(f"stage {s} waits at {self.acts[s][p]} "
+                                  f"({self.waiting(s, self.acts[s][p])})" for s, p in heads)
+                raise self.fail(f"the schedule deadlocks in round {self.round}: {waits}",
+                                heads)
+            self.round += 1
+
+    def turn(self, s: int) -> bool:
+        """Stage ``s``'s actions in this round; whether it did any."""
+        row, did, computed = self.acts[s], False, False
+        while self.pos[s] < len(row):
+            act = row[self.pos[s]]
+            if act.kind == "compute" and computed:
+                break
+            if not self.ready(s, act):
+                break
+            self.rounds[s][self.pos[s]] = self.round
+            self.order.append((s, self.pos[s]))
+            self.pos[s] += 1
+            did, computed = True, computed or act.kind == "compute"
+        return did
+
+    def ready(self, s: int, act: Action) -> bool:
+        """Whether ``act`` can go now; raises when it breaks a rule."""
+        here = [(s, self.pos[s])]
+        if act.kind == "compute":
+            self.check_compute(s, act, here)
+            self.computed[s].add(act.job)
+            return True
+        peer = act.peer
+        if act.kind == "send":
+            if not (peer == s + 1 <= self.last or (s == self.last and peer in self.back)):
+                raise self.fail(f"stage {s} sends {act} to stage {peer}; a stage sends to "
+                                "the next stage only (the last stage: back to the feedback "
+                                f"stages {sorted(self.back)})", here)
+            if act.job not in self.computed[s]:
+                raise self.fail(f"stage {s} sends {act} before computing it", here)
+            queue = self.queues.setdefault((s, peer), deque())
+            if self.capacity is not None and len(queue) >= self.capacity:
+                return False
+            queue.append((act.job, self.pos[s]))
+            return True
+        if not (peer == s - 1 >= 0 or (peer == self.last and s in self.back)):
+            raise self.fail(f"stage {s} receives {act} from stage {peer}; a stage receives "
+                            "from the previous stage only (feedback stages also from the "
+                            "last)", here)
+        queue = self.queues.get((peer, s))
+        if not queue:
+            return False
+        if queue[0][0] != act.job:
+            raise self.fail(f"stage {s} receives {act} but the next message from stage "
+                            f"{peer} is job {queue[0][0]}: messages between two stages "
+                            "arrive in the order they were sent", here)
+        queue.popleft()
+        self.got[s].add((peer, *act.job))
+        return True
+
+    def check_compute(self, s: int, act: Action, here: list[tuple[int, int]]) -> None:
+        (t, i), done = act.job, self.computed[s]
+        why = None
+        if act.job in done:
+            why = f"stage {s} computes {act} twice"
+        elif i and (t, i - 1) not in done:
+            why = f"stage {s} computes {act} before chunk {i - 1} of step {t}"
+        elif t and (t - 1, i) not in done:
+            why = f"stage {s} computes {act} before chunk {i} of step {t - 1}"
+        elif s and (s - 1, t, i) not in self.got[s]:
+            why = f"stage {s} computes {act} before receiving it from stage {s - 1}"
+        elif t and s in self.back and (self.last, t - 1, i) not in self.got[s]:
+            why = (f"stage {s} computes {act} before receiving chunk {i} of step {t - 1} "
+                   f"back from stage {self.last}")
+        if why is not None:
+            raise self.fail(why, here)
+
+    def waiting(self, s: int, act: Action) -> str:
+        if act.kind == "send":
+            return f"stage {act.peer} has not received the {self.capacity} sent before it"
+        return f"no message from stage {act.peer} yet"
+
+    def finish(self) -> None:
+        """Every send received; every stage computed every chunk of every step."""
+        for (src, _dst), queue in self.queues.items():
+            if queue:
+                (_job, k), *_ = queue
+                raise self.fail(f"stage {src} sends {self.acts[src][k]} that is never "
+                                "received", [(src, k)])
+        want = {(t, i) for t in range(self.steps) for i in range(self.chunks)}
+        for s, done in enumerate(self.computed):
+            missing = sorted(want - done)
+            if missing:
+                t, i = missing[0]
+                raise self.fail(f"stage {s} never computes chunk {i} of step {t} (every "
+                                f"stage computes all {self.chunks} chunks of all "
+                                f"{self.steps} steps once; {len(missing)} missing)")
