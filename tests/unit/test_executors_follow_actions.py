@@ -68,7 +68,7 @@ def test_the_flow_shop_and_the_held_lists_compute_the_same_jobs(gpt) -> None:
 
 @pytest.mark.parametrize("executor", ["local", "threads"])
 def test_torch_executors_follow_the_lists(gpt, executor) -> None:
-    model, args, base, expected = gpt
+    _, args, base, expected = gpt
     cp = base.with_plan(base.plan, executor=executor)
     _with_actions(cp, HELD)
     trace: list = []
@@ -109,7 +109,7 @@ class _Loopback:
 
 
 def test_the_distributed_executor_follows_the_lists(gpt, monkeypatch) -> None:
-    model, args, base, expected = gpt
+    _, args, base, expected = gpt
     cp = base.with_plan(base.plan)
     loop = _Loopback()
     real = torch_distributed.run_stage
@@ -210,3 +210,39 @@ def test_the_distributed_artifact_runner_follows_the_lists(gpt, artifact, monkey
         want = [(a.kind, a.start if a.kind == "compute" else
                  (a.end - a.start if a.kind == "recv" else -1)) for a in lowered[rank]]
         assert [(k, v) for r, k, v in log if r == rank] == want
+
+
+def test_a_failing_threads_stage_names_its_action_on_the_grid(gpt, monkeypatch) -> None:
+    _, args, base, _ = gpt
+    cp = base.with_plan(base.plan, executor="threads")
+    stage = cp.program(SEQ).stages[1].runnable
+    real = stage.forward
+    calls = []
+
+    def broken(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError("broken")
+        return real(*a, **k)
+
+    monkeypatch.setattr(stage, "forward", broken)
+    with pytest.raises(ValueError, match="broken") as info:
+        cp(*args)
+    (note,) = [n for n in info.value.__notes__ if n.startswith("[tppc]")]
+    assert note.splitlines()[0].startswith("[tppc] in stage 1 (cpu), step 0, chunk 1 [8, 16), "
+                                           "action 3 (C0.1, a compute)")
+    grid = note.splitlines()[1:]
+    assert "[C0.1]" in grid[2] and "[" not in grid[1]
+
+
+def test_a_failing_distributed_rank_names_its_action_on_the_grid(gpt, monkeypatch) -> None:
+    _, args, base, _ = gpt
+    cp = base.with_plan(base.plan)
+    cp._executors["loopback"] = _Loopback()
+    monkeypatch.setenv("TPPC_FAULT", "raise@1:2")
+    with pytest.raises(tppc.StageFailed) as info:
+        cp.run(args, executor="loopback")
+    first, *rest = str(info.value).splitlines()
+    assert first.startswith("stage 1 (rank 1) raised in stage 1, step 0, chunk 2 [16, 24), "
+                            "action 5 (C0.2, a compute): RuntimeError: TPPC_FAULT")
+    assert "[R0.2<0]" not in "\n".join(rest) and "[C0.2]" in rest[-1]

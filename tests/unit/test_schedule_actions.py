@@ -191,7 +191,7 @@ def test_blocking_sends_of_capacity_one_deadlock_the_feedback_edge() -> None:
 
 def test_a_long_schedule_prints_a_window_of_the_grid_around_the_failure() -> None:
     row = flow_shop(tuple((i, i + 1) for i in range(64)), 1)[0]
-    bad = row[:40] + (row[41], row[40]) + row[42:]
+    bad = (*row[:40], row[41], row[40], *row[42:])
     message = _fails((row, bad))
     assert "[C0.41]" in message
     assert max(len(line) for line in message.splitlines()) < 400

@@ -7,9 +7,10 @@ K/V buffers, a whole user input (``full``: the key-validity mask), or an int. Th
 straight into the call's full-length output when that slice is contiguous
 (:mod:`tppc.passes.direct_output`).
 
-The ``local`` executor runs the program's actions (:mod:`tppc.program.schedule`) one at a
-time, chunk by chunk, in the calling thread: the
-reference the others are tested against; it also runs the decoding steps of ``generate``.
+The ``local`` executor does the computes of the program's action lists
+(:mod:`tppc.program.schedule`) one at a time in the calling thread, in the order of their dry
+run (a receive is the hand-over of the previous stage's outputs): the reference the others
+are tested against; it also runs the decoding steps of ``generate``.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Stage ``s``'s worker follows its lowered action list (``program.actions`` with t
 and receives written out and dry-run, :func:`tppc.program.schedule.check_actions`): a
 receive takes the next item from its input queue, a compute runs the chunk, a send puts the
 boundary values on the queue of stage ``s + 1`` while the worker goes on with its next
-action: the stages run concurrently (PyTorch releases the GIL inside every op). Each worker sets its own intra-op
-thread count (``torch.set_num_threads`` is per thread) and grad mode.
+action: the stages run concurrently (PyTorch releases the GIL inside every op). Each worker
+sets its own intra-op thread count (``torch.set_num_threads`` is per thread) and grad mode.
 
 Transfers: when the next stage lives on another CUDA device, the worker copies its outputs
 on a side stream after its compute (``non_blocking``) and sends a CUDA event with them; the
@@ -14,10 +14,10 @@ of chunk ``i + 1``. On CPU a transfer is a hand-over of the tensor.
 
 A failure in any worker stops every worker and is re-raised in the calling thread, with a
 note naming the stage, the step, the chunk and the action, and the action grid with that
-action marked. A run returns only when every chunk has left the last
-stage; ``timeout`` (seconds) raises :class:`tppc.errors.StageTimeout` naming the stage that
-has not answered. Each call gets its own queues, workers and trace, so concurrent calls (on
-their own call states) do not interfere.
+action marked. A run returns only when every chunk has left the last stage; ``timeout``
+(seconds) raises :class:`tppc.errors.StageTimeout` naming the stage that has not answered.
+Each call gets its own queues, workers and trace, so concurrent calls (on their own call
+states) do not interfere.
 """
 
 from __future__ import annotations

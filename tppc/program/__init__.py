@@ -2,7 +2,10 @@
 and the per-call state (K/V buffers, positional values) that executors fill.
 
 ``program`` holds :class:`Program`, :class:`StageProgram` and :class:`BufferSpec`;
-``schedule`` the actions every executor and the simulator read; ``state`` a call's buffers.
+``actions`` the per-stage action lists and their lowering to sends and receives;
+``dry_run`` the check that lowered lists complete without deadlock (and the action grid);
+``schedule`` the face of both that every executor and the simulator read (with
+``simulate``); ``state`` a call's buffers.
 """
 
 from __future__ import annotations

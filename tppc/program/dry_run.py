@@ -72,35 +72,37 @@ class DryRun:
         return f"{self.where(stage, index)}:\n{self.grid([(stage, index)])}"
 
     def grid(self, mark: Iterable[tuple[int, int]] = (), width: int = 8) -> str:
-        """The lists by round, ``mark``ed actions in brackets, at most ``width`` rounds
-        (around the first mark)."""
+        """The lists by round (stages as rows), ``mark``ed ``(stage, k)`` in brackets, at
+        most ``width`` rounds (around the first marked one), then the actions never done."""
         marked = set(mark)
-        done = [r for row in self.rounds for r in row if r >= 0]
-        total = max(done, default=-1) + 1
+        total = 1 + max((r for row in self.rounds for r in row), default=-1)
         focus = min((self.rounds[s][k] for s, k in marked if self.rounds[s][k] >= 0),
                     default=total)
         lo = max(0, min(focus - width // 2, total - width))
-        cols = list(range(lo, min(total, lo + width)))
-        rest = any(r < 0 for row in self.rounds for r in row)
-        head = ["stage"] + (["…"] if lo else []) + [str(c) for c in cols] \
-            + (["…"] if cols and cols[-1] + 1 < total else []) + (["not run"] if rest else [])
-        table = [head]
+        hi = min(total, lo + width)
+        cut_left, cut_right = ["…"] if lo > 0 else [], ["…"] if hi < total else []
+        never = any(r < 0 for row in self.rounds for r in row)
+        table = [["stage", *cut_left, *map(str, range(lo, hi)), *cut_right,
+                  *(["not run"] if never else [])]]
         for s, row in enumerate(self.actions):
-            def cell(keep: Iterable[int], s: int = s, row: tuple = row) -> str:
-                return " ".join(f"[{row[k]}]" if (s, k) in marked else str(row[k])
-                                for k in keep)
-            by = [cell(k for k in range(len(row)) if self.rounds[s][k] == c) for c in cols]
-            left = [k for k in range(len(row)) if self.rounds[s][k] < 0]
-            shown = left[:4] + [k for k in left[4:] if (s, k) in marked]
-            table.append([str(s)] + (["…"] if lo else []) + by
-                         + (["…"] if head[-1 - rest] == "…" else [])
-                         + ([cell(shown) + (" …" if len(left) > len(shown) else "")]
-                            if rest else []))
-        widths = [max(len(r[c]) for r in table) for c in range(len(head))]
-        lines = [" | ".join(v.rjust(w) if c == 0 else v.ljust(w)
-                            for c, (v, w) in enumerate(zip(r, widths))).rstrip()
-                 for r in table]
-        return "\n".join(lines)
+            def label(k: int, s: int = s, row: tuple[Action, ...] = row) -> str:
+                return f"[{row[k]}]" if (s, k) in marked else str(row[k])
+
+            by_round: list[list[str]] = [[] for _ in range(lo, hi)]
+            not_run = []
+            for k, r in enumerate(self.rounds[s]):
+                if lo <= r < hi:
+                    by_round[r - lo].append(label(k))
+                elif r < 0:
+                    not_run.append(k)
+            shown = not_run[:4] + [k for k in not_run[4:] if (s, k) in marked]
+            rest = " ".join(map(label, shown)) + (" …" if len(shown) < len(not_run) else "")
+            table.append([str(s), *cut_left, *map(" ".join, by_round), *cut_right,
+                          *([rest] if never else [])])
+        widths = [max(map(len, column)) for column in zip(*table)]
+        return "\n".join(" | ".join(v.rjust(w) if c == 0 else v.ljust(w)
+                                    for c, (v, w) in enumerate(zip(line, widths))).rstrip()
+                         for line in table)
 
 
 def check_actions(actions: Actions, feedback: Sequence[int] = (0,),
