@@ -129,7 +129,7 @@ def test_each_distributed_rank_follows_its_lowered_list(monkeypatch) -> None:
     errors: list[BaseException] = []
 
     def rank(r: int) -> None:
-        cp = SimpleNamespace(_dist=Ex(r), rank=r, world=2,
+        cp = SimpleNamespace(comm=Ex(r), rank=r, world=2,
                              options=SimpleNamespace(timeout=None, queue_depth=2))
         jobs = distributed_denoise._Jobs(cp, [0, 1], None,
                                          lambda m: SimpleNamespace(stages=(0, 1)),

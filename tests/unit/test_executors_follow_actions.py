@@ -202,7 +202,7 @@ def test_the_distributed_artifact_runner_follows_the_lists(gpt, artifact, monkey
         runner._recv = lambda size, _d, r=rank: (log.append((r, "recv", size)), wire.pop(0))[-1]
         runner._wait = lambda *_: None
         runner._share = lambda bind, extra=None: bind()  # rank 0's inputs: these
-        runner._results = lambda leaves: leaves
+        runner._gather = lambda leaves: leaves
         outs.append(runner.run((args[0].numpy(),)))
     np.testing.assert_allclose(outs[1], expected.numpy(), atol=1e-4, rtol=1e-4)
     lowered = check_actions(HELD).actions

@@ -162,7 +162,7 @@ class DistributedArtifact(LoadedPipeline):
         except Exception as exc:
             where = f"stage {self.rank}, {dry.where(self.rank, k)}"
             grid = dry.describe(self.rank, k)
-            if deadline is not None and time.monotonic() >= deadline:
+            if self._comm.expired(deadline):
                 raise self._comm.timed_out(timeout, where, grid) from exc
             raise self._comm.failure(exc, where, grid) from exc
 

@@ -53,6 +53,9 @@ __all__ = ["FAILURE_KEY", "DistributedExecutor", "read_failure", "token_axes"]
 FAILURE_KEY = "tppc/failure"
 """c10d store key of the first failure's description."""
 
+_ROUNDING = 0.01
+"""Seconds a wait bounded by the call's deadline may end before it (see ``expired``)."""
+
 
 @dataclass(frozen=True)
 class _Template:
@@ -142,7 +145,7 @@ class DistributedExecutor:
         except Exception as exc:
             where = f"stage {self.rank}, {dry.where(self.rank, k)}"
             grid = dry.describe(self.rank, k)
-            if deadline is not None and time.monotonic() >= deadline:
+            if self.expired(deadline):
                 raise self.timed_out(timeout, where, grid) from exc
             raise self.failure(exc, where, grid) from exc
         self.last_trace = jobs
@@ -177,6 +180,12 @@ class DistributedExecutor:
         return StageTimeout(f"the distributed call did not finish in {timeout} s: rank "
                             f"{self.rank} waited for stage {peer} (rank {peer}) in {where}. "
                             f"fix: raise timeout, or see that rank's log{_lines(detail)}")
+
+    def expired(self, deadline: float | None) -> bool:
+        """Whether the call's ``deadline`` (``time.monotonic``) has passed, within
+        :data:`_ROUNDING`: a wait bounded by the deadline (:meth:`span`) may end that much
+        before it, its timeout rounded down to whole milliseconds."""
+        return deadline is not None and time.monotonic() >= deadline - _ROUNDING
 
     def span(self, deadline: float | None) -> timedelta:
         """How long the next wait may last: the communication timeout, or less when the

@@ -221,7 +221,7 @@ class _Jobs:
         except Exception as exc:
             where = (f"stage {rank}, denoise (pipelined step t is step {self.warm} + t) "
                      f"{dry.where(rank, k)}")
-            if deadline is not None and time.monotonic() >= deadline:
+            if ex.expired(deadline):
                 raise ex.timed_out(timeout, where, dry.describe(rank, k)) from exc
             raise ex.failure(exc, where, dry.describe(rank, k)) from exc
 
