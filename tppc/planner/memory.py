@@ -6,7 +6,7 @@ A stage holding layers ``[lo, hi)`` with chunks of at most ``c`` tokens allocate
     Σ weights + Σ K/V bytes per token · L          (buffers at the full buffer length L)
     + outputs of the model's last layer · L         (only the stage that holds that layer)
     + max_j positional bytes_j · L                   (rope tables: once per stage)
-    + c · max_j ((q + 1) · boundary bytes_j + peak bytes_j
+    + c · max_j ((q + 1) · boundary bytes_j + peak bytes_j    (last layer: its input's)
                  + workspace_j · min(L, MASK_ELEMENTS / c))   (attention mask of one block)
 
 ``q + 1``, ``q = CostTable.queue_depth`` (the runtime's ``queue_depth``): the chunks that may
@@ -47,9 +47,12 @@ def memory_parts(table: CostTable, device: int, max_chunk: int | None = None
         static[-1] += layers[-1].act_bytes_per_token * table.seq_len  # outputs kept
     keys = table.seq_len if not max_chunk else min(table.seq_len,
                                                    max(1, MASK_ELEMENTS // max_chunk))
+    queued = [lc.act_bytes_per_token for lc in layers]
+    if len(layers) > 1:  # the model's outputs are written in place (kept, counted above):
+        queued[-1] = queued[-2]  # the last layer's stage queues its input chunks, not them
     transient = np.array(
-        [(table.queue_depth + 1) * lc.act_bytes_per_token + lc.peak_bytes_per_token
-         + lc.workspace_bytes_per_key * keys for lc in layers], float
+        [(table.queue_depth + 1) * q + lc.peak_bytes_per_token
+         + lc.workspace_bytes_per_key * keys for q, lc in zip(queued, layers)], float
     )
     return static, transient
 
