@@ -16,7 +16,7 @@ Example:
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -24,13 +24,11 @@ import torch
 from tppc.errors import RuntimeInputError
 from tppc.generation import DEFAULT, ArrayOps, check_max_new_tokens, greedy_decode, stop_tokens
 from tppc.program.state import Call, next_epoch
+from tppc.runtime.call import Calling
 from tppc.runtime.kv_memory import check_generation_memory
 
 if TYPE_CHECKING:
-    from tppc.backends.torch_local import Sink
-    from tppc.frontend.front_end import BoundCall, FrontEnd
-    from tppc.program.program import Program
-    from tppc.program.state import CallState
+    from tppc.frontend.front_end import FrontEnd
 
 __all__ = ["TORCH_OPS", "Generating", "greedy_generate", "logits_output", "token_input_index"]
 
@@ -42,8 +40,9 @@ TORCH_OPS = ArrayOps(
 """The decode loop's array operations on torch tensors."""
 
 
-class Generating(Protocol):
-    """What :func:`greedy_generate` needs of a pipeline (a :class:`tppc.CompiledPipeline`)."""
+class Generating(Calling, Protocol):
+    """What :func:`greedy_generate` needs of a pipeline (a :class:`tppc.CompiledPipeline`):
+    the call algorithm's methods (:class:`tppc.runtime.call.Calling`) and these."""
 
     @property
     def model(self) -> torch.nn.Module: ...
@@ -55,17 +54,6 @@ class Generating(Protocol):
     def pad_token_id(self) -> Any: ...
     @property
     def max_seq(self) -> int | None: ...
-
-    def bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
-             ) -> tuple[FrontEnd, BoundCall]: ...
-
-    def program(self, length: int, front: FrontEnd | None = None) -> Program: ...
-
-    def execute(self, program: Program, call: Call, state: CallState, sink: Sink | None = None,
-                executor: Any = None, timeout: float | None = None,
-                trace: list | None = None) -> list[tuple[Any, ...]]: ...
-
-    def finish(self, front: FrontEnd, state: CallState, filled: int) -> None: ...
 
 
 def greedy_generate(cp: Generating, input_ids: torch.Tensor, max_new_tokens: int = 20,
