@@ -38,7 +38,7 @@ import numpy as np
 from tppc.artifact.graph_io import Graph, GraphIO, read_graph
 from tppc.errors import ArtifactError, RuntimeInputError, SpecError
 
-__all__ = ["check_graphs", "check_plan", "check_timeout", "check_token_ids"]
+__all__ = ["check_finite", "check_graphs", "check_plan", "check_timeout", "check_token_ids"]
 
 _FIX = "fix: re-export the artifact (plan.json and the stage files must come from one export)"
 #: ONNX ops that pass token ids through unchanged on their way to the embedding's Gather.
@@ -336,6 +336,26 @@ def check_token_ids(name: str, array: np.ndarray, ids_below: int | None) -> None
             f"input {name!r} holds token id {int(array[at])} at {at}; the model's vocabulary "
             f"has ids 0..{ids_below - 1}. fix: pass ids in [0, {ids_below}) (ONNX would read "
             "a negative id from the end of the table)")
+
+
+def check_finite(name: str, array: np.ndarray) -> None:
+    """A floating input holding NaN is refused, as the torch path refuses it
+    (:func:`tppc.frontend.front_end.check_finite`: eager and chunked attention spread a NaN
+    differently).
+
+    Raises:
+        RuntimeInputError: naming the input and the first NaN's index.
+    """
+    if array.dtype.kind != "f" or array.size == 0:
+        return
+    bad = np.isnan(array)
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise RuntimeInputError(
+            f"input {name!r} holds NaN (first at index {at}, {int(bad.sum())} in all): "
+            "masked attention spreads a NaN differently in eager and in chunks, so no "
+            "result would be meaningful. fix: replace NaN before the call (e.g. "
+            "numpy.nan_to_num) or find where it came from")
 
 
 def check_timeout(timeout: Any) -> None:

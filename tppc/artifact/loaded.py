@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from tppc.artifact.check import check_timeout, check_token_ids
+from tppc.artifact.check import check_finite, check_timeout, check_token_ids
 from tppc.backends.onnxruntime import (
     OrtCall,
     OrtStage,
@@ -259,6 +259,7 @@ def _check_array(name: str, value: Any, spec: dict[str, Any]) -> np.ndarray:
                 f"input {name!r} has size {got} on axis {axis} (shape {array.shape}), "
                 f"exported for {size}. fix: pass shape {want} (null: any number of tokens)")
     check_token_ids(name, array, spec.get("ids_below"))
+    check_finite(name, array)
     return array
 
 

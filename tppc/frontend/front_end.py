@@ -40,7 +40,7 @@ from tppc.passes.chunk_attention import ChunkSignature, chunk_attention_pass
 from tppc.passes.runner import run_passes
 from tppc.program.state import StatePool
 
-__all__ = ["BoundCall", "FrontEnd", "batch_shape", "bind", "capture_front_end",
+__all__ = ["BoundCall", "FrontEnd", "batch_shape", "bind", "capture_front_end", "check_finite",
            "input_structure", "on_meta_if"]
 
 BatchShape = tuple[tuple[int | None, ...] | None, ...]
@@ -175,6 +175,7 @@ def bind(front: FrontEnd, model: torch.nn.Module, args: tuple[Any, ...],
     for ph, value in zip(placeholders, flat):
         seq = front.ctx.seq_inputs.get(ph.name, ())
         check_input(ph, value, skip_axes=(0,) if 0 not in seq else ())
+        check_finite(ph.name, value)
         if 0 not in seq and isinstance(value, torch.Tensor) and value.dim() \
                 and value.shape[0] == 0:
             raise RuntimeInputError(
@@ -190,6 +191,29 @@ def bind(front: FrontEnd, model: torch.nn.Module, args: tuple[Any, ...],
         raise RuntimeInputError("the sequence has 0 tokens. fix: pass at least one token")
     names = [p.name for p in placeholders]
     return BoundCall(flat=flat, length=length, batch=batch_shape(flat, front.ctx, names))
+
+
+def check_finite(name: str, value: Any) -> None:
+    """Refuse a floating input holding NaN: results would depend on the attention kernel.
+
+    Eager masked attention multiplies masked probabilities (0) by value rows, so one NaN
+    reaches every position (0 x NaN = NaN); a chunk never reads later chunks' rows, so the
+    pipeline keeps earlier positions finite. Neither pattern is meaningful: refuse by name.
+    Infinities pass (an additive mask holds -inf).
+
+    Raises:
+        RuntimeInputError: naming the input and the first NaN's index.
+    """
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        return
+    bad = value.isnan()
+    if bool(bad.any()):
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        raise RuntimeInputError(
+            f"input {name!r} holds NaN (first at index {where}, {int(bad.sum())} in all): "
+            "masked attention spreads a NaN differently in eager and in chunks, so no "
+            "result would be meaningful. fix: replace NaN before the call (e.g. "
+            "torch.nan_to_num) or find where it came from")
 
 
 def input_structure(model: torch.nn.Module, args: tuple[Any, ...],
