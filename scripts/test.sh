@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check tppc tests benchmarks examples
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@" tests
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "$@" tests
