@@ -1,0 +1,143 @@
+"""How a rank process ends: however it ends, it leaves no file behind and dies with its launcher.
+
+Terms:
+    launcher: the process that started this rank and named itself in the rank's environment
+        (:data:`LAUNCHER_PID_ENV`, and its job directory in :data:`LAUNCH_DIR_ENV`), as
+        :func:`tppc.launch` does. torchrun's ranks have none: torchrun itself ends them
+        (SIGTERM, then SIGKILL after 30 s) when one fails or it is interrupted.
+    parent-death signal: on Linux the kernel sends a launched rank SIGTERM when its launcher
+        dies, however it dies (``prctl(PR_SET_PDEATHSIG)``); the guard thread also checks
+        every :data:`POLL_S` seconds that its parent is still the launcher (other systems,
+        and a launcher that died before the rank set the signal). The signal comes when the
+        launcher's thread that started the rank exits; the launcher's other threads may
+        still hold its files (and its directory's lock) for a moment.
+    guard thread: wakes on SIGTERM, SIGINT or SIGHUP (through :func:`signal.set_wakeup_fd`,
+        so it acts even while the main thread is blocked in a collective or a hung stage) or
+        on the launcher's death; it then :func:`cleanup` s and ends the process at once
+        (exit status 128 + the signal's number, or 1 when the launcher died).
+    cleanup: remove what this process owns (its shared-output files) and what dead
+        processes owned (:func:`tppc.runtime.owned_files.sweep_all`): shared-output files of
+        killed ranks, and the launch directory of a dead launcher (a live launcher removes
+        its own).
+
+Example (what ``python -m tppc.cli.rank`` does first)::
+
+    guard_rank()            # main thread, before the job starts
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from tppc.runtime.owned_files import LAUNCH_PREFIX, release_all, sweep, sweep_all
+
+__all__ = ["LAUNCHER_EXIT_S", "LAUNCHER_PID_ENV", "LAUNCH_DIR_ENV", "POLL_S", "cleanup",
+           "guard_rank", "launcher_alive"]
+
+LAUNCHER_PID_ENV = "TPPC_LAUNCHER_PID"
+"""Environment variable: the pid of the process that launched this rank."""
+LAUNCH_DIR_ENV = "TPPC_LAUNCH_DIR"
+"""Environment variable: the launcher's job directory (inputs, outputs, reports, logs)."""
+POLL_S = 0.2
+"""Seconds between two checks that the launcher is alive."""
+LAUNCHER_EXIT_S = 3.0
+"""Seconds a rank waits for its dead launcher's last thread to exit (module docstring)."""
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_PR_SET_PDEATHSIG = 1
+_guarded = False
+
+
+def launcher_alive() -> bool:
+    """Whether this rank has no launcher, or its launcher is still its parent and running
+    (a launcher killed while several of its threads run is a zombie for a moment first)."""
+    pid = os.environ.get(LAUNCHER_PID_ENV)
+    if pid is None:
+        return True
+    if os.getppid() != int(pid):
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return not Path("/proc/self").exists()  # no /proc: the parent check is all
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+
+
+def cleanup() -> None:
+    """Remove what this process created (module docstring); safe from any thread, twice.
+
+    When the launcher is dead, waits up to :data:`LAUNCHER_EXIT_S` for the kernel to drop
+    its lock (the last of its threads to exit does) and removes its directory."""
+    release_all()
+    sweep_all()
+    where = os.environ.get(LAUNCH_DIR_ENV)
+    if not where or launcher_alive():
+        return
+    job = Path(where)
+    deadline = time.monotonic() + LAUNCHER_EXIT_S
+    while job.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+        sweep(job.parent, LAUNCH_PREFIX)
+
+
+def guard_rank() -> None:
+    """Start the guard thread of this rank (module docstring). Call it once, from the main
+    thread, before the job starts; a rank whose launcher is already gone leaves at once."""
+    global _guarded
+    if _guarded:
+        return
+    _guarded = True
+    launched = os.environ.get(LAUNCHER_PID_ENV) is not None
+    if launched:
+        _set_parent_death_signal(signal.SIGTERM)
+        if not launcher_alive():
+            _leave(1)
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    for sig in _SIGNALS:
+        signal.signal(sig, _note)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    threading.Thread(target=_guard, args=(read, launched), name="tppc-rank-exit",
+                     daemon=True).start()
+
+
+def _note(signum: int, frame: object) -> None:
+    """The main thread's handler: the guard thread, woken by the same signal, acts."""
+
+
+def _guard(read: int, launched: bool) -> None:
+    while True:
+        ready, _, _ = select.select([read], [], [], POLL_S if launched else None)
+        if ready:
+            for number in os.read(read, 64):
+                if number in _SIGNALS:
+                    _leave(128 + number)
+        if launched and not launcher_alive():
+            _leave(1)
+
+
+def _leave(status: int) -> None:
+    try:
+        cleanup()
+    finally:
+        sys.stderr.flush()
+        os._exit(status)
+
+
+def _set_parent_death_signal(sig: int) -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):  # no prctl: the guard thread's poll remains
+        pass
