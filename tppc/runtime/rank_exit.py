@@ -100,12 +100,13 @@ def guard_rank() -> None:
     if launched:
         _set_parent_death_signal(signal.SIGTERM)
         if not launcher_alive():
-            _leave(1)
+            _leave(1, "its launcher is gone")
     read, write = os.pipe()
     os.set_blocking(write, False)
-    for sig in _SIGNALS:
-        signal.signal(sig, _note)
-    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    if threading.current_thread() is threading.main_thread():  # else: no signal handlers
+        for sig in _SIGNALS:
+            signal.signal(sig, _note)
+        signal.set_wakeup_fd(write, warn_on_full_buffer=False)
     threading.Thread(target=_guard, args=(read, launched), name="tppc-rank-exit",
                      daemon=True).start()
 
@@ -120,16 +121,20 @@ def _guard(read: int, launched: bool) -> None:
         if ready:
             for number in os.read(read, 64):
                 if number in _SIGNALS:
-                    _leave(128 + number)
+                    _leave(128 + number, f"{signal.Signals(number).name} received")
         if launched and not launcher_alive():
-            _leave(1)
+            _leave(1, "its launcher died")
 
 
-def _leave(status: int) -> None:
+def _leave(status: int, why: str) -> None:
+    """Clean up, say why on stderr (``os.write``: no lock another thread may hold) and end
+    the process with ``status``."""
     try:
         cleanup()
+        rank = os.environ.get("RANK", "?")
+        os.write(2, f"[tppc.run rank {rank}] stopped: {why}; its files were removed\n"
+                 .encode())
     finally:
-        sys.stderr.flush()
         os._exit(status)
 
 
