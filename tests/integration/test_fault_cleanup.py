@@ -140,9 +140,10 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def _torchrun(checkpoint: str, fault: str | None, comm_timeout: float = 60) -> Job:
+def _torchrun(checkpoint: str, fault: str | None, logs: Path, comm_timeout: float = 60) -> Job:
+    """(``logs``: torchrun's own log directory, which it never removes; default in /tmp.)"""
     return Job([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", "2", "-m", "tppc.run", *RANK_ARGS,
+                "--log-dir", str(logs), "--nproc-per-node", "2", "-m", "tppc.run", *RANK_ARGS,
                 "--checkpoint", checkpoint, "--timeout", str(comm_timeout)], fault)
 
 
@@ -163,10 +164,11 @@ def _assert_clean(job: Job, wait: float, output: str) -> None:
 
 
 @pytest.mark.parametrize("killed", [1, 0])
-def test_torchrun_rank_killed_mid_call_leaves_nothing(checkpoint: str, killed: int) -> None:
+def test_torchrun_rank_killed_mid_call_leaves_nothing(checkpoint: str, killed: int,
+                                                      tmp_path: Path) -> None:
     """SIGKILL of the last rank (it owns the shared-output file: rank 0 sweeps it) or of
     rank 0 (the last rank releases its own), while rank ``killed`` hangs mid-call."""
-    job = _torchrun(checkpoint, f"hang@{killed}:1")
+    job = _torchrun(checkpoint, f"hang@{killed}:1", tmp_path)
     assert job.watch(job.hung_mid_call), job.finish(10)
     os.kill(job.ranks[killed], signal.SIGKILL)
     output = job.finish()
@@ -174,18 +176,30 @@ def test_torchrun_rank_killed_mid_call_leaves_nothing(checkpoint: str, killed: i
     _assert_clean(job, 10.0, output)
 
 
-def test_torchrun_hung_rank_leaves_nothing(checkpoint: str) -> None:
+def test_torchrun_hung_rank_leaves_nothing(checkpoint: str, tmp_path: Path) -> None:
     """The last rank hangs mid-call: rank 0 fails after the communication timeout, torchrun
     or the watchdog ends the hung rank, and its shared-output file goes with it."""
-    job = _torchrun(checkpoint, "hang@1:1", comm_timeout=5)
+    job = _torchrun(checkpoint, "hang@1:1", tmp_path, comm_timeout=5)
     assert job.watch(job.hung_mid_call), job.finish(10)
     output = job.finish()
     assert job.proc.returncode != 0
     _assert_clean(job, 10.0, output)
 
 
-def test_torchrun_raising_stage_leaves_nothing(checkpoint: str) -> None:
-    job = _torchrun(checkpoint, "raise@1:1")
+def test_torchrun_killed_takes_its_ranks_and_files(checkpoint: str, tmp_path: Path) -> None:
+    """SIGKILL of torchrun itself: its ranks (their parent gone) release their files and
+    exit within a second or so, instead of waiting out the communication timeout."""
+    job = _torchrun(checkpoint, "hang@1:1", tmp_path)
+    assert job.watch(job.hung_mid_call), job.finish(10)
+    t0 = time.monotonic()
+    os.kill(job.proc.pid, signal.SIGKILL)
+    output = job.finish(30)
+    _assert_clean(job, 10.0, output)
+    assert time.monotonic() - t0 < 10.0
+
+
+def test_torchrun_raising_stage_leaves_nothing(checkpoint: str, tmp_path: Path) -> None:
+    job = _torchrun(checkpoint, "raise@1:1", tmp_path)
     job.watch(lambda: False)
     output = job.finish()
     assert job.proc.returncode != 0 and "TPPC_FAULT injected" in output, output[-3000:]

@@ -3,12 +3,15 @@
 Terms:
     launcher: the process that started this rank and named itself in the rank's environment
         (:data:`LAUNCHER_PID_ENV`, and its job directory in :data:`LAUNCH_DIR_ENV`), as
-        :func:`tppc.launch` does. torchrun's ranks have none: torchrun itself ends them
-        (SIGTERM, then SIGKILL after 30 s) when one fails or it is interrupted.
-    parent-death signal: on Linux the kernel sends a launched rank SIGTERM when its launcher
-        dies, however it dies (``prctl(PR_SET_PDEATHSIG)``); the guard thread also checks
-        every :data:`POLL_S` seconds that its parent is still the launcher (other systems,
-        and a launcher that died before the rank set the signal). The signal comes when the
+        :func:`tppc.launch` does. Under torchrun (``TORCHELASTIC_RUN_ID`` set) the launcher
+        is the rank's parent when it starts, torchrun's agent: torchrun ends its ranks
+        (SIGTERM, then SIGKILL after 30 s) when one fails or it is interrupted, and the
+        guard thread ends them when torchrun itself is killed.
+    parent-death signal: on Linux the kernel sends a rank of :func:`tppc.launch` SIGTERM when
+        its launcher dies, however it dies (``prctl(PR_SET_PDEATHSIG)``); the guard thread
+        also checks every :data:`POLL_S` seconds that its parent is still the launcher
+        (torchrun's ranks, other systems, and a launcher that died before the rank set the
+        signal). The signal comes when the
         launcher's thread that started the rank exits; the launcher's other threads may
         still hold its files (and its directory's lock) for a moment.
     guard thread: wakes on SIGTERM, SIGINT or SIGHUP (through :func:`signal.set_wakeup_fd`,
@@ -38,11 +41,13 @@ from pathlib import Path
 
 from tppc.runtime.owned_files import LAUNCH_PREFIX, release_all, sweep, sweep_all
 
-__all__ = ["LAUNCHER_EXIT_S", "LAUNCHER_PID_ENV", "LAUNCH_DIR_ENV", "POLL_S", "cleanup",
-           "guard_rank", "launcher_alive"]
+__all__ = ["LAUNCHER_EXIT_S", "LAUNCHER_PID_ENV", "LAUNCH_DIR_ENV", "POLL_S", "TORCHRUN_ENV",
+           "cleanup", "guard_rank", "launcher_alive"]
 
 LAUNCHER_PID_ENV = "TPPC_LAUNCHER_PID"
 """Environment variable: the pid of the process that launched this rank."""
+TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"
+"""Environment variable torchrun sets in its ranks."""
 LAUNCH_DIR_ENV = "TPPC_LAUNCH_DIR"
 """Environment variable: the launcher's job directory (inputs, outputs, reports, logs)."""
 POLL_S = 0.2
@@ -56,12 +61,16 @@ _guarded = False
 
 
 def launcher_alive() -> bool:
-    """Whether this rank has no launcher, or its launcher is still its parent and running
-    (a launcher killed while several of its threads run is a zombie for a moment first)."""
+    """Whether this rank has no launcher named in its environment, or that launcher is
+    still its parent and running."""
     pid = os.environ.get(LAUNCHER_PID_ENV)
-    if pid is None:
-        return True
-    if os.getppid() != int(pid):
+    return pid is None or _parent_alive(int(pid))
+
+
+def _parent_alive(pid: int) -> bool:
+    """Whether ``pid`` is still this process's parent and running (a parent killed while
+    several of its threads run is a zombie for a moment first)."""
+    if os.getppid() != pid:
         return False
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -96,18 +105,21 @@ def guard_rank() -> None:
     if _guarded:
         return
     _guarded = True
-    launched = os.environ.get(LAUNCHER_PID_ENV) is not None
-    if launched:
+    launcher: int | None = None
+    if os.environ.get(LAUNCHER_PID_ENV) is not None:
+        launcher = int(os.environ[LAUNCHER_PID_ENV])
         _set_parent_death_signal(signal.SIGTERM)
-        if not launcher_alive():
-            _leave(1, "its launcher is gone")
+    elif os.environ.get(TORCHRUN_ENV) is not None:
+        launcher = os.getppid()
+    if launcher is not None and not _parent_alive(launcher):
+        _leave(1, "its launcher is gone")
     read, write = os.pipe()
     os.set_blocking(write, False)
     if threading.current_thread() is threading.main_thread():  # else: no signal handlers
         for sig in _SIGNALS:
             signal.signal(sig, _note)
         signal.set_wakeup_fd(write, warn_on_full_buffer=False)
-    threading.Thread(target=_guard, args=(read, launched), name="tppc-rank-exit",
+    threading.Thread(target=_guard, args=(read, launcher), name="tppc-rank-exit",
                      daemon=True).start()
 
 
@@ -115,14 +127,14 @@ def _note(signum: int, frame: object) -> None:
     """The main thread's handler: the guard thread, woken by the same signal, acts."""
 
 
-def _guard(read: int, launched: bool) -> None:
+def _guard(read: int, launcher: int | None) -> None:
     while True:
-        ready, _, _ = select.select([read], [], [], POLL_S if launched else None)
+        ready, _, _ = select.select([read], [], [], None if launcher is None else POLL_S)
         if ready:
             for number in os.read(read, 64):
                 if number in _SIGNALS:
                     _leave(128 + number, f"{signal.Signals(number).name} received")
-        if launched and not launcher_alive():
+        if launcher is not None and not _parent_alive(launcher):
             _leave(1, "its launcher died")
 
 
