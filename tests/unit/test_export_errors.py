@@ -152,3 +152,34 @@ def test_load_run_and_cli_run_need_neither_torch_nor_transformers(pristine, tmp_
     with torch.no_grad():
         want = model(torch.arange(32).reshape(1, 32) % 256).numpy()
     np.testing.assert_allclose(np.load(out), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_failed_export_removes_what_it_wrote(tmp_path, monkeypatch, existing) -> None:
+    """The second stage's translation fails after the first stage's file was written: the
+    new files go (and the directories the export created), a file already there stays."""
+    import tppc.artifact.write as write_module
+
+    model, args, kwargs = gpt(seq_len=32, n_layer=2)
+    cp = tppc.compile(model, args, kwargs, cluster="2xcpu", num_stages=2, chunks=2)
+    translate, seen = write_module.to_onnx, []
+
+    def fail_second(gm, **kw):
+        seen.append(kw["name"])
+        if kw["name"] == "stage_1":
+            assert (target / "stage_0.onnx").is_file()  # the first stage was written
+            raise KeyboardInterrupt  # as Ctrl-C would
+        return translate(gm, **kw)
+
+    monkeypatch.setattr(write_module, "to_onnx", fail_second)
+    target = tmp_path / "deep" / "out"
+    if existing:
+        target.mkdir(parents=True)
+        (target / "notes.txt").write_text("mine")
+    with pytest.raises(KeyboardInterrupt):
+        tppc.export(cp, target)
+    assert seen[0] == "stage_0" and seen[-1] == "stage_1"
+    if existing:
+        assert [p.name for p in target.iterdir()] == ["notes.txt"]
+    else:
+        assert list(tmp_path.iterdir()) == []

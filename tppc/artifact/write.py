@@ -66,12 +66,34 @@ def export(compiled: Any, path: str | os.PathLike[str], *, format: str = "onnx",
     Raises:
         ExportError: an unknown format, a length that is not an int ≥ 1, a program with a
             global epilogue, or an op the ONNX translation does not support (naming the node).
+
+    An export that raises (or is interrupted) removes the files it created and the directory
+    when it created it; files of an earlier export it overwrote stay, refused by
+    :func:`tppc.load` by their hashes.
     """
     wanted_lengths = _check_lengths(lengths)
     if format != "onnx":
         raise ExportError(f"format={format!r}: tppc exports 'onnx' only. fix: format='onnx'")
     out = Path(path)
+    made = [p for p in (out, *out.parents) if not p.exists()]
     out.mkdir(parents=True, exist_ok=True)
+    before = set(out.iterdir())
+    try:
+        return _export(compiled, out, wanted_lengths, external_data, progress)
+    except BaseException:
+        for entry in set(out.iterdir()) - before:
+            if entry.is_file():
+                entry.unlink(missing_ok=True)
+        for folder in made:  # innermost first; only if empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
+
+
+def _export(compiled: Any, out: Path, wanted_lengths: list[int], external_data: bool | None,
+            progress: Progress | None) -> Path:
     program = compiled.program(compiled.plan.seq_len)
     if program.tail is not None:
         raise ExportError(f"{compiled.model_name} has a global epilogue (a loss or pooling "

@@ -121,6 +121,7 @@ def _watchdog(rank: str, grace: float = 2.0) -> None:
     ``grace`` seconds later: a rank stuck in an op (an NCCL hang, a hung stage) cannot
     outlive the job's failure."""
     from tppc.backends.torch_distributed import read_failure
+    from tppc.runtime.rank_exit import cleanup
 
     def watch() -> None:
         while True:
@@ -129,6 +130,7 @@ def _watchdog(rank: str, grace: float = 2.0) -> None:
                 time.sleep(grace)
                 print(f"[tppc.run rank {rank}] StageFailed: {record} (stopped by the "
                       "watchdog)", file=sys.stderr, flush=True)
+                cleanup()
                 os._exit(1)
             time.sleep(0.5)
 
@@ -253,17 +255,23 @@ def _run_artifact(ns: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run this rank; returns 0, or exits the process with status 1 on any error."""
+    from tppc.runtime.rank_exit import LAUNCH_DIR_ENV, cleanup, guard_rank
+
     ns = _parser().parse_args(argv)
     rank = os.environ.get("RANK", "?")
+    guard_rank()  # signals and the launcher's death end this rank, leaving nothing behind
     try:
         report = _run(ns)
     except BaseException as exc:  # never hang in teardown: report and leave at once
         print(f"[tppc.run rank {rank}] {type(exc).__name__}: {exc}", file=sys.stderr,
               flush=True)
+        cleanup()
         os._exit(1)
     if ns.report:
-        Path(ns.report).mkdir(parents=True, exist_ok=True)
-        Path(ns.report, f"rank{report['rank']}.json").write_text(json.dumps(report))
+        if LAUNCH_DIR_ENV not in os.environ:  # a launcher's directory is never re-created
+            Path(ns.report).mkdir(parents=True, exist_ok=True)
+        if Path(ns.report).is_dir():
+            Path(ns.report, f"rank{report['rank']}.json").write_text(json.dumps(report))
     import torch.distributed as dist
 
     if dist.is_initialized():

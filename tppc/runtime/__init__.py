@@ -9,6 +9,9 @@ generate    pipelined prefill + greedy decoding (the loop: ``tppc.generation``)
 io          output assembly
 distributed, distributed_generate, distributed_denoise, rank_delivery, result_stream,
 shared_results    one rank of a torch.distributed job and how its outputs reach rank 0
+owned_files, rank_exit    what a job leaves behind: owner-locked files swept once their
+                          owner died; how a rank ends (signals, its launcher's death)
+launch    ``tppc.launch``: a job of local ranks
 """
 
 from __future__ import annotations

@@ -89,11 +89,11 @@ def run_call(pipe: Calling, args: tuple[Any, ...], kwargs: Mapping[str, Any],
     front, bound = pipe.bind(args, kwargs)
     program = pipe.program(bound.length, front)
     state = front.pool.acquire(bound.length)
-    call = Call(tuple(bound.flat), program.chunks, bound.length, bound.length, next_epoch(),
-                delivery.outputs(program, bound.length))
-    assembler = OutputAssembler(program.signature.output_axes, call,
-                                program.signature.output_rows)
-    try:  # a failure drops the state
+    try:  # a failure drops the state; the delivery releases what it took, however it ends
+        call = Call(tuple(bound.flat), program.chunks, bound.length, bound.length,
+                    next_epoch(), delivery.outputs(program, bound.length))
+        assembler = OutputAssembler(program.signature.output_axes, call,
+                                    program.signature.output_rows)
         pipe.execute(program, call, state, delivery.sink(assembler), executor, timeout,
                      trace=trace)
         delivery.flush()

@@ -44,6 +44,7 @@ from tppc.program.state import Call
 from tppc.runtime.checkpoint import StageWeights
 from tppc.runtime.compiled import CompiledPipeline
 from tppc.runtime.rank_delivery import RankDelivery
+from tppc.runtime.shared_results import sweep_dead
 
 __all__ = ["DistributedPipeline", "compile_distributed", "init_distributed"]
 
@@ -61,6 +62,9 @@ def init_distributed(timeout: float = 60.0, device: str = "auto"
 
     Returns:
         ``(rank, world size, this rank's device)``.
+
+    Joining also removes the shared-output files of dead processes on this machine
+    (:func:`tppc.runtime.shared_results.sweep_dead`).
     """
     local = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
@@ -75,6 +79,7 @@ def init_distributed(timeout: float = 60.0, device: str = "auto"
         dist.init_process_group("nccl" if use_cuda else "gloo",
                                 timeout=timedelta(seconds=timeout),
                                 device_id=where if use_cuda else None)
+        sweep_dead()  # shared outputs an earlier job's killed rank left on this machine
     return dist.get_rank(), dist.get_world_size(), where
 
 

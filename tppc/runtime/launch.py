@@ -10,6 +10,18 @@ Unlike torchrun it does not kill the other ranks when one fails: each rank must 
 exit on its own within ``comm_timeout`` (which is what the failure tests check); only after
 ``timeout`` seconds does it kill what is left.
 
+Terms:
+    job directory: ``<tmp>/tppc-launch-XXXX`` (inputs, outputs, reports, logs), owned by the
+        launcher (:mod:`tppc.runtime.owned_files`: locked while it lives).
+    cleanup: however :func:`launch` ends (a result, a failed rank, an exception, SIGINT, or
+        SIGTERM when it runs in the main thread without a SIGTERM handler of its own), it
+        stops the ranks still running (SIGTERM, SIGKILL after :data:`STOP_GRACE_S`),
+        removes the shared-output files of its dead ranks and its job directory. When the
+        launcher itself is killed (SIGKILL), its ranks get SIGTERM from the kernel (parent
+        death signal, :mod:`tppc.runtime.rank_exit`), release their files, remove the dead
+        launcher's directory and exit; whatever a process killed outright left is swept
+        by the next launch or rank (:func:`tppc.runtime.owned_files.sweep_all`).
+
 Example:
     >>> out = tppc.launch("tppc.examples:hf_llama", 2, checkpoint="llama.safetensors",
     ...                   inputs={"args.0": ids})                         # doctest: +SKIP
@@ -18,14 +30,15 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
-import shutil
+import signal
 import socket
 import subprocess
 import sys
-import tempfile
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -34,8 +47,13 @@ from typing import Any
 import torch
 
 from tppc.errors import SpecError, StageFailed
+from tppc.runtime import owned_files
+from tppc.runtime.rank_exit import LAUNCH_DIR_ENV, LAUNCHER_PID_ENV
 
-__all__ = ["LaunchResult", "launch"]
+__all__ = ["STOP_GRACE_S", "LaunchResult", "launch"]
+
+STOP_GRACE_S = 5.0
+"""Seconds the ranks get to exit after SIGTERM before they are killed."""
 
 
 @dataclass(frozen=True)
@@ -85,23 +103,29 @@ def launch(factory: str | Path, nprocs: int, *, checkpoint: str | Path | None = 
         StageFailed: a rank exited non-zero (the message holds every rank's error line;
             ``returncodes`` every exit status) or the job outlived ``timeout``.
 
-    The job's temporary directory (inputs, outputs, reports, logs) is removed on return.
+    However it ends, no rank, shared-output file or job directory is left (module doc).
     """
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise SpecError(f"nprocs={nprocs!r} must be an integer ≥ 1 (one process per stage)")
-    work = Path(tempfile.mkdtemp(prefix="tppc-launch-"))
+    owned_files.sweep_all()  # what launches and ranks killed outright left behind
+    work = owned_files.create_dir(owned_files.LAUNCH_PREFIX)
+    procs: list[subprocess.Popen] = []
     try:
-        return _launch(work, factory, nprocs, checkpoint, inputs, generate, factory_kwargs,
-                       chunks, cluster, threads, comm_timeout, timeout, repeat, env,
-                       extra_args)
+        with _sigterm_raises():
+            return _launch(work, procs, factory, nprocs, checkpoint, inputs, generate,
+                           factory_kwargs, chunks, cluster, threads, comm_timeout, timeout,
+                           repeat, env, extra_args)
     finally:  # outputs, reports and logs are read into the result first
-        shutil.rmtree(work, ignore_errors=True)
+        _stop(procs)
+        owned_files.sweep(owned_files.SHM_ROOT, owned_files.SHM_PREFIX)  # of killed ranks
+        owned_files.release(work)
 
 
-def _launch(work: Path, factory: str | Path, nprocs: int, checkpoint: str | Path | None,
-            inputs: Mapping[str, Any] | None, generate: int | None, factory_kwargs: str,
-            chunks: int | None, cluster: str | None, threads: int, comm_timeout: float,
-            timeout: float, repeat: int, env: Mapping[str, str] | None,
+def _launch(work: Path, procs: list[subprocess.Popen], factory: str | Path, nprocs: int,
+            checkpoint: str | Path | None, inputs: Mapping[str, Any] | None,
+            generate: int | None, factory_kwargs: str, chunks: int | None,
+            cluster: str | None, threads: int, comm_timeout: float, timeout: float,
+            repeat: int, env: Mapping[str, str] | None,
             extra_args: Sequence[str]) -> LaunchResult:
     import numpy as np
 
@@ -125,22 +149,19 @@ def _launch(work: Path, factory: str | Path, nprocs: int, checkpoint: str | Path
                                        timeout=timedelta(seconds=timeout),
                                        wait_for_workers=False)
     t0 = time.perf_counter()
-    procs, logs = [], []
-    for rank in range(nprocs):
-        log = open(work / f"rank{rank}.log", "w+")  # closed below
-        logs.append(log)
-        procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                      env=_rank_env(rank, nprocs, port, threads, env)))
-    codes = _wait(procs, t0 + timeout)
-    for p in procs:  # shared-memory outputs of a rank killed mid-call
-        for leftover in Path("/dev/shm").glob(f"tppc-{p.pid}-*"):
-            leftover.unlink(missing_ok=True)
-    seconds = time.perf_counter() - t0
-    texts = []
-    for log in logs:
-        log.seek(0)
-        texts.append(log.read())
-        log.close()
+    with contextlib.ExitStack() as stack:  # the logs are closed however this ends
+        logs = [stack.enter_context(open(work / f"rank{rank}.log", "w+"))
+                for rank in range(nprocs)]
+        for rank, log in enumerate(logs):
+            procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                          env=_rank_env(rank, nprocs, port, threads, env,
+                                                        work)))
+        codes = _wait(procs, t0 + timeout)
+        seconds = time.perf_counter() - t0
+        texts = []
+        for log in logs:
+            log.seek(0)
+            texts.append(log.read())
     del store
     if any(c != 0 for c in codes):
         lines = [f"rank {r} (exit {c}): " + _error_line(t) for r, (c, t)
@@ -159,12 +180,13 @@ def _launch(work: Path, factory: str | Path, nprocs: int, checkpoint: str | Path
 
 
 def _rank_env(rank: int, world: int, port: int, threads: int,
-              extra: Mapping[str, str] | None) -> dict[str, str]:
+              extra: Mapping[str, str] | None, work: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                 "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0",
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                "TORCHELASTIC_USE_AGENT_STORE": "True", "OMP_NUM_THREADS": str(threads)})
+                "TORCHELASTIC_USE_AGENT_STORE": "True", "OMP_NUM_THREADS": str(threads),
+                LAUNCHER_PID_ENV: str(os.getpid()), LAUNCH_DIR_ENV: str(work)})
     env.update(extra or {})
     return env
 
@@ -177,6 +199,41 @@ def _wait(procs: list[subprocess.Popen], deadline: float) -> tuple[int | None, .
             p.kill()
             p.wait()
     return tuple(p.returncode for p in procs)
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """End the ranks still running: SIGTERM (they release their files), then SIGKILL
+    after :data:`STOP_GRACE_S`; every rank is reaped."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        p.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for p in live:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises ``SystemExit(143)`` while the job runs, so that :func:`launch` cleans
+    up before the process ends as SIGTERM would end it; only in the main thread, and only
+    when the process has no SIGTERM handler of its own."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _error_line(text: str) -> str:

@@ -23,7 +23,7 @@ import torch
 from tppc.backends import wire
 from tppc.runtime.call import new_outputs, with_tail
 from tppc.runtime.result_stream import ResultSender, receive_results, streamable
-from tppc.runtime.shared_results import SharedOutputs
+from tppc.runtime.shared_results import SharedOutputs, sweep_dead
 
 if TYPE_CHECKING:
     from tppc.backends.torch_local import Sink
@@ -56,6 +56,7 @@ class RankDelivery:
         self.shared: SharedOutputs | None = None
         self.sender: ResultSender | None = None
         self.chunks: tuple[tuple[int, int], ...] = ()
+        self.flushed = False
 
     def outputs(self, program: Program, length: int) -> tuple[Any, ...]:
         axes = program.signature.output_axes
@@ -87,10 +88,13 @@ class RankDelivery:
             self.collective(lambda: sender.finish(self.comm_timeout), "results")
         if shared is not None:
             self.collective(lambda: shared.send(0, self.comm_timeout), "results")
+        self.flushed = True
 
     def close(self) -> None:
         if self.shared is not None:
             self.shared.close()
+        if not self.flushed:  # the call failed: a killed peer's shared outputs go too
+            sweep_dead()
 
     def leaves(self, program: Program, bound: BoundCall, leaves: list[Any]
                ) -> list[Any] | None:

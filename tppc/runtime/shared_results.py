@@ -9,8 +9,13 @@ Terms:
         no bytes cross a socket, and rank 0 has its outputs as soon as the last chunk is done.
         The last rank touches the file's pages when it creates it, at the start of the call
         while it waits for its first chunk, so its stage does not take the page faults. The last rank unlinks
-        the file once rank 0 acknowledged the mapping, or when the call fails (a rank killed
-        outright leaves it: :func:`tppc.launch` removes its ranks' files).
+        the file once rank 0 acknowledged the mapping, or when the call fails.
+    owner lock: the file ``/dev/shm/tppc-<pid>-<n>`` is owned by the last rank
+        (:mod:`tppc.runtime.owned_files`: locked until it is unlinked, the lock dropped by
+        the kernel however the rank dies). :func:`sweep_dead` removes the files of dead
+        owners: a failed call's survivors, every rank joining a job and :func:`tppc.launch`
+        call it, so a rank killed with SIGKILL leaves nothing once a tppc process looks
+        again; a rank's signal handlers release its own (:mod:`tppc.runtime.rank_exit`).
     one machine: every rank of the job runs on this node (``LOCAL_WORLD_SIZE ==
         WORLD_SIZE``, as torchrun and :func:`tppc.launch` set them), ``/dev/shm`` exists and
         has room for twice the outputs; otherwise the outputs are streamed over the process
@@ -20,7 +25,6 @@ Terms:
 
 from __future__ import annotations
 
-import itertools
 import os
 from collections.abc import Sequence
 from datetime import timedelta
@@ -32,12 +36,13 @@ import torch.distributed as dist
 
 from tppc.backends import wire
 from tppc.errors import StageFailed
+from tppc.runtime import owned_files
 
-__all__ = ["SharedOutputs", "map_outputs"]
+__all__ = ["SharedOutputs", "map_outputs", "sweep_dead"]
 
-_ROOT = Path("/dev/shm")
+_ROOT = owned_files.SHM_ROOT
 _ALIGN = 64
-_counter = itertools.count()
+_PREFIX = owned_files.SHM_PREFIX
 
 
 class SharedOutputs:
@@ -48,7 +53,6 @@ class SharedOutputs:
     """
 
     def __init__(self, specs: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> None:
-        self.path = _ROOT / f"tppc-{os.getpid()}-{next(_counter)}"
         self.entries, offset = [], 0
         for shape, dtype in specs:
             nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
@@ -56,8 +60,14 @@ class SharedOutputs:
                                  "shape": list(shape), "offset": offset})
             offset += -(-nbytes // _ALIGN) * _ALIGN
         self.nbytes = max(offset, _ALIGN)
-        whole = torch.from_file(str(self.path), shared=True, size=self.nbytes, dtype=torch.uint8)
-        whole.zero_()  # faults the pages in now, while this rank waits for its first chunk
+        self.path = owned_files.create_file(_ROOT, _PREFIX)
+        try:
+            whole = torch.from_file(str(self.path), shared=True, size=self.nbytes,
+                                    dtype=torch.uint8)
+            whole.zero_()  # faults the pages in now, while this rank waits for its first chunk
+        except BaseException:
+            owned_files.release(self.path)
+            raise
         self.tensors = tuple(_view(whole, e) for e in self.entries)
 
     @staticmethod
@@ -81,7 +91,12 @@ class SharedOutputs:
 
     def close(self) -> None:
         """Unlink the file (rank 0 mapped it, or the call failed: nothing is left)."""
-        self.path.unlink(missing_ok=True)
+        owned_files.release(self.path)
+
+
+def sweep_dead() -> list[Path]:
+    """Remove the shared-output files of dead processes on this machine; returns them."""
+    return owned_files.sweep(_ROOT, _PREFIX)
 
 
 def map_outputs(header: dict[str, Any], src: int, timeout: float) -> list[torch.Tensor]:
