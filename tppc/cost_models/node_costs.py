@@ -279,8 +279,13 @@ def _attention(node: fx.Node, shapes: Shapes, args: list[fx.Node], attention: st
     q_node, k_node, v_node = node.args[0], node.args[1], node.args[2]
     q = shapes.shape(q_node)
     key_len = shapes.subs.key(attention)
+    captured = shapes.shape(k_node)[-2]
     if shapes.subs.seq_symbol is None:  # static graph: keys as captured
-        key_len = shapes.shape(k_node)[-2]
+        key_len = captured
+    elif not sympy.sympify(captured).free_symbols:
+        # keys without a token axis (cross-attention to text states): a fixed context that
+        # every query sees whole, whatever the chunk
+        key_len, attention = captured, "bidirectional"
     item = itemsize(tensor_vals(q_node.meta["val"])[0])
     batch_heads = numel(q[:-2])
     k_src, v_src = _kv_source(k_node, shapes), _kv_source(v_node, shapes)
