@@ -8,8 +8,8 @@ fractions of them that :mod:`.efficiency` applies. Sources, cited per device bel
         SXM 267.9, A100 PCIe 256.4, H100 SXM 792.1, H100/H200 SXM 794.5, B200 SXM 1745,
         MI300X 781.9 TFLOP/s).
     [MMG] NVIDIA, *Matrix Multiplication Background User's Guide* (DU-09799-001), §2.3
-        typical cuBLAS tiles (128×128 and larger, k steps of 32 for fp16), §3.2 wave
-        quantisation over the SMs.
+        cuBLAS tiles (64×64 up to 256×128), §3.1 tile and §3.2 wave quantisation over the
+        SMs (on an A100's 108 SMs, 109 tiles take as long as 216).
     [FA2] T. Dao, *FlashAttention-2* (2023), Fig. 4: forward pass on A100 80GB SXM4, fp16,
         non-causal: about 178 TFLOP/s at head dim 64 and 225 at head dim 128 for long
         sequences. Head dims are padded to the next compiled size, a multiple of 32 up to
@@ -17,9 +17,11 @@ fractions of them that :mod:`.efficiency` applies. Sources, cited per device bel
     [TB] pytorch/benchmark PR 2391 (H100, fp16, head dim 128, batch·seq = 16k): Triton
         FA2 329 → 477 TFLOP/s and FA3 430 → 621 from 512 to 16384 keys; both fit
         ``R·keys/(keys + 240)`` within 2 %: a query tile pays about 240 keys of fixed cost.
-    [HOST] per-op issue cost of eager PyTorch from Python, 4-25 µs (about 4 µs for a bare
-        aten op, 10-20 µs through ``nn.Module`` calls; a kernel replayed in a CUDA graph
-        costs about 1.3 µs of device-side gap). 8 µs host, 1.5 µs gap taken for all GPUs.
+    [HOST] per-op issue cost of eager PyTorch from Python: "~5-25 µs of CPU-side work per
+        op" (jiahuanglin.xyz, GPU kernel serving, lesson 18 "From PyTorch op to kernel
+        launch"); a bare aten op measures ~4 µs, one replayed in a CUDA graph ~1.3 µs of
+        device-side gap. Taken for all GPUs: 15 µs host (the range's middle: diffusers'
+        ops go through ``nn.Module`` calls and attention processors), 1.5 µs gap.
     [STREAM] copy kernels sustain about 90 % of the HBM/GDDR datasheet bandwidth on NVIDIA
         parts (BabelStream-style copies; e.g. 3.57 of 3.94 TB/s on an H100 NVL).
 
