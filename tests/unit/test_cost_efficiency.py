@@ -134,3 +134,26 @@ def test_new_presets_parse_in_cluster_strings():
     for text, link in (("4xl40s", "pcie4"), ("8xb200", "nvlink5"), ("8xmi300x", "xgmi"),
                        ("4xtpu-v6e", "ici-v6e"), ("2xl20", "pcie4"), ("4xa100-pcie", "pcie4")):
         assert {lk.name for lk in Cluster.parse(text).links} == {link}
+
+
+def test_cross_attention_to_text_is_priced_over_the_text_tokens_not_the_image():
+    # PixArt's cross-attention reads K/V of the 6 text tokens (const: no token axis); it
+    # used to be priced as causal self-attention over the image's tokens
+    pytest.importorskip("diffusers")
+    from tppc.cost_models.layer_costs import layer_expressions
+    from tppc.cost_models.node_costs import C, P
+    from tppc.examples import hf_pixart
+    from tppc.frontend.annotate import annotate, program_of
+
+    model, args, kwargs = hf_pixart(size=8, layers=2, text_len=6)
+    gm, ctx = annotate(model, args, kwargs)
+    exprs = layer_expressions(program_of(gm, ctx), ctx.layers, A100, 16,
+                              seq_symbol=ctx.seq_symbol, token_count=ctx.token_count)
+    cross = [n for e in exprs for n in e.nodes
+             if n.kind == "attention" and n.op != "chunk_attention"]
+    assert cross
+    for node in cross:
+        (_, _, keys, _), _ = node.matmuls
+        assert keys == 6 and not node.causal_keys
+        assert node.matrix_flops.subs(P, 0) == node.matrix_flops.subs(P, 8)
+        assert node.matrix_flops.has(C)

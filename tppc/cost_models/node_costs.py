@@ -282,7 +282,7 @@ def _attention(node: fx.Node, shapes: Shapes, args: list[fx.Node], attention: st
     captured = shapes.shape(k_node)[-2]
     if shapes.subs.seq_symbol is None:  # static graph: keys as captured
         key_len = captured
-    elif not sympy.sympify(captured).free_symbols:
+    elif _fixed_context(k_node, captured):
         # keys without a token axis (cross-attention to text states): a fixed context that
         # every query sees whole, whatever the chunk
         key_len, attention = captured, "bidirectional"
@@ -301,6 +301,13 @@ def _attention(node: fx.Node, shapes: Shapes, args: list[fx.Node], attention: st
                           head_dim=q[-1], kv_heads=kv_heads, value_dim=value_dim,
                           itemsize=item, keys=key_len)
     return replace(work, bytes=work.bytes + mask_bytes), int(work.kv_bytes_per_key)
+
+
+def _fixed_context(k_node: fx.Node, length: object) -> bool:
+    """Keys of a fixed length computed from no token (``const`` role): cross-attention."""
+    info = k_node.meta.get(TOKEN)
+    return (isinstance(info, TokenInfo) and info.role == "const"
+            and not sympy.sympify(length).free_symbols)
 
 
 def _kv_source(node: fx.Node, shapes: Shapes) -> fx.Node:
