@@ -44,15 +44,17 @@ def test_plan_and_compile_agree_on_a_causal_lm(name, options) -> None:
 
 
 def test_plan_and_compile_agree_on_a_dit_in_patch_rows() -> None:
-    """Own DiT, 64x64 latent, patch 2: 32 patch rows of 32 tokens (counted by hand)."""
+    """Own DiT, 64x64 latent, patch 2: 32 patch rows of 32 tokens (counted by hand). On the
+    pinned CPU: on an A100 preset this tiny model's ops all cost the host's issue time, and
+    patches would only add ops (the planner rightly keeps one chunk there)."""
     model, args, kwargs = examples.dit(size=64)
-    cp = tppc.compile(model, args, kwargs, cluster="4xa100-80gb@pcie4", executor="local",
+    cp = tppc.compile(model, args, kwargs, cluster="4xcpu", executor="local",
                       devices=["cpu"] * 4)
-    plain = tppc.plan(model, args, kwargs, cluster="4xa100-80gb@pcie4")
+    plain = tppc.plan(model, args, kwargs, cluster="4xcpu")
     _assert_same(plain, cp.plan)
     assert (plain.seq_len, plain.tokens_per_unit, plain.boundaries) == (32, 32, (0, 32))
     workload = Workload(kind="diffusion", steps=20, warmup_steps=1)
-    patches = tppc.plan(model, args, kwargs, cluster="4xa100-80gb@pcie4", workload=workload)
+    patches = tppc.plan(model, args, kwargs, cluster="4xcpu", workload=workload)
     assert len(patches.chunks) > 1, "expected the planner to cut 32 rows into patches"
     assert patches.unit == "rows of 32 tokens" and patches.seq_tokens == 32 * 32
     _assert_same(patches, cp.denoise_plan(20, 1))

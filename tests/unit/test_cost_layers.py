@@ -86,7 +86,9 @@ def test_cost_table_prices_every_device_and_link(llama):
                              1024, seq_symbol=ctx.seq_symbol, token_count=ctx.token_count)
     assert table.device_names == ("h100-sxm", "h100-sxm", "a100-80gb")
     assert table.num_layers == len(ctx.layers) and table.causal
-    assert [lk.bandwidth for lk in table.links] == [450e9, 32e9]
+    # achieved point-to-point rates (presets: nccl-tests, p2pBandwidthLatencyTest), not the
+    # 450 / 32 GB/s datasheet ones
+    assert [lk.bandwidth for lk in table.links] == [370e9, 25e9]
     c = np.array([4096.0])
     h100, a100 = table.layers[0][1].time(c, c * 0), table.layers[2][1].time(c, c * 0)
     assert a100[0] > h100[0]

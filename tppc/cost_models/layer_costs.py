@@ -218,6 +218,9 @@ class _Pricer:
         overhead = 0.0
         for cost in costs:
             terms = node_time_terms(cost, device, fuse_elementwise=fuse)
+            if terms.host:  # the host's issue time overlaps the node's device time
+                total.append(terms.total())
+                continue
             overhead += terms.overhead
             total.append(terms._replace(overhead=0.0).total())
         time = (sympy.Add(*total) + overhead).subs(full)

@@ -279,8 +279,13 @@ def _attention(node: fx.Node, shapes: Shapes, args: list[fx.Node], attention: st
     q_node, k_node, v_node = node.args[0], node.args[1], node.args[2]
     q = shapes.shape(q_node)
     key_len = shapes.subs.key(attention)
+    captured = shapes.shape(k_node)[-2]
     if shapes.subs.seq_symbol is None:  # static graph: keys as captured
-        key_len = shapes.shape(k_node)[-2]
+        key_len = captured
+    elif _fixed_context(k_node, captured):
+        # keys without a token axis (cross-attention to text states): a fixed context that
+        # every query sees whole, whatever the chunk
+        key_len, attention = captured, "bidirectional"
     item = itemsize(tensor_vals(q_node.meta["val"])[0])
     batch_heads = numel(q[:-2])
     k_src, v_src = _kv_source(k_node, shapes), _kv_source(v_node, shapes)
@@ -296,6 +301,13 @@ def _attention(node: fx.Node, shapes: Shapes, args: list[fx.Node], attention: st
                           head_dim=q[-1], kv_heads=kv_heads, value_dim=value_dim,
                           itemsize=item, keys=key_len)
     return replace(work, bytes=work.bytes + mask_bytes), int(work.kv_bytes_per_key)
+
+
+def _fixed_context(k_node: fx.Node, length: object) -> bool:
+    """Keys of a fixed length computed from no token (``const`` role): cross-attention."""
+    info = k_node.meta.get(TOKEN)
+    return (isinstance(info, TokenInfo) and info.role == "const"
+            and not sympy.sympify(length).free_symbols)
 
 
 def _kv_source(node: fx.Node, shapes: Shapes) -> fx.Node:

@@ -11,9 +11,17 @@ Terms:
         ``attention_overhead`` per ``chunk_attention`` call; a view node costs
         ``view_overhead`` (0 on the presets) and nothing else (see :mod:`.dispatch`).
 
-A node's time is ``max(matrix_s, vector_s, memory_s) + serial_s + overhead``: serial
-seconds are copies done by separate kernels (eager K/V repeat), which cannot overlap the
-node's compute. Const nodes (no token dependence, run once per call) cost nothing per chunk.
+    achieved rates (GPU presets; see :mod:`.specs`): matrix seconds divide by
+        ``peak × matrix.efficiency``; with ``matrix.units`` a kernel's output tiles run in
+        whole waves (:func:`.efficiency.wave_flops`); attention follows the head-dim and key
+        curve of :mod:`.efficiency`; bytes divide by ``memory.achieved``.
+    host overhead: an eager op's issue cost on the host, overlapped with the device's
+        work: the node costs at least ``host_overhead × launches``.
+
+A node's time is ``max(max(matrix_s, vector_s, memory_s) + serial_s + overhead, host)``:
+serial seconds are copies done by separate kernels (eager K/V repeat), which cannot overlap
+the node's compute. Const nodes (no token dependence, run once per call) cost nothing per
+chunk.
 
 Example:
     >>> terms = node_time_terms(cost, DEVICE_PRESETS["tpu-v5p"])  # doctest: +SKIP
@@ -26,6 +34,7 @@ from typing import NamedTuple
 
 import sympy
 
+from tppc.cost_models.efficiency import attention_seconds, wave_flops
 from tppc.cost_models.node_costs import NodeCost, P
 from tppc.cost_models.specs import DeviceSpec, MatrixUnit
 
@@ -33,8 +42,8 @@ __all__ = ["TimeTerms", "node_time_terms"]
 
 
 class TimeTerms(NamedTuple):
-    """Seconds of one node on one device; its time is ``max(matrix, vector, memory) +
-    serial + overhead``.
+    """Seconds of one node on one device; its time is ``max(max(matrix, vector, memory) +
+    serial + overhead, host)``.
 
     Attributes:
         matrix: padded matmul FLOPs / rate.
@@ -44,6 +53,7 @@ class TimeTerms(NamedTuple):
             packing pass of a weight larger than the last-level cache (CPU GEMMs).
         overhead: launch and dispatch seconds (a number, or an expression in c for a node
             whose launches depend on the chunk, e.g. a loop over the experts touched).
+        host: the host's issue seconds, overlapped with the rest (0 when none).
     """
 
     matrix: sympy.Expr
@@ -51,13 +61,18 @@ class TimeTerms(NamedTuple):
     memory: sympy.Expr
     serial: sympy.Expr
     overhead: float | sympy.Expr
+    host: float | sympy.Expr = 0.0
 
     def total(self) -> sympy.Expr:
-        """``max(matrix, vector, memory) + serial + overhead`` (zero terms dropped)."""
+        """``max(max(matrix, vector, memory) + serial + overhead, host)`` (zero terms
+        dropped)."""
         terms = [t for t in (self.matrix, self.vector, self.memory) if t != 0]
         body = sympy.Max(*terms, evaluate=False) if len(terms) > 1 else \
             (terms[0] if terms else sympy.Integer(0))
-        return body + self.serial + self.overhead
+        device = body + self.serial + self.overhead
+        if not self.host:
+            return device
+        return sympy.Max(device, self.host, evaluate=False)
 
 
 def _pad(x: sympy.Expr, tile: int) -> sympy.Expr:
@@ -105,25 +120,40 @@ def node_time_terms(cost: NodeCost, device: DeviceSpec, *, fuse_elementwise: boo
         free = fuse_elementwise or cost.op == "getitem"
         return TimeTerms(zero, zero, zero, zero, 0.0 if free else device.view_overhead)
     unit = device.matrix
+    if cost.kind == "attention" and (device.attention_dim_tile or device.attention_half_dim
+                                     or device.attention_half_keys or unit.units):
+        t_mat = attention_seconds(cost.matmuls, device, causal=cost.causal_keys,
+                                  dtype=cost.dtype)
+    else:
+        t_mat = _matrix_flops(cost, unit) / unit.peak(cost.dtype)
+        if cost.kind == "attention":
+            t_mat = t_mat / device.attention_efficiency
+        elif unit.efficiency != 1:
+            t_mat = t_mat / unit.efficiency
+    t_vec = cost.vector_flops / device.vector.peak_flops
+    serial = zero if fuse_elementwise else cost.serial_bytes
+    bandwidth = device.memory.achieved
+    t_mem = (cost.bytes - serial) / bandwidth
+    t_serial = serial / bandwidth + _streamed_weights(cost, unit)
+    overhead = device.op_overhead * cost.launches if cost.launches != 1 else device.op_overhead
+    if cost.op == "chunk_attention":
+        overhead = overhead + device.attention_overhead
+    host = device.host_overhead * cost.launches if device.host_overhead else 0.0
+    if fuse_elementwise and cost.kind == "vector":
+        t_mem, overhead, host = zero, 0.0, 0.0
+    return TimeTerms(t_mat, t_vec, t_mem, t_serial, overhead, host)
+
+
+def _matrix_flops(cost: NodeCost, unit: MatrixUnit) -> sympy.Expr:
+    """Tile-padded matmul FLOPs (whole waves of tiles when the unit has ``units``)."""
+    zero = sympy.Integer(0)
     extra = sympy.Float(unit.half_rows) if unit.half_rows else zero
     mms = cost.matmuls
     if cost.causal_keys:  # the key dim counts visited keys: pad tile by tile (.attention)
         (b, m, keys, d), (_, _, dv, _) = mms
         padded_keys = keys + (_pad(m, unit.tile_m) - m + max(unit.tile_m, unit.tile_n) - 1) / 2
         mms = ((b, m, padded_keys, d), (b, m, dv, padded_keys))
-    padded = sum((2 * b * (_pad(m, unit.tile_m) + extra) * _pad_dim(n, unit.tile_n, cost)
-                  * _pad_dim(k, unit.tile_k, cost) for b, m, n, k in mms), zero)
-    rate = unit.peak(cost.dtype)
-    if cost.kind == "attention":
-        rate *= device.attention_efficiency
-    t_mat = padded / rate
-    t_vec = cost.vector_flops / device.vector.peak_flops
-    serial = zero if fuse_elementwise else cost.serial_bytes
-    t_mem = (cost.bytes - serial) / device.memory.bandwidth
-    t_serial = serial / device.memory.bandwidth + _streamed_weights(cost, unit)
-    overhead = device.op_overhead * cost.launches if cost.launches != 1 else device.op_overhead
-    if cost.op == "chunk_attention":
-        overhead = overhead + device.attention_overhead
-    if fuse_elementwise and cost.kind == "vector":
-        t_mem, overhead = zero, 0.0
-    return TimeTerms(t_mat, t_vec, t_mem, t_serial, overhead)
+    if unit.units and cost.kind == "matrix":
+        return sum((wave_flops(b, m, n, k, unit) for b, m, n, k in mms), zero)
+    return sum((2 * b * (_pad(m, unit.tile_m) + extra) * _pad_dim(n, unit.tile_n, cost)
+                * _pad_dim(k, unit.tile_k, cost) for b, m, n, k in mms), zero)

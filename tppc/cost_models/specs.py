@@ -19,6 +19,18 @@ Terms:
         datasheet presets, where tile padding models the same effect).
     attention efficiency: the fraction of the matrix peak a fused attention kernel reaches
         (its softmax, masking and rescaling run on the same cores between two small matmuls).
+    achieved efficiency (GPU presets, measured, not peak): a large GEMM sustains
+        ``matrix.efficiency`` of the peak; a kernel's output tiles run on ``matrix.units``
+        processors (SMs, CUs) in waves, so a kernel of ``t`` tiles costs
+        ``ceil(t / units)`` full waves (wave quantisation); memory-bound kernels reach
+        ``memory.efficiency`` of the bandwidth; an eager op costs the host
+        ``host_overhead`` seconds to issue, overlapped with the device's work (an op takes
+        at least that long) on top of ``op_overhead`` of gap between kernels.
+    attention curve: the head dim is padded to ``attention_dim_tile`` (FlashAttention's
+        kernels exist for head dims 32, 64, 96, ...); a kernel of padded head dim ``d`` reaches
+        ``attention_efficiency · d / (d + attention_half_dim)`` of the peak, and each query
+        row costs ``attention_half_keys`` keys more than it visits (per-tile prologue and
+        epilogue: short key ranges run below the asymptotic rate).
     link: bandwidth per direction (bytes/s) and latency (s) between two neighbouring devices.
 
 Example:
@@ -68,6 +80,12 @@ def _positive(owner: str, name: str, value: float, fix: str) -> None:
         raise SpecError(f"{owner}: {name} must be a positive finite number, got {value!r}; {fix}")
 
 
+def _fraction(owner: str, name: str, value: float) -> None:
+    if not isinstance(value, int | float) or not math.isfinite(value) or not 0 < value <= 1:
+        raise SpecError(f"{owner}: {name} must be in (0, 1], got {value!r}; it is the measured "
+                        "fraction of the datasheet rate that real kernels sustain")
+
+
 @dataclass(frozen=True, kw_only=True)
 class MatrixUnit:
     """Matrix (tensor-core / MXU) throughput and tile.
@@ -83,6 +101,10 @@ class MatrixUnit:
             (a weight) larger than this is packed in a pass over memory of its own.
         stream_bandwidth: bytes/s of that pass, which does not overlap the multiply (0: no
             such pass; datasheet presets).
+        efficiency: fraction of the peak a large, well-shaped GEMM sustains (measured, e.g.
+            the maximum achievable matmul FLOPS); in (0, 1].
+        units: processors the output tiles are spread over (SMs, CUs); 0: no wave
+            quantisation.
     """
 
     peak_flops: Mapping[str, float]
@@ -92,6 +114,8 @@ class MatrixUnit:
     half_rows: float = 0.0
     cache_bytes: int = 0
     stream_bandwidth: float = 0.0
+    efficiency: float = 1.0
+    units: int = 0
 
     def __post_init__(self) -> None:
         if not self.peak_flops:
@@ -109,6 +133,9 @@ class MatrixUnit:
         if not isinstance(self.half_rows, int | float) or not math.isfinite(self.half_rows) \
                 or self.half_rows < 0:
             raise SpecError(f"MatrixUnit: half_rows must be >= 0 rows, got {self.half_rows!r}")
+        _fraction("MatrixUnit", "efficiency", self.efficiency)
+        if not isinstance(self.units, int) or self.units < 0:
+            raise SpecError(f"MatrixUnit: units must be an integer >= 0, got {self.units!r}")
         object.__setattr__(self, "peak_flops", dict(self.peak_flops))
 
     def peak(self, dtype: str) -> float:
@@ -125,7 +152,8 @@ class MatrixUnit:
 
     def __hash__(self) -> int:
         return hash((tuple(sorted(self.peak_flops.items())), self.tile_m, self.tile_n, self.tile_k,
-                     self.half_rows, self.cache_bytes, self.stream_bandwidth))
+                     self.half_rows, self.cache_bytes, self.stream_bandwidth, self.efficiency,
+                     self.units))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,16 +175,24 @@ class Memory:
     """Device memory.
 
     Attributes:
-        bandwidth: sustained bytes/s between memory and the compute units.
+        bandwidth: bytes/s between memory and the compute units (datasheet, or measured).
         capacity: usable bytes.
+        efficiency: fraction of ``bandwidth`` memory-bound kernels sustain, in (0, 1].
     """
 
     bandwidth: float
     capacity: int
+    efficiency: float = 1.0
 
     def __post_init__(self) -> None:
         _positive("Memory", "bandwidth", self.bandwidth, "give bytes/s, e.g. 3.35e12")
         _positive("Memory", "capacity", self.capacity, "give bytes, e.g. 80 * 10**9")
+        _fraction("Memory", "efficiency", self.efficiency)
+
+    @property
+    def achieved(self) -> float:
+        """Bytes/s memory-bound kernels sustain: ``bandwidth × efficiency``."""
+        return self.bandwidth * self.efficiency
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,7 +208,14 @@ class DeviceSpec:
         view_overhead: seconds per view node (eager dispatch of a view; 0: views are free).
         attention_overhead: seconds per chunk-attention call besides its op overhead.
         attention_efficiency: fraction of the matrix peak fused attention (SDPA) reaches,
-            in (0, 1]; 1 prices attention like any matmul.
+            in (0, 1]; 1 prices attention like any matmul. With ``attention_half_dim`` it
+            is the asymptote of the head-dim curve.
+        host_overhead: seconds the host spends issuing one eager op; the device runs
+            asynchronously, so an op costs ``max(device time, host_overhead)`` (0: none).
+        attention_dim_tile: head dims are padded to a multiple of this (0: the matrix
+            unit's ``tile_k``).
+        attention_half_dim: d½ of the head-dim curve (0: flat).
+        attention_half_keys: keys added to every query row's visited keys (0: none).
         description: free text (full product name, where the numbers come from).
     """
 
@@ -184,6 +227,10 @@ class DeviceSpec:
     view_overhead: float = 0.0
     attention_overhead: float = 0.0
     attention_efficiency: float = 1.0
+    host_overhead: float = 0.0
+    attention_dim_tile: int = 0
+    attention_half_dim: float = 0.0
+    attention_half_keys: float = 0.0
     description: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -195,12 +242,16 @@ class DeviceSpec:
                 f"DeviceSpec {self.name!r}: attention_efficiency must be in (0, 1], got "
                 f"{eff!r}; it is the fraction of the matrix peak that SDPA reaches"
             )
-        for name in ("op_overhead", "view_overhead", "attention_overhead"):
+        for name in ("op_overhead", "view_overhead", "attention_overhead", "host_overhead",
+                     "attention_half_dim", "attention_half_keys"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise SpecError(
-                    f"DeviceSpec {self.name!r}: {name} must be >= 0 seconds, got {value!r}"
+                    f"DeviceSpec {self.name!r}: {name} must be >= 0, got {value!r}"
                 )
+        if not isinstance(self.attention_dim_tile, int) or self.attention_dim_tile < 0:
+            raise SpecError(f"DeviceSpec {self.name!r}: attention_dim_tile must be an integer "
+                            f">= 0, got {self.attention_dim_tile!r}")
 
     def ridge_point(self, dtype: str = "bf16") -> float:
         """FLOP per byte above which a matmul in ``dtype`` is compute-bound."""
