@@ -96,7 +96,7 @@ class BiasRows:
         rows = self._rows(mask, val.dim() - 2)
         if kv_len is None or size_expr(val.shape[-1]) != self.sym:
             return rows
-        return self._new(_aten.narrow.default, (rows, -1, 0, kv_len))
+        return self._new(_aten.narrow.default, (rows, -1, 0, kv_len), like=mask)
 
     # -- the query axis, followed back ------------------------------------------------------
     def _rows(self, node: fx.Node, axis: int) -> fx.Node:
@@ -112,25 +112,25 @@ class BiasRows:
                                f"not the sequence length {self.sym}")
         if len(seq_axes(node, self.sym)[0]) <= 1:  # O(L): whole, then the chunk's rows
             return self._new(_aten.narrow.default, (self._whole(node), axis, self.start,
-                                                    self.size))
+                                                    self.size), like=node)
         target = node.target
         if node.op == "call_function" and _elementwise(target):
-            return self._new(target, *self._broadcast_args(node, axis))
+            return self._new(target, *self._broadcast_args(node, axis), like=node)
         if target is _aten.expand.default:
             sizes = [self._whole(s) for s in node.args[1]]
             sizes[axis] = self.size
-            return self._new(target, (self._arg_rows(node.args[0], node, axis), sizes))
+            return self._new(target, (self._arg_rows(node.args[0], node, axis), sizes), like=node)
         if target is _aten.unsqueeze.default:
             d = node.args[1] % val.dim()
             source = self._rows(node.args[0], axis if axis < d else axis - 1)
-            return self._new(target, (source, d))
+            return self._new(target, (source, d), like=node)
         if target is _aten.permute.default:
             dims = [d % val.dim() for d in node.args[1]]
-            return self._new(target, (self._rows(node.args[0], dims[axis]), dims))
+            return self._new(target, (self._rows(node.args[0], dims[axis]), dims), like=node)
         if target is _aten.transpose.int:
             d0, d1 = (d % val.dim() for d in node.args[1:3])
             source = d1 if axis == d0 else d0 if axis == d1 else axis
-            return self._new(target, (self._rows(node.args[0], source), d0, d1))
+            return self._new(target, (self._rows(node.args[0], source), d0, d1), like=node)
         if target in _VIEWS:
             return self._view(node, axis)
         if target is _aten.slice.Tensor:
@@ -138,7 +138,7 @@ class BiasRows:
         if target is _aten.embedding.default and axis < val.dim() - 1:
             weight, index = node.args[0], node.args[1]
             args = (self._whole(weight), self._rows(index, axis), *node.args[2:])
-            return self._new(target, args)
+            return self._new(target, args, like=node)
         raise self._refuse(node, f"its op {target} works across the query axis")
 
     def _broadcast_args(self, node: fx.Node, axis: int) -> tuple[tuple, dict]:
@@ -167,7 +167,7 @@ class BiasRows:
                     sympy.simplify(sympy.Mul(*(size_expr(s) for s in src[:k])) - before) == 0:
                 sizes = [self._whole(s) for s in node.args[1]]
                 sizes[axis] = self.size
-                return self._new(node.target, (self._rows(source, k), sizes))
+                return self._new(node.target, (self._rows(source, k), sizes), like=node)
         raise self._refuse(node, "it is a view that does not keep the query axis")
 
     def _slice(self, node: fx.Node, axis: int) -> fx.Node:
@@ -176,7 +176,7 @@ class BiasRows:
         dim = (dim or 0) % tensor_val(node).dim()
         if dim != axis:
             rest = [self._whole(a) for a in node.args[1:]]
-            return self._new(node.target, (self._rows(source, axis), *rest))
+            return self._new(node.target, (self._rows(source, axis), *rest), like=node)
         if start not in (0, None) or step not in (1, None):
             raise self._refuse(node, f"it slices the query axis from {start} by {step}; "
                                "only leading slices ([:L]) keep row positions")
@@ -197,6 +197,7 @@ class BiasRows:
             return self.user_input(node)
         if node.op == "get_attr":
             new = self.graph.get_attr(str(node.target))
+            new.meta.update(node.meta)
             new.meta[TOKEN] = TokenInfo("const")
             return new
         val = node.meta.get("val")
@@ -213,12 +214,17 @@ class BiasRows:
             raise self._refuse(node, f"it is a {node.op} node")
         args = fx.node.map_arg(node.args, self._whole)
         kwargs = fx.node.map_arg(node.kwargs, self._whole)
-        return self._new(node.target, args, kwargs)
+        return self._new(node.target, args, kwargs, like=node)
 
-    def _new(self, target: Any, args: tuple, kwargs: dict[str, Any] | None = None) -> fx.Node:
-        """A positional node: every stage that reads it computes it (it is never sent)."""
+    def _new(self, target: Any, args: tuple, kwargs: dict[str, Any] | None = None, *,
+             like: fx.Node) -> fx.Node:
+        """A positional node: every stage that reads it computes it (it is never sent). Its
+        ``meta["val"]`` is ``like``'s (the dtype and rank the ONNX translation reads; its
+        query axis has the model's length, not the chunk's)."""
         node = self.graph.call_function(target, args, kwargs or {})
         node.meta[TOKEN] = TokenInfo("positional")
+        if "val" in like.meta:
+            node.meta["val"] = like.meta["val"]
         return node
 
     def _refuse(self, node: fx.Node, why: str) -> PassError:
