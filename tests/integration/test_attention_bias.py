@@ -10,6 +10,7 @@ from hidden states is refused at annotation by name (:class:`tppc.ActivationMask
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -105,7 +106,9 @@ def _compile(model: nn.Module, ids: torch.Tensor, **options):
     return tppc.compile(model, (ids,), **{"cluster": "2xcpu", **options})
 
 
-def _eager_greedy(model: nn.Module, ids: torch.Tensor, new: int) -> torch.Tensor:
+def _eager_greedy(model: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor,
+                  new: int) -> torch.Tensor:
+    """Greedy tokens from the model's forward over the whole sequence at every step."""
     with torch.no_grad():
         for _ in range(new):
             ids = torch.cat([ids, model(ids)[:, -1:].argmax(-1)], dim=1)
@@ -199,3 +202,99 @@ def test_an_exported_bias_model_matches_torch_and_generates_the_same_tokens(kind
         np.testing.assert_allclose(runner(x.numpy()), want, atol=1e-4, rtol=1e-4)
     got = runner.generate(ids[:, :10].numpy(), max_new_tokens=6)
     np.testing.assert_array_equal(got, _eager_greedy(model, ids[:, :10], 6).numpy())
+
+
+# -- transformers' ALiBi families ------------------------------------------------------------
+
+
+def _falcon(**cfg):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.FalconConfig(
+        vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        alibi=True, new_decoder_architecture=False, multi_query=False, **cfg)
+    config._attn_implementation = "sdpa"
+    return transformers.FalconForCausalLM(config).eval()
+
+
+def test_falcon_alibi_prefill_is_exact_under_several_plans() -> None:
+    model = _falcon()
+    ids = torch.randint(0, 64, (1, SEQ), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids).logits
+    for plan in _PLANS:
+        cp = _compile(model, ids, **plan)
+        assert (len(cp.plan.boundaries) - 1, len(cp.plan.stages)) == (plan["chunks"],
+                                                                       plan["num_stages"])
+        with torch.no_grad():
+            torch.testing.assert_close(cp(ids).logits, want, rtol=1e-4, atol=1e-4)
+
+
+def test_falcon_alibi_generates_the_eager_greedy_tokens() -> None:
+    """The oracle is the model's own forward over the whole sequence at every step (the
+    decode path reads the bias' row of the new token over the cached keys). transformers'
+    ``generate`` is not used: at this initialisation it picks another token than the
+    model's own forward from the second step on, with or without its cache."""
+    model = _falcon(initializer_range=0.3)  # varied tokens, not one repeated
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(2))
+    cp = _compile(model, ids, num_stages=2, chunks=3)
+    want = _eager_greedy(lambda x: model(x).logits, ids, 10)
+    assert len(set(want[0, 12:].tolist())) > 2
+    torch.testing.assert_close(cp.generate(ids, max_new_tokens=10, eos_token_id=None), want)
+
+
+def test_falcon_alibi_from_a_padding_mask_is_exact_on_every_valid_row() -> None:
+    """ALiBi from ``attention_mask``'s cumulative sum (left padding): the valid rows are
+    exact with ``verify=False``. A padded query sees no key: there the model averages the
+    values of every key, later ones included, which no causal chunk can; the default compile
+    refuses it by name (translation validation), naming the float bias."""
+    model = _falcon(initializer_range=0.3)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[0, :3] = 0
+    kwargs = {"attention_mask": mask}
+    cp = _compile(model, ids, num_stages=2, chunks=3, verify=False, kwargs=kwargs)
+    with torch.no_grad():
+        want, got = model(ids, **kwargs).logits, cp(ids, **kwargs).logits
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], rtol=1e-4, atol=1e-4)
+    greedy = cp.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=None)
+    for row in range(2):  # each prompt alone, its padding dropped
+        alone = ids[row:row + 1, mask[row].bool()]
+        want = _eager_greedy(lambda x: model(x).logits, alone, 6)
+        torch.testing.assert_close(greedy[row:row + 1, -want.shape[1]:], want)
+    with pytest.raises(tppc.SoundnessError) as info:
+        _compile(model, ids, num_stages=2, chunks=3, kwargs=kwargs)
+    assert "float attention bias" in info.value.construct
+
+
+def test_falcon_alibi_export_is_refused_by_name_or_matches(tmp_path) -> None:
+    """Falcon's K/V pass through a reshape after the buffer read: its export is refused by
+    name (with or without ALiBi); should it export, ONNX Runtime must match torch."""
+    model = _falcon()
+    ids = torch.randint(0, 64, (1, SEQ))
+    cp = _compile(model, ids, num_stages=2, chunks=4)
+    try:
+        tppc.export(cp, tmp_path, lengths=[SEQ])
+    except tppc.TppcError as err:
+        assert type(err).__name__ == "ExportError" and "attention" in str(err), err
+        return
+    with torch.no_grad():
+        want = model(ids).logits.numpy()
+    got = tppc.load(tmp_path, threads_per_stage=1)(ids.numpy())
+    np.testing.assert_allclose(got["logits"], want, atol=1e-4, rtol=1e-4)
+
+
+def test_bloom_alibi_is_exact_or_refused_by_name() -> None:
+    """transformers has no SDPA attention for Bloom: its eager score matrix is refused."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BloomConfig(vocab_size=64, hidden_size=64, n_layer=2, n_head=4)
+    model = transformers.BloomForCausalLM(config).eval()
+    ids = torch.randint(0, 64, (1, SEQ))
+    try:
+        cp = _compile(model, ids, num_stages=2, chunks=4)
+    except tppc.AnnotationError as err:
+        assert "eager attention" in str(err) and "transformer.h.0" in str(err)
+        return
+    with torch.no_grad():
+        torch.testing.assert_close(cp(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
