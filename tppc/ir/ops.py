@@ -17,7 +17,8 @@ model prices. Otherwise (other devices, padding, windows) a chunk is cut into qu
 whose boolean mask holds at most :data:`MASK_ELEMENTS` elements, each block reading only
 the keys it may see. A padding mask arrives as an O(L) key-validity vector and a sliding
 window as an int, combined per block: a window of ``w`` keys reads ``O(c · w)`` keys, not
-the whole prefix.
+the whole prefix. A float attention bias (ALiBi) arrives as its rows for the chunk
+(``c × kv_len``, hiding the later keys itself) and is SDPA's mask as it is.
 
 Example:
     >>> q = k = v = torch.randn(1, 2, 8, 4)

@@ -16,7 +16,8 @@ Terms:
 The query axis (the mask's second-to-last) is followed back from the mask through the ops
 that keep it: broadcasting elementwise ops (``add``, ``where``, ``masked_fill``, compares,
 casts), ``expand``, ``unsqueeze``, ``permute``/``transpose``, views that keep the axis,
-slices of other axes or from 0 along it, and lookups (``embedding``) of an index value. An
+slices of other axes or from 0 along it, and lookups by an index value (``embedding``,
+``table[index]``). An
 input broadcast along the query axis is evaluated whole; a small value is evaluated whole
 and narrowed to the chunk's rows. So a chunk builds ``O(chunk_size · L)`` elements (its
 rows), and a call never builds the ``L × L`` bias. Any other op on the way is refused by
@@ -135,6 +136,8 @@ class BiasRows:
             return self._view(node, axis)
         if target is _aten.slice.Tensor:
             return self._slice(node, axis)
+        if target is _aten.index.Tensor:
+            return self._index(node, axis)
         if target is _aten.embedding.default and axis < val.dim() - 1:
             weight, index = node.args[0], node.args[1]
             args = (self._whole(weight), self._rows(index, axis), *node.args[2:])
@@ -150,13 +153,9 @@ class BiasRows:
 
     def _arg_rows(self, arg: Any, node: fx.Node, axis: int) -> Any:
         """``arg`` of ``node`` (broadcast to its shape) restricted to the chunk's rows."""
-        val = tensor_val(arg)
-        if not isinstance(arg, fx.Node) or val is None:
+        if not isinstance(arg, fx.Node) or tensor_val(arg) is None:
             return self._whole(arg)
-        in_axis = axis - (tensor_val(node).dim() - val.dim())
-        if in_axis < 0 or size_expr(val.shape[in_axis]) == 1:
-            return self._whole(arg)
-        return self._rows(arg, in_axis)
+        return self._arg_rows_at(arg, axis, tensor_val(node).dim())
 
     def _view(self, node: fx.Node, axis: int) -> fx.Node:
         source = node.args[0]
@@ -169,6 +168,31 @@ class BiasRows:
                 sizes[axis] = self.size
                 return self._new(node.target, (self._rows(source, k), sizes), like=node)
         raise self._refuse(node, "it is a view that does not keep the query axis")
+
+    def _index(self, node: fx.Node, axis: int) -> fx.Node:
+        """``x[i0, i1, ...]`` with adjacent index tensors (``table[distance]``): the query axis
+        is one of the indices' broadcast axes, or an axis of ``x`` outside them."""
+        source, indices = node.args[0], list(node.args[1])
+        used = [k for k, i in enumerate(indices) if i is not None]
+        if used != list(range(used[0], used[0] + len(used))):
+            raise self._refuse(node, "it indexes with tensors on axes that are not adjacent")
+        first = used[0]
+        span = tensor_val(node).dim() - tensor_val(source).dim() + len(used)
+        if first <= axis < first + span:  # the rows of every index, the source whole
+            new = [None if i is None else self._arg_rows_at(i, axis - first, span)
+                   for i in indices]
+            return self._new(node.target, (self._whole(source), new), like=node)
+        src_axis = axis if axis < first else axis - span + len(used)
+        new = [None if i is None else self._whole(i) for i in indices]
+        return self._new(node.target, (self._rows(source, src_axis), new), like=node)
+
+    def _arg_rows_at(self, arg: fx.Node, axis: int, rank: int) -> Any:
+        """``arg`` broadcast to ``rank`` dimensions, restricted to the chunk's rows."""
+        val = tensor_val(arg)
+        in_axis = axis - (rank - val.dim())
+        if in_axis < 0 or size_expr(val.shape[in_axis]) == 1:
+            return self._whole(arg)
+        return self._rows(arg, in_axis)
 
     def _slice(self, node: fx.Node, axis: int) -> fx.Node:
         args = list(node.args) + [None] * (5 - len(node.args))
@@ -235,5 +259,5 @@ class BiasRows:
             f"{getattr(attn, 'name', '?')!r} (module {where or '<top level>'}) cannot be "
             f"evaluated row by row at node {node.name!r} ({node.target}): {why}. tppc "
             "evaluates a bias per chunk through elementwise ops, expand, views, permutes, "
-            "slices and embedding lookups of positions. fix: build the bias from positions "
+            "slices and lookups (embedding, table[index]) of positions. fix: build the bias from positions "
             "with those ops (ALiBi, relative-position tables), or pass a boolean mask")

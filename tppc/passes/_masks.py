@@ -6,7 +6,8 @@ example length): first with every candidate input set to ones, which must give a
 band ``i - w < j ≤ i`` (``w`` found at the longest probe) or all-visible keys; then with
 random 0/1 inputs, which must give that pattern ``& key_valid[b, j]`` for
 ``key_valid = input != 0``. Anything else is refused with the node, its module and why.
-A float mask whose visible entries are not all 0 at some probe is an additive *bias*
+A float mask whose visible entries are not all 0 at some probe, or that reads a parameter or
+buffer (a learned table, zero at initialisation), is an additive *bias*
 (ALiBi, relative positions): its pattern is checked the same way and its values are
 evaluated per chunk (``MaskSpec.bias``, :mod:`tppc.passes._bias_rows`).
 
@@ -71,10 +72,18 @@ def mask_spec(node: fx.Node, mask: fx.Node, gm: fx.GraphModule, ctx: CompileCont
                 raise _refuse(node, f"with random 0/1 values of input {source.name!r} at "
                               f"length {length} it is not (pattern & {source.name}[b, key] != 0)")
     kind: AttentionKind = "causal" if causal else "bidirectional"
+    bias = bias or _reads_weights(mask, closure)  # a table that is 0 now may be trained
     if window is None and source is None and not bias:
         return kind, None
     return kind, MaskSpec(window=window, key_valid=None if source is None else source.name,
                           bias=bias)
+
+
+def _reads_weights(mask: fx.Node, closure: set[fx.Node]) -> bool:
+    """Whether a float mask reads a parameter or buffer: a bias whatever its values now."""
+    val = tensor_val(mask)
+    return val is not None and val.dtype.is_floating_point \
+        and any(n.op == "get_attr" for n in closure)
 
 
 def _is_bias(mask: torch.Tensor) -> bool:
