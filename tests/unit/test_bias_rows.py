@@ -91,3 +91,16 @@ def test_a_bias_computed_across_query_rows_is_refused_by_name() -> None:
     text = str(info.value)
     assert "float attention bias" in text and "cumsum" in text and "query axis" in text
     assert "blocks.0" in text
+
+
+def test_the_memory_rule_counts_the_rows_of_a_float_bias() -> None:
+    """A chunk of ``c`` queries reads ``c × L`` bias values per head (2 heads, fp32): the
+    predicted stage memory grows by that over a 0/-inf mask, within 64 bytes per chunk
+    token (the rule takes the largest layer's transient bytes: with the mask dropped, that
+    need not be the attention's layer)."""
+    ids = torch.randint(0, 32, (1, 256))
+    plans = {kind: tppc.plan(_Toy(kind).eval(), (ids,), cluster="2xcpu", num_stages=2,
+                             chunks=4) for kind in ("plain", "table")}
+    assert plans["table"].boundaries == plans["plain"].boundaries == (0, 64, 128, 192, 256)
+    for plain, table in zip(plans["plain"].stages, plans["table"].stages, strict=True):
+        assert abs(table.memory_bytes - plain.memory_bytes - 64 * 256 * 2 * 4) <= 64 * 64
