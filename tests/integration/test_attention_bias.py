@@ -210,9 +210,10 @@ def test_an_exported_bias_model_matches_torch_and_generates_the_same_tokens(kind
 def _falcon(**cfg):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
+    cfg = {"new_decoder_architecture": False, "multi_query": False, **cfg}
     config = transformers.FalconConfig(
         vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        alibi=True, new_decoder_architecture=False, multi_query=False, **cfg)
+        alibi=True, **cfg)
     config._attn_implementation = "sdpa"
     return transformers.FalconForCausalLM(config).eval()
 
@@ -228,6 +229,17 @@ def test_falcon_alibi_prefill_is_exact_under_several_plans() -> None:
                                                                        plan["num_stages"])
         with torch.no_grad():
             torch.testing.assert_close(cp(ids).logits, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("cfg", [{"new_decoder_architecture": True, "num_kv_heads": 2},
+                                 {"multi_query": True}], ids=["gqa", "multi-query"])
+def test_falcon_alibi_with_fewer_kv_heads_is_exact(cfg) -> None:
+    """K/V heads are repeated after the buffer read, so the per-head bias rows line up."""
+    model = _falcon(**cfg)
+    ids = torch.randint(0, 64, (1, SEQ), generator=torch.Generator().manual_seed(0))
+    cp = _compile(model, ids, num_stages=2, chunks=4)
+    with torch.no_grad():
+        torch.testing.assert_close(cp(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
 
 
 def test_falcon_alibi_generates_the_eager_greedy_tokens() -> None:

@@ -30,6 +30,9 @@ class _Attn(nn.Module):
         if self.kind == "table":
             dist = (i[:, None] - i[None, :]).clamp(0, 7)
             return self.table[dist].permute(2, 0, 1).masked_fill(later, float("-inf"))
+        if self.kind == "window":  # ALiBi within a sliding window of 4 keys
+            dist = (i[:, None] - i[None, :]).float()
+            return (-0.5 * dist).masked_fill(later | (dist >= 4), float("-inf"))
         rel = (i[None, :] - i[:, None]).float()  # "cumsum": mixes the query rows
         return rel.cumsum(0).masked_fill(later, float("-inf"))
 
@@ -104,3 +107,13 @@ def test_the_memory_rule_counts_the_rows_of_a_float_bias() -> None:
     assert plans["table"].boundaries == plans["plain"].boundaries == (0, 64, 128, 192, 256)
     for plain, table in zip(plans["plain"].stages, plans["table"].stages, strict=True):
         assert abs(table.memory_bytes - plain.memory_bytes - 64 * 256 * 2 * 4) <= 64 * 64
+
+
+def test_alibi_in_a_sliding_window_keeps_the_window_and_is_exact() -> None:
+    model = _Toy("window").eval()
+    ids = torch.randint(0, 32, (1, 12))
+    mask = _mask_of(model, ids)
+    assert mask is not None and mask.bias and mask.window == 4
+    cp = tppc.compile(model, (ids,), cluster="2xcpu", num_stages=2, chunks=3)
+    with torch.no_grad():
+        torch.testing.assert_close(cp(ids), model(ids), rtol=1e-4, atol=1e-4)
