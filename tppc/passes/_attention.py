@@ -10,7 +10,8 @@ otherwise classified by evaluating its mask (a positional value) at small *probe
 never at the example length (so classifying costs the same for a 32k-token example as for
 a 16-token one): a lower-triangular pattern at every probe is causal, an all-true one
 bidirectional; a causal band is a sliding window, and a mask built from an integer input
-(``attention_mask``) is a padding mask (see :mod:`tppc.passes._masks`). The probes are a short length and one longer than every integer constant
+(``attention_mask``) is a padding mask (see :mod:`tppc.passes._masks`); a float mask that
+adds values to visible keys is a bias, evaluated per chunk (:mod:`tppc.passes._bias_rows`). The probes are a short length and one longer than every integer constant
 the mask's computation uses (a sliding window of ``w`` tokens shows at lengths ``> w``), at
 most :data:`MAX_PROBE`.
 """
