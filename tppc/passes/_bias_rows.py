@@ -108,6 +108,8 @@ class BiasRows:
 
     def _rows_of(self, node: fx.Node, axis: int) -> fx.Node:
         val = tensor_val(node)
+        if val is None:
+            raise self._refuse(node, "it has no tensor metadata (meta['val'])")
         if size_expr(val.shape[axis]) != self.sym:
             raise self._refuse(node, f"its query axis {axis} has {val.shape[axis]} positions, "
                                f"not the sequence length {self.sym}")
