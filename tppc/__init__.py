@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from tppc.artifact.load import load
 from tppc.errors import (
+    ActivationMaskError,
     AnnotationError,
     ArtifactError,
     CaptureError,
@@ -55,6 +56,7 @@ if _torch is not None:
     from tppc.runtime.launch import LaunchResult, launch
 
 __all__ = [
+    "ActivationMaskError",
     "AnnotationError",
     "ArtifactError",
     "CaptureError",

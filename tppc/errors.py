@@ -7,6 +7,7 @@ All derive from :class:`TppcError` so callers can catch one type.
 from __future__ import annotations
 
 __all__ = [
+    "ActivationMaskError",
     "AnnotationError",
     "ArtifactError",
     "CaptureError",
@@ -42,6 +43,24 @@ class AnnotationError(TppcError):
 
 class PassError(TppcError):
     """A compiler pass failed; the message names the pass and the original error."""
+
+
+class ActivationMaskError(AnnotationError, PassError):
+    """An attention mask or float bias (ALiBi-like) computed from activations (hidden
+    states), not only from positions, constants, parameters and integer inputs; tppc cannot
+    evaluate it per chunk. Raised at annotation, before anything is planned.
+
+    Attributes:
+        node: the attention node.
+        module: its module path (``""``: top level).
+        mask: the mask's node.
+        construct: the construct, in words.
+    """
+
+    def __init__(self, message: str, *, node: str, module: str, mask: str,
+                 construct: str) -> None:
+        super().__init__(message)
+        self.node, self.module, self.mask, self.construct = node, module, mask, construct
 
 
 class SoundnessError(TppcError):

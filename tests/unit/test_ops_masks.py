@@ -24,3 +24,29 @@ def test_chunk_equals_dense_mask(window: int | None, start: int, size: int) -> N
     got = torch.ops.tppc.chunk_attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end],
                                          start, True, None, False, None, valid, window)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("start,size", [(0, 16), (5, 7), (12, 4)])
+def test_a_causal_chunk_with_float_bias_rows_equals_the_rows_of_dense_attention(start, size):
+    """ALiBi rows (``-slope · (i - j)``, later keys at the dtype's minimum) over the chunk's
+    ``kv_len = start + size`` keys give the rows of attention over every key."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 16, 8) for _ in range(3))
+    i, j = torch.arange(16)[:, None], torch.arange(16)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])[:, None, None]
+    bias = (-slopes * (i - j)).masked_fill(j > i, torch.finfo(torch.float32).min)[None]
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)[:, :, start:start + size]
+    end = start + size
+    got = torch.ops.tppc.chunk_attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end],
+                                         start, True, None, False, bias[..., start:end, :end])
+    torch.testing.assert_close(got, want)
+
+
+def test_a_causal_chunk_refuses_a_boolean_mask_or_a_bias_with_a_window() -> None:
+    q = k = v = torch.randn(1, 2, 8, 4)
+    with pytest.raises(ValueError, match="float attn_mask"):
+        torch.ops.tppc.chunk_attention(q, k, v, 0, True, None, False,
+                                       torch.ones(8, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match="float attn_mask"):
+        torch.ops.tppc.chunk_attention(q, k, v, 0, True, None, False, torch.zeros(8, 8),
+                                       None, 4)

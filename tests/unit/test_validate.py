@@ -3,8 +3,8 @@
 Every compile on real weights replays the program (two stages, two chunks or more, the example
 and a probe length) against the unsplit captured graph; a difference raises SoundnessError
 naming the first diverging node. The oracles: the eager model, and programs broken on purpose
-at a known node (the error must name that node), and small models with constructs tppc gets
-wrong today (an ALiBi-style float bias, an in-place write into a slice).
+at a known node (the error must name that node), and small models with constructs tppc got
+wrong before (an ALiBi-style float bias, an in-place write into a slice), exact now.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def test_a_model_on_the_meta_device_is_not_validated() -> None:
     assert v.skipped is not None and "meta" in v.skipped and v.runs == ()
 
 
-# -- constructs tppc gets wrong today: refused by validation instead ---------------------------
+# -- constructs tppc got wrong before validation refused them: exact now -----------------------
 class _Attention(nn.Module):
     def __init__(self, dim: int, construct: str, heads: int = 4) -> None:
         super().__init__()
@@ -201,30 +201,13 @@ class _Toy(nn.Module):
         return self.head(x)
 
 
-@pytest.mark.parametrize(("construct", "words", "op", "module"), [
-    ("alibi", "float attention bias", "aten.scaled_dot_product_attention.default",
-     "blocks.0.attn"),
-    ("relative_bias", "float attention bias", "aten.scaled_dot_product_attention.default",
-     "blocks.0.attn"),
-])
-def test_a_construct_tppc_gets_wrong_is_refused_by_name(construct, words, op, module) -> None:
-    model = _Toy(construct).eval()
-    ids = torch.randint(0, 64, (1, 16))
-    cp = tppc.compile(model, (ids,), executor="local", verify=False)
-    with torch.no_grad():  # today's pipeline is silently wrong ...
-        assert (cp(ids) - model(ids)).abs().max() > 1e-2
-    with pytest.raises(tppc.SoundnessError) as info:  # ... the default compile refuses it
-        tppc.compile(model, (ids,), executor="local")
-    err = info.value
-    assert words in err.construct and err.op == op
-    assert err.module == module and err.layer == "blocks.0"  # the first block
-
-
-@pytest.mark.parametrize("construct", ["slice_write", "routing"])
-def test_in_place_writes_refused_before_functionalisation_are_now_exact(construct) -> None:
+@pytest.mark.parametrize("construct", ["slice_write", "routing", "alibi", "relative_bias"])
+def test_constructs_refused_by_validation_before_are_now_exact(construct) -> None:
     """``q[..., 4:] = f(q[..., 4:])`` and ``zeros_like`` + ``scatter_`` were silently wrong
-    (the writes were lost); capture now makes them out-of-place, so even ``verify=False``
-    matches the eager model."""
+    (the writes were lost; capture now makes them out-of-place), and so were float attention
+    biases (ALiBi, a learned table per distance: only which keys a query sees was kept; the
+    chunk step now evaluates the bias' rows); validation refused them. Even ``verify=False``
+    now matches the eager model."""
     model = _Toy(construct).eval()
     ids = torch.randint(0, 64, (1, 16))
     cp = tppc.compile(model, (ids,), executor="local", verify=False, num_stages=2, chunks=4)

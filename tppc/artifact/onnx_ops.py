@@ -19,6 +19,7 @@ from onnx import TensorProto, helper
 from torch import fx
 
 from tppc.artifact.graphs import ExportError, split_attention
+from tppc.artifact.onnx_mask_ops import MASK_OPS
 
 __all__ = ["OPS", "Int", "Tensor", "onnx_dtype"]
 
@@ -369,4 +370,5 @@ OPS: dict[Any, Fn] = {
     operator.mul: _int_op("Mul", operator.mul),
     operator.floordiv: _int_op("Div", operator.floordiv),  # sizes: non-negative
     split_attention: _attention,
+    **MASK_OPS,  # compares, where, clamp, logs, expand: masks and float biases
 }

@@ -16,6 +16,8 @@ Terms:
         ``tppc.ir.ops.MASK_ELEMENTS`` rows × keys per block. On a CPU device a causal chunk
         without a padding vector or a window builds no mask (the prefix and the diagonal
         block run unmasked / ``is_causal`` and merge by log-sum-exp): no workspace per key.
+        A float attention bias (ALiBi) instead reads its rows: one value per batch row,
+        head, query row and key.
 
 Example:
     >>> peak_live_bytes(pricer.nodes, info.nodes, pricer.shapes, seq_len)  # doctest: +SKIP
@@ -24,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import sympy
@@ -110,9 +113,25 @@ def attention_workspace(nodes: Mapping[str, fx.Node], layer_nodes: Sequence[str]
         if node.op != "call_function" or getattr(node.target, "_opname", "") != "chunk_attention":
             continue
         causal = bool(node.args[4]) if len(node.args) > 4 else bool(node.kwargs.get("causal"))
+        bias = _bias_bytes(node)
+        if bias:  # a float bias' rows: one per batch row and head, every key
+            out = max(out, bias)
+            continue
         masked = any((node.args[i] if len(node.args) > i else node.kwargs.get(k)) is not None
                      for i, k in ((8, "key_valid"), (9, "window")))
         vals = tensor_vals(node.args[0].meta.get("val")) if causal and (masked or not cpu) else ()
         if vals:
             out = max(out, 1 + vals[0].element_size())
     return out
+
+
+def _bias_bytes(node: fx.Node) -> int:
+    """Bytes per (query row, key) of the float bias rows a chunk attention reads (0: none)."""
+    bias = node.args[7] if len(node.args) > 7 else node.kwargs.get("attn_mask")
+    vals = tensor_vals(bias.meta.get("val")) if isinstance(bias, fx.Node) else ()
+    if not vals or not vals[0].dtype.is_floating_point:
+        return 0
+    lead = [s for s in vals[0].shape[:-2]]
+    if not all(isinstance(s, int) for s in lead):
+        return 0
+    return int(math.prod(lead)) * vals[0].element_size()

@@ -17,7 +17,8 @@ model prices. Otherwise (other devices, padding, windows) a chunk is cut into qu
 whose boolean mask holds at most :data:`MASK_ELEMENTS` elements, each block reading only
 the keys it may see. A padding mask arrives as an O(L) key-validity vector and a sliding
 window as an int, combined per block: a window of ``w`` keys reads ``O(c · w)`` keys, not
-the whole prefix.
+the whole prefix. A float attention bias (ALiBi) arrives as its rows for the chunk
+(``c × kv_len``, hiding the later keys itself) and is SDPA's mask as it is.
 
 Example:
     >>> q = k = v = torch.randn(1, 2, 8, 4)
@@ -52,10 +53,14 @@ def chunk_attention_eager(query: torch.Tensor, key: torch.Tensor, value: torch.T
         key: ``(..., kv_len, d)`` the keys ``[0, kv_len)`` of the buffer.
         value: ``(..., kv_len, d_v)`` the values, likewise.
         chunk_start: absolute position of the chunk's first query.
-        causal: mask keys after each query's position (then ``attn_mask`` must be None).
+        causal: mask keys after each query's position (a causal ``attn_mask`` must hide
+            them itself).
         scale: SDPA's scale (None: ``1/sqrt(d)``).
         enable_gqa: SDPA's grouped-query attention (fewer K/V heads than query heads).
-        attn_mask: a mask of the chunk's rows over ``kv_len`` keys (bidirectional only).
+        attn_mask: a mask of the chunk's rows over ``kv_len`` keys; with ``causal=True`` a
+            float bias (ALiBi) that already hides the keys after each row (with ``-inf`` or
+            the dtype's minimum), used as it is (then ``key_valid`` and ``window`` must be
+            None).
         key_valid: ``(batch, ≥ kv_len)``: keys ``j`` with ``key_valid[b, j] == 0`` are hidden
             from every query of sequence ``b`` (a padding mask).
         window: causal sliding window: query ``i`` sees keys ``i - window < j ≤ i`` only.
@@ -68,12 +73,16 @@ def chunk_attention_eager(query: torch.Tensor, key: torch.Tensor, value: torch.T
             attn_mask = valid if attn_mask is None else attn_mask & valid
         return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
                                               scale=scale, enable_gqa=enable_gqa)
-    if attn_mask is not None:
-        raise ValueError("tppc::chunk_attention: causal=True takes no attn_mask")
     c, kv_len = query.shape[-2], key.shape[-2]
     if chunk_start + c > kv_len:
         raise ValueError(f"tppc::chunk_attention: chunk [{chunk_start}, {chunk_start + c}) "
                          f"reads beyond the {kv_len} keys given")
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool or key_valid is not None or window is not None:
+            raise ValueError("tppc::chunk_attention: causal=True takes a float attn_mask "
+                             "(a bias hiding later keys itself) without key_valid or window")
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
+                                              scale=scale, enable_gqa=enable_gqa)
     plain = key_valid is None and (window is None or window >= kv_len)
     if plain and chunk_start == 0 and c == kv_len:
         return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale,

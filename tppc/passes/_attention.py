@@ -10,7 +10,8 @@ otherwise classified by evaluating its mask (a positional value) at small *probe
 never at the example length (so classifying costs the same for a 32k-token example as for
 a 16-token one): a lower-triangular pattern at every probe is causal, an all-true one
 bidirectional; a causal band is a sliding window, and a mask built from an integer input
-(``attention_mask``) is a padding mask (see :mod:`tppc.passes._masks`). The probes are a short length and one longer than every integer constant
+(``attention_mask``) is a padding mask (see :mod:`tppc.passes._masks`); a float mask that
+adds values to visible keys is a bias, evaluated per chunk (:mod:`tppc.passes._bias_rows`). The probes are a short length and one longer than every integer constant
 the mask's computation uses (a sliding window of ``w`` tokens shows at lengths ``> w``), at
 most :data:`MAX_PROBE`.
 """
@@ -21,11 +22,11 @@ import torch
 from torch import fx
 from torch.nn import functional as F
 
-from tppc.errors import AnnotationError
+from tppc.errors import ActivationMaskError, AnnotationError
 from tppc.ir.context import CompileContext
 from tppc.ir.records import TOKEN, AttentionKind, MaskSpec
 from tppc.passes._masks import mask_spec
-from tppc.passes._shapes import ancestors, module_path
+from tppc.passes._shapes import ancestors, module_path, tensor_val
 
 __all__ = ["MAX_PROBE", "classify_attention", "probe_lengths"]
 
@@ -43,7 +44,8 @@ def classify_attention(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext
     chunk, or None for plain causal or all-visible attention (see :mod:`._masks`).
 
     Raises:
-        AnnotationError: a fused attention kernel, or a mask computed from activations.
+        AnnotationError: a fused attention kernel.
+        ActivationMaskError: a mask or float bias computed from activations.
     """
     if getattr(node.target, "overloadpacket", node.target) not in (
             _aten.scaled_dot_product_attention, F.scaled_dot_product_attention):
@@ -62,12 +64,18 @@ def classify_attention(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext
         return "bidirectional", None
     info = mask.meta[TOKEN] if isinstance(mask, fx.Node) else None
     if info is None or not (info.role in ("positional", "const") or info.inputs):
-        raise AnnotationError(
-            f"attention node {node.name!r} (module {module_path(node)}) has a mask that depends "
-            "on activations (hidden states), not only on positions and integer inputs such as "
-            "attention_mask; it cannot be rebuilt per chunk. fix: build the mask from "
-            "positions and attention_mask only"
-        )
+        float_mask = getattr(tensor_val(mask), "dtype", torch.bool).is_floating_point
+        construct = ("a float attention bias computed from activations" if float_mask
+                     else "an attention mask computed from activations")
+        where = module_path(node)
+        raise ActivationMaskError(
+            f"attention node {node.name!r} (module {where or '<top level>'}) has "
+            f"{construct}: its attn_mask {getattr(mask, 'name', mask)!r} depends on hidden "
+            "states, not only on positions, constants, parameters and integer inputs such as "
+            "attention_mask; it cannot be evaluated per chunk. fix: build the mask or bias "
+            "from positions, parameters and attention_mask only",
+            node=node.name, module=where, mask=str(getattr(mask, "name", mask)),
+            construct=construct)
     return mask_spec(node, mask, gm, ctx, probe_lengths(mask))
 
 

@@ -6,6 +6,10 @@ example length): first with every candidate input set to ones, which must give a
 band ``i - w < j ≤ i`` (``w`` found at the longest probe) or all-visible keys; then with
 random 0/1 inputs, which must give that pattern ``& key_valid[b, j]`` for
 ``key_valid = input != 0``. Anything else is refused with the node, its module and why.
+A float mask whose visible entries are not all 0 at some probe, or that reads a parameter or
+buffer (a learned table, zero at initialisation), is an additive *bias*
+(ALiBi, relative positions): its pattern is checked the same way and its values are
+evaluated per chunk (``MaskSpec.bias``, :mod:`tppc.passes._bias_rows`).
 
 Example:
     >>> mask_spec(sdpa.kwargs["attn_mask"], gm, ctx)              # doctest: +SKIP
@@ -45,9 +49,12 @@ def mask_spec(node: fx.Node, mask: fx.Node, gm: fx.GraphModule, ctx: CompileCont
     generator = torch.Generator().manual_seed(0)
     window: int | None = None
     causal = True
+    bias = False
     for length in sorted(lengths, reverse=True):
         overrides = {} if source is None else {source: _filled(source, ctx, length, None)}
-        allowed = _allowed4(evaluate_positional(mask, gm, ctx, length, overrides))
+        value = evaluate_positional(mask, gm, ctx, length, overrides)
+        bias = bias or _is_bias(value)
+        allowed = _allowed4(value)
         base = allowed.all(dim=0).all(dim=0)
         if not bool((allowed == base).all()):
             raise _refuse(node, f"at length {length} it differs between sequences or heads "
@@ -57,15 +64,34 @@ def mask_spec(node: fx.Node, mask: fx.Node, gm: fx.GraphModule, ctx: CompileCont
         _check_band(node, base, causal, window, length)
         if source is not None:
             values = _filled(source, ctx, length, generator)
-            got = _allowed4(evaluate_positional(mask, gm, ctx, length, {source: values}))
+            value = evaluate_positional(mask, gm, ctx, length, {source: values})
+            bias = bias or _is_bias(value)
+            got = _allowed4(value)
             valid = values.reshape(values.shape[0], -1).ne(0)[:, None, None, :]
             if not bool((got == (base & valid)).all()):
                 raise _refuse(node, f"with random 0/1 values of input {source.name!r} at "
                               f"length {length} it is not (pattern & {source.name}[b, key] != 0)")
     kind: AttentionKind = "causal" if causal else "bidirectional"
-    if window is None and source is None:
+    bias = bias or _reads_weights(mask, closure)  # a table that is 0 now may be trained
+    if window is None and source is None and not bias:
         return kind, None
-    return kind, MaskSpec(window=window, key_valid=None if source is None else source.name)
+    return kind, MaskSpec(window=window, key_valid=None if source is None else source.name,
+                          bias=bias)
+
+
+def _reads_weights(mask: fx.Node, closure: set[fx.Node]) -> bool:
+    """Whether a float mask reads a parameter or buffer: a bias whatever its values now."""
+    val = tensor_val(mask)
+    return val is not None and val.dtype.is_floating_point \
+        and any(n.op == "get_attr" for n in closure)
+
+
+def _is_bias(mask: torch.Tensor) -> bool:
+    """Whether a float mask adds something other than 0 to the scores of a visible key."""
+    if not mask.dtype.is_floating_point:
+        return False
+    visible = mask > torch.finfo(mask.dtype).min / 2
+    return bool((mask[visible] != 0).any())
 
 
 def _read_by_value(p: fx.Node, closure: set[fx.Node]) -> bool:

@@ -21,6 +21,7 @@ Each attention node becomes: write the chunk's K and V into the buffers at
 is ``chunk_start + chunk_size`` for causal attention (later positions are masked anyway)
 and ``seq_len`` for bidirectional attention; slice the mask's key columns to ``kv_len``;
 ``is_causal=True`` becomes the explicit offset-causal mask ``key j ≤ chunk_start + row i``.
+A float attention bias (ALiBi) becomes its rows for the chunk (:mod:`._bias_rows`).
 For causal models the result equals the unsplit model exactly (chunked prefill).
 
 A ``global`` epilogue (a loss, pooling over tokens) becomes the *tail* (``gm.tppc_tail``):
@@ -64,6 +65,7 @@ from tppc.ir.records import (
     KVBuffer,
     TokenInfo,
 )
+from tppc.passes._bias_rows import BiasRows, value_inputs
 from tppc.passes._shapes import module_path, size_expr, tensor_val
 from tppc.passes._token_rows import (
     ABSENT,
@@ -131,6 +133,7 @@ class _Rewriter:
         self.buffers: list[KVBuffer] = []
         self.buffer_nodes: dict[tuple[str, str], fx.Node] = {}
         self.full_inputs: dict[str, fx.Node] = {}
+        self.bias: BiasRows | None = None
 
     def run(self) -> fx.GraphModule:
         output = next(n for n in self.gm.graph.nodes if n.op == "output")
@@ -259,6 +262,11 @@ class _Rewriter:
             mask = attn.meta[TOKEN].mask
             if mask is not None and mask.key_valid is not None:
                 self._full_input(mask.key_valid)
+            if mask is not None and mask.bias:
+                for p in value_inputs(sdpa_kwargs(attn)["attn_mask"]):
+                    self._whole_input(p)
+        self.bias = BiasRows(self.graph, self.ctx, (self.start, self.size, self.seq_len),
+                             self._whole_input)
 
     def _input(self, name: str, spec: ChunkInput, like: fx.Node | None = None) -> fx.Node:
         ph = self.graph.placeholder(name)
@@ -306,7 +314,8 @@ class _Rewriter:
         if (scale, prefix) != (1, 0):  # DiT tokens: rows of whole patch rows, text prefix
             end = self._kv_end() if causal else self.seq_len
             kv_len = row_offset(self.graph, end, scale, prefix)
-        gqa = node.target is _aten.scaled_dot_product_attention.default and all(
+        bias = info.mask is not None and info.mask.bias  # K/V heads repeated: per-head rows
+        gqa = not bias and node.target is _aten.scaled_dot_product_attention.default and all(
             is_head_repeat(*cache_source(kwargs[w], self.sym)) for w in ("key", "value"))
         for which in ("key", "value"):
             buf = self.buffer_nodes[node.name, which]
@@ -314,7 +323,8 @@ class _Rewriter:
             kwargs[which] = self._read_buffer(kwargs[which], buf, axis, kv_len, layer,
                                               repeat=not gqa, rows=(scale, prefix))
         if node.target is _aten.scaled_dot_product_attention.default:
-            return self._chunk_op(node, kwargs, causal, gqa or kwargs.get("enable_gqa", False))
+            return self._chunk_op(node, kwargs, causal, gqa or kwargs.get("enable_gqa", False),
+                                  kv_len)
         if gqa:
             kwargs["enable_gqa"] = True
         mask = kwargs.get("attn_mask")
@@ -337,16 +347,19 @@ class _Rewriter:
         return out
 
     def _chunk_op(self, node: fx.Node, kwargs: dict[str, Any], causal: bool,
-                  gqa: bool) -> fx.Node:
+                  gqa: bool, kv_len: Any) -> fx.Node:
         """``tppc::chunk_attention`` over the buffer: annotation proved the mask causal or
-        all-visible at every probe length, so it is dropped (nothing ``L × L`` remains)."""
+        all-visible at every probe length, so it is dropped (nothing ``L × L`` remains); a
+        float bias becomes its rows for the chunk (its hidden keys included)."""
         if kwargs.get("dropout_p", 0.0):
             raise PassError(f"attention node {node.name!r} has dropout_p="
                             f"{kwargs['dropout_p']}; fix: put the model in eval mode")
         args = (self.env[kwargs["query"]], kwargs["key"], kwargs["value"], self.start, causal,
                 kwargs.get("scale"), bool(gqa))
         mask = node.meta[TOKEN].mask
-        if mask is not None:
+        if mask is not None and mask.bias:
+            args = (*args, self.bias.rows(kwargs["attn_mask"], node, kv_len if causal else None))
+        elif mask is not None:
             valid = None if mask.key_valid is None else self._full_input(mask.key_valid)
             args = (*args, None, valid, mask.window)
         out = self.graph.call_function(torch.ops.tppc.chunk_attention.default, args)
@@ -363,6 +376,15 @@ class _Rewriter:
             ph.meta[CHUNK_INPUT] = ChunkInput("full", name, index, axis)
             self.full_inputs[name] = ph
         return self.full_inputs[name]
+
+    def _whole_input(self, p: fx.Node) -> fx.Node:
+        """User input ``p`` whole in the chunk step (a float bias reads its values)."""
+        if p.name in self.ctx.seq_inputs:
+            return self._full_input(p.name)
+        if p not in self.env:
+            index = self.placeholders.index(p)
+            self.env[p] = self._input(p.name, ChunkInput("const", p.name, index), p)
+        return self.env[p]
 
     def _read_buffer(self, arg: fx.Node, buf: fx.Node, axis: int, kv_len: Any,
                      layer: fx.Node, *, repeat: bool, rows: tuple[int, int] = (1, 0)) -> fx.Node:

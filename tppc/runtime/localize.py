@@ -284,8 +284,10 @@ def construct_of(node: fx.Node) -> str:
         val = mask.meta.get("val") if isinstance(mask, fx.Node) else None
         if isinstance(val, torch.Tensor) and val.is_floating_point():
             return (f"an additive float attention bias ({mask.name!r} passed as attn_mask; "
-                    "ALiBi-style): tppc keeps only which keys a query sees, so values other "
-                    "than 0 and -inf are lost")
+                    "ALiBi-style): tppc evaluates its rows per chunk over the keys the chunk "
+                    "sees; a query that sees no key (all hidden by a finite minimum: a padded "
+                    "query) averages every key's value in the model, later keys included, "
+                    "which a causal chunk cannot see")
     write = _written_in_place(node)
     if write is not None:
         base, writer = write
