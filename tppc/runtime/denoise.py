@@ -54,7 +54,8 @@ from tppc.runtime.schedulers import (
     start_timesteps,
 )
 
-__all__ = ["TimestepSchedule", "bind_steps", "check_steps", "denoise", "patch_programs"]
+__all__ = ["TimestepSchedule", "all_threads", "bind_steps", "check_steps", "choose_patches", "denoise",
+           "intra_op_threads", "patch_programs"]
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
 
@@ -123,7 +124,7 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any,
     run = DenoiseRun(cp, x, axis, scale, output_transform)
     threaded = (executor or cp.executor) == "threads" and len(first.stages) > 1
     whole = StepProtocol(scheduler, x, x_in)
-    with _intra_op_threads(_all_threads(cp, len(full.stages)) if threaded else None):
+    with intra_op_threads(all_threads(cp, len(full.stages)) if threaded else None):
         for i in range(warm):  # synchronous: the stages' cores share each op instead
             whole.model_input(steps[i])
             call = Call(tuple(flats[i]), ((0, length),), length, length, epoch)
@@ -202,7 +203,7 @@ def check_steps(num_inference_steps: Any, warmup_steps: Any) -> None:
             raise SpecError(f"{name}={value!r}; {why}. fix: pass an integer {name} >= 1")
 
 
-def _all_threads(cp: Any, n_stages: int) -> int | None:
+def all_threads(cp: Any, n_stages: int) -> int | None:
     """The intra-op threads of all the stage workers together (``None``: torch's own)."""
     threads = cp.options.threads_per_stage
     if threads is None:
@@ -211,7 +212,7 @@ def _all_threads(cp: Any, n_stages: int) -> int | None:
 
 
 @contextlib.contextmanager
-def _intra_op_threads(threads: int | None) -> Iterator[None]:
+def intra_op_threads(threads: int | None) -> Iterator[None]:
     """The calling thread's intra-op threads set to ``threads`` for the block, then restored."""
     before = torch.get_num_threads()
     if threads is not None:
@@ -244,7 +245,7 @@ def bind_steps(cp: Any, x: torch.Tensor, kwargs: Mapping[str, Any], steps: list,
                 for t in steps]
     front, bound = cp.bind(*calls_in[0])
     length = bound.length
-    plan, bounds = _patches(cp, front, length, len(steps), warmup, patches)
+    plan, bounds = choose_patches(cp, front, length, len(steps), warmup, patches)
     axis, scale = _latent_axis(front, bound.flat, x)
     flats = [cp.bind(a, k)[1].flat for a, k in calls_in]
     return _Bound(front, bound, length, plan, bounds, axis, scale, flats)
@@ -274,7 +275,7 @@ def model_timestep(cp: Any, arg: str, t: torch.Tensor, batch: int,
     return cast
 
 
-def _patches(cp: Any, front: Any, length: int, steps: int, warmup: int, patches: int | None
+def choose_patches(cp: Any, front: Any, length: int, steps: int, warmup: int, patches: int | None
              ) -> tuple[Any, tuple[int, ...]]:
     """The plan (placement) and the patch boundaries: ``patches`` equal bands on the
     compiled plan, or (``None``) the diffusion plan's own split. Several patches with stale
