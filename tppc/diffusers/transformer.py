@@ -147,7 +147,9 @@ def compile_pipeline(pipe: Any, *, warmup_steps: int | None = 1, patches: int | 
     def progress_bar(iterable: Any = None, total: int | None = None) -> Any:
         steps = total if total is not None else (len(iterable) if hasattr(iterable, "__len__")
                                                  else None)
-        adapter.reset(steps)
+        current = pipe.transformer  # the one the pipeline calls now
+        if isinstance(current, PipeFusionTransformer):
+            current.reset(steps)
         return bar(iterable=iterable, total=total)
 
     pipe.progress_bar = progress_bar
