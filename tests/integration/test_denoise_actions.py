@@ -17,8 +17,7 @@ import tppc
 from tppc import examples
 from tppc.planner.manual import manual_plan
 from tppc.program.schedule import Action, check_actions
-from tppc.runtime import denoise as denoise_module
-from tppc.runtime import distributed_denoise
+from tppc.runtime import denoise_jobs, distributed_denoise
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -52,13 +51,13 @@ def test_local_and_threads_denoise_follow_the_lists(dit, monkeypatch) -> None:
         first, actions=wavefront(first.chunks, len(first.stages))), rest)
     starts = [a for a, _ in first.chunks]
     log: list[tuple[int, Any, int]] = []
-    real = denoise_module.run_stage
+    real = denoise_jobs.run_stage
 
     def spy(stage, call, state, start, end, received):
         log.append((stage.index, call, start))
         return real(stage, call, state, start, end, received)
 
-    monkeypatch.setattr(denoise_module, "run_stage", spy)
+    monkeypatch.setattr(denoise_jobs, "run_stage", spy)
     runs = {}
     for executor in ("local", "threads"):
         log.clear()

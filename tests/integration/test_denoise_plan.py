@@ -30,13 +30,13 @@ def _serial(model, x, steps, y):
 def bounds_used(monkeypatch):
     """The patch boundaries every ``denoise`` call built its programs for."""
     seen: list[tuple[int, ...]] = []
-    original = denoise_module._programs
+    original = denoise_module.patch_programs
 
     def spy(cp, front, plan, length, bounds):
         seen.append(bounds)
         return original(cp, front, plan, length, bounds)
 
-    monkeypatch.setattr(denoise_module, "_programs", spy)
+    monkeypatch.setattr(denoise_module, "patch_programs", spy)
     return seen
 
 

@@ -26,8 +26,11 @@ ROOT = Path(__file__).resolve().parents[2] / "tppc"
 #: Packages from the bottom up: a package imports only those on lower floors (and itself).
 FLOORS: tuple[str, ...] = (
     "version", "errors", "generation", "ir", "program", "passes", "frontend", "cost_models", "planner",
-    "driver", "backends", "runtime", "artifact", "report", "examples", "cli",
+    "driver", "backends", "runtime", "diffusers", "artifact", "report", "examples", "cli",
 )
+# "diffusers" (the drop-in for diffusers pipelines) sits on the runtime: it wraps a compiled
+# pipeline's per-step calls (tppc.runtime.denoise_step) in what a pipeline reads of its
+# transformer, and nothing below imports it.
 #: Packages a package may not import although they sit lower (DESIGN.md's rules): the cost
 #: model never calls the front end, the planner never reads fx graphs, executors know
 #: programs, never plans or the planner.

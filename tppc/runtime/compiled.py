@@ -124,6 +124,12 @@ class CompiledPipeline:
         return self._model
 
     @property
+    def input_dtypes(self) -> dict[str, torch.dtype]:
+        """The dtype of every tensor input of the example's capture, by name."""
+        return {ph.name: ph.meta["val"].dtype for ph in self._front.placeholders
+                if isinstance(ph.meta.get("val"), torch.Tensor)}
+
+    @property
     def max_seq(self) -> int | None:
         """Longest sequence accepted (``None``: no limit)."""
         return self.options.max_seq
@@ -170,21 +176,31 @@ class CompiledPipeline:
 
         return greedy_generate(self, input_ids, max_new_tokens, **kwargs)
 
-    def denoise(self, latents: torch.Tensor, scheduler: Any, num_inference_steps: int = 20, *,
-                warmup_steps: int = 1, patches: int | None = None,
-                model_kwargs: Mapping[str, Any] | None = None, timestep_arg: str = "timestep",
+    def denoise(self, latents: torch.Tensor, scheduler: Any,
+                num_inference_steps: int | None = 20, *, warmup_steps: int | None = 1,
+                patches: int | None = None, model_kwargs: Mapping[str, Any] | None = None,
+                timestep_arg: str = "timestep",
                 output_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                executor: ExecutorName | None = None) -> torch.Tensor:
+                executor: ExecutorName | None = None, timesteps: Any = None,
+                sigmas: Any = None, mu: float | None = None,
+                timestep_transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+                ) -> torch.Tensor:
         """Denoise ``latents`` with PipeFusion (:mod:`tppc.runtime.denoise`): warm-up steps run
         the whole image, then patches (``None``: the plan's, :meth:`denoise_plan`) of
-        consecutive steps flow through the stages with one-step-stale K/V. ``warmup_steps == num_inference_steps``
-        equals the serial loop ``model → output_transform → scheduler.step``."""
-        from tppc.runtime.denoise import denoise
+        consecutive steps flow through the stages with one-step-stale K/V.
+        ``warmup_steps == num_inference_steps`` (or ``None``) equals the serial loop
+        ``scale_model_input → model → output_transform → scheduler.step``. ``timesteps``,
+        ``sigmas``, ``mu`` go to ``scheduler.set_timesteps`` (as diffusers'
+        ``retrieve_timesteps`` passes them); ``timestep_transform`` maps ``t.expand(batch)``
+        to the model's timestep (Flux: ``lambda t: t / 1000``)."""
+        from tppc.runtime.denoise import TimestepSchedule, denoise
 
+        schedule = TimestepSchedule(timesteps=timesteps, sigmas=sigmas, mu=mu,
+                                    timestep_transform=timestep_transform)
         return denoise(self, latents, scheduler, num_inference_steps,
                        warmup_steps=warmup_steps, patches=patches, model_kwargs=model_kwargs,
                        timestep_arg=timestep_arg, output_transform=output_transform,
-                       executor=executor)
+                       executor=executor, schedule=schedule)
 
     def denoise_plan(self, num_inference_steps: int, warmup_steps: int,
                      length: int | None = None, front: FrontEnd | None = None) -> Plan:

@@ -31,70 +31,100 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import queue
-import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
-from tppc.backends.torch_local import LocalExecutor, run_stage
+from tppc.backends.torch_local import LocalExecutor
 from tppc.driver.emit import build_program
-from tppc.errors import ScheduleError, SpecError
+from tppc.errors import SpecError
 from tppc.passes.chunk_attention import REST_CHUNK
 from tppc.passes.hoist_consts import hoist_constants
 from tppc.program.program import Program, StageProgram
-from tppc.program.schedule import Action, DryRun, check_actions
-from tppc.program.state import Call, CallState, next_epoch
+from tppc.program.schedule import check_actions
+from tppc.program.state import Call, next_epoch
+from tppc.runtime.denoise_jobs import Jobs, run_pipelined, run_serial
 from tppc.runtime.io import OutputAssembler
 from tppc.runtime.schedulers import (
     StepProtocol,
+    check_elementwise,
     check_scheduler,
     patch_protocols,
     start_timesteps,
 )
 
-__all__ = ["check_steps", "denoise"]
+__all__ = ["TimestepSchedule", "all_threads", "bind_steps", "check_steps", "choose_patches", "denoise",
+           "intra_op_threads", "patch_programs"]
 
-_POLL = 0.05
+Transform = Callable[[torch.Tensor], torch.Tensor]
 
 
-def denoise(cp: Any, latents: torch.Tensor, scheduler: Any, num_inference_steps: int = 20, *,
-            warmup_steps: int = 1, patches: int | None = None,
-            model_kwargs: Mapping[str, Any] | None = None, timestep_arg: str = "timestep",
-            output_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
-            executor: str | None = None) -> torch.Tensor:
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class TimestepSchedule:
+    """What ``scheduler.set_timesteps`` gets and how a timestep reaches the model."""
+
+    timesteps: Sequence[Any] | None = None
+    """Custom timesteps (diffusers' ``retrieve_timesteps(timesteps=...)``)."""
+    sigmas: Sequence[float] | None = None
+    """Custom sigmas (Flux: ``np.linspace(1, 1 / n, n)``)."""
+    mu: float | None = None
+    """The shift of a scheduler with ``use_dynamic_shifting=True`` (Flux's ``calculate_shift``)."""
+    timestep_transform: Transform | None = None
+    """Applied to ``t.expand(batch)`` before the model (Flux, AuraFlow: ``t / 1000``)."""
+
+
+def denoise(cp: Any, latents: torch.Tensor, scheduler: Any,
+            num_inference_steps: int | None = 20, *, warmup_steps: int | None = 1,
+            patches: int | None = None, model_kwargs: Mapping[str, Any] | None = None,
+            timestep_arg: str = "timestep", output_transform: Transform | None = None,
+            executor: str | None = None, schedule: TimestepSchedule | None = None
+            ) -> torch.Tensor:
     """Denoise ``latents`` with PipeFusion; see ``CompiledPipeline.denoise`` for the contract.
 
-    Equals, when ``warmup_steps == num_inference_steps``::
+    Equals, when ``warmup_steps == num_inference_steps`` (``None``: every step)::
 
-        scheduler.set_timesteps(num_inference_steps)  # and set_begin_index(0)
+        scheduler.set_timesteps(num_inference_steps, mu=mu)  # or timesteps= / sigmas=
+        scheduler.set_begin_index(0)
         for t in scheduler.timesteps:
             model_in = scheduler.scale_model_input(latents, t)
-            out = model(model_in, **{timestep_arg: t.expand(len(latents))}, **model_kwargs)[0]
+            timestep = timestep_transform(t.expand(len(latents)))  # the scheduler's dtype
+            out = model(model_in, **{timestep_arg: timestep}, **model_kwargs)[0]
             out = output_transform(out) if output_transform else out
             latents = scheduler.step(out, t, latents).prev_sample
 
-    (the step protocol of diffusers' pipelines, :mod:`tppc.runtime.schedulers`).
+    (the step protocol of diffusers' pipelines, :mod:`tppc.runtime.schedulers`; a scheduler
+    whose step is not element-wise is refused when stale patches would need it).
     """
     check_scheduler(scheduler)
-    check_steps(num_inference_steps, warmup_steps)
-    steps = start_timesteps(scheduler, num_inference_steps)
+    schedule = schedule or TimestepSchedule()
+    if num_inference_steps is None and schedule.timesteps is None and schedule.sigmas is None:
+        raise SpecError("num_inference_steps=None without timesteps= or sigmas=. fix: pass "
+                        "the number of steps")
+    check_steps(1 if num_inference_steps is None else num_inference_steps,
+                1 if warmup_steps is None else warmup_steps)
+    steps = start_timesteps(scheduler, num_inference_steps, timesteps=schedule.timesteps,
+                            sigmas=schedule.sigmas, mu=schedule.mu)
+    warm = len(steps) if warmup_steps is None else min(warmup_steps, len(steps))
     x = latents.detach().clone()
     x_in = x.clone()  # the model's input: scale_model_input of the latents
     kwargs = dict(model_kwargs or {})
-    b = bind_steps(cp, x_in, kwargs, steps, timestep_arg, warmup_steps, patches)
+    b = bind_steps(cp, x_in, kwargs, steps, timestep_arg, warm, patches,
+                   schedule.timestep_transform)
     front, length, plan, bounds, flats = b.front, b.length, b.plan, b.bounds, b.flats
-    full, first, rest = _programs(cp, front, plan, length, bounds)
+    full, first, rest = patch_programs(cp, front, plan, length, bounds)
     axis, scale = b.axis, b.scale
+    chunks = tuple(itertools.pairwise(bounds))
+    bands = [(scale * a, scale * b) for a, b in chunks]
+    if warm < len(steps):
+        check_elementwise(scheduler, x, axis, bands)
     epoch = next_epoch()
     state = front.pool.acquire(length)
     state.reset()
     run = DenoiseRun(cp, x, axis, scale, output_transform)
-    warm = min(warmup_steps, len(steps))
     threaded = (executor or cp.executor) == "threads" and len(first.stages) > 1
     whole = StepProtocol(scheduler, x, x_in)
-    with _intra_op_threads(_all_threads(cp, len(full.stages)) if threaded else None):
+    with intra_op_threads(all_threads(cp, len(full.stages)) if threaded else None):
         for i in range(warm):  # synchronous: the stages' cores share each op instead
             whole.model_input(steps[i])
             call = Call(tuple(flats[i]), ((0, length),), length, length, epoch)
@@ -103,11 +133,9 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any, num_inference_steps:
             whole.step(out, steps[i])
     pipelined = len(steps) - warm
     if pipelined:
-        chunks = tuple(itertools.pairwise(bounds))
         calls = [Call(tuple(flats[warm + t]), chunks, length, length, epoch)
                  for t in range(pipelined)]
-        scheds = patch_protocols(scheduler, x, x_in, axis,
-                                 [(scale * a, scale * b) for a, b in chunks])
+        scheds = patch_protocols(scheduler, x, x_in, axis, bands)
         for patch in scheds:
             patch.model_input(steps[warm])
 
@@ -123,12 +151,12 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any, num_inference_steps:
         def stage_of(m: int, s: int) -> StageProgram:
             return (first if m == 0 or rest is None else rest).stages[s]
 
-        jobs = _Jobs(check_actions(first.actions_for(chunks, pipelined)), calls, state,
-                     stage_of, finish, warm)
+        jobs = Jobs(check_actions(first.actions_for(chunks, pipelined)), calls, state,
+                    stage_of, finish, warm)
         if threaded:
-            _pipelined(cp, jobs)
+            run_pipelined(cp, jobs)
         else:
-            _serial(jobs)
+            run_serial(jobs)
     state.consts.clear()  # the text K/V are this request's
     front.pool.release(state)
     return x
@@ -175,7 +203,7 @@ def check_steps(num_inference_steps: Any, warmup_steps: Any) -> None:
             raise SpecError(f"{name}={value!r}; {why}. fix: pass an integer {name} >= 1")
 
 
-def _all_threads(cp: Any, n_stages: int) -> int | None:
+def all_threads(cp: Any, n_stages: int) -> int | None:
     """The intra-op threads of all the stage workers together (``None``: torch's own)."""
     threads = cp.options.threads_per_stage
     if threads is None:
@@ -184,7 +212,7 @@ def _all_threads(cp: Any, n_stages: int) -> int | None:
 
 
 @contextlib.contextmanager
-def _intra_op_threads(threads: int | None) -> Iterator[None]:
+def intra_op_threads(threads: int | None) -> Iterator[None]:
     """The calling thread's intra-op threads set to ``threads`` for the block, then restored."""
     before = torch.get_num_threads()
     if threads is not None:
@@ -210,19 +238,44 @@ class _Bound(NamedTuple):
 
 
 def bind_steps(cp: Any, x: torch.Tensor, kwargs: Mapping[str, Any], steps: list, arg: str,
-                warmup: int, patches: int | None) -> _Bound:
-    """Bind every step's inputs (``x`` and ``kwargs`` with ``arg = t``) and choose the patches
-    (every executor's denoise starts here)."""
-    calls_in = [((x,), {**kwargs, arg: t.expand(len(x))}) for t in steps]
+               warmup: int, patches: int | None, transform: Transform | None = None) -> _Bound:
+    """Bind every step's inputs (``x`` and ``kwargs`` with ``arg`` = the step's timestep,
+    :func:`model_timestep`) and choose the patches (every executor's denoise starts here)."""
+    calls_in = [((x,), {**kwargs, arg: model_timestep(cp, arg, t, len(x), transform)})
+                for t in steps]
     front, bound = cp.bind(*calls_in[0])
     length = bound.length
-    plan, bounds = _patches(cp, front, length, len(steps), warmup, patches)
+    plan, bounds = choose_patches(cp, front, length, len(steps), warmup, patches)
     axis, scale = _latent_axis(front, bound.flat, x)
     flats = [cp.bind(a, k)[1].flat for a, k in calls_in]
     return _Bound(front, bound, length, plan, bounds, axis, scale, flats)
 
 
-def _patches(cp: Any, front: Any, length: int, steps: int, warmup: int, patches: int | None
+def model_timestep(cp: Any, arg: str, t: torch.Tensor, batch: int,
+                   transform: Transform | None) -> torch.Tensor:
+    """The model's timestep input of step ``t``: ``transform(t.expand(batch))`` in the
+    scheduler's dtype, cast to the compiled input's dtype where that keeps every value (an
+    int64 ``999`` is a float ``999.0``: the model computes the same).
+
+    Raises:
+        SpecError: the cast would change a value (a fractional timestep into an integer
+            input), naming both dtypes and the fix.
+    """
+    value = t.expand(batch) if t.dim() == 0 else t
+    value = transform(value) if transform is not None else value
+    want = cp.input_dtypes.get(arg) if hasattr(cp, "input_dtypes") else None
+    if want is None or not isinstance(value, torch.Tensor) or value.dtype == want:
+        return value
+    cast = value.to(want)
+    if not torch.equal(cast.to(value.dtype), value):
+        raise SpecError(
+            f"the scheduler's timesteps are {value.dtype} ({value.flatten()[0].item()!r}), the "
+            f"pipeline's {arg!r} input was compiled as {want}, which cannot hold them. fix: "
+            f"compile with a {value.dtype} example {arg} (e.g. torch.tensor([1.0]))")
+    return cast
+
+
+def choose_patches(cp: Any, front: Any, length: int, steps: int, warmup: int, patches: int | None
              ) -> tuple[Any, tuple[int, ...]]:
     """The plan (placement) and the patch boundaries: ``patches`` equal bands on the
     compiled plan, or (``None``) the diffusion plan's own split. Several patches with stale
@@ -258,7 +311,7 @@ def _patch_bounds(patches: int, length: int) -> tuple[int, ...]:
     return tuple(round(i * length / patches) for i in range(patches + 1))
 
 
-def _programs(cp: Any, front: Any, plan: Any, length: int, bounds: tuple[int, ...]
+def patch_programs(cp: Any, front: Any, plan: Any, length: int, bounds: tuple[int, ...]
               ) -> tuple[Program, Program, Program | None]:
     """Warm-up program (one chunk), patch program, and the later patches' program (joint
     attention: no text tokens), cached on the pipeline per (batch, length, patches)."""
@@ -295,131 +348,3 @@ def _latent_axis(front: Any, flat: list[Any], x: torch.Tensor) -> tuple[int, int
             return axis, int(coeff) if expr is not None and expr.is_Mul else 1
     raise SpecError("the latents are not a sequence input of the compiled model. fix: pass "
                     "the latents as the model's first argument, as in the compile example")
-
-
-class _Jobs(NamedTuple):
-    """The pipelined steps of one call: the dry run of their lists (step ``t`` of the lists
-    is step ``warm + t`` of the call), each step's call, the state, the stage of a patch
-    (``stage_of(m, s)``) and what happens when a patch leaves the last stage (``finish``)."""
-
-    dry: DryRun
-    calls: list[Call]
-    state: CallState
-    stage_of: Callable[[int, int], StageProgram]
-    finish: Callable[[int, int, tuple[Any, ...]], None]
-    warm: int
-
-    def compute(self, s: int, act: Action, received: tuple[Any, ...]) -> tuple[Any, ...]:
-        """Compute action ``act`` of stage ``s``."""
-        return run_stage(self.stage_of(act.chunk, s), self.calls[act.step], self.state,
-                         act.start, act.end, received)
-
-    def note(self, s: int, k: int) -> str:
-        return (f"[tppc] denoise (pipelined step t is step {self.warm} + t): stage {s}, "
-                f"{self.dry.describe(s, k)}")
-
-
-def _serial(jobs: _Jobs) -> None:
-    """The computes of the lists in the dry run's order, in the calling thread."""
-    last = len(jobs.dry.actions) - 1
-    sent: dict[tuple[int, tuple[int, int]], tuple[Any, ...]] = {}
-    for s, act in jobs.dry.computes():
-        values = jobs.compute(s, act, sent.pop((s - 1, act.job), ()))
-        if s < last:
-            sent[(s, act.job)] = values
-        else:
-            jobs.finish(act.step, act.chunk, values)
-
-
-def _pipelined(cp: Any, jobs: _Jobs) -> None:
-    """One worker per stage follows its lowered list; the calling thread steps each patch as
-    it leaves the last stage, and that is the send back: a feedback stage's receive of
-    patch ``m`` of step ``t`` waits until the calling thread has stepped it."""
-    dry = jobs.dry
-    last = len(dry.actions) - 1
-    queues = [queue.Queue(cp.options.queue_depth) for _ in range(last + 2)]
-    stop, errors = threading.Event(), []
-    done: dict[int, int] = {}  # patch -> the last step the calling thread stepped it for
-    cond = threading.Condition()
-    threads = cp.options.threads_per_stage
-
-    def back(t: int, m: int) -> None:
-        with cond:
-            while done.get(m, -1) < t:
-                if stop.is_set():
-                    raise _Stopped
-                cond.wait(_POLL)
-
-    def work(s: int) -> None:
-        k = 0
-        got: dict[tuple[int, int], tuple[Any, ...]] = {}  # received, not yet computed
-        made: dict[tuple[int, int], tuple[Any, ...]] = {}  # computed, not yet sent
-        try:
-            t = threads if threads is None or isinstance(threads, int) else threads[s]
-            if t is not None:
-                torch.set_num_threads(t)
-            for k, act in enumerate(dry.actions[s]):  # noqa: B007 (k names a failing action)
-                if act.kind == "recv" and act.peer == last:  # back from the last stage
-                    back(*act.job)
-                elif act.kind == "recv":
-                    job, values = _get(queues[s], stop)
-                    if job != act.job:
-                        raise ScheduleError(f"stage {s} expected {act}, got job {job}")
-                    got[job] = values
-                elif act.kind == "compute":
-                    values = jobs.compute(s, act, got.pop(act.job, ()))
-                    if s == last:  # to the calling thread
-                        _put(queues[-1], (act.job, values), stop)
-                    else:
-                        made[act.job] = values
-                elif act.peer == s + 1:  # (a send back is the calling thread's step)
-                    _put(queues[s + 1], (act.job, made.pop(act.job)), stop)
-        except _Stopped:
-            return
-        except BaseException as exc:  # re-raised in the calling thread
-            exc.add_note(jobs.note(s, k))
-            errors.append(exc)
-            stop.set()
-
-    workers = [threading.Thread(target=work, args=(s,), daemon=True, name=f"tppc-denoise-{s}")
-               for s in range(last + 1)]
-    for w in workers:
-        w.start()
-    try:
-        for _ in range(sum(a.kind == "compute" for a in dry.actions[last])):
-            (t, m), values = _get(queues[-1], stop)
-            jobs.finish(t, m, values)
-            with cond:
-                done[m] = t
-                cond.notify_all()
-    except _Stopped:
-        pass
-    finally:
-        stop.set()
-        for w in workers:
-            w.join()
-    if errors:
-        raise errors[0]
-
-
-class _Stopped(Exception):
-    """Another worker failed."""
-
-
-def _get(q: queue.Queue, stop: threading.Event) -> Any:
-    while True:
-        try:
-            return q.get(timeout=_POLL)
-        except queue.Empty:
-            if stop.is_set():
-                raise _Stopped from None
-
-
-def _put(q: queue.Queue, item: Any, stop: threading.Event) -> None:
-    while not stop.is_set():
-        try:
-            q.put(item, timeout=_POLL)
-            return
-        except queue.Full:
-            continue
-    raise _Stopped

@@ -41,6 +41,7 @@ from tppc.program.state import Call, next_epoch
 from tppc.runtime.denoise import DenoiseRun, bind_steps, check_steps
 from tppc.runtime.schedulers import (
     StepProtocol,
+    check_elementwise,
     check_scheduler,
     patch_protocols,
     start_timesteps,
@@ -111,6 +112,9 @@ def distributed_denoise(cp: DenoisingRank, latents: torch.Tensor | None, schedul
     front, length, plan, bounds, flats = b.front, b.length, b.plan, b.bounds, b.flats
     full, first, rest = _programs(cp, front, plan, length, bounds)
     axis, scale = b.axis, b.scale
+    if warmup_steps < len(steps):  # every rank checks alike (a seeded random latent)
+        check_elementwise(scheduler, x, axis, [(scale * a, scale * c)
+                                               for a, c in itertools.pairwise(bounds)])
     latent = next(j for j, v in enumerate(b.bound.flat) if v is x_in)
     epoch = next_epoch()
     state = front.pool.acquire(length)
@@ -236,7 +240,7 @@ def _readers(world: int, latent: int, *programs: Program | None) -> tuple[int, .
 def _programs(cp: DenoisingRank, front: Any, plan: Any, length: int,
               bounds: tuple[int, ...]) -> tuple[Program, Program, Program | None]:
     """Warm-up, patch and later-patch programs with this rank's stage loaded and its const
-    sub-graphs hoisted (as :func:`tppc.runtime.denoise._programs`), cached on ``cp``."""
+    sub-graphs hoisted (as :func:`tppc.runtime.denoise.patch_programs`), cached on ``cp``."""
     cache = cp.__dict__.setdefault("_distributed_denoise_programs", {})
     placement = tuple((st.layer_start, st.layer_end, st.device_index) for st in plan.stages)
     key = (front.batch, length, bounds, placement)

@@ -1,0 +1,134 @@
+"""The drop-in on this CPU: an unchanged ``PixArtAlphaPipeline`` call (20 steps, guidance
+4.5: a batch of two, 1024 image tokens) with the eager transformer against
+``tppc.diffusers.compile_pipeline`` (2 stages x 1 thread), and ``cp.denoise`` on the same
+compiled transformer (the steps overlap there), side by side, min of reps.
+
+Usage (under the shared lock):
+    flock -x /tmp/tppc_cpu.lock python benchmarks/diffusers_dropin.py [REPS] [STEPS]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    DPMSolverMultistepScheduler,
+    PixArtAlphaPipeline,
+    PixArtTransformer2DModel,
+)
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
+
+import tppc.diffusers
+
+__all__: list[str] = []
+
+PROMPT = "a photo of a cat on the grass"
+
+
+def _pipe() -> PixArtAlphaPipeline:
+    """PixArt-shaped: hidden 384 (6 heads), depth 8, 64x64 latent (patch 2: 1024 tokens)."""
+    words = PROMPT.split()
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>",
+                                        eos_token="</s>", unk_token="<unk>",
+                                        model_max_length=16)
+    torch.manual_seed(0)
+    text = T5EncoderModel(T5Config(vocab_size=16, d_model=64, d_kv=16, d_ff=64, num_layers=1,
+                                   num_heads=4, decoder_start_token_id=0, pad_token_id=0))
+    vae = AutoencoderKL(block_out_channels=(8, 8), down_block_types=("DownEncoderBlock2D",) * 2,
+                        up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1,
+                        latent_channels=4, norm_num_groups=4)
+    model = PixArtTransformer2DModel(
+        num_attention_heads=6, attention_head_dim=64, in_channels=4, out_channels=8,
+        num_layers=8, sample_size=64, patch_size=2, cross_attention_dim=384,
+        caption_channels=64, norm_type="ada_norm_single", use_additional_conditions=False)
+    pipe = PixArtAlphaPipeline(tokenizer=tokenizer, text_encoder=text.eval(), vae=vae.eval(),
+                               transformer=model.eval(), scheduler=DPMSolverMultistepScheduler())
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _call(pipe: PixArtAlphaPipeline, steps: int) -> torch.Tensor:
+    return pipe(PROMPT, num_inference_steps=steps, height=128, width=128, output_type="latent",
+                clean_caption=False, use_resolution_binning=False, max_sequence_length=16,
+                generator=torch.Generator().manual_seed(0)).images
+
+
+def _denoise(pipe: PixArtAlphaPipeline, cp: object, steps: int, patches: int) -> torch.Tensor:
+    """PixArt's loop through ``cp.denoise``: guidance and the learned sigma as the transform."""
+    pe, pm, npe, npm = pipe.encode_prompt(PROMPT, True, max_sequence_length=16,
+                                          clean_caption=False)
+    x = torch.randn(1, 4, 64, 64, generator=torch.Generator().manual_seed(0))
+    kw = {"encoder_hidden_states": torch.cat([npe, pe]),
+          "encoder_attention_mask": torch.cat([npm, pm]),
+          "added_cond_kwargs": {"resolution": None, "aspect_ratio": None}, "return_dict": False}
+
+    def guided(out: torch.Tensor) -> torch.Tensor:
+        u, c = out[:, :4].chunk(2)
+        g = u + 4.5 * (c - u)
+        return torch.cat([g, g])
+
+    return cp.denoise(torch.cat([x, x]), DPMSolverMultistepScheduler(), steps, warmup_steps=1,
+                      patches=patches, model_kwargs=kw, output_transform=guided)
+
+
+def main(reps: int = 3, steps: int = 20) -> None:
+    pipe = _pipe()
+    eager = pipe.transformer
+    opts = {"num_stages": 2, "threads_per_stage": 1, "executor": "threads"}
+    runs: dict[str, object] = {}
+
+    def eager_run(threads: int) -> object:
+        def run() -> None:
+            pipe.transformer = eager
+            torch.set_num_threads(threads)
+            _call(pipe, steps)
+        return run
+
+    runs["eager pipeline, 1 thread"] = eager_run(1)
+    runs["eager pipeline, 2 threads"] = eager_run(2)
+    adapters = {}
+    for name, warm, patches in (("drop-in, every step warm", None, None),
+                                ("drop-in, 1 warm-up, 2 patches", 1, 2),
+                                ("drop-in, 1 warm-up, 4 patches", 1, 4)):
+        pipe.transformer = eager
+        tppc.diffusers.compile_pipeline(pipe, warmup_steps=warm, patches=patches, **opts)
+        adapters[name] = pipe.transformer
+        torch.set_num_threads(1)
+        _call(pipe, 2)  # compiles (untimed)
+
+        def run(adapter: object = adapters[name]) -> None:
+            pipe.transformer = adapter
+            torch.set_num_threads(1)
+            _call(pipe, steps)
+        runs[name] = run
+    cp = next(iter(adapters["drop-in, 1 warm-up, 2 patches"].compiled.values()))
+    for patches in (2, 4):
+        _denoise(pipe, cp, 2, patches)  # the patch programs (untimed)
+
+        def den(patches: int = patches) -> None:
+            torch.set_num_threads(1)
+            _denoise(pipe, cp, steps, patches)
+        runs[f"cp.denoise, 1 warm-up, {patches} patches (steps overlap)"] = den
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(reps):  # side by side: every run once per rep
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - t0)
+    base = min(times["eager pipeline, 1 thread"])
+    print(f"PixArt-shaped pipeline (hidden 384, depth 8, 1024 image tokens, guidance: batch 2), "
+          f"{steps} DPM-Solver steps, output_type='latent', min of {reps}")
+    print("| run | time (s) | vs eager 1 thread |\n|---|---|---|")
+    for name, ts in times.items():
+        print(f"| {name} | {min(ts):.2f} | {base / min(ts):.2f}x |")
+
+
+if __name__ == "__main__":
+    main(*(int(a) for a in sys.argv[1:3]))
