@@ -33,6 +33,7 @@ from typing import Any
 import onnx
 import torch
 
+from tppc.artifact.export_check import check_export
 from tppc.artifact.graphs import ExportError, export_stage_graph
 from tppc.artifact.load import SCHEMA, sha256_file
 from tppc.artifact.signature import model_signature
@@ -50,7 +51,8 @@ Progress = Callable[[str], None]
 
 def export(compiled: Any, path: str | os.PathLike[str], *, format: str = "onnx",
            lengths: Iterable[int] | None = None, external_data: bool | None = None,
-           progress: Progress | None = None) -> Path:
+           progress: Progress | None = None, verify: bool | None = None,
+           example: tuple[tuple[Any, ...], dict[str, Any]] | None = None) -> Path:
     """Write ``compiled`` (a :class:`tppc.CompiledPipeline`) as an artifact directory.
 
     Args:
@@ -61,11 +63,18 @@ def export(compiled: Any, path: str | os.PathLike[str], *, format: str = "onnx",
             length); lengths tppc did not plan are planned now (or refused for a given plan).
         external_data: weights in a ``.data`` file next to each stage (default: when a
             stage's weights exceed :data:`EXTERNAL_DATA_BYTES`).
-        progress: called with one line per stage written.
+        progress: called with one line per stage written (and one for the check).
+        verify: run the artifact with ONNX Runtime on the example and compare it with the
+            torch program, the captured graph and the eager model
+            (:mod:`tppc.artifact.export_check`); default: the compile's ``verify``.
+        example: ``(args, kwargs)`` of that check (default: the compile's example,
+            ``compiled.example``; none: not checked).
 
     Raises:
         ExportError: an unknown format, a length that is not an int ≥ 1, a program with a
             global epilogue, or an op the ONNX translation does not support (naming the node).
+        SoundnessError: the artifact's output differs (the files stay written); the message
+            names the ONNX stage and the output.
     """
     wanted_lengths = _check_lengths(lengths)
     if format != "onnx":
@@ -108,6 +117,12 @@ def export(compiled: Any, path: str | os.PathLike[str], *, format: str = "onnx",
     tmp = out / "plan.json.tmp"
     tmp.write_text(json.dumps(doc, indent=1))
     tmp.replace(out / "plan.json")
+    verify = bool(compiled.options.verify) if verify is None else verify
+    example = example if example is not None else getattr(compiled, "example", None)
+    if verify and example is not None:
+        checked = check_export(compiled, out, *example)
+        if progress is not None:
+            progress(checked.summary())
     return out
 
 

@@ -62,7 +62,7 @@ from tppc.runtime.replay import (
 )
 
 __all__ = ["LONG_TOKENS", "SHORT_TOKENS", "CheckRun", "Validated", "Validation",
-           "resize_inputs", "short_lengths", "validate_pipeline"]
+           "probe_chunks", "resize_inputs", "short_lengths", "validate_pipeline"]
 
 LONG_TOKENS = 256
 """An example with more tokens is validated at short probe lengths (:func:`short_lengths`)."""
@@ -164,16 +164,20 @@ def validate_pipeline(cp: Validated, model: torch.nn.Module, args: tuple[Any, ..
     if skip is not None:
         return Validation(runs=(), seconds=0.0, skipped=skip)
     front, bound = cp.bind(args, kwargs or {})
-    length, notes = bound.length, []
+    length, flat, notes = bound.length, bound.flat, []
+    if cp.plan.seq_len != length:  # a given plan for another length (with_plan)
+        notes.append(f"the example's {length} units resized to the plan's {cp.plan.seq_len}")
+        flat = resize_inputs(front, flat, length, cp.plan.seq_len)
+        length = cp.plan.seq_len
     compiled = cp.program(length, front)
     staged = _validation_program(front, compiled)
     short = None if cp.options.verify == "full" else short_lengths(front, length)
     if short is None:
-        runs = _example_checks(cp, front, bound.flat, length, compiled, staged, notes)
+        runs = _example_checks(cp, front, flat, length, compiled, staged, notes)
     else:
         notes.append(f"a long example ({length} units of sequence): checked at {short[0]} and "
                      f"{short[1]} units (its first rows); verify='full' also checks {length}")
-        runs = [_probe_check(front, staged, bound.flat, length, probe) for probe in short]
+        runs = [_probe_check(front, staged, flat, length, probe) for probe in short]
     if len(staged.stages) < 2:
         notes.append(f"{len(front.ctx.layers)} layer(s): one stage only")
     return Validation(runs=tuple(runs), seconds=time.perf_counter() - start, notes=tuple(notes))
@@ -186,7 +190,7 @@ def _example_checks(cp: Validated, front: FrontEnd, flat: Sequence[Any], length:
     reference = run_reference(front.annotated, flat)[0]
     runs = [_check(front, "compiled program", compiled, None, flat, length, compiled.chunks,
                    warmup=False, reference=reference)]
-    chunks, note = _split(front, length)
+    chunks, note = probe_chunks(front, length)
     if note:
         notes.append(note)
     if staged is not compiled or chunks != compiled.chunks:
@@ -204,7 +208,7 @@ def _example_checks(cp: Validated, front: FrontEnd, flat: Sequence[Any], length:
 def _probe_check(front: FrontEnd, staged: Program, flat: Sequence[Any], length: int,
                  probe: int) -> CheckRun:
     """The validation program on the example cut (or extended) to ``probe`` units."""
-    chunks = _split(front, probe)[0]
+    chunks = probe_chunks(front, probe)[0]
     return _check(front, "validation program", staged, _rest(front, staged, chunks),
                   resize_inputs(front, flat, length, probe), probe, chunks,
                   warmup=bool(front.bidirectional))
@@ -286,8 +290,8 @@ def _rest(front: FrontEnd, program: Program, chunks: tuple[tuple[int, int], ...]
                          tuple(st.device for st in program.stages))
 
 
-def _split(front: FrontEnd, length: int) -> tuple[tuple[tuple[int, int], ...], str]:
-    """Two or three chunks of unequal sizes, or one and why."""
+def probe_chunks(front: FrontEnd, length: int) -> tuple[tuple[tuple[int, int], ...], str]:
+    """The chunks a check runs at ``length``: two or three of unequal sizes, or one and why."""
     grid = front.ctx.patch_grid
     if front.bidirectional and len(grid) == 3 and grid[0] > 1:
         return ((0, length),), (f"video latents of {grid[0]} frames: one chunk (a band of "
