@@ -23,7 +23,9 @@ Terms:
         computes in the dry run's order), so both give the same latents.
 
 Buffers are zeroed at the start of every call; with ``warmup_steps == num_inference_steps``
-the result is the serial loop's (see :func:`denoise`).
+the result is the serial loop's (see :func:`denoise`). The first call with patches checks
+them against one chunk on one step (:mod:`tppc.runtime.denoise_check`; ``verify=False``
+skips it).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from tppc.passes.hoist_consts import hoist_constants
 from tppc.program.program import Program, StageProgram
 from tppc.program.schedule import Action, DryRun, check_actions
 from tppc.program.state import Call, CallState, next_epoch
+from tppc.runtime.denoise_check import check_patches
 from tppc.runtime.io import OutputAssembler
 from tppc.runtime.schedulers import (
     StepProtocol,
@@ -86,6 +89,8 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any, num_inference_steps:
     b = bind_steps(cp, x_in, kwargs, steps, timestep_arg, warmup_steps, patches)
     front, length, plan, bounds, flats = b.front, b.length, b.plan, b.bounds, b.flats
     full, first, rest = _programs(cp, front, plan, length, bounds)
+    if warmup_steps < len(steps):  # the patches against one chunk, once per shape
+        check_patches(cp, front, flats[0], length, bounds, (full, first, rest))
     axis, scale = b.axis, b.scale
     epoch = next_epoch()
     state = front.pool.acquire(length)
