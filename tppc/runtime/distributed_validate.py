@@ -106,7 +106,11 @@ def _check_locally(model: torch.nn.Module, front: FrontEnd, plan: Plan,
 
 
 def _with_weights(front: FrontEnd, loader: StageWeights, device: torch.device) -> FrontEnd:
-    """``front`` with copies of its captured and chunk-step graphs holding real tensors."""
+    """``front`` with copies of its captured and chunk-step graphs holding real tensors
+    (``front`` itself when it holds real tensors: a real model, no copy)."""
+    tensors = [*front.annotated.parameters(), *front.annotated.buffers()]
+    if not any(t.device.type == "meta" for t in tensors):
+        return dataclasses.replace(front, pool=StatePool(1))
     annotated, chunk = copy.deepcopy(front.annotated), copy.deepcopy(front.chunk)
     modules = [annotated, chunk]
     rest = chunk.meta.get(REST_CHUNK)
