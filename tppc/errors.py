@@ -75,14 +75,18 @@ class SoundnessError(TppcError):
         layer: the layer it belongs to.
         construct: the construct it belongs to, in words.
         max_diff: the max abs difference of its value (or of the output).
+        stage: the stage whose output differs (an export's ONNX stage), else None.
+        output: the name of that output (``boundary.<value>``, a model output's path).
     """
 
     def __init__(self, message: str, *, node: str | None = None, op: str | None = None,
                  module: str | None = None, layer: str | None = None,
-                 construct: str | None = None, max_diff: float = float("nan")) -> None:
+                 construct: str | None = None, max_diff: float = float("nan"),
+                 stage: int | None = None, output: str | None = None) -> None:
         super().__init__(message)
         self.node, self.op, self.module, self.layer = node, op, module, layer
         self.construct, self.max_diff = construct, max_diff
+        self.stage, self.output = stage, output
 
 
 class SpecError(TppcError, ValueError):

@@ -33,6 +33,7 @@ from typing import Any
 import onnx
 import torch
 
+from tppc.artifact.export_check import check_export
 from tppc.artifact.graphs import ExportError, export_stage_graph
 from tppc.artifact.load import SCHEMA, sha256_file
 from tppc.artifact.signature import model_signature
@@ -50,7 +51,8 @@ Progress = Callable[[str], None]
 
 def export(compiled: Any, path: str | os.PathLike[str], *, format: str = "onnx",
            lengths: Iterable[int] | None = None, external_data: bool | None = None,
-           progress: Progress | None = None) -> Path:
+           progress: Progress | None = None, verify: bool | None = None,
+           example: tuple[tuple[Any, ...], dict[str, Any]] | None = None) -> Path:
     """Write ``compiled`` (a :class:`tppc.CompiledPipeline`) as an artifact directory.
 
     Args:
@@ -61,11 +63,18 @@ def export(compiled: Any, path: str | os.PathLike[str], *, format: str = "onnx",
             length); lengths tppc did not plan are planned now (or refused for a given plan).
         external_data: weights in a ``.data`` file next to each stage (default: when a
             stage's weights exceed :data:`EXTERNAL_DATA_BYTES`).
-        progress: called with one line per stage written.
+        progress: called with one line per stage written (and one for the check).
+        verify: run the artifact with ONNX Runtime on the example and compare it with the
+            torch program, the captured graph and the eager model
+            (:mod:`tppc.artifact.export_check`); default: the compile's ``verify``.
+        example: ``(args, kwargs)`` of that check (default: the compile's example,
+            ``compiled.example``; none: not checked).
 
     Raises:
         ExportError: an unknown format, a length that is not an int ≥ 1, a program with a
             global epilogue, or an op the ONNX translation does not support (naming the node).
+        SoundnessError: the artifact's output differs (the files stay written); the message
+            names the ONNX stage and the output.
 
     An export that raises (or is interrupted) removes the files it created and the directory
     when it created it; files of an earlier export it overwrote stay, refused by
@@ -79,7 +88,7 @@ def export(compiled: Any, path: str | os.PathLike[str], *, format: str = "onnx",
     out.mkdir(parents=True, exist_ok=True)
     before = set(out.iterdir())
     try:
-        return _export(compiled, out, wanted_lengths, external_data, progress)
+        _export(compiled, out, wanted_lengths, external_data, progress)
     except BaseException:
         for entry in set(out.iterdir()) - before:
             if entry.is_file():
@@ -90,10 +99,17 @@ def export(compiled: Any, path: str | os.PathLike[str], *, format: str = "onnx",
             except OSError:
                 break
         raise
+    verify = bool(compiled.options.verify) if verify is None else verify
+    example = example if example is not None else getattr(compiled, "example", None)
+    if verify and example is not None:  # the files stay written when the check fails
+        checked = check_export(compiled, out, *example)
+        if progress is not None:
+            progress(checked.summary())
+    return out
 
 
 def _export(compiled: Any, out: Path, wanted_lengths: list[int], external_data: bool | None,
-            progress: Progress | None) -> Path:
+            progress: Progress | None) -> None:
     program = compiled.program(compiled.plan.seq_len)
     if program.tail is not None:
         raise ExportError(f"{compiled.model_name} has a global epilogue (a loss or pooling "
@@ -130,7 +146,6 @@ def _export(compiled: Any, out: Path, wanted_lengths: list[int], external_data: 
     tmp = out / "plan.json.tmp"
     tmp.write_text(json.dumps(doc, indent=1))
     tmp.replace(out / "plan.json")
-    return out
 
 
 def _write_stage(stage: Any, program: Any, out: Path, external: bool | None,

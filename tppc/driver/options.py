@@ -42,8 +42,10 @@ class CompileOptions:
     """Override the planner's split: a number of equal chunks, or the boundaries."""
     devices: tuple[str | torch.device, ...] | None = None
     """One torch device per stage (default: ``cpu`` for CPU presets, else ``cuda:i``)."""
-    verify: bool = True
-    """Check the emitted program against the captured graph before returning it (real weights)."""
+    verify: bool | Literal["full"] = True
+    """Check the emitted program against the captured graph before returning it (real weights;
+    see :mod:`tppc.runtime.validate`): a long example is checked at two short lengths,
+    ``"full"`` checks it at its own length too (a few forwards of the model), False skips."""
     max_seq: int | None = None
     """Longest sequence (prompt + generated tokens) accepted; None: no limit."""
     num_stages: int | None = None
@@ -74,6 +76,9 @@ class CompileOptions:
         if self.executor not in EXECUTORS:
             raise SpecError(f"executor={self.executor!r}; use one of {list(EXECUTORS)}")
         _check_chunks(self.chunks)
+        if self.verify not in (True, False, "full"):
+            raise SpecError(f"verify={self.verify!r}; use True (the default), 'full' (also "
+                            "check at the example's own length) or False (skip)")
         _positive("max_seq", self.max_seq)
         _positive("num_stages", self.num_stages)
         _positive("granularity", self.granularity)

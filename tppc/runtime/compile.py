@@ -76,6 +76,7 @@ def compile_pipeline(
                               keep_states=opts.keep_states)
     plan, planner = example_plan(front, opts, plan)
     cp = CompiledPipeline(model, front, plan, planner=planner, options=opts, seq_dims=seq_dims)
+    cp.example = (tuple(args), dict(kwargs or {}))
     if opts.verify:  # translation validation: SoundnessError names the first diverging node
         cp.validation = validate_pipeline(cp, model, args, kwargs)
     return cp

@@ -42,6 +42,7 @@ from tppc.planner.plan import Plan, Workload
 from tppc.program.program import Program
 from tppc.program.state import Call, CallState, StatePool
 from tppc.runtime.call import Delivery, LocalDelivery, run_call
+from tppc.runtime.validate import validate_pipeline
 
 __all__ = ["CompiledPipeline", "StageSummary"]
 
@@ -83,10 +84,13 @@ class CompiledPipeline:
         executor: the executor calls run on.
         last_trace: ``(stage, chunk, start, end)`` of the last ``threads`` call.
         validation: what ``tppc.compile`` checked (:class:`tppc.runtime.validate.Validation`),
-            or None (``verify=False``, :meth:`with_plan`).
+            or None (``verify=False``).
+        example: ``(args, kwargs)`` of the compile (what ``tppc.export`` checks the artifact
+            on), or None.
     """
 
     validation: Any = None
+    example: tuple[tuple[Any, ...], dict[str, Any]] | None = None
 
     def __init__(self, model: torch.nn.Module, front: FrontEnd, plan: Plan, *,
                  planner: Planner | None, options: CompileOptions,
@@ -254,7 +258,13 @@ class CompiledPipeline:
     def with_plan(self, plan: Plan, *, executor: ExecutorName | None = None,
                   **options: Any) -> CompiledPipeline:
         """The same captured model emitted for another plan (no re-capture); other lengths
-        are refused. ``options``: any :class:`CompileOptions` field."""
+        are refused. ``options``: any :class:`CompileOptions` field. Validated like
+        ``tppc.compile`` (on the compile's example, resized to the plan's length) unless
+        ``verify`` is False.
+
+        Raises:
+            SoundnessError: the new program differs from the captured graph.
+        """
         fields = {**self.options.__dict__, **options,
                   "executor": executor or self.executor, "chunks": None}
         ctx = dataclasses.replace(self._front.ctx,
@@ -265,6 +275,9 @@ class CompiledPipeline:
                                  options=CompileOptions(**fields), seq_dims=self._seq_dims)
         with self._lock:  # captures of other batch shapes are shared (they are immutable)
             other._fronts.update((k, f) for k, f in self._fronts.items() if k != front.key)
+        other.example = self.example
+        if other.options.verify and self.example is not None:  # SoundnessError on a mismatch
+            other.validation = validate_pipeline(other, self._model, *self.example)
         return other
 
     # -- used by generate and the tests ---------------------------------------------------------

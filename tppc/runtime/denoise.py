@@ -23,7 +23,9 @@ Terms:
         computes in the dry run's order), so both give the same latents.
 
 Buffers are zeroed at the start of every call; with ``warmup_steps == num_inference_steps``
-the result is the serial loop's (see :func:`denoise`).
+the result is the serial loop's (see :func:`denoise`). The first call with patches checks
+them against one chunk on one step (:mod:`tppc.runtime.denoise_check`; ``verify=False``
+skips it).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from tppc.passes.hoist_consts import hoist_constants
 from tppc.program.program import Program, StageProgram
 from tppc.program.schedule import check_actions
 from tppc.program.state import Call, next_epoch
+from tppc.runtime.denoise_check import check_patches
 from tppc.runtime.denoise_jobs import Jobs, run_pipelined, run_serial
 from tppc.runtime.io import OutputAssembler
 from tppc.runtime.schedulers import (
@@ -113,6 +116,8 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any,
                    schedule.timestep_transform)
     front, length, plan, bounds, flats = b.front, b.length, b.plan, b.bounds, b.flats
     full, first, rest = patch_programs(cp, front, plan, length, bounds)
+    if warm < len(steps):  # the patches against one chunk, once per shape
+        check_patches(cp, front, flats[0], length, bounds, (full, first, rest))
     axis, scale = b.axis, b.scale
     chunks = tuple(itertools.pairwise(bounds))
     bands = [(scale * a, scale * b) for a, b in chunks]

@@ -29,7 +29,6 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from torch import fx
 from torch.utils import _pytree as pytree
 
 from tppc.backends import wire
@@ -43,6 +42,7 @@ from tppc.program.program import Program
 from tppc.program.state import Call
 from tppc.runtime.checkpoint import StageWeights
 from tppc.runtime.compiled import CompiledPipeline
+from tppc.runtime.distributed_validate import retarget, validate_on_rank0
 from tppc.runtime.rank_delivery import RankDelivery
 from tppc.runtime.shared_results import sweep_dead
 
@@ -100,8 +100,10 @@ def compile_distributed(model: torch.nn.Module, args: tuple[Any, ...],
         results: ``"rank0"`` or ``"all"``: who gets the outputs.
         comm_timeout: seconds a rank waits for a peer before it fails (bounded failure).
         device: ``"auto"``, ``"cpu"`` or ``"cuda"``.
-        **options: :class:`CompileOptions` fields (``num_stages`` defaults to the job's
-            size, ``cluster`` to ``"<S>xcpu"``; ``devices`` and ``executor`` are set here).
+        **options: :class:`CompileOptions` fields (``verify``: rank 0 checks the program
+            before the stages load, :mod:`tppc.runtime.distributed_validate`; ``num_stages``
+            defaults to the job's size, ``cluster`` to ``"<S>xcpu"``; ``devices`` and
+            ``executor`` are set here).
     """
     if results not in ("rank0", "all"):
         raise SpecError(f"results={results!r}; use 'rank0' or 'all'")
@@ -117,10 +119,17 @@ def compile_distributed(model: torch.nn.Module, args: tuple[Any, ...],
                               keep_states=opts.keep_states)  # on meta when the model is
     plan, planner = example_plan(front, opts, plan,
                                  share=lambda planner: _shared_planner(planner, rank))
+    validation = None
+    if opts.verify:  # rank 0 checks the program before any rank loads its stage
+        validation = validate_on_rank0(model, front, plan, opts, args, kwargs,
+                                       checkpoint=checkpoint, buffers=dict(buffers or {}),
+                                       device=where, rank=rank)
     weights = StageWeights(checkpoint, model, dict(buffers or {}), where)
-    return DistributedPipeline(model, front, plan, planner=planner, options=opts,
-                               seq_dims=seq_dims, weights=weights, rank=rank, world=world,
-                               results=results, comm_timeout=comm_timeout)
+    cp = DistributedPipeline(model, front, plan, planner=planner, options=opts,
+                             seq_dims=seq_dims, weights=weights, rank=rank, world=world,
+                             results=results, comm_timeout=comm_timeout)
+    cp.validation, cp.example = validation, (tuple(args), dict(kwargs or {}))
+    return cp
 
 
 class DistributedPipeline(CompiledPipeline):
@@ -250,7 +259,7 @@ class DistributedPipeline(CompiledPipeline):
                                     else [])
         self.weights.materialise(*modules)
         for module in modules:
-            _retarget(module, self.device)
+            retarget(module, self.device)
         tensors = [*stage.module.parameters(), *stage.module.buffers()]
         mine = dataclasses.replace(
             stage, device=self.device, positional=stage.module.tppc_positional,
@@ -261,7 +270,7 @@ class DistributedPipeline(CompiledPipeline):
         tail = program.tail
         if tail is not None and self.rank == self.world - 1:
             self.weights.materialise(tail)
-            _retarget(tail, self.device)
+            retarget(tail, self.device)
         return dataclasses.replace(program, stages=tuple(stages), tail=tail)
 
     def _capture(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], bound: Any
@@ -291,25 +300,6 @@ def _shared_planner(planner: Planner, rank: int) -> Planner:
         return Plan.from_json(box[0][1])
 
     return plan_length
-
-
-def _retarget(module: torch.nn.Module, device: torch.device) -> None:
-    """Point the ``device=meta`` arguments a capture on the meta device baked into the graphs
-    (``arange``, ``to``) at ``device``."""
-    def swap(arg: Any) -> Any:
-        return device if isinstance(arg, torch.device) and arg.type == "meta" else arg
-
-    for sub in module.modules():
-        if not isinstance(sub, fx.GraphModule):
-            continue
-        changed = False
-        for node in sub.graph.nodes:
-            args, kwargs = fx.node.map_aggregate(node.args, swap), \
-                fx.node.map_aggregate(node.kwargs, swap)
-            if args != node.args or kwargs != node.kwargs:
-                node.args, node.kwargs, changed = args, kwargs, True
-        if changed:
-            sub.recompile()
 
 
 def _meta_if(model: torch.nn.Module, tree: Any) -> Any:

@@ -9,11 +9,19 @@ Terms:
     probe length: one more sequence length the capture admits (the example length minus the
         plan's granularity, or plus it for short examples); the example's inputs are cut (or
         extended with their own first rows) along every sequence axis to that length.
+    long example: more than :data:`LONG_TOKENS` tokens. Its check at its own length would cost
+        a few forwards of the model (7x the compile of a 200 M Llama at 2048 tokens), so it is
+        checked at two short probe lengths instead (:func:`short_lengths`: 64 tokens, more with
+        a sliding window, and a quarter fewer). The emitted stage graphs do not depend on the
+        length (the same graphs run every length; positional values are computed per call),
+        so the short check replays the very stages the example's program runs.
 
-What runs (:func:`validate_pipeline`): the compiled program with its own chunks on the example
-(what a call returns); the validation program on the example in two or three chunks (a
-bidirectional model's chunked pass runs after a one-chunk pass filled its K/V buffers); the
-validation program at the probe length in two or three chunks. A difference above the
+What runs (:func:`validate_pipeline`), for an example that is not long (or ``verify="full"``):
+the compiled program with its own chunks on the example (what a call returns); the validation
+program on the example in two or three chunks (a bidirectional model's chunked pass runs after
+a one-chunk pass filled its K/V buffers); the validation program at the probe length in two or
+three chunks. For a long example: the validation program at the two short lengths, in three
+chunks each (on the example's first rows). A difference above the
 tolerance (:func:`tppc.runtime.replay.tolerance`) is localised and raised as
 :class:`tppc.errors.SoundnessError` (:mod:`tppc.runtime.localize`). Skipped for models on the
 meta device (planning only) and with ``verify=False``.
@@ -44,9 +52,22 @@ from tppc.planner.manual import manual_plan
 from tppc.planner.plan import Plan
 from tppc.program.program import Program
 from tppc.runtime.localize import raise_crash, raise_divergence
-from tppc.runtime.replay import Difference, Replay, StageFailed, compare, run_reference
+from tppc.runtime.replay import (
+    Difference,
+    Replay,
+    StageFailed,
+    compare,
+    run_reference,
+    token_info,
+)
 
-__all__ = ["CheckRun", "Validated", "Validation", "resize_inputs", "validate_pipeline"]
+__all__ = ["LONG_TOKENS", "SHORT_TOKENS", "CheckRun", "Validated", "Validation",
+           "probe_chunks", "resize_inputs", "short_lengths", "validate_pipeline"]
+
+LONG_TOKENS = 256
+"""An example with more tokens is validated at short probe lengths (:func:`short_lengths`)."""
+SHORT_TOKENS = 64
+"""Tokens of the first short probe length."""
 
 
 @dataclass(frozen=True)
@@ -143,30 +164,79 @@ def validate_pipeline(cp: Validated, model: torch.nn.Module, args: tuple[Any, ..
     if skip is not None:
         return Validation(runs=(), seconds=0.0, skipped=skip)
     front, bound = cp.bind(args, kwargs or {})
-    length, notes = bound.length, []
+    length, flat, notes = bound.length, bound.flat, []
+    if cp.plan.seq_len != length:  # a given plan for another length (with_plan)
+        notes.append(f"the example's {length} units resized to the plan's {cp.plan.seq_len}")
+        flat = resize_inputs(front, flat, length, cp.plan.seq_len)
+        length = cp.plan.seq_len
     compiled = cp.program(length, front)
     staged = _validation_program(front, compiled)
-    warmup = bool(front.bidirectional)
-    reference = run_reference(front.annotated, bound.flat)[0]
-    runs = [_check(front, "compiled program", compiled, None, bound.flat, length,
-                   compiled.chunks, warmup=False, reference=reference)]
-    chunks, note = _split(front, length)
+    short = None if cp.options.verify == "full" else short_lengths(front, length)
+    if short is None:
+        runs = _example_checks(cp, front, flat, length, compiled, staged, notes)
+    else:
+        notes.append(f"a long example ({length} units of sequence): checked at {short[0]} and "
+                     f"{short[1]} units (its first rows); verify='full' also checks {length}")
+        runs = [_probe_check(front, staged, flat, length, probe) for probe in short]
+    if len(staged.stages) < 2:
+        notes.append(f"{len(front.ctx.layers)} layer(s): one stage only")
+    return Validation(runs=tuple(runs), seconds=time.perf_counter() - start, notes=tuple(notes))
+
+
+def _example_checks(cp: Validated, front: FrontEnd, flat: Sequence[Any], length: int,
+                    compiled: Program, staged: Program, notes: list[str]) -> list[CheckRun]:
+    """The compiled program and the validation program at the example length, then the
+    validation program at the probe length (:func:`_probe_length`)."""
+    reference = run_reference(front.annotated, flat)[0]
+    runs = [_check(front, "compiled program", compiled, None, flat, length, compiled.chunks,
+                   warmup=False, reference=reference)]
+    chunks, note = probe_chunks(front, length)
     if note:
         notes.append(note)
     if staged is not compiled or chunks != compiled.chunks:
         runs.append(_check(front, "validation program", staged, _rest(front, staged, chunks),
-                           bound.flat, length, chunks, warmup=warmup, reference=reference))
-    if len(staged.stages) < 2:
-        notes.append(f"{len(front.ctx.layers)} layer(s): one stage only")
+                           flat, length, chunks, warmup=bool(front.bidirectional),
+                           reference=reference))
     probe, note = _probe_length(front, cp, length)
     if probe is None:
         notes.append(note)
     else:
-        flat = resize_inputs(front, bound.flat, length, probe)
-        chunks = _split(front, probe)[0]
-        runs.append(_check(front, "validation program", staged, _rest(front, staged, chunks),
-                           flat, probe, chunks, warmup=warmup))
-    return Validation(runs=tuple(runs), seconds=time.perf_counter() - start, notes=tuple(notes))
+        runs.append(_probe_check(front, staged, flat, length, probe))
+    return runs
+
+
+def _probe_check(front: FrontEnd, staged: Program, flat: Sequence[Any], length: int,
+                 probe: int) -> CheckRun:
+    """The validation program on the example cut (or extended) to ``probe`` units."""
+    chunks = probe_chunks(front, probe)[0]
+    return _check(front, "validation program", staged, _rest(front, staged, chunks),
+                  resize_inputs(front, flat, length, probe), probe, chunks,
+                  warmup=bool(front.bidirectional))
+
+
+def short_lengths(front: FrontEnd, length: int) -> tuple[int, int] | None:
+    """Two short probe lengths for a long example, or None: check at the example length.
+
+    An example is long when it has more than ``LONG_TOKENS`` tokens (a DiT's unit is a patch
+    row of ``cols`` tokens). The first probe has ``SHORT_TOKENS`` tokens (at least 4 units:
+    three chunks) and one sliding window and a half more where the model has a window; the
+    second a quarter fewer units (another remainder of every division). None when the
+    capture admits no other length, or the probe would not be shorter than the example.
+    """
+    ctx, grid = front.ctx, front.ctx.patch_grid
+    if ctx.capture_mode != "dynamic" or (len(grid) == 3 and grid[0] > 1):
+        return None
+    per_unit = grid[-1] if len(grid) == 2 else 1
+    if length * per_unit <= LONG_TOKENS:
+        return None
+    windows = [info.mask.window for n in front.annotated.graph.nodes
+               if (info := token_info(n)) is not None and info.mask is not None
+               and info.mask.window is not None and info.mask.window < length * per_unit]
+    tokens = max([SHORT_TOKENS, *(w + w // 2 + 1 for w in windows)])
+    first = max(4, -(-tokens // per_unit))
+    if first >= length:
+        return None
+    return first, first - max(1, first // 4)
 
 
 def _check(front: FrontEnd, label: str, program: Program, rest: Program | None,
@@ -220,8 +290,8 @@ def _rest(front: FrontEnd, program: Program, chunks: tuple[tuple[int, int], ...]
                          tuple(st.device for st in program.stages))
 
 
-def _split(front: FrontEnd, length: int) -> tuple[tuple[tuple[int, int], ...], str]:
-    """Two or three chunks of unequal sizes, or one and why."""
+def probe_chunks(front: FrontEnd, length: int) -> tuple[tuple[tuple[int, int], ...], str]:
+    """The chunks a check runs at ``length``: two or three of unequal sizes, or one and why."""
     grid = front.ctx.patch_grid
     if front.bidirectional and len(grid) == 3 and grid[0] > 1:
         return ((0, length),), (f"video latents of {grid[0]} frames: one chunk (a band of "

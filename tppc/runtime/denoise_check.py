@@ -1,0 +1,82 @@
+"""Translation validation of ``cp.denoise``: one step with patches against one without.
+
+Terms:
+    patch program: the programs the pipelined steps of a denoising call run (the first patch's
+        and, with joint attention, the later patches'), with hoisted constants.
+    warm-up program: the one-chunk program of the warm-up steps.
+    full warm-up: a one-chunk pass of the patch program fills every K/V buffer with this
+        step's rows before its patches run, so no patch reads stale K/V; the patches must
+        then give the warm-up program's output exactly (within the tolerance of
+        :func:`tppc.runtime.replay.tolerance`).
+
+:func:`check_patches` runs on the first denoising call with two patches or more and pipelined
+steps, per (batch shape, patch rows, patches, placement), on the first step's inputs: the
+warm-up program in one chunk, and the patch program after a full warm-up. A difference raises
+:class:`tppc.errors.SoundnessError` (localised like a compile's check,
+:mod:`tppc.runtime.localize`). Skipped with ``verify=False`` and on the meta device. It costs
+three forwards of the model once per shape.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from tppc.program.program import Program
+from tppc.runtime.localize import raise_crash, raise_divergence
+from tppc.runtime.replay import Replay, StageFailed, compare
+
+__all__ = ["check_patches"]
+
+
+def check_patches(cp: Any, front: Any, flat: Sequence[Any], length: int,
+                  bounds: tuple[int, ...], programs: tuple[Program, Program, Program | None]
+                  ) -> float | None:
+    """Check the patch program against the warm-up program on one step (see the module).
+
+    Args:
+        cp: the compiled pipeline (its ``options.verify`` decides; the result is cached on it).
+        front: the call's front end.
+        flat: the first step's flat inputs.
+        length: patch rows of the latent.
+        bounds: the patch boundaries.
+        programs: the warm-up, first-patch and later-patch programs.
+
+    Returns:
+        The max-abs difference, or None when nothing was checked (one patch, ``verify=False``,
+        the meta device, or this shape was checked before).
+
+    Raises:
+        SoundnessError: the patches' output differs from the warm-up program's.
+    """
+    if not cp.options.verify or len(bounds) < 3:
+        return None
+    if any(isinstance(x, torch.Tensor) and x.device.type == "meta" for x in flat):
+        return None
+    checked = cp.__dict__.setdefault("_denoise_checked", set())
+    placement = tuple((st.layers, st.device) for st in programs[1].stages)
+    key = (front.batch, length, bounds, placement)
+    if key in checked:
+        return None
+    full, first, rest = programs
+    chunks = tuple(itertools.pairwise(bounds))
+    with torch.no_grad():
+        whole = Replay(full, None, flat, length, ((0, length),)).run(locate=False)
+        replay = Replay(first, rest, flat, length, chunks, warmup=True)
+        label = (f"denoise patch program ({len(chunks)} patches after a full warm-up, against "
+                 "the one-chunk warm-up program's output)")
+        try:
+            patched = replay.run()
+        except StageFailed as failed:
+            raise_crash(front, replay, failed, label=label)
+    worst = 0.0
+    for index, (got, want) in enumerate(zip(patched, whole, strict=True)):
+        diff = compare(got, want)
+        if diff.exceeds:
+            raise_divergence(front, replay, index, diff, label=label)
+        worst = max(worst, diff.max_abs)
+    checked.add(key)
+    return worst
