@@ -42,6 +42,7 @@ from tppc.planner.plan import Plan, Workload
 from tppc.program.program import Program
 from tppc.program.state import Call, CallState, StatePool
 from tppc.runtime.call import Delivery, LocalDelivery, run_call
+from tppc.runtime.kv_cache import read_kv_cache
 from tppc.runtime.validate import validate_pipeline
 
 __all__ = ["CompiledPipeline", "StageSummary"]
@@ -238,22 +239,7 @@ class CompiledPipeline:
         """
         with self._lock:
             last = self._last
-        if last is None or not last[0].filled:
-            raise RuntimeInputError("kv_cache() is empty: run a prefill (cp(input_ids)) first")
-        state, uses, front = last
-        if state.uses != uses:
-            raise RuntimeInputError("kv_cache(): the last call's K/V buffers were reused by a "
-                                    "later call. fix: call kv_cache() right after the call")
-        out = []
-        for attn in front.signature.attention:
-            pair = []
-            for which in ("key", "value"):
-                buf = next(b for b in front.signature.buffers
-                           if b.spec.source == attn and b.spec.kind == which)
-                tensor = state.buffer(buf.name)
-                pair.append(tensor.narrow(buf.spec.axis, 0, state.filled).clone())
-            out.append((pair[0], pair[1]))
-        return tuple(out)
+        return read_kv_cache(last)
 
     def with_plan(self, plan: Plan, *, executor: ExecutorName | None = None,
                   **options: Any) -> CompiledPipeline:
