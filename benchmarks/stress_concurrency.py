@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from diffusers import DDIMScheduler  # once here: diffusers' lazy import is not thread-safe
 
 import tppc
 from tppc import examples
@@ -191,8 +192,6 @@ def _generate_mask(t: Target, rng: random.Random) -> str | None:
 
 
 def _denoise(t: Target, rng: random.Random) -> str | None:
-    from diffusers import DDIMScheduler
-
     batch, steps = rng.choice(t.batches), rng.randint(1, 2)
     height = 2 * max(2, rng.choice(t.lengths) // 2)  # patch rows: the sequence
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
