@@ -22,6 +22,7 @@ Models: transformers' Llama from ``tppc.examples.hf_llama`` (2 layers, compiled 
 and tppc's own GPT (2 blocks) as the second model.
 
 Run:  .venv/bin/python benchmarks/stress_concurrency.py [--seconds 120] [--threads 8]
+      [--kinds compile,generate_mask]
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from diffusers import DDIMScheduler  # once here: diffusers' lazy import is not thread-safe
 
 import tppc
 from tppc import examples
@@ -190,8 +192,6 @@ def _generate_mask(t: Target, rng: random.Random) -> str | None:
 
 
 def _denoise(t: Target, rng: random.Random) -> str | None:
-    from diffusers import DDIMScheduler
-
     batch, steps = rng.choice(t.batches), rng.randint(1, 2)
     height = 2 * max(2, rng.choice(t.lengths) // 2)  # patch rows: the sequence
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
@@ -290,11 +290,18 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=120.0)
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kinds", default=",".join(KINDS),
+                        help=f"comma-separated job kinds to draw from (default: all of {KINDS})")
     ns = parser.parse_args()
+    kinds = tuple(k.strip() for k in ns.kinds.split(",") if k.strip())
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown or not kinds:
+        parser.error(f"--kinds {ns.kinds!r}: unknown {unknown}; choose from {KINDS}")
     torch.set_num_threads(1)
     target = make_target()
     exports = _count_exports()
-    report = stress(target, threads=ns.threads, seconds=ns.seconds, seed=ns.seed)
+    report = stress(target, threads=ns.threads, seconds=ns.seconds, seed=ns.seed,
+                    kinds=kinds)
     intact = intact_models(target)
     jobs = sum(report.done.values())
     print(f"{jobs} jobs in {report.seconds:.1f} s on {ns.threads} threads: "

@@ -12,13 +12,17 @@ import sys
 import threading
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 import tppc
 from tppc import examples
 from tppc.errors import RuntimeInputError
+from tppc.examples.models.gpt import GPT, GPTConfig
+from tppc.frontend.front_end import on_meta_if
 
 pytest.importorskip("transformers")
 pytest.importorskip("diffusers")
@@ -134,3 +138,47 @@ def test_a_failed_capture_reaches_every_waiting_caller_and_is_not_cached(monkeyp
     monkeypatch.setattr("tppc.runtime.compiled.capture_front_end", real)
     with torch.no_grad():
         torch.testing.assert_close(cp(ids), model(ids), rtol=1e-5, atol=1e-5)
+
+
+class _PausingGPT(GPT):
+    """tppc's GPT whose trace (FakeTensor inputs) waits in ``forward`` until told to go on."""
+
+    def __init__(self) -> None:
+        super().__init__(GPTConfig(n_layer=2))
+        self.tracing, self.resume = threading.Event(), threading.Event()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(input_ids, FakeTensor):
+            self.tracing.set()
+            assert self.resume.wait(60), "the test never resumed the capture"
+        return super().forward(input_ids)
+
+
+def test_a_model_being_captured_keeps_its_own_tensors_for_other_threads() -> None:
+    # torch.export swaps the traced module's weights for FakeTensors until it returns; a
+    # FakeTensor's device reads "meta" while its export runs a kernel, so a compile in another
+    # thread moved its inputs to meta and emitted arange(device="meta"): NaN (issue 19)
+    torch.manual_seed(0)
+    model = _PausingGPT().eval()
+    tensors = [*model.parameters(), *model.buffers()]
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        expected = model(ids)
+    compiled: list[Any] = []
+    worker = threading.Thread(target=lambda: compiled.append(tppc.compile(model, (ids,),
+                                                                          chunks=2)))
+    worker.start()
+    try:
+        assert model.tracing.wait(60), "the capture never started"
+        now = [*model.parameters(), *model.buffers()]
+        assert [type(t) for t in now] == [type(t) for t in tensors]  # no FakeTensor
+        assert all(a is b for a, b in zip(now, tensors, strict=True))
+        assert on_meta_if(model, ids) is ids
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids), expected, rtol=1e-5, atol=1e-5)
+    finally:
+        model.resume.set()
+        worker.join(120)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled[0](ids), expected, rtol=1e-5, atol=1e-5)
+

@@ -10,21 +10,32 @@ Terms:
         the value of every tensor it holds. A capture runs the model's ``forward`` on fake
         tensors, and a ``forward`` that initialises state lazily (``self.x = ...`` on the
         first call) would otherwise leave a FakeTensor in the model.
+    shadow tree: a copy of the model's module tree (:func:`shadow_tree`): every submodule a
+        new object of the same class with its own attribute dictionary and containers,
+        holding the model's own parameter and buffer tensors (no weight is copied).
+        torch.export (non-strict) swaps the parameters and buffers of the module it traces
+        for FakeTensors until it returns; it traces the shadow, so the user's model keeps
+        its real tensors throughout, and other threads may read or run it meanwhile (a
+        FakeTensor read by another thread reports the device ``meta`` while the export runs
+        a kernel: a capture in that thread moved its inputs to ``meta`` and emitted
+        ``arange(device="meta")``, whose embedding lookup read garbage).
 
-:func:`isolated` holds the lock, takes a :class:`ModuleSnapshot` and restores it afterwards,
-whether the capture succeeded or raised: every attribute is the same object again, with the
-same value (buffers and plain tensor attributes are copied; parameters, which a capture never
-writes, are checked by their version counter instead, so no weight is copied).
+:func:`isolated` holds the lock, yields the shadow tree to export, and restores a
+:class:`ModuleSnapshot` of the model afterwards, whether the capture succeeded or raised:
+every attribute is the same object again, with the same value (buffers and plain tensor
+attributes are copied; parameters, which a capture never writes, are checked by their version
+counter instead, so no weight is copied).
 
 Example:
-    >>> with isolated(model):                     # doctest: +SKIP
-    ...     ep = torch.export.export(model, args)
+    >>> with isolated(model) as traced:           # doctest: +SKIP
+    ...     ep = torch.export.export(traced, args)
     >>> model.rotary_emb.__dict__.get("long_inv_freq")   # None: the fake one is gone
 """
 
 from __future__ import annotations
 
 import threading
+import types
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,7 +46,7 @@ import torch
 
 from tppc.errors import CaptureError
 
-__all__ = ["CAPTURE_LOCK", "ModuleSnapshot", "isolated"]
+__all__ = ["CAPTURE_LOCK", "ModuleSnapshot", "isolated", "shadow_tree"]
 
 CAPTURE_LOCK = threading.RLock()
 """Held by every capture in the process (re-entrant: a capture may hold it across strategies)."""
@@ -120,14 +131,52 @@ _MISSING = object()
 
 
 @contextmanager
-def isolated(model: torch.nn.Module) -> Iterator[None]:
-    """Hold the capture lock and restore ``model``'s state on exit (success or error)."""
+def isolated(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Hold the capture lock, yield ``model``'s shadow tree (the module to trace), and
+    restore ``model``'s state on exit (success or error)."""
     with CAPTURE_LOCK:
         snapshot = ModuleSnapshot.take(model)
         try:
-            yield
+            yield shadow_tree(model)
         finally:
             snapshot.restore()
+
+
+def shadow_tree(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model``'s module tree that shares its tensors (see the module docstring).
+
+    Shared submodules stay shared, a plain attribute or bound method that refers to a module
+    of the tree refers to its copy, and tied weights stay tied (the same tensor objects).
+
+    Example:
+        >>> shadow = shadow_tree(model)                       # doctest: +SKIP
+        >>> shadow.lm_head is model.lm_head, shadow.lm_head.weight is model.lm_head.weight
+        (False, True)
+    """
+    copies: dict[int, torch.nn.Module] = {}
+    for module in model.modules(remove_duplicate=True):
+        copy = object.__new__(type(module))
+        copy.__dict__.update({k: type(v)(v) if type(v) in _CONTAINERS else v
+                              for k, v in module.__dict__.items()})
+        copies[id(module)] = copy
+    for copy in copies.values():
+        attrs = copy.__dict__
+        for key, value in list(attrs.items()):
+            attrs[key] = _in_tree(value, copies)
+        modules = attrs.get("_modules")
+        if modules:
+            for key, child in list(modules.items()):
+                modules[key] = _in_tree(child, copies)
+    return copies[id(model)]
+
+
+def _in_tree(value: Any, copies: dict[int, torch.nn.Module]) -> Any:
+    """``value`` with a module of the tree (or a method bound to one) replaced by its copy."""
+    if isinstance(value, torch.nn.Module):
+        return copies.get(id(value), value)
+    if isinstance(value, types.MethodType) and id(value.__self__) in copies:
+        return types.MethodType(value.__func__, copies[id(value.__self__)])
+    return value
 
 
 def _tensors_of(attrs: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:

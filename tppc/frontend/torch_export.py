@@ -73,11 +73,12 @@ def _export(model: torch.nn.Module, bound: inspect.BoundArguments, shapes: dict[
             *, deferred: bool = False) -> torch.export.ExportedProgram:
     """torch.export; ``deferred`` turns size guards into runtime asserts instead of failing.
 
-    One export at a time in the process, and ``model`` is left as it was (see
+    One export at a time in the process; it traces a shadow of ``model``'s module tree, so
+    other threads see ``model``'s own tensors meanwhile, and ``model`` is left as it was (see
     :mod:`tppc.frontend.isolation`), whether the export succeeded or raised.
     """
-    with isolated(model):
-        ep = torch.export.export(model, bound.args, bound.kwargs, dynamic_shapes=shapes,
+    with isolated(model) as traced:
+        ep = torch.export.export(traced, bound.args, bound.kwargs, dynamic_shapes=shapes,
                                  strict=False,
                                  prefer_deferred_runtime_asserts_over_guards=deferred)
         return _functional(ep)
