@@ -142,6 +142,7 @@ class _Pricer:
         self._priced: dict[str, list[tuple[tuple, NodeCost]]] = {}
         self._descriptions: dict[str, tuple] = {}
         self._acts: dict[str | tuple, int] = {}
+        self._peaks: dict[str, int] = {}
         self._rest: dict[tuple, TimeFn] = {}  # second parts' times, one per distinct block
 
     def _describe(self, node: fx.Node) -> tuple:
@@ -239,8 +240,12 @@ class _Pricer:
         return self._acts[info.name]
 
     def _peak_bytes(self, info: LayerInfo) -> int:
-        """Largest sum of live per-token values inside the layer (:mod:`.layer_memory`)."""
-        return peak_live_bytes(self.nodes, info.nodes, self.shapes, self.seq_len)
+        """Largest sum of live per-token values inside the layer (:mod:`.layer_memory`);
+        the same on every device, so computed once per layer."""
+        if info.name not in self._peaks:
+            self._peaks[info.name] = peak_live_bytes(self.nodes, info.nodes, self.shapes,
+                                                     self.seq_len)
+        return self._peaks[info.name]
 
     def _compute_act_bytes(self, info: LayerInfo) -> int:
         total = sympy.Integer(0)

@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 
 import sympy
@@ -45,7 +46,13 @@ def _per_token(node: fx.Node, shapes: Shapes, seq_len: int) -> int:
     vals = tensor_vals(node.meta.get("val"))
     if not vals:
         return 0
-    size = sympy.Mul(*shapes.shape(node)) * vals[0].element_size()
+    return _slope(sympy.Mul(*shapes.shape(node)) * vals[0].element_size(), seq_len)
+
+
+@functools.lru_cache(maxsize=4096)
+def _slope(size: sympy.Expr, seq_len: int) -> int:
+    """``size(c = 1) - size(c = 0)`` at ``p = 0, L = seq_len`` (0 without ``c``); memoised:
+    the blocks of a model repeat the same few shapes, and ``subs`` is most of pricing."""
     if C not in size.free_symbols:
         return 0
     at = {P: 0, L: seq_len}

@@ -5,12 +5,17 @@ Terms:
         not divide is planned on the grid of ``⌈L / g⌉ · g`` tokens and its last boundary
         clipped to ``L`` (one shorter last chunk), then priced again at ``L``. The
         granularity never drops to 1 because ``L`` is odd.
+    time limit: a deadline for everything :func:`plan_any_length` does: pricing (the cost
+        table) comes out of it, the solver gets what is left (at least
+        :data:`MIN_SOLVE_SECONDS`, to have a plan at all). A plan that ends after its
+        deadline without a proven optimum says ``solver.status == "time_limit"``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable
 
 from tppc.cost_models.table import CostTable
@@ -20,10 +25,13 @@ from tppc.planner.evaluate import plan_for
 from tppc.planner.joint import plan_from_costs
 from tppc.planner.plan import Plan, Workload
 
-__all__ = ["MAX_DEFAULT_GRID", "default_granularity", "plan_any_length"]
+__all__ = ["MAX_DEFAULT_GRID", "MIN_SOLVE_SECONDS", "default_granularity", "plan_any_length"]
 
 MAX_DEFAULT_GRID = 1024
 """Grid points (``⌈L / granularity⌉``) the default granularity keeps at most."""
+
+MIN_SOLVE_SECONDS = 0.05
+"""Seconds the solver gets when pricing used up the time limit (its first incumbent)."""
 
 
 def default_granularity(tokens: int) -> int:
@@ -47,7 +55,8 @@ def plan_any_length(table_at: Callable[[int], CostTable], length: int, *,
         length: tokens to plan for.
         granularity: grid step (default: :func:`default_granularity`).
         num_stages: stages (default: the planner chooses the devices).
-        time_limit: seconds for the solver.
+        time_limit: seconds for everything after capture: pricing (``table_at``) and
+            solving (see the module docstring).
         workload: causal prefill (default) or diffusion.
         bounds: chunk boundaries to use instead of the planned split (placement still
             planned).
@@ -61,10 +70,21 @@ def plan_any_length(table_at: Callable[[int], CostTable], length: int, *,
                                     or not isinstance(granularity, int) or granularity < 1):
         raise PlanError(f"granularity={granularity!r} must be a positive number of tokens "
                         "(or None for the default)")
+    deadline = time.perf_counter() + time_limit
     g = granularity or default_granularity(length)
     grid_len = math.ceil(length / g) * g
-    grid = plan_from_costs(table_at(grid_len), workload=workload, granularity=g,
-                           num_stages=num_stages, time_limit=time_limit)
+    table = table_at(grid_len)
+    left = max(deadline - time.perf_counter(), MIN_SOLVE_SECONDS)
+    grid = plan_from_costs(table, workload=workload, granularity=g,
+                           num_stages=num_stages, time_limit=left)
+    return _say_expired(_clip(table_at, grid, grid_len, length, g, bounds, workload),
+                        deadline)
+
+
+def _clip(table_at: Callable[[int], CostTable], grid: Plan, grid_len: int, length: int, g: int,
+          bounds: tuple[int, ...] | None, workload: Workload | None) -> Plan:
+    """The plan of the ``grid_len`` grid at ``length`` tokens, with ``bounds`` if given
+    (module docstring)."""
     if bounds is None:
         bounds = tuple(sorted({min(b, length) for b in grid.boundaries}))
     if grid_len == length and bounds == grid.boundaries:
@@ -77,3 +97,13 @@ def plan_any_length(table_at: Callable[[int], CostTable], length: int, *,
     stages = tuple(dataclasses.replace(st, device_index=old.device_index)
                    for st, old in zip(plan.stages, grid.stages))
     return dataclasses.replace(plan, stages=stages, notes=grid.notes)
+
+
+def _say_expired(plan: Plan, deadline: float) -> Plan:
+    """``plan``, its solver status ``"time_limit"`` when it ended after ``deadline`` without
+    a proven optimum (pricing or a phase of the search was cut short)."""
+    if time.perf_counter() <= deadline or plan.solver.status in ("optimal", "time_limit"):
+        return plan
+    solver = dataclasses.replace(plan.solver, status="time_limit",
+                                 detail=f"{plan.solver.detail}; stopped by the time limit")
+    return dataclasses.replace(plan, solver=solver)
