@@ -172,9 +172,11 @@ class DistributedExecutor:
         return StageFailed(f"{root}. fix: see the log of that rank; the other ranks stopped "
                            f"(this is rank {self.rank}){_lines(detail)}")
 
-    def timed_out(self, timeout: float | None, where: str, detail: str = "") -> StageTimeout:
-        """A :class:`StageTimeout` naming the peer this rank waited for (recorded first)."""
-        peer = self._peer if self._peer is not None else "?"
+    def timed_out(self, timeout: float | None, where: str, detail: str = "",
+                  peer: int | None = None) -> StageTimeout:
+        """A :class:`StageTimeout` naming ``peer`` (default: the peer this rank last waited
+        for), recorded first."""
+        peer = peer if peer is not None else self._peer if self._peer is not None else "?"
         _write_failure(f"stage {peer} (rank {peer}) did not answer within the call's timeout "
                        f"of {timeout} s (seen by rank {self.rank} in {where})")
         return StageTimeout(f"the distributed call did not finish in {timeout} s: rank "
