@@ -81,9 +81,13 @@ def peak_live_bytes(nodes: Mapping[str, fx.Node], layer_nodes: Sequence[str],
         uses = [order[u.name] for u in node.users if u.name in members]
         outside = any(u.name not in members for u in node.users)
         last_use[name] = end if outside or not uses else max(uses)
-    peak = 0
-    for i in range(end):
-        live = sum(size for name, size in sizes.items() if order[name] <= i <= last_use[name])
+    change = [0] * (end + 2)  # a sweep: each value is live from its node to its last use
+    for name, size in sizes.items():
+        change[order[name]] += size
+        change[last_use[name] + 1] -= size
+    peak = live = 0
+    for delta in change[:end]:
+        live += delta
         peak = max(peak, live)
     return peak
 
@@ -101,10 +105,16 @@ def positional_bytes(nodes: Mapping[str, fx.Node], layer_nodes: Sequence[str],
             vals = tensor_vals(arg.meta.get("val"))
             if not vals:
                 continue
-            size = sympy.Mul(*shapes.shape(arg)) * vals[0].element_size()
-            value = size.subs({C: 1, P: 0, L: 1})
-            seen[arg.name] = int(sympy.ceiling(value)) if value.is_number else 0
+            seen[arg.name] = _per_position(sympy.Mul(*shapes.shape(arg))
+                                           * vals[0].element_size())
     return sum(seen.values())
+
+
+@functools.lru_cache(maxsize=1024)
+def _per_position(size: sympy.Expr) -> int:
+    """``size`` at ``c = 1, p = 0, L = 1`` (0 when that is not a number); memoised."""
+    value = size.subs({C: 1, P: 0, L: 1})
+    return int(sympy.ceiling(value)) if value.is_number else 0
 
 
 def attention_workspace(nodes: Mapping[str, fx.Node], layer_nodes: Sequence[str],

@@ -130,15 +130,7 @@ def lower_bounds(
     c = min(float(granularity), L)
 
     def fastest(cc: float, pp: float) -> float:
-        per = np.array(
-            [
-                [
-                    float(np.asarray(lc.time(np.array([cc]), np.array([pp]))).ravel()[0])
-                    for lc in table.layers[d]
-                ]
-                for d in range(num_stages)
-            ]
-        )
+        per = table.times_at(cc, pp, range(num_stages))
         return float(per.min(axis=0).sum())
 
     serial = fastest(L, 0.0)

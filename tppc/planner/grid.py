@@ -23,7 +23,7 @@ from tppc.errors import PlanError
 from tppc.planner.devices import sub_table
 from tppc.planner.evaluate import plan_for
 from tppc.planner.joint import plan_from_costs
-from tppc.planner.plan import Plan, Workload
+from tppc.planner.plan import Plan, Workload, say_expired
 
 __all__ = ["MAX_DEFAULT_GRID", "MIN_SOLVE_SECONDS", "default_granularity", "plan_any_length"]
 
@@ -77,7 +77,7 @@ def plan_any_length(table_at: Callable[[int], CostTable], length: int, *,
     left = max(deadline - time.perf_counter(), MIN_SOLVE_SECONDS)
     grid = plan_from_costs(table, workload=workload, granularity=g,
                            num_stages=num_stages, time_limit=left)
-    return _say_expired(_clip(table_at, grid, grid_len, length, g, bounds, workload),
+    return say_expired(_clip(table_at, grid, grid_len, length, g, bounds, workload),
                         deadline)
 
 
@@ -98,12 +98,3 @@ def _clip(table_at: Callable[[int], CostTable], grid: Plan, grid_len: int, lengt
                    for st, old in zip(plan.stages, grid.stages))
     return dataclasses.replace(plan, stages=stages, notes=grid.notes)
 
-
-def _say_expired(plan: Plan, deadline: float) -> Plan:
-    """``plan``, its solver status ``"time_limit"`` when it ended after ``deadline`` without
-    a proven optimum (pricing or a phase of the search was cut short)."""
-    if time.perf_counter() <= deadline or plan.solver.status in ("optimal", "time_limit"):
-        return plan
-    solver = dataclasses.replace(plan.solver, status="time_limit",
-                                 detail=f"{plan.solver.detail}; stopped by the time limit")
-    return dataclasses.replace(plan, solver=solver)
