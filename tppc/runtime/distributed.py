@@ -63,6 +63,7 @@ def init_distributed(timeout: float = 60.0, device: str = "auto"
     Returns:
         ``(rank, world size, this rank's device)``.
     """
+    check_seconds("comm_timeout", timeout)
     local = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     where = torch.device("cuda", local) if use_cuda else torch.device("cpu")

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from tppc.driver.options import check_seconds
 from tppc.errors import SpecError, StageFailed
 
 __all__ = ["LaunchResult", "launch"]
@@ -89,6 +90,8 @@ def launch(factory: str | Path, nprocs: int, *, checkpoint: str | Path | None = 
     """
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise SpecError(f"nprocs={nprocs!r} must be an integer ≥ 1 (one process per stage)")
+    check_seconds("comm_timeout", comm_timeout)
+    check_seconds("timeout", timeout)
     work = Path(tempfile.mkdtemp(prefix="tppc-launch-"))
     try:
         return _launch(work, factory, nprocs, checkpoint, inputs, generate, factory_kwargs,
