@@ -125,3 +125,19 @@ def test_a_one_stage_onnxruntime_pipeline_keeps_its_timeout(tmp_path):
     with torch.no_grad():
         np.testing.assert_allclose(np.asarray(out), model(*args).numpy(), atol=1e-4,
                                    rtol=1e-4)
+
+
+def test_a_distributed_rank_stops_after_the_chunk_that_crosses_its_timeout(monkeypatch):
+    """A one-rank job needs no process group: its rank checks the deadline after each
+    compute, as every rank of a larger job does (a slow stage stops itself)."""
+    from tppc.backends.torch_distributed import DistributedExecutor
+
+    model, args, _ = examples.gpt(seq_len=SEQ, n_layer=2)
+    plan = manual_plan(4, SEQ, cuts=(0, 4), boundaries=tuple(range(0, SEQ + 1, 2)))
+    cp = tppc.compile(model, args, plan=plan, executor="local")
+    monkeypatch.setitem(cp._executors, "distributed", DistributedExecutor(0, 1))
+    _slow(cp.program(SEQ).stages[0].runnable, 0.2)
+    t0 = time.perf_counter()
+    with pytest.raises(StageTimeout, match=r"stage 0 \(rank 0\) ended chunk \d+ after it"):
+        cp.run(args, executor="distributed", timeout=0.3)
+    assert time.perf_counter() - t0 < 1.5  # 16 chunks of 0.2 s otherwise

@@ -149,6 +149,7 @@ class DistributedArtifact(LoadedPipeline):
                     t0 = time.perf_counter()
                     out = self.stage.step(call, act.start, act.end, got.pop(act.job, []))
                     self.last_trace.append((self.rank, act.chunk, t0, time.perf_counter()))
+                    self._comm.check_deadline(deadline, timeout, act.chunk)
                     if self.rank + 1 < self.world:
                         made[act.job] = out
                     else:
