@@ -77,12 +77,12 @@ def plan_any_length(table_at: Callable[[int], CostTable], length: int, *,
     left = max(deadline - time.perf_counter(), MIN_SOLVE_SECONDS)
     grid = plan_from_costs(table, workload=workload, granularity=g,
                            num_stages=num_stages, time_limit=left)
-    return say_expired(_clip(table_at, grid, grid_len, length, g, bounds, workload),
-                        deadline)
+    return say_expired(_clip(table_at, grid, grid_len, length, g, bounds, workload,
+                             time.perf_counter() < deadline), deadline)
 
 
 def _clip(table_at: Callable[[int], CostTable], grid: Plan, grid_len: int, length: int, g: int,
-          bounds: tuple[int, ...] | None, workload: Workload | None) -> Plan:
+          bounds: tuple[int, ...] | None, workload: Workload | None, ranged: bool) -> Plan:
     """The plan of the ``grid_len`` grid at ``length`` tokens, with ``bounds`` if given
     (module docstring)."""
     if bounds is None:
@@ -93,7 +93,7 @@ def _clip(table_at: Callable[[int], CostTable], grid: Plan, grid_len: int, lengt
     chosen = tuple(st.device_index for st in grid.stages)
     names = [name for st in grid.stages for name in st.layer_names]  # blocks cut at a waist
     plan = plan_for(sub_table(table_at(length), chosen).with_layers(names), cuts, bounds,
-                    workload, granularity=g, solver=grid.solver)
+                    workload, granularity=g, solver=grid.solver, ranged=ranged)
     stages = tuple(dataclasses.replace(st, device_index=old.device_index)
                    for st, old in zip(plan.stages, grid.stages))
     return dataclasses.replace(plan, stages=stages, notes=grid.notes)

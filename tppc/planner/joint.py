@@ -123,14 +123,9 @@ def plan_from_costs(
     else:
         raise PlanError(f"method={method!r}; use 'auto', 'exhaustive' or 'alternate'")
     info = SolverInfo(**{**info.__dict__, "seconds": time.perf_counter() - t0})
-    best = plan_for(
-        table,
-        cuts,
-        tuple(b * granularity for b in bounds),
-        workload,
-        granularity=granularity,
-        solver=info,
-    )
+    best = plan_for(table, cuts, tuple(b * granularity for b in bounds), workload,
+                    granularity=granularity, solver=info,
+                    ranged=time.perf_counter() < ctx.deadline)
     if workload.kind == "diffusion" and workload.pipelined_steps and num_stages > 1:
         solver = best.solver
         best = diffusion_candidates(
