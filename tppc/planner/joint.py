@@ -148,12 +148,14 @@ def plan_from_costs(
                                 method=method, max_rounds=max_rounds, coarser_grids=0,
                                 certify=False)
         if other.latency < best.latency * (1 - 1e-9):
-            detail = f"{other.solver.detail}; grid {coarse} simulated faster than {granularity}"
+            detail = (f"{other.solver.detail.removesuffix('; stopped by the time limit')}; "
+                      f"grid {coarse} simulated faster than {granularity}")
             best = dataclasses.replace(
                 other, granularity=granularity, lower_bound=best.lower_bound,
                 lower_bound_work=best.lower_bound_work, lower_bound_path=best.lower_bound_path,
-                solver=dataclasses.replace(other.solver, detail=detail,
-                                           seconds=time.perf_counter() - t0),
+                solver=dataclasses.replace(other.solver, detail=detail,  # status: this
+                                           status=best.solver.status,  # search's, not the
+                                           seconds=time.perf_counter() - t0),  # sub-budget's
                 split=best.split and dataclasses.replace(  # the bound of the finer grid
                     best.split, gap=max(0.0, 1 - best.split.bound / other.latency)))
     return say_expired(best, ctx.deadline)
