@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -66,7 +67,7 @@ class RankDelivery:
         self.sender: ResultSender | None = None
         self.chunks: tuple[tuple[int, int], ...] = ()
 
-    def wait(self) -> Any:
+    def wait(self) -> timedelta:
         """The span the next wait for the results may last (``comm.span`` of the deadline)."""
         return self.comm.span(self.deadline)
 
