@@ -114,3 +114,17 @@ def test_a_call_timeout_raises_stage_timeout_naming_the_stage(artifacts: dict) -
     assert info.value.returncodes == (1, 1)
     rank1 = str(info.value).splitlines()[2]
     assert "StageTimeout" in rank1 and "stage 0 (rank 0)" in rank1, str(info.value)
+
+
+def test_rank0s_wait_for_the_results_ends_at_the_call_timeout(artifacts: dict) -> None:
+    """The last stage hangs on its last chunk: rank 0, waiting for the results, raises
+    StageTimeout naming it after the call's 3 s, not after the 60 s communication timeout."""
+    _, args, path = artifacts["gpt"]
+    t0 = time.perf_counter()
+    with pytest.raises(tppc.StageFailed) as info:
+        tppc.launch(path, 2, inputs={"input_ids": args[0]}, comm_timeout=60, timeout=120,
+                    env={"TPPC_FAULT": "hang@1:3"}, extra_args=["--call-timeout", "3"])
+    assert time.perf_counter() - t0 < 50
+    assert info.value.returncodes == (1, 1)
+    rank0 = str(info.value).splitlines()[1]
+    assert "StageTimeout" in rank0 and "stage 1 (rank 1)" in rank0, str(info.value)

@@ -82,3 +82,19 @@ def test_a_call_timeout_raises_stage_timeout_naming_the_stage(checkpoint: str) -
     rank1 = str(info.value).splitlines()[2]
     assert "StageTimeout" in rank1 and "stage 0 (rank 0)" in rank1, str(info.value)
     assert time.perf_counter() - t0 < 90
+
+
+def test_rank0s_wait_for_the_results_ends_at_the_call_timeout(checkpoint: str) -> None:
+    """The last stage hangs on its last chunk while rank 0, its own stage done, waits for
+    the results: rank 0 raises StageTimeout naming the last stage after ``--call-timeout 3``,
+    not StageFailed after the 60 s communication timeout."""
+    t0 = time.perf_counter()
+    with pytest.raises(tppc.StageFailed) as info:
+        tppc.launch("tppc.examples:gpt", 2, checkpoint=checkpoint, chunks=4, comm_timeout=60,
+                    timeout=240, env={"TPPC_FAULT": "hang@1:3"},
+                    extra_args=["--call-timeout", "3"])
+    assert info.value.returncodes == (1, 1)
+    rank0 = str(info.value).splitlines()[1]
+    assert "StageTimeout" in rank0 and "stage 1 (rank 1)" in rank0, str(info.value)
+    assert "the results" in rank0, str(info.value)
+    assert time.perf_counter() - t0 < 90

@@ -61,7 +61,7 @@ def test_an_unknown_executor_is_refused_at_compile_and_per_call(compiled, monkey
         torch.testing.assert_close(cp.run(args, executor="local"), model(*args))
 
 
-@pytest.mark.parametrize("value", [0, -1, float("nan"), "5", True])
+@pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf"), "5", True])
 def test_invalid_time_limits_and_timeouts_are_refused(compiled, monkeypatch, value) -> None:
     model, args, cp = compiled
     text = f"={value!r} must be a positive number of seconds"
@@ -163,3 +163,12 @@ def test_generating_past_the_memory_is_refused_with_the_numbers(compiled, monkey
 def _re(text: str) -> str:
     """``text`` as a literal regular expression."""
     return re.escape(text)
+
+
+@pytest.mark.parametrize("name", ["comm_timeout", "timeout"])
+@pytest.mark.parametrize("value", [0, -2.5, float("nan"), float("inf"), "30"])
+def test_invalid_launch_limits_are_refused_before_any_rank_starts(monkeypatch, name,
+                                                                  value) -> None:
+    monkeypatch.setattr("subprocess.Popen", lambda *a, **k: pytest.fail("a rank started"))
+    with pytest.raises(SpecError, match=name + _re(f"={value!r} must be a positive number")):
+        tppc.launch("tppc.examples:gpt", 2, **{name: value})

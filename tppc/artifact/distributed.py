@@ -27,7 +27,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +99,8 @@ class DistributedArtifact(LoadedPipeline):
         self._axes_in = list(doc["stages"][rank - 1].get("boundary_axes", [])) if rank else []
         self._templates: list[tuple[str, list[int], int | None, int]] | None = None
         self._header_sent = False
+        self._timeout: float | None = None
+        self._deadline: float | None = None
 
     # -- the call algorithm's hooks (LoadedPipeline.run and .generate) -------------------------
     def _execute(self, call: OrtCall, sink: Callable[[int, list[np.ndarray]], None],
@@ -110,7 +111,9 @@ class DistributedArtifact(LoadedPipeline):
             StageTimeout: the call outlived ``timeout`` seconds (naming the stage awaited).
             StageFailed: a stage raised or died (naming it).
         """
-        self._pipeline(call, sink, timeout)
+        self._timeout = timeout  # the results' wait on rank 0 (_gather) ends by it too
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._pipeline(call, sink, timeout, self._deadline)
 
     def _token_share(self, ids: np.ndarray) -> Callable[[Any], Any]:
         """The last rank's token on every rank."""
@@ -129,9 +132,8 @@ class DistributedArtifact(LoadedPipeline):
 
     # -- the pipeline ---------------------------------------------------------------------------
     def _pipeline(self, call: OrtCall, sink: Callable[[int, list[np.ndarray]], None],
-                  timeout: float | None) -> None:
+                  timeout: float | None, deadline: float | None) -> None:
         """This rank's lowered action list of ``call`` (receive, compute, send)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
         dry = check_actions(self.actions_for(call.chunks))
         pending: list[tuple[list[Any], list[np.ndarray]]] = []
         got: dict[tuple[int, int], list[np.ndarray]] = {}  # received, not yet computed
@@ -147,6 +149,7 @@ class DistributedArtifact(LoadedPipeline):
                     t0 = time.perf_counter()
                     out = self.stage.step(call, act.start, act.end, got.pop(act.job, []))
                     self.last_trace.append((self.rank, act.chunk, t0, time.perf_counter()))
+                    self._comm.check_deadline(deadline, timeout, act.chunk)
                     if self.rank + 1 < self.world:
                         made[act.job] = out
                     else:
@@ -230,8 +233,15 @@ class DistributedArtifact(LoadedPipeline):
         if self.rank == last:
             self._guard(lambda: wire.send(leaves, 0, "cpu"), "results")
         elif self.rank == 0:
-            wait = timedelta(seconds=self.comm_timeout)
-            return self._guard(lambda: wire.recv(last, "cpu", wait), "results")
+            try:  # bounded by the call's deadline: a hung last stage is its StageTimeout
+                return wire.recv(last, "cpu", lambda: self._comm.span(self._deadline))
+            except TppcError:
+                raise
+            except Exception as exc:
+                if self._comm.expired(self._deadline):
+                    raise self._comm.timed_out(self._timeout, "the results",
+                                               peer=last) from exc
+                raise self._comm.failure(exc, "the results") from exc
         return None
 
     def _guard(self, op: Callable[[], Any], what: str) -> Any:

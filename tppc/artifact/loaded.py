@@ -219,7 +219,7 @@ class LoadedPipeline:
         :attr:`last_trace`), or in order in this thread for a decoding ``step``."""
         actions = self.actions_for(call.chunks)
         if step:
-            run_serial(self.stages, call, sink, actions)
+            run_serial(self.stages, call, sink, actions, timeout)
             return
         self.last_trace = []
         run_pipeline(self.stages, call, sink, actions=actions, timeout=timeout,

@@ -171,11 +171,17 @@ def _rows(value: np.ndarray, axis: int, start: int, size: int) -> np.ndarray:
 
 
 def run_serial(stages: Sequence[OrtStage], call: OrtCall, sink: Sink,
-               actions: Actions | None = None) -> None:
+               actions: Actions | None = None, timeout: float | None = None) -> None:
     """The computes of ``actions`` (default: every chunk through every stage in order) in
-    the dry run's order, in the calling thread (decoding steps, one-stage pipelines)."""
+    the dry run's order, in the calling thread (decoding steps, one-stage pipelines).
+
+    Raises:
+        StageTimeout: ``timeout`` seconds passed (checked after every compute: at most one
+            chunk's time late).
+    """
     dry = _dry_run(stages, call, actions)
     last = len(stages) - 1
+    deadline = None if timeout is None else time.monotonic() + timeout
     sent: dict[tuple[int, tuple[int, int]], list[np.ndarray]] = {}
     for s, act in dry.computes():
         try:
@@ -184,6 +190,10 @@ def run_serial(stages: Sequence[OrtStage], call: OrtCall, sink: Sink,
             exc.add_note(f"[tppc] in ORT stage {s}, chunk {act.chunk} [{act.start}, "
                          f"{act.end})")
             raise
+        if deadline is not None and time.monotonic() > deadline:
+            raise StageTimeout(f"the ONNX Runtime pipeline did not finish in {timeout} s "
+                               f"(ORT stage {s} ended chunk {act.chunk} after it). fix: "
+                               "raise timeout")
         if s < last:
             sent[(s, act.job)] = values
         else:
@@ -203,7 +213,7 @@ def run_pipeline(stages: Sequence[OrtStage], call: OrtCall, sink: Sink, *,
         Exception: the first stage's error, with a note naming the stage and the action.
     """
     if len(stages) == 1:
-        run_serial(stages, call, sink, actions)
+        run_serial(stages, call, sink, actions, timeout)
         return
     dry = _dry_run(stages, call, actions)
     inbox: list[queue.Queue[Any]] = [queue.Queue() for _ in stages]
@@ -245,17 +255,19 @@ def run_pipeline(stages: Sequence[OrtStage], call: OrtCall, sink: Sink, *,
 
     threads = [threading.Thread(target=work, args=(s,), name=f"tppc-ort-stage{s}",
                                 daemon=True) for s in range(len(stages))]
+    deadline = None if timeout is None else time.monotonic() + timeout
     for t in threads:
         t.start()
-    deadline = None if timeout is None else time.monotonic() + timeout
     for s, t in enumerate(threads):
         t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        if t.is_alive():
+        if t.is_alive() or (deadline is not None and time.monotonic() > deadline
+                            and not errors):
             stop.set()
             for box in inbox:
                 box.put(_STOP)
+            state = "still running" if t.is_alive() else "finished after it"
             raise StageTimeout(f"the ONNX Runtime pipeline did not finish in {timeout} s "
-                               f"(stage {s} still running). fix: raise timeout")
+                               f"(stage {s} {state}). fix: raise timeout")
     if errors:
         raise errors[0]
 

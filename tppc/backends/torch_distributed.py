@@ -128,6 +128,7 @@ class DistributedExecutor:
                     values = run_stage(stage, call, state, act.start, act.end,
                                        got.pop(act.job, ()))
                     jobs.append((self.rank, act.chunk, t0, time.perf_counter()))
+                    self.check_deadline(deadline, timeout, act.chunk)
                     if self.rank + 1 < self.world:
                         made[act.job] = values
                     elif sink is None:
@@ -172,14 +173,32 @@ class DistributedExecutor:
         return StageFailed(f"{root}. fix: see the log of that rank; the other ranks stopped "
                            f"(this is rank {self.rank}){_lines(detail)}")
 
-    def timed_out(self, timeout: float | None, where: str, detail: str = "") -> StageTimeout:
-        """A :class:`StageTimeout` naming the peer this rank waited for (recorded first)."""
-        peer = self._peer if self._peer is not None else "?"
+    def timed_out(self, timeout: float | None, where: str, detail: str = "",
+                  peer: int | None = None) -> StageTimeout:
+        """A :class:`StageTimeout` naming ``peer`` (default: the peer this rank last waited
+        for), recorded first."""
+        peer = peer if peer is not None else self._peer if self._peer is not None else "?"
         _write_failure(f"stage {peer} (rank {peer}) did not answer within the call's timeout "
                        f"of {timeout} s (seen by rank {self.rank} in {where})")
         return StageTimeout(f"the distributed call did not finish in {timeout} s: rank "
                             f"{self.rank} waited for stage {peer} (rank {peer}) in {where}. "
                             f"fix: raise timeout, or see that rank's log{_lines(detail)}")
+
+    def check_deadline(self, deadline: float | None, timeout: float | None,
+                       chunk: int) -> None:
+        """After a compute: a call past its ``deadline`` stops here, at most one chunk
+        late, with a StageTimeout naming this stage (recorded for the other ranks).
+
+        Raises:
+            StageTimeout: the deadline (``time.monotonic``) has passed.
+        """
+        if deadline is None or time.monotonic() <= deadline:
+            return
+        _write_failure(f"stage {self.rank} (rank {self.rank}) was still computing (chunk "
+                       f"{chunk}) when the call's timeout of {timeout} s passed")
+        raise StageTimeout(f"the distributed call did not finish in {timeout} s: stage "
+                           f"{self.rank} (rank {self.rank}) ended chunk {chunk} after it. "
+                           "fix: raise timeout, or see why that stage is slow")
 
     def expired(self, deadline: float | None) -> bool:
         """Whether the call's ``deadline`` (``time.monotonic``) has passed, within

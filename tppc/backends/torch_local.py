@@ -21,12 +21,13 @@ from typing import Any
 
 import torch
 
+from tppc.errors import StageTimeout
 from tppc.passes.hoist_consts import const_values
 from tppc.program.program import Program, StageProgram
 from tppc.program.schedule import serial_order
 from tppc.program.state import Call, CallState
 
-__all__ = ["LocalExecutor", "Sink", "prepare_stage", "run_stage"]
+__all__ = ["LocalExecutor", "Sink", "past_deadline", "prepare_stage", "run_stage"]
 
 Sink = Callable[[int, tuple[Any, ...]], None]
 """Receives ``(chunk index, last stage's outputs)`` in chunk order, in the calling thread."""
@@ -87,6 +88,11 @@ def run_stage(stage: StageProgram, call: Call, state: CallState, start: int, end
         return tuple(stage.runnable(*args))
 
 
+def past_deadline(deadline: float | None) -> bool:
+    """Whether ``deadline`` (a ``time.perf_counter`` value; None: none) has passed."""
+    return deadline is not None and time.perf_counter() > deadline
+
+
 def _to(value: Any, device: torch.device) -> Any:
     """``value`` on ``device``; asynchronous only into CUDA (a host copy is read at once)."""
     if not isinstance(value, torch.Tensor) or value.device == device:
@@ -117,17 +123,22 @@ class LocalExecutor:
 
     def run(self, program: Program, call: Call, state: CallState, sink: Sink | None = None,
             timeout: float | None = None, trace: list | None = None) -> list[tuple[Any, ...]]:
-        """Every stage's actions (``program.actions``) in a dependency order in one thread
-        (``timeout`` is not enforced).
+        """Every stage's actions (``program.actions``) in a dependency order in one thread.
 
         ``trace``: a list that receives ``(stage, chunk, start, end)`` of every job.
 
         Returns the last stage's outputs per chunk, or ``[]`` when they go to ``sink``.
+
+        Raises:
+            StageTimeout: ``timeout`` seconds passed; checked after every compute, so it is
+                raised at most one chunk's time late.
         """
         results: dict[int, tuple[Any, ...]] = {}
         last = len(program.stages) - 1
         sent: dict[tuple[int, int], tuple[Any, ...]] = {}  # (stage, chunk) -> its outputs
-        for s, act in serial_order(program.actions_for(call.chunks)):
+        order = serial_order(program.actions_for(call.chunks))
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        for k, (s, act) in enumerate(order):
             stage, i, start, end = program.stages[s], act.chunk, act.start, act.end
             try:
                 t0 = time.perf_counter()
@@ -138,6 +149,12 @@ class LocalExecutor:
                 exc.add_note(f"[tppc] in stage {s} ({stage.device}), chunk {i} "
                              f"[{start}, {end})")
                 raise
+            if past_deadline(deadline):
+                raise StageTimeout(
+                    f"the call did not finish within timeout={timeout} s: stage {s} "
+                    f"({stage.device}, layers {stage.layers[0]}..{stage.layers[-1]}) ended "
+                    f"chunk {i} of {len(call.chunks)} after it ({k + 1} of {len(order)} "
+                    "stage steps done). fix: raise the timeout, or check that stage's device")
             if s < last:
                 sent[(s, i)] = values
             elif sink is None:

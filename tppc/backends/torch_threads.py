@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from tppc.backends.torch_local import Sink, run_stage
+from tppc.backends.torch_local import Sink, past_deadline, run_stage
 from tppc.errors import ScheduleError, StageTimeout
 from tppc.program.program import Program
 from tppc.program.schedule import DryRun, check_actions
@@ -132,20 +132,23 @@ class ThreadsExecutor:
 
     def _next(self, run: _Run, workers: list[threading.Thread], deadline: float | None,
               program: Program, timeout: float | None) -> _Item | None:
-        """The next chunk out of the last stage; None when a worker failed."""
+        """The next chunk out of the last stage; None when a worker failed.
+
+        Raises:
+            StageTimeout: the ``deadline`` (``time.perf_counter``) passed before the chunk
+                came out; waits end at the deadline, never a poll interval after it.
+        """
         while not run.errors:
+            wait = _POLL if deadline is None else min(_POLL, deadline - time.perf_counter())
             try:
-                return run.queues[-1].get(timeout=_POLL)
+                if wait > 0:
+                    item = run.queues[-1].get(timeout=wait)
+                    if not past_deadline(deadline):
+                        return item
             except queue.Empty:
                 pass
-            if deadline is not None and time.perf_counter() > deadline:
-                s = run.stuck_stage()
-                stage = program.stages[s]
-                raise StageTimeout(
-                    f"stage {s} ({stage.device}, layers {stage.layers[0]}..{stage.layers[-1]}) "
-                    f"has not finished chunk {run.done[s]} of {len(run.call.chunks)} within "
-                    f"timeout={timeout} s. fix: raise the timeout, or check that stage's "
-                    "device")
+            if past_deadline(deadline):
+                raise self._timed_out(run, program, timeout)
             if not any(w.is_alive() for w in workers):
                 try:  # the last item may have been put just before its worker exited
                     return run.queues[-1].get_nowait()
@@ -155,6 +158,16 @@ class ThreadsExecutor:
                             f"tppc threads executor: every worker ended with {run.done} chunks "
                             f"done per stage of {len(run.call.chunks)}") from None
         return None
+
+    @staticmethod
+    def _timed_out(run: _Run, program: Program, timeout: float | None) -> StageTimeout:
+        s = run.stuck_stage()
+        stage = program.stages[s]
+        what = (f"has not finished chunk {run.done[s]} of {len(run.call.chunks)} within"
+                if run.done[s] < len(run.call.chunks) else "finished its last chunk after")
+        return StageTimeout(
+            f"stage {s} ({stage.device}, layers {stage.layers[0]}..{stage.layers[-1]}) {what} "
+            f"timeout={timeout} s. fix: raise the timeout, or check that stage's device")
 
     def _work_in_mode(self, mode: tuple[bool, bool], *args: Any) -> None:
         """Run :meth:`_work` under the caller's inference / grad mode (both are per thread)."""

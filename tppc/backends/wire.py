@@ -28,6 +28,7 @@ Example (no process group needed to encode and decode):
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
@@ -38,8 +39,17 @@ import torch.distributed as dist
 
 from tppc.errors import RuntimeInputError, StageFailed
 
-__all__ = ["TensorSpec", "allocate", "broadcast", "byte_view", "decode", "encode",
-           "post_header", "recv", "recv_header", "send", "send_header", "torch_dtype"]
+__all__ = ["TensorSpec", "Wait", "allocate", "broadcast", "byte_view", "decode", "encode",
+           "post_header", "recv", "recv_header", "send", "send_header", "span", "torch_dtype"]
+
+Wait = timedelta | Callable[[], timedelta]
+"""How long one receive may wait: a fixed span, or a function giving the span left now (a
+call's deadline: each wait of a message ends by it, not one span after the previous one)."""
+
+
+def span(wait: Wait) -> timedelta:
+    """The span the next wait may last (``wait()`` when it is a function)."""
+    return wait() if callable(wait) else wait
 
 _TORCH_DTYPES: dict[str, torch.dtype] = {
     name: d for name, d in vars(torch).items() if isinstance(d, torch.dtype)}
@@ -215,13 +225,13 @@ def post_header(tree: Any, dst: int) -> list[tuple[Any, torch.Tensor]]:
     return [(dist.isend(size, dst), size), (dist.isend(payload, dst), payload)]
 
 
-def recv_header(src: int, device: torch.device | str | None, wait: timedelta) -> Any:
+def recv_header(src: int, device: torch.device | str | None, wait: Wait) -> Any:
     """A header from ``src``, decoded (tensors as :class:`TensorSpec`)."""
     on = _on(device)
     size = torch.empty(1, dtype=torch.int64, device=on)
-    dist.irecv(size, src).wait(wait)
+    dist.irecv(size, src).wait(span(wait))
     payload = torch.empty(int(size.item()), dtype=torch.uint8, device=on)
-    dist.irecv(payload, src).wait(wait)
+    dist.irecv(payload, src).wait(span(wait))
     return decode(payload.cpu().numpy().tobytes())
 
 
@@ -235,14 +245,14 @@ def send(tree: Any, dst: int, device: torch.device | str | None = None) -> None:
             dist.send(byte_view(_to(value, on)), dst)
 
 
-def recv(src: int, device: torch.device | str | None, wait: timedelta) -> Any:
+def recv(src: int, device: torch.device | str | None, wait: Wait) -> Any:
     """What :func:`send` sent from ``src``; tensors on ``device`` (CPU ones on the CPU)."""
     on = _on(device)
     tree = recv_header(src, on, wait)
     filled, buffers = allocate(tree, on)
     for buf in buffers:
         if _numel(buf):
-            dist.irecv(byte_view(buf), src).wait(wait)
+            dist.irecv(byte_view(buf), src).wait(span(wait))
     return _home(tree, filled)
 
 

@@ -159,7 +159,7 @@ def _run(ns: argparse.Namespace) -> dict[str, Any]:
         options["chunks"] = ns.chunks
     if ns.threads:
         options["threads_per_stage"] = ns.threads
-    if ns.call_timeout:
+    if ns.call_timeout is not None:  # 0 is refused by name, not ignored
         options["timeout"] = ns.call_timeout
     t0 = time.perf_counter()
     cp = compile_distributed(model, args, kwargs, checkpoint=ns.checkpoint, buffers=buffers,

@@ -142,6 +142,9 @@ class _Pricer:
         self._priced: dict[str, list[tuple[tuple, NodeCost]]] = {}
         self._descriptions: dict[str, tuple] = {}
         self._acts: dict[str | tuple, int] = {}
+        self._peaks: dict[str, int] = {}  # per layer name: the same on every device
+        self._positional: dict[str, int] = {}
+        self._kv: dict[str, int] = {}
         self._rest: dict[tuple, TimeFn] = {}  # second parts' times, one per distinct block
 
     def _describe(self, node: fx.Node) -> tuple:
@@ -182,8 +185,7 @@ class _Pricer:
                          kv_bytes_per_token=int(kv),
                          act_bytes_per_token=self._act_bytes(info),
                          peak_bytes_per_token=self._peak_bytes(info),
-                         positional_bytes_per_token=positional_bytes(self.nodes, info.nodes,
-                                                                     self.shapes),
+                         positional_bytes_per_token=self._positional_bytes(info),
                          workspace_bytes_per_key=attention_workspace(self.nodes, info.nodes,
                                                                      device.name == "cpu"),
                          unpriced=tuple(sorted({c.op for c in costs if c.unpriced})))
@@ -199,15 +201,16 @@ class _Pricer:
         key = ("rest", id(whole.fn), id(first.fn))
         if key not in self._rest:
             self._rest[key] = _difference(whole.fn, first.fn)
-        costs = [self.node(n)[1] for n in second_info.nodes]
+        if second_info.name not in self._kv:
+            self._kv[second_info.name] = int(sum(self.node(n)[1].kv_bytes_per_key
+                                                 for n in second_info.nodes))
         second = LayerCost(
             name=second_info.name, time=self._rest[key],
             weight_bytes=int(second_info.param_bytes),
-            kv_bytes_per_token=int(sum(c.kv_bytes_per_key for c in costs)),
+            kv_bytes_per_token=self._kv[second_info.name],
             act_bytes_per_token=self._act_bytes(second_info),
             peak_bytes_per_token=self._peak_bytes(second_info),
-            positional_bytes_per_token=positional_bytes(self.nodes, second_info.nodes,
-                                                        self.shapes),
+            positional_bytes_per_token=self._positional_bytes(second_info),
             workspace_bytes_per_key=attention_workspace(self.nodes, second_info.nodes,
                                                         device.name == "cpu"))
         return _layer_cost(first), second
@@ -241,9 +244,19 @@ class _Pricer:
             self._acts[info.name] = self._compute_act_bytes(info)
         return self._acts[info.name]
 
+    def _positional_bytes(self, info: LayerInfo) -> int:
+        """Bytes per sequence token of the layer's positional inputs (once per layer)."""
+        if info.name not in self._positional:
+            self._positional[info.name] = positional_bytes(self.nodes, info.nodes, self.shapes)
+        return self._positional[info.name]
+
     def _peak_bytes(self, info: LayerInfo) -> int:
-        """Largest sum of live per-token values inside the layer (:mod:`.layer_memory`)."""
-        return peak_live_bytes(self.nodes, info.nodes, self.shapes, self.seq_len)
+        """Largest sum of live per-token values inside the layer (:mod:`.layer_memory`);
+        the same on every device, so computed once per layer."""
+        if info.name not in self._peaks:
+            self._peaks[info.name] = peak_live_bytes(self.nodes, info.nodes, self.shapes,
+                                                     self.seq_len)
+        return self._peaks[info.name]
 
     def _compute_act_bytes(self, info: LayerInfo) -> int:
         total = sympy.Integer(0)
@@ -339,11 +352,15 @@ def build_cost_table(gm: fx.GraphModule, layers: Sequence[LayerInfo],
                                 default_attention, compute_dtype)
     per_device: list[tuple[LayerCost, ...]] = []
     unpriced: set[str] = set()
+    priced: dict[tuple[DeviceSpec, bool], tuple[LayerCost, ...]] = {}  # identical devices
     for device in cluster.devices:
         fuse = device.name.startswith("tpu") if fuse_elementwise is None else fuse_elementwise
-        exprs = [pricer.layer(info, device, fuse) for info in layer_list]
-        unpriced.update(op for e in exprs for op in e.unpriced)
-        per_device.append(tuple(_layer_cost(e, pricer.parts(e, device, fuse)) for e in exprs))
+        if (device, fuse) not in priced:
+            exprs = [pricer.layer(info, device, fuse) for info in layer_list]
+            unpriced.update(op for e in exprs for op in e.unpriced)
+            priced[(device, fuse)] = tuple(_layer_cost(e, pricer.parts(e, device, fuse))
+                                           for e in exprs)
+        per_device.append(priced[(device, fuse)])
     causal = _is_causal(pricer, default_attention)
     return CostTable(
         device_names=cluster.device_names,

@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -48,7 +49,13 @@ def _per_token(node: fx.Node, shapes: Shapes, seq_len: int) -> int:
     vals = tensor_vals(node.meta.get("val"))
     if not vals:
         return 0
-    size = sympy.Mul(*shapes.shape(node)) * vals[0].element_size()
+    return _slope(sympy.Mul(*shapes.shape(node)) * vals[0].element_size(), seq_len)
+
+
+@functools.lru_cache(maxsize=4096)
+def _slope(size: sympy.Expr, seq_len: int) -> int:
+    """``size(c = 1) - size(c = 0)`` at ``p = 0, L = seq_len`` (0 without ``c``); memoised:
+    the blocks of a model repeat the same few shapes, and ``subs`` is most of pricing."""
     if C not in size.free_symbols:
         return 0
     at = {P: 0, L: seq_len}
@@ -77,9 +84,13 @@ def peak_live_bytes(nodes: Mapping[str, fx.Node], layer_nodes: Sequence[str],
         uses = [order[u.name] for u in node.users if u.name in members]
         outside = any(u.name not in members for u in node.users)
         last_use[name] = end if outside or not uses else max(uses)
-    peak = 0
-    for i in range(end):
-        live = sum(size for name, size in sizes.items() if order[name] <= i <= last_use[name])
+    change = [0] * (end + 2)  # a sweep: each value is live from its node to its last use
+    for name, size in sizes.items():
+        change[order[name]] += size
+        change[last_use[name] + 1] -= size
+    peak = live = 0
+    for delta in change[:end]:
+        live += delta
         peak = max(peak, live)
     return peak
 
@@ -97,10 +108,16 @@ def positional_bytes(nodes: Mapping[str, fx.Node], layer_nodes: Sequence[str],
             vals = tensor_vals(arg.meta.get("val"))
             if not vals:
                 continue
-            size = sympy.Mul(*shapes.shape(arg)) * vals[0].element_size()
-            value = size.subs({C: 1, P: 0, L: 1})
-            seen[arg.name] = int(sympy.ceiling(value)) if value.is_number else 0
+            seen[arg.name] = _per_position(sympy.Mul(*shapes.shape(arg))
+                                           * vals[0].element_size())
     return sum(seen.values())
+
+
+@functools.lru_cache(maxsize=1024)
+def _per_position(size: sympy.Expr) -> int:
+    """``size`` at ``c = 1, p = 0, L = 1`` (0 when that is not a number); memoised."""
+    value = size.subs({C: 1, P: 0, L: 1})
+    return int(sympy.ceiling(value)) if value.is_number else 0
 
 
 def attention_workspace(nodes: Mapping[str, fx.Node], layer_nodes: Sequence[str],

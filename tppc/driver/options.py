@@ -7,6 +7,7 @@ captured, and a :class:`tppc.errors.SpecError` names the option, its value and t
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -117,14 +118,15 @@ def check_executor(executor: Any) -> None:
 
 
 def check_seconds(name: str, value: Any) -> None:
-    """Refuse a time limit that is not a positive number of seconds (None: no limit).
+    """Refuse a time limit that is not a positive finite number of seconds (None: no limit).
 
     Raises:
-        SpecError: naming the limit and its value (0, negative, NaN, not a number).
+        SpecError: naming the limit and its value (0, negative, NaN, infinite, not a number).
     """
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+    if isinstance(value, bool) or not isinstance(value, int | float) \
+            or not 0 < value < math.inf:
         none = f", or {name}=None for no limit" if name == "timeout" else ""
         raise SpecError(f"{name}={value!r} must be a positive number of seconds. fix: e.g. "
                         f"{name}=30{none}")

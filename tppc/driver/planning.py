@@ -146,28 +146,36 @@ def length_planner(opts: CompileOptions) -> Planner:
     def plan_length(front: FrontEnd, length: int, workload: Workload | None = None) -> Plan:
         """The plan of ``length`` units; a diffusion ``workload`` plans patches."""
         t0 = time.perf_counter()
-        result = _plan_length(front, opts, length, workload)
+        costing: list[float] = []
+        result = _plan_length(front, opts, length, workload, costing)
         if opts.verbose:
+            whole = time.perf_counter() - t0
             print(f"[tppc plan] capture+annotate {front.seconds:.1f} s, costing+solving "
-                  f"{time.perf_counter() - t0:.2f} s ({length} {result.unit}, "
-                  f"{result.num_stages} stages)", file=sys.stderr)
+                  f"{whole:.2f} s (costing {sum(costing):.2f} s, solving "
+                  f"{whole - sum(costing):.2f} s, time_limit {opts.time_limit} s, status "
+                  f"{result.solver.status}; {length} {result.unit}, {result.num_stages} "
+                  "stages)", file=sys.stderr)
         return result
 
     return plan_length
 
 
 def _plan_length(front: FrontEnd, opts: CompileOptions, length: int,
-                 workload: Workload | None) -> Plan:
-    """Price in tokens on a grid of whole units, return the plan in units."""
+                 workload: Workload | None, costing: list[float]) -> Plan:
+    """Price in tokens on a grid of whole units, return the plan in units (``costing``
+    receives the seconds of each cost table built)."""
     if isinstance(length, bool) or not isinstance(length, int) or length < 1:
         raise PlanError(f"seq_len={length!r} must be a positive number of units of the "
                         "sequence axis (tokens; patch rows for a DiT)")
     ctx = front.ctx
 
     def table_at(tokens: int) -> CostTable:
-        return build_cost_table(front.chunk, ctx.layers, opts.cluster, tokens,
-                                seq_symbol=ctx.seq_symbol, token_count=ctx.token_count,
-                                queue_depth=opts.queue_depth)
+        t0 = time.perf_counter()
+        table = build_cost_table(front.chunk, ctx.layers, opts.cluster, tokens,
+                                 seq_symbol=ctx.seq_symbol, token_count=ctx.token_count,
+                                 queue_depth=opts.queue_depth)
+        costing.append(time.perf_counter() - t0)
+        return table
 
     bounds = None
     diffusion = workload is not None and workload.kind == "diffusion"

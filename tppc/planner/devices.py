@@ -22,8 +22,6 @@ import math
 import time
 from collections.abc import Callable
 
-import numpy as np
-
 from tppc.cost_models.table import CostTable, LinkCost
 from tppc.errors import PlanInfeasible
 from tppc.planner.evaluate import lower_bounds
@@ -56,8 +54,7 @@ def _candidates(table: CostTable) -> list[tuple[int, ...]]:
     if n <= EXHAUSTIVE_DEVICES:
         sets = [s for k in range(1, n + 1) for s in itertools.combinations(range(n), k)]
     else:
-        c, p = np.array([float(table.seq_len)]), np.zeros(1)
-        speed = [sum(float(lc.time(c, p)[0]) for lc in layers) for layers in table.layers]
+        speed = [float(row.sum()) for row in table.times_at(table.seq_len, 0.0)]
         order = sorted(range(n), key=lambda d: (speed[d], d))
         sets = [tuple(sorted(order[:k])) for k in range(1, n + 1)]
     return [s for s in sets if len(s) <= table.num_layers]

@@ -27,6 +27,7 @@ def plan_for(
     *,
     granularity: int = 1,
     solver: SolverInfo | None = None,
+    ranged: bool = True,
 ) -> Plan:
     """Simulate a given placement and split and package it as a :class:`Plan`.
 
@@ -40,6 +41,8 @@ def plan_for(
         workload: what one call computes (default causal prefill).
         granularity: recorded in the plan.
         solver: provenance (default: ``"given"``).
+        ranged: include the range bound in the lower bound (:func:`lower_bounds`; a planner
+            past its deadline leaves it out: seconds at 256 grid points).
     """
     workload = workload or Workload()
     num_stages = len(cuts) - 1
@@ -64,7 +67,7 @@ def plan_for(
     else:
         start = end = np.zeros((num_stages, 0))
         latency = warmup
-    work, path = lower_bounds(table, num_stages, workload, granularity)
+    work, path = lower_bounds(table, num_stages, workload, granularity, ranged=ranged)
     max_chunk = table.seq_len if workload.warmup_steps else max(np.diff(boundaries))
     stages = tuple(
         StagePlan(
@@ -130,15 +133,7 @@ def lower_bounds(
     c = min(float(granularity), L)
 
     def fastest(cc: float, pp: float) -> float:
-        per = np.array(
-            [
-                [
-                    float(np.asarray(lc.time(np.array([cc]), np.array([pp]))).ravel()[0])
-                    for lc in table.layers[d]
-                ]
-                for d in range(num_stages)
-            ]
-        )
+        per = table.times_at(cc, pp, range(num_stages))
         return float(per.min(axis=0).sum())
 
     serial = fastest(L, 0.0)

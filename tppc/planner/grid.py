@@ -5,12 +5,17 @@ Terms:
         not divide is planned on the grid of ``⌈L / g⌉ · g`` tokens and its last boundary
         clipped to ``L`` (one shorter last chunk), then priced again at ``L``. The
         granularity never drops to 1 because ``L`` is odd.
+    time limit: a deadline for everything :func:`plan_any_length` does: pricing (the cost
+        table) comes out of it, the solver gets what is left (at least
+        :data:`MIN_SOLVE_SECONDS`, to have a plan at all). A plan that ends after its
+        deadline without a proven optimum says ``solver.status == "time_limit"``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable
 
 from tppc.cost_models.table import CostTable
@@ -18,12 +23,15 @@ from tppc.errors import PlanError
 from tppc.planner.devices import sub_table
 from tppc.planner.evaluate import plan_for
 from tppc.planner.joint import plan_from_costs
-from tppc.planner.plan import Plan, Workload
+from tppc.planner.plan import Plan, Workload, say_expired
 
-__all__ = ["MAX_DEFAULT_GRID", "default_granularity", "plan_any_length"]
+__all__ = ["MAX_DEFAULT_GRID", "MIN_SOLVE_SECONDS", "default_granularity", "plan_any_length"]
 
 MAX_DEFAULT_GRID = 1024
 """Grid points (``⌈L / granularity⌉``) the default granularity keeps at most."""
+
+MIN_SOLVE_SECONDS = 0.05
+"""Seconds the solver gets when pricing used up the time limit (its first incumbent)."""
 
 
 def default_granularity(tokens: int) -> int:
@@ -47,7 +55,8 @@ def plan_any_length(table_at: Callable[[int], CostTable], length: int, *,
         length: tokens to plan for.
         granularity: grid step (default: :func:`default_granularity`).
         num_stages: stages (default: the planner chooses the devices).
-        time_limit: seconds for the solver.
+        time_limit: seconds for everything after capture: pricing (``table_at``) and
+            solving (see the module docstring).
         workload: causal prefill (default) or diffusion.
         bounds: chunk boundaries to use instead of the planned split (placement still
             planned).
@@ -61,10 +70,21 @@ def plan_any_length(table_at: Callable[[int], CostTable], length: int, *,
                                     or not isinstance(granularity, int) or granularity < 1):
         raise PlanError(f"granularity={granularity!r} must be a positive number of tokens "
                         "(or None for the default)")
+    deadline = time.perf_counter() + time_limit
     g = granularity or default_granularity(length)
     grid_len = math.ceil(length / g) * g
-    grid = plan_from_costs(table_at(grid_len), workload=workload, granularity=g,
-                           num_stages=num_stages, time_limit=time_limit)
+    table = table_at(grid_len)
+    left = max(deadline - time.perf_counter(), MIN_SOLVE_SECONDS)
+    grid = plan_from_costs(table, workload=workload, granularity=g,
+                           num_stages=num_stages, time_limit=left)
+    return say_expired(_clip(table_at, grid, grid_len, length, g, bounds, workload,
+                             time.perf_counter() < deadline), deadline)
+
+
+def _clip(table_at: Callable[[int], CostTable], grid: Plan, grid_len: int, length: int, g: int,
+          bounds: tuple[int, ...] | None, workload: Workload | None, ranged: bool) -> Plan:
+    """The plan of the ``grid_len`` grid at ``length`` tokens, with ``bounds`` if given
+    (module docstring)."""
     if bounds is None:
         bounds = tuple(sorted({min(b, length) for b in grid.boundaries}))
     if grid_len == length and bounds == grid.boundaries:
@@ -73,7 +93,8 @@ def plan_any_length(table_at: Callable[[int], CostTable], length: int, *,
     chosen = tuple(st.device_index for st in grid.stages)
     names = [name for st in grid.stages for name in st.layer_names]  # blocks cut at a waist
     plan = plan_for(sub_table(table_at(length), chosen).with_layers(names), cuts, bounds,
-                    workload, granularity=g, solver=grid.solver)
+                    workload, granularity=g, solver=grid.solver, ranged=ranged)
     stages = tuple(dataclasses.replace(st, device_index=old.device_index)
                    for st, old in zip(plan.stages, grid.stages))
     return dataclasses.replace(plan, stages=stages, notes=grid.notes)
+

@@ -37,7 +37,7 @@ from tppc.planner.dp import chunk_matrix, terapipe_dp
 from tppc.planner.evaluate import plan_for
 from tppc.planner.memory import memory_parts, positional_part, stage_memory
 from tppc.planner.placement import balanced_placement, infeasible_error, place_layers
-from tppc.planner.plan import Plan, SolverInfo, SplitSearch, Workload
+from tppc.planner.plan import Plan, SolverInfo, SplitSearch, Workload, say_expired
 from tppc.planner.refine import diffusion_candidates, improve_split
 from tppc.planner.split import check_grid, solve_split
 from tppc.planner.sublayers import cut_inside_blocks
@@ -123,14 +123,9 @@ def plan_from_costs(
     else:
         raise PlanError(f"method={method!r}; use 'auto', 'exhaustive' or 'alternate'")
     info = SolverInfo(**{**info.__dict__, "seconds": time.perf_counter() - t0})
-    best = plan_for(
-        table,
-        cuts,
-        tuple(b * granularity for b in bounds),
-        workload,
-        granularity=granularity,
-        solver=info,
-    )
+    best = plan_for(table, cuts, tuple(b * granularity for b in bounds), workload,
+                    granularity=granularity, solver=info,
+                    ranged=time.perf_counter() < ctx.deadline)
     if workload.kind == "diffusion" and workload.pipelined_steps and num_stages > 1:
         solver = best.solver
         best = diffusion_candidates(
@@ -138,7 +133,8 @@ def plan_from_costs(
             lambda b: plan_for(table, cuts, b, workload, granularity=granularity, solver=solver),
             n, granularity, max_chunks,
         )
-    if workload.kind == "causal_prefill" and num_stages > 1:
+    if workload.kind == "causal_prefill" and num_stages > 1 \
+            and time.perf_counter() < ctx.deadline:  # improvements only within the limit
         best = _improve(ctx, cuts, bounds, best, t0, certify)
         best = _in_block_cuts(ctx, cuts, bounds, best, t0, certify)
     first = time.perf_counter() - t0
@@ -152,15 +148,17 @@ def plan_from_costs(
                                 method=method, max_rounds=max_rounds, coarser_grids=0,
                                 certify=False)
         if other.latency < best.latency * (1 - 1e-9):
-            detail = f"{other.solver.detail}; grid {coarse} simulated faster than {granularity}"
+            detail = (f"{other.solver.detail.removesuffix('; stopped by the time limit')}; "
+                      f"grid {coarse} simulated faster than {granularity}")
             best = dataclasses.replace(
                 other, granularity=granularity, lower_bound=best.lower_bound,
                 lower_bound_work=best.lower_bound_work, lower_bound_path=best.lower_bound_path,
-                solver=dataclasses.replace(other.solver, detail=detail,
-                                           seconds=time.perf_counter() - t0),
+                solver=dataclasses.replace(other.solver, detail=detail,  # status: this
+                                           status=best.solver.status,  # search's, not the
+                                           seconds=time.perf_counter() - t0),  # sub-budget's
                 split=best.split and dataclasses.replace(  # the bound of the finer grid
                     best.split, gap=max(0.0, 1 - best.split.bound / other.latency)))
-    return best
+    return say_expired(best, ctx.deadline)
 
 
 def _improve(ctx: _Ctx, cuts: tuple[int, ...], bounds: tuple[int, ...], best: Plan,
@@ -211,7 +209,8 @@ def _improve(ctx: _Ctx, cuts: tuple[int, ...], bounds: tuple[int, ...], best: Pl
         table, cuts, tuple(b * g for b in new), ctx.workload, granularity=g,
         solver=dataclasses.replace(best.solver, detail=detail))
     # a proven optimum is this plan's latency; otherwise the relaxation's bound
-    lower = plan.latency if status == "optimal" else split_bound(stage, links, ctx.deadline)
+    lower = (plan.latency if status == "optimal" else plan.lower_bound  # any plan's bound
+             if time.perf_counter() > ctx.deadline else split_bound(stage, links, ctx.deadline))
     split = SplitSearch(
         method="exact DP over (position, stage completion times), dominance + bound pruning",
         status=status, bound=lower, gap=max(0.0, 1 - lower / plan.latency),
@@ -283,6 +282,8 @@ class _Ctx:
         self.n = table.seq_len // granularity
         self.K = float(workload.pipelined_steps)
         self._cache: dict[int, np.ndarray] = {}
+        self._stage_cache: dict[tuple[int, int, int], np.ndarray] = {}
+        self._split_cache: tuple[tuple[int, ...] | None, tuple] = (None, ())
 
     def left(self) -> float:
         return max(self.deadline - time.perf_counter(), 0.05)
@@ -296,18 +297,33 @@ class _Ctx:
 
 
 def _split_matrices(ctx: _Ctx, cuts: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, float]:
-    """``(m, f, warm-up seconds)`` of a placement; chunks that overflow memory are ``inf``."""
+    """``(m, f, warm-up seconds)`` of a placement; chunks that overflow memory are ``inf``
+    (kept for the placement's next use: the split, then its improvement, read them)."""
+    if ctx._split_cache[0] != cuts:
+        ctx._split_cache = (cuts, _split_matrices_of(ctx, cuts))
+    m, f, warm = ctx._split_cache[1]
+    return m.copy(), f.copy(), warm
+
+
+def _split_matrices_of(ctx: _Ctx, cuts: tuple[int, ...]
+                       ) -> tuple[np.ndarray, np.ndarray, float]:
+    """Links and memory depend on a chunk's size ``b - a`` only: priced on the ``n + 1``
+    sizes, then gathered (the same values as pricing every ``(a, b)``, a fraction of the
+    work at 1024 grid points)."""
     table, n, g = ctx.table, ctx.n, ctx.g
-    sizes = (np.arange(n + 1)[None, :] - np.arange(n + 1)[:, None]) * g
+    steps = np.arange(n + 1)
+    k = np.maximum(steps[None, :] - steps[:, None], 0)  # grid steps of chunk [a, b)
+    sizes = steps * g
     m = np.zeros((n + 1, n + 1))
     f = np.zeros((n + 1, n + 1))
+    too_big = np.zeros(n + 1, dtype=bool)  # chunk sizes that overflow some stage's memory
     warm = 0.0
     for s, (lo, hi) in enumerate(itertools.pairwise(cuts)):
         t = _stage_matrix(ctx, s, lo, hi)
         link = 0.0
         if s < ctx.S - 1:
             act = table.layers[s][hi - 1].act_bytes_per_token
-            link = table.links[s].time(act * np.maximum(sizes, 0))
+            link = table.links[s].time(act * sizes)[k]
         m = np.maximum(m, t)
         f = np.maximum(f, t + link)
         static_parts, transient = memory_parts(table, s)
@@ -315,26 +331,37 @@ def _split_matrices(ctx: _Ctx, cuts: tuple[int, ...]) -> tuple[np.ndarray, np.nd
         room = table.capacities[s] - float(static_parts[lo:hi].sum()) - float(
             positional_part(table, s)[lo:hi].max())
         if widest > 0:
-            m = np.where(sizes * widest > room, np.inf, m)
+            too_big |= sizes * widest > room
         if room < 0:
-            m[:] = np.inf
+            too_big[:] = True
         if ctx.workload.warmup_steps:
             warm += ctx.workload.warmup_steps * float(
                 t[0, n] + (link[0, n] if s < ctx.S - 1 else 0)
             )
+    m[too_big[k]] = np.inf
     if ctx.workload.warmup_steps and any(
         stage_memory(table, s, lo, hi, table.seq_len) > table.capacities[s]
         for s, (lo, hi) in enumerate(itertools.pairwise(cuts))
     ):
         m[:] = np.inf  # warm-up runs the full sequence at once
-    lower = np.tril(np.ones((n + 1, n + 1), dtype=bool))
+    lower = k == 0  # a <= b: no chunk
     m[lower] = np.inf
     f[lower] = np.inf
     return m, f, warm
 
 
 def _stage_matrix(ctx: _Ctx, s: int, lo: int, hi: int) -> np.ndarray:
-    """Σ of the layers' chunk matrices; identical layers (one function) are added once."""
+    """Σ of the layers' chunk matrices; identical layers (one function) are added once.
+    The last few are kept (read only: callers never write into them)."""
+    key = (s, lo, hi)
+    if key not in ctx._stage_cache:
+        if len(ctx._stage_cache) >= ctx.S:  # one placement: 8 MB each at 1024 points
+            ctx._stage_cache.clear()
+        ctx._stage_cache[key] = _stage_sum(ctx, s, lo, hi)
+    return ctx._stage_cache[key]
+
+
+def _stage_sum(ctx: _Ctx, s: int, lo: int, hi: int) -> np.ndarray:
     counts = Counter(id(ctx.table.layers[s][j].time) for j in range(lo, hi))
     first = {id(ctx.table.layers[s][j].time): j for j in range(hi - 1, lo - 1, -1)}
     return sum(k * ctx.layer_matrix(s, first[key]) for key, k in counts.items())
@@ -378,12 +405,7 @@ def _smallest_chunk(ctx: _Ctx) -> int:
 
 def _alternate(ctx: _Ctx, max_rounds: int) -> tuple[tuple[int, ...], tuple[int, ...], SolverInfo]:
     table = ctx.table
-    full = [
-        np.array(
-            [lc.time(np.array([float(table.seq_len)]), np.zeros(1))[0] for lc in table.layers[s]]
-        )
-        for s in range(ctx.S)
-    ]
+    full = list(table.times_at(table.seq_len, 0.0, range(ctx.S)))
     cuts = balanced_placement(table, ctx.S, full, _smallest_chunk(ctx))
     if cuts is None:
         raise infeasible_error(table, ctx.S, _smallest_chunk(ctx))

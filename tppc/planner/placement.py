@@ -46,11 +46,19 @@ MILP_MAX_TERMS = 20_000
 MILP on 80 layers × 8 stages × 116 chunks does not close in 20 s here)."""
 
 
-def chunk_layer_times(table: CostTable, device: int, boundaries: tuple[int, ...]) -> np.ndarray:
-    """``(N, M)`` seconds of every layer on ``device`` for every chunk of ``boundaries``."""
+def chunk_layer_times(table: CostTable, device: int, boundaries: tuple[int, ...],
+                      layers: range | None = None) -> np.ndarray:
+    """``(N, M)`` seconds of every layer (or of ``layers``) on ``device`` for every chunk of
+    ``boundaries``; each distinct time function is evaluated once (identical blocks)."""
     a = np.asarray(boundaries[:-1], dtype=float)
     c = np.diff(np.asarray(boundaries, dtype=float))
-    return np.stack([np.broadcast_to(lc.time(c, a), c.shape) for lc in table.layers[device]])
+    row = table.layers[device]
+    seen: dict[int, np.ndarray] = {}
+    for j in layers if layers is not None else range(len(row)):
+        if id(row[j].time) not in seen:
+            seen[id(row[j].time)] = np.broadcast_to(row[j].time(c, a), c.shape)
+    return np.stack([seen[id(row[j].time)]
+                     for j in (layers if layers is not None else range(len(row)))])
 
 
 def _links(table: CostTable, cuts: tuple[int, ...], boundaries: tuple[int, ...]) -> np.ndarray:
@@ -67,7 +75,7 @@ def stage_times(
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(times (S, M), links (S-1, M))`` of a placement on a split."""
     rows = [
-        chunk_layer_times(table, s, boundaries)[lo:hi].sum(axis=0)
+        chunk_layer_times(table, s, boundaries, range(lo, hi)).sum(axis=0)
         for s, (lo, hi) in enumerate(itertools.pairwise(cuts))
     ]
     return np.stack(rows), _links(table, cuts, boundaries)

@@ -14,14 +14,17 @@ Terms:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from tppc.errors import PlanError
 
-__all__ = ["PLAN_SCHEMA", "Plan", "SolverInfo", "SplitSearch", "StagePlan", "Workload"]
+__all__ = ["PLAN_SCHEMA", "Plan", "SolverInfo", "SplitSearch", "StagePlan", "Workload",
+           "say_expired"]
 
 PLAN_SCHEMA = "tppc.plan/2"
 """Schema tag written by :meth:`Plan.to_json`; bumped on incompatible changes (2: the unit,
@@ -310,3 +313,14 @@ class Plan:
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f} ms"
+
+
+def say_expired(plan: Plan, deadline: float) -> Plan:
+    """``plan``, its solver status ``"time_limit"`` when it ends after ``deadline``
+    (``time.perf_counter``) without a proven optimum: a phase was cut short or skipped."""
+    if time.perf_counter() <= deadline or plan.solver.status in ("optimal", "time_limit"):
+        return plan
+    solver = dataclasses.replace(plan.solver, status="time_limit",
+                                 detail=f"{plan.solver.detail}; stopped by the time limit")
+    return dataclasses.replace(plan, solver=solver)
+

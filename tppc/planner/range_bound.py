@@ -110,10 +110,9 @@ def _range_bound(table: CostTable, num_stages: int, granularity: int, max_grid: 
     if n > max_grid or S < 1 or N < S:
         return None
     # heads (first chunk [0, x_b)) and tails (last chunk [x_a, L)), fastest device per layer
-    first = np.array([[_call(lc.time, x[1:], np.zeros(n)) for lc in table.layers[d]]
-                      for d in range(S)]).min(axis=0)  # (N, n): b = 1..n
-    last = np.array([[_call(lc.time, L - x[:-1], x[:-1]) for lc in table.layers[d]]
-                     for d in range(S)]).min(axis=0)  # (N, n): a = 0..n-1
+    # (each distinct time function once: identical blocks and devices share one)
+    first = _per_layer(table, S, x[1:], np.zeros(n)).min(axis=0)  # (N, n): b = 1..n
+    last = _per_layer(table, S, L - x[:-1], x[:-1]).min(axis=0)  # (N, n): a = 0..n-1
     head = np.vstack([np.zeros(n), np.cumsum(first, axis=0)])  # head[lo, b-1]
     tail = np.vstack([np.cumsum(last[::-1], axis=0)[::-1], np.zeros(n)])  # tail[hi, a]
     act = min((lc.act_bytes_per_token for d in range(S) for lc in table.layers[d]),
@@ -126,8 +125,7 @@ def _range_bound(table: CostTable, num_stages: int, granularity: int, max_grid: 
     before = np.vstack([np.zeros(n), np.cumsum(hop_in, axis=0)])  # (S, n)
     after = np.vstack([np.cumsum(hop_out[::-1], axis=0)[::-1], np.zeros(n)])  # (S, n)
     # one-chunk bound per range (the pruning bound): min head + work + min tail
-    work = np.array([[float(_call(lc.time, np.array([L]), np.zeros(1))[0])
-                      for lc in table.layers[d]] for d in range(S)])
+    work = table.times_at(L, 0.0, range(S))
     pre = np.hstack([np.zeros((S, 1)), np.cumsum(work, axis=1)])
     lo, hi = np.meshgrid(np.arange(N + 1), np.arange(N + 1), indexing="ij")
     h_min = (head[:, None, :] + before[None, :, :]).min(axis=2)  # (N+1, S)
@@ -151,6 +149,16 @@ def _range_bound(table: CostTable, num_stages: int, granularity: int, max_grid: 
     if S < 2:
         return stages
     return max(stages, end_pairs_bound(table, S, x, priced, act))
+
+
+def _per_layer(table: CostTable, S: int, c: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """``[d, l, :]``: layer ``l`` of device ``d < S`` at chunks ``(c, p)``."""
+    seen: dict[int, np.ndarray] = {}
+    for d in range(S):
+        for lc in table.layers[d]:
+            if id(lc.time) not in seen:
+                seen[id(lc.time)] = _call(lc.time, c, p)
+    return np.array([[seen[id(lc.time)] for lc in table.layers[d]] for d in range(S)])
 
 
 def _price(table: CostTable, s: int, pairs: list[tuple[int, int]], x: np.ndarray,

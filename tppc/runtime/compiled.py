@@ -383,8 +383,9 @@ class CompiledPipeline:
         return pytree.tree_unflatten(leaves, program.signature.out_spec)
 
     # -- building ------------------------------------------------------------------------------
-    def _delivery(self) -> Delivery:
-        """How one call's outputs reach the caller (:mod:`tppc.runtime.call`)."""
+    def _delivery(self, timeout: float | None = None) -> Delivery:
+        """How one call's outputs reach the caller (:mod:`tppc.runtime.call`); ``timeout``:
+        the call's (a job bounds its wait for the results by it)."""
         return LocalDelivery()
 
     def _capture(self, args: tuple[Any, ...], kwargs: Mapping[str, Any],

@@ -33,13 +33,14 @@ from torch.utils import _pytree as pytree
 
 from tppc.backends import wire
 from tppc.backends.torch_distributed import DistributedExecutor
-from tppc.driver.options import CompileOptions
+from tppc.driver.options import CompileOptions, check_seconds
 from tppc.driver.planning import Planner, example_plan
 from tppc.errors import RuntimeInputError, SpecError, StageFailed, TppcError
 from tppc.frontend.front_end import FrontEnd, capture_front_end
 from tppc.planner.plan import Plan
 from tppc.program.program import Program
 from tppc.program.state import Call
+from tppc.runtime.call import run_call
 from tppc.runtime.checkpoint import StageWeights
 from tppc.runtime.compiled import CompiledPipeline
 from tppc.runtime.distributed_validate import retarget, validate_on_rank0
@@ -66,6 +67,7 @@ def init_distributed(timeout: float = 60.0, device: str = "auto"
     Joining also removes the shared-output files of dead processes on this machine
     (:func:`tppc.runtime.shared_results.sweep_dead`).
     """
+    check_seconds("comm_timeout", timeout)
     local = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     where = torch.device("cuda", local) if use_cuda else torch.device("cpu")
@@ -163,9 +165,17 @@ class DistributedPipeline(CompiledPipeline):
             timeout: float | None = None, executor: Any = None,
             trace: list | None = None) -> Any:
         """``model(*args, **kwargs)`` through the job (collective; rank 0's inputs); the
-        outputs on rank 0 (every rank with ``results="all"``), None elsewhere."""
+        outputs on rank 0 (every rank with ``results="all"``), None elsewhere.
+
+        Raises:
+            StageTimeout: the call outlived ``timeout`` (default ``options.timeout``), rank
+                0's wait for the results included.
+        """
+        check_seconds("timeout", timeout)
+        timeout = self.options.timeout if timeout is None else timeout
         args, kwargs = self.share_inputs("call", (tuple(args), dict(kwargs or {})))
-        return super().run(args, kwargs, timeout=timeout, trace=trace)
+        return run_call(self, args, kwargs, self._delivery(timeout), timeout=timeout,
+                        trace=trace)
 
     def generate(self, input_ids: torch.Tensor | None = None, max_new_tokens: int = 20,
                  **kwargs: Any) -> torch.Tensor | None:
@@ -244,9 +254,9 @@ class DistributedPipeline(CompiledPipeline):
             raise self.comm.failure(exc, f"the {what}") from exc
 
     # -- building -----------------------------------------------------------------------------
-    def _delivery(self) -> RankDelivery:
-        return RankDelivery(self.rank, self.world, self.results, self.device,
-                            self.comm_timeout, self.collective)
+    def _delivery(self, timeout: float | None = None) -> RankDelivery:
+        return RankDelivery(self.rank, self.world, self.results, self.device, self.comm,
+                            self.collective, timeout)
 
     def _build(self, front: FrontEnd, plan: Plan) -> Program:
         self._executors.setdefault("distributed", self.comm)

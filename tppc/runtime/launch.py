@@ -31,6 +31,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import socket
@@ -46,6 +47,7 @@ from typing import Any
 
 import torch
 
+from tppc.driver.options import check_seconds
 from tppc.errors import SpecError, StageFailed
 from tppc.runtime import owned_files
 from tppc.runtime.rank_exit import LAUNCH_DIR_ENV, LAUNCHER_PID_ENV
@@ -78,7 +80,7 @@ class LaunchResult:
 def launch(factory: str | Path, nprocs: int, *, checkpoint: str | Path | None = None,
            inputs: Mapping[str, Any] | None = None, generate: int | None = None,
            factory_kwargs: str = "{}", chunks: int | None = None, cluster: str | None = None,
-           threads: int = 1, comm_timeout: float = 30.0, timeout: float = 300.0,
+           threads: int = 1, comm_timeout: float = 30.0, timeout: float | None = 300.0,
            repeat: int = 1, env: Mapping[str, str] | None = None,
            extra_args: Sequence[str] = ()) -> LaunchResult:
     """Run ``python -m tppc.cli.rank FACTORY ...`` as ``nprocs`` local ranks; see the module doc.
@@ -94,7 +96,8 @@ def launch(factory: str | Path, nprocs: int, *, checkpoint: str | Path | None = 
         chunks, cluster: planning options (see :mod:`tppc.run`).
         threads: intra-op threads per rank.
         comm_timeout: seconds a rank waits for a peer before failing.
-        timeout: seconds after which the remaining ranks are killed.
+        timeout: seconds after which the remaining ranks are killed (None: no limit; the
+            ranks still end on their own ``comm_timeout`` when a peer is gone).
         repeat: calls per job (for timing).
         env: extra environment of the ranks (e.g. ``TPPC_FAULT``).
         extra_args: more ``tppc.run`` arguments.
@@ -107,6 +110,8 @@ def launch(factory: str | Path, nprocs: int, *, checkpoint: str | Path | None = 
     """
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise SpecError(f"nprocs={nprocs!r} must be an integer ≥ 1 (one process per stage)")
+    check_seconds("comm_timeout", comm_timeout)
+    check_seconds("timeout", timeout)
     owned_files.sweep_all()  # what launches and ranks killed outright left behind
     work = owned_files.create_dir(owned_files.LAUNCH_PREFIX)
     procs: list[subprocess.Popen] = []
@@ -124,7 +129,7 @@ def launch(factory: str | Path, nprocs: int, *, checkpoint: str | Path | None = 
 def _launch(work: Path, procs: list[subprocess.Popen], factory: str | Path, nprocs: int,
             checkpoint: str | Path | None, inputs: Mapping[str, Any] | None,
             generate: int | None, factory_kwargs: str, chunks: int | None,
-            cluster: str | None, threads: int, comm_timeout: float, timeout: float,
+            cluster: str | None, threads: int, comm_timeout: float, timeout: float | None,
             repeat: int, env: Mapping[str, str] | None,
             extra_args: Sequence[str]) -> LaunchResult:
     import numpy as np
@@ -146,7 +151,7 @@ def _launch(work: Path, procs: list[subprocess.Popen], factory: str | Path, npro
         argv += ["--cluster", cluster]
     port = _free_port()
     store = torch.distributed.TCPStore("127.0.0.1", port, nprocs, is_master=True,
-                                       timeout=timedelta(seconds=timeout),
+                                       timeout=timedelta(seconds=timeout or comm_timeout),
                                        wait_for_workers=False)
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:  # the logs are closed however this ends
@@ -156,7 +161,7 @@ def _launch(work: Path, procs: list[subprocess.Popen], factory: str | Path, npro
             procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                           env=_rank_env(rank, nprocs, port, threads, env,
                                                         work)))
-        codes = _wait(procs, t0 + timeout)
+        codes = _wait(procs, math.inf if timeout is None else t0 + timeout)
         seconds = time.perf_counter() - t0
         texts = []
         for log in logs:

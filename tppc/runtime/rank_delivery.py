@@ -10,10 +10,14 @@ Terms:
         (``results="all"``).
 
 Every rank decides among the three from the same program, so they agree without a message.
+Every wait for the results is bounded by the call's deadline as well as the communication
+timeout: rank 0 waiting for a last stage that hangs raises :class:`tppc.errors.StageTimeout`
+when the call's ``timeout`` ends, naming the last rank.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -21,11 +25,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tppc.backends import wire
+from tppc.errors import TppcError
 from tppc.runtime.call import new_outputs, with_tail
 from tppc.runtime.result_stream import ResultSender, receive_results, streamable
 from tppc.runtime.shared_results import SharedOutputs, sweep_dead
 
 if TYPE_CHECKING:
+    from tppc.backends.torch_distributed import DistributedExecutor
     from tppc.backends.torch_local import Sink
     from tppc.frontend.front_end import BoundCall
     from tppc.program.program import Program
@@ -41,22 +47,42 @@ class RankDelivery:
         rank, world: this rank and the number of ranks.
         results: ``"rank0"`` or ``"all"``: who gets the outputs.
         device: this rank's device.
-        comm_timeout: seconds a transfer may wait.
+        comm: this rank's executor (its communication timeout, its failure records).
         collective: runs a communication, turning its failure into ``StageFailed``
             (``collective(op, what)``).
+        timeout: the call's timeout in seconds (None: none); the deadline starts now.
     """
 
     def __init__(self, rank: int, world: int, results: str, device: torch.device,
-                 comm_timeout: float, collective: Callable[[Callable[[], Any], str], Any]
-                 ) -> None:
+                 comm: DistributedExecutor,
+                 collective: Callable[[Callable[[], Any], str], Any],
+                 timeout: float | None = None) -> None:
         self.rank, self.world, self.results = rank, world, results
-        self.device, self.comm_timeout, self.collective = device, comm_timeout, collective
+        self.device, self.comm, self.collective = device, comm, collective
+        self.timeout = timeout
+        self.deadline = None if timeout is None else time.monotonic() + timeout
         self.last = world - 1
         self.stream = False
         self.shared: SharedOutputs | None = None
         self.sender: ResultSender | None = None
         self.chunks: tuple[tuple[int, int], ...] = ()
         self.flushed = False
+
+    def wait(self) -> timedelta:
+        """The span the next wait for the results may last (``comm.span`` of the deadline)."""
+        return self.comm.span(self.deadline)
+
+    def bounded(self, op: Callable[[], Any], peer: int) -> Any:
+        """``op()``, a wait for the results from or to ``peer``: past the call's deadline its
+        failure is a StageTimeout naming ``peer``, otherwise a StageFailed."""
+        try:
+            return op()
+        except TppcError:
+            raise
+        except Exception as exc:
+            if self.comm.expired(self.deadline):
+                raise self.comm.timed_out(self.timeout, "the results", peer=peer) from exc
+            raise self.comm.failure(exc, "the results") from exc
 
     def outputs(self, program: Program, length: int) -> tuple[Any, ...]:
         axes = program.signature.output_axes
@@ -85,9 +111,9 @@ class RankDelivery:
     def flush(self) -> None:
         sender, shared = self.sender, self.shared
         if sender is not None:
-            self.collective(lambda: sender.finish(self.comm_timeout), "results")
+            self.bounded(lambda: sender.finish(self.wait), 0)
         if shared is not None:
-            self.collective(lambda: shared.send(0, self.comm_timeout), "results")
+            self.bounded(lambda: shared.send(0, self.wait), 0)
         self.flushed = True
 
     def close(self) -> None:
@@ -101,9 +127,9 @@ class RankDelivery:
         if self.stream:  # the outputs went to rank 0 chunk by chunk, overlapping the last stage
             if self.rank != 0:
                 return None
-            return list(self.collective(lambda: receive_results(
+            return list(self.bounded(lambda: receive_results(
                 program.chunks, program.signature.output_axes, bound.length, self.last,
-                self.device, self.comm_timeout), "results"))
+                self.device, self.wait), self.last))
         mine = with_tail(program, bound.flat, leaves) if self.rank == self.last else []
         return self._gather(mine)
 
@@ -118,6 +144,5 @@ class RankDelivery:
         if self.rank == last:
             self.collective(lambda: wire.send(leaves, 0, self.device), "results")
         elif self.rank == 0:
-            wait = timedelta(seconds=self.comm_timeout)
-            return self.collective(lambda: wire.recv(last, self.device, wait), "results")
+            return self.bounded(lambda: wire.recv(last, self.device, self.wait), last)
         return None

@@ -19,7 +19,6 @@ the last rank share a machine the outputs go through shared memory instead
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -60,23 +59,22 @@ class ResultSender:
         for t in tensors:  # each tensor stays alive until its send completed
             self._pending.append((dist.isend(t, self.dst), t))
 
-    def finish(self, timeout: float) -> None:
-        """Wait until rank 0 has received every chunk."""
-        wait = timedelta(seconds=timeout)
+    def finish(self, wait: wire.Wait) -> None:
+        """Wait until rank 0 has received every chunk (each send bounded by ``wait``)."""
         for work, _ in self._pending:
-            work.wait(wait)
+            work.wait(wire.span(wait))
         self._pending.clear()
 
 
 def receive_results(chunks: tuple[tuple[int, int], ...], axes: tuple[int | None, ...],
-                    length: int, src: int, device: torch.device, timeout: float
+                    length: int, src: int, device: torch.device, wait: wire.Wait
                     ) -> list[torch.Tensor]:
     """Rank 0: receive what :class:`ResultSender` sent into full-length outputs (or map
-    those a :class:`tppc.runtime.shared_results.SharedOutputs` header names)."""
-    wait = timedelta(seconds=timeout)
+    those a :class:`tppc.runtime.shared_results.SharedOutputs` header names); each receive
+    bounded by ``wait``."""
     header = wire.recv_header(src, "cpu", wait)
     if "shared" in header:  # the last rank wrote them into shared memory
-        return map_outputs(header, src, timeout)
+        return map_outputs(header, src)
     first = header["size"]
     specs = [(wire.torch_dtype(o.dtype), list(o.shape)) for o in header["outputs"]]
     full = []
@@ -93,7 +91,7 @@ def receive_results(chunks: tuple[tuple[int, int], ...], axes: tuple[int | None,
             view = out.narrow(axis, rows * start, rows * (end - start))
             buf = view if view.is_contiguous() else torch.empty(part, dtype=dtype,
                                                                  device=device)
-            dist.irecv(buf, src).wait(wait)
+            dist.irecv(buf, src).wait(wire.span(wait))
             if buf is not view:
                 view.copy_(buf)
     return full

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -81,13 +80,14 @@ class SharedOutputs:
         stat = os.statvfs(_ROOT)
         return stat.f_bavail * stat.f_frsize > 2 * need + (64 << 20)
 
-    def send(self, dst: int, timeout: float) -> None:
-        """Tell ``dst`` (rank 0) where the outputs are and wait until it mapped them."""
+    def send(self, dst: int, wait: wire.Wait) -> None:
+        """Tell ``dst`` (rank 0) where the outputs are and wait until it mapped them (each
+        wait bounded by ``wait``)."""
         header = {"shared": str(self.path), "nbytes": self.nbytes, "outputs": self.entries}
         for work, _ in wire.post_header(header, dst):
-            work.wait(timedelta(seconds=timeout))
+            work.wait(wire.span(wait))
         ack = torch.zeros(1, dtype=torch.uint8)
-        dist.irecv(ack, dst).wait(timedelta(seconds=timeout))
+        dist.irecv(ack, dst).wait(wire.span(wait))
 
     def close(self) -> None:
         """Unlink the file (rank 0 mapped it, or the call failed: nothing is left)."""
@@ -99,7 +99,7 @@ def sweep_dead() -> list[Path]:
     return owned_files.sweep(_ROOT, _PREFIX)
 
 
-def map_outputs(header: dict[str, Any], src: int, timeout: float) -> list[torch.Tensor]:
+def map_outputs(header: dict[str, Any], src: int) -> list[torch.Tensor]:
     """Rank 0: the outputs a :class:`SharedOutputs` header names; acknowledges to ``src``
     (the last rank), which then unlinks the file."""
     path = header["shared"]
