@@ -182,3 +182,23 @@ def test_a_model_being_captured_keeps_its_own_tensors_for_other_threads() -> Non
     with torch.no_grad():
         torch.testing.assert_close(compiled[0](ids), expected, rtol=1e-5, atol=1e-5)
 
+
+
+def test_planning_shortens_a_shadow_of_the_block_list_never_the_users(monkeypatch) -> None:
+    """``tppc.plan`` captures two of the identical blocks (``few_blocks``); it used to shorten
+    the user's own list meanwhile, so an eager call from another thread ran two blocks."""
+    import tppc.frontend.front_end as front_end
+
+    model, args, _ = examples.gpt(seq_len=8, n_layer=4)
+    seen = []
+    real = front_end._front_end
+
+    def watched(*a, **k):
+        seen.append((len(model.blocks), len(a[0].blocks)))  # the user's, the captured one's
+        return real(*a, **k)
+
+    monkeypatch.setattr(front_end, "_front_end", watched)
+    plan = tppc.plan(model, args, cluster="2xcpu")
+    assert seen and seen[0] == (4, 2), seen  # captured two blocks, the user's list kept four
+    names = [n for st in plan.stages for n in st.layer_names]
+    assert len(model.blocks) == 4 and sum(n.startswith("blocks.") for n in names) == 4, names

@@ -33,7 +33,7 @@ from tppc.errors import CaptureError, RuntimeInputError
 from tppc.frontend.annotate import annotate
 from tppc.frontend.blocks import expand_layers, few_blocks
 from tppc.frontend.capture import bind_inputs
-from tppc.frontend.isolation import CAPTURE_LOCK
+from tppc.frontend.isolation import CAPTURE_LOCK, shadow_tree
 from tppc.ir.context import CompileContext
 from tppc.ir.records import CHUNK_SIGNATURE, TOKEN
 from tppc.passes.chunk_attention import ChunkSignature, chunk_attention_pass
@@ -108,8 +108,11 @@ def capture_front_end(model: torch.nn.Module, args: tuple[Any, ...],
     args, kwargs = on_meta_if(model, (tuple(args), dict(kwargs or {})))
     if not plan_only:
         return _front_end(model, args, kwargs, seq_dims, keep_states, t0)
-    with CAPTURE_LOCK, few_blocks(model) as truncated:  # no other capture sees two blocks
-        front = _front_end(model, args, kwargs, seq_dims, keep_states, t0)
+    # the block list is shortened in a shadow of the module tree (same tensors), never in the
+    # user's model: an eager call from another thread meanwhile runs every block
+    shadow = shadow_tree(model)
+    with CAPTURE_LOCK, few_blocks(shadow) as truncated:
+        front = _front_end(shadow, args, kwargs, seq_dims, keep_states, t0)
     if truncated is None:
         return front
     layers = expand_layers(front.ctx.layers, *truncated)
