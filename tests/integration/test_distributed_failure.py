@@ -13,20 +13,10 @@ import time
 import pytest
 
 import tppc
-from tppc.examples import gpt
-from tppc.runtime.checkpoint import save_checkpoint
 
 pytestmark = pytest.mark.timeout(600)
 
 COMM_TIMEOUT = 20.0
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
-    model, _, _ = gpt()
-    path = tmp_path_factory.mktemp("ckpt") / "gpt.safetensors"
-    save_checkpoint(model, path)
-    return str(path)
 
 
 def _fail(checkpoint: str, nprocs: int, action: str) -> tppc.StageFailed:

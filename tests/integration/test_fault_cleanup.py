@@ -22,23 +22,12 @@ from pathlib import Path
 
 import pytest
 
-from tppc.examples import gpt
-from tppc.runtime.checkpoint import save_checkpoint
-
 pytestmark = pytest.mark.timeout(600)
 
 ROOT = Path(__file__).resolve().parents[2]
 RANK_ARGS = ["tppc.examples:gpt", "--chunks", "4", "--threads", "1", "--device", "cpu"]
 JOB_S = 240.0
 """Generous bound on one job, compile included, on a loaded 2-core machine."""
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
-    model, _, _ = gpt()
-    path = tmp_path_factory.mktemp("ckpt") / "gpt.safetensors"
-    save_checkpoint(model, path)
-    return str(path)
 
 
 class Job:

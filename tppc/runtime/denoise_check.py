@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from tppc.program.program import Program
-from tppc.runtime.localize import raise_crash, raise_divergence
-from tppc.runtime.replay import Replay, StageFailed, compare
+from tppc.runtime.replay import Replay
+from tppc.runtime.validate import check_replay
 
 __all__ = ["check_patches"]
 
@@ -62,21 +62,11 @@ def check_patches(cp: Any, front: Any, flat: Sequence[Any], length: int,
     if key in checked:
         return None
     full, first, rest = programs
-    chunks = tuple(itertools.pairwise(bounds))
     with torch.no_grad():
         whole = Replay(full, None, flat, length, ((0, length),)).run(locate=False)
-        replay = Replay(first, rest, flat, length, chunks, warmup=True)
-        label = (f"denoise patch program ({len(chunks)} patches after a full warm-up, against "
-                 "the one-chunk warm-up program's output)")
-        try:
-            patched = replay.run()
-        except StageFailed as failed:
-            raise_crash(front, replay, failed, label=label)
-    worst = 0.0
-    for index, (got, want) in enumerate(zip(patched, whole, strict=True)):
-        diff = compare(got, want)
-        if diff.exceeds:
-            raise_divergence(front, replay, index, diff, label=label)
-        worst = max(worst, diff.max_abs)
+    label = (f"denoise patch program ({len(bounds) - 1} patches after a full warm-up, against "
+             "the one-chunk warm-up program's output)")
+    run = check_replay(front, label, first, rest, flat, length,
+                       tuple(itertools.pairwise(bounds)), warmup=True, reference=whole)
     checked.add(key)
-    return worst
+    return run.max_diff

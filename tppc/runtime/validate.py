@@ -62,7 +62,8 @@ from tppc.runtime.replay import (
 )
 
 __all__ = ["LONG_TOKENS", "SHORT_TOKENS", "CheckRun", "Validated", "Validation",
-           "probe_chunks", "resize_inputs", "short_lengths", "validate_pipeline"]
+           "check_replay", "probe_chunks", "resize_inputs", "short_lengths",
+           "validate_pipeline"]
 
 LONG_TOKENS = 256
 """An example with more tokens is validated at short probe lengths (:func:`short_lengths`)."""
@@ -188,13 +189,13 @@ def _example_checks(cp: Validated, front: FrontEnd, flat: Sequence[Any], length:
     """The compiled program and the validation program at the example length, then the
     validation program at the probe length (:func:`_probe_length`)."""
     reference = run_reference(front.annotated, flat)[0]
-    runs = [_check(front, "compiled program", compiled, None, flat, length, compiled.chunks,
+    runs = [check_replay(front, "compiled program", compiled, None, flat, length, compiled.chunks,
                    warmup=False, reference=reference)]
     chunks, note = probe_chunks(front, length)
     if note:
         notes.append(note)
     if staged is not compiled or chunks != compiled.chunks:
-        runs.append(_check(front, "validation program", staged, _rest(front, staged, chunks),
+        runs.append(check_replay(front, "validation program", staged, _rest(front, staged, chunks),
                            flat, length, chunks, warmup=bool(front.bidirectional),
                            reference=reference))
     probe, note = _probe_length(front, cp, length)
@@ -209,7 +210,7 @@ def _probe_check(front: FrontEnd, staged: Program, flat: Sequence[Any], length: 
                  probe: int) -> CheckRun:
     """The validation program on the example cut (or extended) to ``probe`` units."""
     chunks = probe_chunks(front, probe)[0]
-    return _check(front, "validation program", staged, _rest(front, staged, chunks),
+    return check_replay(front, "validation program", staged, _rest(front, staged, chunks),
                   resize_inputs(front, flat, length, probe), probe, chunks,
                   warmup=bool(front.bidirectional))
 
@@ -239,9 +240,9 @@ def short_lengths(front: FrontEnd, length: int) -> tuple[int, int] | None:
     return first, first - max(1, first // 4)
 
 
-def _check(front: FrontEnd, label: str, program: Program, rest: Program | None,
-           flat: Sequence[Any], length: int, chunks: tuple[tuple[int, int], ...], *,
-           warmup: bool, reference: list[Any] | None = None) -> CheckRun:
+def check_replay(front: FrontEnd, label: str, program: Program, rest: Program | None,
+                 flat: Sequence[Any], length: int, chunks: tuple[tuple[int, int], ...], *,
+                 warmup: bool, reference: list[Any] | None = None) -> CheckRun:
     """Replay ``program`` and compare every output with the captured graph's (``reference``:
     computed here when not given)."""
     if reference is None:
