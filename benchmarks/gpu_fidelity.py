@@ -15,9 +15,11 @@ synchronously (``legacy/pipefuser/pipelines/pip/distri_pixartalpha.py``), so
 ``--pipefusion_warmup_step 1`` is 2 synchronous steps and 18 pipelined ones:
 :data:`PUBLISHED_WORKLOAD`. tppc's own schedule (1 warm-up step, the issue's
 :data:`WORKLOAD`) is printed beside it. The timed call also runs the T5-XXL text encoder twice (prompt
-and negative prompt, 120 tokens each, on every rank): :func:`text_encoder_seconds` prices
-it with the same device constants (weight-streaming bound: about 1-2 % of the 1024 px
-single-device time, 0.02 % at 4096 px); it is added to every prediction. The VAE is not run.
+and negative prompt, 120 tokens each, on every rank): :func:`text_encoder_seconds` captures
+it on meta (:func:`tppc.frontend.static_export.export_static`) and prices every node with the
+same device constants as the transformer (:func:`tppc.cost_models.call_costs.price_call`;
+about 2 % of the 1024 px single-device time, 0.05 % at 4096 px); it is added to every
+prediction. The VAE is not run (its price is printed for reference).
 
 Rows marked ``goal`` are the issue's (single-device within 25 %, speed-ups within 10 %);
 the others were not used to choose any constant and show how the same model holds.
@@ -34,9 +36,10 @@ from functools import cache
 
 import torch
 
+from tppc.cost_models.call_costs import CallCost, price_call
 from tppc.cost_models.cluster import device_preset
-from tppc.cost_models.efficiency import gemm_efficiency
 from tppc.cost_models.layer_costs import build_cost_table
+from tppc.frontend.static_export import export_static
 from tppc.planner import plan_for
 from tppc.planner.devices import sub_table
 from tppc.planner.grid import plan_any_length
@@ -115,21 +118,37 @@ def pixart_front():
     return capture_front_end(model, args, kwargs, seq_dims=None, plan_only=True)
 
 
-def text_encoder_seconds(device_name: str) -> float:
-    """T5-XXL encoder (24 layers, d 4096, gated FFN 10240) on 120 tokens, called twice.
+@cache
+def t5_graph() -> torch.fx.GraphModule:
+    """PixArt's text encoder, T5-XXL's encoder (24 layers, d 4096, gated FFN 10240), built
+    on meta and captured at fixed shapes on one prompt of :data:`TEXT_TOKENS` tokens."""
+    from transformers import T5Config, T5EncoderModel
 
-    Each linear runs at ``max(weights / achieved bandwidth, FLOPs / achieved GEMM rate)``
-    plus the device's per-op host cost for the block's ~20 eager ops.
-    """
-    dev = device_preset(device_name)
-    shapes = [(4096, 4096)] * 4 + [(10240, 4096)] * 2 + [(4096, 10240)]
-    layer = 0.0
-    for n, k in shapes:
-        flops = 2.0 * TEXT_TOKENS * n * k
-        rate = dev.matrix.peak("fp16") * gemm_efficiency(TEXT_TOKENS, n, k, dev.matrix)
-        layer += max(2.0 * n * k / dev.memory.achieved, flops / rate) + dev.op_overhead
-    layer += 20 * dev.host_overhead  # norms, attention, activations: host-bound at 120 rows
-    return 2 * 24 * layer
+    with torch.device("meta"):
+        t5 = T5EncoderModel(T5Config(d_model=4096, d_ff=10240, num_layers=24, num_heads=64,
+                                     d_kv=64, vocab_size=32128,
+                                     feed_forward_proj="gated-gelu")).eval().half()
+    return export_static(t5, (torch.zeros(1, TEXT_TOKENS, dtype=torch.long),))
+
+
+@cache
+def vae_decode(device_name: str, pixels: int) -> CallCost:
+    """The SD VAE decoder PixArt uses (4 up blocks, 128-512 channels) on one image."""
+    from diffusers import AutoencoderKL
+
+    with torch.device("meta"):
+        vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4,
+                            down_block_types=("DownEncoderBlock2D",) * 4,
+                            up_block_types=("UpDecoderBlock2D",) * 4, layers_per_block=2,
+                            block_out_channels=(128, 256, 512, 512)).eval().half()
+    latent = torch.zeros(1, 4, pixels // 8, pixels // 8, dtype=torch.half)
+    return price_call(export_static(vae, (latent,), method="decode"), device_preset(device_name))
+
+
+def text_encoder_seconds(device_name: str) -> float:
+    """The prompt and the negative prompt through the captured T5-XXL encoder, each call
+    priced node by node with the transformer's device constants (:func:`price_call`)."""
+    return 2 * price_call(t5_graph(), device_preset(device_name)).seconds
 
 
 @cache
@@ -191,9 +210,11 @@ def main() -> None:
         print(f"| {r.devices}×A100 {r.link} | {r.pixels} px | {r.seconds:g} | "
               f"{e['predicted']:.3f} | {e['error']:+.1%} | {speed} | "
               f"{'goal' if r.goal else 'held out'} |", flush=True)
-    print(f"\ntext encoder (T5-XXL, 2 × 120 tokens) on a100-pcie: "
-          f"{text_encoder_seconds('a100-pcie') * 1e3:.1f} ms; "
-          f"{time.perf_counter() - t0:.1f} s in all")
+    vae = vae_decode("a100-pcie", 1024)
+    print(f"\ntext encoder (T5-XXL captured on meta, 2 × {TEXT_TOKENS} tokens) on a100-pcie: "
+          f"{text_encoder_seconds('a100-pcie') * 1e3:.1f} ms; the VAE decoder (not in these "
+          f"runs: output_type='latent') would add {vae.seconds * 1e3:.1f} ms at 1024 px "
+          f"({vae.matrix_flops / 1e12:.1f} TFLOP); {time.perf_counter() - t0:.1f} s in all")
 
 
 if __name__ == "__main__":

@@ -338,8 +338,10 @@ def dtype_name(node: fx.Node, args: list[fx.Node], compute_dtype: str | None) ->
 
 
 def node_cost(node: fx.Node, subs: TokenSubstitution, *, default_attention: str = "causal",
-              compute_dtype: str | None = None, _shapes: Shapes | None = None) -> NodeCost:
-    """Price one node (see the module docstring for what is counted).
+              compute_dtype: str | None = None, _shapes: Shapes | None = None,
+              live: bool | None = None) -> NodeCost:
+    """Price one node (see the module docstring for what is counted); ``live`` overrides
+    whether it runs per call (default: when its shapes depend on the sequence).
 
     Raises:
         CostModelError: a tensor-producing node has no ``meta["val"]`` or odd shapes.
@@ -358,7 +360,8 @@ def node_cost(node: fx.Node, subs: TokenSubstitution, *, default_attention: str 
         return NodeCost(node.name, op, "view", zero, (), zero, zero, dtype)
     info = node.meta.get(TOKEN)
     role = info.role if isinstance(info, TokenInfo) else None
-    const = role == "const" or (role is None and not _depends(shapes, [node, *args]))
+    const = (not live) if live is not None else (
+        role == "const" or (role is None and not _depends(shapes, [node, *args])))
     out_bytes = value_bytes(shapes, [node])
     kv = 0
     serial = zero

@@ -36,6 +36,7 @@ from torch import fx
 
 from tppc.errors import CaptureError
 from tppc.frontend.isolation import CAPTURE_LOCK
+from tppc.frontend.static_export import outside_inference
 from tppc.frontend.torch_export import export_dynamic, is_latent
 from tppc.ir.context import CompileContext
 
@@ -79,7 +80,8 @@ def _capture(model: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str,
              seq_dims: Mapping[str, int | tuple[int, ...]] | None, max_seq: int | None
              ) -> tuple[fx.GraphModule, CompileContext]:
     start = time.perf_counter()
-    bound = bind_inputs(model, args, dict(kwargs or {}))
+    args, kwargs = outside_inference((tuple(args), dict(kwargs or {})))
+    bound = bind_inputs(model, args, kwargs)
     _check_batch(model, bound)
     axes = _resolve_seq_dims(model, bound, seq_dims)
     patch = _patch_size(model)

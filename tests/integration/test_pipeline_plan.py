@@ -1,0 +1,100 @@
+"""A whole diffusion pipeline planned (issue 20): the text encoder and the VAE decoder are
+captured, priced with the transformer's device constants and placed on a device."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+pytest.importorskip("tokenizers")
+
+from test_diffusers_dropin import pixart_pipe
+
+from tppc.cost_models.call_costs import price_call
+from tppc.cost_models.cluster import Cluster
+from tppc.diffusers import PipelinePlan, plan_pipeline
+from tppc.errors import PlanInfeasible, SpecError
+from tppc.frontend.static_export import export_static
+from tppc.planner.plan import Workload
+
+STEPS = Workload(kind="diffusion", steps=4, warmup_steps=1)
+
+
+@pytest.fixture(scope="module")
+def pixart():
+    """The tiny PixArt pipeline and the transformer's inputs as the pipeline passes them."""
+    pipe, call = pixart_pipe()
+    pipe.set_progress_bar_config(disable=True)
+    seen = []
+    hook = pipe.transformer.register_forward_pre_hook(
+        lambda m, a, k: seen.append((a, k)), with_kwargs=True)
+    with torch.inference_mode():
+        pipe(num_inference_steps=2, output_type="latent", **call)
+    hook.remove()
+    args, kwargs = seen[0]
+    whole = plan_pipeline(pipe, args, kwargs, cluster="2xcpu", workload=STEPS,
+                          prompt_tokens=8, encoder_calls=2, num_stages=2)
+    return pipe, seen[0], whole
+
+
+def _plan(pipe, example, cluster, whole, **kw) -> PipelinePlan:
+    """The pipeline planned again around ``whole``'s transformer plan."""
+    args, kwargs = example
+    return plan_pipeline(pipe, args, kwargs, cluster=cluster, prompt_tokens=8,
+                         encoder_calls=2, transformer_plan=whole.transformer, **kw)
+
+
+def test_the_call_is_the_encoders_the_loop_and_the_decoder(pixart) -> None:
+    pipe, example, pp = pixart
+    names = [(c.name, c.phase, c.calls) for c in pp.components]
+    assert names == [("text_encoder", "before", 2), ("vae.decode", "after", 1)]
+    cpu = Cluster.parse("2xcpu").devices[0]  # a core each
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    alone = price_call(export_static(pipe.text_encoder, (ids,)), cpu)  # an independent price
+    encoder = pp.components[0]
+    assert encoder.cost.seconds == pytest.approx(alone.seconds)
+    assert encoder.seconds == pytest.approx(2 * alone.seconds + encoder.transfer_seconds)
+    assert pp.latency == pytest.approx(pp.transformer.latency + sum(c.seconds
+                                                                    for c in pp.components))
+    latent = example[0][0][:1]  # the VAE decodes one sample of the transformer's latent
+    vae = price_call(export_static(pipe.vae, (latent,), method="decode"), cpu)
+    assert pp.components[1].cost.matrix_flops == vae.matrix_flops > 0
+    assert "text_encoder" in pp.summary() and "vae.decode" in pp.summary()
+    without = _plan(pipe, example, "2xcpu", pp, decode=False)
+    assert [c.name for c in without.components] == ["text_encoder"]
+
+
+def _small(cluster: str, capacities: list[int]) -> Cluster:
+    parsed = Cluster.parse(cluster)
+    devices = [dataclasses.replace(d, memory=dataclasses.replace(d.memory, capacity=c))
+               for d, c in zip(parsed.devices, capacities, strict=True)]
+    return dataclasses.replace(parsed, devices=tuple(devices))
+
+
+def test_a_component_goes_where_it_fits_or_is_refused_by_name(pixart) -> None:
+    pipe, example, roomy = pixart
+    encoder = roomy.components[0].cost
+    need = encoder.weight_bytes + encoder.activation_bytes
+    stage0 = next(s for s in roomy.transformer.stages if s.device_index == 0).memory_bytes
+    stage1 = next(s for s in roomy.transformer.stages if s.device_index == 1).memory_bytes
+    # device 0 keeps room for its stage only; the encoder goes to device 1 (and the VAE too)
+    tight = _plan(pipe, example, _small("2xcpu", [stage0 + need // 2, 1 << 34]), roomy)
+    assert tight.components[0].device_index == 1
+    with pytest.raises(PlanInfeasible, match="text_encoder needs"):
+        _plan(pipe, example, _small("2xcpu", [stage0 + need // 2, stage1 + need // 2]), roomy)
+
+
+def test_bad_arguments_are_named_before_anything_is_planned(pixart) -> None:
+    pipe, (args, kwargs), _ = pixart
+    with pytest.raises(SpecError, match="encoder_calls=0"):
+        plan_pipeline(pipe, args, kwargs, encoder_calls=0)
+    packed = SimpleNamespace(transformer=pipe.transformer, vae=pipe.vae)  # a (B, N, C) latent
+    with pytest.raises(SpecError, match="decode_latent="):
+        plan_pipeline(packed, (args[0].flatten(2),), kwargs, workload=STEPS)
+    untokenized = SimpleNamespace(transformer=pipe.transformer, text_encoder=pipe.text_encoder)
+    with pytest.raises(SpecError, match="prompt_tokens="):
+        plan_pipeline(untokenized, args, kwargs, workload=STEPS)
