@@ -98,3 +98,23 @@ def test_bad_arguments_are_named_before_anything_is_planned(pixart) -> None:
     untokenized = SimpleNamespace(transformer=pipe.transformer, text_encoder=pipe.text_encoder)
     with pytest.raises(SpecError, match="prompt_tokens="):
         plan_pipeline(untokenized, args, kwargs, workload=STEPS)
+
+
+def test_a_square_latents_plan_prices_its_tokens_not_its_rows() -> None:
+    """PixArt is captured with the latent's height as the axis and T = s**2 tokens: a plan
+    of 4 patch rows is 16 tokens, one device's latency is the cost table's at 16 tokens
+    (it was priced at 4: the row count)."""
+    import tppc
+    from tppc.cost_models.layer_costs import build_cost_table
+    from tppc.examples import hf_pixart
+    from tppc.frontend.front_end import capture_front_end
+
+    model, args, kwargs = hf_pixart(size=8)
+    plan = tppc.plan(model, args, kwargs, cluster="1xcpu", num_stages=1)
+    assert (plan.seq_len, plan.tokens_per_unit, plan.seq_tokens) == (4, 4, 16)
+    front = capture_front_end(model, args, kwargs, seq_dims=None, plan_only=True)
+    ctx = front.ctx
+    table = build_cost_table(front.chunk, ctx.layers, "1xcpu", 16, seq_symbol=ctx.seq_symbol,
+                             token_count=ctx.token_count)
+    whole = sum(float(layer.time(16, 0)) for layer in table.layers[0])
+    assert plan.latency == pytest.approx(whole, rel=1e-6)

@@ -32,10 +32,12 @@ from tppc.cost_models.table import CostTable
 from tppc.driver.options import CompileOptions, chunk_bounds
 from tppc.errors import PlanError, SpecError
 from tppc.frontend.front_end import FrontEnd, capture_front_end
+from tppc.ir.context import CompileContext
 from tppc.planner import Plan, Workload
 from tppc.planner.grid import default_granularity, plan_any_length
 
-__all__ = ["Planner", "default_granularity", "example_plan", "length_planner", "plan"]
+__all__ = ["Planner", "default_granularity", "example_plan", "length_planner", "plan",
+           "tokens_per_unit"]
 
 #: ``planner(front, length, workload=None) -> Plan``: the plan of one sequence length.
 Planner = Callable[..., Plan]
@@ -127,7 +129,7 @@ def example_plan(front: FrontEnd, opts: CompileOptions, plan: Plan | None = None
 
 
 def _check_unit(plan: Plan, front: FrontEnd) -> None:
-    per = front.ctx.tokens_per_unit()
+    per = tokens_per_unit(front.ctx, plan.seq_len)
     if plan.tokens_per_unit not in (1, per):  # 1: written by hand (manual_plan) in units
         raise SpecError(
             f"the given plan counts {plan.unit}, {front.ctx.model_name}'s sequence axis has "
@@ -160,6 +162,22 @@ def length_planner(opts: CompileOptions) -> Planner:
     return plan_length
 
 
+def tokens_per_unit(ctx: CompileContext, length: int) -> int:
+    """Tokens in one unit of the sequence axis at ``length`` units: a DiT's patch columns.
+
+    Linear token counts give it at every length (:meth:`CompileContext.tokens_per_unit`); a
+    square latent captured with its height as the axis (``T = s**2``: PixArt, DiT) has
+    ``length`` patch columns per patch row at ``length`` rows, so a band of rows is priced at
+    its tokens, never at its row count."""
+    per = ctx.tokens_per_unit()
+    if per != 1 or ctx.token_count is None or ctx.seq_symbol is None:
+        return per
+    tokens = ctx.token_count.subs(ctx.seq_symbol, length)
+    if not tokens.is_Integer or int(tokens) <= length or int(tokens) % length:
+        return 1
+    return int(tokens) // length
+
+
 def _plan_length(front: FrontEnd, opts: CompileOptions, length: int,
                  workload: Workload | None, costing: list[float]) -> Plan:
     """Price in tokens on a grid of whole units, return the plan in units (``costing``
@@ -183,7 +201,7 @@ def _plan_length(front: FrontEnd, opts: CompileOptions, length: int,
         bounds = chunk_bounds(opts.chunks, length)
     elif front.bidirectional and not diffusion:
         bounds = (0, length)
-    per = ctx.tokens_per_unit()
+    per = tokens_per_unit(ctx, length)
     if per == 1:
         return plan_any_length(table_at, length, granularity=opts.granularity,
                                num_stages=opts.num_stages, time_limit=opts.time_limit,
