@@ -22,12 +22,14 @@ from typing import Any
 import numpy as np
 
 from tppc.artifact.check import check_finite, check_timeout, check_token_ids
+from tppc.artifact.epilogue import OrtTail
 from tppc.backends.onnxruntime import (
     OrtCall,
     OrtStage,
     default_threads,
     run_pipeline,
     run_serial,
+    span,
 )
 from tppc.errors import RuntimeInputError
 from tppc.generation import DEFAULT, ArrayOps, check_max_new_tokens, greedy_decode, stop_tokens
@@ -79,6 +81,9 @@ class LoadedPipeline:
         entries = doc["stages"] if only is None else [doc["stages"][only]]
         self.stages = tuple(OrtStage(e, root, self.signature, threads, providers)
                             for e in entries)  # sessions are created one at a time
+        tail = doc.get("tail")
+        self.tail = OrtTail(tail, root, threads, providers) if tail else None
+        """The epilogue run after the stages (:mod:`tppc.artifact.epilogue`), or None."""
         self.threads_per_stage = threads
         self.actions = {c: flow_shop(c, len(doc["stages"]))
                         for c in (self.chunks(n) for n in self.lengths)}
@@ -121,6 +126,8 @@ class LoadedPipeline:
         leaves = Assembler(self.signature["outputs"], length)
         self._execute(call, leaves, timeout)
         out = self._gather(leaves.leaves)
+        if out is not None and self.tail is not None:
+            out = self.tail(flat, out)
         return None if out is None else unflatten(self.signature["out_spec"], iter(out))
 
     def bind(self, args: Sequence[Any], inputs: dict[str, Any]) -> tuple[list[Any], int]:
@@ -157,8 +164,9 @@ class LoadedPipeline:
                 raise RuntimeInputError(f"input {name!r} is missing. fix: pass {name}=<"
                                         f"{spec['dtype']} array of shape {spec['shape']}>")
             array = _check_array(name, given[name], spec)
-            for axis in spec["seq_axes"]:
-                lengths[name] = int(array.shape[axis])
+            rows = spec.get("seq_rows") or [1] * len(spec["seq_axes"])
+            for axis, per_unit in zip(spec["seq_axes"], rows):
+                lengths[name] = int(array.shape[axis]) // per_unit
             flat.append(array)
         if len(set(lengths.values())) != 1:
             raise RuntimeInputError(f"sequence inputs disagree in length: {lengths}. fix: "
@@ -264,11 +272,19 @@ def _check_array(name: str, value: Any, spec: dict[str, Any]) -> np.ndarray:
 
 
 class Assembler:
-    """Writes each chunk's outputs into full-length outputs (a sink)."""
+    """Writes each chunk's outputs into full-length outputs (a sink).
 
-    def __init__(self, outputs: list[dict[str, Any]], length: int) -> None:
+    An output's token axis holds ``prefix + scale · length`` positions (its entry's
+    ``scale`` and ``prefix``: a DiT's latent rows per patch row); with ``chunks``, chunk
+    ``i`` is written at its own rows (:func:`tppc.backends.onnxruntime.span`; the leaves may
+    be kept across calls, a denoising step's patches), else chunks arrive in order.
+    """
+
+    def __init__(self, outputs: list[dict[str, Any]], length: int,
+                 chunks: Sequence[tuple[int, int]] | None = None) -> None:
+        self.outputs = outputs
         self.axes = [o["axis"] for o in outputs]
-        self.length = length
+        self.length, self.chunks = length, chunks
         self.leaves: list[Any] = [None] * len(self.axes)
         self.offset = 0
 
@@ -280,11 +296,13 @@ class Assembler:
                 continue
             if self.leaves[j] is None:
                 shape = list(value.shape)
-                shape[axis] = self.length
+                shape[axis] = span(self.outputs[j], 0, self.length)[1]
                 self.leaves[j] = np.empty(shape, dtype=value.dtype)
             size = value.shape[axis]
+            lo = self.offset if self.chunks is None else \
+                span(self.outputs[j], *self.chunks[index])[0]
             target = [slice(None)] * value.ndim
-            target[axis] = slice(self.offset, self.offset + size)
+            target[axis] = slice(lo, lo + size)
             self.leaves[j][tuple(target)] = value
         self.offset += size
 
