@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from tppc.artifact.assemble import Assembler, Outputs, unflatten
 from tppc.artifact.check import check_finite, check_timeout, check_token_ids
 from tppc.artifact.epilogue import OrtTail
 from tppc.backends.onnxruntime import (
@@ -29,7 +30,6 @@ from tppc.backends.onnxruntime import (
     default_threads,
     run_pipeline,
     run_serial,
-    span,
 )
 from tppc.errors import RuntimeInputError
 from tppc.generation import DEFAULT, ArrayOps, check_max_new_tokens, greedy_decode, stop_tokens
@@ -43,22 +43,6 @@ NUMPY_OPS = ArrayOps(
     where=lambda keep, tokens, pad: np.where(keep, tokens, pad),
     trues=lambda ids: np.ones(ids.shape[0], dtype=bool))
 """The decode loop's array operations on numpy arrays."""
-
-class Outputs(dict):
-    """A model's named outputs (what HF's ModelOutput is): ``out.logits``, ``out["logits"]``
-    and ``out[0]``."""
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self[name]
-        except KeyError:
-            raise AttributeError(name) from None
-
-    def __getitem__(self, key: Any) -> Any:
-        if isinstance(key, int):
-            return list(self.values())[key]
-        return super().__getitem__(key)
-
 
 class LoadedPipeline:
     """The runner of a verified artifact (see the module docstring).
@@ -173,6 +157,26 @@ class LoadedPipeline:
                                     "give every sequence input the same number of tokens")
         return flat, next(iter(lengths.values()))
 
+    def denoise(self, latents: Any, scheduler: Any, num_inference_steps: int | None = 20, *,
+                warmup_steps: int | None = 1, patches: int | None = None,
+                model_kwargs: dict[str, Any] | None = None, timestep_arg: str = "timestep",
+                output_transform: Callable[[Any], Any] | None = None, timesteps: Any = None,
+                sigmas: Any = None, mu: float | None = None,
+                timestep_transform: Callable[[Any], Any] | None = None) -> Any:
+        """PipeFusion denoising through the ORT stages, as ``CompiledPipeline.denoise``
+        (same arguments and result; ``patches=None``: the exported length's chunks):
+        ``latents`` a torch tensor, ``scheduler`` a diffusers scheduler. Imports torch
+        (:mod:`tppc.artifact.denoise`): diffusers' schedulers run on torch tensors."""
+        from tppc.artifact.denoise import denoise_loaded
+        from tppc.runtime.denoise import TimestepSchedule
+
+        schedule = TimestepSchedule(timesteps=timesteps, sigmas=sigmas, mu=mu,
+                                    timestep_transform=timestep_transform)
+        return denoise_loaded(self, latents, scheduler, num_inference_steps,
+                              warmup_steps=warmup_steps, patches=patches,
+                              model_kwargs=model_kwargs, timestep_arg=timestep_arg,
+                              output_transform=output_transform, schedule=schedule)
+
     def generate(self, input_ids: Any, max_new_tokens: int = 20, *,
                  eos_token_id: Any = DEFAULT, pad_token_id: Any = DEFAULT
                  ) -> np.ndarray | None:
@@ -269,53 +273,3 @@ def _check_array(name: str, value: Any, spec: dict[str, Any]) -> np.ndarray:
     check_token_ids(name, array, spec.get("ids_below"))
     check_finite(name, array)
     return array
-
-
-class Assembler:
-    """Writes each chunk's outputs into full-length outputs (a sink).
-
-    An output's token axis holds ``prefix + scale · length`` positions (its entry's
-    ``scale`` and ``prefix``: a DiT's latent rows per patch row); with ``chunks``, chunk
-    ``i`` is written at its own rows (:func:`tppc.backends.onnxruntime.span`; the leaves may
-    be kept across calls, a denoising step's patches), else chunks arrive in order.
-    """
-
-    def __init__(self, outputs: list[dict[str, Any]], length: int,
-                 chunks: Sequence[tuple[int, int]] | None = None) -> None:
-        self.outputs = outputs
-        self.axes = [o["axis"] for o in outputs]
-        self.length, self.chunks = length, chunks
-        self.leaves: list[Any] = [None] * len(self.axes)
-        self.offset = 0
-
-    def __call__(self, index: int, values: list[np.ndarray]) -> None:
-        size = 0
-        for j, (axis, value) in enumerate(zip(self.axes, values)):
-            if axis is None:
-                self.leaves[j] = value
-                continue
-            if self.leaves[j] is None:
-                shape = list(value.shape)
-                shape[axis] = span(self.outputs[j], 0, self.length)[1]
-                self.leaves[j] = np.empty(shape, dtype=value.dtype)
-            size = value.shape[axis]
-            lo = self.offset if self.chunks is None else \
-                span(self.outputs[j], *self.chunks[index])[0]
-            target = [slice(None)] * value.ndim
-            target[axis] = slice(lo, lo + size)
-            self.leaves[j][tuple(target)] = value
-        self.offset += size
-
-
-def unflatten(tree: dict[str, Any], leaves: Any) -> Any:
-    kind = tree["type"]
-    if kind == "leaf":
-        return next(leaves)
-    children = [unflatten(c, leaves) for c in tree["children"]]
-    if kind == "tuple":
-        return tuple(children)
-    if kind == "list":
-        return children
-    if kind == "dict":
-        return dict(zip(tree["keys"], children))
-    return Outputs(zip(tree["keys"], children))
