@@ -21,6 +21,7 @@ torch, and :meth:`tppc.artifact.loaded.LoadedPipeline.denoise` imports it only w
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -171,7 +172,7 @@ def _patches(runner: Any, length: int, patches: int | None) -> tuple[tuple[int, 
         raise SpecError(f"patches={patches!r}; the latent has {length} patch rows. fix: "
                         f"1 <= patches <= {length}")
     cuts = [round(i * length / patches) for i in range(patches + 1)]
-    return tuple(zip(cuts[:-1], cuts[1:]))
+    return tuple(itertools.pairwise(cuts))
 
 
 def _check_patches(runner: Any, x: torch.Tensor, chunks: Sequence[tuple[int, int]]) -> None:

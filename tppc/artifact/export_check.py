@@ -29,8 +29,8 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
-from tppc.artifact.load import load
 from tppc.artifact.assemble import Assembler, unflatten
+from tppc.artifact.load import load
 from tppc.artifact.run import flat_outputs
 from tppc.backends.onnxruntime import OrtCall, OrtStage, run_serial
 from tppc.errors import SoundnessError

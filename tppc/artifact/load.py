@@ -95,7 +95,9 @@ def verify(path: str | os.PathLike[str], stage: int | None = None) -> dict[str, 
         _check(_is_int(stage) and 0 <= stage < len(stages), "stage", stage,
                f"a stage index below {len(stages)} (one rank per stage)")
         entry = stages[stage]
-        mine = {*entry["files"], entry["file"], entry.get("positional_file")} - {None}
+        tail = doc.get("tail") or {"files": []}  # the epilogue: run where results are
+        mine = {*entry["files"], entry["file"], entry.get("positional_file"),
+                *tail["files"]} - {None}
         files = {name: files[name] for name in sorted(mine)}
     for name, meta in files.items():  # sizes first (cheap), then hashes
         file = root / name
