@@ -15,7 +15,6 @@ import torch
 
 import tppc
 from tppc import examples
-from tppc.errors import SpecError
 from tppc.examples.models import GPT, GPTConfig
 from tppc.planner.manual import manual_plan
 
@@ -91,10 +90,8 @@ def test_denoise_with_stale_patches_equals_the_torch_program(exported) -> None:
     name, _, args, _, cp, runner, _, (arg, kw, sched, transform) = exported
     options = dict(warmup_steps=1, patches=2, model_kwargs=kw, timestep_arg=arg,
                    output_transform=transform)
-    if name == "hf_flux":  # joint attention: the later patches' step is not exported
-        with pytest.raises(SpecError, match="text prefix"):
-            runner.denoise(args[0], sched(), 3, **options)
-        return
+    if name == "hf_flux":  # joint attention: the later patches run their own stages
+        assert runner.rest_stages is not None
     want = cp.denoise(args[0], sched(), 3, **options)
     got = runner.denoise(args[0], sched(), 3, **options)
     assert (got - args[0]).abs().max() > 1e-3  # it denoised

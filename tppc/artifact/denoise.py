@@ -112,7 +112,8 @@ class _ModelOutput:
         call.flat = flat
         a, b = chunks[m]
         values: list[np.ndarray] = []
-        for stage in self.runner.stages:
+        rest = self.runner.rest_stages
+        for stage in self.runner.stages if m == 0 or rest is None else rest:
             values = stage.step(call, a, b, values)
         self.sink.chunks = chunks
         self.sink(m, values)
@@ -177,13 +178,14 @@ def _patches(runner: Any, length: int, patches: int | None) -> tuple[tuple[int, 
 
 def _check_patches(runner: Any, x: torch.Tensor, chunks: Sequence[tuple[int, int]]) -> None:
     """Refuse stale patches the exported stages cannot run: joint attention's text prefix
-    (the torch program runs the later patches with a second chunk step that has no text
-    tokens, which the artifact does not hold) and video latents of several frames."""
-    if any(int(b.get("prefix", 0)) for st in runner.stages for b in st.buffers):
+    without the stages of the later patches (``stage_<s>.rest.onnx``: an artifact of an
+    older tppc) and video latents of several frames."""
+    if runner.rest_stages is None and any(int(b.get("prefix", 0)) for st in runner.stages
+                                          for b in st.buffers):
         raise SpecError("the artifact's attention has an unsplit text prefix (joint "
-                        "attention): its stale patches need the chunk step of the later "
-                        "patches, which tppc does not export. fix: warmup_steps="
-                        "num_inference_steps, or patches=1")
+                        "attention): its stale patches need the stages of the later "
+                        "patches, which this artifact does not hold. fix: export it again "
+                        "with this tppc, or warmup_steps=num_inference_steps, or patches=1")
     if x.dim() == 5 and min(x.shape[1], x.shape[2]) > 1:
         raise SpecError(f"video latents of shape {tuple(x.shape)}: a band of patch rows spans "
                         "every frame, but the tokens are frame-major. fix: warmup_steps="

@@ -88,6 +88,8 @@ def verify(path: str | os.PathLike[str], stage: int | None = None) -> dict[str, 
     _check(len(stages) > 0, "stages", stages, "a non-empty list")
     for s, entry in enumerate(stages):
         _check_stage(entry, s, files)
+        if entry.get("rest") is not None:  # joint attention: a step's later chunks
+            _check_stage(entry["rest"], s, files)
     check_tail(doc.get("tail"), files, len(doc["signature"]["inputs"]),
                len(doc["signature"]["outputs"]))
     check_plan(doc)
@@ -96,8 +98,9 @@ def verify(path: str | os.PathLike[str], stage: int | None = None) -> dict[str, 
                f"a stage index below {len(stages)} (one rank per stage)")
         entry = stages[stage]
         tail = doc.get("tail") or {"files": []}  # the epilogue: run where results are
+        rest = entry.get("rest") or {"files": []}
         mine = {*entry["files"], entry["file"], entry.get("positional_file"),
-                *tail["files"]} - {None}
+                *tail["files"], *rest["files"]} - {None}
         files = {name: files[name] for name in sorted(mine)}
     for name, meta in files.items():  # sizes first (cheap), then hashes
         file = root / name

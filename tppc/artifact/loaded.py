@@ -65,6 +65,10 @@ class LoadedPipeline:
         entries = doc["stages"] if only is None else [doc["stages"][only]]
         self.stages = tuple(OrtStage(e, root, self.signature, threads, providers)
                             for e in entries)  # sessions are created one at a time
+        rest = [e.get("rest") for e in entries]
+        self.rest_stages = tuple(OrtStage(e, root, self.signature, threads, providers, "rest")
+                                 for e in rest) if rest and all(rest) else None
+        """The stages of a step's later chunks (joint attention: no text tokens), or None."""
         tail = doc.get("tail")
         self.tail = OrtTail(tail, root, threads, providers) if tail else None
         """The epilogue run after the stages (:mod:`tppc.artifact.epilogue`), or None."""

@@ -3,7 +3,9 @@
 Terms:
     artifact: a directory holding ``plan.json`` (schema :data:`SCHEMA`) and, per stage, its
         export graph (``stage_<s>.onnx``, weights in ``stage_<s>.onnx.data`` when large) and
-        its positional program (``stage_<s>.positional.onnx``). Each stage file holds only
+        its positional program (``stage_<s>.positional.onnx``), and with joint attention
+        the stage of a step's later chunks (``stage_<s>.rest.onnx``, its entry under the
+        stage's ``rest``: no text tokens; ``denoise``'s later patches). Each stage file holds only
         that stage's weights; chunk start and size are inputs, so one file serves every
         chunk of every exported length.
     exported length: a sequence length whose chunk boundaries ``plan.json`` records (the
@@ -42,9 +44,11 @@ from tppc.artifact.load import SCHEMA, sha256_file
 from tppc.artifact.signature import model_signature
 from tppc.artifact.to_onnx import OPSET, to_onnx
 from tppc.backends.torch_distributed import token_axes as _token_axes
+from tppc.driver.emit import build_program
+from tppc.passes.chunk_attention import REST_CHUNK
 from tppc.version import __version__
 
-__all__ = ["EXTERNAL_DATA_BYTES", "ExportError", "export", "lengths_arg"]
+__all__ = ["EXTERNAL_DATA_BYTES", "ExportError", "export", "lengths_arg", "rest_program"]
 
 EXTERNAL_DATA_BYTES = 1 << 28
 """A stage whose weights exceed this (256 MiB) keeps them in ``stage_<s>.onnx.data``."""
@@ -127,6 +131,9 @@ def _export(compiled: Any, out: Path, wanted_lengths: list[int], external_data: 
             progress(f"stage {stage.index}: {len(stage.layers)} layers "
                      f"({stage.layers[0]} .. {stage.layers[-1]}), {stage.param_count:,} "
                      f"parameters, {size / 2**20:.1f} MiB, {time.perf_counter() - t0:.1f} s")
+    rest = rest_program(compiled, program)
+    for entry, stage in zip(stages, rest.stages if rest is not None else ()):
+        entry["rest"] = _write_stage(stage, rest, out, external_data, files, ".rest")
     tail = _write_tail(program, out, files)
     if progress is not None and tail is not None:
         progress(f"epilogue: {tail['file']} (run once per call on the whole outputs)")
@@ -151,15 +158,28 @@ def _export(compiled: Any, out: Path, wanted_lengths: list[int], external_data: 
     tmp.replace(out / "plan.json")
 
 
+def rest_program(compiled: Any, program: Any) -> Any:
+    """The program of the chunks after the first of a step in a model with a prefix segment
+    (joint attention: only image tokens, the text carried by the first chunk; what
+    ``cp.denoise`` runs for the later patches), on ``program``'s placement; None without
+    one."""
+    front = compiled._front
+    rest_gm = front.chunk.meta.get(REST_CHUNK)
+    if rest_gm is None:
+        return None
+    return build_program(rest_gm, front.ctx, program.plan, program.chunks,
+                         compiled.options.devices)
+
+
 def _write_stage(stage: Any, program: Any, out: Path, external: bool | None,
-                 files: dict[str, dict[str, Any]]) -> dict[str, Any]:
+                 files: dict[str, dict[str, Any]], variant: str = "") -> dict[str, Any]:
     gm, kv_names = export_stage_graph(stage)
     last = not stage.boundary_out
     outputs = tuple(f"output.{j}" for j in range(len(program.signature.output_axes))) \
         if last else tuple(f"boundary.{n}" for n in stage.boundary_out)
     model = to_onnx(gm, sym_name="chunk", name=f"stage_{stage.index}",
                     output_names=(*outputs, *kv_names))
-    name = f"stage_{stage.index}.onnx"
+    name = f"stage_{stage.index}{variant}.onnx"
     written = _save(model, out, name, external, stage.param_bytes)
     pos_name: str | None = None
     pos_inputs = list(stage.positional.graph.find_nodes(op="placeholder"))
@@ -167,7 +187,7 @@ def _write_stage(stage: Any, program: Any, out: Path, external: bool | None,
                  if not isinstance(p.meta.get("val"), torch.Tensor)}
     n_pos = _output_count(stage.positional)
     if n_pos:  # a stage that reads no positional values has no positional program
-        pos_name = f"stage_{stage.index}.positional.onnx"
+        pos_name = f"stage_{stage.index}{variant}.positional.onnx"
         pos_model = to_onnx(stage.positional, sym_name="length", constants=constants,
                             name=f"stage_{stage.index}_positional",
                             output_names=tuple(f"positional.{i}" for i in range(n_pos)))

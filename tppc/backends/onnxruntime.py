@@ -70,7 +70,7 @@ class OrtCall:
     pos_len: int
     buffers: dict[str, np.ndarray] = field(default_factory=dict)
     values: dict[str, Any] = field(default_factory=dict)
-    positional: dict[int, list[np.ndarray]] = field(default_factory=dict)
+    positional: dict[Any, list[np.ndarray]] = field(default_factory=dict)
 
 
 class OrtStage:
@@ -85,8 +85,11 @@ class OrtStage:
     """
 
     def __init__(self, entry: dict[str, Any], root: Path, signature: dict[str, Any],
-                 threads: int, providers: Sequence[Any] | None = None) -> None:
+                 threads: int, providers: Sequence[Any] | None = None,
+                 variant: str = "") -> None:
         self.entry, self.index = entry, int(entry["index"])
+        self.key: Any = self.index if not variant else (self.index, variant)
+        """Its positional values' key in a call (a later chunks' stage has its own)."""
         self.inputs = entry["inputs"]
         self.buffers = entry["buffers"]
         self.signature = signature
@@ -111,7 +114,7 @@ class OrtStage:
 
     def prepare(self, call: OrtCall) -> list[np.ndarray]:
         """The stage's positional values at ``call.pos_len`` (computed once per call)."""
-        values = call.positional.get(self.index)
+        values = call.positional.get(self.key)
         if values is None:
             values = []
             if self.positional_session is not None:
@@ -125,7 +128,7 @@ class OrtStage:
                         shape[axis] = call.pos_len * per_unit
                     feeds[name] = np.zeros(shape, dtype=np.dtype(spec["dtype"]))
                 values = self.positional_session.run(None, feeds)
-            call.positional[self.index] = values
+            call.positional[self.key] = values
         return values
 
     def step(self, call: OrtCall, start: int, end: int, boundary: Sequence[np.ndarray]
