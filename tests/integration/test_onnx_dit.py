@@ -8,6 +8,9 @@ the serial loop and to one chunk per step).
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -15,6 +18,7 @@ import torch
 
 import tppc
 from tppc import examples
+from tppc.errors import SpecError
 from tppc.examples.models import GPT, GPTConfig
 from tppc.planner.manual import manual_plan
 
@@ -129,3 +133,42 @@ def test_a_pooling_epilogue_runs_after_the_stages_of_a_loaded_artifact(tmp_path)
     got = tppc.load(tmp_path, threads_per_stage=1)(ids.numpy())
     with torch.no_grad():
         torch.testing.assert_close(torch.from_numpy(got), model(ids), **TOL)
+
+
+@pytest.mark.parametrize("exported", ["hf_flux"], indirect=True)
+def test_joint_attention_without_the_later_patches_stages_is_refused(exported) -> None:
+    _, _, args, _, _, runner, _, (arg, kw, sched, _) = exported
+    stages, runner.rest_stages = runner.rest_stages, None  # an artifact of an older tppc
+    try:
+        with pytest.raises(SpecError, match="text prefix"):
+            runner.denoise(args[0], sched(), 3, warmup_steps=1, patches=2, model_kwargs=kw,
+                           timestep_arg=arg)
+    finally:
+        runner.rest_stages = stages
+
+
+@pytest.mark.parametrize("exported", ["hf_dit"], indirect=True)
+def test_a_dit_artifact_with_an_epilogue_runs_without_torch(exported, tmp_path) -> None:
+    _, model, args, kwargs, _, _, path, _ = exported
+    np.save(tmp_path / "x.npy", args[0].numpy())
+    code = textwrap.dedent(f"""
+        import builtins, sys
+        real = builtins.__import__
+        def no_torch(name, *a, **k):
+            if name == "torch" or name.startswith("torch."):
+                raise ImportError("torch is not installed here")
+            return real(name, *a, **k)
+        builtins.__import__ = no_torch
+        import numpy as np
+        import tppc
+        out = tppc.load({str(path)!r})(np.load({str(tmp_path / "x.npy")!r}),
+                                       timestep=np.array([10]), class_labels=np.array([3]))
+        assert "torch" not in sys.modules
+        np.save({str(tmp_path / "out.npy")!r}, out[0])
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with torch.no_grad():
+        want = model(*args, **kwargs)[0]
+    torch.testing.assert_close(torch.from_numpy(np.load(tmp_path / "out.npy")), want, **TOL)
