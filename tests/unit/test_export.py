@@ -93,7 +93,8 @@ def test_plan_json_records_schema_chunks_wiring_signature_and_hashes(compiled,
     assert {b["output"] for b in last["buffers"]} <= set(
         o.name for o in onnx.load(artifact / last["file"]).graph.output)
     assert doc["signature"]["inputs"] == [{"name": "input_ids", "dtype": "int64",
-                                           "shape": [1, None], "seq_axes": [1]}]
+                                           "shape": [1, None], "seq_axes": [1],
+                                           "seq_rows": [1]}]
     for name, meta in doc["files"].items():
         assert meta == {"sha256": sha256_file(artifact / name),
                         "size": (artifact / name).stat().st_size}

@@ -86,8 +86,11 @@ def check_plan(doc: dict[str, Any]) -> None:
         _check_wiring(entry, where, sig["inputs"])
     _check_generate(sig)
     leaves = _leaves(sig["out_spec"])
-    if leaves != n_out:
-        _refuse(f"signature.out_spec has {leaves} leaves, signature.outputs {n_out}")
+    tail = doc.get("tail")
+    n_model = tail["outputs"] if tail else n_out  # an epilogue maps the stages' outputs
+    if leaves != n_model:
+        _refuse(f"signature.out_spec has {leaves} leaves, " + (
+            f"the epilogue returns {n_model}" if tail else f"signature.outputs {n_out}"))
 
 
 def _check_wiring(entry: dict[str, Any], where: str, sig_inputs: list[dict[str, Any]]) -> None:

@@ -29,8 +29,8 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
+from tppc.artifact.assemble import Assembler, unflatten
 from tppc.artifact.load import load
-from tppc.artifact.loaded import Assembler, unflatten
 from tppc.artifact.run import flat_outputs
 from tppc.backends.onnxruntime import OrtCall, OrtStage, run_serial
 from tppc.errors import SoundnessError
@@ -142,7 +142,7 @@ def _run_ort(runner: Any, flat: Sequence[Any], length: int,
         stage.allocate(call, length)
     sink = Assembler(runner.signature["outputs"], length)
     run_serial([_Recording(st, got) for st in runner.stages], call, sink)
-    return sink.leaves
+    return sink.leaves if runner.tail is None else runner.tail(arrays, sink.leaves)
 
 
 def _raise_if(diff: Difference, compiled: Any, stage: int, output: str,

@@ -113,17 +113,19 @@ def export_stage_graph(stage: Any) -> tuple[fx.GraphModule, tuple[str, ...]]:
     graph = gm.graph
     buffers = {b.name for b in stage.buffers}
     new_rows: dict[str, fx.Node] = {}
+    offsets: dict[str, Any] = {}  # the row of the buffer the chunk's first row is written at
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is _aten.copy_.default:
             view = node.args[0]
             if _is_buffer_narrow(view, buffers):
                 new_rows[view.args[0].name] = node.args[1]
+                offsets[view.args[0].name] = view.args[2]
                 graph.erase_node(node)
                 if not view.users:
                     graph.erase_node(view)
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is torch.ops.tppc.chunk_attention.default:
-            _rewrite_attention(graph, node, buffers, new_rows)
+            _rewrite_attention(graph, node, buffers, new_rows, offsets)
     missing = buffers - set(new_rows)
     if missing:
         raise ExportError(f"stage {stage.index}: no in-place write of the chunk's rows into "
@@ -164,7 +166,10 @@ def attention_args(node: fx.Node) -> dict[str, Any]:
 
 
 def _rewrite_attention(graph: fx.Graph, node: fx.Node, buffers: set[str],
-                       new_rows: dict[str, fx.Node]) -> None:
+                       new_rows: dict[str, fx.Node], offsets: dict[str, Any]) -> None:
+    """``node`` as :func:`split_attention`, the buffer split at the rows the chunk writes
+    (``chunk_start`` for LLM tokens; ``prefix + scale · chunk_start`` for a DiT's patch rows
+    after a text prefix: the chunk's start is in units, its K/V rows are not)."""
     a = attention_args(node)
     views = (a["key"], a["value"])
     if not all(_is_buffer_narrow(v, buffers) for v in views) or \
@@ -187,8 +192,9 @@ def _rewrite_attention(graph: fx.Graph, node: fx.Node, buffers: set[str],
         raise ExportError(f"attention {node.name!r} reads a buffer before its chunk's rows "
                           "are written; tppc cannot export it. fix: report the model")
     with graph.inserting_before(node):
+        start = offsets[key_buffer.name] if not a["causal"] else a["chunk_start"]
         new = graph.call_function(split_attention, (
-            a["query"], key_buffer, value_buffer, rows[0], rows[1], a["chunk_start"],
+            a["query"], key_buffer, value_buffer, rows[0], rows[1], start,
             views[0].args[3], a["causal"], a["scale"], a["enable_gqa"], a["attn_mask"],
             valid, window))
     new.meta = dict(node.meta)

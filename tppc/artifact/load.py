@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from tppc.artifact.check import check_graphs, check_plan
+from tppc.artifact.epilogue import check_tail
 from tppc.errors import ArtifactError
 
 __all__ = ["MAX_DEPTH", "MAX_PLAN_BYTES", "SCHEMA", "ArtifactError", "load", "sha256_file",
@@ -87,12 +88,19 @@ def verify(path: str | os.PathLike[str], stage: int | None = None) -> dict[str, 
     _check(len(stages) > 0, "stages", stages, "a non-empty list")
     for s, entry in enumerate(stages):
         _check_stage(entry, s, files)
+        if entry.get("rest") is not None:  # joint attention: a step's later chunks
+            _check_stage(entry["rest"], s, files)
+    check_tail(doc.get("tail"), files, len(doc["signature"]["inputs"]),
+               len(doc["signature"]["outputs"]))
     check_plan(doc)
     if stage is not None:
         _check(_is_int(stage) and 0 <= stage < len(stages), "stage", stage,
                f"a stage index below {len(stages)} (one rank per stage)")
         entry = stages[stage]
-        mine = {*entry["files"], entry["file"], entry.get("positional_file")} - {None}
+        tail = doc.get("tail") or {"files": []}  # the epilogue: run where results are
+        rest = entry.get("rest") or {"files": []}
+        mine = {*entry["files"], entry["file"], entry.get("positional_file"),
+                *tail["files"], *rest["files"]} - {None}
         files = {name: files[name] for name in sorted(mine)}
     for name, meta in files.items():  # sizes first (cheap), then hashes
         file = root / name

@@ -21,7 +21,9 @@ from typing import Any
 
 import numpy as np
 
+from tppc.artifact.assemble import Assembler, Outputs, unflatten
 from tppc.artifact.check import check_finite, check_timeout, check_token_ids
+from tppc.artifact.epilogue import OrtTail
 from tppc.backends.onnxruntime import (
     OrtCall,
     OrtStage,
@@ -41,22 +43,6 @@ NUMPY_OPS = ArrayOps(
     where=lambda keep, tokens, pad: np.where(keep, tokens, pad),
     trues=lambda ids: np.ones(ids.shape[0], dtype=bool))
 """The decode loop's array operations on numpy arrays."""
-
-class Outputs(dict):
-    """A model's named outputs (what HF's ModelOutput is): ``out.logits``, ``out["logits"]``
-    and ``out[0]``."""
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self[name]
-        except KeyError:
-            raise AttributeError(name) from None
-
-    def __getitem__(self, key: Any) -> Any:
-        if isinstance(key, int):
-            return list(self.values())[key]
-        return super().__getitem__(key)
-
 
 class LoadedPipeline:
     """The runner of a verified artifact (see the module docstring).
@@ -79,6 +65,13 @@ class LoadedPipeline:
         entries = doc["stages"] if only is None else [doc["stages"][only]]
         self.stages = tuple(OrtStage(e, root, self.signature, threads, providers)
                             for e in entries)  # sessions are created one at a time
+        rest = [e.get("rest") for e in entries]
+        self.rest_stages = tuple(OrtStage(e, root, self.signature, threads, providers, "rest")
+                                 for e in rest) if rest and all(rest) else None
+        """The stages of a step's later chunks (joint attention: no text tokens), or None."""
+        tail = doc.get("tail")
+        self.tail = OrtTail(tail, root, threads, providers) if tail else None
+        """The epilogue run after the stages (:mod:`tppc.artifact.epilogue`), or None."""
         self.threads_per_stage = threads
         self.actions = {c: flow_shop(c, len(doc["stages"]))
                         for c in (self.chunks(n) for n in self.lengths)}
@@ -121,6 +114,8 @@ class LoadedPipeline:
         leaves = Assembler(self.signature["outputs"], length)
         self._execute(call, leaves, timeout)
         out = self._gather(leaves.leaves)
+        if out is not None and self.tail is not None:
+            out = self.tail(flat, out)
         return None if out is None else unflatten(self.signature["out_spec"], iter(out))
 
     def bind(self, args: Sequence[Any], inputs: dict[str, Any]) -> tuple[list[Any], int]:
@@ -157,13 +152,34 @@ class LoadedPipeline:
                 raise RuntimeInputError(f"input {name!r} is missing. fix: pass {name}=<"
                                         f"{spec['dtype']} array of shape {spec['shape']}>")
             array = _check_array(name, given[name], spec)
-            for axis in spec["seq_axes"]:
-                lengths[name] = int(array.shape[axis])
+            rows = spec.get("seq_rows") or [1] * len(spec["seq_axes"])
+            for axis, per_unit in zip(spec["seq_axes"], rows):
+                lengths[name] = int(array.shape[axis]) // per_unit
             flat.append(array)
         if len(set(lengths.values())) != 1:
             raise RuntimeInputError(f"sequence inputs disagree in length: {lengths}. fix: "
                                     "give every sequence input the same number of tokens")
         return flat, next(iter(lengths.values()))
+
+    def denoise(self, latents: Any, scheduler: Any, num_inference_steps: int | None = 20, *,
+                warmup_steps: int | None = 1, patches: int | None = None,
+                model_kwargs: dict[str, Any] | None = None, timestep_arg: str = "timestep",
+                output_transform: Callable[[Any], Any] | None = None, timesteps: Any = None,
+                sigmas: Any = None, mu: float | None = None,
+                timestep_transform: Callable[[Any], Any] | None = None) -> Any:
+        """PipeFusion denoising through the ORT stages, as ``CompiledPipeline.denoise``
+        (same arguments and result; ``patches=None``: the exported length's chunks):
+        ``latents`` a torch tensor, ``scheduler`` a diffusers scheduler. Imports torch
+        (:mod:`tppc.artifact.denoise`): diffusers' schedulers run on torch tensors."""
+        from tppc.artifact.denoise import denoise_loaded
+        from tppc.runtime.denoise import TimestepSchedule
+
+        schedule = TimestepSchedule(timesteps=timesteps, sigmas=sigmas, mu=mu,
+                                    timestep_transform=timestep_transform)
+        return denoise_loaded(self, latents, scheduler, num_inference_steps,
+                              warmup_steps=warmup_steps, patches=patches,
+                              model_kwargs=model_kwargs, timestep_arg=timestep_arg,
+                              output_transform=output_transform, schedule=schedule)
 
     def generate(self, input_ids: Any, max_new_tokens: int = 20, *,
                  eos_token_id: Any = DEFAULT, pad_token_id: Any = DEFAULT
@@ -261,43 +277,3 @@ def _check_array(name: str, value: Any, spec: dict[str, Any]) -> np.ndarray:
     check_token_ids(name, array, spec.get("ids_below"))
     check_finite(name, array)
     return array
-
-
-class Assembler:
-    """Writes each chunk's outputs into full-length outputs (a sink)."""
-
-    def __init__(self, outputs: list[dict[str, Any]], length: int) -> None:
-        self.axes = [o["axis"] for o in outputs]
-        self.length = length
-        self.leaves: list[Any] = [None] * len(self.axes)
-        self.offset = 0
-
-    def __call__(self, index: int, values: list[np.ndarray]) -> None:
-        size = 0
-        for j, (axis, value) in enumerate(zip(self.axes, values)):
-            if axis is None:
-                self.leaves[j] = value
-                continue
-            if self.leaves[j] is None:
-                shape = list(value.shape)
-                shape[axis] = self.length
-                self.leaves[j] = np.empty(shape, dtype=value.dtype)
-            size = value.shape[axis]
-            target = [slice(None)] * value.ndim
-            target[axis] = slice(self.offset, self.offset + size)
-            self.leaves[j][tuple(target)] = value
-        self.offset += size
-
-
-def unflatten(tree: dict[str, Any], leaves: Any) -> Any:
-    kind = tree["type"]
-    if kind == "leaf":
-        return next(leaves)
-    children = [unflatten(c, leaves) for c in tree["children"]]
-    if kind == "tuple":
-        return tuple(children)
-    if kind == "list":
-        return children
-    if kind == "dict":
-        return dict(zip(tree["keys"], children))
-    return Outputs(zip(tree["keys"], children))

@@ -101,6 +101,12 @@ def _pow(t: Any, node: fx.Node, x: Tensor, exponent: Any) -> Tensor:
     return t.tensor(node, t.op("Pow", [x.name, t.like(exponent, x)]))
 
 
+def _pow_scalar(t: Any, node: fx.Node, base: Any, exponent: Tensor) -> Tensor:
+    """``base ** exponent`` of a number and a tensor (rope frequencies)."""
+    ref = t.tensor(node, "")
+    return t.tensor(node, t.op("Pow", [t.like(base, ref), t.like(exponent, ref)]))
+
+
 def _mean(t: Any, node: fx.Node, x: Tensor, dims: Any, keepdim: bool = False,
           **_: Any) -> Tensor:
     return t.tensor(node, t.op("ReduceMean", [x.name, t.i64(list(dims))],
@@ -162,7 +168,7 @@ def _slice(t: Any, node: fx.Node, x: Tensor, dim: int = 0, start: Any = None,
     start = 0 if start is None else start
     end = 2**63 - 1 if end is None else end
     ins = [x.name, t.i64([start]), t.i64([end]), t.i64([_axis(dim, x.rank)]), t.i64([step])]
-    return t.tensor(node, t.op("Slice", ins))
+    return Tensor(t.op("Slice", ins), x.dtype, x.rank)  # a node tppc added has no "val"
 
 
 def _narrow(t: Any, node: fx.Node, x: Tensor, dim: int, start: Any,
@@ -251,6 +257,15 @@ def _arange(t: Any, node: fx.Node, *args: Any, **kwargs: Any) -> Tensor:
     ref = t.tensor(node, "")
     ins = [t.like(v, ref) for v in (start, end, step)]
     return t.tensor(node, t.op("Range", ins))
+
+
+def _einsum(t: Any, node: fx.Node, equation: str, xs: list[Tensor]) -> Tensor:
+    return t.tensor(node, t.op("Einsum", [x.name for x in xs], equation=equation))
+
+
+def _select(t: Any, node: fx.Node, x: Tensor, dim: int, index: Any) -> Tensor:
+    """``x.select(dim, index)``: a Gather of one index (a scalar index drops the axis)."""
+    return t.tensor(node, t.op("Gather", [x.name, t.scalar(index)], axis=_axis(dim, x.rank)))
 
 
 def _identity(t: Any, node: fx.Node, x: Any, *_: Any, **__: Any) -> Any:
@@ -350,7 +365,7 @@ OPS: dict[Any, Fn] = {
     _aten.sin.default: _unary("Sin"), _aten.tanh.default: _unary("Tanh"),
     _aten.exp.default: _unary("Exp"), _aten.sigmoid.default: _unary("Sigmoid"),
     _aten.rsqrt.default: _rsqrt, _aten.silu.default: _silu, _aten.gelu.default: _gelu,
-    _aten.pow.Tensor_Scalar: _pow, _aten.mean.dim: _mean,
+    _aten.pow.Tensor_Scalar: _pow, _aten.pow.Scalar: _pow_scalar, _aten.mean.dim: _mean,
     _aten.to.dtype: _cast, _aten.to.device: _cast, _aten.to.dtype_layout: _cast,
     _aten._to_copy.default: _cast,
     _aten.linear.default: _linear, _aten.addmm.default: _addmm,
@@ -363,6 +378,8 @@ OPS: dict[Any, Fn] = {
     _aten.permute.default: _permute, _aten.conv2d.default: _conv2d,
     _aten.repeat.default: _repeat, _aten.repeat_interleave.self_int: _repeat_interleave,
     _aten.arange.default: _arange, _aten.arange.start: _arange,
+    _aten.arange.start_step: _arange,
+    _aten.einsum.default: _einsum, _aten.select.int: _select,
     _aten.alias.default: _identity, _aten.dropout.default: _identity,
     _aten.clone.default: _identity, _aten.contiguous.default: _identity,
     operator.getitem: lambda t, node, xs, i: xs[i],

@@ -2,7 +2,9 @@
 
 Terms:
     input entry: one flat user input: a tensor (``dtype``, ``shape`` with ``null`` on its
-        sequence axes, ``seq_axes``) or a fixed value (``value``: a JSON scalar) that the
+        sequence axes and on axes that follow it (a square latent's width; ``int()`` of
+        one would specialise the capture's symbol), ``seq_axes``, ``seq_rows``: positions per unit of the sequence on
+        each, a latent's patch size, 1 for tokens) or a fixed value (``value``: a JSON scalar) that the
         capture specialised on (``use_cache=False``).
     tree: a pytree structure in JSON: ``{"type": "leaf"}``, ``{"type": "tuple"|"list",
         "children": [...]}``, ``{"type": "dict", "keys": [...], "children": [...]}``, or a
@@ -30,9 +32,9 @@ def model_signature(compiled: Any, program: Any) -> dict[str, Any]:
         seq = sorted(front.ctx.seq_inputs.get(ph.name, ()))
         if isinstance(val, torch.Tensor):
             inputs.append({"name": ph.name, "dtype": str(val.dtype).removeprefix("torch."),
-                           "shape": [None if i in seq else int(s)
-                                     for i, s in enumerate(val.shape)],
-                           "seq_axes": seq})
+                           "shape": [None if i in seq or isinstance(s, torch.SymInt)
+                                     else int(s) for i, s in enumerate(val.shape)],
+                           "seq_axes": seq, "seq_rows": [_rows_per_unit(val, a) for a in seq]})
         elif val is None or isinstance(val, (bool, int, float, str)):
             inputs.append({"name": ph.name, "value": val})
         else:
@@ -44,7 +46,8 @@ def model_signature(compiled: Any, program: Any) -> dict[str, Any]:
     return {
         "inputs": inputs,
         "in_spec": tree_json(sig.in_spec),
-        "outputs": [{"axis": a} for a in sig.output_axes],
+        "outputs": [{"axis": a, **_rows(sig.output_rows, j)}
+                    for j, a in enumerate(sig.output_axes)],
         "out_spec": tree_json(sig.out_spec),
         "generate": {
             "token_input": token_inputs[0] if len(token_inputs) == 1 else None,
@@ -73,6 +76,24 @@ def tree_json(spec: Any) -> dict[str, Any]:
         return entry
     raise ExportError(f"outputs of type {spec.type.__name__} cannot be described in JSON; "
                       "fix: return tensors, tuples, lists, dicts or HF ModelOutputs")
+
+
+def _rows(rows: Any, j: int) -> dict[str, int]:
+    """``scale`` and ``prefix`` of output ``j``'s token axis (positions per unit, unsplit
+    rows before them)."""
+    found = rows[j] if j < len(rows) and rows[j] else (1, 0)
+    return {"scale": int(found[0]), "prefix": int(found[1])}
+
+
+def _rows_per_unit(val: torch.Tensor, axis: int) -> int:
+    """Positions of a sequence axis per unit of the symbol (a latent's patch size; 1 for
+    tokens), as the front end binds a call."""
+    size = val.shape[axis]
+    if not isinstance(size, torch.SymInt):
+        return 1
+    expr = size.node.expr
+    coeff = expr.as_coeff_Mul()[0]
+    return int(coeff) if expr.is_Mul and coeff.is_Integer and coeff > 0 else 1
 
 
 def _ids(value: Any) -> Any:

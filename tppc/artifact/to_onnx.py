@@ -8,7 +8,9 @@ Terms:
         file holds only its own.
 
 Supported ops are the table :data:`tppc.artifact.onnx_ops.OPS` (the ATen ops emitted for
-GPT-style causal LMs: embedding, linear/addmm, layer/RMS norm, rope, GELU/SiLU, views) plus
+GPT-style causal LMs: embedding, linear/addmm, layer/RMS norm, rope, GELU/SiLU, views), the
+table :data:`tppc.artifact.onnx_dit_ops.DIT_OPS` (what diffusion transformers add: cross-
+attention to unsplit text keys, ``rms_norm``, rope tables from position ids), plus
 :func:`tppc.artifact.graphs.split_attention`, decomposed to MatMul-Softmax-MatMul with an
 offset-causal mask built from ``Range``/``Greater`` on the chunk's rows only (a sliding
 window reads its last ``window`` keys; a padding mask, a ``full`` input of kind key
@@ -32,6 +34,7 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import fx
 
 from tppc.artifact.graphs import ExportError
+from tppc.artifact.onnx_dit_ops import DIT_OPS
 from tppc.artifact.onnx_ops import OPS, Int, Tensor, onnx_dtype
 
 __all__ = ["OPSET", "onnx_dtype", "to_onnx"]
@@ -124,7 +127,7 @@ class _Translator:
             elif node.op == "get_attr":
                 self.env[node] = self.attr(node)
             elif node.op == "call_function":
-                fn = OPS.get(node.target)
+                fn = OPS.get(node.target) or DIT_OPS.get(node.target)
                 if fn is None:
                     raise ExportError(
                         f"node {node.name!r} calls {node.target}, which tppc's ONNX export "

@@ -3,11 +3,16 @@
 Terms:
     artifact: a directory holding ``plan.json`` (schema :data:`SCHEMA`) and, per stage, its
         export graph (``stage_<s>.onnx``, weights in ``stage_<s>.onnx.data`` when large) and
-        its positional program (``stage_<s>.positional.onnx``). Each stage file holds only
+        its positional program (``stage_<s>.positional.onnx``), and with joint attention
+        the stage of a step's later chunks (``stage_<s>.rest.onnx``, its entry under the
+        stage's ``rest``: no text tokens; ``denoise``'s later patches). Each stage file holds only
         that stage's weights; chunk start and size are inputs, so one file serves every
         chunk of every exported length.
     exported length: a sequence length whose chunk boundaries ``plan.json`` records (the
         placement, i.e. which layers each stage runs, is the first length's for all).
+    epilogue: a program's ``global`` tail (a DiT's unpatchify when the capture cannot
+        follow the token axis through it, a pooling) as ``tail.onnx``, run once per call
+        after the stages on the full-length outputs (``plan.json["tail"]``; null without).
 
 ``plan.json`` also holds the wiring of every stage (what feeds each input, which outputs
 are boundary values, model outputs or new K/V rows), the K/V buffer specs, the model's
@@ -39,9 +44,11 @@ from tppc.artifact.load import SCHEMA, sha256_file
 from tppc.artifact.signature import model_signature
 from tppc.artifact.to_onnx import OPSET, to_onnx
 from tppc.backends.torch_distributed import token_axes as _token_axes
+from tppc.driver.emit import build_program
+from tppc.passes.chunk_attention import REST_CHUNK
 from tppc.version import __version__
 
-__all__ = ["EXTERNAL_DATA_BYTES", "ExportError", "export", "lengths_arg"]
+__all__ = ["EXTERNAL_DATA_BYTES", "ExportError", "export", "lengths_arg", "rest_program"]
 
 EXTERNAL_DATA_BYTES = 1 << 28
 """A stage whose weights exceed this (256 MiB) keeps them in ``stage_<s>.onnx.data``."""
@@ -71,8 +78,8 @@ def export(compiled: Any, path: str | os.PathLike[str], *, format: str = "onnx",
             ``compiled.example``; none: not checked).
 
     Raises:
-        ExportError: an unknown format, a length that is not an int ≥ 1, a program with a
-            global epilogue, or an op the ONNX translation does not support (naming the node).
+        ExportError: an unknown format, a length that is not an int ≥ 1, or an op the ONNX
+            translation does not support (naming the node).
         SoundnessError: the artifact's output differs (the files stay written); the message
             names the ONNX stage and the output.
 
@@ -111,10 +118,6 @@ def export(compiled: Any, path: str | os.PathLike[str], *, format: str = "onnx",
 def _export(compiled: Any, out: Path, wanted_lengths: list[int], external_data: bool | None,
             progress: Progress | None) -> None:
     program = compiled.program(compiled.plan.seq_len)
-    if program.tail is not None:
-        raise ExportError(f"{compiled.model_name} has a global epilogue (a loss or pooling "
-                          "over tokens) that runs once on the whole sequence; tppc does not "
-                          "export it yet. fix: export the model without it")
     wanted = sorted({*wanted_lengths, program.seq_len})
     chunks = {str(n): [list(c) for c in compiled.program(n).chunks] for n in wanted}
     files: dict[str, dict[str, Any]] = {}
@@ -128,6 +131,12 @@ def _export(compiled: Any, out: Path, wanted_lengths: list[int], external_data: 
             progress(f"stage {stage.index}: {len(stage.layers)} layers "
                      f"({stage.layers[0]} .. {stage.layers[-1]}), {stage.param_count:,} "
                      f"parameters, {size / 2**20:.1f} MiB, {time.perf_counter() - t0:.1f} s")
+    rest = rest_program(compiled, program)
+    for entry, stage in zip(stages, rest.stages if rest is not None else ()):
+        entry["rest"] = _write_stage(stage, rest, out, external_data, files, ".rest")
+    tail = _write_tail(program, out, files)
+    if progress is not None and tail is not None:
+        progress(f"epilogue: {tail['file']} (run once per call on the whole outputs)")
     doc = {
         "schema": SCHEMA,
         "tppc_version": __version__,
@@ -141,6 +150,7 @@ def _export(compiled: Any, out: Path, wanted_lengths: list[int], external_data: 
         "lengths": chunks,
         "signature": model_signature(compiled, program),
         "stages": stages,
+        "tail": tail,
         "files": files,
     }
     tmp = out / "plan.json.tmp"
@@ -148,15 +158,28 @@ def _export(compiled: Any, out: Path, wanted_lengths: list[int], external_data: 
     tmp.replace(out / "plan.json")
 
 
+def rest_program(compiled: Any, program: Any) -> Any:
+    """The program of the chunks after the first of a step in a model with a prefix segment
+    (joint attention: only image tokens, the text carried by the first chunk; what
+    ``cp.denoise`` runs for the later patches), on ``program``'s placement; None without
+    one."""
+    front = compiled._front
+    rest_gm = front.chunk.meta.get(REST_CHUNK)
+    if rest_gm is None:
+        return None
+    return build_program(rest_gm, front.ctx, program.plan, program.chunks,
+                         compiled.options.devices)
+
+
 def _write_stage(stage: Any, program: Any, out: Path, external: bool | None,
-                 files: dict[str, dict[str, Any]]) -> dict[str, Any]:
+                 files: dict[str, dict[str, Any]], variant: str = "") -> dict[str, Any]:
     gm, kv_names = export_stage_graph(stage)
     last = not stage.boundary_out
     outputs = tuple(f"output.{j}" for j in range(len(program.signature.output_axes))) \
         if last else tuple(f"boundary.{n}" for n in stage.boundary_out)
     model = to_onnx(gm, sym_name="chunk", name=f"stage_{stage.index}",
                     output_names=(*outputs, *kv_names))
-    name = f"stage_{stage.index}.onnx"
+    name = f"stage_{stage.index}{variant}.onnx"
     written = _save(model, out, name, external, stage.param_bytes)
     pos_name: str | None = None
     pos_inputs = list(stage.positional.graph.find_nodes(op="placeholder"))
@@ -164,7 +187,7 @@ def _write_stage(stage: Any, program: Any, out: Path, external: bool | None,
                  if not isinstance(p.meta.get("val"), torch.Tensor)}
     n_pos = _output_count(stage.positional)
     if n_pos:  # a stage that reads no positional values has no positional program
-        pos_name = f"stage_{stage.index}.positional.onnx"
+        pos_name = f"stage_{stage.index}{variant}.positional.onnx"
         pos_model = to_onnx(stage.positional, sym_name="length", constants=constants,
                             name=f"stage_{stage.index}_positional",
                             output_names=tuple(f"positional.{i}" for i in range(n_pos)))
@@ -186,11 +209,35 @@ def _write_stage(stage: Any, program: Any, out: Path, external: bool | None,
         "boundary_axes": list(_token_axes(stage)),  # read by a distributed job's receiver
         "buffers": [{"name": b.name, "kind": b.kind, "attention": b.attention,
                      "layer": b.layer, "axis": b.axis, "shape": list(b.shape),
-                     "dtype": str(b.dtype).removeprefix("torch."), "output": f"kv.{b.name}"}
+                     "dtype": str(b.dtype).removeprefix("torch."), "output": f"kv.{b.name}",
+                     "scale": b.scale, "prefix": b.prefix}
                     for b in stage.buffers],
         "param_count": stage.param_count,
         "param_bytes": stage.param_bytes,
     }
+
+
+def _write_tail(program: Any, out: Path, files: dict[str, dict[str, Any]]
+                ) -> dict[str, Any] | None:
+    """The program's ``global`` epilogue (an unpatchify, a pooling) as ``tail.onnx``: run
+    once per call after the stages, on the flat inputs and the stages' full-length outputs;
+    None without one."""
+    if program.tail is None:
+        return None
+    placeholders = list(program.tail.graph.find_nodes(op="placeholder"))
+    n_flat = len(placeholders) - len(program.signature.output_axes)
+    constants = {p.name: p.meta.get("val") for p in placeholders[:n_flat]
+                 if not isinstance(p.meta.get("val"), torch.Tensor)}
+    n_out = _output_count(program.tail)
+    model = to_onnx(program.tail, sym_name="length", constants=constants, name="tail",
+                    output_names=tuple(f"output.{j}" for j in range(n_out)))
+    written = _save(model, out, "tail.onnx", False, 0)
+    for f in written:
+        files[f] = {"sha256": sha256_file(out / f), "size": (out / f).stat().st_size}
+    return {"file": "tail.onnx", "files": written,
+            "inputs": [p.name if p.name not in constants else None
+                       for p in placeholders[:n_flat]],
+            "leaves": [p.name for p in placeholders[n_flat:]], "outputs": n_out}
 
 
 def _check_lengths(lengths: Iterable[int] | None) -> list[int]:
@@ -215,7 +262,7 @@ def _check_lengths(lengths: Iterable[int] | None) -> list[int]:
 
 def _input(name: str, spec: Any) -> dict[str, Any]:
     return {"name": name, "kind": spec.kind, "source": spec.source, "index": spec.index,
-            "axis": spec.axis}
+            "axis": spec.axis, "scale": spec.scale, "prefix": spec.prefix}
 
 
 def _output_count(gm: torch.fx.GraphModule) -> int:

@@ -41,7 +41,7 @@ from tppc.program.actions import Actions, flow_shop
 from tppc.program.dry_run import DryRun, check_actions
 
 __all__ = ["OrtCall", "OrtStage", "default_threads", "run_pipeline", "run_serial",
-           "session_options"]
+           "session_options", "span"]
 
 Sink = Callable[[int, list[np.ndarray]], None]
 """Receives ``(chunk index, last stage's outputs)``."""
@@ -70,7 +70,7 @@ class OrtCall:
     pos_len: int
     buffers: dict[str, np.ndarray] = field(default_factory=dict)
     values: dict[str, Any] = field(default_factory=dict)
-    positional: dict[int, list[np.ndarray]] = field(default_factory=dict)
+    positional: dict[Any, list[np.ndarray]] = field(default_factory=dict)
 
 
 class OrtStage:
@@ -85,8 +85,11 @@ class OrtStage:
     """
 
     def __init__(self, entry: dict[str, Any], root: Path, signature: dict[str, Any],
-                 threads: int, providers: Sequence[Any] | None = None) -> None:
+                 threads: int, providers: Sequence[Any] | None = None,
+                 variant: str = "") -> None:
         self.entry, self.index = entry, int(entry["index"])
+        self.key: Any = self.index if not variant else (self.index, variant)
+        """Its positional values' key in a call (a later chunks' stage has its own)."""
         self.inputs = entry["inputs"]
         self.buffers = entry["buffers"]
         self.signature = signature
@@ -103,14 +106,15 @@ class OrtStage:
     def allocate(self, call: OrtCall, capacity: int) -> None:
         """Zero K/V buffers for ``capacity`` tokens in ``call`` (wrapped, not copied)."""
         for b in self.buffers:
-            shape = [capacity if s is None else s for s in b["shape"]]
+            rows = span(b, 0, capacity)[1]
+            shape = [rows if s is None else s for s in b["shape"]]
             array = np.zeros(shape, dtype=np.dtype(b["dtype"]))
             call.buffers[b["name"]] = array
             call.values[b["name"]] = ort.OrtValue.ortvalue_from_numpy(array)
 
     def prepare(self, call: OrtCall) -> list[np.ndarray]:
         """The stage's positional values at ``call.pos_len`` (computed once per call)."""
-        values = call.positional.get(self.index)
+        values = call.positional.get(self.key)
         if values is None:
             values = []
             if self.positional_session is not None:
@@ -119,11 +123,12 @@ class OrtStage:
                 for name in self.entry["positional_inputs"]:
                     i, spec = by_name[name]
                     shape = list(np.shape(call.flat[i]))
-                    for axis in spec["seq_axes"]:
-                        shape[axis] = call.pos_len
+                    rows = spec.get("seq_rows") or [1] * len(spec["seq_axes"])
+                    for axis, per_unit in zip(spec["seq_axes"], rows):
+                        shape[axis] = call.pos_len * per_unit
                     feeds[name] = np.zeros(shape, dtype=np.dtype(spec["dtype"]))
                 values = self.positional_session.run(None, feeds)
-            call.positional[self.index] = values
+            call.positional[self.key] = values
         return values
 
     def step(self, call: OrtCall, start: int, end: int, boundary: Sequence[np.ndarray]
@@ -141,13 +146,13 @@ class OrtStage:
             if kind == "boundary":
                 value = next(received)
             elif kind == "token":
-                value = _rows(call.flat[spec["index"]], spec["axis"], start, size)
+                value = _rows(call.flat[spec["index"]], spec["axis"], *span(spec, start, end))
             elif kind in ("const", "full"):
                 value = np.ascontiguousarray(call.flat[spec["index"]])
             elif kind == "positional":
                 value = positional[spec["index"]]
                 if spec["axis"] is not None:
-                    value = _rows(value, spec["axis"], start, size)
+                    value = _rows(value, spec["axis"], *span(spec, start, end))
             else:
                 value = np.array({"chunk_start": start, "chunk_size": size,
                                   "seq_len": call.seq_len}[kind], dtype=np.int64)
@@ -159,9 +164,20 @@ class OrtStage:
         for b, rows in zip(self.buffers, outs[self.n_main:]):
             target = call.buffers[b["name"]]
             index = [slice(None)] * target.ndim
-            index[b["axis"]] = slice(start, end)
+            lo, count = span(b, start, end)
+            index[b["axis"]] = slice(lo, lo + count)
             target[tuple(index)] = rows  # only the chunk's rows are written
         return list(outs[: self.n_main])
+
+
+def span(spec: dict[str, Any], start: int, end: int) -> tuple[int, int]:
+    """``(offset, count)`` of chunk ``[start, end)`` on an input's or buffer's token axis:
+    ``scale`` positions per unit (a DiT's patch columns, a latent's patch size), and the
+    unsplit ``prefix`` (joint attention's text) carried by the first chunk (as
+    :meth:`tppc.ir.records.ChunkInput.rows`)."""
+    scale, prefix = int(spec.get("scale", 1)), int(spec.get("prefix", 0))
+    lo = 0 if start == 0 else prefix + scale * start
+    return lo, prefix + scale * end - lo
 
 
 def _rows(value: np.ndarray, axis: int, start: int, size: int) -> np.ndarray:
