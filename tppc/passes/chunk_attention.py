@@ -66,9 +66,9 @@ from tppc.ir.records import (
     TokenInfo,
 )
 from tppc.passes._bias_rows import BiasRows, value_inputs
+from tppc.passes._context_rows import check_context, chunk_outputs, write_rows
 from tppc.passes._shapes import module_path, size_expr, tensor_val
 from tppc.passes._token_rows import (
-    ABSENT,
     REST_CHUNK,
     baked_table_axis,
     chunk_rows_size,
@@ -114,7 +114,8 @@ def chunk_attention_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
             "of whole rows. fix: capture with the latent's height as the sequence axis"
         )
     chunk = _Rewriter(gm, ctx).run()
-    if any(n.meta[TOKEN].prefix for n in gm.graph.nodes if TOKEN in n.meta):
+    if any(n.meta[TOKEN].prefix or n.meta[TOKEN].suffix for n in gm.graph.nodes
+           if TOKEN in n.meta):
         chunk.meta[REST_CHUNK] = _Rewriter(gm, ctx, carry=False).run()
     return chunk
 
@@ -148,7 +149,7 @@ class _Rewriter:
         for node in self.gm.graph.nodes:
             if self.mode.get(node) == "copy" and node not in self.env:
                 self.env[node] = self._emit(node)
-        axes, rows = self._output(roots)
+        axes, rows = chunk_outputs(self.graph, self.env, roots, self._scale)
         self.graph.eliminate_dead_code()
         chunk_gm = fx.GraphModule(self.gm, self.graph, class_name="ChunkStep")
         chunk_gm.add_submodule("tppc_positional", positional_program(self.gm, frontier))
@@ -238,6 +239,7 @@ class _Rewriter:
             self.env[n] = self.size
         for index, node in enumerate(frontier):
             info = node.meta[TOKEN]
+            check_context(node, "positional")
             spec = ChunkInput("positional", node.name, index, info.axis,
                               scale=self._scale(info), prefix=info.prefix)
             self.env[node] = self._input(f"pos_{node.name}", spec, node)
@@ -251,7 +253,7 @@ class _Rewriter:
                 info = attn.meta[TOKEN]
                 spec = ChunkInput(which, attn.name, axis=axis, shape=shape, dtype=val.dtype,
                                   layer=attn.meta.get(LAYER, ""), scale=self._scale(info),
-                                  prefix=info.prefix)
+                                  prefix=info.prefix, suffix=info.suffix)
                 name = f"{attn.name}_{which}_buffer"
                 ph = self._input(name, spec)
                 ph.meta[LAYER] = spec.layer
@@ -311,9 +313,10 @@ class _Rewriter:
         causal = info.attention == "causal"
         kv_len = self._kv_end() if causal else self.seq_len
         scale, prefix = self._scale(info), info.prefix
-        if (scale, prefix) != (1, 0):  # DiT tokens: rows of whole patch rows, text prefix
+        check_context(node, "attention")
+        if (scale, prefix, info.suffix) != (1, 0, 0):  # DiT rows of patch rows, text segments
             end = self._kv_end() if causal else self.seq_len
-            kv_len = row_offset(self.graph, end, scale, prefix)
+            kv_len = row_offset(self.graph, end, scale, prefix + info.suffix)
         bias = info.mask is not None and info.mask.bias  # K/V heads repeated: per-head rows
         gqa = not bias and node.target is _aten.scaled_dot_product_attention.default and all(
             is_head_repeat(*cache_source(kwargs[w], self.sym)) for w in ("key", "value"))
@@ -391,11 +394,13 @@ class _Rewriter:
         source, chain = cache_source(arg, self.sym)
         chain = chain if repeat else []
         offset, size = self.start, self.size
-        if rows != (1, 0):  # the chunk's own rows: prefix + scale · start on, as many as it has
+        suffix = layer.meta[TOKEN].suffix if self.carry else 0
+        if rows != (1, 0) or suffix:  # the chunk's rows: prefix + scale · start on, as many as
             offset = row_offset(self.graph, self.start, rows[0], 0 if self.carry else rows[1])
-            size = self._new(_aten.sym_size.int, (self.env[source], axis), layer)
-        window = self._new(_aten.narrow.default, (buf, axis, offset, size), layer)
-        self._new(_aten.copy_.default, (window, self.env[source]), layer)
+            size = self._new(_aten.sym_size.int, (self.env[source], axis), layer)  # it has
+        at = row_offset(self.graph, self.seq_len, rows[0], rows[1]) if suffix else None
+        write_rows(lambda t, a: self._new(t, a, layer), buf, axis, self.env[source], offset,
+                   size, suffix, at)
         value = self._new(_aten.narrow.default, (buf, axis, 0, kv_len), layer)
         for step in chain:
             args = [value, *(self.env[a] if isinstance(a, fx.Node) else a for a in step.args[1:])]
@@ -423,28 +428,3 @@ class _Rewriter:
         if PART in layer.meta:
             node.meta[PART] = layer.meta[PART]
         return node
-
-    def _output(self, flat: list[Any]
-                ) -> tuple[tuple[int | None, ...], tuple[tuple[int, int] | None, ...]]:
-        axes: list[int | None] = []
-        rows: list[tuple[int, int] | None] = []
-        outs: list[Any] = []
-        for leaf in flat:
-            if isinstance(leaf, fx.Node):
-                info: TokenInfo = leaf.meta[TOKEN]
-                if info.role == "positional":
-                    raise PassError(f"output {leaf.name!r} is a positional value; tppc "
-                                    "pipelines models whose outputs are per-token values")
-                axes.append(info.axis if info.role in ("token", "mixing") else None)
-                rows.append((self._scale(info), info.prefix) if axes[-1] is not None else None)
-                if self.env[leaf] is ABSENT:
-                    raise PassError(f"output {leaf.name!r} is text tokens only (a prefix "
-                                    "segment); tppc pipelines models whose outputs hold the "
-                                    "image tokens")
-                outs.append(self.env[leaf])
-            else:
-                axes.append(None)
-                rows.append(None)
-                outs.append(leaf)
-        self.graph.output(tuple(outs))
-        return tuple(axes), tuple(rows)
