@@ -155,8 +155,6 @@ def _window(src: TokenInfo, start: sympy.Expr, size: sympy.Expr, where: str) -> 
         return TokenInfo("global", module=where)
     before = sympy.expand(src.axis_size - start)  # rows from the window's start to the end
     after = sympy.expand(src.axis_size - start - size)  # rows after the window
-    if after.free_symbols or (start.free_symbols and before.free_symbols):
-        return TokenInfo("global", module=where)
     in_prefix = not start.free_symbols and not size.free_symbols \
         and int(start) + int(size) <= src.prefix
     in_suffix = not before.free_symbols and not size.free_symbols and int(before) <= src.suffix
@@ -165,7 +163,8 @@ def _window(src: TokenInfo, start: sympy.Expr, size: sympy.Expr, where: str) -> 
             return TokenInfo("const", module=where)  # positions of the text tokens
         return TokenInfo(src.role, src.axis, sympy.Integer(int(size)), module=where,
                          prefix=int(size))
-    if not start.free_symbols and int(start) <= src.prefix and 0 <= int(after) <= src.suffix:
+    if not (start.free_symbols or after.free_symbols) and int(start) <= src.prefix \
+            and 0 <= int(after) <= src.suffix:
         return TokenInfo(src.role, src.axis, size, module=where, prefix=src.prefix - int(start),
                          suffix=src.suffix - int(after))
     return TokenInfo("global", module=where)
