@@ -103,6 +103,8 @@ class TokenInfo:
             carried with the first patch of a step, never split).
         suffix: length of the constant, unsplit segment at the end of the token axis: text
             tokens concatenated after the image tokens (``cat([image, text])``, SD3).
+        why: for some ``global`` values, what makes them need the whole sequence (quoted by
+            the refusal).
     """
 
     role: Role
@@ -115,6 +117,7 @@ class TokenInfo:
     mask: MaskSpec | None = None
     inputs: bool = False
     suffix: int = 0
+    why: str = ""
 
     @property
     def prefix_only(self) -> bool:

@@ -44,6 +44,9 @@ _SPLITS = {_aten.split_with_sizes.default, _aten.split.Tensor}
 _VIEWS = {"view", "reshape", "_unsafe_view", "unsqueeze", "squeeze", "flatten", "unflatten",
           "select", "expand", "alias"}
 _TOKENISH = ("token", "mixing")
+_TWO_SPLIT = ("a cat of two segments with split tokens along the token axis (context between "
+              "two bands of image tokens, or two image streams): a chunk's rows of it are not "
+              "one band")
 
 
 def split_tokens(info: TokenInfo) -> bool:
@@ -103,7 +106,7 @@ def _cat(node: fx.Node, where: str) -> TokenInfo | None:
         size = size_expr(tensor_val(t).shape[dim])
         if size.free_symbols:
             if info.axis != dim or split is not None:
-                return TokenInfo("global", module=where)  # two split segments
+                return TokenInfo("global", module=where, why=_TWO_SPLIT)
             split, prefix, suffix = info, prefix + info.prefix, info.suffix
         elif split is not None:
             suffix += int(size)  # a constant segment after the split tokens
