@@ -55,3 +55,19 @@ def test_sd3_denoises_like_the_serial_loop(sd3) -> None:
                        patches=2, model_kwargs=kw)
     assert torch.isfinite(stale).all() and not torch.equal(stale, ref)
     assert float(((stale - ref) ** 2).mean()) < 0.1 * float((ref**2).mean())
+
+
+def test_qwen_image_is_refused_naming_its_integer_size_input() -> None:
+    """QwenImage joins text before the image (a prefix), but its rotary table is built from
+    ``img_shapes``, Python ints that torch.export keeps constant: the length is pinned."""
+    from diffusers import QwenImageTransformer2DModel
+
+    torch.manual_seed(0)
+    model = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=1, attention_head_dim=8,
+        num_attention_heads=2, joint_attention_dim=12, axes_dims_rope=(2, 2, 4)).eval()
+    kwargs = {"encoder_hidden_states": torch.randn(1, 6, 12),
+              "encoder_hidden_states_mask": torch.ones(1, 6), "timestep": torch.tensor([0.5]),
+              "img_shapes": [(1, 4, 4)], "return_dict": False}
+    with pytest.raises(tppc.CaptureError, match=r"integer input img_shapes=\[\(1, 4, 4\)\]"):
+        tppc.annotate(model, (torch.randn(1, 16, 16),), kwargs)
