@@ -49,8 +49,9 @@ def check_context(node: fx.Node, what: str) -> None:
     """Refuse a context segment after the split tokens where a chunk cannot carry it.
 
     ``what``: ``"attention"`` (causal attention: the text after the image would have to see
-    image rows of later chunks), ``"positional"`` (a position table: the first chunk's rows
-    would not be contiguous) or ``"output"`` (the model's output holds the text tokens).
+    image rows of later chunks) or ``"positional"`` (a position table: the first chunk's
+    rows would not be contiguous). A model output that ends with text tokens is computed by
+    the global tail from whole values (``chunk_attention``'s ``_per_chunk``).
     """
     info: TokenInfo = node.meta[TOKEN]
     if not info.suffix:
@@ -62,7 +63,6 @@ def check_context(node: fx.Node, what: str) -> None:
                      "queries see every later position, which a chunk has not computed yet",
         "positional": "a position table whose token axis ends with a text segment: the first "
                       "chunk's rows of it are not one contiguous band",
-        "output": "a model output that ends with text tokens",
     }[what]
     raise PassError(
         f"node {node.name!r} (module {info.module or '<top level>'}) has {info.suffix} "
@@ -81,7 +81,6 @@ def chunk_outputs(graph: fx.Graph, env: dict[fx.Node, Any], flat: list[Any],
     for leaf in flat:
         if isinstance(leaf, fx.Node):
             info: TokenInfo = leaf.meta[TOKEN]
-            check_context(leaf, "output")
             if info.role == "positional":
                 raise PassError(f"output {leaf.name!r} is a positional value; tppc "
                                 "pipelines models whose outputs are per-token values")

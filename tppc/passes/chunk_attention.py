@@ -299,8 +299,9 @@ class _Rewriter:
         return self.graph.node_copy(node, lambda a: args[a])
 
     def _per_chunk(self, info: TokenInfo) -> bool:
-        """Whether a token value is computed chunk by chunk (else the tail needs it)."""
-        return info.role in ("token", "mixing") and info.axis is not None \
+        """Whether a token value is computed chunk by chunk (else the tail needs it; a value
+        ending with a text segment is whole only there)."""
+        return info.role in ("token", "mixing") and info.axis is not None and not info.suffix \
             and rows_per_unit(split_size(info), self.ctx) is not None
 
     def _scale(self, info: TokenInfo) -> int:
