@@ -105,3 +105,36 @@ def test_text_between_two_image_streams_is_refused_by_name() -> None:
     model = _TextBetween().eval()
     with pytest.raises(AnnotationError, match="cat of two segments with split tokens"):
         tppc.annotate(model, (torch.randn(1, 12, 4), torch.randn(1, 5, 6)))
+
+
+class _ImageQueries(nn.Module):
+    """Image queries over joint keys ``[image | text]``: each K/V buffer takes the segments
+    of its own keys, not the queries'."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.img, self.txt, self.out = nn.Linear(4, d), nn.Linear(6, d), nn.Linear(d, 4)
+        self.q = nn.ModuleList(nn.Linear(d, d) for _ in range(2))
+        self.kv = nn.ModuleList(nn.Linear(d, 2 * d) for _ in range(2))
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        h, e = self.img(x) + t.float()[:, None, None], self.txt(text)
+        for q, kv in zip(self.q, self.kv, strict=True):
+            k, v = kv(torch.cat([h, e], dim=1)).unsqueeze(1).chunk(2, dim=-1)
+            h = h + F.scaled_dot_product_attention(q(h).unsqueeze(1), k, v).squeeze(1)
+        return self.out(h)
+
+
+def test_image_queries_over_text_after_the_image_keys() -> None:
+    torch.manual_seed(0)
+    model = _ImageQueries().eval()
+    args = (torch.randn(1, 12, 4), torch.tensor([3]), torch.randn(1, 5, 6))
+    cp = tppc.compile(model, args, num_stages=2)
+    with torch.no_grad():
+        torch.testing.assert_close(cp(*args), model(*args), rtol=1e-5, atol=1e-5)
+    buffers = [b for stage in cp.program(12).stages for b in stage.buffers]
+    assert {(b.prefix, b.suffix) for b in buffers} == {(0, 5)}
+    # stale patches: the first call checks the patch program against the one-chunk program
+    out = cp.denoise(args[0], diffusers.DDIMScheduler(), 2, warmup_steps=1, patches=2,
+                     model_kwargs={"text": args[2]}, timestep_arg="t")
+    assert torch.isfinite(out).all()

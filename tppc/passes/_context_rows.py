@@ -45,16 +45,18 @@ def write_rows(new: New, buf: fx.Node, axis: int, value: Any, offset: Any, size:
     new(_aten.copy_.default, (new(_aten.narrow.default, (buf, axis, suffix_at, suffix)), tail))
 
 
-def check_context(node: fx.Node, what: str) -> None:
-    """Refuse a context segment after the split tokens where a chunk cannot carry it.
+def check_context(node: fx.Node, what: str, suffix: int | None = None) -> None:
+    """Refuse a context segment after the split tokens (``suffix``, default: ``node``'s own)
+    where a chunk cannot carry it.
 
-    ``what``: ``"attention"`` (causal attention: the text after the image would have to see
-    image rows of later chunks) or ``"positional"`` (a position table: the first chunk's
-    rows would not be contiguous). A model output that ends with text tokens is computed by
+    ``what``: ``"attention"`` (causal attention over keys with a suffix: the text after the
+    image would have to see image rows of later chunks) or ``"positional"`` (a position
+    table: the first chunk's rows would not be contiguous). A model output that ends with text tokens is computed by
     the global tail from whole values (``chunk_attention``'s ``_per_chunk``).
     """
     info: TokenInfo = node.meta[TOKEN]
-    if not info.suffix:
+    suffix = info.suffix if suffix is None else suffix
+    if not suffix:
         return
     if what == "attention" and info.attention != "causal":
         return
@@ -65,7 +67,7 @@ def check_context(node: fx.Node, what: str) -> None:
                       "chunk's rows of it are not one contiguous band",
     }[what]
     raise PassError(
-        f"node {node.name!r} (module {info.module or '<top level>'}) has {info.suffix} "
+        f"node {node.name!r} (module {info.module or '<top level>'}) has {suffix} "
         f"context positions after its split tokens: {reason}. fix: put the context segment "
         "before the tokens (cat([text, image])), or cut it off before this node")
 

@@ -250,7 +250,7 @@ class _Rewriter:
                 val = tensor_val(source)
                 axis = source.meta[TOKEN].axis
                 shape = tuple(None if i == axis else int(s) for i, s in enumerate(val.shape))
-                info = attn.meta[TOKEN]
+                info = source.meta[TOKEN]  # its own segments: image queries may read text
                 spec = ChunkInput(which, attn.name, axis=axis, shape=shape, dtype=val.dtype,
                                   layer=attn.meta.get(LAYER, ""), scale=self._scale(info),
                                   prefix=info.prefix, suffix=info.suffix)
@@ -313,11 +313,11 @@ class _Rewriter:
         info: TokenInfo = node.meta[TOKEN]
         causal = info.attention == "causal"
         kv_len = self._kv_end() if causal else self.seq_len
-        scale, prefix = self._scale(info), info.prefix
-        check_context(node, "attention")
-        if (scale, prefix, info.suffix) != (1, 0, 0):  # DiT rows of patch rows, text segments
+        keys: ChunkInput = self.buffer_nodes[node.name, "key"].meta[CHUNK_INPUT]
+        check_context(node, "attention", keys.suffix)
+        if (keys.scale, keys.prefix, keys.suffix) != (1, 0, 0):  # DiT rows, text segments
             end = self._kv_end() if causal else self.seq_len
-            kv_len = row_offset(self.graph, end, scale, prefix + info.suffix)
+            kv_len = row_offset(self.graph, end, keys.scale, keys.prefix + keys.suffix)
         bias = info.mask is not None and info.mask.bias  # K/V heads repeated: per-head rows
         gqa = not bias and node.target is _aten.scaled_dot_product_attention.default and all(
             is_head_repeat(*cache_source(kwargs[w], self.sym)) for w in ("key", "value"))
@@ -325,7 +325,7 @@ class _Rewriter:
             buf = self.buffer_nodes[node.name, which]
             axis = buf.meta[CHUNK_INPUT].axis
             kwargs[which] = self._read_buffer(kwargs[which], buf, axis, kv_len, layer,
-                                              repeat=not gqa, rows=(scale, prefix))
+                                              repeat=not gqa)
         if node.target is _aten.scaled_dot_product_attention.default:
             return self._chunk_op(node, kwargs, causal, gqa or kwargs.get("enable_gqa", False),
                                   kv_len)
@@ -391,11 +391,12 @@ class _Rewriter:
         return self.env[p]
 
     def _read_buffer(self, arg: fx.Node, buf: fx.Node, axis: int, kv_len: Any,
-                     layer: fx.Node, *, repeat: bool, rows: tuple[int, int] = (1, 0)) -> fx.Node:
+                     layer: fx.Node, *, repeat: bool) -> fx.Node:
         source, chain = cache_source(arg, self.sym)
         chain = chain if repeat else []
         offset, size = self.start, self.size
-        suffix = layer.meta[TOKEN].suffix if self.carry else 0
+        spec: ChunkInput = buf.meta[CHUNK_INPUT]
+        rows, suffix = (spec.scale, spec.prefix), spec.suffix if self.carry else 0
         if rows != (1, 0) or suffix:  # the chunk's rows: prefix + scale · start on, as many as
             offset = row_offset(self.graph, self.start, rows[0], 0 if self.carry else rows[1])
             size = self._new(_aten.sym_size.int, (self.env[source], axis), layer)  # it has
