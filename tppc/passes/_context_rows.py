@@ -7,6 +7,8 @@ the order the model does. The first chunk of a step carries both segments: its r
 the suffix go to ``[0, prefix + scale · chunk_end)``, its suffix to
 ``[prefix + scale · seq_len, … + suffix)``. Later chunks (the rest program) hold split rows
 only. What cannot be lined up that way is refused by name (:func:`check_context`).
+:func:`chunk_outputs` makes the chunk step's output node (each output's rows: ``(scale,
+prefix)``; a text-only output is refused).
 """
 
 from __future__ import annotations
