@@ -208,7 +208,7 @@ def _written_image_tokens(node: fx.Node, src: TokenInfo) -> fx.Node | None:
         isinstance(end, fx.Node) and src.axis_size is not None
         and sympy.simplify(size_expr(end.meta.get("val")) - src.axis_size) == 0)
     if whole and start <= src.prefix and split_tokens(info) and info.axis == src.axis \
-            and info.prefix == src.prefix - start:
+            and info.prefix == src.prefix - start and info.suffix == src.suffix:
         return written
     return None
 
