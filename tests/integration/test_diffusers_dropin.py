@@ -102,6 +102,50 @@ def flux_pipe():
     return pipe, {"prompt": "a red dog", "height": 16, "width": 16, "max_sequence_length": 8}
 
 
+def _clip_projected(hidden: int = 8):
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    torch.manual_seed(0)
+    return CLIPTextModelWithProjection(CLIPTextConfig(
+        vocab_size=16, hidden_size=hidden, intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=2, max_position_embeddings=16, projection_dim=8, eos_token_id=1,
+        pad_token_id=0, bos_token_id=0)).eval()
+
+
+def sd3_pipe():
+    """Two CLIP encoders (8 + 8 channels, padded to T5's 16) and T5; text after the image."""
+    from diffusers import (
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    model = SD3Transformer2DModel(
+        sample_size=8, patch_size=2, in_channels=4, out_channels=4, num_layers=2,
+        attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
+        caption_projection_dim=16, pooled_projection_dim=16, pos_embed_max_size=16).eval()
+    t5 = T5EncoderModel(T5Config(vocab_size=16, d_model=16, d_kv=4, d_ff=16, num_layers=1,
+                                 num_heads=2, decoder_start_token_id=0, pad_token_id=0)).eval()
+    pipe = StableDiffusion3Pipeline(
+        transformer=model, scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=_vae(shift_factor=0.1, scaling_factor=0.5), text_encoder=_clip_projected(),
+        tokenizer=_tokenizer(16), text_encoder_2=_clip_projected(), tokenizer_2=_tokenizer(16),
+        text_encoder_3=t5, tokenizer_3=_tokenizer(8))
+    return pipe, {"prompt": "a red dog", "height": 16, "width": 16, "max_sequence_length": 8}
+
+
+def test_sd3_pipeline_call_equals_eager_with_every_step_warm() -> None:
+    """SD3 joins the text after the image tokens; guidance 7: a batch of two."""
+    pipe, call = sd3_pipe()
+    pipe.set_progress_bar_config(disable=True)
+    want = _call(pipe, call, steps=2)
+    tppc.diffusers.compile_pipeline(pipe, warmup_steps=None, patches=2, num_stages=2,
+                                    executor="threads")
+    torch.testing.assert_close(_call(pipe, call, steps=2), want, rtol=1e-5, atol=1e-5)
+
+
 def _call(pipe, call, steps=3):
     out = pipe(generator=torch.Generator().manual_seed(0), num_inference_steps=steps,
                output_type="np", **call)

@@ -13,7 +13,8 @@ import torch
 from tppc.examples.models import GPT, DiT, DiTConfig, GPTConfig
 
 __all__ = ["dit", "gpt", "hf_cogvideox", "hf_dit", "hf_flux", "hf_gemma3", "hf_gpt2",
-           "hf_hunyuan_dit", "hf_llama", "hf_mistral", "hf_mixtral", "hf_pixart", "hf_qwen3"]
+           "hf_hunyuan_dit", "hf_llama", "hf_mistral", "hf_mixtral", "hf_pixart", "hf_qwen3",
+           "hf_sd3"]
 
 Example = tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]]
 
@@ -105,6 +106,22 @@ def hf_flux(tokens: int = 16, layers: int = 1, single_layers: int = 2,
               "pooled_projections": torch.randn(1, 10), "timestep": torch.tensor([0.5]),
               "img_ids": img_ids, "txt_ids": torch.zeros(text_len, 3), "return_dict": False}
     return model, (torch.randn(1, tokens, 4),), kwargs
+
+
+def hf_sd3(size: int = 8, layers: int = 2, text_len: int = 6) -> Example:
+    """diffusers SD3Transformer2DModel (joint attention, text tokens after the image)."""
+    from diffusers import SD3Transformer2DModel
+
+    torch.manual_seed(0)
+    model = SD3Transformer2DModel(
+        sample_size=size, patch_size=2, in_channels=4, out_channels=4, num_layers=layers,
+        attention_head_dim=8, num_attention_heads=2, joint_attention_dim=12,
+        caption_projection_dim=16, pooled_projection_dim=10, pos_embed_max_size=16,
+    ).eval()
+    kwargs = {"encoder_hidden_states": torch.randn(1, text_len, 12),
+              "pooled_projections": torch.randn(1, 10), "timestep": torch.tensor([10.0]),
+              "return_dict": False}
+    return model, (torch.randn(1, 4, size, size),), kwargs
 
 
 def hf_hunyuan_dit(size: int = 8, layers: int = 4) -> Example:

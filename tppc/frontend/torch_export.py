@@ -49,7 +49,7 @@ def export_dynamic(
         try:  # the model pins the size: keep the shapes symbolic, run at the example only
             ep = _export(model, bound, shapes, deferred=True)
         except Exception:
-            raise CaptureError(_explain(model, exc)) from exc
+            raise CaptureError(_explain(model, exc, _size_ints(bound))) from exc
         pinned = f"torch.export: {str(exc).strip().splitlines()[0]} ({_pinned_line(exc)})"
     gm = ep.module()
     guard = pinned or _check_guards(gm, bound, axes, patch, mode == "dynamic-square", units)
@@ -263,12 +263,31 @@ def _hint(exc: Exception) -> tuple[str, str, str] | None:
     return next((h for h in _HINTS if re.search(h[0], text, flags=re.IGNORECASE)), None)
 
 
-def _explain(model: torch.nn.Module, exc: Exception) -> str:
+def _size_ints(bound: inspect.BoundArguments) -> str:
+    """Why a pinned length could not be deferred when inputs carry sizes as Python ints
+    (QwenImage's ``img_shapes=[(1, 4, 4)]``), else ``""``."""
+    def ints(v: Any) -> bool:
+        if isinstance(v, list | tuple):
+            return bool(v) and all(ints(x) for x in v)
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    names = [f"{k}={v!r}" for k, v in bound.arguments.items()
+             if isinstance(v, list | tuple) and ints(v)]
+    if not names:
+        return ""
+    return (f"; the model reads sizes from the integer input {', '.join(names)}: torch.export "
+            "keeps Python ints constant, so a table built from them (a rotary table as long as "
+            "the image) has the example's length, and its use with the tokens equates the "
+            "sequence length to it. tppc takes the sequence length from tensor axes only")
+
+
+def _explain(model: torch.nn.Module, exc: Exception, why: str = "") -> str:
     text = f"{type(exc).__name__}: {exc}"
     where = _user_frame(exc)
     hint = _hint(exc)
     if hint is not None:
         _pattern, what, fix = hint
+        what += why
         return (f"torch.export could not capture {type(model).__name__}: {what}{where}.\n"
                 f"fix: {fix}.\ntorch.export's error, in full:\n{text.strip()}")
     return (f"torch.export could not capture {type(model).__name__}{where}.\n"

@@ -97,9 +97,14 @@ class TokenInfo:
             evaluated from the sequence length alone.
         prefix: length of the constant, unsplit segment at the start of the token axis: the
             text tokens of a joint-attention MM-DiT concatenated before the image tokens
-            (``cat([text, image], dim=axis)``). The split tokens are ``axis_size - prefix``
-            positions from ``prefix`` on. A value with ``axis_size == prefix`` is the text
-            segment alone (carried with the first patch of a step, never split).
+            (``cat([text, image], dim=axis)``, Flux). The split tokens are
+            ``axis_size - prefix - suffix`` positions from ``prefix`` on. A value with
+            ``axis_size == prefix`` is a context segment alone (text tokens, from either side;
+            carried with the first patch of a step, never split).
+        suffix: length of the constant, unsplit segment at the end of the token axis: text
+            tokens concatenated after the image tokens (``cat([image, text])``, SD3).
+        why: for some ``global`` values, what makes them need the whole sequence (quoted by
+            the refusal).
     """
 
     role: Role
@@ -111,10 +116,13 @@ class TokenInfo:
     prefix: int = 0
     mask: MaskSpec | None = None
     inputs: bool = False
+    suffix: int = 0
+    why: str = ""
 
     @property
     def prefix_only(self) -> bool:
-        """Whether the value is a prefix segment alone (no split tokens)."""
+        """Whether the value is a context segment alone (no split tokens; its whole length is
+        recorded as ``prefix``, whichever side of the image tokens it was cut from)."""
         return self.prefix > 0 and self.axis_size is not None and not self.axis_size.free_symbols
 
 
@@ -203,6 +211,8 @@ class ChunkInput:
             columns, a latent's patch size; 1 for LLM tokens), see
             :mod:`tppc.passes._token_rows`.
         prefix: the unsplit text segment before the split positions (joint attention).
+        suffix: the unsplit text segment after the split positions (K/V buffers only: the
+            first chunk of a step writes it after the last split row).
     """
 
     kind: InputKind
@@ -214,6 +224,7 @@ class ChunkInput:
     layer: str = ""
     scale: int = 1
     prefix: int = 0
+    suffix: int = 0
 
     def rows(self, start: int, end: int) -> tuple[int, int]:
         """``(offset, count)`` of the chunk ``[start, end)`` along the token axis; the first

@@ -1,24 +1,27 @@
-"""Segments of the token axis: a constant-length prefix (text tokens) before the split tokens.
+"""Segments of the token axis: constant-length context (text tokens) beside the split tokens.
 
-Joint-attention MM-DiTs (Flux, SD3, CogVideoX) concatenate the text tokens of the context
-stream before the image tokens along the token axis, attend over both, and cut them apart
-again. Such a value's token axis is ``[prefix | split tokens]``: :class:`~tppc.ir.records.TokenInfo`
-records the prefix length (``prefix``). The rules:
+Joint-attention MM-DiTs concatenate the text tokens of the context stream with the image
+tokens along the token axis, attend over both, and cut them apart again: before the image
+tokens (Flux, CogVideoX, QwenImage: ``cat([text, image])``) or after them (SD3:
+``cat([image, text])``). Such a value's token axis is ``[prefix | split tokens | suffix]``:
+:class:`~tppc.ir.records.TokenInfo` records the two lengths (``prefix``, ``suffix``). The rules:
 
-- ``cat`` along the token axis of constant-length segments (text, or a prefix-only value)
-  followed by one value with split tokens: a token value whose prefix is the segments'
-  length plus that value's own prefix. A constant segment after the split tokens, or two
-  split segments, is ``global``.
-- ``slice`` / ``split`` of a prefixed value along its token axis: the part within the prefix
-  is a *prefix-only* value (``axis_size == prefix``: the text tokens after they have seen the
-  image tokens, carried with the first patch of a step); the part from ``k <= prefix`` to the
-  end is a token value with prefix ``prefix - k``; any other cut is ``global``.
-- ops on prefix-only values (and constants) stay prefix-only: their token axis is followed
+- ``cat`` along the token axis of constant-length segments (text, or a context-only value)
+  and at most one value with split tokens: a token value whose prefix (suffix) is the
+  constant segments' length before (after) it plus that value's own prefix (suffix). Two
+  split segments (context between two bands of image tokens) are ``global``.
+- ``slice`` / ``split`` of such a value along its token axis: a part within the prefix or
+  within the suffix is a *context-only* value (``axis_size == prefix``: the text tokens after
+  they have seen the image tokens, carried with the first patch of a step; its whole length
+  is recorded as ``prefix``, whichever side it came from); a part that keeps every split
+  token is a token value with what it keeps of the prefix and the suffix; any other cut is
+  ``global``.
+- ops on context-only values (and constants) stay context-only: their token axis is followed
   through transposes, permutes, views and broadcasting by the axis' size.
-- row-wise ops and reshapes scale the prefix with the token axis' extent (head splits keep
-  it; merging the token axis with a following axis of size k multiplies it by k).
+- row-wise ops and reshapes scale the prefix and the suffix with the token axis' extent (head
+  splits keep them; merging the token axis with a following axis of size k multiplies them
+  by k).
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -41,6 +44,9 @@ _SPLITS = {_aten.split_with_sizes.default, _aten.split.Tensor}
 _VIEWS = {"view", "reshape", "_unsafe_view", "unsqueeze", "squeeze", "flatten", "unflatten",
           "select", "expand", "alias"}
 _TOKENISH = ("token", "mixing")
+_TWO_SPLIT = ("a cat of two segments with split tokens along the token axis (context between "
+              "two bands of image tokens, or two image streams): a chunk's rows of it are not "
+              "one band")
 
 
 def split_tokens(info: TokenInfo) -> bool:
@@ -51,13 +57,13 @@ def split_tokens(info: TokenInfo) -> bool:
 
 def with_prefix(info: TokenInfo, src: TokenInfo) -> TokenInfo:
     """``info`` (of an op reading ``src``) with ``src``'s prefix scaled to its token axis."""
-    if not src.prefix or info.role not in _TOKENISH or info.axis_size is None \
+    if not (src.prefix or src.suffix) or info.role not in _TOKENISH or info.axis_size is None \
             or src.axis_size is None:
         return info
     ratio = sympy.simplify(info.axis_size / src.axis_size)
-    prefix = src.prefix * ratio
-    if ratio.is_Rational and prefix.is_integer:
-        return dataclasses.replace(info, prefix=int(prefix))
+    prefix, suffix = src.prefix * ratio, src.suffix * ratio
+    if ratio.is_Rational and prefix.is_integer and suffix.is_integer:
+        return dataclasses.replace(info, prefix=int(prefix), suffix=int(suffix))
     return TokenInfo("global", module=info.module)
 
 
@@ -72,7 +78,7 @@ def segment_info(node: fx.Node, where: str) -> TokenInfo | None:
         return _split_piece(node, base, where)
     if node.target in _SPLITS:
         src: TokenInfo = base.meta[TOKEN]
-        if src.prefix and _dim(node, 2, tensor_val(base).dim()) == src.axis:
+        if (src.prefix or src.suffix) and _dim(node, 2, tensor_val(base).dim()) == src.axis:
             return dataclasses.replace(src, module=where)
         return None
     if node.target is _aten.slice.Tensor:
@@ -95,15 +101,15 @@ def _cat(node: fx.Node, where: str) -> TokenInfo | None:
     infos = [t.meta[TOKEN] for t in tensors]
     if not any(i.axis == dim and (split_tokens(i) or i.prefix_only) for i in infos):
         return None
-    prefix, split = 0, None
+    prefix, suffix, split = 0, 0, None
     for t, info in zip(tensors, infos, strict=True):
         size = size_expr(tensor_val(t).shape[dim])
         if size.free_symbols:
             if info.axis != dim or split is not None:
-                return TokenInfo("global", module=where)  # two split segments
-            split, prefix = info, prefix + info.prefix
+                return TokenInfo("global", module=where, why=_TWO_SPLIT)
+            split, prefix, suffix = info, prefix + info.prefix, info.suffix
         elif split is not None:
-            return TokenInfo("global", module=where)  # a constant segment after the tokens
+            suffix += int(size)  # a constant segment after the split tokens
         else:
             prefix += int(size)
     total = size_expr(out.shape[dim])
@@ -111,13 +117,15 @@ def _cat(node: fx.Node, where: str) -> TokenInfo | None:
     role = "token" if roles & set(_TOKENISH) else "positional"
     if split is None:
         return TokenInfo("token", dim, total, module=where, prefix=int(total))
-    return TokenInfo(role, dim, total, module=where, prefix=prefix)  # type: ignore[arg-type]
+    return TokenInfo(role, dim, total, module=where, prefix=prefix,  # type: ignore[arg-type]
+                     suffix=suffix)
 
 
 def _slice(node: fx.Node, where: str) -> TokenInfo | None:
     src: TokenInfo = node.args[0].meta[TOKEN]
     rank = tensor_val(node.args[0]).dim()
-    if not src.prefix or _dim(node, 1, rank) != src.axis or src.axis_size is None:
+    if not (src.prefix or src.suffix) or _dim(node, 1, rank) != src.axis \
+            or src.axis_size is None:
         return None
     args = list(node.args) + [None] * 5
     start, end, step = args[2] or 0, args[3], args[4] or 1
@@ -132,7 +140,7 @@ def _slice(node: fx.Node, where: str) -> TokenInfo | None:
 def _split_piece(node: fx.Node, split: fx.Node, where: str) -> TokenInfo | None:
     src: TokenInfo = split.args[0].meta[TOKEN]
     vals = split.meta.get("val")
-    if not src.prefix or not isinstance(vals, list | tuple):
+    if not (src.prefix or src.suffix) or not isinstance(vals, list | tuple):
         return None
     dim = _dim(split, 2, vals[0].dim())
     if dim != src.axis:
@@ -143,17 +151,25 @@ def _split_piece(node: fx.Node, split: fx.Node, where: str) -> TokenInfo | None:
 
 
 def _window(src: TokenInfo, start: sympy.Expr, size: sympy.Expr, where: str) -> TokenInfo:
-    """The part ``[start, start + size)`` of a prefixed value along its token axis."""
-    if start.free_symbols:
+    """The part ``[start, start + size)`` of a value ``[prefix | split | suffix]`` along its
+    token axis: context-only within the prefix or the suffix, a token value when it keeps
+    every split token, else ``global``."""
+    if src.axis_size is None:
         return TokenInfo("global", module=where)
-    if not size.free_symbols and int(start) + int(size) <= src.prefix:
+    before = sympy.expand(src.axis_size - start)  # rows from the window's start to the end
+    after = sympy.expand(src.axis_size - start - size)  # rows after the window
+    in_prefix = not start.free_symbols and not size.free_symbols \
+        and int(start) + int(size) <= src.prefix
+    in_suffix = not before.free_symbols and not size.free_symbols and int(before) <= src.suffix
+    if in_prefix or in_suffix:
         if src.role == "positional":
             return TokenInfo("const", module=where)  # positions of the text tokens
         return TokenInfo(src.role, src.axis, sympy.Integer(int(size)), module=where,
                          prefix=int(size))
-    if src.axis_size is not None and sympy.simplify(start + size - src.axis_size) == 0 \
-            and int(start) <= src.prefix:
-        return TokenInfo(src.role, src.axis, size, module=where, prefix=src.prefix - int(start))
+    if not (start.free_symbols or after.free_symbols) and int(start) <= src.prefix \
+            and 0 <= int(after) <= src.suffix:
+        return TokenInfo(src.role, src.axis, size, module=where, prefix=src.prefix - int(start),
+                         suffix=src.suffix - int(after))
     return TokenInfo("global", module=where)
 
 

@@ -7,10 +7,12 @@ Terms:
     rows per unit (``scale``): how many positions of a value's token axis one unit holds: 1
         for LLM tokens, the patch-grid columns for DiT tokens (``cols · s``), the patch size
         for a latent's pixel rows (``p · s``), ``batch`` for tokens merged with the batch.
-    prefix: the unsplit text segment before the split tokens (joint attention, see
-        :mod:`tppc.passes._segments`). The first chunk of a step (``chunk_start == 0``)
-        carries it: its rows of a value are ``[0, prefix + scale · chunk_end)``; a later
-        chunk's rows are ``[prefix + scale · chunk_start, prefix + scale · chunk_end)``.
+    prefix, suffix: the unsplit text segments before and after the split tokens (joint
+        attention, see :mod:`tppc.passes._segments`). The first chunk of a step
+        (``chunk_start == 0``) carries them: its value is ``[prefix | its rows | suffix]``;
+        a later chunk's value is its rows alone. A K/V buffer holds
+        ``[prefix | scale · seq_len rows | suffix]``: a chunk writes its rows at
+        ``prefix + scale · chunk_start``, the first chunk the suffix after the last row.
 
 In a ``specialized`` capture the graph runs only at the captured resolution: the scale is
 read from the example's sizes (``s**2`` patches at ``s = 4`` rows: 4 per row), and constant
@@ -56,10 +58,11 @@ ABSENT = _Absent()
 
 
 def split_size(info: TokenInfo) -> sympy.Expr | None:
-    """The size of the split part of a value's token axis (its axis size less the prefix)."""
+    """The size of the split part of a value's token axis (its axis size less the context
+    segments: the prefix and the suffix)."""
     if info.axis_size is None:
         return None
-    return sympy.expand(info.axis_size - info.prefix)
+    return sympy.expand(info.axis_size - info.prefix - info.suffix)
 
 
 def rows_per_unit(size: sympy.Expr | None, ctx: CompileContext) -> int | None:
@@ -165,18 +168,19 @@ def rest_of_step(node: fx.Node, env: dict[fx.Node, Any]) -> Any:
         return None
     base = node.args[0] if node.args else None
     src = base.meta[TOKEN] if isinstance(base, fx.Node) else None
-    if node.target is _aten.cat.default and info.prefix and split_tokens(info) \
+    if node.target is _aten.cat.default and (info.prefix or info.suffix) and split_tokens(info) \
             and _dim(node, 1) == info.axis:
         dim = _dim(node, 1)
         return next(env[t] for t in node.args[0] if isinstance(t, fx.Node)
                     and size_expr(tensor_val(t).shape[dim]).free_symbols)
-    if src is not None and src.prefix and node.target in _SPLITS and _dim(node, 2, base) \
+    context = src is not None and bool(src.prefix or src.suffix)
+    if context and node.target in _SPLITS and _dim(node, 2, base) \
             == src.axis:
         return ABSENT
-    if src is not None and src.prefix and node.target is _aten.slice.Tensor \
+    if context and node.target is _aten.slice.Tensor \
             and _dim(node, 1, base) == src.axis and split_tokens(info):
         return env[base]
-    if src is not None and src.prefix and node.target is _aten.slice_scatter.default:
+    if context and node.target is _aten.slice_scatter.default:
         written = _written_image_tokens(node, src)
         if written is not None:
             return env[written]
@@ -204,7 +208,7 @@ def _written_image_tokens(node: fx.Node, src: TokenInfo) -> fx.Node | None:
         isinstance(end, fx.Node) and src.axis_size is not None
         and sympy.simplify(size_expr(end.meta.get("val")) - src.axis_size) == 0)
     if whole and start <= src.prefix and split_tokens(info) and info.axis == src.axis \
-            and info.prefix == src.prefix - start:
+            and info.prefix == src.prefix - start and info.suffix == src.suffix:
         return written
     return None
 

@@ -175,7 +175,7 @@ def _attention(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext, axes: lis
         return with_prefix(_info("token", axes, sizes, where), query)
     kind, mask = classify_attention(node, gm, ctx)
     if ctx.token_count is None and sizes:
-        ctx.token_count = sizes[0] - query.prefix
+        ctx.token_count = sizes[0] - query.prefix - query.suffix
     info = with_prefix(_info("mixing", axes, sizes, where), query)
     return dataclasses.replace(info, attention=kind, mask=mask) if info.role == "mixing" \
         else info

@@ -66,9 +66,9 @@ from tppc.ir.records import (
     TokenInfo,
 )
 from tppc.passes._bias_rows import BiasRows, value_inputs
+from tppc.passes._context_rows import check_context, chunk_outputs, write_rows
 from tppc.passes._shapes import module_path, size_expr, tensor_val
 from tppc.passes._token_rows import (
-    ABSENT,
     REST_CHUNK,
     baked_table_axis,
     chunk_rows_size,
@@ -114,7 +114,8 @@ def chunk_attention_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
             "of whole rows. fix: capture with the latent's height as the sequence axis"
         )
     chunk = _Rewriter(gm, ctx).run()
-    if any(n.meta[TOKEN].prefix for n in gm.graph.nodes if TOKEN in n.meta):
+    if any(n.meta[TOKEN].prefix or n.meta[TOKEN].suffix for n in gm.graph.nodes
+           if TOKEN in n.meta):
         chunk.meta[REST_CHUNK] = _Rewriter(gm, ctx, carry=False).run()
     return chunk
 
@@ -148,7 +149,7 @@ class _Rewriter:
         for node in self.gm.graph.nodes:
             if self.mode.get(node) == "copy" and node not in self.env:
                 self.env[node] = self._emit(node)
-        axes, rows = self._output(roots)
+        axes, rows = chunk_outputs(self.graph, self.env, roots, self._scale)
         self.graph.eliminate_dead_code()
         chunk_gm = fx.GraphModule(self.gm, self.graph, class_name="ChunkStep")
         chunk_gm.add_submodule("tppc_positional", positional_program(self.gm, frontier))
@@ -238,6 +239,7 @@ class _Rewriter:
             self.env[n] = self.size
         for index, node in enumerate(frontier):
             info = node.meta[TOKEN]
+            check_context(node, "positional")
             spec = ChunkInput("positional", node.name, index, info.axis,
                               scale=self._scale(info), prefix=info.prefix)
             self.env[node] = self._input(f"pos_{node.name}", spec, node)
@@ -248,10 +250,10 @@ class _Rewriter:
                 val = tensor_val(source)
                 axis = source.meta[TOKEN].axis
                 shape = tuple(None if i == axis else int(s) for i, s in enumerate(val.shape))
-                info = attn.meta[TOKEN]
+                info = source.meta[TOKEN]  # its own segments: image queries may read text
                 spec = ChunkInput(which, attn.name, axis=axis, shape=shape, dtype=val.dtype,
                                   layer=attn.meta.get(LAYER, ""), scale=self._scale(info),
-                                  prefix=info.prefix)
+                                  prefix=info.prefix, suffix=info.suffix)
                 name = f"{attn.name}_{which}_buffer"
                 ph = self._input(name, spec)
                 ph.meta[LAYER] = spec.layer
@@ -297,8 +299,9 @@ class _Rewriter:
         return self.graph.node_copy(node, lambda a: args[a])
 
     def _per_chunk(self, info: TokenInfo) -> bool:
-        """Whether a token value is computed chunk by chunk (else the tail needs it)."""
-        return info.role in ("token", "mixing") and info.axis is not None \
+        """Whether a token value is computed chunk by chunk (else the tail needs it; a value
+        ending with a text segment is whole only there)."""
+        return info.role in ("token", "mixing") and info.axis is not None and not info.suffix \
             and rows_per_unit(split_size(info), self.ctx) is not None
 
     def _scale(self, info: TokenInfo) -> int:
@@ -310,10 +313,11 @@ class _Rewriter:
         info: TokenInfo = node.meta[TOKEN]
         causal = info.attention == "causal"
         kv_len = self._kv_end() if causal else self.seq_len
-        scale, prefix = self._scale(info), info.prefix
-        if (scale, prefix) != (1, 0):  # DiT tokens: rows of whole patch rows, text prefix
+        keys: ChunkInput = self.buffer_nodes[node.name, "key"].meta[CHUNK_INPUT]
+        check_context(node, "attention", keys.suffix)
+        if (keys.scale, keys.prefix, keys.suffix) != (1, 0, 0):  # DiT rows, text segments
             end = self._kv_end() if causal else self.seq_len
-            kv_len = row_offset(self.graph, end, scale, prefix)
+            kv_len = row_offset(self.graph, end, keys.scale, keys.prefix + keys.suffix)
         bias = info.mask is not None and info.mask.bias  # K/V heads repeated: per-head rows
         gqa = not bias and node.target is _aten.scaled_dot_product_attention.default and all(
             is_head_repeat(*cache_source(kwargs[w], self.sym)) for w in ("key", "value"))
@@ -321,7 +325,7 @@ class _Rewriter:
             buf = self.buffer_nodes[node.name, which]
             axis = buf.meta[CHUNK_INPUT].axis
             kwargs[which] = self._read_buffer(kwargs[which], buf, axis, kv_len, layer,
-                                              repeat=not gqa, rows=(scale, prefix))
+                                              repeat=not gqa)
         if node.target is _aten.scaled_dot_product_attention.default:
             return self._chunk_op(node, kwargs, causal, gqa or kwargs.get("enable_gqa", False),
                                   kv_len)
@@ -387,15 +391,18 @@ class _Rewriter:
         return self.env[p]
 
     def _read_buffer(self, arg: fx.Node, buf: fx.Node, axis: int, kv_len: Any,
-                     layer: fx.Node, *, repeat: bool, rows: tuple[int, int] = (1, 0)) -> fx.Node:
+                     layer: fx.Node, *, repeat: bool) -> fx.Node:
         source, chain = cache_source(arg, self.sym)
         chain = chain if repeat else []
         offset, size = self.start, self.size
-        if rows != (1, 0):  # the chunk's own rows: prefix + scale · start on, as many as it has
+        spec: ChunkInput = buf.meta[CHUNK_INPUT]
+        rows, suffix = (spec.scale, spec.prefix), spec.suffix if self.carry else 0
+        if rows != (1, 0) or suffix:  # the chunk's rows: prefix + scale · start on, as many as
             offset = row_offset(self.graph, self.start, rows[0], 0 if self.carry else rows[1])
-            size = self._new(_aten.sym_size.int, (self.env[source], axis), layer)
-        window = self._new(_aten.narrow.default, (buf, axis, offset, size), layer)
-        self._new(_aten.copy_.default, (window, self.env[source]), layer)
+            size = self._new(_aten.sym_size.int, (self.env[source], axis), layer)  # it has
+        at = row_offset(self.graph, self.seq_len, rows[0], rows[1]) if suffix else None
+        write_rows(lambda t, a: self._new(t, a, layer), buf, axis, self.env[source], offset,
+                   size, suffix, at)
         value = self._new(_aten.narrow.default, (buf, axis, 0, kv_len), layer)
         for step in chain:
             args = [value, *(self.env[a] if isinstance(a, fx.Node) else a for a in step.args[1:])]
@@ -423,28 +430,3 @@ class _Rewriter:
         if PART in layer.meta:
             node.meta[PART] = layer.meta[PART]
         return node
-
-    def _output(self, flat: list[Any]
-                ) -> tuple[tuple[int | None, ...], tuple[tuple[int, int] | None, ...]]:
-        axes: list[int | None] = []
-        rows: list[tuple[int, int] | None] = []
-        outs: list[Any] = []
-        for leaf in flat:
-            if isinstance(leaf, fx.Node):
-                info: TokenInfo = leaf.meta[TOKEN]
-                if info.role == "positional":
-                    raise PassError(f"output {leaf.name!r} is a positional value; tppc "
-                                    "pipelines models whose outputs are per-token values")
-                axes.append(info.axis if info.role in ("token", "mixing") else None)
-                rows.append((self._scale(info), info.prefix) if axes[-1] is not None else None)
-                if self.env[leaf] is ABSENT:
-                    raise PassError(f"output {leaf.name!r} is text tokens only (a prefix "
-                                    "segment); tppc pipelines models whose outputs hold the "
-                                    "image tokens")
-                outs.append(self.env[leaf])
-            else:
-                axes.append(None)
-                rows.append(None)
-                outs.append(leaf)
-        self.graph.output(tuple(outs))
-        return tuple(axes), tuple(rows)

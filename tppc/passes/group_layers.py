@@ -156,7 +156,8 @@ def _assign(nodes: list[fx.Node], block_of: dict[fx.Node, str | None],
         if info is not None and info.role == "global" and current != "epilogue":
             raise AnnotationError(
                 f"node {node.name!r} (module {info.module or '<top level>'}) needs the whole "
-                f"sequence (role global) but runs in layer {current!r}; tppc can run such ops "
+                f"sequence (role global{': ' + info.why if info.why else ''}) but runs in "
+                f"layer {current!r}; tppc can run such ops "
                 "only after the last block. fix: move it after the blocks"
             )
     for node in nodes:

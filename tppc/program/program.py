@@ -67,6 +67,7 @@ class BufferSpec:
         dtype: its element type.
         scale: token rows per unit of the sequence (a DiT's patch columns; 1 for LLMs).
         prefix: rows of the unsplit text segment before them (joint attention).
+        suffix: rows of the unsplit text segment after them (text after the image, SD3).
     """
 
     name: str
@@ -78,10 +79,11 @@ class BufferSpec:
     dtype: torch.dtype
     scale: int = 1
     prefix: int = 0
+    suffix: int = 0
 
     def rows(self, capacity: int) -> int:
         """Rows of the token axis for ``capacity`` units of the sequence."""
-        return self.prefix + self.scale * capacity
+        return self.prefix + self.scale * capacity + self.suffix
 
     def allocate(self, capacity: int, device: torch.device) -> torch.Tensor:
         """A zero buffer of ``capacity`` tokens on ``device``."""

@@ -208,13 +208,16 @@ def chunk_rows(full: Any, got: Any, info: TokenInfo | None, start: int, length: 
     if info is None or info.axis is None or info.role not in ("token", "mixing") \
             or info.prefix_only or info.axis >= full.dim() or full.dim() != got.dim():
         return full if full.shape == got.shape else None
-    axis, prefix = info.axis, info.prefix
-    scale = (full.shape[axis] - prefix) // max(1, length)
+    axis, prefix, suffix = info.axis, info.prefix, info.suffix
+    scale = (full.shape[axis] - prefix - suffix) // max(1, length)
     lo = 0 if start == 0 else prefix + scale * start
     rows = got.shape[axis]
     if lo + rows > full.shape[axis]:
         return None
     part = full.narrow(axis, lo, rows)
+    if start == 0 and suffix and rows < full.shape[axis]:  # [prefix | its rows | suffix]
+        part = torch.cat([full.narrow(axis, 0, rows - suffix),
+                          full.narrow(axis, full.shape[axis] - suffix, suffix)], axis)
     return part if part.shape == got.shape else None
 
 
