@@ -78,3 +78,44 @@ def test_a_bad_warmup_is_refused_on_every_rank(dit: tuple) -> None:
     with pytest.raises(StageFailed, match="warmup_steps=0") as info:
         _job(path, x, args[2], steps=2, warmup=0)
     assert info.value.returncodes == (1, 1)
+
+
+def test_a_flow_schedule_with_sigmas_mu_and_a_timestep_transform(tmp_path) -> None:
+    """Flux's loop through the job: custom sigmas, dynamic shifting's mu and the model's
+    timestep t / 1000, given as flags (``--sigmas``, ``--mu``, ``--timestep-scale``,
+    ``--scheduler-config``), equal to diffusers' serial loop at full warm-up. Flux's text
+    segment rides with the first chunk across the stage boundary (its rows are read off the
+    sending stage's graph; the job aborted in gloo on a size mismatch before)."""
+    model, (lat,), fkw = examples.hf_flux()
+    path = tmp_path / "flux.safetensors"
+    save_checkpoint(model, path)
+    sigmas, mu = [1.0, 2 / 3, 1 / 3], 0.8
+    text = {k: v for k, v in fkw.items() if k != "timestep"}
+    inputs = {"args.0": lat, **{f"kwargs.{k}": v for k, v in text.items()
+                                if isinstance(v, torch.Tensor)}}
+    result = tppc.launch(
+        "tppc.examples:hf_flux", 2, checkpoint=path, timeout=300, inputs=inputs,
+        extra_args=["--denoise", "3", "--warmup-steps", "3",
+                    "--scheduler", "diffusers:FlowMatchEulerDiscreteScheduler",
+                    "--scheduler-config", '{"use_dynamic_shifting": true}',
+                    "--sigmas", ",".join(map(str, sigmas)), "--mu", str(mu),
+                    "--timestep-scale", "0.001"])
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True)
+    scheduler.set_timesteps(sigmas=sigmas, mu=mu)
+    x = lat
+    with torch.no_grad():
+        for t in scheduler.timesteps:
+            out = model(x, timestep=t.expand(len(x)) * 0.001, **text)[0]
+            x = scheduler.step(out, t, x).prev_sample
+    torch.testing.assert_close(result.outputs["latents"], x, rtol=1e-5, atol=1e-5)
+
+
+def test_stale_patches_of_a_joint_attention_dit_are_refused_on_every_rank(tmp_path) -> None:
+    model = examples.hf_flux()[0]
+    path = tmp_path / "flux.safetensors"
+    save_checkpoint(model, path)
+    with pytest.raises(StageFailed, match="stale patches of a joint-attention DiT") as info:
+        tppc.launch("tppc.examples:hf_flux", 2, checkpoint=path, timeout=300,
+                    extra_args=["--denoise", "3", "--warmup-steps", "1", "--patches", "2",
+                                "--scheduler", "diffusers:FlowMatchEulerDiscreteScheduler"])
+    assert info.value.returncodes == (1, 1)

@@ -12,7 +12,9 @@ Terms:
     handshake: the first chunk of a program carries a small header (dtype, shape and token
         axis of every boundary value, in the wire format of :mod:`tppc.backends.wire`);
         later chunks, and the one-token steps of ``generate``, send bare tensors whose
-        shapes the receiver derives from the chunk sizes (the token axis holds ``k × chunk size`` rows, ``k`` from the header). A
+        shapes the receiver derives from the chunk sizes (the token axis holds ``a × chunk size
+        + b`` rows, read off the sending stage's graph: ``b`` a text segment riding with the
+        chunk, ``a`` a DiT's patch columns). A
         value without a token axis makes every chunk carry a header.
     failure record: the first rank that fails writes one line naming the failed stage into
         the job's c10d store (key :data:`FAILURE_KEY`) before it raises; a rank that sees a
@@ -64,7 +66,7 @@ class _Template:
     dtype: torch.dtype
     shape: tuple[int, ...]
     axis: int | None
-    rows_per_token: int
+    rows: tuple[int, int]  # the token axis holds rows[0] × chunk size + rows[1] rows
 
 
 class DistributedExecutor:
@@ -242,7 +244,7 @@ class DistributedExecutor:
               ) -> tuple[Any, tuple[Any, ...]]:
         key = id(program)
         first = key not in self._sent
-        axes = _remember(self._sent, key, program, lambda: token_axes(stage))
+        axes = _remember(self._sent, key, program, lambda: _wire_axes(stage))
         dst = self.rank + 1
         self._peer = dst
         tensors = tuple(_tensor(v, stage, j).contiguous() for j, v in enumerate(values))
@@ -260,15 +262,15 @@ class DistributedExecutor:
         templates = _remember(self._received, key, program, lambda: None)
         if templates is None or any(t.axis is None for t in templates):
             header = wire.recv_header(src, device, self.span(deadline))
-            templates = [_Template(wire.torch_dtype(v.dtype), v.shape, a,
-                                   (v.shape[a] // size) if a is not None else 0)
-                         for v, a in zip(header["values"], header["axes"])]
+            rows = boundary_rows(program.stages[src])
+            templates = [_Template(wire.torch_dtype(v.dtype), v.shape, a, r or (0, 0))
+                         for v, a, r in zip(header["values"], header["axes"], rows)]
             self._received[key] = (program, templates)
         out = []
         for t in templates:
             shape = list(t.shape)
             if t.axis is not None:
-                shape[t.axis] = t.rows_per_token * size
+                shape[t.axis] = t.rows[0] * size + t.rows[1]
             buf = torch.empty(shape, dtype=t.dtype, device=device)
             self._wait([dist.irecv(buf, src)], src, deadline)
             out.append(buf)
@@ -300,6 +302,35 @@ def token_axes(stage: StageProgram) -> tuple[int | None, ...]:
         shape = getattr(val, "shape", ())
         axes.append(next((i for i, s in enumerate(shape) if isinstance(s, torch.SymInt)), None))
     return tuple(axes)
+
+
+def boundary_rows(stage: StageProgram) -> tuple[tuple[int, int] | None, ...]:
+    """Rows of each boundary value's token axis as ``(a, b)``: ``a × units + b`` for a chunk
+    of that many units (``b``: a joint-attention text segment that rides with the chunk;
+    ``a``: a DiT's patch columns); None where the size is not affine in the chunk's units."""
+    out = next(iter(stage.module.graph.find_nodes(op="output")))
+    leaves = out.args[0] if isinstance(out.args[0], tuple | list) else (out.args[0],)
+    found: list[tuple[int, int] | None] = []
+    for leaf in leaves:
+        val = leaf.meta.get("val") if hasattr(leaf, "meta") else None
+        size = next((s for s in getattr(val, "shape", ()) if isinstance(s, torch.SymInt)), None)
+        expr = size.node.expr if size is not None else None
+        symbols = expr.free_symbols if expr is not None else set()
+        if len(symbols) != 1:
+            found.append(None)
+            continue
+        sym = next(iter(symbols))
+        a, b = expr.coeff(sym, 1), expr.subs(sym, 0)
+        affine = a.is_Integer and b.is_Integer and (expr - a * sym - b).expand() == 0
+        found.append((int(a), int(b)) if affine else None)
+    return tuple(found)
+
+
+def _wire_axes(stage: StageProgram) -> tuple[int | None, ...]:
+    """:func:`token_axes`, None where the rows are not affine in the chunk size (such a
+    value carries its own header with every chunk)."""
+    return tuple(None if r is None else a
+                 for a, r in zip(token_axes(stage), boundary_rows(stage), strict=True))
 
 
 def _tensor(value: Any, stage: StageProgram, j: int) -> torch.Tensor:

@@ -59,7 +59,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--patches", type=int, help="denoise patches (default: planned)")
     p.add_argument("--timestep-arg", default="timestep", help="the model's timestep input")
     p.add_argument("--scheduler", default="diffusers:DDIMScheduler",
-                   help="MODULE:CLASS of the denoise scheduler (default config)")
+                   help="MODULE:CLASS of the denoise scheduler")
+    p.add_argument("--scheduler-config", default="{}", help="JSON keywords of the scheduler "
+                   "(e.g. '{\"use_dynamic_shifting\": true}')")
+    p.add_argument("--sigmas", type=_floats, help="comma-separated custom sigmas of "
+                   "set_timesteps (Flux: 1.0,0.75,0.5,0.25)")
+    p.add_argument("--mu", type=float, help="set_timesteps' mu (dynamic shifting)")
+    p.add_argument("--timestep-scale", type=float, help="the model's timestep is the "
+                   "scheduler's times this (Flux, AuraFlow: 0.001)")
     p.add_argument("--cluster", help="cluster priced by the planner (default: <S>xcpu)")
     p.add_argument("--chunks", type=int, help="equal chunks per call (default: planned)")
     p.add_argument("--threads", type=int, help="intra-op threads of a CPU stage")
@@ -190,6 +197,11 @@ def _run(ns: argparse.Namespace) -> dict[str, Any]:
             "calls": calls, "trace": [list(job) for job in cp.last_trace], "pid": os.getpid()}
 
 
+def _floats(text: str) -> list[float]:
+    """``"1.0,0.5"`` → ``[1.0, 0.5]`` (argparse names the flag when one does not parse)."""
+    return [float(v) for v in text.split(",") if v.strip()]
+
+
 def _call(cp: Any, ns: argparse.Namespace, args: tuple[Any, ...], kwargs: dict[str, Any]
           ) -> Any:
     """One call of the job: generate, denoise, or the model's forward."""
@@ -197,10 +209,14 @@ def _call(cp: Any, ns: argparse.Namespace, args: tuple[Any, ...], kwargs: dict[s
         return cp.generate(args[0] if args else None, ns.generate)
     if ns.denoise:
         module_name, _, attr = ns.scheduler.partition(":")
-        scheduler = getattr(importlib.import_module(module_name), attr)()
+        config = json.loads(ns.scheduler_config)
+        scheduler = getattr(importlib.import_module(module_name), attr)(**config)
+        scale = ns.timestep_scale
         return cp.denoise(args[0] if args else None, scheduler, ns.denoise,
                           warmup_steps=ns.warmup_steps, patches=ns.patches,
-                          model_kwargs=kwargs, timestep_arg=ns.timestep_arg)
+                          model_kwargs=kwargs, timestep_arg=ns.timestep_arg,
+                          sigmas=ns.sigmas, mu=ns.mu,
+                          timestep_transform=None if scale is None else lambda t: t * scale)
     return cp(*args, **kwargs)
 
 

@@ -32,13 +32,13 @@ import torch.distributed as dist
 
 from tppc.backends.torch_local import run_stage
 from tppc.driver.emit import build_program
-from tppc.errors import RuntimeInputError, StageFailed, StageTimeout
+from tppc.errors import RuntimeInputError, SpecError, StageFailed, StageTimeout
 from tppc.passes.chunk_attention import REST_CHUNK
 from tppc.passes.hoist_consts import hoist_constants
 from tppc.program.program import Program, StageProgram
 from tppc.program.schedule import DryRun, check_actions
 from tppc.program.state import Call, next_epoch
-from tppc.runtime.denoise import DenoiseRun, bind_steps, check_steps
+from tppc.runtime.denoise import DenoiseRun, bind_steps, check_steps, model_timestep
 from tppc.runtime.schedulers import (
     StepProtocol,
     check_elementwise,
@@ -82,35 +82,54 @@ class DenoisingRank(Protocol):
 
 
 def distributed_denoise(cp: DenoisingRank, latents: torch.Tensor | None, scheduler: Any,
-                        num_inference_steps: int = 20, *, warmup_steps: int = 1,
-                        patches: int | None = None,
+                        num_inference_steps: int | None = 20, *,
+                        warmup_steps: int | None = 1, patches: int | None = None,
                         model_kwargs: Mapping[str, Any] | None = None,
                         timestep_arg: str = "timestep",
-                        output_transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+                        output_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                        timesteps: Any = None, sigmas: Any = None, mu: float | None = None,
+                        timestep_transform: Callable[[torch.Tensor], torch.Tensor] | None = None
                         ) -> torch.Tensor | None:
     """``cp.denoise(...)`` through the job (collective; rank 0's latents and inputs).
 
-    Same contract as :func:`tppc.runtime.denoise.denoise`; see the module docstring.
+    Same contract as :func:`tppc.runtime.denoise.denoise`; see the module docstring. Rank
+    0's ``timesteps``, ``sigmas`` and ``mu`` are every rank's (the scheduler steps alike
+    everywhere); ``timestep_transform`` and ``output_transform`` are each rank's own (give
+    the same function on every rank, as the same script does).
     """
     check_scheduler(scheduler)
 
     def check(value: tuple[Any, ...]) -> None:
-        x, kwargs, steps, warm, _, arg = value
-        check_steps(steps, warm)
+        x, kwargs, steps, warm, _, arg, schedule = value
+        if steps is None and schedule[0] is None and schedule[1] is None:
+            raise SpecError("num_inference_steps=None without timesteps= or sigmas=. fix: "
+                            "pass the number of steps")
+        check_steps(1 if steps is None else steps, 1 if warm is None else warm)
         if not isinstance(x, torch.Tensor):
             raise RuntimeInputError(f"latents of type {type(x).__name__}; pass a tensor")
-        scheduler.set_timesteps(steps)
-        cp.bind((x,), {**kwargs, arg: scheduler.timesteps[0].expand(len(x))})
+        first = start_timesteps(scheduler, steps, timesteps=schedule[0], sigmas=schedule[1],
+                                mu=schedule[2])[0]
+        cp.bind((x,), {**kwargs, arg: model_timestep(cp, arg, first, len(x),
+                                                     timestep_transform)})
 
-    x, kwargs, steps_n, warmup_steps, patches, arg = cp.share_inputs(
+    plain = [None if v is None else [float(t) for t in v] for v in (timesteps, sigmas)]
+    x, kwargs, steps_n, warmup_steps, patches, arg, schedule = cp.share_inputs(
         "denoise", (latents, dict(model_kwargs or {}), num_inference_steps, warmup_steps,
-                    patches, timestep_arg), check)
-    steps = start_timesteps(scheduler, steps_n)
+                    patches, timestep_arg, (*plain, mu)), check)
+    steps = start_timesteps(scheduler, steps_n, timesteps=schedule[0], sigmas=schedule[1],
+                            mu=schedule[2])
+    warmup_steps = len(steps) if warmup_steps is None else warmup_steps
     x = x.detach().clone().contiguous().to(cp.device)
     x_in = x.clone()  # the model's input (scale_model_input, on the last rank), broadcast
-    b = bind_steps(cp, x_in, kwargs, steps, arg, warmup_steps, patches)
+    b = bind_steps(cp, x_in, kwargs, steps, arg, warmup_steps, patches, timestep_transform)
     front, length, plan, bounds, flats = b.front, b.length, b.plan, b.bounds, b.flats
     full, first, rest = _programs(cp, front, plan, length, bounds)
+    if rest is not None and warmup_steps < len(steps):  # every rank decides alike
+        raise SpecError(
+            f"{front.ctx.model_name}: stale patches of a joint-attention DiT (text tokens "
+            "beside the image, a second program for the later patches) do not run on the "
+            "distributed backend yet (a later patch's stage fails on the text rows). fix: "
+            "warmup_steps=None (every step warm: exact), or the threads or local executor")
     axis, scale = b.axis, b.scale
     if warmup_steps < len(steps):  # every rank checks alike (a seeded random latent)
         check_elementwise(scheduler, x, axis, [(scale * a, scale * c)
