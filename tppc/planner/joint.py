@@ -34,7 +34,7 @@ from tppc.planner._solver import available_solver
 from tppc.planner.certify import search_split, split_bound
 from tppc.planner.devices import choose_devices
 from tppc.planner.dp import chunk_matrix, terapipe_dp
-from tppc.planner.evaluate import plan_for
+from tppc.planner.evaluate import diffusion_latency, plan_for
 from tppc.planner.memory import memory_parts, positional_part, stage_memory
 from tppc.planner.placement import balanced_placement, infeasible_error, place_layers
 from tppc.planner.plan import Plan, SolverInfo, SplitSearch, Workload, say_expired
@@ -131,8 +131,7 @@ def plan_from_costs(
         best = diffusion_candidates(
             best,
             lambda b: plan_for(table, cuts, b, workload, granularity=granularity, solver=solver),
-            n, granularity, max_chunks,
-        )
+            n, granularity, max_chunks, lambda b: diffusion_latency(table, cuts, b, workload))
     if workload.kind == "causal_prefill" and num_stages > 1 \
             and time.perf_counter() < ctx.deadline:  # improvements only within the limit
         best = _improve(ctx, cuts, bounds, best, t0, certify)
