@@ -38,10 +38,9 @@ from tppc.planner.evaluate import diffusion_latency, plan_for
 from tppc.planner.memory import memory_parts, positional_part, stage_memory
 from tppc.planner.placement import balanced_placement, infeasible_error, place_layers
 from tppc.planner.plan import Plan, SolverInfo, SplitSearch, Workload, say_expired
-from tppc.planner.refine import diffusion_candidates, improve_split
+from tppc.planner.refine import diffusion_candidates, improve_split, ring_makespan
 from tppc.planner.split import check_grid, solve_split
 from tppc.planner.sublayers import cut_inside_blocks
-from tppc.program.schedule import simulate
 
 __all__ = ["plan_for", "plan_from_costs"]
 
@@ -179,7 +178,7 @@ def _improve(ctx: _Ctx, cuts: tuple[int, ...], bounds: tuple[int, ...], best: Pl
             return math.inf
         times = np.stack([t[a, b] for t in stage])
         sends = np.stack([lk[a, b] for lk in links]) if links else np.zeros((0, a.size))
-        return simulate(times, sends).makespan
+        return ring_makespan(times, sends, np.zeros(a.size), 1)  # = simulate(...).makespan
 
     now = time.perf_counter()
     deadline = min(ctx.deadline, now + max(1.0, now - t0))
@@ -238,9 +237,10 @@ def _in_block_cuts(ctx: _Ctx, cuts: tuple[int, ...], bounds: tuple[int, ...], be
                           deadline=stop)
         split = sol.bounds if math.isfinite(sol.objective) else bounds
         return plan_for(table, cuts, tuple(b * g for b in split), ctx.workload,
-                        granularity=g, solver=solver)
+                        granularity=g, solver=solver, ranged=False)  # the bound: polish
 
     def polish(table: CostTable, cuts: tuple[int, ...], plan: Plan) -> Plan:
+        plan = plan_for(table, cuts, plan.boundaries, ctx.workload, granularity=g, solver=solver)
         return _improve(_sub_ctx(ctx, table), cuts, tuple(b // g for b in plan.boundaries),
                         plan, t0, certify)
 
