@@ -69,6 +69,7 @@ def plan_from_costs(
     max_rounds: int = 6,
     coarser_grids: int = 2,
     certify: bool = True,
+    ranged: bool = True,
 ) -> Plan:
     """Choose stage placement and chunk boundaries for a priced model.
 
@@ -90,6 +91,7 @@ def plan_from_costs(
             slower than a coarser one; every candidate is still a plan on the ``g`` grid.
         certify: run the certified split search (:mod:`tppc.planner.certify`) on the chosen
             placement; the coarser grids skip it (their splits are on the finer grid too).
+        ranged: price the range bound (``plan_for``); the coarser grids keep the finer one.
 
     Returns:
         The plan, with its simulated schedule, lower bound and provenance.
@@ -124,7 +126,7 @@ def plan_from_costs(
     info = SolverInfo(**{**info.__dict__, "seconds": time.perf_counter() - t0})
     best = plan_for(table, cuts, tuple(b * granularity for b in bounds), workload,
                     granularity=granularity, solver=info,
-                    ranged=time.perf_counter() < ctx.deadline)
+                    ranged=ranged and time.perf_counter() < ctx.deadline)
     if workload.kind == "diffusion" and workload.pipelined_steps and num_stages > 1:
         solver = best.solver
         best = diffusion_candidates(
@@ -144,7 +146,7 @@ def plan_from_costs(
         other = plan_from_costs(table, workload=workload, granularity=coarse,
                                 num_stages=num_stages, time_limit=budget, max_chunks=max_chunks,
                                 method=method, max_rounds=max_rounds, coarser_grids=0,
-                                certify=False)
+                                certify=False, ranged=False)
         if other.latency < best.latency * (1 - 1e-9):
             detail = (f"{other.solver.detail.removesuffix('; stopped by the time limit')}; "
                       f"grid {coarse} simulated faster than {granularity}")
