@@ -117,8 +117,9 @@ def _ring_bound(table: CostTable, num_stages: int, granularity: int, steps: int)
             for k, i in enumerate(part):
                 m[k][:, a, b] = np.where(r[None, :] <= levels[i], vals, np.inf)
             least = min_tiling_sum(m.reshape(-1, n + 1, n + 1)).reshape(len(part), -1)
-            for k, i in enumerate(part):
-                W[i] = _placement(least[k][key], head, tail, steps)
+            for k, i in enumerate(part):  # no split with r ≤ T: no plan has r* ≤ T
+                W[i] = _placement(least[k][key], head, tail, steps) \
+                    if np.isfinite(least[k]).all() else np.inf
 
     price(sorted({int(i) for i in np.linspace(0, levels.size - 1, 16)}))
     best = np.inf
