@@ -16,6 +16,9 @@ chunks with ``f ≤ t_max``. Here the enumeration is a branch and bound over int
 sorted levels: the min-sum is non-increasing in ``t_max``, so an interval ``[lo, hi]`` can
 do no better than ``K·minsum(hi) + (S-1)·lo`` and is dropped when that bound is not below
 the incumbent. The answer is exact; typically a few dozen DPs run instead of thousands.
+Without a chunk limit the levels are priced 16 at a time in one pass over the grid (the
+intervals of least bound refined each round): 1024 grid points (a 70B model at 512k tokens)
+take 2 s instead of 8 on the 2-core machine.
 """
 
 from __future__ import annotations
@@ -174,6 +177,8 @@ def terapipe_dp(
     best = SplitSolution((), math.inf, math.inf)
     if levels.size == 0:
         return best
+    if max_chunks is None or max_chunks >= m.shape[0] - 1:
+        return _batched_search(m, f, levels, s1, repeats, upper_bound, deadline)
     cache: dict[int, tuple[float, tuple[int, ...]]] = {}
 
     def at(i: int) -> tuple[float, tuple[int, ...]]:
@@ -213,6 +218,89 @@ def terapipe_dp(
         stack.append((mid + 1, hi))
         stack.append((lo, mid))
     return SplitSolution(best.bounds, best.objective, best.t_max, dps=len(cache),
+                         complete=complete)
+
+
+_BATCH = 16
+"""Levels priced together by :func:`_min_sums` (one pass over the grid for all of them)."""
+
+
+def _min_sums(mt: np.ndarray, ft: np.ndarray, caps: np.ndarray
+              ) -> tuple[np.ndarray, list[tuple[int, ...]]]:
+    """:func:`min_sum_dp` over the chunks with ``f ≤ cap`` for each of ``caps`` at once;
+    ``mt``, ``ft`` are the transposed matrices (row ``b``: chunks ending at ``b``)."""
+    n, k = mt.shape[0] - 1, caps.size
+    best = np.full((k, n + 1), np.inf)
+    arg = np.zeros((k, n + 1), dtype=int)
+    best[:, 0] = 0.0
+    rows = np.arange(k)
+    for b in range(1, n + 1):
+        cand = best[:, :b] + np.where(ft[b, None, :b] <= caps[:, None], mt[b, None, :b], np.inf)
+        arg[:, b] = np.argmin(cand, axis=1)
+        best[:, b] = cand[rows, arg[:, b]]
+    out = [_walk_back(arg[i], n) if math.isfinite(best[i, n]) else () for i in range(k)]
+    return best[:, n], out
+
+
+def _batched_search(m: np.ndarray, f: np.ndarray, levels: np.ndarray, s1: int,
+                    repeats: float, upper_bound: float, deadline: float | None
+                    ) -> SplitSolution:
+    """:func:`terapipe_dp` without a chunk limit: the same bound on intervals of levels, but
+    each round prices :data:`_BATCH` levels in one pass (inside the intervals whose bound
+    ``K·minsum(hi) + (S-1)·levels[lo]`` is least), instead of one DP per level."""
+    finite = np.isfinite(m) & np.isfinite(f)
+    mt = np.where(finite, m, np.inf).T.copy()
+    ft = np.where(finite, f, np.inf).T.copy()
+    priced: dict[int, tuple[float, tuple[int, ...]]] = {}
+    best = SplitSolution((), math.inf, math.inf)
+    incumbent = upper_bound
+
+    def price(idx: list[int]) -> None:
+        nonlocal best, incumbent
+        idx = sorted(set(idx) - set(priced))
+        if not idx:
+            return
+        sums, splits = _min_sums(mt, ft, levels[idx])
+        for i, total, bounds in zip(idx, sums.tolist(), splits):
+            priced[i] = (total, bounds)
+            if bounds:
+                worst = _max_f(bounds, f)
+                value = repeats * total + s1 * worst
+                if value < best.objective:
+                    best = SplitSolution(bounds, value, worst)
+                    incumbent = min(incumbent, value)
+
+    top = levels.size - 1
+    price([top])
+    if not math.isfinite(priced[top][0]):
+        return best
+    if s1 == 0:
+        return SplitSolution(best.bounds, best.objective, best.t_max, dps=1)
+    cap = (incumbent - repeats * priced[top][0]) / s1  # t_max can be at most this
+    hi = min(max(int(np.searchsorted(levels, cap * (1 + 1e-12), side="right")) - 1, 0), top)
+    price([int(i) for i in np.linspace(0, hi, _BATCH)])
+    complete = True
+    while True:
+        pts = sorted(i for i in priced if i <= hi)
+        if pts[0] != 0 or pts[-1] != hi:
+            price([0, hi])
+            continue
+        open_ = []  # (bound, lo, hi) of intervals (lo, hi] that may hold a better split
+        for lo, up in itertools.pairwise(pts):
+            bound = repeats * priced[up][0] + s1 * levels[lo + 1]
+            if up - lo > 1 and bound < incumbent * (1 - 1e-12):
+                open_.append((bound, lo, up))
+        if not open_:
+            break
+        if deadline is not None and math.isfinite(best.objective) and \
+                time.perf_counter() > deadline:
+            complete = False
+            break
+        open_.sort()
+        per = max(1, _BATCH // len(open_[:4]))
+        price([int(i) for _b, lo, up in open_[:4]
+               for i in np.linspace(lo, up, per + 2)[1:-1]])
+    return SplitSolution(best.bounds, best.objective, best.t_max, dps=len(priced),
                          complete=complete)
 
 

@@ -14,9 +14,11 @@ from tppc.planner.memory import stage_memory
 from tppc.planner.placement import stage_times
 from tppc.planner.plan import Plan, SolverInfo, StagePlan, Workload
 from tppc.planner.range_bound import range_bound
+from tppc.planner.refine import ring_makespan
+from tppc.planner.ring_bound import ring_bound
 from tppc.program.schedule import flow_shop, simulate
 
-__all__ = ["lower_bounds", "plan_for"]
+__all__ = ["diffusion_latency", "lower_bounds", "plan_for"]
 
 
 def plan_for(
@@ -51,14 +53,7 @@ def plan_for(
     steps = workload.pipelined_steps
     if steps == 0:
         boundaries = (0, table.seq_len)  # every step is a synchronous warm-up step
-    times, links = stage_times(table, cuts, boundaries)
-    full_t, full_l = stage_times(table, cuts, (0, table.seq_len))
-    warmup = workload.warmup_steps * float(full_t.sum() + full_l.sum())
-    back = None
-    if workload.kind == "diffusion" and num_stages > 1:  # return link priced as the slowest
-        act = table.layers[num_stages - 1][cuts[-1] - 1].act_bytes_per_token
-        sizes = np.diff(np.asarray(boundaries, dtype=float))
-        back = np.max([lk.time(act * sizes) for lk in table.links[: num_stages - 1]], axis=0)
+    times, links, back, warmup = _priced(table, cuts, boundaries, workload)
     if steps:
         actions = flow_shop(tuple(itertools.pairwise(boundaries)), num_stages, steps)
         sched = simulate(times, links, steps=steps, back=back, actions=actions)
@@ -113,6 +108,32 @@ def plan_for(
     )
 
 
+def _priced(table: CostTable, cuts: tuple[int, ...], boundaries: tuple[int, ...],
+            workload: Workload) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, float]:
+    """``(times, links, back or None, warm-up seconds)`` of a placement on a split."""
+    num_stages = len(cuts) - 1
+    times, links = stage_times(table, cuts, boundaries)
+    full_t, full_l = stage_times(table, cuts, (0, table.seq_len))
+    warmup = workload.warmup_steps * float(full_t.sum() + full_l.sum())
+    back = None
+    if workload.kind == "diffusion" and num_stages > 1:  # return link priced as the slowest
+        act = table.layers[num_stages - 1][cuts[-1] - 1].act_bytes_per_token
+        sizes = np.diff(np.asarray(boundaries, dtype=float))
+        back = np.max([lk.time(act * sizes) for lk in table.links[: num_stages - 1]], axis=0)
+    return times, links, back, warmup
+
+
+def diffusion_latency(table: CostTable, cuts: tuple[int, ...], boundaries: tuple[int, ...],
+                      workload: Workload) -> float:
+    """``plan_for(table, cuts, boundaries, workload).latency`` of a diffusion workload with
+    pipelined steps, by the flow shop's recursion (:func:`~tppc.planner.refine.ring_makespan`)
+    instead of the lowered action lists: what a search ranks many splits with."""
+    times, links, back, warmup = _priced(table, cuts, boundaries, workload)
+    if back is None:
+        back = np.zeros(times.shape[1])
+    return warmup + ring_makespan(times, links, back, workload.pipelined_steps)
+
+
 def lower_bounds(
     table: CostTable, num_stages: int, workload: Workload, granularity: int,
     *, ranged: bool = True,
@@ -142,6 +163,8 @@ def lower_bounds(
     work = warm + steps * serial / num_stages
     if steps:
         work = max(work, warm + placement_bound(table, num_stages, granularity, steps))
+    if workload.kind == "diffusion" and steps and num_stages > 1:
+        work = max(work, warm + ring_bound(table, num_stages, granularity, steps))
     if steps == 1 and ranged:
         tight = range_bound(table, num_stages, granularity)
         if tight is not None:

@@ -3,7 +3,10 @@
 Terms:
     grid: chunk boundaries are multiples of the granularity ``g``; a length that ``g`` does
         not divide is planned on the grid of ``⌈L / g⌉ · g`` tokens and its last boundary
-        clipped to ``L`` (one shorter last chunk), then priced again at ``L``. The
+        clipped to ``L`` (one shorter last chunk), then priced again at ``L``. The search
+        reads the cost table of ``L`` as if it had ``⌈L / g⌉ · g`` tokens (one table per
+        length, not two: pricing is most of a re-plan; the memory rule then holds the
+        longer buffers); the plan, its latency and its bound are priced at ``L``. The
         granularity never drops to 1 because ``L`` is odd.
     time limit: a deadline for everything :func:`plan_any_length` does: pricing (the cost
         table) comes out of it, the solver gets what is left (at least
@@ -73,18 +76,18 @@ def plan_any_length(table_at: Callable[[int], CostTable], length: int, *,
     deadline = time.perf_counter() + time_limit
     g = granularity or default_granularity(length)
     grid_len = math.ceil(length / g) * g
-    table = table_at(grid_len)
+    table = table_at(length)  # searched as if it had grid_len tokens (module docstring)
     left = max(deadline - time.perf_counter(), MIN_SOLVE_SECONDS)
-    grid = plan_from_costs(table, workload=workload, granularity=g,
-                           num_stages=num_stages, time_limit=left)
-    return say_expired(_clip(table_at, grid, grid_len, length, g, bounds, workload,
+    grid = plan_from_costs(dataclasses.replace(table, seq_len=grid_len), workload=workload,
+                           granularity=g, num_stages=num_stages, time_limit=left)
+    return say_expired(_clip(table, grid, grid_len, length, g, bounds, workload,
                              time.perf_counter() < deadline), deadline)
 
 
-def _clip(table_at: Callable[[int], CostTable], grid: Plan, grid_len: int, length: int, g: int,
+def _clip(table: CostTable, grid: Plan, grid_len: int, length: int, g: int,
           bounds: tuple[int, ...] | None, workload: Workload | None, ranged: bool) -> Plan:
-    """The plan of the ``grid_len`` grid at ``length`` tokens, with ``bounds`` if given
-    (module docstring)."""
+    """The plan of the ``grid_len`` grid at ``length`` tokens (priced on ``table``, the cost
+    table at ``length``), with ``bounds`` if given (module docstring)."""
     if bounds is None:
         bounds = tuple(sorted({min(b, length) for b in grid.boundaries}))
     if grid_len == length and bounds == grid.boundaries:
@@ -92,7 +95,7 @@ def _clip(table_at: Callable[[int], CostTable], grid: Plan, grid_len: int, lengt
     cuts = (0, *(st.layer_end for st in grid.stages))
     chosen = tuple(st.device_index for st in grid.stages)
     names = [name for st in grid.stages for name in st.layer_names]  # blocks cut at a waist
-    plan = plan_for(sub_table(table_at(length), chosen).with_layers(names), cuts, bounds,
+    plan = plan_for(sub_table(table, chosen).with_layers(names), cuts, bounds,
                     workload, granularity=g, solver=grid.solver, ranged=ranged)
     stages = tuple(dataclasses.replace(st, device_index=old.device_index)
                    for st, old in zip(plan.stages, grid.stages))

@@ -34,14 +34,13 @@ from tppc.planner._solver import available_solver
 from tppc.planner.certify import search_split, split_bound
 from tppc.planner.devices import choose_devices
 from tppc.planner.dp import chunk_matrix, terapipe_dp
-from tppc.planner.evaluate import plan_for
+from tppc.planner.evaluate import diffusion_latency, plan_for
 from tppc.planner.memory import memory_parts, positional_part, stage_memory
 from tppc.planner.placement import balanced_placement, infeasible_error, place_layers
 from tppc.planner.plan import Plan, SolverInfo, SplitSearch, Workload, say_expired
-from tppc.planner.refine import diffusion_candidates, improve_split
+from tppc.planner.refine import diffusion_candidates, improve_split, ring_makespan
 from tppc.planner.split import check_grid, solve_split
 from tppc.planner.sublayers import cut_inside_blocks
-from tppc.program.schedule import simulate
 
 __all__ = ["plan_for", "plan_from_costs"]
 
@@ -70,6 +69,7 @@ def plan_from_costs(
     max_rounds: int = 6,
     coarser_grids: int = 2,
     certify: bool = True,
+    ranged: bool = True,
 ) -> Plan:
     """Choose stage placement and chunk boundaries for a priced model.
 
@@ -91,6 +91,7 @@ def plan_from_costs(
             slower than a coarser one; every candidate is still a plan on the ``g`` grid.
         certify: run the certified split search (:mod:`tppc.planner.certify`) on the chosen
             placement; the coarser grids skip it (their splits are on the finer grid too).
+        ranged: price the range bound (``plan_for``); the coarser grids keep the finer one.
 
     Returns:
         The plan, with its simulated schedule, lower bound and provenance.
@@ -125,14 +126,13 @@ def plan_from_costs(
     info = SolverInfo(**{**info.__dict__, "seconds": time.perf_counter() - t0})
     best = plan_for(table, cuts, tuple(b * granularity for b in bounds), workload,
                     granularity=granularity, solver=info,
-                    ranged=time.perf_counter() < ctx.deadline)
+                    ranged=ranged and time.perf_counter() < ctx.deadline)
     if workload.kind == "diffusion" and workload.pipelined_steps and num_stages > 1:
         solver = best.solver
         best = diffusion_candidates(
             best,
             lambda b: plan_for(table, cuts, b, workload, granularity=granularity, solver=solver),
-            n, granularity, max_chunks,
-        )
+            n, granularity, max_chunks, lambda b: diffusion_latency(table, cuts, b, workload))
     if workload.kind == "causal_prefill" and num_stages > 1 \
             and time.perf_counter() < ctx.deadline:  # improvements only within the limit
         best = _improve(ctx, cuts, bounds, best, t0, certify)
@@ -146,7 +146,7 @@ def plan_from_costs(
         other = plan_from_costs(table, workload=workload, granularity=coarse,
                                 num_stages=num_stages, time_limit=budget, max_chunks=max_chunks,
                                 method=method, max_rounds=max_rounds, coarser_grids=0,
-                                certify=False)
+                                certify=False, ranged=False)
         if other.latency < best.latency * (1 - 1e-9):
             detail = (f"{other.solver.detail.removesuffix('; stopped by the time limit')}; "
                       f"grid {coarse} simulated faster than {granularity}")
@@ -180,7 +180,7 @@ def _improve(ctx: _Ctx, cuts: tuple[int, ...], bounds: tuple[int, ...], best: Pl
             return math.inf
         times = np.stack([t[a, b] for t in stage])
         sends = np.stack([lk[a, b] for lk in links]) if links else np.zeros((0, a.size))
-        return simulate(times, sends).makespan
+        return ring_makespan(times, sends, np.zeros(a.size), 1)  # = simulate(...).makespan
 
     now = time.perf_counter()
     deadline = min(ctx.deadline, now + max(1.0, now - t0))
@@ -239,9 +239,10 @@ def _in_block_cuts(ctx: _Ctx, cuts: tuple[int, ...], bounds: tuple[int, ...], be
                           deadline=stop)
         split = sol.bounds if math.isfinite(sol.objective) else bounds
         return plan_for(table, cuts, tuple(b * g for b in split), ctx.workload,
-                        granularity=g, solver=solver)
+                        granularity=g, solver=solver, ranged=False)  # the bound: polish
 
     def polish(table: CostTable, cuts: tuple[int, ...], plan: Plan) -> Plan:
+        plan = plan_for(table, cuts, plan.boundaries, ctx.workload, granularity=g, solver=solver)
         return _improve(_sub_ctx(ctx, table), cuts, tuple(b // g for b in plan.boundaries),
                         plan, t0, certify)
 

@@ -11,9 +11,11 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from tppc.planner.plan import Plan
 
-__all__ = ["diffusion_candidates", "improve_split", "with_detail"]
+__all__ = ["diffusion_candidates", "improve_split", "ring_makespan", "with_detail"]
 
 
 def diffusion_candidates(
@@ -22,6 +24,7 @@ def diffusion_candidates(
     n: int,
     granularity: int,
     max_chunks: int | None,
+    makespan: Callable[[tuple[int, ...]], float] | None = None,
 ) -> Plan:
     """Keep the fastest simulated plan among the solver's split and near-uniform splits.
 
@@ -36,19 +39,61 @@ def diffusion_candidates(
         n: grid points (``seq_len / granularity``).
         granularity: tokens per grid point.
         max_chunks: at most this many chunks.
+        makespan: the same latency as ``price(bounds).latency`` for token boundaries, cheaper
+            (:func:`ring_makespan`); candidates are ranked with it and only the fastest is
+            packaged with ``price``.
     """
     num_stages = best.num_stages
     top = min(n, 8 * num_stages, max_chunks or n)
-    for m in range(1, top + 1):
-        grid = sorted({round(i * n / m) for i in range(m + 1)})
-        candidate = price(tuple(b * granularity for b in grid))
-        if candidate.latency < best.latency * (1 - 1e-9):
-            best = candidate
+    grids = [tuple(b * granularity for b in sorted({round(i * n / m) for i in range(m + 1)}))
+             for m in range(1, top + 1)]
+    if makespan is None:
+        for bounds in grids:
+            candidate = price(bounds)
+            if candidate.latency < best.latency * (1 - 1e-9):
+                best = candidate
+    else:
+        value, bounds = min((makespan(b), b) for b in grids)
+        if value < best.latency * (1 - 1e-9):
+            candidate = price(bounds)
+            best = candidate if candidate.latency < best.latency * (1 - 1e-9) else best
     if best.solver.detail.endswith("(simulated M chunks)"):
         return best
     detail = f"{best.solver.detail}; best of the split and near-uniform M = 1..{top} " \
         "(simulated M chunks)"
     return with_detail(best, detail)
+
+
+def ring_makespan(times: np.ndarray, links: np.ndarray, back: np.ndarray, steps: int) -> float:
+    """The flow shop's makespan with PipeFusion's ring (what
+    :func:`tppc.program.schedule.simulate` gives for :func:`~tppc.program.schedule.flow_shop`
+    lists), by its recursion alone: chunk ``i`` of step ``t`` starts on stage ``s`` once stage
+    ``s`` finished the job before and the chunk arrived from ``s - 1``; on stage 0 after the
+    first step, once the same chunk of the step before came back from the last stage (with
+    one stage, nothing comes back).
+
+    Args:
+        times: ``(S, M)`` stage seconds per chunk.
+        links: ``(S-1, M)`` link seconds per boundary and chunk.
+        back: ``(M,)`` seconds from the last stage back to stage 0.
+        steps: pipelined steps.
+    """
+    t = np.asarray(times, dtype=float).T.tolist()  # [chunk][stage]
+    lk = np.asarray(links, dtype=float).T.tolist()
+    bk = np.asarray(back, dtype=float).tolist()
+    num_stages, m = len(t[0]), len(t)
+    clock = [0.0] * num_stages
+    last = [0.0] * m  # the chunk's end on the last stage in the step before
+    for step in range(steps):
+        for i in range(m):
+            ti, li = t[i], lk[i]
+            ready = max(clock[0], last[i] + bk[i]) if step and num_stages > 1 else clock[0]
+            prev = clock[0] = ready + ti[0]
+            for s in range(1, num_stages):
+                ready = max(clock[s], prev + li[s - 1])
+                prev = clock[s] = ready + ti[s]
+            last[i] = prev
+    return float(clock[-1])
 
 
 def with_detail(plan: Plan, detail: str) -> Plan:
