@@ -79,6 +79,12 @@ class FrontEnd:
         """Cache key: the input structure (which keyword inputs) and the batch shape."""
         return (repr(self.signature.in_spec), self.batch)
 
+    def serves(self, structure: str, bound: BoundCall) -> bool:
+        """Whether a call of input ``structure`` bound as ``bound`` runs on this capture: its
+        batch shape (a ``specialized`` capture's resolution included) is this one's."""
+        names = [p.name for p in self.placeholders]
+        return self.key[0] == structure and batch_shape(bound.flat, self.ctx, names) == self.batch
+
     @property
     def placeholders(self) -> list[fx.Node]:
         """The captured graph's user inputs, in flat order."""
@@ -148,20 +154,27 @@ def on_meta_if(model: torch.nn.Module, tree: Any) -> Any:
 
 
 def batch_shape(flat: list[Any], ctx: CompileContext, names: list[str]) -> BatchShape:
-    """The sizes of each flat tensor input without its sequence axes (None: not a tensor)."""
+    """The sizes of each flat tensor input without its sequence axes (None: not a tensor).
+
+    A ``specialized`` capture runs at its resolution only, so its sequence axes are kept:
+    a call at another resolution (or width, or batch) has another batch shape and gets its
+    own capture, never a refusal.
+    """
     out: list[tuple[int | None, ...] | None] = []
     for name, value in zip(names, flat):
         if not isinstance(value, torch.Tensor):
             out.append(None)
             continue
-        seq = ctx.seq_inputs.get(name, ())
+        seq = () if ctx.capture_mode == "specialized" else ctx.seq_inputs.get(name, ())
         out.append(tuple(None if i in seq else int(s) for i, s in enumerate(value.shape)))
     return tuple(out)
 
 
 def bind(front: FrontEnd, model: torch.nn.Module, args: tuple[Any, ...],
          kwargs: Mapping[str, Any]) -> BoundCall:
-    """Bind and check call inputs against ``front``; only the batch axis may differ.
+    """Bind and check call inputs against ``front``: their structure, dtypes and ranks.
+    Static sizes (batch, a latent's width, a table's length) may differ: the call's
+    :func:`batch_shape` then selects (or captures) another front end.
 
     Raises:
         RuntimeInputError: naming the input, what it is, what was compiled, and the fix.
@@ -177,7 +190,7 @@ def bind(front: FrontEnd, model: torch.nn.Module, args: tuple[Any, ...],
     placeholders = front.placeholders
     for ph, value in zip(placeholders, flat):
         seq = front.ctx.seq_inputs.get(ph.name, ())
-        check_input(ph, value, skip_axes=(0,) if 0 not in seq else ())
+        check_input(ph, value, skip_axes=_static_axes(ph, seq))
         check_finite(ph.name, value)
         if 0 not in seq and isinstance(value, torch.Tensor) and value.dim() \
                 and value.shape[0] == 0:
@@ -194,6 +207,13 @@ def bind(front: FrontEnd, model: torch.nn.Module, args: tuple[Any, ...],
         raise RuntimeInputError("the sequence has 0 tokens. fix: pass at least one token")
     names = [p.name for p in placeholders]
     return BoundCall(flat=flat, length=length, batch=batch_shape(flat, front.ctx, names))
+
+
+def _static_axes(ph: fx.Node, seq: tuple[int, ...]) -> tuple[int, ...]:
+    """The axes of an input that are not sequence axes (a new size there is a new capture)."""
+    val = ph.meta.get("val")
+    rank = val.dim() if isinstance(val, torch.Tensor) else 0
+    return tuple(axis for axis in range(rank) if axis not in seq)
 
 
 def check_finite(name: str, value: Any) -> None:

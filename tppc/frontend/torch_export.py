@@ -53,6 +53,8 @@ def export_dynamic(
         pinned = f"torch.export: {str(exc).strip().splitlines()[0]} ({_pinned_line(exc)})"
     gm = ep.module()
     guard = pinned or _check_guards(gm, bound, axes, patch, mode == "dynamic-square", units)
+    if guard is not None and pinned is None:  # guarded to the example: keep shapes symbolic
+        gm = _export(model, bound, shapes, deferred=True).module()
     _drop_guards(gm)
     symbol = _seq_symbol(gm, axes)
     if symbol is None:
