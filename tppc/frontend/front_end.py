@@ -41,7 +41,7 @@ from tppc.passes.runner import run_passes
 from tppc.program.state import StatePool
 
 __all__ = ["BoundCall", "FrontEnd", "batch_shape", "bind", "capture_front_end", "check_finite",
-           "input_structure", "on_meta_if"]
+           "guards_hold", "input_structure", "on_meta_if"]
 
 BatchShape = tuple[tuple[int | None, ...] | None, ...]
 
@@ -83,7 +83,8 @@ class FrontEnd:
         """Whether a call of input ``structure`` bound as ``bound`` runs on this capture: its
         batch shape (a ``specialized`` capture's resolution included) is this one's."""
         names = [p.name for p in self.placeholders]
-        return self.key[0] == structure and batch_shape(bound.flat, self.ctx, names) == self.batch
+        return (self.key[0] == structure and batch_shape(bound.flat, self.ctx, names)
+                == self.batch and guards_hold(self.ctx, bound.flat))
 
     @property
     def placeholders(self) -> list[fx.Node]:
@@ -207,6 +208,21 @@ def bind(front: FrontEnd, model: torch.nn.Module, args: tuple[Any, ...],
         raise RuntimeInputError("the sequence has 0 tokens. fix: pass at least one token")
     names = [p.name for p in placeholders]
     return BoundCall(flat=flat, length=length, batch=batch_shape(flat, front.ctx, names))
+
+
+def guards_hold(ctx: CompileContext, flat: list[Any]) -> bool:
+    """Whether the capture's shape guards (``ctx.shape_guards``) accept the flat inputs'
+    shapes: a size where the model's Python took another branch than at the example (PixArt
+    at its ``sample_size`` reads its stored table, elsewhere it computes one) fails them."""
+    if ctx.shape_guards is None:
+        return True
+    metas = [torch.empty(v.shape, dtype=v.dtype, device="meta")
+             if isinstance(v, torch.Tensor) else v for v in flat]
+    try:
+        ctx.shape_guards(*metas)
+    except Exception:  # torch raises AssertionError or RuntimeError naming the guard
+        return False
+    return True
 
 
 def _static_axes(ph: fx.Node, seq: tuple[int, ...]) -> tuple[int, ...]:
