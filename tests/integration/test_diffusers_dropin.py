@@ -199,3 +199,17 @@ def test_the_adapter_answers_what_pipelines_read() -> None:
         out = adapter(x, **kwargs)  # return_dict=True: the model's output class
         torch.testing.assert_close(out.sample, model(x, **kwargs).sample)
         assert isinstance(adapter(x, **kwargs, return_dict=False), tuple)
+
+
+def test_one_drop_in_serves_two_resolutions_each_equal_to_eager() -> None:
+    """The pipeline at its transformer's sample size (16 px: an 8x8 latent), then at 16x24
+    px (8x12): the second size is captured again inside the same compiled pipeline."""
+    pipe, call = pixart_pipe()
+    pipe.set_progress_bar_config(disable=True)
+    sizes = [{"height": 16, "width": 16}, {"height": 16, "width": 24}]
+    want = [_call(pipe, {**call, **size}, steps=2) for size in sizes]
+    tppc.diffusers.compile_pipeline(pipe, warmup_steps=None, patches=2, num_stages=2)
+    for size, eager in zip(sizes, want, strict=True):
+        torch.testing.assert_close(_call(pipe, {**call, **size}, steps=2), eager,
+                                   rtol=1e-5, atol=1e-5)
+    assert len(pipe.transformer.compiled) == 1  # one compile for both sizes

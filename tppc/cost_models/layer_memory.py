@@ -115,9 +115,14 @@ def positional_bytes(nodes: Mapping[str, fx.Node], layer_nodes: Sequence[str],
 
 @functools.lru_cache(maxsize=1024)
 def _per_position(size: sympy.Expr) -> int:
-    """``size`` at ``c = 1, p = 0, L = 1`` (0 when that is not a number); memoised."""
+    """``size`` at ``c = 1, p = 0, L = 1`` (0 when that is not a number); memoised.
+    torch's ``FloorDiv`` of a fraction (``(c/4)//4`` in a grid specialised to a multiple of
+    4) stays unevaluated: it is not a number either."""
     value = size.subs({C: 1, P: 0, L: 1})
-    return int(sympy.ceiling(value)) if value.is_number else 0
+    try:
+        return int(sympy.ceiling(value)) if value.is_number else 0
+    except TypeError:
+        return 0
 
 
 def attention_workspace(nodes: Mapping[str, fx.Node], layer_nodes: Sequence[str],

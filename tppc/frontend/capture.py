@@ -11,8 +11,12 @@ Strategies, tried in order (``ctx.capture_mode`` records the one that worked):
     ``dynamic-square``: latents whose height and width share the ``Dim`` (square images).
     ``specialized``: every strategy above exported, but torch.export guarded the sequence
         size to its example value (diffusers' DiT computes its patch grid with ``sqrt``).
-        The graph's shapes are still symbolic, so annotation and costing work; the graph
-        itself only runs at the example length, and ``ctx.specialization`` says why.
+        A ``dynamic-square`` graph that needs no guard is not kept either: its ``s**2``
+        tokens make a band of patch rows no whole number of tokens per unit of ``s``, so
+        the height-only capture, specialised, is kept instead. The graph's shapes are
+        still symbolic, so annotation and costing work; the graph itself only runs at the
+        example length, and ``ctx.specialization`` says why. A compiled pipeline captures
+        again per resolution (:func:`tppc.frontend.front_end.batch_shape` keys it).
 
 When torch.export fails, the :class:`CaptureError` carries tppc's diagnosis (the construct,
 the user frame, the fix) on top of torch.export's error in full.
@@ -96,6 +100,8 @@ def _capture(model: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str,
         ctx.model_name = type(model).__name__
         ctx.capture_seconds = time.perf_counter() - start
         _describe_streams(model, ctx, bound, axes, patch)
+        if ctx.specialization is None and mode == "dynamic-square":
+            break  # s**2 tokens: a band of rows is no whole number of tokens per unit of s
         if ctx.specialization is None:
             return gm, ctx
         fallback = (gm, ctx)  # the last strategy is the most general one

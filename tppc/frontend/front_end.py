@@ -41,7 +41,7 @@ from tppc.passes.runner import run_passes
 from tppc.program.state import StatePool
 
 __all__ = ["BoundCall", "FrontEnd", "batch_shape", "bind", "capture_front_end", "check_finite",
-           "input_structure", "on_meta_if"]
+           "guards_hold", "input_structure", "on_meta_if"]
 
 BatchShape = tuple[tuple[int | None, ...] | None, ...]
 
@@ -78,6 +78,13 @@ class FrontEnd:
     def key(self) -> tuple[str, BatchShape]:
         """Cache key: the input structure (which keyword inputs) and the batch shape."""
         return (repr(self.signature.in_spec), self.batch)
+
+    def serves(self, structure: str, bound: BoundCall) -> bool:
+        """Whether a call of input ``structure`` bound as ``bound`` runs on this capture: its
+        batch shape (a ``specialized`` capture's resolution included) is this one's."""
+        names = [p.name for p in self.placeholders]
+        return (self.key[0] == structure and batch_shape(bound.flat, self.ctx, names)
+                == self.batch and guards_hold(self.ctx, bound.flat))
 
     @property
     def placeholders(self) -> list[fx.Node]:
@@ -148,20 +155,27 @@ def on_meta_if(model: torch.nn.Module, tree: Any) -> Any:
 
 
 def batch_shape(flat: list[Any], ctx: CompileContext, names: list[str]) -> BatchShape:
-    """The sizes of each flat tensor input without its sequence axes (None: not a tensor)."""
+    """The sizes of each flat tensor input without its sequence axes (None: not a tensor).
+
+    A ``specialized`` capture runs at its resolution only, so its sequence axes are kept:
+    a call at another resolution (or width, or batch) has another batch shape and gets its
+    own capture, never a refusal.
+    """
     out: list[tuple[int | None, ...] | None] = []
     for name, value in zip(names, flat):
         if not isinstance(value, torch.Tensor):
             out.append(None)
             continue
-        seq = ctx.seq_inputs.get(name, ())
+        seq = () if ctx.capture_mode == "specialized" else ctx.seq_inputs.get(name, ())
         out.append(tuple(None if i in seq else int(s) for i, s in enumerate(value.shape)))
     return tuple(out)
 
 
 def bind(front: FrontEnd, model: torch.nn.Module, args: tuple[Any, ...],
          kwargs: Mapping[str, Any]) -> BoundCall:
-    """Bind and check call inputs against ``front``; only the batch axis may differ.
+    """Bind and check call inputs against ``front``: their structure, dtypes and ranks.
+    Static sizes (batch, a latent's width, a table's length) may differ: the call's
+    :func:`batch_shape` then selects (or captures) another front end.
 
     Raises:
         RuntimeInputError: naming the input, what it is, what was compiled, and the fix.
@@ -177,7 +191,7 @@ def bind(front: FrontEnd, model: torch.nn.Module, args: tuple[Any, ...],
     placeholders = front.placeholders
     for ph, value in zip(placeholders, flat):
         seq = front.ctx.seq_inputs.get(ph.name, ())
-        check_input(ph, value, skip_axes=(0,) if 0 not in seq else ())
+        check_input(ph, value, skip_axes=_static_axes(ph, seq))
         check_finite(ph.name, value)
         if 0 not in seq and isinstance(value, torch.Tensor) and value.dim() \
                 and value.shape[0] == 0:
@@ -194,6 +208,28 @@ def bind(front: FrontEnd, model: torch.nn.Module, args: tuple[Any, ...],
         raise RuntimeInputError("the sequence has 0 tokens. fix: pass at least one token")
     names = [p.name for p in placeholders]
     return BoundCall(flat=flat, length=length, batch=batch_shape(flat, front.ctx, names))
+
+
+def guards_hold(ctx: CompileContext, flat: list[Any]) -> bool:
+    """Whether the capture's shape guards (``ctx.shape_guards``) accept the flat inputs'
+    shapes: a size where the model's Python took another branch than at the example (PixArt
+    at its ``sample_size`` reads its stored table, elsewhere it computes one) fails them."""
+    if ctx.shape_guards is None:
+        return True
+    metas = [torch.empty(v.shape, dtype=v.dtype, device="meta")
+             if isinstance(v, torch.Tensor) else v for v in flat]
+    try:
+        ctx.shape_guards(*metas)
+    except Exception:  # torch raises AssertionError or RuntimeError naming the guard
+        return False
+    return True
+
+
+def _static_axes(ph: fx.Node, seq: tuple[int, ...]) -> tuple[int, ...]:
+    """The axes of an input that are not sequence axes (a new size there is a new capture)."""
+    val = ph.meta.get("val")
+    rank = val.dim() if isinstance(val, torch.Tensor) else 0
+    return tuple(axis for axis in range(rank) if axis not in seq)
 
 
 def check_finite(name: str, value: Any) -> None:

@@ -53,6 +53,9 @@ def export_dynamic(
         pinned = f"torch.export: {str(exc).strip().splitlines()[0]} ({_pinned_line(exc)})"
     gm = ep.module()
     guard = pinned or _check_guards(gm, bound, axes, patch, mode == "dynamic-square", units)
+    if guard is not None and pinned is None:  # guarded to the example: keep shapes symbolic
+        gm = _export(model, bound, shapes, deferred=True).module()
+    guards = getattr(gm, "_guards_fn", None) if guard is None else None
     _drop_guards(gm)
     symbol = _seq_symbol(gm, axes)
     if symbol is None:
@@ -65,6 +68,7 @@ def export_dynamic(
         capture_mode=mode,  # type: ignore[arg-type]
         specialization=guard,
         input_names=tuple(n.name for n in gm.graph.nodes if n.op == "placeholder"),
+        shape_guards=guards,
     )
     return gm, ctx
 
@@ -251,6 +255,13 @@ _HINTS: list[tuple[str, str, str]] = [
     (r"Constraints violated|specializ",
      "the sequence length was fixed to its example value by the model code",
      "avoid int()/math on sizes, or pass seq_dims= with the right axes"),
+    (r"fake tensor in the exported program constant",
+     "a tensor made inside forward and written through `.data` (an alias torch.export does "
+     "not trace, so the tensor stays a fake constant; diffusers' CogVideoX patch embedding "
+     "builds its positional table so at a size other than its config's sample size)",
+     "write the tensor without `.data` (torch.cat, index_put), or build the model with its "
+     "size config equal to this input's size (a sincos table is not a weight: "
+     "from_pretrained(..., sample_height=h, sample_width=w) loads the same weights)"),
     (_CACHE,
      "a key/value cache object in the inputs or outputs",
      "do not pass past_key_values; tppc builds its own K/V buffers"),
@@ -288,11 +299,18 @@ def _explain(model: torch.nn.Module, exc: Exception, why: str = "") -> str:
     if hint is not None:
         _pattern, what, fix = hint
         what += why
+        where = where or _lifted_owner(text)
         return (f"torch.export could not capture {type(model).__name__}: {what}{where}.\n"
                 f"fix: {fix}.\ntorch.export's error, in full:\n{text.strip()}")
     return (f"torch.export could not capture {type(model).__name__}{where}.\n"
             "fix: make the failing construct exportable (see torch.export's error below), or "
             f"capture a submodule without it.\ntorch.export's error, in full:\n{text.strip()}")
+
+
+def _lifted_owner(text: str) -> str:
+    """`` in module X`` for torch.export's "model attribute: X.lifted_tensor_0", else ''."""
+    found = re.search(r"model attribute: (\S+)\.lifted_tensor", text)
+    return f" in module {found.group(1)}" if found else ""
 
 
 def _user_frame(exc: Exception) -> str:

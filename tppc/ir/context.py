@@ -43,6 +43,10 @@ class CompileContext:
             projections): their length is a constant, never tied to the sequence symbol.
         specialized_to: for ``specialized`` captures, input name -> the shape (resolution)
             the graph runs at; capture again (and cache) per resolution. None when dynamic.
+        shape_guards: for dynamic captures, torch.export's input guards: called with the
+            flat inputs (meta tensors suffice), it raises when the graph was not traced for
+            their shapes (a Python branch on a size: PixArt's positional table at its
+            ``sample_size``); such a call is captured again. None when there are none.
         example_values: the example's values of the context-stream and integer/bool inputs
             (text masks, ids), so that masks are judged from them, not from zeros.
         layers: layer records written by ``group_layers``.
@@ -65,6 +69,7 @@ class CompileContext:
     context_inputs: tuple[str, ...] = ()
     specialized_to: dict[str, tuple[int, ...]] | None = None
     example_values: dict[str, Any] = field(default_factory=dict)
+    shape_guards: Any = None
 
     def tokens_per_unit(self) -> int:
         """Tokens per unit of the sequence symbol: a DiT's patch columns (the symbol counts

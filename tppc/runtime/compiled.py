@@ -282,9 +282,12 @@ class CompiledPipeline:
             raise RuntimeInputError(
                 f"the sequence has {bound.length} tokens, max_seq={self.options.max_seq}. "
                 f"fix: compile with max_seq={bound.length} (or more), or max_seq=None")
-        front = self._front_for((structure, bound.batch),
-                                lambda: self._capture(args, kwargs, bound))
-        return front, bound
+        with self._lock:  # a dynamic capture serves many sizes, a specialised one its own
+            front = next((f for f in reversed(self._fronts.values())
+                          if f.serves(structure, bound)), None)
+        front = front or self._front_for((structure, bound.batch),
+                                         lambda: self._capture(args, kwargs, bound))
+        return front, dataclasses.replace(bound, batch=front.batch)
 
     def _front_for(self, key: tuple[Any, Any], capture: Callable[[], FrontEnd]) -> FrontEnd:
         """The cached front end for ``key`` (``(_ANY_BATCH, structure)``: the latest of any

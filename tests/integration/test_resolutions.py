@@ -1,0 +1,100 @@
+"""One compile serves several resolutions (issue 21): a call at a latent size the capture does
+not serve (a ``specialized`` capture's other resolutions, another width, a size that fails
+the capture's shape guards) is captured again and cached, never refused; the oracle is the
+eager model at that size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tppc
+from tppc import examples
+
+diffusers = pytest.importorskip("diffusers")
+
+
+def _serial(model, x, steps, arg, kwargs, transform=None):
+    scheduler = diffusers.DDIMScheduler()
+    scheduler.set_timesteps(steps)
+    with torch.no_grad():
+        for t in scheduler.timesteps:
+            out = model(x, **{arg: t.expand(len(x))}, **kwargs)
+            out = transform(out) if transform else out
+            x = scheduler.step(out, t, x).prev_sample
+    return x
+
+
+def test_pixart_compiled_at_its_sample_size_runs_other_resolutions_exactly() -> None:
+    model, args, kwargs = examples.hf_pixart(size=8, layers=1)
+    kwargs = {k: v for k, v in kwargs.items() if k != "return_dict"}
+    cp = tppc.compile(model, args, kwargs)
+    assert cp.context.capture_mode == "specialized"
+    fronts = {}
+    for shape in [(8, 12), (12, 8), (8, 8), (8, 12)]:  # 16x16: docs/diffusion.md
+        x = torch.randn(1, 4, *shape)
+        with torch.no_grad():
+            torch.testing.assert_close(cp(x, **kwargs).sample, model(x, **kwargs).sample)
+        fronts.setdefault(shape, []).append(cp.bind((x,), kwargs)[0])
+    assert fronts[(8, 12)][0] is fronts[(8, 12)][1]  # a size served before: no new capture
+    # 12x8 is captured dynamic (it computes its table); its guards refuse 8x8 (PixArt's
+    # sample size reads the stored table instead): 8x8 stays on the compile's own capture
+    assert fronts[(12, 8)][0].ctx.capture_mode == "dynamic"
+    assert fronts[(8, 8)][0] is cp.bind(args, kwargs)[0] is not fronts[(12, 8)][0]
+    rest = {"encoder_hidden_states": kwargs["encoder_hidden_states"]}
+    x = torch.randn(1, 4, 8, 12)
+    half = lambda o: o[:, :4]  # noqa: E731  (drop the learned sigma)
+    got = cp.denoise(x, diffusers.DDIMScheduler(), 2, warmup_steps=2, patches=2,
+                     model_kwargs=rest, output_transform=half)
+    want = _serial(model, x, 2, "timestep", rest, lambda o: half(o.sample))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+class InterpolatedTableDiT(torch.nn.Module):
+    """A toy DiT whose learned 4x4 positional table is bilinearly interpolated to the latent's
+    patch grid at run time (a ViT-style ``interpolate_pos_encoding``)."""
+
+    def __init__(self, dim: int = 16, patch: int = 2) -> None:
+        super().__init__()
+        self.patch_size = patch
+        self.proj = torch.nn.Conv2d(4, dim, patch, stride=patch)
+        self.table = torch.nn.Parameter(torch.randn(1, dim, 4, 4))
+        self.temb = torch.nn.Linear(1, dim)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.TransformerEncoderLayer(dim, 2, 32, dropout=0.0, batch_first=True)
+            for _ in range(2))
+        self.out = torch.nn.Linear(dim, 4 * patch * patch)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        b, _, h, w = x.shape
+        p, rows, cols = self.patch_size, h // self.patch_size, w // self.patch_size
+        pos = F.interpolate(self.table, size=(rows, cols), mode="bilinear", align_corners=False)
+        tokens = self.proj(x).flatten(2).transpose(1, 2) + pos.flatten(2).transpose(1, 2)
+        tokens = tokens + self.temb(t.float()[:, None] / 1000)[:, None]
+        for block in self.blocks:
+            tokens = block(tokens)
+        out = self.out(tokens).reshape(b, rows, cols, 4, p, p)
+        return out.permute(0, 3, 1, 4, 2, 5).reshape(b, 4, h, w)
+
+
+def test_a_positional_table_interpolated_to_the_grid_is_dynamic_and_exact() -> None:
+    torch.manual_seed(0)
+    model = InterpolatedTableDiT().eval()
+    t = torch.tensor([10])
+    cp = tppc.compile(model, (torch.randn(1, 4, 8, 8), t))
+    assert cp.context.capture_mode == "dynamic"  # every height, one capture per width
+    for shape in [(12, 8), (8, 12)]:
+        x = torch.randn(1, 4, *shape)
+        with torch.no_grad():
+            torch.testing.assert_close(cp(x, t), model(x, t))
+        got = cp.denoise(x, diffusers.DDIMScheduler(), 2, warmup_steps=2, patches=2,
+                         timestep_arg="t")
+        torch.testing.assert_close(got, _serial(model, x, 2, "t", {}), rtol=1e-5, atol=1e-5)
+
+
+def test_cogvideox_at_a_size_other_than_its_config_is_refused_by_name() -> None:
+    model, _, _ = examples.hf_cogvideox(size=8, frames=1)
+    _, args, kwargs = examples.hf_cogvideox(size=12, frames=1)
+    with pytest.raises(tppc.CaptureError, match=r"written through `\.data`.* patch_embed"):
+        tppc.capture(model, args, kwargs)
