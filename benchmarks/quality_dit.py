@@ -3,7 +3,7 @@
 With random weights adjacent denoising steps are unrelated, so the error of stale patches
 says nothing about real use. This module makes images in code (a two-colour gradient, a
 filled shape, a digit from a 3×5 bitmap font whose class is the label), trains the project's
-DiT (:class:`tppc.examples.models.DiT`, 32×32 RGB pixels, patch 4: 8×8 tokens) with
+DiT (:class:`tppc.examples.models.DiT`, 16×16 RGB pixels, patch 2: 8×8 tokens) with
 
 - ``eps``: the DDPM epsilon objective (``x_t = √ᾱ x0 + √(1−ᾱ) ε``, DDIM's default
   linear betas, predict ε): sampled with ``DDIMScheduler``;
@@ -13,10 +13,11 @@ DiT (:class:`tppc.examples.models.DiT`, 32×32 RGB pixels, patch 4: 8×8 tokens)
 and keeps the EMA weights as float16 safetensors fixtures in ``benchmarks/data`` (the
 config in the file's metadata). PSNR and SSIM (Gaussian window) are here too.
 
-Training (one CPU thread, 800 iterations of 64 images, 5–8 minutes per model here; the fixtures were made so)::
+Training (one CPU thread, 800 iterations of 64 images; 4 minutes per model on an idle core
+here, 20 on the shared one; the fixtures were made so)::
 
-    python benchmarks/quality_dit.py train eps   # -> benchmarks/data/quality_dit_eps.safetensors
-    python benchmarks/quality_dit.py train flow  # -> benchmarks/data/quality_dit_flow.safetensors
+    PYTHONPATH=. python benchmarks/quality_dit.py train eps   # -> data/quality_dit_eps.safetensors
+    PYTHONPATH=. python benchmarks/quality_dit.py train flow  # -> data/quality_dit_flow.safetensors
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from tppc.examples.models import DiT, DiTConfig
 __all__ = ["CONFIG", "DATA", "load", "make_images", "psnr", "ssim", "train"]
 
 DATA = Path(__file__).resolve().parent / "data"
-CONFIG = DiTConfig(in_channels=3, patch_size=4, hidden=96, depth=4, n_head=4, num_classes=10)
-SIDE = 32
+CONFIG = DiTConfig(in_channels=3, patch_size=2, hidden=96, depth=4, n_head=4, num_classes=10)
+SIDE = 16
 
 # 3×5 bitmap font, rows top to bottom, "1" = ink.
 _FONT = ["111101101101111", "010110010010111", "111001111100111", "111001111001111",
@@ -47,8 +48,8 @@ _GLYPHS = torch.tensor([[float(c) for c in g] for g in _FONT]).view(10, 5, 3)
 
 
 def make_images(labels: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """Images ``(b, 3, 32, 32)`` in ``[-1, 1]``: gradient background, one filled shape
-    (disc, square or triangle), and the digit ``labels[i]`` drawn at 3× in a third colour."""
+    """Images ``(b, 3, 16, 16)`` in ``[-1, 1]``: gradient background, one filled shape
+    (disc, square or triangle), and the digit ``labels[i]`` drawn at 2× in a third colour."""
     b = len(labels)
     ys, xs = torch.meshgrid(torch.arange(SIDE).float(), torch.arange(SIDE).float(),
                             indexing="ij")
@@ -59,8 +60,8 @@ def make_images(labels: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         ramp.amax((1, 2), keepdim=True) - ramp.amin((1, 2), keepdim=True))
     img = colours[:, 0, :, None, None] * (1 - ramp[:, None]) \
         + colours[:, 1, :, None, None] * ramp[:, None]
-    cx, cy = (torch.rand(2, b, generator=gen) * 20 + 6)[:, :, None, None]
-    r = (torch.rand(b, generator=gen) * 5 + 4)[:, None, None]
+    cx, cy = (torch.rand(2, b, generator=gen) * 10 + 3)[:, :, None, None]
+    r = (torch.rand(b, generator=gen) * 2.5 + 2)[:, None, None]
     kind = torch.randint(0, 3, (b,), generator=gen)[:, None, None]
     dx, dy = xs - cx, ys - cy
     disc = dx**2 + dy**2 < r**2
@@ -68,12 +69,12 @@ def make_images(labels: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     tri = (dy > -r) & (dy < r * 0.7) & (dx.abs() < (dy + r) * 0.6)
     shape = torch.where(kind == 0, disc, torch.where(kind == 1, square, tri))
     img = torch.where(shape[:, None], colours[:, 2, :, None, None], img)
-    glyph = _GLYPHS[labels].repeat_interleave(3, 1).repeat_interleave(3, 2)  # b × 15 × 9
-    ox = torch.randint(0, SIDE - 9, (b,), generator=gen)
-    oy = torch.randint(0, SIDE - 15, (b,), generator=gen)
+    glyph = _GLYPHS[labels].repeat_interleave(2, 1).repeat_interleave(2, 2)  # b × 10 × 6
+    ox = torch.randint(0, SIDE - 5, (b,), generator=gen)
+    oy = torch.randint(0, SIDE - 9, (b,), generator=gen)
     ink = torch.zeros(b, SIDE, SIDE, dtype=torch.bool)
     for i in range(b):
-        ink[i, oy[i]:oy[i] + 15, ox[i]:ox[i] + 9] = glyph[i] > 0
+        ink[i, oy[i]:oy[i] + 10, ox[i]:ox[i] + 6] = glyph[i] > 0
     return torch.where(ink[:, None], colours[:, 3, :, None, None], img)
 
 
@@ -176,7 +177,8 @@ def ssim(a: torch.Tensor, b: torch.Tensor, window: int = 11, sigma: float = 1.5)
     var_b = blur(b * b) - mu_b**2
     cov = blur(a * b) - mu_a * mu_b
     c1, c2 = 0.01**2, 0.03**2
-    s = ((2 * mu_a * mu_b + c1) * (2 * cov + c2)) / ((mu_a**2 + mu_b**2 + c1) * (var_a + var_b + c2))
+    num = (2 * mu_a * mu_b + c1) * (2 * cov + c2)
+    s = num / ((mu_a**2 + mu_b**2 + c1) * (var_a + var_b + c2))
     return float(s.mean())
 
 

@@ -1,6 +1,6 @@
 """Quality of PipeFusion's stale K/V on trained DiTs: PSNR and SSIM against the serial loop.
 
-The models are the project's DiT trained here on synthetic 32×32 images
+The models are the project's DiT trained here on synthetic 16×16 images
 (:mod:`quality_dit`; fixtures in ``benchmarks/data``): an epsilon model sampled with
 ``DDIMScheduler`` and a rectified-flow model sampled with ``FlowMatchEulerDiscreteScheduler``.
 For each, 8 class-conditioned samples (labels 0..7, fixed noise) are denoised with
@@ -31,7 +31,7 @@ from tppc.examples.models import DiT
 __all__ = ["measure", "serial_loop"]
 
 SCHEDULERS = {"eps": DDIMScheduler, "flow": FlowMatchEulerDiscreteScheduler}
-WARMUPS, PATCHES = (1, 2, 4), (2, 4)
+WARMUPS, PATCHES = (1, 2, 4), (2, 4, 8)
 
 
 def serial_loop(model: torch.nn.Module, scheduler, x: torch.Tensor, y: torch.Tensor,
@@ -45,21 +45,22 @@ def serial_loop(model: torch.nn.Module, scheduler, x: torch.Tensor, y: torch.Ten
     return x
 
 
-def compiled(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor):
+def compiled(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, **options):
     """``model`` compiled for two stages (float timestep input: both schedulers' fit)."""
     return tppc.compile(model, (x, torch.tensor([500.0] * len(x)), y), cluster="2xcpu",
-                        num_stages=2, executor="local")
+                        num_stages=2, executor="local", **options)
 
 
 def measure(model: torch.nn.Module, objective: str, steps: int = 20,
             warmups: tuple[int, ...] = WARMUPS, patches: tuple[int, ...] = PATCHES,
-            batch: int = 8, seed: int = 0) -> list[tuple[int, int, float, float]]:
-    """``(warm-up, patches, PSNR dB, SSIM)`` of stale-patch outputs against the serial loop."""
+            batch: int = 8, seed: int = 0, cp=None) -> list[tuple[int, int, float, float]]:
+    """``(warm-up, patches, PSNR dB, SSIM)`` of stale-patch outputs against the serial loop
+    (``cp``: ``model`` compiled for this batch, default: compiled here)."""
     x = torch.randn(batch, 3, quality_dit.SIDE, quality_dit.SIDE,
                     generator=torch.Generator().manual_seed(seed))
     y = torch.arange(batch) % 10
     ref = serial_loop(model, SCHEDULERS[objective](), x, y, steps)
-    cp = compiled(model, x, y)
+    cp = cp or compiled(model, x, y)
     rows = []
     for warm in warmups:
         for m in patches:
