@@ -101,6 +101,7 @@ def plan_from_costs(
         PlanInfeasible: no placement fits in memory (names each device's need).
     """
     workload = workload or Workload()
+    max_chunks = workload.patch_cap(max_chunks)  # a quality limit on diffusion patches
     t0 = time.perf_counter()
     if num_stages is None and table.num_devices > 1 and table.num_layers > 0:
         def on(sub: CostTable, k: int, seconds: float) -> Plan:

@@ -42,11 +42,14 @@ class Workload:
             ``"diffusion"`` (``steps`` denoising steps over every chunk, bidirectional).
         steps: denoising steps ``D`` (1 for prefill).
         warmup_steps: leading steps that run the full sequence synchronously (diffusion).
+        max_patches: at most this many patches per step (diffusion; ``None``: any). More
+            patches make more of the K/V stale (a quality limit, ``cp.denoise(quality=...)``).
     """
 
     kind: Literal["causal_prefill", "diffusion"] = "causal_prefill"
     steps: int = 1
     warmup_steps: int = 0
+    max_patches: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("causal_prefill", "diffusion"):
@@ -62,6 +65,14 @@ class Workload:
                 f"causal_prefill runs one step; got steps={self.steps}, "
                 f"warmup_steps={self.warmup_steps} (use kind='diffusion' for multi-step)"
             )
+        if self.max_patches is not None and (self.kind != "diffusion" or self.max_patches < 1):
+            raise PlanError(f"Workload.max_patches={self.max_patches} must be None, or an "
+                            "integer >= 1 with kind='diffusion'")
+
+    def patch_cap(self, max_chunks: int | None) -> int | None:
+        """``max_chunks`` lowered to :attr:`max_patches` (``None`` where neither limits)."""
+        caps = [c for c in (max_chunks, self.max_patches) if c is not None]
+        return min(caps) if caps else None
 
     @property
     def pipelined_steps(self) -> int:

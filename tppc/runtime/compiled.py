@@ -188,8 +188,8 @@ class CompiledPipeline:
                 output_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
                 executor: ExecutorName | None = None, timesteps: Any = None,
                 sigmas: Any = None, mu: float | None = None,
-                timestep_transform: Callable[[torch.Tensor], torch.Tensor] | None = None
-                ) -> torch.Tensor:
+                timestep_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                quality: Any = None) -> torch.Tensor:
         """Denoise ``latents`` with PipeFusion (:mod:`tppc.runtime.denoise`): warm-up steps run
         the whole image, then patches (``None``: the plan's, :meth:`denoise_plan`) of
         consecutive steps flow through the stages with one-step-stale K/V.
@@ -197,7 +197,8 @@ class CompiledPipeline:
         ``scale_model_input → model → output_transform → scheduler.step``. ``timesteps``,
         ``sigmas``, ``mu`` go to ``scheduler.set_timesteps`` (as diffusers'
         ``retrieve_timesteps`` passes them); ``timestep_transform`` maps ``t.expand(batch)``
-        to the model's timestep (Flux: ``lambda t: t / 1000``)."""
+        to the model's timestep (Flux: ``lambda t: t / 1000``); ``quality``: see
+        :mod:`tppc.runtime.denoise_quality`."""
         from tppc.runtime.denoise import TimestepSchedule, denoise
 
         schedule = TimestepSchedule(timesteps=timesteps, sigmas=sigmas, mu=mu,
@@ -205,24 +206,26 @@ class CompiledPipeline:
         return denoise(self, latents, scheduler, num_inference_steps,
                        warmup_steps=warmup_steps, patches=patches, model_kwargs=model_kwargs,
                        timestep_arg=timestep_arg, output_transform=output_transform,
-                       executor=executor, schedule=schedule)
+                       executor=executor, schedule=schedule, quality=quality)
 
     def denoise_plan(self, num_inference_steps: int, warmup_steps: int,
-                     length: int | None = None, front: FrontEnd | None = None) -> Plan:
+                     length: int | None = None, front: FrontEnd | None = None,
+                     max_patches: int | None = None) -> Plan:
         """The plan ``denoise(patches=None)`` runs: re-planned for
         ``Workload(kind="diffusion", steps, warmup_steps)`` at ``length`` patch rows (default:
         the example's) and cached; a given plan is used as is (its boundaries are the patches
-        when its workload is ``diffusion``, else one patch per stage)."""
+        when its workload is ``diffusion``, else one patch per stage), ``max_patches`` at most."""
         front = front or self._front
         length = self.plan.seq_len if length is None else length
         if self._planner is None:
             return self.program(length, front).plan
-        key = (front.key, length, num_inference_steps, warmup_steps)
+        key = (front.key, length, num_inference_steps, warmup_steps, max_patches)
         with self._lock:
             cache = self.__dict__.setdefault("_denoise_plans", OrderedDict())
             if key not in cache:
                 workload = Workload(kind="diffusion", steps=num_inference_steps,
-                                    warmup_steps=min(warmup_steps, num_inference_steps))
+                                    warmup_steps=min(warmup_steps, num_inference_steps),
+                                    max_patches=max_patches)
                 cache[key] = self._planner(front, length, workload=workload)
                 while len(cache) > self.options.program_cache:
                     cache.popitem(last=False)

@@ -48,6 +48,7 @@ from tppc.program.schedule import check_actions
 from tppc.program.state import Call, next_epoch
 from tppc.runtime.denoise_check import check_patches
 from tppc.runtime.denoise_jobs import Jobs, run_pipelined, run_serial
+from tppc.runtime.denoise_quality import quality_settings
 from tppc.runtime.io import OutputAssembler
 from tppc.runtime.schedulers import (
     StepProtocol,
@@ -81,8 +82,8 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any,
             num_inference_steps: int | None = 20, *, warmup_steps: int | None = 1,
             patches: int | None = None, model_kwargs: Mapping[str, Any] | None = None,
             timestep_arg: str = "timestep", output_transform: Transform | None = None,
-            executor: str | None = None, schedule: TimestepSchedule | None = None
-            ) -> torch.Tensor:
+            executor: str | None = None, schedule: TimestepSchedule | None = None,
+            quality: Any = None) -> torch.Tensor:
     """Denoise ``latents`` with PipeFusion; see ``CompiledPipeline.denoise`` for the contract.
 
     Equals, when ``warmup_steps == num_inference_steps`` (``None``: every step)::
@@ -98,6 +99,7 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any,
 
     (the step protocol of diffusers' pipelines, :mod:`tppc.runtime.schedulers`; a scheduler
     whose step is not element-wise is refused when stale patches would need it).
+    ``quality`` raises the warm-up and caps the patches (:func:`quality_settings`).
     """
     check_scheduler(scheduler)
     schedule = schedule or TimestepSchedule()
@@ -109,11 +111,12 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any,
     steps = start_timesteps(scheduler, num_inference_steps, timesteps=schedule.timesteps,
                             sigmas=schedule.sigmas, mu=schedule.mu)
     warm = len(steps) if warmup_steps is None else min(warmup_steps, len(steps))
+    warm, cap = quality_settings(quality, len(steps), warm, patches)
     x = latents.detach().clone()
     x_in = x.clone()  # the model's input: scale_model_input of the latents
     kwargs = dict(model_kwargs or {})
     b = bind_steps(cp, x_in, kwargs, steps, timestep_arg, warm, patches,
-                   schedule.timestep_transform)
+                   schedule.timestep_transform, max_patches=cap)
     front, length, plan, bounds, flats = b.front, b.length, b.plan, b.bounds, b.flats
     full, first, rest = patch_programs(cp, front, plan, length, bounds)
     if warm < len(steps):  # the patches against one chunk, once per shape
@@ -243,14 +246,15 @@ class _Bound(NamedTuple):
 
 
 def bind_steps(cp: Any, x: torch.Tensor, kwargs: Mapping[str, Any], steps: list, arg: str,
-               warmup: int, patches: int | None, transform: Transform | None = None) -> _Bound:
+               warmup: int, patches: int | None, transform: Transform | None = None, *,
+               max_patches: int | None = None) -> _Bound:
     """Bind every step's inputs (``x`` and ``kwargs`` with ``arg`` = the step's timestep,
     :func:`model_timestep`) and choose the patches (every executor's denoise starts here)."""
     calls_in = [((x,), {**kwargs, arg: model_timestep(cp, arg, t, len(x), transform)})
                 for t in steps]
     front, bound = cp.bind(*calls_in[0])
     length = bound.length
-    plan, bounds = choose_patches(cp, front, length, len(steps), warmup, patches)
+    plan, bounds = choose_patches(cp, front, length, len(steps), warmup, patches, max_patches)
     axis, scale = _latent_axis(front, bound.flat, x)
     flats = [cp.bind(a, k)[1].flat for a, k in calls_in]
     return _Bound(front, bound, length, plan, bounds, axis, scale, flats)
@@ -280,18 +284,21 @@ def model_timestep(cp: Any, arg: str, t: torch.Tensor, batch: int,
     return cast
 
 
-def choose_patches(cp: Any, front: Any, length: int, steps: int, warmup: int, patches: int | None
-             ) -> tuple[Any, tuple[int, ...]]:
+def choose_patches(cp: Any, front: Any, length: int, steps: int, warmup: int, patches: int | None,
+                   max_patches: int | None = None) -> tuple[Any, tuple[int, ...]]:
     """The plan (placement) and the patch boundaries: ``patches`` equal bands on the
-    compiled plan, or (``None``) the diffusion plan's own split. Several patches with stale
+    compiled plan, or (``None``) the diffusion plan's own split, at most ``max_patches``
+    (a given plan's split above it: that many equal bands). Several patches with stale
     steps are refused for video latents of several frames (every executor calls this)."""
     if patches is not None:
         plan, bounds = cp.program(length, front).plan, _patch_bounds(patches, length)
     else:
-        plan = cp.denoise_plan(steps, warmup, length, front)
+        plan = cp.denoise_plan(steps, warmup, length, front, max_patches)
         bounds = tuple(plan.boundaries) \
             if plan.workload.kind == "diffusion" and plan.seq_len == length \
             else _patch_bounds(len(plan.stages), length)
+        if max_patches is not None and len(bounds) - 1 > max_patches:
+            bounds = _patch_bounds(max_patches, length)
     if len(bounds) > 2 and warmup < steps:
         _check_bands_are_contiguous(front.ctx.patch_grid)
     return plan, bounds
