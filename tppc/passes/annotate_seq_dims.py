@@ -108,6 +108,8 @@ def _annotate(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext,
         dependent = bool(axes) or "positional" in roles or _symbolic_scalar(node, sym)
         role = "positional" if dependent else "const"
         info = _info(role, axes, sizes, where)
+        for src in (i for i in ins if i.prefix and i.role == "positional"):
+            info = with_prefix(info, src)  # a position table with a text segment first
         return dataclasses.replace(info, inputs=True) if any(i.inputs for i in ins) else info
     return _token_op(node, axes, sizes, where)
 
