@@ -2,7 +2,8 @@
 
 Terms:
     token contraction: ``a @ b`` where ``a``'s last axis and ``b``'s second-to-last axis are
-        both the token axis (the same split tokens): ``phi(K)^T V`` of linear attention,
+        both the token axis (the same split tokens), or a two-operand ``einsum`` that sums
+        both operands' token axes against each other (``"bhnd,bhne->bhde"``): ``phi(K)^T V`` of linear attention,
         ``out_i = phi(q_i) Σ_j phi(k_j)^T v_j / (phi(q_i) · Σ_j phi(k_j))``. Its value has
         no token axis: a state summed over the whole sequence (Sana folds the normaliser
         ``Σ_j phi(k_j)`` into the same matmul by padding ``V`` with a row of ones).
@@ -50,9 +51,10 @@ def token_contraction_info(node: fx.Node, ctx: CompileContext, where: str
                            ) -> TokenInfo | None:
     """The ``mixing`` record of a token contraction (see the module docstring), else None;
     sets ``ctx.token_count`` as attention does."""
-    if node.target not in _MATMULS or len(node.args) < 2:
+    operands = _operands(node)
+    if operands is None:
         return None
-    a, b = node.args[0], node.args[1]
+    a, b = operands["key"], operands["value"]
     if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)) or a is b:
         return None
     infos: list[TokenInfo] = [a.meta[TOKEN], b.meta[TOKEN]]
@@ -62,7 +64,7 @@ def token_contraction_info(node: fx.Node, ctx: CompileContext, where: str
     va, vb, out = tensor_val(a), tensor_val(b), tensor_val(node)
     if va is None or vb is None or out is None or vb.dim() < 2:
         return None
-    if infos[0].axis != va.dim() - 1 or infos[1].axis != vb.dim() - 2:
+    if not _contracts_token_axes(node, infos[0].axis, infos[1].axis, va.dim(), vb.dim()):
         return None
     if infos[0].prefix != infos[1].prefix \
             or sympy.simplify(infos[0].axis_size - infos[1].axis_size) != 0:
@@ -89,11 +91,37 @@ def buffered_operands(node: fx.Node) -> dict[str, fx.Node] | None:
     info = node.meta.get(TOKEN)
     if node.op != "call_function" or info is None or info.role != "mixing":
         return None
-    if node.target in _MATMULS:
-        return {"key": node.args[0], "value": node.args[1]}
+    if node.target in (*_MATMULS, _aten.einsum.default):
+        return _operands(node)
     if op_rule(node.target).role == "conv":
         return {"value": node.args[0]}
     return None
+
+
+def _operands(node: fx.Node) -> dict[str, fx.Node] | None:
+    """The two operands of a matmul or a two-operand einsum, named like SDPA's K and V."""
+    if node.target in _MATMULS and len(node.args) >= 2:
+        return {"key": node.args[0], "value": node.args[1]}
+    if node.target is _aten.einsum.default and len(node.args) >= 2 \
+            and isinstance(node.args[1], list | tuple) and len(node.args[1]) == 2:
+        return {"key": node.args[1][0], "value": node.args[1][1]}
+    return None
+
+
+def _contracts_token_axes(node: fx.Node, axis_a: int, axis_b: int, rank_a: int,
+                          rank_b: int) -> bool:
+    """Whether the op sums over both operands' token axes, paired with each other."""
+    if node.target in _MATMULS:
+        return axis_a == rank_a - 1 and axis_b == rank_b - 2
+    equation = str(node.args[0]).replace(" ", "")
+    if "..." in equation or "->" not in equation:
+        return False
+    ins, out = equation.split("->")
+    terms = ins.split(",")
+    if len(terms) != 2 or (len(terms[0]), len(terms[1])) != (rank_a, rank_b):
+        return False
+    letter = terms[0][axis_a]
+    return terms[1][axis_b] == letter and letter not in out
 
 
 def conv_geometry(node: fx.Node, spatial: int) -> tuple[int, int, int, int]:
