@@ -138,9 +138,16 @@ def test_softmax_over_features_is_row_wise() -> None:
     assert roles_by_target(gm, "softmax") == {"token"}
 
 
-def test_conv_over_tokens_is_refused() -> None:
+def test_strided_conv_over_tokens_is_refused() -> None:
     with pytest.raises(AnnotationError, match=r"convolution over the token axis.*kernel 3"):
-        _annotate(lambda m, x: m.conv(x.transpose(1, 2)).transpose(1, 2))
+        _annotate(lambda m, x: F.conv1d(x.transpose(1, 2), m.conv.weight, stride=2,
+                                        padding=1).transpose(1, 2))
+
+
+def test_same_conv_over_tokens_is_buffered_mixing() -> None:
+    gm, _ = _annotate(lambda m, x: m.conv(x.transpose(1, 2)).transpose(1, 2))
+    conv = next(n for n in gm.graph.nodes if n.op == "call_function" and "conv" in str(n.target))
+    assert (conv.meta[TOKEN].role, conv.meta[TOKEN].attention) == ("mixing", "bidirectional")
 
 
 def test_eager_attention_scores_are_refused() -> None:

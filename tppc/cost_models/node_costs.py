@@ -194,7 +194,7 @@ class Shapes:
             return None
         info = node.meta.get(TOKEN)
         other = set(info.other_axes) if isinstance(info, TokenInfo) else set()
-        key_sub = self.subs.key(self.default_attention)
+        key_sub = self.subs.key(getattr(info, "attention", None) or self.default_attention)
         sym = self.subs.seq_symbol
         dims = []
         for axis, size in enumerate(tensors[index].shape):

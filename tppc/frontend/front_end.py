@@ -56,8 +56,9 @@ class FrontEnd:
         ctx: its compile context.
         signature: the chunk step's signature.
         batch: its batch shape.
-        bidirectional: names of its bidirectional attention nodes (their calls run as one
-            chunk: exact, see DESIGN.md "Token semantics").
+        bidirectional: names of its bidirectional attention and buffered-mixing nodes
+            (linear attention, "same" convolutions; their calls run as one chunk: exact, see
+            DESIGN.md "Token semantics").
         pool: idle call states for this batch shape.
         seconds: wall time of the capture (capture, annotation, grouping, chunk rewrite).
         truncated: ``(module path, real block count)`` of a planning front end (see the

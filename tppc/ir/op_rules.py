@@ -145,6 +145,7 @@ _TABLE: dict[object, OpRule] = {
     _A.exp: OpRule(price="vector", flops_per_out=4),
     _A.floor_divide: OpRule(price="vector", flops_per_out=1),
     _A.ge: OpRule(price="vector", flops_per_out=1),
+    _A.elu: OpRule(price="vector", flops_per_out=5),
     _A.gelu: OpRule(price="vector", flops_per_out=8),
     _A.group_norm: OpRule(price="vector", flops_per_in=8),
     _A.gt: OpRule(price="vector", flops_per_out=1),

@@ -57,7 +57,8 @@ def split_tokens(info: TokenInfo) -> bool:
 
 def with_prefix(info: TokenInfo, src: TokenInfo) -> TokenInfo:
     """``info`` (of an op reading ``src``) with ``src``'s prefix scaled to its token axis."""
-    if not (src.prefix or src.suffix) or info.role not in _TOKENISH or info.axis_size is None \
+    if not (src.prefix or src.suffix) or info.role not in (*_TOKENISH, "positional") \
+            or info.axis_size is None \
             or src.axis_size is None:
         return info
     ratio = sympy.simplify(info.axis_size / src.axis_size)

@@ -31,6 +31,7 @@ from tppc.ir.context import CompileContext
 from tppc.ir.op_rules import op_rule
 from tppc.ir.records import TOKEN, TokenInfo
 from tppc.passes._attention import classify_attention
+from tppc.passes._buffered_mixing import conv_geometry, neighbourhood_conv, token_contraction_info
 from tppc.passes._regions import annotate_region, row_wise_region
 from tppc.passes._segments import segment_info, split_tokens, with_prefix
 from tppc.passes._shapes import (
@@ -96,6 +97,10 @@ def _annotate(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext,
         return _info("global", axes, sizes, where)
     if op_rule(node.target).role == "attention" and roles & {"token", "mixing"}:
         return _attention(node, gm, ctx, axes, sizes, where)
+    if op_rule(node.target).role == "contracts" and roles & {"token", "mixing"}:
+        contraction = token_contraction_info(node, ctx, where)  # linear attention
+        if contraction is not None:
+            return contraction
     segment = None if _shape_only(node) else segment_info(node, where)
     if segment is not None:
         return segment
@@ -103,6 +108,8 @@ def _annotate(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext,
         dependent = bool(axes) or "positional" in roles or _symbolic_scalar(node, sym)
         role = "positional" if dependent else "const"
         info = _info(role, axes, sizes, where)
+        for src in (i for i in ins if i.prefix and i.role == "positional"):
+            info = with_prefix(info, src)  # a position table with a text segment first
         return dataclasses.replace(info, inputs=True) if any(i.inputs for i in ins) else info
     return _token_op(node, axes, sizes, where)
 
@@ -124,6 +131,9 @@ def _token_op(node: fx.Node, axes: list[int], sizes: list[sympy.Expr], where: st
             "with attn_implementation='sdpa'." if "softmax" in name else ""
         raise _mix_error(node, name, where, f"{name} along the token axis {src_info.axis}.{hint}")
     if role == "conv":
+        if neighbourhood_conv(node, src_info):  # a "same" convolution: buffered mixing
+            info = _info("mixing", axes, sizes, where)
+            return dataclasses.replace(with_prefix(info, src_info), attention="bidirectional")
         _check_conv(node, src_info, name, where)
     if role == "reduction" and (src_info.axis in dims or not dims) and not _binary(node):
         return _info("global", axes, sizes, where)
@@ -227,32 +237,15 @@ def _check_conv(node: fx.Node, src: TokenInfo, name: str, where: str) -> None:
     spatial = (src.axis or 0) - 2
     if spatial < 0:
         raise _mix_error(node, name, where, "the token axis is the batch or channel axis")
-    kernel, stride, padding, dilation = _conv_geometry(node, spatial)
+    kernel, stride, padding, dilation = conv_geometry(node, spatial)
     if not (kernel == stride and padding == 0 and (dilation == 1 or kernel == 1)):
         raise _mix_error(
             node, name, where,
             f"a convolution over the token axis (kernel {kernel}, stride {stride}, padding "
             f"{padding}) mixes neighbouring tokens; only patchify convolutions (kernel == "
-            "stride, no padding) are row-wise",
+            "stride, no padding) are row-wise, and only stride-1 convolutions that keep the "
+            "axis' extent ('same' padding) are pipelined as buffered mixing",
         )
-
-
-def _conv_geometry(node: fx.Node, spatial: int) -> tuple[int, int, int, int]:
-    """Kernel, stride, padding and dilation of a convolution along one spatial axis."""
-    kernel = int(size_expr(tensor_val(node.args[1]).shape[spatial + 2]))
-    values = [node.args[i] if len(node.args) > i else node.kwargs.get(key)
-              for i, key in ((3, "stride"), (4, "padding"), (5, "dilation"))]
-    if isinstance(values[1], str):  # "valid" or "same"
-        values[1] = 0 if values[1] == "valid" else kernel - 1
-    stride, padding, dilation = (_conv_param(v, spatial, 0 if i == 1 else 1)
-                                 for i, v in enumerate(values))
-    return kernel, stride, padding, dilation
-
-
-def _conv_param(value: object, spatial: int, default: int) -> int:
-    if isinstance(value, list | tuple):
-        value = value[spatial] if len(value) > spatial else value[0]
-    return int(value) if isinstance(value, int) else default
 
 
 def _keeps_token_order(node: fx.Node, src: fx.Node, out_axes: list[int], *,

@@ -66,7 +66,8 @@ from tppc.ir.records import (
     TokenInfo,
 )
 from tppc.passes._bias_rows import BiasRows, value_inputs
-from tppc.passes._context_rows import check_context, chunk_outputs, write_rows
+from tppc.passes._buffered_mixing import buffered_operands
+from tppc.passes._context_rows import check_context, chunk_outputs
 from tppc.passes._shapes import module_path, size_expr, tensor_val
 from tppc.passes._token_rows import (
     REST_CHUNK,
@@ -79,8 +80,8 @@ from tppc.passes._token_rows import (
     split_size,
     table_rows,
 )
+from tppc.passes.chunk_buffers import BufferReads, buffered_inputs
 from tppc.passes.chunk_parts import (
-    SIZE_ARG_OPS,
     cache_source,
     input_value_error,
     inputs_read,
@@ -121,7 +122,7 @@ def chunk_attention_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
 
 
 
-class _Rewriter:
+class _Rewriter(BufferReads):
     """Builds the chunk-step graph and the positional program from an annotated graph."""
 
     def __init__(self, gm: fx.GraphModule, ctx: CompileContext, *, carry: bool = True) -> None:
@@ -145,7 +146,9 @@ class _Rewriter:
         attention = [n for n in self.gm.graph.nodes if self.mode.get(n) == "copy"
                      and op_rule(n.target).role == "attention"
                      and n.meta[TOKEN].role == "mixing"]
-        self._placeholders(frontier, attention)
+        buffered = [n for n in self.gm.graph.nodes  # linear attention, neighbourhood convs
+                    if self.mode.get(n) == "copy" and buffered_operands(n) is not None]
+        self._placeholders(frontier, attention + buffered)
         for node in self.gm.graph.nodes:
             if self.mode.get(node) == "copy" and node not in self.env:
                 self.env[node] = self._emit(node)
@@ -244,9 +247,8 @@ class _Rewriter:
                               scale=self._scale(info), prefix=info.prefix)
             self.env[node] = self._input(f"pos_{node.name}", spec, node)
         for attn in attention:
-            args = sdpa_kwargs(attn)
-            for which in ("key", "value"):
-                source, _ = cache_source(args[which], self.sym)
+            for which, arg in buffered_inputs(attn).items():
+                source, _ = cache_source(arg, self.sym)
                 val = tensor_val(source)
                 axis = source.meta[TOKEN].axis
                 shape = tuple(None if i == axis else int(s) for i, s in enumerate(val.shape))
@@ -286,6 +288,8 @@ class _Rewriter:
             rows = prefixed_size(node, self.ctx)
             if rows is not None:  # a later chunk's size has no text rows
                 return row_offset(self.graph, self.size, rows, 0)
+        if buffered_operands(node) is not None:
+            return self._buffered_mixing(node)
         if op_rule(node.target).role == "attention" and node.meta[TOKEN].role == "mixing":
             return self._attention(node)  # cross-attention (const K/V) is row-wise: copied
         args = {a: self.env[a] for a in node.all_input_nodes}
@@ -389,31 +393,6 @@ class _Rewriter:
             index = self.placeholders.index(p)
             self.env[p] = self._input(p.name, ChunkInput("const", p.name, index), p)
         return self.env[p]
-
-    def _read_buffer(self, arg: fx.Node, buf: fx.Node, axis: int, kv_len: Any,
-                     layer: fx.Node, *, repeat: bool) -> fx.Node:
-        source, chain = cache_source(arg, self.sym)
-        chain = chain if repeat else []
-        offset, size = self.start, self.size
-        spec: ChunkInput = buf.meta[CHUNK_INPUT]
-        rows, suffix = (spec.scale, spec.prefix), spec.suffix if self.carry else 0
-        if rows != (1, 0) or suffix:  # the chunk's rows: prefix + scale · start on, as many as
-            offset = row_offset(self.graph, self.start, rows[0], 0 if self.carry else rows[1])
-            size = self._new(_aten.sym_size.int, (self.env[source], axis), layer)  # it has
-        at = row_offset(self.graph, self.seq_len, rows[0], rows[1]) if suffix else None
-        write_rows(lambda t, a: self._new(t, a, layer), buf, axis, self.env[source], offset,
-                   size, suffix, at)
-        value = self._new(_aten.narrow.default, (buf, axis, 0, kv_len), layer)
-        for step in chain:
-            args = [value, *(self.env[a] if isinstance(a, fx.Node) else a for a in step.args[1:])]
-            if step.target in SIZE_ARG_OPS:
-                sizes = list(args[1])
-                token_axis = step.meta[TOKEN].axis
-                if sizes[token_axis] != -1:
-                    sizes[token_axis] = kv_len
-                args[1] = sizes
-            value = self._new(step.target, tuple(args), layer, dict(step.kwargs))
-        return value
 
     def _kv_end(self) -> fx.Node:
         if self.kv_end is None:

@@ -424,9 +424,10 @@ class CompiledPipeline:
                       and plan.workload.kind != "diffusion")  # diffusion: denoise's patches
         if self._front.bidirectional and (many or given_many):
             raise SpecError(
-                f"{self.model_name} has bidirectional attention ({self._front.bidirectional[0]}"
-                "): a chunk would attend to stale K/V of later chunks, so tppc runs each call "
-                "as one chunk (exact). fix: drop chunks= / give a plan with one chunk")
+                f"{self.model_name} has bidirectional attention or buffered mixing ("
+                f"{self._front.bidirectional[0]}): a chunk would read stale rows of later "
+                "chunks, so tppc runs each call as one chunk (exact). fix: drop chunks= / give "
+                "a plan with one chunk (cp.denoise pipelines the patches)")
 
     def _build(self, front: FrontEnd, plan: Plan) -> Program:
         chunks = plan.chunks
