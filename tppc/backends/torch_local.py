@@ -22,12 +22,13 @@ from typing import Any
 import torch
 
 from tppc.errors import StageTimeout
+from tppc.ir.records import ChunkInput
 from tppc.passes.hoist_consts import const_values
 from tppc.program.program import Program, StageProgram
 from tppc.program.schedule import serial_order
 from tppc.program.state import Call, CallState
 
-__all__ = ["LocalExecutor", "Sink", "past_deadline", "prepare_stage", "run_stage"]
+__all__ = ["LocalExecutor", "Sink", "chunk_rows", "past_deadline", "prepare_stage", "run_stage"]
 
 Sink = Callable[[int, tuple[Any, ...]], None]
 """Receives ``(chunk index, last stage's outputs)`` in chunk order, in the calling thread."""
@@ -48,6 +49,16 @@ def prepare_stage(stage: StageProgram, call: Call, state: CallState) -> tuple[An
     return values
 
 
+def chunk_rows(value: torch.Tensor, spec: ChunkInput, start: int, end: int, length: int
+               ) -> torch.Tensor:
+    """The rows of chunk ``[start, end)`` of ``value`` along ``spec.axis``: one view, or the
+    concatenation of one block per frame (video tokens, :meth:`ChunkInput.blocks`)."""
+    blocks = spec.blocks(start, end, length)
+    if len(blocks) == 1:
+        return value.narrow(spec.axis, *blocks[0])
+    return torch.cat([value.narrow(spec.axis, *b) for b in blocks], spec.axis)
+
+
 def run_stage(stage: StageProgram, call: Call, state: CallState, start: int, end: int,
               boundary: Sequence[Any]) -> tuple[Any, ...]:
     """Run chunk ``[start, end)`` on ``stage``; ``boundary``: the previous stage's outputs."""
@@ -62,15 +73,14 @@ def run_stage(stage: StageProgram, call: Call, state: CallState, start: int, end
         if kind == "boundary":
             args.append(_to(next(received), stage.device))
         elif kind == "token":
-            args.append(_to(call.flat_inputs[spec.index].narrow(spec.axis,
-                                                                *spec.rows(start, end)),
-                            stage.device))
+            args.append(_to(chunk_rows(call.flat_inputs[spec.index], spec, start, end,
+                                       call.seq_len), stage.device))
         elif kind in ("const", "full"):
             args.append(_to(call.flat_inputs[spec.index], stage.device))
         elif kind == "positional":
             value = positional[spec.index]
             args.append(value if spec.axis is None
-                        else value.narrow(spec.axis, *spec.rows(start, end)))
+                        else chunk_rows(value, spec, start, end, call.seq_len))
         elif kind in ("key", "value"):
             args.append(buffers[name])
         elif kind == "hoisted":

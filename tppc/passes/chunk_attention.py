@@ -66,9 +66,14 @@ from tppc.ir.records import (
     TokenInfo,
 )
 from tppc.passes._bias_rows import BiasRows, value_inputs
+from tppc.passes._frame_rows import (
+    chunk_outputs,
+    frame_table_rows,
+    token_frames,
+    write_frame_rows,
+)
 from tppc.passes._shapes import module_path, size_expr, tensor_val
 from tppc.passes._token_rows import (
-    ABSENT,
     REST_CHUNK,
     baked_table_axis,
     chunk_rows_size,
@@ -148,7 +153,7 @@ class _Rewriter:
         for node in self.gm.graph.nodes:
             if self.mode.get(node) == "copy" and node not in self.env:
                 self.env[node] = self._emit(node)
-        axes, rows = self._output(roots)
+        axes, rows = chunk_outputs(self.graph, self.env, roots, self._rows)
         self.graph.eliminate_dead_code()
         chunk_gm = fx.GraphModule(self.gm, self.graph, class_name="ChunkStep")
         chunk_gm.add_submodule("tppc_positional", positional_program(self.gm, frontier))
@@ -227,7 +232,8 @@ class _Rewriter:
             if mode == "token_input":
                 axis = self.ctx.seq_inputs[p.name][0]
                 scale = rows_per_unit(size_expr(tensor_val(p).shape[axis]), self.ctx) or 1
-                spec = ChunkInput("token", p.name, index, axis, scale=scale)
+                frames = token_frames(size_expr(tensor_val(p).shape[axis]), self.ctx)
+                spec = ChunkInput("token", p.name, index, axis, scale=scale, frames=frames)
                 self.env[p] = self._input(p.name, spec, p)
             elif mode == "const_input":
                 self.env[p] = self._input(p.name, ChunkInput("const", p.name, index), p)
@@ -239,7 +245,8 @@ class _Rewriter:
         for index, node in enumerate(frontier):
             info = node.meta[TOKEN]
             spec = ChunkInput("positional", node.name, index, info.axis,
-                              scale=self._scale(info), prefix=info.prefix)
+                              scale=self._scale(info), prefix=info.prefix,
+                              frames=self._frames(info))
             self.env[node] = self._input(f"pos_{node.name}", spec, node)
         for attn in attention:
             args = sdpa_kwargs(attn)
@@ -290,7 +297,10 @@ class _Rewriter:
         if node.meta[TOKEN].role in ("token", "mixing"):
             for a in node.all_input_nodes:
                 j = baked_table_axis(node, a, self.ctx)
-                if j is not None:
+                if j is not None and self._frames(node.meta[TOKEN]) > 1:
+                    args[a] = frame_table_rows(self.graph, self.env, node, args[a], j, (
+                        self.start, self.seq_len), self._rows(node.meta[TOKEN]), self.carry)
+                elif j is not None:
                     offset = row_offset(self.graph, self.start, self._scale(node.meta[TOKEN]),
                                         0 if self.carry else node.meta[TOKEN].prefix)
                     args[a] = table_rows(self.graph, self.env, node, args[a], j, offset)
@@ -303,6 +313,12 @@ class _Rewriter:
 
     def _scale(self, info: TokenInfo) -> int:
         return rows_per_unit(split_size(info), self.ctx) or 1
+
+    def _frames(self, info: TokenInfo) -> int:
+        return token_frames(split_size(info), self.ctx)
+
+    def _rows(self, info: TokenInfo) -> tuple[int, int, int]:
+        return self._scale(info), info.prefix, self._frames(info)
 
     def _attention(self, node: fx.Node) -> fx.Node:
         kwargs = sdpa_kwargs(node)
@@ -321,7 +337,7 @@ class _Rewriter:
             buf = self.buffer_nodes[node.name, which]
             axis = buf.meta[CHUNK_INPUT].axis
             kwargs[which] = self._read_buffer(kwargs[which], buf, axis, kv_len, layer,
-                                              repeat=not gqa, rows=(scale, prefix))
+                                              repeat=not gqa, rows=self._rows(info))
         if node.target is _aten.scaled_dot_product_attention.default:
             return self._chunk_op(node, kwargs, causal, gqa or kwargs.get("enable_gqa", False),
                                   kv_len)
@@ -387,15 +403,19 @@ class _Rewriter:
         return self.env[p]
 
     def _read_buffer(self, arg: fx.Node, buf: fx.Node, axis: int, kv_len: Any,
-                     layer: fx.Node, *, repeat: bool, rows: tuple[int, int] = (1, 0)) -> fx.Node:
+                     layer: fx.Node, *, repeat: bool, rows: tuple[int, ...] = (1, 0, 1)) -> fx.Node:
         source, chain = cache_source(arg, self.sym)
         chain = chain if repeat else []
         offset, size = self.start, self.size
-        if rows != (1, 0):  # the chunk's own rows: prefix + scale · start on, as many as it has
+        if rows[2] > 1:  # video: a band of rows in every frame
+            write_frame_rows(self.graph, lambda t, a: self._new(t, a, layer), buf, axis,
+                             self.env[source], (self.start, self.seq_len), rows, self.carry)
+        elif rows != (1, 0, 1):  # the chunk's own rows: prefix + scale · start on, as many as it has
             offset = row_offset(self.graph, self.start, rows[0], 0 if self.carry else rows[1])
             size = self._new(_aten.sym_size.int, (self.env[source], axis), layer)
-        window = self._new(_aten.narrow.default, (buf, axis, offset, size), layer)
-        self._new(_aten.copy_.default, (window, self.env[source]), layer)
+        if rows[2] == 1:
+            window = self._new(_aten.narrow.default, (buf, axis, offset, size), layer)
+            self._new(_aten.copy_.default, (window, self.env[source]), layer)
         value = self._new(_aten.narrow.default, (buf, axis, 0, kv_len), layer)
         for step in chain:
             args = [value, *(self.env[a] if isinstance(a, fx.Node) else a for a in step.args[1:])]
@@ -423,28 +443,3 @@ class _Rewriter:
         if PART in layer.meta:
             node.meta[PART] = layer.meta[PART]
         return node
-
-    def _output(self, flat: list[Any]
-                ) -> tuple[tuple[int | None, ...], tuple[tuple[int, int] | None, ...]]:
-        axes: list[int | None] = []
-        rows: list[tuple[int, int] | None] = []
-        outs: list[Any] = []
-        for leaf in flat:
-            if isinstance(leaf, fx.Node):
-                info: TokenInfo = leaf.meta[TOKEN]
-                if info.role == "positional":
-                    raise PassError(f"output {leaf.name!r} is a positional value; tppc "
-                                    "pipelines models whose outputs are per-token values")
-                axes.append(info.axis if info.role in ("token", "mixing") else None)
-                rows.append((self._scale(info), info.prefix) if axes[-1] is not None else None)
-                if self.env[leaf] is ABSENT:
-                    raise PassError(f"output {leaf.name!r} is text tokens only (a prefix "
-                                    "segment); tppc pipelines models whose outputs hold the "
-                                    "image tokens")
-                outs.append(self.env[leaf])
-            else:
-                axes.append(None)
-                rows.append(None)
-                outs.append(leaf)
-        self.graph.output(tuple(outs))
-        return tuple(axes), tuple(rows)

@@ -283,8 +283,7 @@ def model_timestep(cp: Any, arg: str, t: torch.Tensor, batch: int,
 def choose_patches(cp: Any, front: Any, length: int, steps: int, warmup: int, patches: int | None
              ) -> tuple[Any, tuple[int, ...]]:
     """The plan (placement) and the patch boundaries: ``patches`` equal bands on the
-    compiled plan, or (``None``) the diffusion plan's own split. Several patches with stale
-    steps are refused for video latents of several frames (every executor calls this)."""
+    compiled plan, or (``None``) the diffusion plan's own split (every executor calls this)."""
     if patches is not None:
         plan, bounds = cp.program(length, front).plan, _patch_bounds(patches, length)
     else:
@@ -292,21 +291,7 @@ def choose_patches(cp: Any, front: Any, length: int, steps: int, warmup: int, pa
         bounds = tuple(plan.boundaries) \
             if plan.workload.kind == "diffusion" and plan.seq_len == length \
             else _patch_bounds(len(plan.stages), length)
-    if len(bounds) > 2 and warmup < steps:
-        _check_bands_are_contiguous(front.ctx.patch_grid)
     return plan, bounds
-
-
-def _check_bands_are_contiguous(grid: tuple[int, ...]) -> None:
-    """Refuse video latents of several frames: their tokens are frame-major, so a band of
-    latent rows (in every frame) is not the contiguous token range a patch's K/V rows and
-    positions are."""
-    if len(grid) == 3 and grid[0] > 1:
-        raise SpecError(
-            f"video latents of {grid[0]} frames (patch grid {grid}): a band of patch rows "
-            "spans every frame, but the tokens are frame-major, so stale patches would write "
-            "their K/V at another band's positions. fix: warmup_steps=num_inference_steps, "
-            "patches=1, or a latent of one frame")
 
 
 def _patch_bounds(patches: int, length: int) -> tuple[int, ...]:
