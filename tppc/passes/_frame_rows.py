@@ -9,7 +9,7 @@ Terms:
         ``prefix + (scale / frames) · (f · seq_len + chunk_start)``
         (:func:`tppc.ir.records.frame_blocks`).
     frame-major value: a token value whose split axis holds whole frames: its split size is
-        a multiple of the token count. A value with the frames on another axis (the latent,
+        a multiple of ``frames · cols`` per unit. A value with the frames on another axis (the latent,
         its patch embedding before the flatten) is cut by its own rows, like an image's.
 
 The chunk's values hold its rows in the chunk's own order (frame by frame); what reads or
@@ -43,11 +43,12 @@ New = Callable[..., fx.Node]
 
 
 def token_frames(size: sympy.Expr | None, ctx: CompileContext) -> int:
-    """The frames folded into a token axis of split ``size`` (1: none, or one frame)."""
-    grid, count = ctx.patch_grid, ctx.token_count
-    if len(grid) != 3 or grid[0] < 2 or size is None or count is None:
+    """The frames folded into a token axis of split ``size`` (1: none, or one frame): its
+    size is a multiple of every frame's patches (``frames · cols · rows``)."""
+    grid = ctx.patch_grid
+    if len(grid) != 3 or grid[0] < 2 or size is None or ctx.seq_symbol is None:
         return 1
-    ratio = sympy.simplify(size / count)
+    ratio = sympy.simplify(size / (grid[0] * grid[2] * ctx.seq_symbol))
     return grid[0] if ratio.is_Integer and ratio >= 1 else 1
 
 

@@ -164,10 +164,17 @@ def _attention(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext, axes: lis
     """Self- or joint attention over the token axis is ``mixing``.
 
     Cross-attention to the context stream (keys without split tokens: text states) is
-    row-wise over the queries, hence ``token``; its keys and values are ``const``.
+    row-wise over the queries, hence ``token``; its keys and values are ``const``. So is
+    attention along another axis, with the tokens on a batch axis of queries and keys alike
+    (a video's temporal attention over the frames of each patch, ``(b·tokens, frames, d)``):
+    each token's rows attend among themselves.
     """
     query: TokenInfo = node.args[0].meta[TOKEN]
     key: TokenInfo = node.args[1].meta[TOKEN]
+    q_val = tensor_val(node.args[0])
+    if query.axis is not None and q_val is not None and query.axis < q_val.dim() - 2 \
+            and (key.axis, key.axis_size) == (query.axis, query.axis_size):
+        return with_prefix(_info("token", axes, sizes, where), query)
     if not (key.role in ("token", "mixing") and split_tokens(key)):
         if query.prefix_only:
             return TokenInfo("token", query.axis, query.axis_size, module=where,
