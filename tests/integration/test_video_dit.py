@@ -104,3 +104,26 @@ def test_own_video_dit_is_exact_and_denoises_in_bands_of_rows_in_every_frame() -
     stale = cp.denoise(x, diffusers.DDIMScheduler(), steps, warmup_steps=1, patches=2,
                        timestep_arg="t")  # checked against one chunk after a full warm-up
     assert stale.isfinite().all() and not torch.allclose(stale, ref)
+
+
+def test_own_video_dit_captured_along_frames_denoises_in_bands_of_frames() -> None:
+    """``seq_dims`` on the frame axis: the symbol counts frames, a patch is a band of whole
+    frames (contiguous frame-major tokens; spatial attention is then row-wise), and the
+    timestep embedding repeated per frame is a positional value that changes every step."""
+    torch.manual_seed(0)
+    model = VideoDiT().eval()
+    x, t = torch.randn(1, 4, 4, 4, 4), torch.tensor([10.0])
+    cp = tppc.compile(model, (x, t), num_stages=2, seq_dims={"x": 1})
+    assert cp.context.capture_mode == "dynamic" and cp.context.example_seq == 4
+    steps, scheduler = 2, diffusers.DDIMScheduler()
+    scheduler.set_timesteps(steps)
+    ref = x.clone()
+    with torch.no_grad():
+        for step in scheduler.timesteps:
+            ref = scheduler.step(model(ref, step.expand(1).float()), step, ref).prev_sample
+    out = cp.denoise(x, diffusers.DDIMScheduler(), steps, warmup_steps=steps, patches=2,
+                     timestep_arg="t")
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    stale = cp.denoise(x, diffusers.DDIMScheduler(), steps, warmup_steps=1, patches=2,
+                       timestep_arg="t")
+    assert stale.isfinite().all() and not torch.allclose(stale, ref)
