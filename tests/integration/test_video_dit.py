@@ -60,10 +60,12 @@ class _Block(nn.Module):
 class VideoDiT(nn.Module):
     """``(latents (b, f, c, h, w), timestep (b,))`` -> noise prediction of the same shape."""
 
-    def __init__(self, channels: int = 4, patch: int = 2, hidden: int = 16) -> None:
+    def __init__(self, channels: int = 4, patch: int = 2, hidden: int = 16,
+                 conv3d: bool = False) -> None:
         super().__init__()
         self.config = SimpleNamespace(in_channels=channels, patch_size=patch)
-        self.embed = nn.Conv2d(channels, hidden, patch, stride=patch)
+        self.embed = nn.Conv3d(channels, hidden, (1, patch, patch), stride=(1, patch, patch)) \
+            if conv3d else nn.Conv2d(channels, hidden, patch, stride=patch)
         self.time = nn.Linear(hidden, hidden)
         self.blocks = nn.ModuleList(_Block(hidden) for _ in range(2))
         self.out = nn.Linear(hidden, patch * patch * channels)
@@ -72,7 +74,11 @@ class VideoDiT(nn.Module):
         b, f, c, height, width = x.shape
         p = self.config.patch_size
         rows, cols = height // p, width // p
-        tok = self.embed(x.reshape(b * f, c, height, width)).flatten(2).transpose(1, 2)
+        if isinstance(self.embed, nn.Conv3d):  # (b, d, f, rows, cols) -> frame-major tokens
+            tok = self.embed(x.transpose(1, 2)).flatten(2).transpose(1, 2)
+            tok = tok.reshape(b * f, rows * cols, tok.shape[-1])
+        else:
+            tok = self.embed(x.reshape(b * f, c, height, width)).flatten(2).transpose(1, 2)
         d = tok.shape[-1]
         grid = torch.cat([_sincos(torch.arange(rows).repeat_interleave(cols), d // 2),
                           _sincos(torch.arange(cols).repeat(rows), d // 2)], dim=-1)
@@ -85,7 +91,7 @@ class VideoDiT(nn.Module):
 
 def test_own_video_dit_is_exact_and_denoises_in_bands_of_rows_in_every_frame() -> None:
     torch.manual_seed(0)
-    model = VideoDiT().eval()
+    model = VideoDiT(conv3d=True).eval()  # its patch embedding flattens frames, rows, columns
     x, t = torch.randn(1, 3, 4, 8, 8), torch.tensor([10.0])
     cp = tppc.compile(model, (x, t), num_stages=2)
     assert cp.context.patch_grid == (3, 4, 4)

@@ -280,10 +280,18 @@ def _keeps_token_order(node: fx.Node, src: fx.Node, out_axes: list[int], *,
     if not merge or before_in.free_symbols or before_out.free_symbols:
         return False
     # constant axes merged into the token axis, or split off it again: the rows up to and
-    # including the token axis are the same, in the same order
+    # including the token axis are the same, in the same order; constant axes after it may
+    # join too (a video's frames, rows and columns flattened into frame-major tokens)
     through_in = before_in * size_expr(in_shape[info.axis])
     through_out = before_out * size_expr(out_shape[out_axes[0]])
-    return sympy.simplify(through_in - through_out) == 0
+    for after in [None, *in_shape[info.axis + 1:]]:
+        if after is not None:
+            if size_expr(after).free_symbols:
+                return False
+            through_in = through_in * size_expr(after)
+        if sympy.simplify(through_in - through_out) == 0:
+            return True
+    return False
 
 
 def _getitem_keeps_tokens(node: fx.Node) -> bool:
