@@ -2,7 +2,10 @@
 
 Terms:
     patch: a band of whole patch rows of the latent, ``[a, b)`` in units of the sequence
-        symbol (patch rows; a specialised capture cuts the same contiguous token range).
+        symbol (patch rows; a specialised capture cuts the same contiguous token range). In
+        a video latent of several frames it is the band in every frame (one block of the
+        frame-major tokens per frame, :mod:`tppc.passes._frame_rows`); captured along the
+        frame axis, a band of whole frames.
     warm-up step: the whole image as one chunk through every stage, synchronously; it
         writes every row of every K/V buffer (the first step of a call always is one).
         With the ``threads`` executor the calling thread runs it with the intra-op threads
