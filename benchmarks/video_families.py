@@ -47,6 +47,18 @@ def cogvideox(rope: bool = False, tables: bool = False) -> Example:
     return model, (torch.randn(1, 2, 4, 8, 8),), kwargs
 
 
+def allegro() -> Example:
+    from diffusers import AllegroTransformer3DModel
+
+    torch.manual_seed(0)
+    model = AllegroTransformer3DModel(
+        patch_size=2, patch_size_t=1, num_attention_heads=2, attention_head_dim=8,
+        in_channels=4, out_channels=4, num_layers=2, cross_attention_dim=16, sample_height=8,
+        sample_width=8, sample_frames=2, caption_channels=12).eval()
+    return model, (torch.randn(1, 4, 2, 8, 8),), {
+        "encoder_hidden_states": _text(), "timestep": torch.tensor([10]), "return_dict": False}
+
+
 def latte() -> Example:
     from diffusers import LatteTransformer3DModel
 
@@ -115,7 +127,7 @@ FAMILIES: dict[str, Callable[[], Example]] = {
     "cogvideox": cogvideox,
     "cogvideox_rope": lambda: cogvideox(rope=True),
     "cogvideox_rope_tables": lambda: cogvideox(rope=True, tables=True),
-    "latte": latte, "wan": wan, "ltx": ltx, "hunyuan_video": hunyuan_video, "mochi": mochi,
+    "allegro": allegro, "latte": latte, "wan": wan, "ltx": ltx, "hunyuan_video": hunyuan_video, "mochi": mochi,
 }
 
 
