@@ -146,10 +146,38 @@ def test_sd3_pipeline_call_equals_eager_with_every_step_warm() -> None:
     torch.testing.assert_close(_call(pipe, call, steps=2), want, rtol=1e-5, atol=1e-5)
 
 
+def cogvideox_pipe():
+    """A video pipeline: latents of 2 frames (5 video frames), stale bands of rows in every
+    frame."""
+    from diffusers import (
+        AutoencoderKLCogVideoX,
+        CogVideoXDDIMScheduler,
+        CogVideoXPipeline,
+        CogVideoXTransformer3DModel,
+    )
+
+    torch.manual_seed(0)
+    model = CogVideoXTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
+        num_layers=2, sample_width=8, sample_height=8, sample_frames=5, patch_size=2,
+        text_embed_dim=12, time_embed_dim=8, max_text_seq_length=8,
+        temporal_compression_ratio=4).eval()
+    torch.manual_seed(0)
+    vae = AutoencoderKLCogVideoX(
+        in_channels=3, out_channels=3, down_block_types=("CogVideoXDownBlock3D",) * 2,
+        up_block_types=("CogVideoXUpBlock3D",) * 2, block_out_channels=(8, 8),
+        latent_channels=4, layers_per_block=1, norm_num_groups=2,
+        temporal_compression_ratio=4, sample_height=16, sample_width=16).eval()
+    pipe = CogVideoXPipeline(tokenizer=_tokenizer(8), text_encoder=_t5(), vae=vae,
+                             transformer=model, scheduler=CogVideoXDDIMScheduler())
+    return pipe, {"prompt": "a red dog", "height": 16, "width": 16, "num_frames": 5,
+                  "max_sequence_length": 8, "guidance_scale": 1.0}
+
+
 def _call(pipe, call, steps=3):
     out = pipe(generator=torch.Generator().manual_seed(0), num_inference_steps=steps,
                output_type="np", **call)
-    return torch.as_tensor(out.images)
+    return torch.as_tensor(out.frames if hasattr(out, "frames") else out.images)
 
 
 @pytest.fixture(scope="module", params=[dit_pipe, pixart_pipe, flux_pipe],
@@ -182,6 +210,14 @@ def test_stale_patches_run_through_the_stages_and_each_call_starts_warm(pipeline
     tppc.diffusers.compile_pipeline(pipe, warmup_steps=1, patches=2, num_stages=2,
                                     executor="local")
     torch.testing.assert_close(_call(pipe, call), got, rtol=0, atol=0)
+
+
+def test_a_video_pipeline_call_equals_eager_with_every_step_warm() -> None:
+    pipe, call = cogvideox_pipe()
+    pipe.set_progress_bar_config(disable=True)
+    want = _call(pipe, call, steps=2)
+    tppc.diffusers.compile_pipeline(pipe, warmup_steps=None, patches=2, num_stages=2)
+    torch.testing.assert_close(_call(pipe, call, steps=2), want, rtol=1e-5, atol=1e-5)
 
 
 def test_the_adapter_answers_what_pipelines_read() -> None:

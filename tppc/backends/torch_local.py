@@ -22,30 +22,45 @@ from typing import Any
 import torch
 
 from tppc.errors import StageTimeout
+from tppc.ir.records import ChunkInput
 from tppc.passes.hoist_consts import const_values
 from tppc.program.program import Program, StageProgram
 from tppc.program.schedule import serial_order
 from tppc.program.state import Call, CallState
 
-__all__ = ["LocalExecutor", "Sink", "past_deadline", "prepare_stage", "run_stage"]
+__all__ = ["LocalExecutor", "Sink", "chunk_rows", "past_deadline", "prepare_stage", "run_stage"]
 
 Sink = Callable[[int, tuple[Any, ...]], None]
 """Receives ``(chunk index, last stage's outputs)`` in chunk order, in the calling thread."""
 
 
 def prepare_stage(stage: StageProgram, call: Call, state: CallState) -> tuple[Any, ...]:
-    """The stage's positional values at ``call.pos_len`` (computed once per epoch)."""
-    key = (call.pos_len, call.epoch)
+    """The stage's positional values at ``call.pos_len`` (computed once per epoch and set of
+    the values it reads whole: a positional value may read a timestep, which changes from
+    one denoising step to the next within an epoch)."""
+    program = stage.positional
+    placeholders = program.graph.find_nodes(op="placeholder")
+    read = [value for ph, value in zip(placeholders, call.flat_inputs)
+            if ph.users and isinstance(value, torch.Tensor) and not _symbolic(ph)]
+    key = (call.pos_len, call.epoch, _Read(read))
     values = state.positional(stage, key)
     if values is None:
-        program = stage.positional
         inputs = [_zeros_like_at(value, ph, call.pos_len, stage.device)
-                  for ph, value in zip(program.graph.find_nodes(op="placeholder"),
-                                       call.flat_inputs)]
+                  for ph, value in zip(placeholders, call.flat_inputs)]
         with torch.no_grad():
             values = tuple(program(*inputs))
         state.set_positional(stage, key, values)
     return values
+
+
+def chunk_rows(value: torch.Tensor, spec: ChunkInput, start: int, end: int, length: int
+               ) -> torch.Tensor:
+    """The rows of chunk ``[start, end)`` of ``value`` along ``spec.axis``: one view, or the
+    concatenation of one block per frame (video tokens, :meth:`ChunkInput.blocks`)."""
+    blocks = spec.blocks(start, end, length)
+    if len(blocks) == 1:
+        return value.narrow(spec.axis, *blocks[0])
+    return torch.cat([value.narrow(spec.axis, *b) for b in blocks], spec.axis)
 
 
 def run_stage(stage: StageProgram, call: Call, state: CallState, start: int, end: int,
@@ -62,15 +77,14 @@ def run_stage(stage: StageProgram, call: Call, state: CallState, start: int, end
         if kind == "boundary":
             args.append(_to(next(received), stage.device))
         elif kind == "token":
-            args.append(_to(call.flat_inputs[spec.index].narrow(spec.axis,
-                                                                *spec.rows(start, end)),
-                            stage.device))
+            args.append(_to(chunk_rows(call.flat_inputs[spec.index], spec, start, end,
+                                       call.seq_len), stage.device))
         elif kind in ("const", "full"):
             args.append(_to(call.flat_inputs[spec.index], stage.device))
         elif kind == "positional":
             value = positional[spec.index]
             args.append(value if spec.axis is None
-                        else value.narrow(spec.axis, *spec.rows(start, end)))
+                        else chunk_rows(value, spec, start, end, call.seq_len))
         elif kind in ("key", "value"):
             args.append(buffers[name])
         elif kind == "hoisted":
@@ -98,6 +112,28 @@ def _to(value: Any, device: torch.device) -> Any:
     if not isinstance(value, torch.Tensor) or value.device == device:
         return value
     return value.to(device, non_blocking=device.type == "cuda")
+
+
+class _Read:
+    """The tensors a positional program reads whole, compared by identity and version (and
+    kept alive with the cached values)."""
+
+    __slots__ = ("tensors", "versions")
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors, self.versions = tensors, [t._version for t in tensors]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Read) and len(self.tensors) == len(other.tensors) and all(
+            a is b for a, b in zip(self.tensors, other.tensors, strict=True)) \
+            and self.versions == other.versions
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _symbolic(placeholder: Any) -> bool:
+    val = placeholder.meta.get("val")
+    return val is not None and any(isinstance(s, torch.SymInt) for s in val.shape)
 
 
 def _zeros_like_at(value: Any, placeholder: Any, length: int, device: torch.device) -> Any:

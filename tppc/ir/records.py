@@ -37,6 +37,7 @@ __all__ = [
     "Role",
     "StageInfo",
     "TokenInfo",
+    "frame_blocks",
     "layer_of",
 ]
 
@@ -213,6 +214,9 @@ class ChunkInput:
         prefix: the unsplit text segment before the split positions (joint attention).
         suffix: the unsplit text segment after the split positions (K/V buffers only: the
             first chunk of a step writes it after the last split row).
+        frames: video frames folded into the token axis (frame-major tokens of a latent
+            whose patch rows are the sequence symbol): a chunk of patch rows is then a band
+            of rows in every frame, ``frames`` blocks of the axis (:meth:`blocks`).
     """
 
     kind: InputKind
@@ -225,12 +229,38 @@ class ChunkInput:
     scale: int = 1
     prefix: int = 0
     suffix: int = 0
+    frames: int = 1
 
     def rows(self, start: int, end: int) -> tuple[int, int]:
         """``(offset, count)`` of the chunk ``[start, end)`` along the token axis; the first
         chunk (``start == 0``) carries the prefix."""
         lo = 0 if start == 0 else self.prefix + self.scale * start
         return lo, self.prefix + self.scale * end - lo
+
+    def blocks(self, start: int, end: int, length: int) -> list[tuple[int, int]]:
+        """``(offset, count)`` of each contiguous block of the chunk ``[start, end)`` of a
+        sequence of ``length`` units, in the chunk's own order (:func:`frame_blocks`)."""
+        return frame_blocks(self.scale, self.prefix, self.frames, start, end, length)
+
+
+def frame_blocks(scale: int, prefix: int, frames: int, start: int, end: int, length: int
+                 ) -> list[tuple[int, int]]:
+    """The contiguous blocks ``(offset, count)`` of the chunk ``[start, end)`` along a token
+    axis of ``prefix + scale · length`` positions holding ``frames`` frames one after the
+    other: the rows ``[start, end)`` of every frame (``scale / frames`` positions per unit and
+    frame), the first block from 0 when ``start == 0`` (the chunk carries the prefix).
+
+    >>> frame_blocks(8, 2, 2, 1, 3, 4)   # 2 frames of 4 rows of 4, text prefix of 2
+    [(6, 8), (22, 8)]
+    """
+    if frames == 1:
+        lo = 0 if start == 0 else prefix + scale * start
+        return [(lo, prefix + scale * end - lo)]
+    per = scale // frames
+    out = [(prefix + per * (f * length + start), per * (end - start)) for f in range(frames)]
+    if start == 0 and prefix:
+        out[0] = (0, prefix + out[0][1])
+    return out
 
 
 STAGE_INFO = "tppc.stage_info"
@@ -280,8 +310,9 @@ class ChunkSignature:
         attention: names of the attention nodes, in graph order.
         tail: True when a ``global`` epilogue (``gm.tppc_tail``) turns the full-length chunk
             outputs into the model's outputs; False when the chunk outputs are the model's.
-        output_rows: per flat output, ``(scale, prefix)`` of its token axis (see
-            :mod:`tppc.passes._token_rows`), None where ``output_axes`` is None.
+        output_rows: per flat output, ``(scale, prefix, frames)`` of its token axis (see
+            :mod:`tppc.passes._token_rows`, :func:`frame_blocks`), None where
+            ``output_axes`` is None.
     """
 
     user_inputs: tuple[str, ...]
@@ -292,4 +323,4 @@ class ChunkSignature:
     buffers: tuple[KVBuffer, ...]
     attention: tuple[str, ...]
     tail: bool = False
-    output_rows: tuple[tuple[int, int] | None, ...] = ()
+    output_rows: tuple[tuple[int, ...] | None, ...] = ()

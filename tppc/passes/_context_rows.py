@@ -7,8 +7,7 @@ the order the model does. The first chunk of a step carries both segments: its r
 the suffix go to ``[0, prefix + scale · chunk_end)``, its suffix to
 ``[prefix + scale · seq_len, … + suffix)``. Later chunks (the rest program) hold split rows
 only. What cannot be lined up that way is refused by name (:func:`check_context`).
-:func:`chunk_outputs` makes the chunk step's output node (each output's rows: ``(scale,
-prefix)``; a text-only output is refused).
+The chunk step's output node is made by :func:`tppc.passes._frame_rows.chunk_outputs`.
 """
 
 from __future__ import annotations
@@ -22,9 +21,8 @@ from torch import fx
 
 from tppc.errors import PassError
 from tppc.ir.records import TOKEN, TokenInfo
-from tppc.passes._token_rows import ABSENT
 
-__all__ = ["check_context", "chunk_outputs", "write_rows"]
+__all__ = ["check_context", "write_rows"]
 
 _aten = torch.ops.aten
 
@@ -72,32 +70,3 @@ def check_context(node: fx.Node, what: str, suffix: int | None = None) -> None:
         f"node {node.name!r} (module {info.module or '<top level>'}) has {suffix} "
         f"context positions after its split tokens: {reason}. fix: put the context segment "
         "before the tokens (cat([text, image])), or cut it off before this node")
-
-
-def chunk_outputs(graph: fx.Graph, env: dict[fx.Node, Any], flat: list[Any],
-                  scale: Callable[[TokenInfo], int]
-                  ) -> tuple[tuple[int | None, ...], tuple[tuple[int, int] | None, ...]]:
-    """Add the chunk step's output node for the model's flat outputs ``flat``; returns each
-    output's token axis and ``(scale, prefix)`` of its rows (None: not a token value)."""
-    axes: list[int | None] = []
-    rows: list[tuple[int, int] | None] = []
-    outs: list[Any] = []
-    for leaf in flat:
-        if isinstance(leaf, fx.Node):
-            info: TokenInfo = leaf.meta[TOKEN]
-            if info.role == "positional":
-                raise PassError(f"output {leaf.name!r} is a positional value; tppc "
-                                "pipelines models whose outputs are per-token values")
-            axes.append(info.axis if info.role in ("token", "mixing") else None)
-            rows.append((scale(info), info.prefix) if axes[-1] is not None else None)
-            if env[leaf] is ABSENT:
-                raise PassError(f"output {leaf.name!r} is text tokens only (a context "
-                                "segment); tppc pipelines models whose outputs hold the "
-                                "image tokens")
-            outs.append(env[leaf])
-        else:
-            axes.append(None)
-            rows.append(None)
-            outs.append(leaf)
-    graph.output(tuple(outs))
-    return tuple(axes), tuple(rows)

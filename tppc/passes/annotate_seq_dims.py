@@ -174,10 +174,17 @@ def _attention(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext, axes: lis
     """Self- or joint attention over the token axis is ``mixing``.
 
     Cross-attention to the context stream (keys without split tokens: text states) is
-    row-wise over the queries, hence ``token``; its keys and values are ``const``.
+    row-wise over the queries, hence ``token``; its keys and values are ``const``. So is
+    attention along another axis, with the tokens on a batch axis of queries and keys alike
+    (a video's temporal attention over the frames of each patch, ``(b·tokens, frames, d)``):
+    each token's rows attend among themselves.
     """
     query: TokenInfo = node.args[0].meta[TOKEN]
     key: TokenInfo = node.args[1].meta[TOKEN]
+    q_val = tensor_val(node.args[0])
+    if query.axis is not None and q_val is not None and query.axis < q_val.dim() - 2 \
+            and (key.axis, key.axis_size) == (query.axis, query.axis_size):
+        return with_prefix(_info("token", axes, sizes, where), query)
     if not (key.role in ("token", "mixing") and split_tokens(key)):
         if query.prefix_only:
             return TokenInfo("token", query.axis, query.axis_size, module=where,
@@ -266,10 +273,18 @@ def _keeps_token_order(node: fx.Node, src: fx.Node, out_axes: list[int], *,
     if not merge or before_in.free_symbols or before_out.free_symbols:
         return False
     # constant axes merged into the token axis, or split off it again: the rows up to and
-    # including the token axis are the same, in the same order
+    # including the token axis are the same, in the same order; constant axes after it may
+    # join too (a video's frames, rows and columns flattened into frame-major tokens)
     through_in = before_in * size_expr(in_shape[info.axis])
     through_out = before_out * size_expr(out_shape[out_axes[0]])
-    return sympy.simplify(through_in - through_out) == 0
+    for after in [None, *in_shape[info.axis + 1:]]:
+        if after is not None:
+            if size_expr(after).free_symbols:
+                return False
+            through_in = through_in * size_expr(after)
+        if sympy.simplify(through_in - through_out) == 0:
+            return True
+    return False
 
 
 def _getitem_keeps_tokens(node: fx.Node) -> bool:

@@ -67,7 +67,8 @@ from tppc.ir.records import (
 )
 from tppc.passes._bias_rows import BiasRows, value_inputs
 from tppc.passes._buffered_mixing import buffered_operands
-from tppc.passes._context_rows import check_context, chunk_outputs
+from tppc.passes._context_rows import check_context
+from tppc.passes._frame_rows import chunk_outputs, frame_table_rows, token_frames
 from tppc.passes._shapes import module_path, size_expr, tensor_val
 from tppc.passes._token_rows import (
     REST_CHUNK,
@@ -152,7 +153,7 @@ class _Rewriter(BufferReads):
         for node in self.gm.graph.nodes:
             if self.mode.get(node) == "copy" and node not in self.env:
                 self.env[node] = self._emit(node)
-        axes, rows = chunk_outputs(self.graph, self.env, roots, self._scale)
+        axes, rows = chunk_outputs(self.graph, self.env, roots, self._rows)
         self.graph.eliminate_dead_code()
         chunk_gm = fx.GraphModule(self.gm, self.graph, class_name="ChunkStep")
         chunk_gm.add_submodule("tppc_positional", positional_program(self.gm, frontier))
@@ -231,7 +232,8 @@ class _Rewriter(BufferReads):
             if mode == "token_input":
                 axis = self.ctx.seq_inputs[p.name][0]
                 scale = rows_per_unit(size_expr(tensor_val(p).shape[axis]), self.ctx) or 1
-                spec = ChunkInput("token", p.name, index, axis, scale=scale)
+                frames = token_frames(size_expr(tensor_val(p).shape[axis]), self.ctx)
+                spec = ChunkInput("token", p.name, index, axis, scale=scale, frames=frames)
                 self.env[p] = self._input(p.name, spec, p)
             elif mode == "const_input":
                 self.env[p] = self._input(p.name, ChunkInput("const", p.name, index), p)
@@ -244,7 +246,8 @@ class _Rewriter(BufferReads):
             info = node.meta[TOKEN]
             check_context(node, "positional")
             spec = ChunkInput("positional", node.name, index, info.axis,
-                              scale=self._scale(info), prefix=info.prefix)
+                              scale=self._scale(info), prefix=info.prefix,
+                              frames=self._frames(info))
             self.env[node] = self._input(f"pos_{node.name}", spec, node)
         for attn in attention:
             for which, arg in buffered_inputs(attn).items():
@@ -296,7 +299,10 @@ class _Rewriter(BufferReads):
         if node.meta[TOKEN].role in ("token", "mixing"):
             for a in node.all_input_nodes:
                 j = baked_table_axis(node, a, self.ctx)
-                if j is not None:
+                if j is not None and self._frames(node.meta[TOKEN]) > 1:
+                    args[a] = frame_table_rows(self.graph, self.env, node, args[a], j, (
+                        self.start, self.seq_len), self._rows(node.meta[TOKEN]), self.carry)
+                elif j is not None:
                     offset = row_offset(self.graph, self.start, self._scale(node.meta[TOKEN]),
                                         0 if self.carry else node.meta[TOKEN].prefix)
                     args[a] = table_rows(self.graph, self.env, node, args[a], j, offset)
@@ -310,6 +316,12 @@ class _Rewriter(BufferReads):
 
     def _scale(self, info: TokenInfo) -> int:
         return rows_per_unit(split_size(info), self.ctx) or 1
+
+    def _frames(self, info: TokenInfo) -> int:
+        return token_frames(split_size(info), self.ctx)
+
+    def _rows(self, info: TokenInfo) -> tuple[int, int, int]:
+        return self._scale(info), info.prefix, self._frames(info)
 
     def _attention(self, node: fx.Node) -> fx.Node:
         kwargs = sdpa_kwargs(node)
@@ -329,7 +341,7 @@ class _Rewriter(BufferReads):
             buf = self.buffer_nodes[node.name, which]
             axis = buf.meta[CHUNK_INPUT].axis
             kwargs[which] = self._read_buffer(kwargs[which], buf, axis, kv_len, layer,
-                                              repeat=not gqa)
+                                              repeat=not gqa, frames=self._frames(info))
         if node.target is _aten.scaled_dot_product_attention.default:
             return self._chunk_op(node, kwargs, causal, gqa or kwargs.get("enable_gqa", False),
                                   kv_len)

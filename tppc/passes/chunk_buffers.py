@@ -19,6 +19,7 @@ from torch import fx
 from tppc.ir.records import CHUNK_INPUT, TOKEN, ChunkInput, TokenInfo
 from tppc.passes._buffered_mixing import buffered_operands
 from tppc.passes._context_rows import write_rows
+from tppc.passes._frame_rows import write_frame_rows
 from tppc.passes._token_rows import row_offset, rows_per_unit, split_size
 from tppc.passes.chunk_parts import SIZE_ARG_OPS, cache_source, sdpa_kwargs
 
@@ -80,20 +81,32 @@ class BufferReads:
         return rows_out
 
     def _read_buffer(self, arg: fx.Node, buf: fx.Node, axis: int, kv_len: Any,
-                     layer: fx.Node, *, repeat: bool) -> fx.Node:
+                     layer: fx.Node, *, repeat: bool, frames: int = 1) -> fx.Node:
         """Write the chunk's rows of ``arg`` into ``buf`` (its spec's ``[prefix | scale ·
-        units | suffix]`` layout) and read ``buf`` back up to ``kv_len`` rows."""
+        units | suffix]`` layout; a video's ``frames`` blocks: a band of rows in every
+        frame) and read ``buf`` back up to ``kv_len`` rows."""
         source, chain = cache_source(arg, self.sym)
         chain = chain if repeat else []
         offset, size = self.start, self.size
         spec: ChunkInput = buf.meta[CHUNK_INPUT]
         rows, suffix = (spec.scale, spec.prefix), spec.suffix if self.carry else 0
+        if frames > 1:
+            write_frame_rows(self.graph, lambda t, a: self._new(t, a, layer), buf, axis,
+                             self.env[source], (self.start, self.seq_len), (*rows, frames),
+                             self.carry)
+            return self._read_back(buf, axis, kv_len, layer, chain)
         if rows != (1, 0) or suffix:  # the chunk's rows: prefix + scale · start on, as many as
             offset = row_offset(self.graph, self.start, rows[0], 0 if self.carry else rows[1])
             size = self._new(_aten.sym_size.int, (self.env[source], axis), layer)  # it has
         at = row_offset(self.graph, self.seq_len, rows[0], rows[1]) if suffix else None
         write_rows(lambda t, a: self._new(t, a, layer), buf, axis, self.env[source], offset,
                    size, suffix, at)
+        return self._read_back(buf, axis, kv_len, layer, chain)
+
+    def _read_back(self, buf: fx.Node, axis: int, kv_len: Any, layer: fx.Node,
+                   chain: list[fx.Node]) -> fx.Node:
+        """``buf`` up to ``kv_len`` rows, through the ops between the cached value and its
+        reader (``chain``: a head repeat, with its size argument at the buffer's length)."""
         value = self._new(_aten.narrow.default, (buf, axis, 0, kv_len), layer)
         for step in chain:
             args = [value, *(self.env[a] if isinstance(a, fx.Node) else a for a in step.args[1:])]

@@ -2,7 +2,10 @@
 
 Terms:
     patch: a band of whole patch rows of the latent, ``[a, b)`` in units of the sequence
-        symbol (patch rows; a specialised capture cuts the same contiguous token range).
+        symbol (patch rows; a specialised capture cuts the same contiguous token range). In
+        a video latent of several frames it is the band in every frame (one block of the
+        frame-major tokens per frame, :mod:`tppc.passes._frame_rows`); captured along the
+        frame axis, a band of whole frames.
     warm-up step: the whole image as one chunk through every stage, synchronously; it
         writes every row of every K/V buffer (the first step of a call always is one).
         With the ``threads`` executor the calling thread runs it with the intra-op threads
@@ -288,8 +291,7 @@ def choose_patches(cp: Any, front: Any, length: int, steps: int, warmup: int, pa
                    max_patches: int | None = None) -> tuple[Any, tuple[int, ...]]:
     """The plan (placement) and the patch boundaries: ``patches`` equal bands on the
     compiled plan, or (``None``) the diffusion plan's own split, at most ``max_patches``
-    (a given plan's split above it: that many equal bands). Several patches with stale
-    steps are refused for video latents of several frames (every executor calls this)."""
+    (a given plan's split above it: that many equal bands; every executor calls this)."""
     if patches is not None:
         plan, bounds = cp.program(length, front).plan, _patch_bounds(patches, length)
     else:
@@ -299,21 +301,7 @@ def choose_patches(cp: Any, front: Any, length: int, steps: int, warmup: int, pa
             else _patch_bounds(len(plan.stages), length)
         if max_patches is not None and len(bounds) - 1 > max_patches:
             bounds = _patch_bounds(max_patches, length)
-    if len(bounds) > 2 and warmup < steps:
-        _check_bands_are_contiguous(front.ctx.patch_grid)
     return plan, bounds
-
-
-def _check_bands_are_contiguous(grid: tuple[int, ...]) -> None:
-    """Refuse video latents of several frames: their tokens are frame-major, so a band of
-    latent rows (in every frame) is not the contiguous token range a patch's K/V rows and
-    positions are."""
-    if len(grid) == 3 and grid[0] > 1:
-        raise SpecError(
-            f"video latents of {grid[0]} frames (patch grid {grid}): a band of patch rows "
-            "spans every frame, but the tokens are frame-major, so stale patches would write "
-            "their K/V at another band's positions. fix: warmup_steps=num_inference_steps, "
-            "patches=1, or a latent of one frame")
 
 
 def _patch_bounds(patches: int, length: int) -> tuple[int, ...]:

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from tppc.ir.records import frame_blocks
 from tppc.program.state import Call
 
 __all__ = ["OutputAssembler"]
@@ -33,10 +34,15 @@ class OutputAssembler:
                 shape = list(value.shape)
                 shape[axis] = rows[1] + rows[0] * self.call.seq_len
                 self.leaves[j] = value.new_empty(shape)
-            lo = 0 if start == 0 else rows[1] + rows[0] * start
-            target = self.leaves[j].narrow(axis, lo, rows[1] + rows[0] * end - lo)
-            if not _same_view(target, value):
-                target.copy_(value)
+            frames = rows[2] if len(rows) > 2 else 1
+            at = 0
+            for lo, count in frame_blocks(rows[0], rows[1], frames, start, end,
+                                          self.call.seq_len):  # one block per video frame
+                target = self.leaves[j].narrow(axis, lo, count)
+                part = value.narrow(axis, at, count) if frames > 1 else value
+                at += count
+                if not _same_view(target, part):
+                    target.copy_(part)
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -25,6 +25,7 @@ from typing import Any, NoReturn
 import torch
 from torch import fx
 
+from tppc.backends.torch_local import chunk_rows as block_rows
 from tppc.driver.emit import build_program
 from tppc.errors import SoundnessError
 from tppc.frontend.front_end import FrontEnd
@@ -220,7 +221,7 @@ def _rows_of(emitted: fx.Node, captured: fx.Node, full: Any, got: Any, start: in
              length: int) -> Any:
     spec = emitted.meta.get(CHUNK_INPUT) if emitted.op == "placeholder" else None
     if spec is not None and isinstance(full, torch.Tensor):
-        return full if spec.axis is None else full.narrow(spec.axis, *spec.rows(start, end))
+        return full if spec.axis is None else block_rows(full, spec, start, end, length)
     return chunk_rows(full, got, token_info(captured), start, length)
 
 

@@ -293,11 +293,6 @@ def _rest(front: FrontEnd, program: Program, chunks: tuple[tuple[int, int], ...]
 
 def probe_chunks(front: FrontEnd, length: int) -> tuple[tuple[tuple[int, int], ...], str]:
     """The chunks a check runs at ``length``: two or three of unequal sizes, or one and why."""
-    grid = front.ctx.patch_grid
-    if front.bidirectional and len(grid) == 3 and grid[0] > 1:
-        return ((0, length),), (f"video latents of {grid[0]} frames: one chunk (a band of "
-                                "patch rows is not a contiguous token range; denoise runs "
-                                "them as one patch too)")
     if length < 2:
         return ((0, length),), f"the example has {length} unit of sequence: one chunk"
     cuts = sorted({0, *(c for c in (length // 3, (2 * length) // 3 + 1) if 0 < c < length),
