@@ -396,25 +396,18 @@ class CompiledPipeline:
 
     def _capture(self, args: tuple[Any, ...], kwargs: Mapping[str, Any],
                  bound: BoundCall | None) -> FrontEnd:
-        if bound is None:
-            try:
-                return capture_front_end(self._model, tuple(args), kwargs,
-                                         seq_dims=self._seq_dims,
-                                         keep_states=self.options.keep_states)
-            except CaptureError as exc:
-                raise RuntimeInputError(f"re-capturing {self.model_name} for inputs "
-                                        f"{sorted(kwargs)} failed: {exc}") from exc
-        if bound.length < 2:
+        if bound is not None and bound.length < 2:
             raise RuntimeInputError(
                 f"a call with batch shape {bound.batch} needs a new capture, and a "
                 f"{bound.length}-token call cannot be captured. fix: call once with at least "
                 "2 tokens at this batch size")
+        what = f"inputs {sorted(kwargs)}" if bound is None else f"batch shape {bound.batch}"
         try:
             return capture_front_end(self._model, tuple(args), kwargs, seq_dims=self._seq_dims,
                                      keep_states=self.options.keep_states)
         except CaptureError as exc:
-            raise RuntimeInputError(f"re-capturing {self.model_name} for batch shape "
-                                    f"{bound.batch} failed: {exc}") from exc
+            raise RuntimeInputError(f"re-capturing {self.model_name} for {what} failed: "
+                                    f"{exc}") from exc
 
     def _check_bidirectional(self, plan: Plan) -> None:
         chunks = self.options.chunks
