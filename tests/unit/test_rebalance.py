@@ -68,9 +68,16 @@ def gpt():
     return _gpt()
 
 
-def test_scaled_table_multiplies_one_devices_layer_times(gpt):
+@pytest.fixture(scope="module")
+def kept(gpt):
+    """One pipeline for the tests that never swap its program."""
     model, args, _ = gpt
-    cp = _compile(model, args)
+    return _compile(model, args)
+
+
+def test_scaled_table_multiplies_one_devices_layer_times(gpt, kept):
+    _, args, _ = gpt
+    cp = kept
     from tppc.cost_models.layer_costs import build_cost_table
 
     ctx = cp.context
@@ -83,18 +90,18 @@ def test_scaled_table_multiplies_one_devices_layer_times(gpt):
     assert scaled.links == table.links
 
 
-def test_refit_rate_is_measured_over_predicted_busy_times_the_old_rate(gpt):
-    model, args, _ = gpt
-    cp = _compile(model, args)
+def test_refit_rate_is_measured_over_predicted_busy_times_the_old_rate(gpt, kept):
+    _, args, _ = gpt
+    cp = kept
     sample = _slow_sample(cp, args, 4.0)
     old = Sample(sample.front, sample.program, (2.0, 0.5), sample.trace)
     assert refit_rates([sample], 2) == pytest.approx((1.0, 4.0))
     assert refit_rates([old], 2) == pytest.approx((2.0, 2.0))  # 2·1 and 0.5·4
 
 
-def test_price_plan_at_unit_rates_reproduces_the_plans_prediction(gpt):
-    model, args, _ = gpt
-    cp = _compile(model, args)
+def test_price_plan_at_unit_rates_reproduces_the_plans_prediction(gpt, kept):
+    _, args, _ = gpt
+    cp = kept
     again = price_plan(_front(cp, args), cp.options, cp.plan, (1.0, 1.0))
     assert again.latency == pytest.approx(cp.plan.latency, rel=1e-9)
     slower = price_plan(_front(cp, args), cp.options, cp.plan, (2.0, 2.0))
@@ -119,18 +126,18 @@ def test_rebalance_moves_layers_away_from_a_slow_device_and_stays_exact(gpt):
     assert torch.equal(_logits(cp(*args)), first)  # same chunks, same ops: bit for bit
 
 
-def test_rebalance_keeps_the_program_when_the_gain_is_below_the_margin(gpt):
-    model, args, eager = gpt
-    cp = _compile(model, args)
+def test_rebalance_keeps_the_program_when_the_gain_is_below_the_margin(gpt, kept):
+    _, args, eager = gpt
+    cp = kept
     program = cp.program(64)
     report = cp.refit([_slow_sample(cp, args, 1.0)], margin=0.1)  # measured = predicted
     assert not report.swapped and cp.program(64) is program and cp.rates is None
     assert _exact(cp(*args), eager)
 
 
-def test_cp_rebalance_measures_and_reports_before_and_after(gpt):
-    model, args, eager = gpt
-    cp = _compile(model, args)
+def test_cp_rebalance_measures_and_reports_before_and_after(gpt, kept):
+    _, args, eager = gpt
+    cp = kept
     report = cp.rebalance(args, calls=2, margin=1e9)  # never swaps: no after
     assert not report.swapped and report.measured_after is None and report.calls == 2
     assert report.measured_before > 0 and all(b > 0 for b in report.busy_measured)
@@ -186,9 +193,8 @@ def test_concurrent_callers_see_the_old_or_the_new_program_exactly(gpt):
     assert all(_exact(o, eager) for o in outs)
 
 
-def test_rebalance_refuses_a_given_plan_and_bad_settings(gpt):
-    model, args, _ = gpt
-    cp = _compile(model, args)
+def test_rebalance_refuses_a_given_plan_and_bad_settings(kept):
+    cp = kept
     fixed = cp.with_plan(cp.plan, verify=False)
     with pytest.raises(SpecError, match="given plan.*plan=None"):
         fixed.rebalance()
