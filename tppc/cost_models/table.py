@@ -151,6 +151,26 @@ class CostTable:
                              f"{list(self.layer_names[:4])}... with some cut into their parts")
         return table
 
+    def scaled(self, factors: Sequence[float]) -> CostTable:
+        """This table with every layer time of device ``d`` multiplied by ``factors[d]``
+        (seconds measured per second predicted: :mod:`tppc.runtime.rebalance`); links and
+        memory unchanged. Identical time functions stay shared (``times_at`` evaluates each
+        once)."""
+        if len(factors) != self.num_devices:
+            raise ValueError(f"{len(factors)} factors for {self.num_devices} devices")
+        made: dict[tuple[int, float], TimeFn] = {}
+
+        def scale(lc: LayerCost, f: float) -> LayerCost:
+            key = (id(lc.time), f)
+            if key not in made:
+                made[key] = _Scaled(lc.time, f)
+            return dataclasses.replace(lc, time=made[key],
+                                       parts=tuple(scale(part, f) for part in lc.parts))
+
+        return dataclasses.replace(self, layers=tuple(
+            row if f == 1.0 else tuple(scale(lc, float(f)) for lc in row)
+            for row, f in zip(self.layers, factors, strict=True)))
+
     def split_layer(self, index: int) -> CostTable:
         """This table with layer ``index`` replaced by its two parts (it must have them)."""
         row = self.layers[0]
@@ -158,3 +178,14 @@ class CostTable:
             raise ValueError(f"layer {row[index].name!r} has no parts (no waist)")
         return dataclasses.replace(self, layers=tuple(
             (*r[:index], *r[index].parts, *r[index + 1:]) for r in self.layers))
+
+
+@dataclass(frozen=True)
+class _Scaled:
+    """``time(c, p) · factor`` (:meth:`CostTable.scaled`)."""
+
+    time: TimeFn
+    factor: float
+
+    def __call__(self, c: np.ndarray, p: np.ndarray) -> np.ndarray:
+        return np.asarray(self.time(c, p)) * self.factor

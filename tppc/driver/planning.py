@@ -34,10 +34,12 @@ from tppc.errors import PlanError, SpecError
 from tppc.frontend.front_end import FrontEnd, capture_front_end
 from tppc.ir.context import CompileContext
 from tppc.planner import Plan, Workload
+from tppc.planner.devices import sub_table
+from tppc.planner.evaluate import plan_for
 from tppc.planner.grid import default_granularity, plan_any_length
 
 __all__ = ["Planner", "default_granularity", "example_plan", "length_planner", "plan",
-           "tokens_per_unit"]
+           "price_plan", "tokens_per_unit"]
 
 #: ``planner(front, length, workload=None) -> Plan``: the plan of one sequence length.
 Planner = Callable[..., Plan]
@@ -137,19 +139,21 @@ def _check_unit(plan: Plan, front: FrontEnd) -> None:
             "the same inputs)")
 
 
-def length_planner(opts: CompileOptions) -> Planner:
+def length_planner(opts: CompileOptions, rates: tuple[float, ...] | None = None) -> Planner:
     """The planner of every length: ``(front, length, workload=None) -> Plan``.
 
     ``length`` is in units of the sequence axis. A model with bidirectional attention is
     planned as one chunk unless the workload is diffusion (patches, for ``denoise``);
-    ``opts.chunks`` fixes the split (the placement is still planned).
+    ``opts.chunks`` fixes the split (the placement is still planned). ``rates``: seconds
+    measured per second predicted on each device of the cluster (:meth:`CostTable.scaled`;
+    refitted by :mod:`tppc.runtime.rebalance`), None: as priced.
     """
 
     def plan_length(front: FrontEnd, length: int, workload: Workload | None = None) -> Plan:
         """The plan of ``length`` units; a diffusion ``workload`` plans patches."""
         t0 = time.perf_counter()
         costing: list[float] = []
-        result = _plan_length(front, opts, length, workload, costing)
+        result = _plan_length(front, opts, length, workload, costing, rates)
         if opts.verbose:
             whole = time.perf_counter() - t0
             print(f"[tppc plan] capture+annotate {front.seconds:.1f} s, costing+solving "
@@ -178,13 +182,29 @@ def tokens_per_unit(ctx: CompileContext, length: int) -> int:
     return int(tokens) // length
 
 
-def _plan_length(front: FrontEnd, opts: CompileOptions, length: int,
-                 workload: Workload | None, costing: list[float]) -> Plan:
-    """Price in tokens on a grid of whole units, return the plan in units (``costing``
-    receives the seconds of each cost table built)."""
-    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
-        raise PlanError(f"seq_len={length!r} must be a positive number of units of the "
-                        "sequence axis (tokens; patch rows for a DiT)")
+def price_plan(front: FrontEnd, opts: CompileOptions, plan: Plan,
+               rates: tuple[float, ...] | None = None) -> Plan:
+    """``plan``'s placement and split simulated again on the cost table scaled by ``rates``
+    (the prediction of a plan made before the rates changed)."""
+    per = plan.tokens_per_unit
+    table = _table_at(front, opts, rates, [])(plan.seq_len * per)
+    chosen = tuple(st.device_index for st in plan.stages)
+    names = [name for st in plan.stages for name in st.layer_names]
+    cuts = (0, *(st.layer_end for st in plan.stages))
+    priced = plan_for(sub_table(table, chosen).with_layers(names), cuts,
+                      tuple(b * per for b in plan.boundaries), plan.workload,
+                      granularity=plan.granularity * per, ranged=False)
+    stages = tuple(dataclasses.replace(st, device_index=old.device_index)
+                   for st, old in zip(priced.stages, plan.stages, strict=True))
+    return dataclasses.replace(priced, stages=stages, seq_len=plan.seq_len,
+                               granularity=plan.granularity,
+                               tokens_per_unit=plan.tokens_per_unit,
+                               boundaries=plan.boundaries)
+
+
+def _table_at(front: FrontEnd, opts: CompileOptions, rates: tuple[float, ...] | None,
+              costing: list[float]) -> Callable[[int], CostTable]:
+    """The cost table at a number of tokens (``costing`` receives the seconds of each)."""
     ctx = front.ctx
 
     def table_at(tokens: int) -> CostTable:
@@ -193,8 +213,21 @@ def _plan_length(front: FrontEnd, opts: CompileOptions, length: int,
                                  seq_symbol=ctx.seq_symbol, token_count=ctx.token_count,
                                  queue_depth=opts.queue_depth)
         costing.append(time.perf_counter() - t0)
-        return table
+        return table if rates is None else table.scaled(rates)
 
+    return table_at
+
+
+def _plan_length(front: FrontEnd, opts: CompileOptions, length: int,
+                 workload: Workload | None, costing: list[float],
+                 rates: tuple[float, ...] | None = None) -> Plan:
+    """Price in tokens on a grid of whole units, return the plan in units (``costing``
+    receives the seconds of each cost table built)."""
+    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+        raise PlanError(f"seq_len={length!r} must be a positive number of units of the "
+                        "sequence axis (tokens; patch rows for a DiT)")
+    ctx = front.ctx
+    table_at = _table_at(front, opts, rates, costing)
     bounds = None
     diffusion = workload is not None and workload.kind == "diffusion"
     if opts.chunks is not None:

@@ -43,6 +43,7 @@ from tppc.program.program import Program
 from tppc.program.state import Call, CallState, StatePool
 from tppc.runtime.call import Delivery, LocalDelivery, run_call
 from tppc.runtime.kv_cache import read_kv_cache
+from tppc.runtime.rebalance import Rebalancing
 from tppc.runtime.validate import validate_pipeline
 
 __all__ = ["CompiledPipeline", "StageSummary"]
@@ -75,7 +76,7 @@ _ANY_BATCH = object()
 """First item of a front-end key that matches any batch shape of an input structure."""
 
 
-class CompiledPipeline:
+class CompiledPipeline(Rebalancing):
     """A model compiled into pipeline stages; call it like the model.
 
     Attributes:
@@ -171,6 +172,9 @@ class CompiledPipeline:
         """``model(*args, **kwargs)`` through the pipeline, with a per-call ``timeout``, an
         executor other than the compiled one, and a ``trace`` list that receives
         ``(stage, chunk, start, end)`` (``time.perf_counter``) of every job."""
+        if self.auto is not None:  # cp.auto_rebalance: traced, refitted every N calls
+            return self.auto.run(self, tuple(args), kwargs or {}, timeout=timeout,
+                                 executor=executor, trace=trace)
         return run_call(self, tuple(args), kwargs or {}, self._delivery(), timeout=timeout,
                         executor=executor, trace=trace)
 

@@ -145,6 +145,10 @@ class DistributedPipeline(CompiledPipeline):
         comm: this rank's :class:`tppc.backends.torch_distributed.DistributedExecutor`.
     """
 
+    REBALANCE_REFUSAL = ("a distributed pipeline cannot rebalance: every rank holds only its "
+                         "stage's weights, and moving layers would reload them on every rank "
+                         "at once. fix: re-plan and launch the job again (tppc.plan)")
+
     def __init__(self, model: torch.nn.Module, front: FrontEnd, plan: Plan, *,
                  planner: Planner | None, options: CompileOptions,
                  seq_dims: Mapping[str, int | tuple[int, ...]] | None, weights: StageWeights,
