@@ -138,3 +138,29 @@ def test_image_queries_over_text_after_the_image_keys() -> None:
     out = cp.denoise(args[0], diffusers.DDIMScheduler(), 2, warmup_steps=1, patches=2,
                      model_kwargs={"text": args[2]}, timestep_arg="t")
     assert torch.isfinite(out).all()
+
+
+class _TextAfterCutFromTheEnd(_TextAfter):
+    """The same, the segments cut back by counting from the end (``a[:, :-text]``,
+    ``a[:, -text:]``, as HunyuanVideo does): negative slice indices."""
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        b, d, n = x.shape[0], self.out.in_features, text.shape[1]
+        h = self.img_in(x) + self.time(t.float()[:, None])[:, None]
+        e = self.txt_in(text)
+        for qkv, mlp in zip(self.qkv, self.txt_mlp, strict=True):
+            joint = torch.cat([h, e], dim=1)
+            q, k, v = qkv(joint).view(b, -1, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, -1, d)
+            h, e = h + a[:, :-n], e + mlp(a[:, -n:])
+        return self.out(h)
+
+
+def test_segments_cut_back_counting_from_the_end_are_exact() -> None:
+    """A negative slice end was read as a position (a prefix of -5: the next op global)."""
+    torch.manual_seed(0)
+    model = _TextAfterCutFromTheEnd().eval()
+    args = (torch.randn(1, 12, 4), torch.tensor([10]), torch.randn(1, 5, 6))
+    cp = tppc.compile(model, args, num_stages=2, executor="threads")
+    with torch.no_grad():
+        torch.testing.assert_close(cp(*args), model(*args), rtol=1e-5, atol=1e-5)

@@ -132,10 +132,17 @@ def _slice(node: fx.Node, where: str) -> TokenInfo | None:
     start, end, step = args[2] or 0, args[3], args[4] or 1
     if step != 1:
         return TokenInfo("global", module=where)
-    start_e = _scalar(start)
+    start_e = _from_end(src, start)  # x[:, :-text] counts from the end of the axis
     end_e = src.axis_size if end is None or (isinstance(end, int) and end >= _BIG) \
-        else _scalar(end)
+        else _from_end(src, end)
     return _window(src, start_e, end_e - start_e, where)
+
+
+def _from_end(src: TokenInfo, index: object) -> sympy.Expr:
+    """A slice index as a position: a negative int counts back from the axis' end."""
+    if isinstance(index, int) and not isinstance(index, bool) and index < 0:
+        return sympy.expand(src.axis_size + index)
+    return _scalar(index)
 
 
 def _split_piece(node: fx.Node, split: fx.Node, where: str) -> TokenInfo | None:
