@@ -31,13 +31,11 @@ import torch
 from tppc.artifact.assemble import Assembler, unflatten
 from tppc.backends.onnxruntime import OrtCall
 from tppc.errors import SpecError
-from tppc.runtime.denoise import TimestepSchedule, check_steps
+from tppc.runtime.denoise import TimestepSchedule, schedule_steps
 from tppc.runtime.schedulers import (
     StepProtocol,
     check_elementwise,
-    check_scheduler,
     patch_protocols,
-    start_timesteps,
 )
 
 __all__ = ["denoise_loaded"]
@@ -53,16 +51,8 @@ def denoise_loaded(runner: Any, latents: torch.Tensor, scheduler: Any,
     """Denoise ``latents`` through ``runner``'s ORT stages (see the module docstring and
     ``CompiledPipeline.denoise`` for the contract; ``patches=None``: the chunks the plan
     recorded for the latent's length)."""
-    check_scheduler(scheduler)
     schedule = schedule or TimestepSchedule()
-    if num_inference_steps is None and schedule.timesteps is None and schedule.sigmas is None:
-        raise SpecError("num_inference_steps=None without timesteps= or sigmas=. fix: pass "
-                        "the number of steps")
-    check_steps(1 if num_inference_steps is None else num_inference_steps,
-                1 if warmup_steps is None else warmup_steps)
-    steps = start_timesteps(scheduler, num_inference_steps, timesteps=schedule.timesteps,
-                            sigmas=schedule.sigmas, mu=schedule.mu)
-    warm = len(steps) if warmup_steps is None else min(warmup_steps, len(steps))
+    steps, warm = schedule_steps(scheduler, num_inference_steps, warmup_steps, schedule)
     x = latents.detach().clone()
     x_in = x.clone()  # the model's input: scale_model_input of the latents
     kwargs = {k: _array(v) for k, v in (model_kwargs or {}).items()}

@@ -61,8 +61,17 @@ from tppc.runtime.schedulers import (
     start_timesteps,
 )
 
-__all__ = ["TimestepSchedule", "all_threads", "bind_steps", "check_steps", "choose_patches", "denoise",
-           "intra_op_threads", "patch_programs"]
+__all__ = [
+    "TimestepSchedule",
+    "all_threads",
+    "bind_steps",
+    "check_steps",
+    "choose_patches",
+    "denoise",
+    "intra_op_threads",
+    "patch_programs",
+    "schedule_steps",
+]
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
 
@@ -104,16 +113,8 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any,
     whose step is not element-wise is refused when stale patches would need it).
     ``quality`` raises the warm-up and caps the patches (:func:`quality_settings`).
     """
-    check_scheduler(scheduler)
     schedule = schedule or TimestepSchedule()
-    if num_inference_steps is None and schedule.timesteps is None and schedule.sigmas is None:
-        raise SpecError("num_inference_steps=None without timesteps= or sigmas=. fix: pass "
-                        "the number of steps")
-    check_steps(1 if num_inference_steps is None else num_inference_steps,
-                1 if warmup_steps is None else warmup_steps)
-    steps = start_timesteps(scheduler, num_inference_steps, timesteps=schedule.timesteps,
-                            sigmas=schedule.sigmas, mu=schedule.mu)
-    warm = len(steps) if warmup_steps is None else min(warmup_steps, len(steps))
+    steps, warm = schedule_steps(scheduler, num_inference_steps, warmup_steps, schedule)
     warm, cap = quality_settings(quality, len(steps), warm, patches)
     x = latents.detach().clone()
     x_in = x.clone()  # the model's input: scale_model_input of the latents
@@ -198,6 +199,25 @@ class DenoiseRun:
         out = out[0] if isinstance(out, tuple | list) else out
         out = getattr(out, "sample", out)
         return self.transform(out) if self.transform is not None else out
+
+
+def schedule_steps(scheduler: Any, num_inference_steps: int | None, warmup_steps: int | None,
+                   schedule: TimestepSchedule) -> tuple[list[Any], int]:
+    """Check the scheduler and the step counts, set the scheduler's timesteps; returns them
+    and the warm-up steps (``None``: every step). Every denoise entry point starts here.
+
+    Raises:
+        SpecError: a scheduler, step count or schedule that cannot run, naming the fix.
+    """
+    check_scheduler(scheduler)
+    if num_inference_steps is None and schedule.timesteps is None and schedule.sigmas is None:
+        raise SpecError("num_inference_steps=None without timesteps= or sigmas=. fix: pass "
+                        "the number of steps")
+    check_steps(1 if num_inference_steps is None else num_inference_steps,
+                1 if warmup_steps is None else warmup_steps)
+    steps = start_timesteps(scheduler, num_inference_steps, timesteps=schedule.timesteps,
+                            sigmas=schedule.sigmas, mu=schedule.mu)
+    return steps, len(steps) if warmup_steps is None else min(warmup_steps, len(steps))
 
 
 def check_steps(num_inference_steps: Any, warmup_steps: Any) -> None:

@@ -38,13 +38,17 @@ from tppc.passes.hoist_consts import hoist_constants
 from tppc.program.program import Program, StageProgram
 from tppc.program.schedule import DryRun, check_actions
 from tppc.program.state import Call, next_epoch
-from tppc.runtime.denoise import DenoiseRun, bind_steps, check_steps, model_timestep
+from tppc.runtime.denoise import (
+    DenoiseRun,
+    TimestepSchedule,
+    bind_steps,
+    model_timestep,
+    schedule_steps,
+)
 from tppc.runtime.schedulers import (
     StepProtocol,
     check_elementwise,
-    check_scheduler,
     patch_protocols,
-    start_timesteps,
 )
 
 if TYPE_CHECKING:
@@ -97,28 +101,22 @@ def distributed_denoise(cp: DenoisingRank, latents: torch.Tensor | None, schedul
     everywhere); ``timestep_transform`` and ``output_transform`` are each rank's own (give
     the same function on every rank, as the same script does).
     """
-    check_scheduler(scheduler)
+    def timing(shared: tuple[Any, ...]) -> TimestepSchedule:
+        return TimestepSchedule(timesteps=shared[0], sigmas=shared[1], mu=shared[2])
 
     def check(value: tuple[Any, ...]) -> None:
-        x, kwargs, steps, warm, _, arg, schedule = value
-        if steps is None and schedule[0] is None and schedule[1] is None:
-            raise SpecError("num_inference_steps=None without timesteps= or sigmas=. fix: "
-                            "pass the number of steps")
-        check_steps(1 if steps is None else steps, 1 if warm is None else warm)
+        x, kwargs, steps, warm, _, arg, shared = value
+        first = schedule_steps(scheduler, steps, warm, timing(shared))[0][0]
         if not isinstance(x, torch.Tensor):
             raise RuntimeInputError(f"latents of type {type(x).__name__}; pass a tensor")
-        first = start_timesteps(scheduler, steps, timesteps=schedule[0], sigmas=schedule[1],
-                                mu=schedule[2])[0]
         cp.bind((x,), {**kwargs, arg: model_timestep(cp, arg, first, len(x),
                                                      timestep_transform)})
 
     plain = [None if v is None else [float(t) for t in v] for v in (timesteps, sigmas)]
-    x, kwargs, steps_n, warmup_steps, patches, arg, schedule = cp.share_inputs(
+    x, kwargs, steps_n, warmup_steps, patches, arg, shared = cp.share_inputs(
         "denoise", (latents, dict(model_kwargs or {}), num_inference_steps, warmup_steps,
                     patches, timestep_arg, (*plain, mu)), check)
-    steps = start_timesteps(scheduler, steps_n, timesteps=schedule[0], sigmas=schedule[1],
-                            mu=schedule[2])
-    warmup_steps = len(steps) if warmup_steps is None else warmup_steps
+    steps, warmup_steps = schedule_steps(scheduler, steps_n, warmup_steps, timing(shared))
     x = x.detach().clone().contiguous().to(cp.device)
     x_in = x.clone()  # the model's input (scale_model_input, on the last rank), broadcast
     b = bind_steps(cp, x_in, kwargs, steps, arg, warmup_steps, patches, timestep_transform)
