@@ -269,7 +269,7 @@ class _Rewriter(BufferReads):
             mask = attn.meta[TOKEN].mask
             if mask is not None and mask.key_valid is not None:
                 self._full_input(mask.key_valid)
-            if mask is not None and mask.bias:
+            if mask is not None and (mask.bias or mask.key_mask):
                 for p in value_inputs(sdpa_kwargs(attn)["attn_mask"]):
                     self._whole_input(p)
         self.bias = BiasRows(self.graph, self.ctx, (self.start, self.size, self.seq_len),
@@ -379,6 +379,8 @@ class _Rewriter(BufferReads):
         mask = node.meta[TOKEN].mask
         if mask is not None and mask.bias:
             args = (*args, self.bias.rows(kwargs["attn_mask"], node, kv_len if causal else None))
+        elif mask is not None and mask.key_mask:  # one row over the keys, whole
+            args = (*args, self.bias.whole(kwargs["attn_mask"]))
         elif mask is not None:
             valid = None if mask.key_valid is None else self._full_input(mask.key_valid)
             args = (*args, None, valid, mask.window)
