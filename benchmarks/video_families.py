@@ -117,9 +117,9 @@ def mochi() -> Example:
     torch.manual_seed(0)
     model = MochiTransformer3DModel(
         patch_size=2, num_attention_heads=2, attention_head_dim=16, num_layers=2,
-        pooled_projection_dim=16, in_channels=4, text_embed_dim=12, time_embed_dim=16).eval()
+        pooled_projection_dim=16, in_channels=4, text_embed_dim=16, time_embed_dim=16).eval()
     return model, (torch.randn(1, 4, 2, 8, 8),), {
-        "encoder_hidden_states": _text(), "timestep": torch.tensor([10]),
+        "encoder_hidden_states": _text(dim=16), "timestep": torch.tensor([10]),
         "encoder_attention_mask": torch.ones(1, 6), "return_dict": False}
 
 
