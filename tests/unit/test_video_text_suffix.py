@@ -123,3 +123,29 @@ def test_text_after_video_frames_denoises_exactly_with_every_step_warm(video) ->
     stale = cp.denoise(x, diffusers.DDIMScheduler(), 2, warmup_steps=1, patches=2,
                        model_kwargs=kw, timestep_arg="t")
     assert stale.isfinite().all() and not torch.allclose(stale, ref)
+
+
+class _GatheredText(nn.Module):
+    """The valid text tokens gathered by ``torch.nonzero`` of the prompt mask (as Mochi
+    does), then joined after the image tokens: a segment of data-dependent length."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.img, self.txt = nn.Linear(4, d), nn.Linear(6, d)
+        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(2))
+
+    def forward(self, x: torch.Tensor, text: torch.Tensor, text_mask: torch.Tensor
+                ) -> torch.Tensor:
+        h = self.img(x)
+        e = self.txt(text)[:, torch.nonzero(text_mask[0]).flatten()]
+        for block in self.blocks:
+            joint = block(torch.cat([h, e], dim=1))[:, None]
+            h = h + F.scaled_dot_product_attention(joint, joint, joint)[:, 0, : x.shape[1]]
+        return h
+
+
+def test_text_gathered_to_a_data_dependent_length_is_refused_by_name() -> None:
+    args = (torch.randn(1, 12, 4), torch.randn(1, 5, 6), torch.ones(1, 5))
+    with pytest.raises(AnnotationError, match=r"data-dependent length u\d+ along the token "
+                       r"axis.*fix: keep every text token"):
+        tppc.annotate(_GatheredText().eval(), args)
