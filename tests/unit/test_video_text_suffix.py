@@ -97,6 +97,8 @@ def test_a_padded_prompt_hides_its_text_keys_as_in_eager(video) -> None:
         want, unmasked = model(x, t, text, _PADDED), model(x, t, text, torch.ones(1, 5))
         assert (want - unmasked).abs().max() > 1e-3  # the padding changes the result
         torch.testing.assert_close(cp(x, t, text, _PADDED), want, rtol=1e-5, atol=1e-5)
+    kinds = {spec.kind for stage in cp.program(4).stages for _, spec in stage.inputs}
+    assert "full" not in kinds  # the mask reads the latent's size only, never its rows
 
 
 def test_a_prompt_mask_over_queries_and_keys_is_refused_by_name() -> None:

@@ -32,12 +32,13 @@ from tppc.ir.context import CompileContext
 from tppc.ir.records import AttentionKind, MaskSpec
 from tppc.passes._shapes import module_path, size_expr, tensor_val
 
-__all__ = ["inputs_read", "key_mask_spec"]
+__all__ = ["inputs_by_value", "key_mask_spec"]
 
 _SHAPE_USES = {torch.ops.aten.sym_size.int, torch.ops.aten._assert_tensor_metadata.default}
 
 
-def inputs_read(mask: fx.Node, ctx: CompileContext) -> tuple[list[fx.Node], list[fx.Node]]:
+def inputs_by_value(mask: fx.Node, ctx: CompileContext
+                    ) -> tuple[list[fx.Node], list[fx.Node]]:
     """The context inputs and the sequence inputs whose values ``mask`` reads (not only their
     sizes, even through an activation's: ``h.shape[1]``), each in graph order."""
     seen: set[fx.Node] = set()
@@ -61,7 +62,7 @@ def key_mask_spec(node: fx.Node, mask: fx.Node, ctx: CompileContext
     Raises:
         AnnotationError: the mask varies along the queries, or also reads a sequence input.
     """
-    context, sequence = inputs_read(mask, ctx)
+    context, sequence = inputs_by_value(mask, ctx)
     if not context:
         return None
     names = [p.name for p in context]

@@ -7,8 +7,9 @@ band ``i - w < j ≤ i`` (``w`` found at the longest probe) or all-visible keys;
 random 0/1 inputs, which must give that pattern ``& key_valid[b, j]`` for
 ``key_valid = input != 0``. Anything else is refused with the node, its module and why.
 A mask that reads the values of other inputs (a prompt's padding mask) is a key mask,
-evaluated per call (:mod:`tppc.passes._key_masks`). A float mask whose visible entries are not all 0 at some probe, or that reads a parameter or
-buffer (a learned table, zero at initialisation), is an additive *bias*
+evaluated per call (:mod:`tppc.passes._key_masks`). A float mask whose visible entries are
+not all 0 at some probe, or that reads a parameter or buffer (a learned table, zero at
+initialisation), is an additive *bias*
 (ALiBi, relative positions): its pattern is checked the same way and its values are
 evaluated per chunk (``MaskSpec.bias``, :mod:`tppc.passes._bias_rows`).
 
