@@ -3,8 +3,10 @@
 Each family is built with 2 layers and 2 heads on latents of 2 frames of 8×8 (Latte and
 HunyuanVideo ``(b, c, f, h, w)``, CogVideoX ``(b, f, c, h, w)``, LTX packed ``(b, f·h·w, c)``),
 compiled with ``tppc.compile(..., num_stages=2)`` and called once; prints per family ``OK``
-with the capture mode, the patch grid, max |compiled − eager| and the chunks of each
-validation run, or ``REFUSED`` with the error's first line (the table in docs/diffusion.md).
+with the capture mode, the patch grid, max |compiled − eager|, the chunks of each
+validation run and, for a family that takes ``encoder_attention_mask``, max |compiled −
+eager| with a padded prompt (the example's mask is all ones), or ``REFUSED`` with the
+error's first line (the table in docs/diffusion.md).
 
 Run:  .venv/bin/python benchmarks/video_families.py [family ...]
 """
@@ -117,9 +119,9 @@ def mochi() -> Example:
     torch.manual_seed(0)
     model = MochiTransformer3DModel(
         patch_size=2, num_attention_heads=2, attention_head_dim=16, num_layers=2,
-        pooled_projection_dim=16, in_channels=4, text_embed_dim=12, time_embed_dim=16).eval()
+        pooled_projection_dim=16, in_channels=4, text_embed_dim=16, time_embed_dim=16).eval()
     return model, (torch.randn(1, 4, 2, 8, 8),), {
-        "encoder_hidden_states": _text(), "timestep": torch.tensor([10]),
+        "encoder_hidden_states": _text(dim=16), "timestep": torch.tensor([10]),
         "encoder_attention_mask": torch.ones(1, 6), "return_dict": False}
 
 
@@ -146,7 +148,22 @@ def _try(name: str) -> str:
     ctx = cp.context
     return (f"{name}: OK {ctx.capture_mode} grid {ctx.patch_grid} max|diff| "
             f"{float((got - want).abs().max()):.2e} chunks "
-            f"{[len(r.chunks) for r in cp.validation.runs]}")
+            f"{[len(r.chunks) for r in cp.validation.runs]}{_padded(model, cp, args, kwargs)}")
+
+
+def _padded(model: torch.nn.Module, cp: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+            ) -> str:
+    """Max |compiled − eager| with the last third of the prompt padded (a prompt mask with
+    zeros; the example's is all ones), for families that take ``encoder_attention_mask``."""
+    mask = kwargs.get("encoder_attention_mask")
+    if mask is None:
+        return ""
+    padded = mask.clone()
+    padded[:, -(mask.shape[1] // 3):] = 0
+    kw = {**kwargs, "encoder_attention_mask": padded}
+    with torch.no_grad():
+        want, got = model(*args, **kw)[0], cp(*args, **kw)[0]
+    return f"; padded prompt max|diff| {float((got - want).abs().max()):.2e}"
 
 
 def main() -> None:
