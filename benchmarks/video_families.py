@@ -79,8 +79,8 @@ def wan() -> Example:
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4,
         out_channels=4, text_dim=12, freq_dim=16, ffn_dim=32, num_layers=2,
         rope_max_seq_len=32).eval()
-    return model, (torch.randn(1, 4, 2, 8, 8),), {
-        "encoder_hidden_states": _text(), "timestep": torch.tensor([10]), "return_dict": False}
+    return model, (torch.randn(1, 4, 2, 8, 8),), {  # float timesteps, as WanPipeline's
+        "encoder_hidden_states": _text(), "timestep": torch.tensor([10.0]), "return_dict": False}
 
 
 def ltx() -> Example:

@@ -256,8 +256,12 @@ def _tokens(t: torch.Tensor, dims: tuple[int, ...], patch: int) -> int:
 
 
 def _patch_size(model: torch.nn.Module) -> int:
+    """The side of a latent's patch: ``config.patch_size``, an int or ``(time, height,
+    width)`` with height equal to width (Wan's ``(1, 2, 2)``), else 1."""
     for owner in (getattr(model, "config", None), model):
         p = getattr(owner, "patch_size", None)
+        if isinstance(p, list | tuple) and len(p) >= 2 and p[-1] == p[-2]:
+            p = p[-1]
         if isinstance(p, int) and p > 0:
             return p
     return 1
