@@ -97,6 +97,15 @@ def ltx() -> Example:
         "width": width, "return_dict": False}
 
 
+def ltx_coords() -> Example:
+    """LTX with per-token coordinates ``video_coords`` ``(b, 3, f·h·w)``, as
+    ``LTXConditionPipeline`` passes them, instead of the Python ints of the grid."""
+    model, args, kwargs = ltx()
+    grid = [torch.arange(kwargs.pop(k)) for k in ("num_frames", "height", "width")]
+    coords = torch.stack(torch.meshgrid(*grid, indexing="ij")).float().flatten(1)[None]
+    return model, args, {**kwargs, "timestep": torch.tensor([10.0]), "video_coords": coords}
+
+
 def hunyuan_video() -> Example:
     from diffusers import HunyuanVideoTransformer3DModel
 
@@ -127,7 +136,7 @@ FAMILIES: dict[str, Callable[[], Example]] = {
     "cogvideox": cogvideox,
     "cogvideox_rope": lambda: cogvideox(rope=True),
     "cogvideox_rope_tables": lambda: cogvideox(rope=True, tables=True),
-    "allegro": allegro, "latte": latte, "wan": wan, "ltx": ltx, "hunyuan_video": hunyuan_video, "mochi": mochi,
+    "allegro": allegro, "latte": latte, "wan": wan, "ltx": ltx, "ltx_coords": ltx_coords, "hunyuan_video": hunyuan_video, "mochi": mochi,
 }
 
 

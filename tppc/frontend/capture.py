@@ -238,9 +238,12 @@ def _tie_to_main(found: dict[str, tuple[int, ...]], tensors: dict[str, torch.Ten
     kept = {n: d for n, d in found.items() if _units(tensors[n], d, patch) == units}
     token_count = _tokens(tensors[main], found[main], patch)
     for name, t in tensors.items():  # position ids of packed latents (Flux's img_ids)
-        if t.dim() == 2 and t.is_floating_point() and t.shape[0] == token_count \
-                and not _CONTEXT_NAME.search(name) and name not in kept:
+        if not t.is_floating_point() or _CONTEXT_NAME.search(name) or name in kept:
+            continue
+        if t.dim() == 2 and t.shape[0] == token_count:
             kept[name] = (0,)
+        elif t.dim() == 3 and t.shape[2] == token_count != t.shape[1] and units == token_count:
+            kept[name] = (2,)  # coordinates per token (LTX's video_coords (b, 3, tokens))
     return kept
 
 

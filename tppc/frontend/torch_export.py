@@ -268,20 +268,22 @@ def _hint(exc: Exception) -> tuple[str, str, str] | None:
 
 def _size_ints(bound: inspect.BoundArguments) -> str:
     """Why a pinned length could not be deferred when inputs carry sizes as Python ints
-    (QwenImage's ``img_shapes=[(1, 4, 4)]``), else ``""``."""
+    (QwenImage's ``img_shapes=[(1, 4, 4)]``, LTX's ``num_frames=2, height=4, width=4``),
+    else ``""``."""
     def ints(v: Any) -> bool:
         if isinstance(v, list | tuple):
             return bool(v) and all(ints(x) for x in v)
         return isinstance(v, int) and not isinstance(v, bool)
 
-    names = [f"{k}={v!r}" for k, v in bound.arguments.items()
-             if isinstance(v, list | tuple) and ints(v)]
+    names = [f"{k}={v!r}" for k, v in bound.arguments.items() if ints(v)]
     if not names:
         return ""
     return (f"; the model reads sizes from the integer input {', '.join(names)}: torch.export "
             "keeps Python ints constant, so a table built from them (a rotary table as long as "
             "the image) has the example's length, and its use with the tokens equates the "
-            "sequence length to it. tppc takes the sequence length from tensor axes only")
+            "sequence length to it. tppc takes the sequence length from tensor axes only: "
+            "where the model also takes the positions as a tensor (LTX: video_coords of shape "
+            "(batch, 3, tokens)), pass that instead")
 
 
 def _explain(model: torch.nn.Module, exc: Exception, why: str = "") -> str:
