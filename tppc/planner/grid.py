@@ -84,7 +84,8 @@ def plan_any_length(table_at: Callable[[int], CostTable], length: int, *,
     reserve = min(FINISH_RESERVE * time_limit, FINISH_RESERVE_MAX)  # packaging at L after it
     left = max(deadline - time.perf_counter() - reserve, MIN_SOLVE_SECONDS)
     grid = plan_from_costs(dataclasses.replace(table, seq_len=grid_len), workload=workload,
-                           granularity=g, num_stages=num_stages, time_limit=left)
+                           granularity=g, num_stages=num_stages, time_limit=left,
+                           ranged=grid_len == length)  # else priced at L by _clip only
     return say_expired(_clip(table, grid, grid_len, length, g, bounds, workload,
                              time.perf_counter() < deadline), deadline)
 

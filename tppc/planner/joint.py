@@ -91,7 +91,7 @@ def plan_from_costs(
             with the smallest simulated latency (:func:`~.polish.try_coarser_grids`).
         certify: run the certified split search (:mod:`tppc.planner.certify`) on the chosen
             placement; the coarser grids skip it (their splits are on the finer grid too).
-        ranged: price the range bound (``plan_for``); the coarser grids keep the finer one.
+        ranged: price the range bound in its plans (``plan_for``); coarser grids keep the finer one.
         near_bound: skip the phases that only improve a plan (local moves, certified
             search, cuts inside blocks, coarser grids) once the plan is within this ratio of
             a lower bound of every plan they can find (:class:`~.polish.NearBound`; default
@@ -113,7 +113,8 @@ def plan_from_costs(
             return plan_from_costs(sub, workload=workload, granularity=granularity,
                                    num_stages=k, time_limit=seconds, max_chunks=max_chunks,
                                    method=method, max_rounds=max_rounds,
-                                   coarser_grids=coarser_grids, certify=certify, near_bound=near)
+                                   coarser_grids=coarser_grids, certify=certify, ranged=ranged,
+                                   near_bound=near)
 
         check_grid(table.seq_len, granularity)
         return choose_devices(table, on, workload, granularity, time_limit)
@@ -124,6 +125,7 @@ def plan_from_costs(
         method = "exhaustive" if placements <= EXHAUSTIVE_LIMIT and n <= 64 else "alternate"
     ctx = _Ctx(table, workload, granularity, num_stages, max_chunks, t0 + time_limit)
     stop = NearBound(table, num_stages, workload, granularity, near)
+    ctx.ranged = ranged  # the improvements' plans too
     if method == "exhaustive":
         cuts, bounds, info = _exhaustive(ctx)
     elif method == "alternate":
@@ -189,7 +191,7 @@ def _improve(ctx: _Ctx, cuts: tuple[int, ...], bounds: tuple[int, ...], best: Pl
     if not certify:
         return best if new == tuple(bounds) else plan_for(
             table, cuts, tuple(b * g for b in new), ctx.workload, granularity=g,
-            solver=dataclasses.replace(best.solver, detail=detail))
+            solver=dataclasses.replace(best.solver, detail=detail), ranged=ctx.ranged)
     if not ctx.max_chunks:  # the search does not count chunks
         budget = min(SEARCH_LIMIT, max(0.02, 0.25 * (s0 - t0)))  # a quarter of the solve so far
         found = search_split(stage, links, new, deadline=min(ctx.deadline, s0 + budget))
@@ -200,7 +202,7 @@ def _improve(ctx: _Ctx, cuts: tuple[int, ...], bounds: tuple[int, ...], best: Pl
     status = "not run (max_chunks)" if found is None else found.status
     plan = best if new == tuple(bounds) else plan_for(
         table, cuts, tuple(b * g for b in new), ctx.workload, granularity=g,
-        solver=dataclasses.replace(best.solver, detail=detail))
+        solver=dataclasses.replace(best.solver, detail=detail), ranged=ctx.ranged)
     # a proven optimum is this plan's latency; otherwise the relaxation's bound
     lower = (plan.latency if status == "optimal" else plan.lower_bound  # any plan's bound
              if time.perf_counter() > ctx.deadline else split_bound(stage, links, ctx.deadline))
@@ -214,7 +216,7 @@ def _improve(ctx: _Ctx, cuts: tuple[int, ...], bounds: tuple[int, ...], best: Pl
 def _sub_ctx(ctx: _Ctx, table: CostTable) -> _Ctx:
     """``ctx`` for ``table`` (the same layers, some of them cut at their waist)."""
     sub = _Ctx(table, ctx.workload, ctx.g, ctx.S, ctx.max_chunks, ctx.deadline)
-    sub._cache = ctx._cache  # unchanged layers keep their time functions
+    sub._cache, sub.ranged = ctx._cache, ctx.ranged  # unchanged layers keep their times
     return sub
 
 
@@ -235,7 +237,8 @@ def _in_block_cuts(ctx: _Ctx, cuts: tuple[int, ...], bounds: tuple[int, ...], be
                         granularity=g, solver=solver, ranged=False)  # the bound: polish
 
     def polish(table: CostTable, cuts: tuple[int, ...], plan: Plan) -> Plan:
-        plan = plan_for(table, cuts, plan.boundaries, ctx.workload, granularity=g, solver=solver)
+        plan = plan_for(table, cuts, plan.boundaries, ctx.workload, granularity=g, solver=solver,
+                        ranged=ctx.ranged)
         return _improve(_sub_ctx(ctx, table), cuts, tuple(b // g for b in plan.boundaries),
                         plan, t0, certify)
 
@@ -278,6 +281,7 @@ class _Ctx:
         self._cache: dict[int, np.ndarray] = {}
         self._stage_cache: dict[tuple[int, int, int], np.ndarray] = {}
         self._split_cache: tuple[tuple[int, ...] | None, tuple] = (None, ())
+        self.ranged = True
 
     def left(self) -> float:
         return max(self.deadline - time.perf_counter(), 0.05)
