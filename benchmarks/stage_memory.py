@@ -1,4 +1,4 @@
-"""Predicted vs measured peak memory of every stage, one fresh process per (length, stage).
+"""Predicted vs measured peak memory of every stage, one fresh process per length.
 
 Model: a small ``LlamaForCausalLM`` (hidden 256, 3 layers, 4 heads / 2 K/V heads, MLP 1024,
 vocab 2048, fp32, SDPA, random weights) compiled for ``3xcpu``: K/V buffers, rope tables,
@@ -25,7 +25,7 @@ import os
 import subprocess
 import sys
 
-__all__ = ["measure_stage", "run_stage_measurement"]
+__all__ = ["measure_stages", "run_stage_measurement"]
 
 _ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
 
@@ -57,8 +57,13 @@ def _model():
     return LlamaForCausalLM(cfg).eval()
 
 
-def measure_stage(length: int, stage_index: int, cluster: str = "3xcpu") -> dict:
-    """Predicted and measured peak bytes of one stage (call it in a fresh process)."""
+def measure_stages(length: int, cluster: str = "3xcpu") -> list[dict]:
+    """Predicted and measured peak bytes of every stage, in order (call it in a fresh process).
+
+    Stage ``s``'s inputs are computed by stages ``0..s-1`` outside the measurement; the peak
+    is reset before each measurement and everything the previous one allocated is freed
+    (large blocks are ``mmap``-ed), so each row reads only what that stage allocates.
+    """
     import gc
 
     import torch
@@ -71,48 +76,50 @@ def measure_stage(length: int, stage_index: int, cluster: str = "3xcpu") -> dict
     torch.set_num_threads(1)
     model = _model()
     ids = torch.randint(0, 2048, (1, length))
+    rows = []
     with torch.no_grad():
         model(ids[:, :16])  # warm the kernels (one-time allocations) at a negligible size
         cp = tppc.compile(model, (ids,), cluster=cluster, executor="local")
         front, bound = cp.bind((ids,), {})
         flat = tuple(bound.flat)
         program = cp.program(length, front)
-        stages = program.stages
         chunks = program.chunks
-        scratch = CallState(length)
-        call = Call(flat, chunks, length, length, 0)
         received: list[tuple] = [() for _ in chunks]
-        for s in range(stage_index):  # the inputs of the measured stage, computed beforehand
-            received = [run_stage(stages[s], call, scratch, a, b, received[i])
-                        for i, (a, b) in enumerate(chunks)]
-        del scratch
-        gc.collect()
-        stage = stages[stage_index]
-        last = stage_index == len(stages) - 1
-        _reset_peak()
-        base = _rss()
-        outputs = new_outputs(stage, length, len(program.signature.output_axes)) if last else ()
-        call = Call(flat, chunks, length, length, 1, outputs)
-        state = CallState(length)
-        window: dict[int, tuple] = {}
-        for i, (a, b) in enumerate(chunks):
-            for j in range(i, min(i + cp.options.queue_depth + 1, len(chunks))):  # queue + running
-                if j not in window:
-                    window[j] = tuple(v.clone() if isinstance(v, torch.Tensor) else v
-                                      for v in received[j])
-            run_stage(stage, call, state, a, b, window.pop(i))
-        measured = stage.param_bytes + _peak() - base
-    st = cp.plan.stages[stage_index]
-    return {"length": length, "stage": stage_index, "predicted": st.memory_bytes,
-            "measured": measured, "param_bytes": stage.param_bytes,
-            "kv_bytes": state.nbytes(), "max_chunk": max(b - a for a, b in chunks),
-            "layers": list(stage.layers)}
+        for index, stage in enumerate(program.stages):
+            gc.collect()
+            last = index == len(program.stages) - 1
+            _reset_peak()
+            base = _rss()
+            outputs = new_outputs(stage, length, len(program.signature.output_axes)) if last else ()
+            call = Call(flat, chunks, length, length, 1, outputs)
+            state = CallState(length)
+            window: dict[int, tuple] = {}
+            for i, (a, b) in enumerate(chunks):
+                for j in range(i, min(i + cp.options.queue_depth + 1, len(chunks))):  # queue + run
+                    if j not in window:
+                        window[j] = tuple(v.clone() if isinstance(v, torch.Tensor) else v
+                                          for v in received[j])
+                run_stage(stage, call, state, a, b, window.pop(i))
+            measured = stage.param_bytes + _peak() - base
+            st = cp.plan.stages[index]
+            rows.append({"length": length, "stage": index, "predicted": st.memory_bytes,
+                         "measured": measured, "param_bytes": stage.param_bytes,
+                         "kv_bytes": state.nbytes(), "max_chunk": max(b - a for a, b in chunks),
+                         "layers": list(stage.layers)})
+            del call, state, outputs, window
+            if not last:  # the next stage's inputs, computed outside the measurement
+                scratch = CallState(length)
+                call = Call(flat, chunks, length, length, 0)
+                received = [run_stage(stage, call, scratch, a, b, received[i])
+                            for i, (a, b) in enumerate(chunks)]
+                del scratch, call
+    return rows
 
 
-def run_stage_measurement(length: int, stage_index: int) -> dict:
-    """:func:`measure_stage` in a fresh process (the environment it needs set)."""
+def run_stage_measurement(length: int) -> list[dict]:
+    """:func:`measure_stages` in a fresh process (the environment it needs set)."""
     env = {**os.environ, **_ENV}
-    out = subprocess.run([sys.executable, __file__, "--one", str(length), str(stage_index)],
+    out = subprocess.run([sys.executable, __file__, "--one", str(length)],
                          capture_output=True, text=True, check=True, timeout=600, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -120,18 +127,16 @@ def run_stage_measurement(length: int, stage_index: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="4096,16384")
-    parser.add_argument("--stages", type=int, default=3)
-    parser.add_argument("--one", nargs=2, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--one", type=int, help=argparse.SUPPRESS)
     ns = parser.parse_args()
     if ns.one:
-        print(json.dumps(measure_stage(*ns.one)))
+        print(json.dumps(measure_stages(ns.one)))
         return
     print("| tokens | stage | layers | max chunk | predicted MB | measured MB | ratio |")
     print("|---|---|---|---|---|---|---|")
     for length in (int(x) for x in ns.lengths.split(",")):
-        for s in range(ns.stages):
-            r = run_stage_measurement(length, s)
-            print(f"| {length} | {s} | {r['layers'][0]}..{r['layers'][-1]} | {r['max_chunk']} | "
+        for r in run_stage_measurement(length):
+            print(f"| {length} | {r['stage']} | {r['layers'][0]}..{r['layers'][-1]} | {r['max_chunk']} | "
                   f"{r['predicted'] / 2**20:.1f} | {r['measured'] / 2**20:.1f} | "
                   f"{r['predicted'] / r['measured']:.2f} |", flush=True)
 

@@ -101,8 +101,8 @@ def test_bad_arguments_are_named_before_anything_is_planned(pixart) -> None:
 
 
 def test_a_square_latents_plan_prices_its_tokens_not_its_rows() -> None:
-    """PixArt is captured with the latent's height as the axis and T = s**2 tokens: a plan
-    of 4 patch rows is 16 tokens, one device's latency is the cost table's at 16 tokens
+    """PixArt is captured with the latent's height as the axis and 4 patch columns per row
+    (T = 4·s tokens): a plan of 4 patch rows is 16 tokens, one device's latency is the cost table's at 16 tokens
     (it was priced at 4: the row count)."""
     import tppc
     from tppc.cost_models.layer_costs import build_cost_table

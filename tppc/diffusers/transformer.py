@@ -19,7 +19,8 @@ With ``warmup_steps=None`` every call is warm and the pipeline call equals the e
 (to round-off); after the warm-up calls the patches flow through the stages with
 one-step-stale K/V, the pipeline filling and draining once per step (the loop steps the
 latent between calls): ``M + S − 1`` patch times per step for ``M`` patches on ``S``
-stages, where ``cp.denoise`` overlaps the steps (``M`` per step).
+stages, where ``cp.denoise`` overlaps the steps (``M`` per step); the fill and the drain
+borrow the waiting stages' intra-op threads.
 """
 
 from __future__ import annotations

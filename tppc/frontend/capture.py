@@ -6,17 +6,20 @@ Terms:
     sequence symbol: the sympy symbol torch.export gives that axis (``s70``), shared by
         every sequence axis.
 
-Strategies, tried in order (``ctx.capture_mode`` records the one that worked):
-    ``dynamic``: torch.export with one ``Dim`` on every sequence axis (latents: height only).
-    ``dynamic-square``: latents whose height and width share the ``Dim`` (square images).
-    ``specialized``: every strategy above exported, but torch.export guarded the sequence
-        size to its example value (diffusers' DiT computes its patch grid with ``sqrt``).
-        A ``dynamic-square`` graph that needs no guard is not kept either: its ``s**2``
-        tokens make a band of patch rows no whole number of tokens per unit of ``s``, so
-        the height-only capture, specialised, is kept instead. The graph's shapes are
-        still symbolic, so annotation and costing work; the graph itself only runs at the
-        example length, and ``ctx.specialization`` says why. A compiled pipeline captures
-        again per resolution (:func:`tppc.frontend.front_end.batch_shape` keys it).
+Strategies (``ctx.capture_mode`` records the one that worked):
+    ``dynamic``: torch.export with one ``Dim`` on every sequence axis (latents: height only,
+        so a band of patch rows is a whole number of tokens).
+    ``specialized``: torch.export guarded the sequence size to its example value (PixArt's
+        positional table branches on the size, diffusers' DiT computes its patch grid with
+        ``sqrt``); exported again with the guards deferred, so the graph's shapes are still
+        symbolic and annotation and costing work, and sizes the model's Python computed
+        from the example stay literal in the graph (annotation makes such a reshape
+        ``global``). The graph itself only runs at the example length, and
+        ``ctx.specialization`` says why. A compiled pipeline captures again per resolution
+        (:func:`tppc.frontend.front_end.batch_shape` keys it). Height and width are never
+        tied to one symbol: a square latent's ``s**2`` tokens make a band of patch rows no
+        whole number of tokens per unit of ``s``, and a video's frames-into-batch reshape
+        then has two token axes.
 
 When torch.export fails, the :class:`CaptureError` carries tppc's diagnosis (the construct,
 the user frame, the fix) on top of torch.export's error in full.
@@ -89,27 +92,14 @@ def _capture(model: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str,
     _check_batch(model, bound)
     axes = _resolve_seq_dims(model, bound, seq_dims)
     patch = _patch_size(model)
-    fallback: tuple[fx.GraphModule, CompileContext] | None = None
-    for mode in _strategies(bound, axes):
-        try:
-            gm, ctx = export_dynamic(model, bound, axes, patch, mode=mode, max_seq=max_seq)
-        except CaptureError:
-            if fallback is None:
-                raise
-            break  # a more general strategy failed: keep the specialised capture
-        ctx.model_name = type(model).__name__
-        ctx.capture_seconds = time.perf_counter() - start
-        _describe_streams(model, ctx, bound, axes, patch)
-        if ctx.specialization is None and mode == "dynamic-square":
-            break  # s**2 tokens: a band of rows is no whole number of tokens per unit of s
-        if ctx.specialization is None:
-            return gm, ctx
-        fallback = (gm, ctx)  # the last strategy is the most general one
-    assert fallback is not None
-    ctx = fallback[1]
-    ctx.capture_mode = "specialized"
-    ctx.specialized_to = {name: tuple(bound.arguments[name].shape) for name in axes}
-    return fallback
+    gm, ctx = export_dynamic(model, bound, axes, patch, max_seq=max_seq)
+    ctx.model_name = type(model).__name__
+    ctx.capture_seconds = time.perf_counter() - start
+    _describe_streams(model, ctx, bound, axes, patch)
+    if ctx.specialization is not None:
+        ctx.capture_mode = "specialized"
+        ctx.specialized_to = {name: tuple(bound.arguments[name].shape) for name in axes}
+    return gm, ctx
 
 
 def _describe_streams(model: torch.nn.Module, ctx: CompileContext, bound: inspect.BoundArguments,
@@ -248,9 +238,12 @@ def _tie_to_main(found: dict[str, tuple[int, ...]], tensors: dict[str, torch.Ten
     kept = {n: d for n, d in found.items() if _units(tensors[n], d, patch) == units}
     token_count = _tokens(tensors[main], found[main], patch)
     for name, t in tensors.items():  # position ids of packed latents (Flux's img_ids)
-        if t.dim() == 2 and t.is_floating_point() and t.shape[0] == token_count \
-                and not _CONTEXT_NAME.search(name) and name not in kept:
+        if not t.is_floating_point() or _CONTEXT_NAME.search(name) or name in kept:
+            continue
+        if t.dim() == 2 and t.shape[0] == token_count:
             kept[name] = (0,)
+        elif t.dim() == 3 and t.shape[2] == token_count != t.shape[1] and units == token_count:
+            kept[name] = (2,)  # coordinates per token (LTX's video_coords (b, 3, tokens))
     return kept
 
 
@@ -266,16 +259,13 @@ def _tokens(t: torch.Tensor, dims: tuple[int, ...], patch: int) -> int:
 
 
 def _patch_size(model: torch.nn.Module) -> int:
+    """The side of a latent's patch: ``config.patch_size``, an int or ``(time, height,
+    width)`` with height equal to width (Wan's ``(1, 2, 2)``), else 1."""
     for owner in (getattr(model, "config", None), model):
         p = getattr(owner, "patch_size", None)
+        if isinstance(p, list | tuple) and len(p) >= 2 and p[-1] == p[-2]:
+            p = p[-1]
         if isinstance(p, int) and p > 0:
             return p
     return 1
 
-
-def _strategies(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]]) -> list[str]:
-    for name, dims in axes.items():
-        t = bound.arguments[name]
-        if is_latent(t, dims) and t.shape[-2] == t.shape[-1]:
-            return ["dynamic", "dynamic-square"]
-    return ["dynamic"]

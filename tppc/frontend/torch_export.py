@@ -27,7 +27,6 @@ def export_dynamic(
     axes: dict[str, tuple[int, ...]],
     patch: int,
     *,
-    mode: str,
     max_seq: int | None,
 ) -> tuple[fx.GraphModule, CompileContext]:
     """Export with one shared ``Dim`` on every sequence axis; check it was not specialised.
@@ -38,7 +37,7 @@ def export_dynamic(
     units = example_units(bound, axes, patch)
     upper = max_seq or max(units * _DEFAULT_MAX_FACTOR, 4096)
     dim = torch.export.Dim("seq", min=2, max=max(upper, units + 1))
-    shapes = _dynamic_shapes(bound, axes, dim, patch, square=mode == "dynamic-square")
+    shapes = _dynamic_shapes(bound, axes, dim, patch)
     try:
         ep, pinned = _export(model, bound, shapes), None
     except CaptureError:
@@ -52,7 +51,7 @@ def export_dynamic(
             raise CaptureError(_explain(model, exc, _size_ints(bound))) from exc
         pinned = f"torch.export: {str(exc).strip().splitlines()[0]} ({_pinned_line(exc)})"
     gm = ep.module()
-    guard = pinned or _check_guards(gm, bound, axes, patch, mode == "dynamic-square", units)
+    guard = pinned or _check_guards(gm, bound, axes, patch, units)
     if guard is not None and pinned is None:  # guarded to the example: keep shapes symbolic
         gm = _export(model, bound, shapes, deferred=True).module()
     guards = getattr(gm, "_guards_fn", None) if guard is None else None
@@ -65,7 +64,7 @@ def export_dynamic(
         seq_symbol=symbol,
         example_seq=units,
         seq_inputs=dict(axes),
-        capture_mode=mode,  # type: ignore[arg-type]
+        capture_mode="dynamic",
         specialization=guard,
         input_names=tuple(n.name for n in gm.graph.nodes if n.op == "placeholder"),
         shape_guards=guards,
@@ -161,39 +160,34 @@ def is_latent(t: torch.Tensor, dims: tuple[int, ...]) -> bool:
 
 
 def _dynamic_shapes(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]],
-                    dim: Any, patch: int, *, square: bool) -> dict[str, Any]:
+                    dim: Any, patch: int) -> dict[str, Any]:
     shapes: dict[str, Any] = {}
     sig = bound.signature
     for name, value in bound.arguments.items():
         kind = sig.parameters[name].kind
         if kind is inspect.Parameter.VAR_KEYWORD:
-            shapes[name] = {k: _spec_for(k, v, axes, dim, patch, square) for k, v in value.items()}
+            shapes[name] = {k: _spec_for(k, v, axes, dim, patch) for k, v in value.items()}
         elif kind is inspect.Parameter.VAR_POSITIONAL:
             shapes[name] = tuple(None for _ in value)
         else:
-            shapes[name] = _spec_for(name, value, axes, dim, patch, square)
+            shapes[name] = _spec_for(name, value, axes, dim, patch)
     return shapes
 
 
-def _spec_for(name: str, value: Any, axes: dict[str, tuple[int, ...]], dim: Any, patch: int,
-              square: bool) -> Any:
+def _spec_for(name: str, value: Any, axes: dict[str, tuple[int, ...]], dim: Any,
+              patch: int) -> Any:
     if not isinstance(value, torch.Tensor):
         return pytree.tree_map(lambda _: None, value) if isinstance(value, list | tuple | dict) \
             else None
     if name not in axes:
         return None
     if is_latent(value, axes[name]):
-        height = value.dim() - 2
-        spec = {height: patch * dim if patch > 1 else dim}
-        if square:
-            spec[height + 1] = spec[height]
-        return spec
+        return {value.dim() - 2: patch * dim if patch > 1 else dim}
     return dict.fromkeys(axes[name], dim)
 
 
 def _check_guards(gm: fx.GraphModule, bound: inspect.BoundArguments,
-                  axes: dict[str, tuple[int, ...]], patch: int, square: bool,
-                  units: int) -> str | None:
+                  axes: dict[str, tuple[int, ...]], patch: int, units: int) -> str | None:
     """Run the export's input guards on meta inputs one sequence unit longer."""
     guards = getattr(gm, "_guards_fn", None)
     if guards is None:
@@ -204,9 +198,7 @@ def _check_guards(gm: fx.GraphModule, bound: inspect.BoundArguments,
             return value
         shape = list(value.shape)
         step = patch if is_latent(value, axes[name]) else 1
-        grown = list(axes[name]) + ([value.dim() - 1] if square and is_latent(value, axes[name])
-                                    else [])
-        for d in grown:
+        for d in axes[name]:
             shape[d] += step
         return torch.empty(shape, dtype=value.dtype, device="meta")
 
@@ -276,20 +268,22 @@ def _hint(exc: Exception) -> tuple[str, str, str] | None:
 
 def _size_ints(bound: inspect.BoundArguments) -> str:
     """Why a pinned length could not be deferred when inputs carry sizes as Python ints
-    (QwenImage's ``img_shapes=[(1, 4, 4)]``), else ``""``."""
+    (QwenImage's ``img_shapes=[(1, 4, 4)]``, LTX's ``num_frames=2, height=4, width=4``),
+    else ``""``."""
     def ints(v: Any) -> bool:
         if isinstance(v, list | tuple):
             return bool(v) and all(ints(x) for x in v)
         return isinstance(v, int) and not isinstance(v, bool)
 
-    names = [f"{k}={v!r}" for k, v in bound.arguments.items()
-             if isinstance(v, list | tuple) and ints(v)]
+    names = [f"{k}={v!r}" for k, v in bound.arguments.items() if ints(v)]
     if not names:
         return ""
     return (f"; the model reads sizes from the integer input {', '.join(names)}: torch.export "
             "keeps Python ints constant, so a table built from them (a rotary table as long as "
             "the image) has the example's length, and its use with the tokens equates the "
-            "sequence length to it. tppc takes the sequence length from tensor axes only")
+            "sequence length to it. tppc takes the sequence length from tensor axes only: "
+            "where the model also takes the positions as a tensor (LTX: video_coords of shape "
+            "(batch, 3, tokens)), pass that instead")
 
 
 def _explain(model: torch.nn.Module, exc: Exception, why: str = "") -> str:

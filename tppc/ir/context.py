@@ -9,7 +9,7 @@ import sympy
 
 __all__ = ["CaptureMode", "CompileContext", "PassRecord"]
 
-CaptureMode = Literal["dynamic", "dynamic-square", "specialized"]
+CaptureMode = Literal["dynamic", "specialized"]
 """Which torch.export strategy captured the model (see :mod:`tppc.capture`)."""
 
 

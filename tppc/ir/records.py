@@ -72,11 +72,17 @@ class MaskSpec:
         key_valid: name of the user input (``attention_mask``) whose nonzero entries mark
             the keys every query may see (padding masks).
         bias: the mask is an additive float bias (see above).
+        key_mask: the mask is one row over the keys, broadcast along the queries, that reads
+            the *values* of inputs other than the sequence inputs (a text padding mask over
+            joint keys: HunyuanVideo's ``encoder_attention_mask``); the chunk step evaluates
+            it whole (``O(L)``) and attention applies it as it is
+            (:mod:`tppc.passes._key_masks`).
     """
 
     window: int | None = None
     key_valid: str | None = None
     bias: bool = False
+    key_mask: bool = False
 LayerKind = Literal["prologue", "block", "epilogue"]
 
 

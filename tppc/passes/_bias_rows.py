@@ -37,6 +37,7 @@ from tppc.errors import PassError
 from tppc.ir.context import CompileContext
 from tppc.ir.records import TOKEN, TokenInfo
 from tppc.passes._shapes import ancestors, module_path, seq_axes, size_expr, tensor_val
+from tppc.passes._token_rows import row_offset
 
 __all__ = ["BiasRows", "value_inputs"]
 
@@ -209,6 +210,11 @@ class BiasRows:
         return self._rows(source, axis)
 
     # -- values broadcast along the query axis, evaluated whole ------------------------------
+    def whole(self, node: fx.Node) -> Any:
+        """``node`` evaluated whole in the chunk step at ``seq_len`` (a key mask: one row
+        over the keys, :mod:`tppc.passes._key_masks`)."""
+        return self._whole(node)
+
     def _whole(self, node: Any) -> Any:
         if isinstance(node, list | tuple):
             return type(node)(self._whole(a) for a in node)
@@ -233,6 +239,12 @@ class BiasRows:
                 return self.seq_len
             if not expr.free_symbols:
                 return int(expr)
+            scale, offset = sympy.Poly(expr, self.sym).all_coeffs() \
+                if expr.free_symbols == {self.sym} and sympy.degree(expr, self.sym) == 1 \
+                else (None, None)
+            if scale is not None and scale.is_Integer and offset.is_Integer and scale > 0 \
+                    and offset >= 0:  # a size k·L + c (text after the image): from seq_len
+                return row_offset(self.graph, self.seq_len, int(scale), int(offset))
         elif len(seq_axes(node, self.sym)[0]) > 1:
             raise self._refuse(node, "it would be evaluated whole over query and key "
                                "positions (L x L)")

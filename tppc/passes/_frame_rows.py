@@ -61,12 +61,15 @@ def _arith(graph: fx.Graph, op: Any, a: Any, b: Any) -> Any:
 
 
 def _blocks(graph: fx.Graph, n: Any, start: Any, seq_len: Any, rows: tuple[int, int, int],
-            carry: bool) -> tuple[int, Any, list[Any]]:
-    """``(text rows in the chunk's value, rows per frame block, offset of each frame's block
-    along the full axis)``; the value has ``n`` rows."""
+            carry: bool, suffix: int = 0) -> tuple[int, Any, list[Any]]:
+    """``(text rows before the frames in the chunk's value, rows per frame block, offset of
+    each frame's block along the full axis)``; the value has ``n`` rows, the last ``suffix``
+    of them text after the frames when it ``carry``-s the context segments."""
     scale, prefix, frames = rows
     text = prefix if carry else 0  # the first chunk of a step carries the text rows
-    per_frame = _arith(graph, operator.floordiv, _arith(graph, operator.sub, n, text), frames)
+    tail = suffix if carry else 0
+    per_frame = _arith(graph, operator.floordiv, _arith(graph, operator.sub, n, text + tail),
+                       frames)
     offsets = []
     for f in range(frames):
         at = _arith(graph, operator.add, _arith(graph, operator.mul, seq_len, f), start)
@@ -77,11 +80,13 @@ def _blocks(graph: fx.Graph, n: Any, start: Any, seq_len: Any, rows: tuple[int, 
 
 def write_frame_rows(graph: fx.Graph, new: New, buf: fx.Node, axis: int, value: fx.Node,
                      marks: tuple[fx.Node, fx.Node], rows: tuple[int, int, int],
-                     carry: bool) -> None:
+                     carry: bool, suffix: int = 0) -> None:
     """Write the chunk's K (or V) ``value`` into ``buf`` block by block (module docstring);
-    ``marks`` are ``(chunk_start, seq_len)``, ``new(target, args)`` makes a token node."""
+    ``marks`` are ``(chunk_start, seq_len)``, ``new(target, args)`` makes a token node. A
+    value that carries a ``suffix`` (text after the frames, the first chunk of a step) writes
+    it after the buffer's last frame, at ``prefix + scale · seq_len``."""
     n = new(_aten.sym_size.int, (value, axis))
-    text, per_frame, offsets = _blocks(graph, n, *marks, rows, carry)
+    text, per_frame, offsets = _blocks(graph, n, *marks, rows, carry, suffix)
     if text:
         new(_aten.copy_.default, (new(_aten.narrow.default, (buf, axis, 0, text)),
                                   new(_aten.narrow.default, (value, axis, 0, text))))
@@ -89,6 +94,12 @@ def write_frame_rows(graph: fx.Graph, new: New, buf: fx.Node, axis: int, value: 
         src = _arith(graph, operator.add, _arith(graph, operator.mul, per_frame, f), text)
         new(_aten.copy_.default, (new(_aten.narrow.default, (buf, axis, at, per_frame)),
                                   new(_aten.narrow.default, (value, axis, src, per_frame))))
+    if suffix and carry:
+        scale, prefix, frames = rows
+        at = _arith(graph, operator.add, _arith(graph, operator.mul, marks[1], scale), prefix)
+        src = _arith(graph, operator.add, _arith(graph, operator.mul, per_frame, frames), text)
+        new(_aten.copy_.default, (new(_aten.narrow.default, (buf, axis, at, suffix)),
+                                  new(_aten.narrow.default, (value, axis, src, suffix))))
 
 
 def frame_table_rows(graph: fx.Graph, env: dict[fx.Node, Any], node: fx.Node, table: fx.Node,

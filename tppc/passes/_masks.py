@@ -6,8 +6,10 @@ example length): first with every candidate input set to ones, which must give a
 band ``i - w < j ≤ i`` (``w`` found at the longest probe) or all-visible keys; then with
 random 0/1 inputs, which must give that pattern ``& key_valid[b, j]`` for
 ``key_valid = input != 0``. Anything else is refused with the node, its module and why.
-A float mask whose visible entries are not all 0 at some probe, or that reads a parameter or
-buffer (a learned table, zero at initialisation), is an additive *bias*
+A mask that reads the values of other inputs (a prompt's padding mask) is a key mask,
+evaluated per call (:mod:`tppc.passes._key_masks`). A float mask whose visible entries are
+not all 0 at some probe, or that reads a parameter or buffer (a learned table, zero at
+initialisation), is an additive *bias*
 (ALiBi, relative positions): its pattern is checked the same way and its values are
 evaluated per chunk (``MaskSpec.bias``, :mod:`tppc.passes._bias_rows`).
 
@@ -24,6 +26,7 @@ from torch import fx
 from tppc.errors import AnnotationError
 from tppc.ir.context import CompileContext
 from tppc.ir.records import AttentionKind, MaskSpec
+from tppc.passes._key_masks import key_mask_spec
 from tppc.passes._positional import evaluate_positional
 from tppc.passes._shapes import ancestors, module_path, tensor_val
 
@@ -43,6 +46,9 @@ def mask_spec(node: fx.Node, mask: fx.Node, gm: fx.GraphModule, ctx: CompileCont
     closure = ancestors([mask])
     inputs = [p for p in gm.graph.find_nodes(op="placeholder")
               if p in closure and p.name in ctx.seq_inputs and _read_by_value(p, closure)]
+    keys = key_mask_spec(node, mask, ctx)
+    if keys is not None:  # its pattern depends on values the example fixes: per call
+        return keys
     if len(inputs) > 1:
         raise _refuse(node, f"it reads several inputs by value ({[p.name for p in inputs]})")
     source = inputs[0] if inputs else None

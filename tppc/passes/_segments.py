@@ -7,7 +7,8 @@ tokens (Flux, CogVideoX, QwenImage: ``cat([text, image])``) or after them (SD3:
 :class:`~tppc.ir.records.TokenInfo` records the two lengths (``prefix``, ``suffix``). The rules:
 
 - ``cat`` along the token axis of constant-length segments (text, or a context-only value)
-  and at most one value with split tokens: a token value whose prefix (suffix) is the
+  and at most one value with split tokens (a segment of data-dependent length, text tokens
+  gathered by ``torch.nonzero``, is ``global``): a token value whose prefix (suffix) is the
   constant segments' length before (after) it plus that value's own prefix (suffix). Two
   split segments (context between two bands of image tokens) are ``global``.
 - ``slice`` / ``split`` of such a value along its token axis: a part within the prefix or
@@ -32,6 +33,7 @@ from typing import Any
 import sympy
 import torch
 from torch import fx
+from torch.utils._sympy.symbol import SymT, symbol_is_type
 
 from tppc.ir.records import TOKEN, TokenInfo
 from tppc.passes._shapes import size_expr, tensor_val
@@ -105,6 +107,8 @@ def _cat(node: fx.Node, where: str) -> TokenInfo | None:
     prefix, suffix, split = 0, 0, None
     for t, info in zip(tensors, infos, strict=True):
         size = size_expr(tensor_val(t).shape[dim])
+        if any(symbol_is_type(s, SymT.UNBACKED_INT) for s in size.free_symbols):
+            return TokenInfo("global", module=where, why=_data_dependent(t, size))
         if size.free_symbols:
             if info.axis != dim or split is not None:
                 return TokenInfo("global", module=where, why=_TWO_SPLIT)
@@ -120,6 +124,15 @@ def _cat(node: fx.Node, where: str) -> TokenInfo | None:
         return TokenInfo("token", dim, total, module=where, prefix=int(total))
     return TokenInfo(role, dim, total, module=where, prefix=prefix,  # type: ignore[arg-type]
                      suffix=suffix)
+
+
+def _data_dependent(segment: fx.Node, size: sympy.Expr) -> str:
+    """Why a segment of data-dependent length cannot sit beside the split tokens."""
+    return (f"a segment {segment.name!r} of data-dependent length {size} along the token axis "
+            "(a count of input values, e.g. the text tokens kept by torch.nonzero of a prompt "
+            "mask): the context segments beside the split tokens must have constant lengths "
+            "(a K/V buffer lays them out once per compile). fix: keep every text token and "
+            "hide the padded ones with an attention mask over the keys")
 
 
 def _slice(node: fx.Node, where: str) -> TokenInfo | None:

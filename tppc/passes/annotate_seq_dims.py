@@ -141,7 +141,8 @@ def _token_op(node: fx.Node, axes: list[int], sizes: list[sympy.Expr], where: st
         return _info("global", axes, sizes, where)
     if node.target is operator.getitem and not _getitem_keeps_tokens(node):
         return _info("global", axes, sizes, where)
-    if role == "reshape" and not _keeps_token_order(node, src, axes, merge=True):
+    if role == "reshape" and (_pinned_shape(node)
+                              or not _keeps_token_order(node, src, axes, merge=True)):
         return _info("global", axes, sizes, where)
     if len(axes) > 1 and role == "contracts":
         raise _mix_error(node, name, where, f"its value has {len(axes)} token axes {axes}: the "
@@ -285,6 +286,21 @@ def _keeps_token_order(node: fx.Node, src: fx.Node, out_axes: list[int], *,
         if sympy.simplify(through_in - through_out) == 0:
             return True
     return False
+
+
+def _pinned_shape(node: fx.Node) -> bool:
+    """A reshape to a literal size where its value's size depends on the sequence symbol.
+
+    A specialised capture keeps the sizes the model's Python computed from the example
+    (DiT's ``int(sqrt(tokens))`` grid: ``reshape(x, [-1, 4, 4, ...])``) while the traced
+    shape stays symbolic (``(1, 4, s, ...)``): the op runs on the whole sequence only.
+    """
+    shape = node.args[1] if len(node.args) > 1 else None
+    val = tensor_val(node)
+    if not isinstance(shape, list | tuple) or val is None or len(shape) != val.dim():
+        return False
+    return any(isinstance(a, int) and a != -1 and size_expr(s).free_symbols
+               for a, s in zip(shape, val.shape))
 
 
 def _getitem_keeps_tokens(node: fx.Node) -> bool:

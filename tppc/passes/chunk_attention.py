@@ -69,6 +69,7 @@ from tppc.passes._bias_rows import BiasRows, value_inputs
 from tppc.passes._buffered_mixing import buffered_operands
 from tppc.passes._context_rows import check_context
 from tppc.passes._frame_rows import chunk_outputs, frame_table_rows, token_frames
+from tppc.passes._key_masks import inputs_by_value
 from tppc.passes._shapes import module_path, size_expr, tensor_val
 from tppc.passes._token_rows import (
     REST_CHUNK,
@@ -269,8 +270,9 @@ class _Rewriter(BufferReads):
             mask = attn.meta[TOKEN].mask
             if mask is not None and mask.key_valid is not None:
                 self._full_input(mask.key_valid)
-            if mask is not None and mask.bias:
-                for p in value_inputs(sdpa_kwargs(attn)["attn_mask"]):
+            if mask is not None and (mask.bias or mask.key_mask):
+                m = sdpa_kwargs(attn)["attn_mask"]
+                for p in value_inputs(m) if mask.bias else inputs_by_value(m, self.ctx)[0]:
                     self._whole_input(p)
         self.bias = BiasRows(self.graph, self.ctx, (self.start, self.size, self.seq_len),
                              self._whole_input)
@@ -379,6 +381,8 @@ class _Rewriter(BufferReads):
         mask = node.meta[TOKEN].mask
         if mask is not None and mask.bias:
             args = (*args, self.bias.rows(kwargs["attn_mask"], node, kv_len if causal else None))
+        elif mask is not None and mask.key_mask:  # one row over the keys, whole
+            args = (*args, self.bias.whole(kwargs["attn_mask"]))
         elif mask is not None:
             valid = None if mask.key_valid is None else self._full_input(mask.key_valid)
             args = (*args, None, valid, mask.window)

@@ -93,7 +93,7 @@ class BufferReads:
         if frames > 1:
             write_frame_rows(self.graph, lambda t, a: self._new(t, a, layer), buf, axis,
                              self.env[source], (self.start, self.seq_len), (*rows, frames),
-                             self.carry)
+                             self.carry, spec.suffix)
             return self._read_back(buf, axis, kv_len, layer, chain)
         if rows != (1, 0) or suffix:  # the chunk's rows: prefix + scale · start on, as many as
             offset = row_offset(self.graph, self.start, rows[0], 0 if self.carry else rows[1])

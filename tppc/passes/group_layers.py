@@ -157,9 +157,8 @@ def _assign(nodes: list[fx.Node], block_of: dict[fx.Node, str | None],
             raise AnnotationError(
                 f"node {node.name!r} (module {info.module or '<top level>'}) needs the whole "
                 f"sequence (role global{': ' + info.why if info.why else ''}) but runs in "
-                f"layer {current!r}; tppc can run such ops "
-                "only after the last block. fix: move it after the blocks"
-            )
+                f"layer {current!r}; tppc can run such ops only after the last block."
+                + ("" if "fix:" in info.why else " fix: move it after the blocks"))
     for node in nodes:
         if node.op in ("placeholder", "get_attr"):
             users = [names[u] for u in node.users if u in names]

@@ -19,7 +19,7 @@ from tppc.program.program import StageProgram
 from tppc.program.schedule import Action, DryRun
 from tppc.program.state import Call, CallState
 
-__all__ = ["Jobs", "run_pipelined", "run_serial"]
+__all__ = ["Jobs", "idle_threads", "run_pipelined", "run_serial"]
 
 _POLL = 0.05
 
@@ -82,10 +82,10 @@ def run_pipelined(cp: Any, jobs: Jobs) -> None:
         got: dict[tuple[int, int], tuple[Any, ...]] = {}  # received, not yet computed
         made: dict[tuple[int, int], tuple[Any, ...]] = {}  # computed, not yet sent
         try:
-            t = threads if threads is None or isinstance(threads, int) else threads[s]
-            if t is not None:
-                torch.set_num_threads(t)
-            for k, act in enumerate(dry.actions[s]):  # noqa: B007 (k names a failing action)
+            borrow = idle_threads(threads, dry.actions, s)
+            for k, act in enumerate(dry.actions[s]):
+                if k in borrow:
+                    torch.set_num_threads(borrow[k])
                 if act.kind == "recv" and act.peer == last:  # back from the last stage
                     back(*act.job)
                 elif act.kind == "recv":
@@ -127,6 +127,23 @@ def run_pipelined(cp: Any, jobs: Jobs) -> None:
             w.join()
     if errors:
         raise errors[0]
+
+
+def idle_threads(threads: int | tuple[int, ...] | None, actions: Any, s: int
+                 ) -> dict[int, int]:
+    """Intra-op threads of stage ``s`` from its action ``k`` on (``{k: threads}``): its
+    first compute (the fill) also takes the threads of the later stages, which wait for it,
+    its last compute (the drain) those of the earlier stages, which are done; between them
+    its own. ``{}`` when the threads are torch's own (``threads_per_stage=None``)."""
+    if threads is None:
+        return {}
+    n = len(actions)
+    per = [threads] * n if isinstance(threads, int) else list(threads[:n])
+    computes = [k for k, act in enumerate(actions[s]) if act.kind == "compute"]
+    if len(computes) < 2:
+        return {0: per[s]}
+    first, last = computes[0], computes[-1]
+    return {0: sum(per[s:]), first + 1: per[s], last: sum(per[:s + 1])}
 
 
 class _Stopped(Exception):

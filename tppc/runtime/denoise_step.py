@@ -16,7 +16,8 @@ Terms:
         the latent between calls, so the pipeline fills and drains once per call: with
         ``S`` stages and ``M`` patches a call takes ``M + S − 1`` patch times instead of
         the ``M`` of ``cp.denoise``, where patches of the next step enter as this step's
-        leave.
+        leave. The fill and the drain run on the idle stages' intra-op threads too
+        (:func:`tppc.runtime.denoise_jobs.idle_threads`), which shortens them.
 
 :meth:`StepCalls.reset` starts a new loop (a diffusers pipeline call): the states go back,
 and the next call of every stream is warm again.

@@ -19,6 +19,7 @@ a value made inside the graph and written in place).
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -112,8 +113,7 @@ def raise_crash(front: FrontEnd, replay: Replay, failed: StageFailed, *,
     head = (f"{front.ctx.model_name}: the {label} ({what}) crashed in stage {failed.stage} "
             f"(layers {list(failed.layers)}), chunk [{start}, {end}): {error}.")
     emitted = failed.node
-    origins = {origin(n): n for n in front.annotated.graph.nodes}
-    node = origins.get(origin(emitted)) if emitted is not None else None
+    node = _match(_origins(front), emitted) if emitted is not None else None
     if node is None:
         where = f" At stage node {emitted.name!r} ({emitted.target})." if emitted else ""
         raise SoundnessError(head + where + _fix(known=False), node=None)
@@ -149,13 +149,13 @@ def _first_divergence(front: FrontEnd, failing: Replay) -> _Divergence | None:
     replay = _per_layer(front, failing)
     sent: dict[tuple[int, int], tuple[Any, ...]] = {}
     got = replay.run(hook=lambda s, m, values: sent.__setitem__((s, m), values))
-    origins = {origin(n): n for n in front.annotated.graph.nodes}
+    origins = _origins(front)
     last = len(replay.program.stages) - 1
     pairs = {}  # (s, m) -> [(emitted node, captured node)] of the stage's boundary outputs
     for (s, m) in sent:
         if s < last:
             outs = _output_nodes(replay.stage(s, m).module)
-            pairs[s, m] = [(n, origins.get(origin(n))) for n in outs]
+            pairs[s, m] = [(n, _match(origins, n)) for n in outs]
     wanted = {c.name for pair in pairs.values() for _, c in pair if c is not None}
     outputs, values = run_reference(front.annotated, replay.flat, wanted)
     for s in range(last):
@@ -176,7 +176,7 @@ def _first_divergence(front: FrontEnd, failing: Replay) -> _Divergence | None:
 
 
 def _inside(front: FrontEnd, replay: Replay, s: int, chunks: list[int],
-            origins: dict[tuple[str, int], fx.Node]) -> _Divergence | None:
+            origins: _Origins) -> _Divergence | None:
     """The first node of stage ``s`` whose value differs, trying ``chunks`` in order."""
     for m in chunks:
         stage = replay.stage(s, m)
@@ -200,8 +200,31 @@ def _inside(front: FrontEnd, replay: Replay, s: int, chunks: list[int],
     return None
 
 
-def _captured(node: fx.Node, origins: dict[tuple[str, int], fx.Node], front: FrontEnd
-              ) -> fx.Node | None:
+_Origins = dict[tuple[str, int], list[fx.Node]]
+
+
+def _origins(front: FrontEnd) -> _Origins:
+    """The captured nodes by origin; one op that export decomposed (``chunk`` into a
+    ``split`` and its ``getitem``s) is the origin of several."""
+    found: _Origins = {}
+    for n in front.annotated.graph.nodes:
+        found.setdefault(origin(n), []).append(n)
+    return found
+
+
+def _match(origins: _Origins, node: fx.Node) -> fx.Node | None:
+    """The captured node ``node`` was copied (or rewritten: SDPA into ``chunk_attention``)
+    from: its origin's node, or of several the one with its op (a ``getitem``: its index),
+    else of its name (None when that does not decide: the value is not compared)."""
+    found = origins.get(origin(node), [])
+    same = [n for n in found if n.target == node.target
+            and (n.target is not operator.getitem or n.args[1:] == node.args[1:])]
+    if len(found) == 1 or len(same) == 1:
+        return (same or found)[0]
+    return next((n for n in found if n.name == node.name), None)
+
+
+def _captured(node: fx.Node, origins: _Origins, front: FrontEnd) -> fx.Node | None:
     """The captured-graph node a stage node computes, or None (tppc's own nodes, inputs)."""
     if node.op == "placeholder":
         spec = node.meta.get(CHUNK_INPUT)
@@ -210,7 +233,7 @@ def _captured(node: fx.Node, origins: dict[tuple[str, int], fx.Node], front: Fro
         return _by_name(front.annotated, spec.source)
     if node.op != "call_function":
         return None
-    return origins.get(origin(node))
+    return _match(origins, node)
 
 
 def _by_name(gm: fx.GraphModule, name: str) -> fx.Node | None:

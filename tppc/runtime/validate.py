@@ -306,8 +306,6 @@ def _probe_length(front: FrontEnd, cp: Validated, length: int) -> tuple[int | No
     if ctx.capture_mode == "specialized":
         return None, (f"no probe length: the capture is specialised to {ctx.specialized_to} "
                       f"({ctx.specialization})")
-    if ctx.capture_mode == "dynamic-square":
-        return None, "no probe length: square latents (height and width share one size)"
     step = max(1, cp.plan.granularity)
     probe = length - step if length - step >= 2 else length + step
     limit = cp.options.max_seq
