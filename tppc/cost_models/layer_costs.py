@@ -5,9 +5,11 @@ Terms:
         epilogue) whose nodes are the chunk-step graph's nodes of that layer
         (:func:`.program_costs.program_layers`).
     layer time: ``Σ_nodes max(matrix_s, vector_s, memory_s) + serial_s + overhead`` on one
-        device (see :mod:`.roofline`), a sympy expression in c and p (L is replaced by the
-        table's ``seq_len``), then lambdified to numpy so the planner evaluates a whole
-        (c, p) grid at once.
+        device (see :mod:`.roofline`), a sympy expression in c, p and L, lambdified to
+        numpy over ``(c, p, L)`` once per distinct expression (:data:`COMPILED_TIMES` kept)
+        and bound to the table's ``seq_len``: the planner evaluates a whole (c, p) grid at
+        once, and a re-plan at a new length compiles nothing. ``LayerExpr.time`` is the
+        expression at ``L = seq_len``.
 
 Identical blocks (same ops, shapes and dtypes, node by node) share one expression and one
 compiled function, so an 80-block model costs about as much to price as one block.
@@ -20,7 +22,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,7 +53,11 @@ from tppc.cost_models.table import CostTable, LayerCost, LinkCost, TimeFn
 from tppc.errors import CostModelError
 from tppc.ir.records import TOKEN, LayerInfo, TokenInfo
 
-__all__ = ["LayerExpr", "build_cost_table", "layer_expressions"]
+__all__ = ["COMPILED_TIMES", "LayerExpr", "build_cost_table", "layer_expressions"]
+
+COMPILED_TIMES = 4096
+"""Distinct layer-time expressions whose compiled numpy function is kept (least recently
+used dropped first): a re-plan at a new length compiles none of them again."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,14 +99,24 @@ class LayerExpr:
     unpriced: tuple[str, ...] = ()
 
 
-def _vectorise(expr: sympy.Expr) -> TimeFn:
-    raw = to_numpy(expr, (C, P))
+@functools.lru_cache(maxsize=COMPILED_TIMES)
+def _compiled(expr: sympy.Expr) -> Callable[..., np.ndarray]:
+    """``expr`` (in c, p and L) lambdified over ``(c, p, L)``: one compile per distinct layer
+    time, reused at every length (``lru_cache`` is thread-safe; two concurrent misses
+    compile the same function twice, harmlessly)."""
+    return to_numpy(expr, (C, P, L))
+
+
+def _vectorise(expr: sympy.Expr, seq_len: int) -> TimeFn:
+    """``expr`` at ``L = seq_len`` as a numpy function of ``(c, p)``."""
+    raw = _compiled(expr)
+    length = float(seq_len)
 
     def time(c: np.ndarray, p: np.ndarray) -> np.ndarray:
         c = np.asarray(c, dtype=float)
         p = np.asarray(p, dtype=float)
         shape = np.broadcast_shapes(c.shape, p.shape)
-        return np.broadcast_to(np.asarray(raw(c, p), dtype=float), shape).copy()
+        return np.broadcast_to(np.asarray(raw(c, p, length), dtype=float), shape).copy()
 
     return time
 
@@ -226,7 +243,8 @@ class _Pricer:
                 continue
             overhead += terms.overhead
             total.append(terms._replace(overhead=0.0).total())
-        time = (sympy.Add(*total) + overhead).subs(full)
+        symbolic = sympy.Add(*total) + overhead  # in c, p and L: compiled once
+        time = symbolic.subs(full)
         live = [c for c in costs if c.kind not in ("view", "const")]
         matrix = sympy.Add(*[c.matrix_flops for c in live]).subs(full)
         vector = sympy.Add(*[c.vector_flops for c in live]).subs(full)
@@ -237,7 +255,7 @@ class _Pricer:
                 f"layer time depends on symbols {sorted(map(str, bad))} besides c and p; make "
                 "those dimensions static (only the sequence may be dynamic)"
             )
-        return time, matrix, vector, nbytes, _vectorise(time)
+        return time, matrix, vector, nbytes, _vectorise(symbolic, self.seq_len)
 
     def _act_bytes(self, info: LayerInfo) -> int:
         if info.name not in self._acts:

@@ -9,9 +9,12 @@ Terms:
         longer buffers); the plan, its latency and its bound are priced at ``L``. The
         granularity never drops to 1 because ``L`` is odd.
     time limit: a deadline for everything :func:`plan_any_length` does: pricing (the cost
-        table) comes out of it, the solver gets what is left (at least
-        :data:`MIN_SOLVE_SECONDS`, to have a plan at all). A plan that ends after its
-        deadline without a proven optimum says ``solver.status == "time_limit"``.
+        table) comes out of it, the solver gets what is left less
+        :data:`~tppc.planner.polish.FINISH_RESERVE` of the limit (at most
+        :data:`~tppc.planner.polish.FINISH_RESERVE_MAX` s), kept for pricing the plan
+        at ``L`` after it (at least :data:`MIN_SOLVE_SECONDS`, to have a plan at all). A plan
+        that ends after its deadline without a proven optimum says
+        ``solver.status == "time_limit"``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from tppc.planner.devices import sub_table
 from tppc.planner.evaluate import plan_for
 from tppc.planner.joint import plan_from_costs
 from tppc.planner.plan import Plan, Workload, say_expired
+from tppc.planner.polish import FINISH_RESERVE, FINISH_RESERVE_MAX
 
 __all__ = ["MAX_DEFAULT_GRID", "MIN_SOLVE_SECONDS", "default_granularity", "plan_any_length"]
 
@@ -77,9 +81,11 @@ def plan_any_length(table_at: Callable[[int], CostTable], length: int, *,
     g = granularity or default_granularity(length)
     grid_len = math.ceil(length / g) * g
     table = table_at(length)  # searched as if it had grid_len tokens (module docstring)
-    left = max(deadline - time.perf_counter(), MIN_SOLVE_SECONDS)
+    reserve = min(FINISH_RESERVE * time_limit, FINISH_RESERVE_MAX)  # packaging at L after it
+    left = max(deadline - time.perf_counter() - reserve, MIN_SOLVE_SECONDS)
     grid = plan_from_costs(dataclasses.replace(table, seq_len=grid_len), workload=workload,
-                           granularity=g, num_stages=num_stages, time_limit=left)
+                           granularity=g, num_stages=num_stages, time_limit=left,
+                           ranged=grid_len == length)  # else priced at L by _clip only
     return say_expired(_clip(table, grid, grid_len, length, g, bounds, workload,
                              time.perf_counter() < deadline), deadline)
 

@@ -38,6 +38,7 @@ from tppc.planner.evaluate import diffusion_latency, plan_for
 from tppc.planner.memory import memory_parts, positional_part, stage_memory
 from tppc.planner.placement import balanced_placement, infeasible_error, place_layers
 from tppc.planner.plan import Plan, SolverInfo, SplitSearch, Workload, say_expired
+from tppc.planner.polish import NEAR_BOUND, NearBound, try_coarser_grids
 from tppc.planner.refine import diffusion_candidates, improve_split, ring_makespan
 from tppc.planner.split import check_grid, solve_split
 from tppc.planner.sublayers import cut_inside_blocks
@@ -70,6 +71,7 @@ def plan_from_costs(
     coarser_grids: int = 2,
     certify: bool = True,
     ranged: bool = True,
+    near_bound: float | None = None,
 ) -> Plan:
     """Choose stage placement and chunk boundaries for a priced model.
 
@@ -86,12 +88,14 @@ def plan_from_costs(
         method: ``"exhaustive"``, ``"alternate"``, or ``"auto"`` (exhaustive when small).
         max_rounds: alternation rounds at most.
         coarser_grids: also plan on the grids ``2·g, 4·g, ...`` (this many) and keep the plan
-            with the smallest simulated latency. The split objective ``J`` is an upper bound
-            of the simulated makespan, so a finer grid can return a plan that simulates
-            slower than a coarser one; every candidate is still a plan on the ``g`` grid.
+            with the smallest simulated latency (:func:`~.polish.try_coarser_grids`).
         certify: run the certified split search (:mod:`tppc.planner.certify`) on the chosen
             placement; the coarser grids skip it (their splits are on the finer grid too).
-        ranged: price the range bound (``plan_for``); the coarser grids keep the finer one.
+        ranged: price the range bound in its plans (``plan_for``); coarser grids keep the finer one.
+        near_bound: skip the phases that only improve a plan (local moves, certified
+            search, cuts inside blocks, coarser grids) once the plan is within this ratio of
+            a lower bound of every plan they can find (:class:`~.polish.NearBound`; default
+            :data:`~.polish.NEAR_BOUND`, ``1.0`` runs them all).
 
     Returns:
         The plan, with its simulated schedule, lower bound and provenance.
@@ -103,12 +107,14 @@ def plan_from_costs(
     workload = workload or Workload()
     max_chunks = workload.patch_cap(max_chunks)  # a quality limit on diffusion patches
     t0 = time.perf_counter()
+    near = NEAR_BOUND if near_bound is None else near_bound
     if num_stages is None and table.num_devices > 1 and table.num_layers > 0:
         def on(sub: CostTable, k: int, seconds: float) -> Plan:
             return plan_from_costs(sub, workload=workload, granularity=granularity,
                                    num_stages=k, time_limit=seconds, max_chunks=max_chunks,
                                    method=method, max_rounds=max_rounds,
-                                   coarser_grids=coarser_grids, certify=certify)
+                                   coarser_grids=coarser_grids, certify=certify, ranged=ranged,
+                                   near_bound=near)
 
         check_grid(table.seq_len, granularity)
         return choose_devices(table, on, workload, granularity, time_limit)
@@ -118,6 +124,8 @@ def plan_from_costs(
     if method == "auto":
         method = "exhaustive" if placements <= EXHAUSTIVE_LIMIT and n <= 64 else "alternate"
     ctx = _Ctx(table, workload, granularity, num_stages, max_chunks, t0 + time_limit)
+    stop = NearBound(table, num_stages, workload, granularity, near)
+    ctx.ranged = ranged  # the improvements' plans too
     if method == "exhaustive":
         cuts, bounds, info = _exhaustive(ctx)
     elif method == "alternate":
@@ -136,29 +144,15 @@ def plan_from_costs(
             n, granularity, max_chunks, lambda b: diffusion_latency(table, cuts, b, workload))
     if workload.kind == "causal_prefill" and num_stages > 1 \
             and time.perf_counter() < ctx.deadline:  # improvements only within the limit
-        best = _improve(ctx, cuts, bounds, best, t0, certify)
-        best = _in_block_cuts(ctx, cuts, bounds, best, t0, certify)
-    first = time.perf_counter() - t0
-    for k in range(1, coarser_grids + 1):
-        coarse, left = granularity * 2**k, t0 + time_limit - time.perf_counter()
-        if table.seq_len % coarse or left <= 0:
-            break
-        budget = min(left, max(0.5, first / 2))  # coarser grids are smaller problems
-        other = plan_from_costs(table, workload=workload, granularity=coarse,
-                                num_stages=num_stages, time_limit=budget, max_chunks=max_chunks,
-                                method=method, max_rounds=max_rounds, coarser_grids=0,
-                                certify=False, ranged=False)
-        if other.latency < best.latency * (1 - 1e-9):
-            detail = (f"{other.solver.detail.removesuffix('; stopped by the time limit')}; "
-                      f"grid {coarse} simulated faster than {granularity}")
-            best = dataclasses.replace(
-                other, granularity=granularity, lower_bound=best.lower_bound,
-                lower_bound_work=best.lower_bound_work, lower_bound_path=best.lower_bound_path,
-                solver=dataclasses.replace(other.solver, detail=detail,  # status: this
-                                           status=best.solver.status,  # search's, not the
-                                           seconds=time.perf_counter() - t0),  # sub-budget's
-                split=best.split and dataclasses.replace(  # the bound of the finer grid
-                    best.split, gap=max(0.0, 1 - best.split.bound / other.latency)))
+        for phase in (_improve, _in_block_cuts):  # and until near the bound
+            best = stop.note(best) if stop.reached(best) else phase(
+                ctx, cuts, bounds, best, t0, certify)
+    best = try_coarser_grids(best, table.seq_len, granularity, coarser_grids, t0, time_limit, stop,
+                         lambda coarse, budget: plan_from_costs(
+                             table, workload=workload, granularity=coarse,
+                             num_stages=num_stages, time_limit=budget, max_chunks=max_chunks,
+                             method=method, max_rounds=max_rounds, coarser_grids=0,
+                             certify=False, ranged=False, near_bound=near))
     return say_expired(best, ctx.deadline)
 
 
@@ -197,7 +191,7 @@ def _improve(ctx: _Ctx, cuts: tuple[int, ...], bounds: tuple[int, ...], best: Pl
     if not certify:
         return best if new == tuple(bounds) else plan_for(
             table, cuts, tuple(b * g for b in new), ctx.workload, granularity=g,
-            solver=dataclasses.replace(best.solver, detail=detail))
+            solver=dataclasses.replace(best.solver, detail=detail), ranged=ctx.ranged)
     if not ctx.max_chunks:  # the search does not count chunks
         budget = min(SEARCH_LIMIT, max(0.02, 0.25 * (s0 - t0)))  # a quarter of the solve so far
         found = search_split(stage, links, new, deadline=min(ctx.deadline, s0 + budget))
@@ -208,7 +202,7 @@ def _improve(ctx: _Ctx, cuts: tuple[int, ...], bounds: tuple[int, ...], best: Pl
     status = "not run (max_chunks)" if found is None else found.status
     plan = best if new == tuple(bounds) else plan_for(
         table, cuts, tuple(b * g for b in new), ctx.workload, granularity=g,
-        solver=dataclasses.replace(best.solver, detail=detail))
+        solver=dataclasses.replace(best.solver, detail=detail), ranged=ctx.ranged)
     # a proven optimum is this plan's latency; otherwise the relaxation's bound
     lower = (plan.latency if status == "optimal" else plan.lower_bound  # any plan's bound
              if time.perf_counter() > ctx.deadline else split_bound(stage, links, ctx.deadline))
@@ -222,7 +216,7 @@ def _improve(ctx: _Ctx, cuts: tuple[int, ...], bounds: tuple[int, ...], best: Pl
 def _sub_ctx(ctx: _Ctx, table: CostTable) -> _Ctx:
     """``ctx`` for ``table`` (the same layers, some of them cut at their waist)."""
     sub = _Ctx(table, ctx.workload, ctx.g, ctx.S, ctx.max_chunks, ctx.deadline)
-    sub._cache = ctx._cache  # unchanged layers keep their time functions
+    sub._cache, sub.ranged = ctx._cache, ctx.ranged  # unchanged layers keep their times
     return sub
 
 
@@ -243,7 +237,8 @@ def _in_block_cuts(ctx: _Ctx, cuts: tuple[int, ...], bounds: tuple[int, ...], be
                         granularity=g, solver=solver, ranged=False)  # the bound: polish
 
     def polish(table: CostTable, cuts: tuple[int, ...], plan: Plan) -> Plan:
-        plan = plan_for(table, cuts, plan.boundaries, ctx.workload, granularity=g, solver=solver)
+        plan = plan_for(table, cuts, plan.boundaries, ctx.workload, granularity=g, solver=solver,
+                        ranged=ctx.ranged)
         return _improve(_sub_ctx(ctx, table), cuts, tuple(b // g for b in plan.boundaries),
                         plan, t0, certify)
 
@@ -286,6 +281,7 @@ class _Ctx:
         self._cache: dict[int, np.ndarray] = {}
         self._stage_cache: dict[tuple[int, int, int], np.ndarray] = {}
         self._split_cache: tuple[tuple[int, ...] | None, tuple] = (None, ())
+        self.ranged = True
 
     def left(self) -> float:
         return max(self.deadline - time.perf_counter(), 0.05)
