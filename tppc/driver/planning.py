@@ -170,9 +170,10 @@ def tokens_per_unit(ctx: CompileContext, length: int) -> int:
     """Tokens in one unit of the sequence axis at ``length`` units: a DiT's patch columns.
 
     Linear token counts give it at every length (:meth:`CompileContext.tokens_per_unit`); a
-    square latent captured with its height as the axis (``T = s**2``: PixArt, DiT) has
-    ``length`` patch columns per patch row at ``length`` rows, so a band of rows is priced at
-    its tokens, never at its row count."""
+    token count that is a whole multiple of the axis only at this length (``T = s**2``, a
+    square whose width shares the height's symbol; latents are no longer captured so, but a
+    model's own arithmetic may do it) gives ``T / length`` here, so a band of rows is priced
+    at its tokens, never at its row count."""
     per = ctx.tokens_per_unit()
     if per != 1 or ctx.token_count is None or ctx.seq_symbol is None:
         return per
