@@ -65,7 +65,8 @@ def test_zero_count_is_rejected():
         Cluster.parse("0xh100-sxm")
 
 
-def test_calibration_is_cached_and_forced_on_request(tmp_path, monkeypatch, real_calibration):
+def test_real_calibration_is_measured_cached_and_forced_on_request(tmp_path, monkeypatch,
+                                                                   real_calibration):
     monkeypatch.setenv("TPPC_CACHE_DIR", str(tmp_path))
     calls = []
     real = calibrate_module._measure
@@ -79,6 +80,9 @@ def test_calibration_is_cached_and_forced_on_request(tmp_path, monkeypatch, real
     monkeypatch.setattr(calibrate_module, "_measure", measure)
     first = calibrate_module.calibrate("cpu", threads=1)
     assert first.matrix.peak("fp32") > 1e9 and first.memory.bandwidth > 1e9
+    assert first.matrix.half_rows > 0  # a 16-row matmul is slower per FLOP than a 512-row one
+    assert 0 < first.attention_efficiency <= 1
+    assert 1e-7 < first.op_overhead < 1e-3
     again = calibrate_module.calibrate("cpu", threads=1)
     assert again == first and len(calls) == 1
     files = list((tmp_path / "calibration").glob("*.json"))
@@ -86,16 +90,6 @@ def test_calibration_is_cached_and_forced_on_request(tmp_path, monkeypatch, real
     forced = calibrate_module.calibrate("cpu", threads=1, force=True)
     assert len(calls) == 2 and forced.matrix.peak("fp32") == 1e11
     assert forced.matrix.half_rows == 8.0 and forced.attention_efficiency == 0.7
-
-
-def test_real_calibration_measures_skinny_matmuls_attention_and_overhead(tmp_path,
-                                                                         monkeypatch,
-                                                                         real_calibration):
-    monkeypatch.setenv("TPPC_CACHE_DIR", str(tmp_path))
-    spec = calibrate_module.calibrate("cpu", threads=1)
-    assert spec.matrix.half_rows > 0  # a 16-row matmul is slower per FLOP than a 512-row one
-    assert 0 < spec.attention_efficiency <= 1
-    assert 1e-7 < spec.op_overhead < 1e-3
 
 
 def test_stale_calibration_cache_is_measured_again(tmp_path, monkeypatch, real_calibration):
