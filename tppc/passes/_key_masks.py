@@ -24,17 +24,14 @@ Example:
 
 from __future__ import annotations
 
-import torch
 from torch import fx
 
 from tppc.errors import AnnotationError
 from tppc.ir.context import CompileContext
 from tppc.ir.records import AttentionKind, MaskSpec
-from tppc.passes._shapes import module_path, size_expr, tensor_val
+from tppc.passes._shapes import SHAPE_USES, module_path, size_expr, tensor_val
 
 __all__ = ["inputs_by_value", "key_mask_spec"]
-
-_SHAPE_USES = {torch.ops.aten.sym_size.int, torch.ops.aten._assert_tensor_metadata.default}
 
 
 def inputs_by_value(mask: fx.Node, ctx: CompileContext
@@ -47,7 +44,7 @@ def inputs_by_value(mask: fx.Node, ctx: CompileContext
         n = todo.pop()
         if n not in seen:
             seen.add(n)
-            if n.target not in _SHAPE_USES:
+            if n.target not in SHAPE_USES:
                 todo.extend(n.all_input_nodes)
     read = [p for p in mask.graph.find_nodes(op="placeholder") if p in seen]
     return ([p for p in read if p.name not in ctx.seq_inputs],

@@ -28,11 +28,9 @@ from tppc.ir.context import CompileContext
 from tppc.ir.records import AttentionKind, MaskSpec
 from tppc.passes._key_masks import key_mask_spec
 from tppc.passes._positional import evaluate_positional
-from tppc.passes._shapes import ancestors, module_path, tensor_val
+from tppc.passes._shapes import SHAPE_USES, ancestors, module_path, tensor_val
 
 __all__ = ["mask_spec"]
-
-_SHAPE_USES = {torch.ops.aten.sym_size.int, torch.ops.aten._assert_tensor_metadata.default}
 
 
 def mask_spec(node: fx.Node, mask: fx.Node, gm: fx.GraphModule, ctx: CompileContext,
@@ -101,7 +99,7 @@ def _is_bias(mask: torch.Tensor) -> bool:
 
 
 def _read_by_value(p: fx.Node, closure: set[fx.Node]) -> bool:
-    return any(u in closure and u.target not in _SHAPE_USES for u in p.users)
+    return any(u in closure and u.target not in SHAPE_USES for u in p.users)
 
 
 def _filled(p: fx.Node, ctx: CompileContext, length: int,

@@ -16,6 +16,7 @@ from torch import fx
 from torch.fx.operator_schemas import normalize_function
 
 __all__ = [
+    "SHAPE_USES",
     "ancestors",
     "call_module_of",
     "module_path",
@@ -24,6 +25,10 @@ __all__ = [
     "size_expr",
     "tensor_val",
 ]
+
+SHAPE_USES = frozenset({torch.ops.aten.sym_size.int,
+                        torch.ops.aten._assert_tensor_metadata.default})
+"""Ops that read only a tensor's size or metadata, never its values."""
 
 
 def ancestors(nodes: Iterable[fx.Node]) -> set[fx.Node]:

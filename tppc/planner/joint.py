@@ -123,9 +123,8 @@ def plan_from_costs(
     placements = math.comb(table.num_layers - 1, num_stages - 1)
     if method == "auto":
         method = "exhaustive" if placements <= EXHAUSTIVE_LIMIT and n <= 64 else "alternate"
-    ctx = _Ctx(table, workload, granularity, num_stages, max_chunks, t0 + time_limit)
+    ctx = _Ctx(table, workload, granularity, num_stages, max_chunks, t0 + time_limit, ranged)
     stop = NearBound(table, num_stages, workload, granularity, near)
-    ctx.ranged = ranged  # the improvements' plans too
     if method == "exhaustive":
         cuts, bounds, info = _exhaustive(ctx)
     elif method == "alternate":
@@ -147,12 +146,14 @@ def plan_from_costs(
         for phase in (_improve, _in_block_cuts):  # and until near the bound
             best = stop.note(best) if stop.reached(best) else phase(
                 ctx, cuts, bounds, best, t0, certify)
-    best = try_coarser_grids(best, table.seq_len, granularity, coarser_grids, t0, time_limit, stop,
-                         lambda coarse, budget: plan_from_costs(
-                             table, workload=workload, granularity=coarse,
-                             num_stages=num_stages, time_limit=budget, max_chunks=max_chunks,
-                             method=method, max_rounds=max_rounds, coarser_grids=0,
-                             certify=False, ranged=False, near_bound=near))
+    def coarser(coarse: int, budget: float) -> Plan:
+        return plan_from_costs(table, workload=workload, granularity=coarse,
+                               num_stages=num_stages, time_limit=budget, max_chunks=max_chunks,
+                               method=method, max_rounds=max_rounds, coarser_grids=0,
+                               certify=False, ranged=False, near_bound=near)
+
+    best = try_coarser_grids(best, table.seq_len, granularity, coarser_grids, t0, time_limit,
+                             stop, coarser)
     return say_expired(best, ctx.deadline)
 
 
@@ -215,8 +216,8 @@ def _improve(ctx: _Ctx, cuts: tuple[int, ...], bounds: tuple[int, ...], best: Pl
 
 def _sub_ctx(ctx: _Ctx, table: CostTable) -> _Ctx:
     """``ctx`` for ``table`` (the same layers, some of them cut at their waist)."""
-    sub = _Ctx(table, ctx.workload, ctx.g, ctx.S, ctx.max_chunks, ctx.deadline)
-    sub._cache, sub.ranged = ctx._cache, ctx.ranged  # unchanged layers keep their times
+    sub = _Ctx(table, ctx.workload, ctx.g, ctx.S, ctx.max_chunks, ctx.deadline, ctx.ranged)
+    sub._cache = ctx._cache  # unchanged layers keep their time functions
     return sub
 
 
@@ -273,15 +274,16 @@ def _check(table: CostTable, num_stages: int | None) -> int:
 class _Ctx:
     """Shared inputs of one planning call (not part of the API)."""
 
-    def __init__(self, table, workload, granularity, num_stages, max_chunks, deadline):
+    def __init__(self, table, workload, granularity, num_stages, max_chunks, deadline,
+                 ranged=True):
         self.table, self.workload, self.g = table, workload, granularity
         self.S, self.max_chunks, self.deadline = num_stages, max_chunks, deadline
+        self.ranged = ranged  # price the range bound in the improvements' plans too
         self.n = table.seq_len // granularity
         self.K = float(workload.pipelined_steps)
         self._cache: dict[int, np.ndarray] = {}
         self._stage_cache: dict[tuple[int, int, int], np.ndarray] = {}
         self._split_cache: tuple[tuple[int, ...] | None, tuple] = (None, ())
-        self.ranged = True
 
     def left(self) -> float:
         return max(self.deadline - time.perf_counter(), 0.05)
