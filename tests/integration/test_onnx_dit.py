@@ -17,15 +17,13 @@ import pytest
 import torch
 
 import tppc
+from tests.oracles import assert_kernels_close, serial_denoise
 from tppc import examples
 from tppc.errors import SpecError
 from tppc.examples.models import GPT, GPTConfig
 from tppc.planner.manual import manual_plan
 
 diffusers = pytest.importorskip("diffusers")
-
-TOL = {"atol": 1e-4, "rtol": 1e-4}
-
 
 def _two_stages(factory):
     model, args, kwargs = factory()
@@ -59,18 +57,6 @@ def exported(request, tmp_path_factory):
                                                                   sched, transform)
 
 
-def _serial(model, x, scheduler, steps, arg, kwargs, transform):
-    scheduler.set_timesteps(steps)
-    with torch.no_grad():
-        for t in scheduler.timesteps:
-            scale = getattr(scheduler, "scale_model_input", lambda x, t: x)
-            out = model(scale(x, t), **{arg: t.expand(len(x))}, **kwargs)
-            out = out[0] if isinstance(out, tuple) else out
-            out = transform(out) if transform else out
-            x = scheduler.step(out, t, x).prev_sample
-    return x
-
-
 def test_a_loaded_dit_call_equals_the_eager_model(exported) -> None:
     _, model, args, kwargs, _, runner, _, _ = exported
     arrays = [a.numpy() if isinstance(a, torch.Tensor) else a for a in args]
@@ -79,15 +65,16 @@ def test_a_loaded_dit_call_equals_the_eager_model(exported) -> None:
     with torch.no_grad():
         want = model(*args, **kwargs)
     got, want = (got[0], want[0]) if isinstance(want, tuple) else (got, want)
-    torch.testing.assert_close(torch.from_numpy(np.asarray(got)), want, **TOL)
+    assert_kernels_close(np.asarray(got), want)
 
 
 def test_denoise_at_full_warmup_equals_the_serial_loop(exported) -> None:
     _, model, args, _, _, runner, _, (arg, kw, sched, transform) = exported
-    want = _serial(model, args[0], sched(), 3, arg, kw, transform)
+    want = serial_denoise(model, args[0], sched(), 3, timestep_arg=arg, model_kwargs=kw,
+                          output_transform=transform)
     got = runner.denoise(args[0], sched(), 3, warmup_steps=3, patches=2, model_kwargs=kw,
                          timestep_arg=arg, output_transform=transform)
-    torch.testing.assert_close(got, want, **TOL)
+    assert_kernels_close(got, want, depth=3)
 
 
 def test_denoise_with_stale_patches_equals_the_torch_program(exported) -> None:
@@ -99,7 +86,7 @@ def test_denoise_with_stale_patches_equals_the_torch_program(exported) -> None:
     want = cp.denoise(args[0], sched(), 3, **options)
     got = runner.denoise(args[0], sched(), 3, **options)
     assert (got - args[0]).abs().max() > 1e-3  # it denoised
-    torch.testing.assert_close(got, want, **TOL)
+    assert_kernels_close(got, want, depth=3)
 
 
 def test_the_unpatchify_of_diffusers_dit_is_exported_as_the_epilogue(exported) -> None:
@@ -134,7 +121,7 @@ def test_a_pooling_epilogue_runs_after_the_stages_of_a_loaded_artifact(tmp_path)
     tppc.export(cp, tmp_path)
     got = tppc.load(tmp_path, threads_per_stage=1)(ids.numpy())
     with torch.no_grad():
-        torch.testing.assert_close(torch.from_numpy(got), model(ids), **TOL)
+        assert_kernels_close(torch.from_numpy(got), model(ids))
 
 
 @pytest.mark.parametrize("exported", ["hf_flux"], indirect=True)
@@ -173,4 +160,4 @@ def test_a_dit_artifact_with_an_epilogue_runs_without_torch(exported, tmp_path) 
     assert result.returncode == 0, result.stderr[-3000:]
     with torch.no_grad():
         want = model(*args, **kwargs)[0]
-    torch.testing.assert_close(torch.from_numpy(np.load(tmp_path / "out.npy")), want, **TOL)
+    assert_kernels_close(torch.from_numpy(np.load(tmp_path / "out.npy")), want)
