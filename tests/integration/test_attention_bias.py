@@ -10,7 +10,6 @@ from hidden states is refused at annotation by name (:class:`tppc.ActivationMask
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -20,6 +19,7 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tppc
+from tests.oracles import assert_kernels_close, greedy_reference
 
 SEQ = 16
 MAX_LEN = 4097
@@ -106,15 +106,6 @@ def _compile(model: nn.Module, ids: torch.Tensor, **options):
     return tppc.compile(model, (ids,), **{"cluster": "2xcpu", **options})
 
 
-def _eager_greedy(model: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor,
-                  new: int) -> torch.Tensor:
-    """Greedy tokens from the model's forward over the whole sequence at every step."""
-    with torch.no_grad():
-        for _ in range(new):
-            ids = torch.cat([ids, model(ids)[:, -1:].argmax(-1)], dim=1)
-    return ids
-
-
 @pytest.mark.parametrize("kind", ["relative", "absolute"])
 def test_own_bias_models_are_exact_under_several_plans(kind) -> None:
     model = BiasLM(kind).eval()
@@ -126,10 +117,10 @@ def test_own_bias_models_are_exact_under_several_plans(kind) -> None:
         assert len(cp.plan.boundaries) - 1 == plan["chunks"]
         assert len(cp.plan.stages) == plan["num_stages"]
         with torch.no_grad():
-            torch.testing.assert_close(cp(ids), want, rtol=1e-4, atol=1e-4)
+            assert_kernels_close(cp(ids), want)
     short = ids[:, :11]  # another length than the compiled example's
     with torch.no_grad():
-        torch.testing.assert_close(cp(short), model(short), rtol=1e-4, atol=1e-4)
+        assert_kernels_close(cp(short), model(short))
 
 
 @pytest.mark.parametrize("kind", ["relative", "absolute"])
@@ -137,7 +128,7 @@ def test_own_bias_models_generate_the_eager_greedy_tokens(kind) -> None:
     model = BiasLM(kind).eval()
     ids = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(0))
     cp = _compile(model, ids, num_stages=2, chunks=3)
-    want = _eager_greedy(model, ids, 12)
+    want = greedy_reference(model, ids, 12)
     assert len(set(want[0, 10:].tolist())) > 2  # not one repeated token
     torch.testing.assert_close(cp.generate(ids, max_new_tokens=12, eos_token_id=None), want)
 
@@ -183,7 +174,7 @@ def test_a_call_never_builds_the_bias_of_all_queries(kind) -> None:
     with torch.no_grad(), _Shapes() as eager:
         want = model(ids)
     assert [s for s in eager.shapes if s.count(length) >= 2]
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert_kernels_close(got, want)
 
 
 @pytest.mark.parametrize("kind", ["relative", "absolute"])
@@ -199,9 +190,9 @@ def test_an_exported_bias_model_matches_torch_and_generates_the_same_tokens(kind
         x = ids[:, :length]
         with torch.no_grad():
             want = model(x).numpy()
-        np.testing.assert_allclose(runner(x.numpy()), want, atol=1e-4, rtol=1e-4)
+        assert_kernels_close(runner(x.numpy()), want)
     got = runner.generate(ids[:, :10].numpy(), max_new_tokens=6)
-    np.testing.assert_array_equal(got, _eager_greedy(model, ids[:, :10], 6).numpy())
+    np.testing.assert_array_equal(got, greedy_reference(model, ids[:, :10], 6).numpy())
 
 
 # -- transformers' ALiBi families ------------------------------------------------------------
@@ -228,7 +219,7 @@ def test_falcon_alibi_prefill_is_exact_under_several_plans() -> None:
         assert (len(cp.plan.boundaries) - 1, len(cp.plan.stages)) == (plan["chunks"],
                                                                        plan["num_stages"])
         with torch.no_grad():
-            torch.testing.assert_close(cp(ids).logits, want, rtol=1e-4, atol=1e-4)
+            assert_kernels_close(cp(ids).logits, want)
 
 
 @pytest.mark.parametrize("cfg", [{"new_decoder_architecture": True, "num_kv_heads": 2},
@@ -239,7 +230,7 @@ def test_falcon_alibi_with_fewer_kv_heads_is_exact(cfg) -> None:
     ids = torch.randint(0, 64, (1, SEQ), generator=torch.Generator().manual_seed(0))
     cp = _compile(model, ids, num_stages=2, chunks=4)
     with torch.no_grad():
-        torch.testing.assert_close(cp(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
+        assert_kernels_close(cp(ids).logits, model(ids).logits)
 
 
 def test_falcon_alibi_generates_the_eager_greedy_tokens() -> None:
@@ -250,7 +241,7 @@ def test_falcon_alibi_generates_the_eager_greedy_tokens() -> None:
     model = _falcon(initializer_range=0.3)  # varied tokens, not one repeated
     ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(2))
     cp = _compile(model, ids, num_stages=2, chunks=3)
-    want = _eager_greedy(lambda x: model(x).logits, ids, 10)
+    want = greedy_reference(lambda x: model(x).logits, ids, 10)
     assert len(set(want[0, 12:].tolist())) > 2
     torch.testing.assert_close(cp.generate(ids, max_new_tokens=10, eos_token_id=None), want)
 
@@ -268,11 +259,11 @@ def test_falcon_alibi_from_a_padding_mask_is_exact_on_every_valid_row() -> None:
     cp = _compile(model, ids, num_stages=2, chunks=3, verify=False, kwargs=kwargs)
     with torch.no_grad():
         want, got = model(ids, **kwargs).logits, cp(ids, **kwargs).logits
-    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], rtol=1e-4, atol=1e-4)
+    assert_kernels_close(got[mask.bool()], want[mask.bool()])
     greedy = cp.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=None)
     for row in range(2):  # each prompt alone, its padding dropped
         alone = ids[row:row + 1, mask[row].bool()]
-        want = _eager_greedy(lambda x: model(x).logits, alone, 6)
+        want = greedy_reference(lambda x: model(x).logits, alone, 6)
         torch.testing.assert_close(greedy[row:row + 1, -want.shape[1]:], want)
     with pytest.raises(tppc.SoundnessError) as info:
         _compile(model, ids, num_stages=2, chunks=3, kwargs=kwargs)
@@ -293,7 +284,7 @@ def test_falcon_alibi_export_is_refused_by_name_or_matches(tmp_path) -> None:
     with torch.no_grad():
         want = model(ids).logits.numpy()
     got = tppc.load(tmp_path, threads_per_stage=1)(ids.numpy())
-    np.testing.assert_allclose(got["logits"], want, atol=1e-4, rtol=1e-4)
+    assert_kernels_close(got["logits"], want)
 
 
 def test_bloom_alibi_is_exact_or_refused_by_name() -> None:
@@ -309,4 +300,4 @@ def test_bloom_alibi_is_exact_or_refused_by_name() -> None:
         assert "eager attention" in str(err) and "transformer.h.0" in str(err)
         return
     with torch.no_grad():
-        torch.testing.assert_close(cp(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
+        assert_kernels_close(cp(ids).logits, model(ids).logits)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import tppc
+from tests.oracles import assert_kernels_close, serial_denoise, two_stage_plan
 from tppc import examples
 from tppc.errors import SpecError
-from tppc.planner.manual import manual_plan
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -16,8 +16,7 @@ diffusers = pytest.importorskip("diffusers")
 def _two_stages(factory):
     model, args, kwargs = factory()
     one = tppc.compile(model, args, kwargs, executor="local", verify=False)  # validated below
-    n, length = len(one.context.layers), one.plan.seq_len
-    plan = manual_plan(n, length, cuts=(0, n // 2, n), boundaries=(0, length))
+    plan = two_stage_plan(one)
     return model, args, kwargs, one.with_plan(plan, executor="threads", verify=True)
 
 
@@ -43,18 +42,6 @@ def _one_frame_video():
     return examples.hf_cogvideox(frames=1)
 
 
-def _serial(model, x, scheduler, steps, arg, kwargs, transform):
-    scheduler.set_timesteps(steps)
-    with torch.no_grad():
-        for t in scheduler.timesteps:  # diffusers' loop: scale_model_input, model, step
-            scale = getattr(scheduler, "scale_model_input", lambda x, t: x)  # flow matching
-            out = model(scale(x, t), **{arg: t.expand(len(x))}, **kwargs)
-            out = out[0] if isinstance(out, tuple) else out
-            out = transform(out) if transform else out
-            x = scheduler.step(out, t, x).prev_sample
-    return x
-
-
 MODELS = ["dit", "hf_cogvideox", "hf_dit", "hf_flux", "hf_hunyuan_dit", "hf_pixart"]
 
 
@@ -73,8 +60,9 @@ def _denoise(case, x, steps, warmup, patches=2):
 
 def test_warmup_on_every_step_equals_the_serial_loop(case) -> None:
     model, x, kw, arg, sched_cls, transform, _ = case
-    ref = _serial(model, x, sched_cls(), 3, arg, kw, transform)
-    torch.testing.assert_close(_denoise(case, x, 3, 3), ref, rtol=1e-5, atol=1e-5)
+    ref = serial_denoise(model, x, sched_cls(), 3, timestep_arg=arg, model_kwargs=kw,
+                         output_transform=transform)
+    assert_kernels_close(_denoise(case, x, 3, 3), ref, depth=3)
 
 
 def test_a_second_call_does_not_see_the_first(case) -> None:
@@ -89,7 +77,8 @@ def test_a_second_call_does_not_see_the_first(case) -> None:
 
 def test_stale_patches_are_close_and_warmup_steps_bring_them_closer(case) -> None:
     model, x, kw, arg, sched_cls, transform, _ = case
-    ref = _serial(model, x, sched_cls(), 4, arg, kw, transform)
+    ref = serial_denoise(model, x, sched_cls(), 4, timestep_arg=arg, model_kwargs=kw,
+                         output_transform=transform)
     errors = [float(((_denoise(case, x, 4, w) - ref) ** 2).mean()) for w in (1, 3)]
     scale = float((ref**2).mean())
     assert errors[0] > 0, "patches after the warm-up should attend to stale K/V"
@@ -114,9 +103,7 @@ def test_a_scheduler_that_is_not_element_wise_is_refused() -> None:
 
 def test_warmup_on_the_workers_threads_restores_the_callers_threads() -> None:
     model, args, kwargs = examples.dit()
-    one = tppc.compile(model, args, kwargs, executor="local")
-    n, length = len(one.context.layers), one.plan.seq_len
-    plan = manual_plan(n, length, cuts=(0, n // 2, n), boundaries=(0, length))
+    plan = two_stage_plan(tppc.compile(model, args, kwargs, executor="local"))
     cp = tppc.compile(model, args, kwargs, executor="threads", threads_per_stage=1, plan=plan)
     kw, sched = {"y": args[2]}, diffusers.DDIMScheduler
     before = torch.get_num_threads()
@@ -129,7 +116,7 @@ def test_warmup_on_the_workers_threads_restores_the_callers_threads() -> None:
         torch.set_num_threads(before)
     ref = cp.denoise(args[0], sched(), 3, warmup_steps=2, patches=2, model_kwargs=kw,
                      timestep_arg="t", executor="local")
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert_kernels_close(out, ref, depth=3)
 
 
 def test_video_latents_of_several_frames_denoise_in_bands_of_rows_in_every_frame() -> None:
@@ -137,9 +124,9 @@ def test_video_latents_of_several_frames_denoise_in_bands_of_rows_in_every_frame
     assert any(len(run.chunks) == 3 and run.warmup for run in cp.validation.runs)
     kw = {n: v for n, v in kwargs.items() if n != "timestep"}
     sched = diffusers.DDIMScheduler
-    ref = _serial(model, args[0], sched(), 3, "timestep", kw, None)
+    ref = serial_denoise(model, args[0], sched(), 3, model_kwargs=kw)
     out = cp.denoise(args[0], sched(), 3, warmup_steps=3, patches=3, model_kwargs=kw)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert_kernels_close(out, ref, depth=3)
     # stale bands: checked against one chunk after a full warm-up on the first such call
     stale = cp.denoise(args[0], sched(), 3, warmup_steps=1, patches=3, model_kwargs=kw)
     assert stale.isfinite().all() and not torch.allclose(stale, ref)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import tppc
+from tests.oracles import two_stage_plan
 from tppc import examples
-from tppc.planner.manual import manual_plan
 from tppc.program.schedule import Action, check_actions
 from tppc.runtime import denoise_jobs, distributed_denoise
 
@@ -32,9 +32,7 @@ def wavefront(chunks: tuple[tuple[int, int], ...], stages: int) -> tuple[tuple[A
 @pytest.fixture(scope="module")
 def dit():
     model, args, _ = examples.dit()
-    one = tppc.compile(model, args, executor="local")
-    n, length = len(one.context.layers), one.plan.seq_len
-    plan = manual_plan(n, length, cuts=(0, n // 2, n), boundaries=(0, length))
+    plan = two_stage_plan(tppc.compile(model, args, executor="local"))
     return args, tppc.compile(model, args, executor="threads", plan=plan)
 
 

@@ -8,16 +8,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tppc
+from tests.oracles import assert_kernels_close, serial_denoise, two_stage_plan
 from tppc import examples
-from tppc.planner.manual import manual_plan
 
 diffusers = pytest.importorskip("diffusers")
 
 
 def _two_stages(model, args, kwargs, executor="threads"):
     one = tppc.compile(model, args, kwargs, executor="local", verify=False)  # validated below
-    n, length = len(one.context.layers), one.plan.seq_len
-    plan = manual_plan(n, length, cuts=(0, n // 2, n), boundaries=(0, length))
+    plan = two_stage_plan(one)
     return one.with_plan(plan, executor=executor, verify=True)
 
 
@@ -38,13 +37,8 @@ class _CountReads(TorchDispatchMode):
 
 
 def _pixart_serial(model, x, steps, kw, transform):
-    scheduler = diffusers.DPMSolverMultistepScheduler()
-    scheduler.set_timesteps(steps)
-    with torch.no_grad():
-        for t in scheduler.timesteps:
-            out = transform(model(x, timestep=t.expand(len(x)), **kw)[0])
-            x = scheduler.step(out, t, x).prev_sample
-    return x
+    return serial_denoise(model, x, diffusers.DPMSolverMultistepScheduler(), steps,
+                          model_kwargs=kw, output_transform=transform)
 
 
 def _half(o):
@@ -70,8 +64,7 @@ def test_text_kv_projection_runs_once_per_call_and_results_are_exact() -> None:
     assert eager.calls == 1  # the counter sees the eager projection too
     exact = cp.denoise(x, diffusers.DPMSolverMultistepScheduler(), 3, warmup_steps=3,
                        patches=2, model_kwargs=kw, output_transform=_half)
-    torch.testing.assert_close(exact, _pixart_serial(model, x, 3, kw, _half),
-                               rtol=1e-5, atol=1e-5)
+    assert_kernels_close(exact, _pixart_serial(model, x, 3, kw, _half), depth=3)
 
 
 def test_new_prompt_in_the_next_call_gets_new_text_kv() -> None:
@@ -84,8 +77,7 @@ def test_new_prompt_in_the_next_call_gets_new_text_kv() -> None:
                output_transform=_half)
     out = cp.denoise(args[0], sched(), 2, warmup_steps=2, patches=2, model_kwargs=other,
                      output_transform=_half)
-    torch.testing.assert_close(out, _pixart_serial(model, args[0], 2, other, _half),
-                               rtol=1e-5, atol=1e-5)
+    assert_kernels_close(out, _pixart_serial(model, args[0], 2, other, _half), depth=2)
 
 
 def _guided(scale):
@@ -116,15 +108,9 @@ def test_classifier_free_guidance_as_a_batch_of_two(name) -> None:
     cp = _two_stages(model, args, kwargs)
     out = cp.denoise(x, sched(), 3, warmup_steps=3, patches=2, model_kwargs=kw,
                      timestep_arg=arg, output_transform=guide)
-    scheduler = sched()
-    scheduler.set_timesteps(3)
-    ref = x
-    with torch.no_grad():
-        for t in scheduler.timesteps:
-            o = model(ref, **{arg: t.expand(len(ref))}, **kw)
-            o = guide(o[0] if isinstance(o, tuple) else o)
-            ref = scheduler.step(o, t, ref).prev_sample
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    ref = serial_denoise(model, x, sched(), 3, timestep_arg=arg, model_kwargs=kw,
+                         output_transform=guide)
+    assert_kernels_close(out, ref, depth=3)
     assert not torch.allclose(out[0], _unguided(cp, x, sched, kw, arg, name)[0], atol=1e-3)
 
 

@@ -11,24 +11,17 @@ import pytest
 import torch
 
 import tppc
+from tests.oracles import assert_kernels_close, serial_denoise
 from tppc import examples
 from tppc.runtime.schedulers import check_elementwise, start_timesteps
 
 diffusers = pytest.importorskip("diffusers")
 
 
-def _loop(model, x, scheduler, kwargs, arg="timestep", transform=None, steps=None, **set_kw):
+def _loop(model, x, scheduler, kwargs, transform=None, steps=None, **set_kw):
     """A diffusers pipeline's loop (Flux's with ``transform = t / 1000``)."""
-    start_timesteps(scheduler, steps, **set_kw)
-    with torch.no_grad():
-        for t in scheduler.timesteps:
-            model_in = scheduler.scale_model_input(x, t) \
-                if hasattr(scheduler, "scale_model_input") else x
-            timestep = t.expand(len(x))
-            timestep = transform(timestep) if transform else timestep
-            out = model(model_in, **{arg: timestep}, **kwargs)[0]
-            x = scheduler.step(out, t, x).prev_sample
-    return x
+    return serial_denoise(model, x, scheduler, steps, model_kwargs=kwargs,
+                          timestep_transform=transform, **set_kw)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +54,7 @@ def test_flow_matching_with_dynamic_shifting_mu_sigmas_and_a_timestep_transform(
                  sigmas=sigmas, mu=mu)
     got = cp.denoise(x, sched(use_dynamic_shifting=True), n, warmup_steps=None,
                      model_kwargs=kw, sigmas=sigmas, mu=mu, timestep_transform=transform)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert_kernels_close(got, want, depth=n)
     stale = cp.denoise(x, sched(use_dynamic_shifting=True), n, warmup_steps=1, patches=2,
                        model_kwargs=kw, sigmas=sigmas, mu=mu, timestep_transform=transform)
     assert stale.shape == want.shape and not torch.equal(stale, want)  # stale K/V: close only
@@ -83,7 +76,7 @@ def test_each_scheduler_equals_the_loop_in_its_own_timestep_dtype(dit, name) -> 
     sched = getattr(diffusers, name)
     want = _loop(model, x, sched(), kw, steps=3)
     got = cp.denoise(x, sched(), 3, warmup_steps=3, model_kwargs=kw)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert_kernels_close(got, want, depth=3)
 
 
 def test_custom_timesteps_go_to_set_timesteps(dit) -> None:
@@ -92,7 +85,7 @@ def test_custom_timesteps_go_to_set_timesteps(dit) -> None:
     want = _loop(model, x, sched(), kw, timesteps=[900, 500, 100])
     got = cp.denoise(x, sched(), None, warmup_steps=None, model_kwargs=kw,
                      timesteps=[900, 500, 100])
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert_kernels_close(got, want, depth=3)
 
 
 def test_an_argument_the_scheduler_does_not_take_is_named(dit) -> None:
@@ -126,7 +119,7 @@ def test_a_scheduler_is_accepted_by_what_its_step_does(dit) -> None:
     model, x, kw, cp = dit
     want = _loop(model, x, diffusers.EulerDiscreteScheduler(), kw, steps=3)
     got = cp.denoise(x, _RenamedEuler(), 3, warmup_steps=3, model_kwargs=kw)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert_kernels_close(got, want, depth=3)
     cp.denoise(x, _RenamedEuler(), 3, warmup_steps=1, patches=2, model_kwargs=kw)
 
 
@@ -149,7 +142,7 @@ def test_any_scheduler_runs_when_every_step_is_warm(dit) -> None:
     want = _loop(model, x, diffusers.DDPMScheduler(), kw, steps=3)
     torch.manual_seed(1)
     got = cp.denoise(x, diffusers.DDPMScheduler(), 3, warmup_steps=None, model_kwargs=kw)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert_kernels_close(got, want, depth=3)
 
 
 def test_the_property_check_leaves_the_scheduler_and_the_random_state_alone() -> None:

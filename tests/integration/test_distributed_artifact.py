@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import tppc
+from tests.oracles import assert_kernels_close
 from tppc.artifact.load import ArtifactError, verify
 from tppc.examples import gpt, hf_llama
 
@@ -47,8 +48,8 @@ def test_outputs_equal_the_loaded_runner_and_eager(artifacts: dict, name: str) -
     with torch.no_grad():
         eager = _logits(model(ids))
     loaded = tppc.load(path, threads_per_stage=1)(ids.numpy())
-    np.testing.assert_allclose(got.numpy(), _logits(loaded), atol=1e-4, rtol=1e-4)
-    np.testing.assert_allclose(got.numpy(), eager, atol=1e-4, rtol=1e-4)
+    assert_kernels_close(got.numpy(), _logits(loaded))
+    assert_kernels_close(got.numpy(), eager)
     doc = verify(path)
     stage_bytes = [sum(doc["files"][f]["size"] for f in e["files"]) for e in doc["stages"]]
     assert [r["weights_bytes"] for r in result.reports] == stage_bytes  # each its own only

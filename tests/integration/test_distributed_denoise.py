@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import tppc
+from tests.oracles import assert_kernels_close, serial_denoise, two_stage_plan
 from tppc import examples
 from tppc.errors import StageFailed
-from tppc.planner.manual import manual_plan
 from tppc.runtime.checkpoint import save_checkpoint
 
 diffusers = pytest.importorskip("diffusers")
@@ -38,30 +38,24 @@ def _job(path: object, x: torch.Tensor, y: torch.Tensor, steps: int, warmup: int
 
 def _serial(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int
             ) -> torch.Tensor:
-    scheduler = diffusers.DDIMScheduler()
-    scheduler.set_timesteps(steps)
-    with torch.no_grad():
-        for t in scheduler.timesteps:
-            x = scheduler.step(model(x, t.expand(len(x)), y), t, x).prev_sample
-    return x
+    return serial_denoise(model, x, diffusers.DDIMScheduler(), steps, timestep_arg="t",
+                          model_kwargs={"y": y})
 
 
 def test_warmup_on_every_step_equals_the_serial_loop(dit: tuple) -> None:
     model, args, x, path = dit
     got = _job(path, x, args[2], steps=3, warmup=3)
-    torch.testing.assert_close(got, _serial(model, x, args[2], 3), rtol=1e-5, atol=1e-5)
+    assert_kernels_close(got, _serial(model, x, args[2], 3), depth=3)
 
 
 def test_pipelined_patches_equal_the_threads_backend(dit: tuple) -> None:
     model, args, x, path = dit
-    one = tppc.compile(model, args, executor="local")
-    n, length = len(one.context.layers), one.plan.seq_len
-    plan = manual_plan(n, length, cuts=(0, n // 2, n), boundaries=(0, length))
+    plan = two_stage_plan(tppc.compile(model, args, executor="local"))
     cp = tppc.compile(model, args, executor="threads", plan=plan, threads_per_stage=1)
     expected = cp.denoise(x, diffusers.DDIMScheduler(), 4, warmup_steps=1, patches=2,
                           model_kwargs={"y": args[2]}, timestep_arg="t")
     got = _job(path, x, args[2], steps=4, warmup=1)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert_kernels_close(got, expected, depth=4)
     serial = _serial(model, x, args[2], 4)
     assert float((got - serial).abs().max()) > 1e-4, "patches should attend to stale K/V"
 
@@ -101,13 +95,9 @@ def test_a_flow_schedule_with_sigmas_mu_and_a_timestep_transform(tmp_path) -> No
                     "--sigmas", ",".join(map(str, sigmas)), "--mu", str(mu),
                     "--timestep-scale", "0.001"])
     scheduler = diffusers.FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True)
-    scheduler.set_timesteps(sigmas=sigmas, mu=mu)
-    x = lat
-    with torch.no_grad():
-        for t in scheduler.timesteps:
-            out = model(x, timestep=t.expand(len(x)) * 0.001, **text)[0]
-            x = scheduler.step(out, t, x).prev_sample
-    torch.testing.assert_close(result.outputs["latents"], x, rtol=1e-5, atol=1e-5)
+    x = serial_denoise(model, lat, scheduler, None, model_kwargs=text,
+                       timestep_transform=lambda t: t * 0.001, sigmas=sigmas, mu=mu)
+    assert_kernels_close(result.outputs["latents"], x, depth=3)
 
 
 def test_stale_patches_of_a_joint_attention_dit_are_refused_on_every_rank(tmp_path) -> None:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import tppc
+from tests.oracles import assert_kernels_close, serial_denoise
 from tppc import examples
 
 diffusers = pytest.importorskip("diffusers")
@@ -27,28 +28,17 @@ def test_sd3_joins_the_text_after_the_image(sd3) -> None:
     assert len(buffers) == 2 * model.config.num_layers  # K and V of each joint attention
     assert {(b.prefix, b.scale, b.suffix) for b in buffers} == {(0, 4, 6)}  # 4 patches a row
     with torch.no_grad():
-        torch.testing.assert_close(cp(*args, **kwargs)[0], model(*args, **kwargs)[0],
-                                   rtol=1e-5, atol=1e-5)
-
-
-def _serial(model, x, steps, kwargs):
-    sched = diffusers.FlowMatchEulerDiscreteScheduler()
-    sched.set_timesteps(steps)
-    with torch.no_grad():
-        for t in sched.timesteps:
-            out = model(x, timestep=t.expand(len(x)), **kwargs)[0]
-            x = sched.step(out, t, x).prev_sample
-    return x
+        assert_kernels_close(cp(*args, **kwargs)[0], model(*args, **kwargs)[0])
 
 
 def test_sd3_denoises_like_the_serial_loop(sd3) -> None:
     model, (x,), kwargs, cp = sd3
     kw = {k: v for k, v in kwargs.items() if k != "timestep"}
-    ref = _serial(model, x, 3, kw)
+    ref = serial_denoise(model, x, diffusers.FlowMatchEulerDiscreteScheduler(), 3, model_kwargs=kw)
     for patches in (2, 4):
         out = cp.denoise(x, diffusers.FlowMatchEulerDiscreteScheduler(), 3, warmup_steps=3,
                          patches=patches, model_kwargs=kw)
-        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        assert_kernels_close(out, ref, depth=3)
     # stale patches: the first patch of a step writes the text K/V after the image rows; the
     # patch program is checked against the one-chunk program on the first call
     stale = cp.denoise(x, diffusers.FlowMatchEulerDiscreteScheduler(), 3, warmup_steps=1,

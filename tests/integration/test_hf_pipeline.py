@@ -7,6 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.oracles import assert_kernels_close
 from tppc import examples
 from tppc.planner.manual import manual_plan
 from tppc.runtime.compile import compile_pipeline
@@ -45,7 +46,7 @@ def plans(draw):
 def test_pipelined_logits_equal_eager_for_any_plan(hf, plan, executor):
     _, ids, expected, base = hf
     out = base.with_plan(plan, executor=executor)(ids)
-    torch.testing.assert_close(out.logits, expected, atol=1e-4, rtol=1e-4)
+    assert_kernels_close(out.logits, expected)
 
 
 def test_the_output_is_the_models_output_type(hf):
@@ -63,8 +64,8 @@ def test_kv_cache_after_prefill_equals_hf_past_key_values(hf):
     ours = cp.kv_cache()
     assert len(ours) == len(cache.layers)
     for (k, v), layer in zip(ours, cache.layers):
-        torch.testing.assert_close(k, layer.keys, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(v, layer.values, atol=1e-5, rtol=1e-5)
+        assert_kernels_close(k, layer.keys)
+        assert_kernels_close(v, layer.values)
 
 
 def test_kv_buffers_hold_kv_heads_not_repeated_heads(hf):
@@ -96,8 +97,8 @@ def test_the_loss_runs_once_on_the_full_sequence(factory):
     cp = compile_pipeline(model, (ids,), {"labels": ids}, plan=plan, executor="threads")
     with torch.no_grad():
         out, expected = cp(ids, labels=ids), model(ids, labels=ids)
-    torch.testing.assert_close(out.loss, expected.loss, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out.logits, expected.logits, atol=1e-4, rtol=1e-4)
+    assert_kernels_close(out.loss, expected.loss)
+    assert_kernels_close(out.logits, expected.logits)
 
 
 def test_grouped_query_attention_reads_the_kv_heads_without_repeating_them():

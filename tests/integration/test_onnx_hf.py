@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import tppc
+from tests.oracles import assert_kernels_close
 from tppc.cli.main import main
 from tppc.examples import hf_gpt2, hf_llama
 
@@ -24,8 +25,8 @@ def test_exported_hf_model_equals_the_torch_backend(factory, tmp_path) -> None:
         with torch.no_grad():
             eager = model(ids).logits.numpy()
         ours = runner(ids.numpy())
-        np.testing.assert_allclose(ours.logits, cp(ids).logits.numpy(), atol=1e-4, rtol=1e-4)
-        np.testing.assert_allclose(ours["logits"], eager, atol=1e-4, rtol=1e-4)
+        assert_kernels_close(ours.logits, cp(ids).logits.numpy())
+        assert_kernels_close(ours["logits"], eager)
 
 
 def test_generate_equals_hf_greedy_generation_for_llama(tmp_path) -> None:
@@ -52,7 +53,7 @@ def test_cli_export_then_run_writes_the_models_outputs(tmp_path, capsys) -> None
     with torch.no_grad():
         want = model(torch.from_numpy(ids)).logits.numpy()
     with np.load(tmp_path / "out.npz") as got:
-        np.testing.assert_allclose(got["logits"], want, atol=1e-4, rtol=1e-4)
+        assert_kernels_close(got["logits"], want)
 
 
 def test_cli_run_of_a_damaged_artifact_exits_with_an_error(tmp_path, capsys) -> None:

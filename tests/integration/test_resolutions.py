@@ -10,20 +10,10 @@ import torch
 import torch.nn.functional as F
 
 import tppc
+from tests.oracles import assert_kernels_close, serial_denoise
 from tppc import examples
 
 diffusers = pytest.importorskip("diffusers")
-
-
-def _serial(model, x, steps, arg, kwargs, transform=None):
-    scheduler = diffusers.DDIMScheduler()
-    scheduler.set_timesteps(steps)
-    with torch.no_grad():
-        for t in scheduler.timesteps:
-            out = model(x, **{arg: t.expand(len(x))}, **kwargs)
-            out = transform(out) if transform else out
-            x = scheduler.step(out, t, x).prev_sample
-    return x
 
 
 def test_pixart_compiled_at_its_sample_size_runs_other_resolutions_exactly() -> None:
@@ -35,7 +25,7 @@ def test_pixart_compiled_at_its_sample_size_runs_other_resolutions_exactly() -> 
     for shape in [(8, 12), (12, 8), (8, 8), (8, 12)]:  # 16x16: docs/diffusion.md
         x = torch.randn(1, 4, *shape)
         with torch.no_grad():
-            torch.testing.assert_close(cp(x, **kwargs).sample, model(x, **kwargs).sample)
+            assert_kernels_close(cp(x, **kwargs).sample, model(x, **kwargs).sample)
         fronts.setdefault(shape, []).append(cp.bind((x,), kwargs)[0])
     assert fronts[(8, 12)][0] is fronts[(8, 12)][1]  # a size served before: no new capture
     # 12x8 is captured dynamic (it computes its table); its guards refuse 8x8 (PixArt's
@@ -47,8 +37,9 @@ def test_pixart_compiled_at_its_sample_size_runs_other_resolutions_exactly() -> 
     half = lambda o: o[:, :4]  # noqa: E731  (drop the learned sigma)
     got = cp.denoise(x, diffusers.DDIMScheduler(), 2, warmup_steps=2, patches=2,
                      model_kwargs=rest, output_transform=half)
-    want = _serial(model, x, 2, "timestep", rest, lambda o: half(o.sample))
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    want = serial_denoise(model, x, diffusers.DDIMScheduler(), 2, model_kwargs=rest,
+                          output_transform=half)  # the model output's sample, halved
+    assert_kernels_close(got, want, depth=2)
 
 
 class InterpolatedTableDiT(torch.nn.Module):
@@ -87,10 +78,11 @@ def test_a_positional_table_interpolated_to_the_grid_is_dynamic_and_exact() -> N
     for shape in [(12, 8), (8, 12)]:
         x = torch.randn(1, 4, *shape)
         with torch.no_grad():
-            torch.testing.assert_close(cp(x, t), model(x, t))
+            assert_kernels_close(cp(x, t), model(x, t))
         got = cp.denoise(x, diffusers.DDIMScheduler(), 2, warmup_steps=2, patches=2,
                          timestep_arg="t")
-        torch.testing.assert_close(got, _serial(model, x, 2, "t", {}), rtol=1e-5, atol=1e-5)
+        want = serial_denoise(model, x, diffusers.DDIMScheduler(), 2, timestep_arg="t")
+        assert_kernels_close(got, want, depth=2)
 
 
 def test_cogvideox_at_a_size_other_than_its_config_is_refused_by_name() -> None:

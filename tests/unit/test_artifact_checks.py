@@ -21,6 +21,7 @@ import torch
 
 import tppc
 import tppc.artifact.loaded as loaded_module
+from tests.oracles import assert_kernels_close
 from tppc.artifact.load import sha256_file
 from tppc.errors import ArtifactError, RuntimeInputError, SpecError
 from tppc.examples import gpt
@@ -75,7 +76,7 @@ def test_the_pristine_artifact_loads_and_matches_eager(exported) -> None:
     ids = np.arange(32, dtype=np.int64).reshape(1, 32) % VOCAB
     with torch.no_grad():
         want = model(torch.from_numpy(ids)).numpy()
-    np.testing.assert_allclose(tppc.load(path)(ids), want, rtol=1e-4, atol=1e-4)
+    assert_kernels_close(tppc.load(path)(ids), want)
 
 
 def test_a_removed_last_stage_is_refused(artifact) -> None:
@@ -249,7 +250,7 @@ def test_the_edge_ids_of_the_vocabulary_run(exported) -> None:
     ids[0, :16] = 0
     with torch.no_grad():
         want = model(torch.from_numpy(ids)).numpy()
-    np.testing.assert_allclose(tppc.load(path)(ids), want, rtol=1e-4, atol=1e-4)
+    assert_kernels_close(tppc.load(path)(ids), want)
 
 
 def test_a_plan_json_claiming_a_wider_vocabulary_is_not_trusted(artifact, monkeypatch) -> None:
@@ -281,7 +282,7 @@ def test_an_older_export_without_output_sizes_still_loads_and_runs(artifact, exp
     ids = np.arange(32, dtype=np.int64).reshape(1, 32) % VOCAB
     with torch.no_grad():
         want = exported[1](torch.from_numpy(ids)).numpy()
-    np.testing.assert_allclose(tppc.load(artifact)(ids), want, rtol=1e-4, atol=1e-4)
+    assert_kernels_close(tppc.load(artifact)(ids), want)
 
 
 def test_a_boundary_output_of_another_rank_is_refused_in_an_older_export(artifact) -> None:

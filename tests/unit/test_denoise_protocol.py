@@ -8,24 +8,12 @@ import pytest
 import torch
 
 import tppc
+from tests.oracles import assert_kernels_close, serial_denoise, two_stage_plan
 from tppc import examples
-from tppc.planner.manual import manual_plan
 
 diffusers = pytest.importorskip("diffusers")
 
 SCHEDULERS = ["EulerDiscreteScheduler", "DDIMScheduler", "DPMSolverMultistepScheduler"]
-
-
-def _diffusers_loop(model, x, scheduler, steps, arg, kwargs):
-    """A diffusers pipeline's denoising loop (DiTPipeline's, without guidance)."""
-    scheduler.set_timesteps(steps)
-    with torch.no_grad():
-        for t in scheduler.timesteps:
-            model_in = scheduler.scale_model_input(x, t)
-            out = model(model_in, **{arg: t.expand(len(x))}, **kwargs)
-            out = out[0] if isinstance(out, tuple) else out
-            x = scheduler.step(out, t, x).prev_sample
-    return x
 
 
 @pytest.fixture(scope="module", params=["dit", "hf_dit"])
@@ -38,9 +26,7 @@ def case(request):
     else:
         model, args, kwargs = examples.hf_dit()
         arg, kw = "timestep", {k: v for k, v in kwargs.items() if k != "timestep"}
-    one = tppc.compile(model, args, kwargs, executor="local")
-    n, length = len(one.context.layers), one.plan.seq_len
-    plan = manual_plan(n, length, cuts=(0, n // 2, n), boundaries=(0, length))
+    plan = two_stage_plan(tppc.compile(model, args, kwargs, executor="local"))
     pipelines = {}
 
     def pipeline(dtype: torch.dtype) -> tppc.CompiledPipeline:
@@ -71,11 +57,11 @@ def test_denoise_equals_the_diffusers_loop(case, name, warmup, patches) -> None:
     scheduler copy scales and steps the whole image): both are the loop exactly."""
     model, x, arg, kw, _ = case
     sched = getattr(diffusers, name)
-    want = _diffusers_loop(model, x, sched(), 3, arg, kw)
+    want = serial_denoise(model, x, sched(), 3, timestep_arg=arg, model_kwargs=kw)
     scheduler = sched()
     scheduler.set_timesteps(3)  # the timestep dtype picks the pipeline
     got = _denoise(case, scheduler, warmup, patches)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert_kernels_close(got, want, depth=3)
 
 
 def _spy(log: list, name: str, real):

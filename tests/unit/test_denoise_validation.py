@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import tppc
+from tests.oracles import two_stage_plan
 from tppc import examples
-from tppc.planner.manual import manual_plan
 from tppc.runtime import denoise as denoise_module
 
 diffusers = pytest.importorskip("diffusers")
@@ -21,8 +21,7 @@ diffusers = pytest.importorskip("diffusers")
 
 def _compile(verify: bool = True):
     model, args, kwargs = examples.dit(size=16, depth=2)
-    n = len(tppc.compile(model, args, kwargs, executor="local", verify=False).context.layers)
-    plan = manual_plan(n, 8, cuts=(0, n // 2, n), boundaries=(0, 8))
+    plan = two_stage_plan(tppc.compile(model, args, kwargs, executor="local", verify=False))
     return args, tppc.compile(model, args, kwargs, executor="local", plan=plan, verify=verify)
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import tppc
+from tests.oracles import assert_kernels_close
 from tppc import examples
 from tppc.artifact.distributed import DistributedArtifact
 from tppc.artifact.load import verify
@@ -72,7 +73,7 @@ def test_torch_executors_follow_the_lists(gpt, executor) -> None:
     cp = base.with_plan(base.plan, executor=executor)
     _with_actions(cp, HELD)
     trace: list = []
-    torch.testing.assert_close(cp.run(args, trace=trace), expected, atol=1e-5, rtol=1e-5)
+    assert_kernels_close(cp.run(args, trace=trace), expected)
     for s in (0, 1):
         assert [c for st, c, *_ in trace if st == s] == [0, 1, 2, 3]
     stage0_done = max(end for st, _, _, end in trace if st == 0)
@@ -121,8 +122,7 @@ def test_the_distributed_executor_follows_the_lists(gpt, monkeypatch) -> None:
     monkeypatch.setattr(torch_distributed, "run_stage", spy)
     cp._executors["loopback"] = loop
     _with_actions(cp, HELD)
-    torch.testing.assert_close(cp.run(args, executor="loopback"), expected, atol=1e-5,
-                               rtol=1e-5)
+    assert_kernels_close(cp.run(args, executor="loopback"), expected)
     lowered = check_actions(HELD).actions
     for rank in (0, 1):
         want = [(a.kind, a.start if a.kind == "compute" else
@@ -161,7 +161,7 @@ def test_the_onnx_runtime_pipeline_follows_the_lists(gpt, artifact, monkeypatch)
     log = _spy_steps(runner, monkeypatch)
     after = runner(ids)
     np.testing.assert_array_equal(after, before)
-    np.testing.assert_allclose(after, expected.numpy(), atol=1e-4, rtol=1e-4)
+    assert_kernels_close(after, expected.numpy())
     for s in (0, 1):
         assert [a for st, a in log if st == s] == STARTS
     trace = runner.last_trace
@@ -181,7 +181,7 @@ def test_the_onnx_runtime_serial_loop_follows_the_lists(gpt, artifact, monkeypat
     ort_backend.run_serial(runner.stages, call, sink, HELD)
     assert log == [(s, a.start) for s, a in check_actions(HELD).computes()]
     assert log == [(0, a) for a in STARTS] + [(1, a) for a in STARTS]
-    np.testing.assert_allclose(sink.leaves[0], expected.numpy(), atol=1e-4, rtol=1e-4)
+    assert_kernels_close(sink.leaves[0], expected.numpy())
 
 
 def test_the_distributed_artifact_runner_follows_the_lists(gpt, artifact, monkeypatch) -> None:
@@ -204,7 +204,7 @@ def test_the_distributed_artifact_runner_follows_the_lists(gpt, artifact, monkey
         runner._share = lambda bind, extra=None: bind()  # rank 0's inputs: these
         runner._gather = lambda leaves: leaves
         outs.append(runner.run((args[0].numpy(),)))
-    np.testing.assert_allclose(outs[1], expected.numpy(), atol=1e-4, rtol=1e-4)
+    assert_kernels_close(outs[1], expected.numpy())
     lowered = check_actions(HELD).actions
     for rank in (0, 1):
         want = [(a.kind, a.start if a.kind == "compute" else

@@ -14,6 +14,7 @@ import pytest
 
 import tppc
 import tppc.artifact.loaded as loaded_module
+from tests.oracles import assert_kernels_close
 from tppc.artifact.load import ArtifactError
 from tppc.errors import RuntimeInputError
 from tppc.examples import gpt
@@ -151,7 +152,7 @@ def test_load_run_and_cli_run_need_neither_torch_nor_transformers(pristine, tmp_
     model, _, _ = gpt(seq_len=32, n_layer=2)
     with torch.no_grad():
         want = model(torch.arange(32).reshape(1, 32) % 256).numpy()
-    np.testing.assert_allclose(np.load(out), want, atol=1e-4, rtol=1e-4)
+    assert_kernels_close(np.load(out), want)
 
 
 @pytest.mark.parametrize("existing", [False, True])

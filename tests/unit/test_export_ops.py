@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
+from tests.oracles import assert_kernels_close
 from tppc.artifact.to_onnx import to_onnx
 
 ort = pytest.importorskip("onnxruntime")
@@ -35,4 +35,4 @@ def test_dit_patch_ops_translate_to_onnx_and_match_torch():
     session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
     (out,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
     with torch.no_grad():
-        np.testing.assert_allclose(out, model(x).numpy(), atol=1e-5, rtol=1e-5)
+        assert_kernels_close(out, model(x).numpy())

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import tppc
+from tests.oracles import assert_kernels_close
 from tppc import examples
 from tppc.artifact.graphs import ExportError, export_stage_graph, split_attention
 from tppc.ir.ops import chunk_attention_eager
@@ -42,7 +43,7 @@ def test_split_attention_with_window_or_padding_equals_chunk_attention(start, wi
     kb[:, :, start:start + c], vb[:, :, start:start + c] = k, v
     want = chunk_attention_eager(query, kb[:, :, :start + c], vb[:, :, :start + c], start,
                                  True, None, gqa, key_valid=valid, window=window)
-    torch.testing.assert_close(ours, want, atol=1e-5, rtol=1e-5)
+    assert_kernels_close(ours, want)
 
 
 def test_bidirectional_split_attention_with_padding_equals_chunk_attention() -> None:
@@ -54,7 +55,7 @@ def test_bidirectional_split_attention_with_padding_equals_chunk_attention() -> 
     ours = split_attention(query, kb, vb, k, v, 3, 12, False, None, False, None, valid)
     kb[:, :, 3:7], vb[:, :, 3:7] = k, v
     want = chunk_attention_eager(query, kb, vb, 3, False, key_valid=valid)
-    torch.testing.assert_close(ours, want, atol=1e-5, rtol=1e-5)
+    assert_kernels_close(ours, want)
 
 
 def test_windowed_mistral_exports_and_runs_exactly_on_onnxruntime(tmp_path) -> None:
@@ -67,7 +68,7 @@ def test_windowed_mistral_exports_and_runs_exactly_on_onnxruntime(tmp_path) -> N
         x = torch.randint(0, 128, (1, length), generator=torch.Generator().manual_seed(length))
         with torch.no_grad():
             want = model(x).logits.numpy()
-        np.testing.assert_allclose(runner(x.numpy()).logits, want, atol=1e-4, rtol=1e-4)
+        assert_kernels_close(runner(x.numpy()).logits, want)
     with torch.no_grad():  # decoding steps: one-token chunks far past the window
         want = model.generate(ids[:, :20], max_new_tokens=14, do_sample=False,
                               pad_token_id=0, eos_token_id=None)
@@ -88,7 +89,7 @@ def test_padded_llama_with_attention_mask_exports_and_runs_exactly(tmp_path) -> 
     with torch.no_grad():
         want = model(ids, attention_mask=mask).logits.numpy()
     got = runner(ids.numpy(), attention_mask=mask.numpy()).logits
-    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert_kernels_close(got, want)
 
 
 def test_a_window_that_is_not_a_constant_is_refused_by_name() -> None:

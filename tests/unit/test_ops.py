@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from torch.nn import functional as F
 
 import tppc.ir.ops as ops
+from tests.oracles import assert_kernels_close
 
 
 def _qkv(length: int, heads: int = 2, kv_heads: int = 2, dim: int = 8, seed: int = 0):
@@ -28,7 +29,7 @@ def test_causal_chunk_equals_the_rows_of_full_causal_attention(length, data):
     full = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     out = torch.ops.tppc.chunk_attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end],
                                          start, True, None, True)
-    torch.testing.assert_close(out, full[:, :, start:end], atol=1e-5, rtol=1e-5)
+    assert_kernels_close(out, full[:, :, start:end])
 
 
 def test_a_later_causal_chunk_visits_the_prefix_and_the_diagonal_triangle_only(monkeypatch):
@@ -44,7 +45,7 @@ def test_a_later_causal_chunk_visits_the_prefix_and_the_diagonal_triangle_only(m
     q, k, v = _qkv(30, heads=4, kv_heads=2)
     full = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     out = ops.chunk_attention_eager(q[:, :, 10:20], k, v, 10, True, None, True)  # 30 keys given
-    torch.testing.assert_close(out, full[:, :, 10:20], atol=1e-5, rtol=1e-5)
+    assert_kernels_close(out, full[:, :, 10:20])
     # keys [10, 20) under SDPA's causal mask, then the 10 prefix keys unmasked; none after 20
     assert sorted(calls) == [(10, 10, False, False), (10, 10, True, False)]
 
@@ -73,14 +74,14 @@ def test_long_chunks_are_cut_into_row_blocks_with_bounded_masks(monkeypatch):
     q, k, v = _qkv(30)
     out = ops.chunk_attention_eager(q[:, :, 10:], k, v, 10, True)
     full = real(q, k, v, is_causal=True)
-    torch.testing.assert_close(out, full[:, :, 10:], atol=1e-5, rtol=1e-5)
+    assert_kernels_close(out, full[:, :, 10:])
     assert len(seen) > 1 and all(rows * keys <= 64 for rows, keys in seen)
 
 
 def test_bidirectional_chunk_sees_every_key():
     q, k, v = _qkv(12)
     out = torch.ops.tppc.chunk_attention(q[:, :, 4:9], k, v, 4, False)
-    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v)[:, :, 4:9])
+    assert_kernels_close(out, F.scaled_dot_product_attention(q, k, v)[:, :, 4:9])
 
 
 def test_a_causal_chunk_that_reads_past_its_keys_is_refused():

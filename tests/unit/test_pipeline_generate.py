@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.oracles import greedy_reference
 from tppc import examples
 from tppc.errors import RuntimeInputError
 from tppc.planner.manual import manual_plan
@@ -20,21 +21,14 @@ def gpt():
     return model, args[0], compile_pipeline(model, args, plan=plan, executor="threads")
 
 
-def _eager_greedy(model, ids, new):
-    with torch.no_grad():
-        for _ in range(new):
-            ids = torch.cat([ids, model(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return ids
-
-
 def test_generate_equals_eager_greedy_decoding(gpt):
     model, ids, cp = gpt
-    torch.testing.assert_close(cp.generate(ids, max_new_tokens=9), _eager_greedy(model, ids, 9))
+    torch.testing.assert_close(cp.generate(ids, max_new_tokens=9), greedy_reference(model, ids, 9))
 
 
 def test_generate_stops_after_the_end_of_sequence_token(gpt):
     model, ids, cp = gpt
-    expected = _eager_greedy(model, ids, 6)
+    expected = greedy_reference(model, ids, 6)
     eos = int(expected[0, SEQ + 2])
     out = cp.generate(ids, max_new_tokens=6, eos_token_id=eos)
     first = SEQ + next(i for i in range(6) if int(expected[0, SEQ + i]) == eos)
@@ -44,7 +38,7 @@ def test_generate_stops_after_the_end_of_sequence_token(gpt):
 def test_generate_grows_the_kv_buffers_beyond_the_compiled_length(gpt):
     model, ids, cp = gpt
     out = cp.generate(ids, max_new_tokens=3 * SEQ)
-    torch.testing.assert_close(out, _eager_greedy(model, ids, 3 * SEQ))
+    torch.testing.assert_close(out, greedy_reference(model, ids, 3 * SEQ))
     assert cp.kv_cache()[0][0].shape[2] == 4 * SEQ - 1  # the last token's K/V is not needed
 
 

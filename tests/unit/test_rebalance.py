@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import tppc
+from tests.oracles import assert_kernels_close
 from tppc import examples
 from tppc.backends import torch_threads
 from tppc.driver.planning import price_plan
@@ -42,7 +43,7 @@ def _logits(out):
 
 def _exact(out, eager) -> bool:
     """Equal to eager up to float rounding (chunked attention sums in another order)."""
-    torch.testing.assert_close(_logits(out), _logits(eager), atol=1e-4, rtol=1e-4)
+    assert_kernels_close(_logits(out), _logits(eager))
     return True
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import tppc
+from tests.oracles import assert_kernels_close
 from tppc import examples
 from tppc.errors import RuntimeInputError, SpecError, StageTimeout
 from tppc.planner.manual import manual_plan
@@ -58,7 +59,7 @@ def test_concurrent_calls_with_different_inputs_and_lengths_are_each_exact(gpt):
     assert not errors
     for i in range(4):
         for out in results[i]:
-            torch.testing.assert_close(out, expected[i], atol=1e-5, rtol=1e-5)
+            assert_kernels_close(out, expected[i])
     assert all(torch.equal(out, reference) for out in results[4])
 
 
@@ -125,7 +126,7 @@ def test_a_failed_generate_leaves_the_pipeline_as_usable_as_before(gpt):
         cp(torch.randint(0, 256, (1, 65)))  # the limit still holds
     with pytest.raises(RuntimeInputError, match="max_new_tokens=0"):
         cp.generate(args[0], max_new_tokens=0)
-    torch.testing.assert_close(cp(*args), _eager(model, args[0]), atol=1e-5, rtol=1e-5)
+    assert_kernels_close(cp(*args), _eager(model, args[0]))
 
 
 def test_a_call_that_fails_in_a_stage_names_it_and_the_next_call_is_exact(gpt, monkeypatch):
@@ -139,7 +140,7 @@ def test_a_call_that_fails_in_a_stage_names_it_and_the_next_call_is_exact(gpt, m
         cp(ids)
     assert any("stage 1" in note for note in info.value.__notes__)
     monkeypatch.setattr(program.stages[1].runnable, "forward", real)
-    torch.testing.assert_close(cp(ids), _eager(model, ids), atol=1e-5, rtol=1e-5)
+    assert_kernels_close(cp(ids), _eager(model, ids))
 
 
 def test_a_stage_that_does_not_answer_raises_a_timeout_naming_it():
@@ -164,7 +165,7 @@ def test_a_stage_that_does_not_answer_raises_a_timeout_naming_it():
     stage.forward = real
     release.set()
     assert done.wait(timeout=120)  # the stuck worker finishes on its own (its state was dropped)
-    torch.testing.assert_close(cp(*args), _eager(model, args[0]), atol=1e-5, rtol=1e-5)
+    assert_kernels_close(cp(*args), _eager(model, args[0]))
 
 
 class _Encoder(torch.nn.Module):
@@ -189,7 +190,7 @@ def test_bidirectional_attention_runs_exactly_as_one_chunk_and_refuses_chunks():
     ids = torch.randint(0, 64, (1, SEQ))
     cp = tppc.compile(model, (ids,), executor="threads")
     assert cp.program(SEQ).chunks == ((0, SEQ),)
-    torch.testing.assert_close(cp(ids), _eager(model, ids), atol=1e-5, rtol=1e-5)
+    assert_kernels_close(cp(ids), _eager(model, ids))
     with pytest.raises(SpecError, match="bidirectional attention"):
         tppc.compile(model, (ids,), chunks=2)
 
@@ -216,4 +217,4 @@ def test_the_last_chunk_is_not_dropped_when_every_worker_has_exited(monkeypatch)
     monkeypatch.setattr(queue.Queue, "get", racing_get)
     out = cp(*args)
     assert raced
-    torch.testing.assert_close(out, _eager(model, args[0]), atol=1e-5, rtol=1e-5)
+    assert_kernels_close(out, _eager(model, args[0]))

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import tppc
+from tests.oracles import assert_kernels_close
 from tests.unit.test_validate import _scale_module_output, _Toy
 from tppc import examples
 from tppc.driver import emit
@@ -29,7 +30,7 @@ def test_a_long_example_is_checked_at_two_short_lengths_on_the_compiled_stages()
         assert run.stages == compiled and len(run.chunks) == 3
     assert v.max_diff < 1e-4 and "long example" in v.summary()
     with torch.no_grad():
-        torch.testing.assert_close(cp(ids), model(ids), atol=1e-4, rtol=1e-4)
+        assert_kernels_close(cp(ids), model(ids))
 
 
 def test_verify_full_also_checks_the_example_length() -> None:
@@ -56,7 +57,7 @@ def test_an_alibi_bias_on_a_long_example_is_checked_short_and_exact() -> None:
     cp = tppc.compile(model, (ids,), executor="local")
     assert max(cp.validation.lengths) < LONG and cp.validation.max_diff < 1e-4
     with torch.no_grad():
-        torch.testing.assert_close(cp(ids), model(ids), atol=1e-4, rtol=1e-4)
+        assert_kernels_close(cp(ids), model(ids))
 
 
 def test_the_short_probe_is_longer_than_a_sliding_window() -> None:
@@ -67,7 +68,7 @@ def test_the_short_probe_is_longer_than_a_sliding_window() -> None:
     assert first > 80 + 40 and second > 80 and first < LONG  # queries lose keys to the window
     assert cp.validation.max_diff < 1e-4
     with torch.no_grad():
-        torch.testing.assert_close(cp(ids).logits, model(ids).logits, atol=1e-4, rtol=1e-4)
+        assert_kernels_close(cp(ids).logits, model(ids).logits)
 
 
 @pytest.mark.parametrize("verify", ["yes", 2, None])
