@@ -16,12 +16,16 @@ the tests themselves, never this tolerance.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from tppc.planner.manual import manual_plan
+
+if TYPE_CHECKING:
+    from tppc import CompiledPipeline
+    from tppc.planner.plan import Plan
 
 __all__ = ["ULPS_PER_CALL", "assert_kernels_close", "greedy_reference", "kernel_tolerance",
            "serial_denoise", "two_stage_plan"]
@@ -100,7 +104,7 @@ def greedy_reference(model: Callable[[torch.Tensor], torch.Tensor], ids: torch.T
     return ids
 
 
-def two_stage_plan(one: Any, boundaries: tuple[int, ...] | None = None) -> Any:
+def two_stage_plan(one: CompiledPipeline, boundaries: tuple[int, ...] | None = None) -> Plan:
     """A plan of ``one``'s (a compiled pipeline's) layers in two halves over two stages, its
     sequence in one chunk unless token ``boundaries`` are given."""
     n, length = len(one.context.layers), one.plan.seq_len

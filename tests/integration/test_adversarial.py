@@ -4,8 +4,8 @@ Issue 18's constructs, each written here in a small form of our own, plus the re
 that showed them (transformers and diffusers code, tiny configs, random weights). The one
 assertion: ``tppc.compile`` with two stages and several chunks either raises a named
 :class:`tppc.TppcError` (its message names the construct or the node) or returns a pipeline
-whose outputs equal the eager model's to 1e-4. A wrong number with no error fails the test;
-so does any other exception (a crash is not a refusal).
+whose outputs equal the eager model's to the kernel tolerance (tests/oracles.py). A wrong
+number with no error fails the test; so does any other exception (a crash is not a refusal).
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 An ALiBi slope times the distance, a T5-style table looked up by bucketed relative
 position, a learned absolute table sliced ``[:L, :L]``: each is the rows of the bias for the
 chunk's queries over the keys it sees (never the ``L × L`` bias of a call). The oracle is
-the eager model (prefill logits to 1e-4, greedy generation token for token); a bias computed
-from hidden states is refused at annotation by name (:class:`tppc.ActivationMaskError`).
+the eager model (prefill logits to the kernel tolerance, greedy generation token for
+token); a bias computed from hidden states is refused at annotation by name
+(:class:`tppc.ActivationMaskError`).
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ def test_dynamic_shifting_without_mu_names_the_argument(flux) -> None:
                                   "DPMSolverMultistepScheduler"])
 def test_each_scheduler_equals_the_loop_in_its_own_timestep_dtype(dit, name) -> None:
     """Float (Euler) or int64 (DDIM, DPM-Solver) timesteps into a float-compiled timestep:
-    no timestep to pass by hand; every step warm is the loop to 1e-4."""
+    no timestep to pass by hand; every step warm is the loop to the kernel tolerance."""
     model, x, kw, cp = dit
     sched = getattr(diffusers, name)
     want = _loop(model, x, sched(), kw, steps=3)

@@ -13,7 +13,7 @@ from torch import fx, nn
 from torch.nn import functional as F
 
 import tppc
-from tests.oracles import assert_kernels_close
+from tests.oracles import assert_kernels_close, kernel_tolerance
 from tppc.passes._positional import call_target
 
 
@@ -73,7 +73,8 @@ def test_the_default_compile_validates_the_same_model() -> None:
     model = _Toy().eval()
     ids = torch.randint(0, 40, (1, 12))
     cp = tppc.compile(model, (ids,), executor="local", num_stages=2, chunks=4)
-    assert cp.validation.max_diff < 1e-4
+    with torch.no_grad():
+        assert cp.validation.max_diff < kernel_tolerance(model(ids))
 
 
 def test_a_probe_reads_an_uninitialised_tensor_as_zeros() -> None:

@@ -7,6 +7,7 @@ import torch
 from torch.nn import functional as F
 
 import tppc.ir.ops  # noqa: F401
+from tests.oracles import assert_kernels_close
 
 
 @pytest.mark.parametrize("window", [None, 3, 50])
@@ -23,7 +24,7 @@ def test_chunk_equals_dense_mask(window: int | None, start: int, size: int) -> N
     end = start + size
     got = torch.ops.tppc.chunk_attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end],
                                          start, True, None, False, None, valid, window)
-    torch.testing.assert_close(got, want)
+    assert_kernels_close(got, want)
 
 
 @pytest.mark.parametrize("start,size", [(0, 16), (5, 7), (12, 4)])
@@ -39,7 +40,7 @@ def test_a_causal_chunk_with_float_bias_rows_equals_the_rows_of_dense_attention(
     end = start + size
     got = torch.ops.tppc.chunk_attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end],
                                          start, True, None, False, bias[..., start:end, :end])
-    torch.testing.assert_close(got, want)
+    assert_kernels_close(got, want)
 
 
 def test_a_causal_chunk_refuses_a_boolean_mask_or_a_bias_with_a_window() -> None:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tppc
-from tests.oracles import assert_kernels_close
+from tests.oracles import assert_kernels_close, kernel_tolerance
 from tppc import examples
 from tppc.driver import emit
 from tppc.runtime.replay import compare
@@ -44,9 +44,11 @@ def test_validation_passes_on_the_gpt_at_the_example_and_a_probe_length() -> Non
     assert v is not None and v.skipped is None
     assert len(v.lengths) == 2 and v.lengths[0] == 32 and v.lengths[1] != 32
     assert _chunked_and_staged(v)  # two stages although the plan may use one
-    assert v.max_diff < 1e-4 and v.seconds > 0
+    assert v.seconds > 0
     with torch.no_grad():
-        assert_kernels_close(cp(ids), model(ids))
+        want = model(ids)
+        assert v.max_diff < kernel_tolerance(want)
+        assert_kernels_close(cp(ids), want)
 
 
 def test_validation_passes_on_the_dit_after_a_warm_up_pass() -> None:
@@ -55,13 +57,16 @@ def test_validation_passes_on_the_dit_after_a_warm_up_pass() -> None:
     v = cp.validation
     assert len(v.lengths) == 2  # a dynamic capture: another patch-row count
     assert _chunked_and_staged(v) and any(r.warmup for r in v.runs)
-    assert v.max_diff < 1e-4
+    with torch.no_grad():
+        assert v.max_diff < kernel_tolerance(model(*args, **kwargs))
 
 
 def test_validation_passes_on_a_transformers_llama() -> None:
     model, (ids,), _ = examples.hf_llama(seq_len=16)
     cp = tppc.compile(model, (ids,), executor="local")
-    assert _chunked_and_staged(cp.validation) and cp.validation.max_diff < 1e-4
+    assert _chunked_and_staged(cp.validation)
+    with torch.no_grad():
+        assert cp.validation.max_diff < kernel_tolerance(model(ids).logits)
     assert "validated" in cp.validation.summary()
 
 
