@@ -74,3 +74,10 @@ def test_greedy_reference_appends_the_argmax_of_the_last_position() -> None:
 
     got = greedy_reference(model, torch.tensor([[3]]), 4)
     assert got.tolist() == [[3, 4, 0, 1, 2]]
+
+
+def test_a_float32_result_against_a_float64_reference_gets_float32s_tolerance() -> None:
+    want = np.linspace(-1.0, 1.0, 7)  # float64
+    assert_kernels_close((want + 1e-6).astype(np.float32), want)
+    with pytest.raises(AssertionError):
+        assert_kernels_close((want + 1e-2).astype(np.float32), want)
