@@ -72,6 +72,8 @@ class DryRun:
 
     def where(self, stage: int, index: int) -> str:
         """``step t, chunk i [a, b), action k (C0.1, a compute)`` of ``stage``."""
+        if index == len(self.actions[stage]) and index:
+            return "after its last action (its sends in flight)"
         if not 0 <= index < len(self.actions[stage]):
             return "before its first action"
         act = self.actions[stage][index]
@@ -85,7 +87,7 @@ class DryRun:
     def grid(self, mark: Iterable[tuple[int, int]] = (), width: int = 8) -> str:
         """The lists by round (stages as rows), ``mark``ed ``(stage, k)`` in brackets, at
         most ``width`` rounds (around the first marked one), then the actions never done."""
-        marked = set(mark)
+        marked = {(s, k) for s, k in mark if 0 <= k < len(self.actions[s])}
         total = 1 + max((r for row in self.rounds for r in row), default=-1)
         focus = min((self.rounds[s][k] for s, k in marked if self.rounds[s][k] >= 0),
                     default=total)
