@@ -143,9 +143,10 @@ def private_imports() -> list[str]:
     return bad
 
 
-def import_cycles() -> list[list[str]]:
-    """Strongly connected groups of more than one module (Tarjan)."""
-    edges = _edges()
+def import_cycles(edges: dict[str, set[str]] | None = None) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan); ``edges``: module ->
+    modules it imports (default: every import in ``tppc/``)."""
+    edges = _edges() if edges is None else edges
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -258,3 +259,46 @@ def test_tppc_loads_an_artifact_without_torch(tmp_path: Path) -> None:
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("ok"), result.stdout
+
+
+def subpackage_of(module: str) -> str:
+    """``tppc.passes.chunking.bias_rows`` -> ``tppc.passes.chunking``; a module directly in a
+    package (``tppc.passes.runner``, ``tppc.passes.chunking``) is its own unit."""
+    return ".".join(module.split(".")[:3])
+
+
+def subpackage_cycles() -> list[list[str]]:
+    """Circles between the sub-packages of a package, each sub-package one node (chunking
+    reads annotation's helpers, so annotation may never read chunking), less the lazy
+    imports of :data:`LAZY_UPWARD`."""
+    edges: dict[str, set[str]] = {}
+    for me, targets in _edges().items():
+        mine = edges.setdefault(subpackage_of(me), set())
+        mine |= {subpackage_of(t) for t in targets
+                 if (me, t) not in LAZY_UPWARD and subpackage_of(t) != subpackage_of(me)}
+    return import_cycles(edges)
+
+
+#: Function-level imports that run against the order of their package's sub-packages, each
+#: with its reason; any other closes a circle and fails :func:`test_no_subpackage_cycles`.
+LAZY_UPWARD: dict[tuple[str, str], str] = {}
+
+
+def test_no_subpackage_cycles() -> None:
+    cycles = subpackage_cycles()
+    assert not cycles, "sub-package circles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_a_subpackage_cycle_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two sub-packages whose modules import each other without a module circle."""
+    fake = tmp_path / "tppc"
+    for pkg in ("", "passes", "passes/annotation", "passes/chunking"):
+        (fake / pkg).mkdir(parents=True, exist_ok=True)
+        (fake / pkg / "__init__.py").write_text("")
+    (fake / "passes" / "annotation" / "a.py").write_text("X = 1\n")
+    (fake / "passes" / "annotation" / "b.py").write_text(
+        "def f():\n    from tppc.passes.chunking.c import Y\n    return Y\n")
+    (fake / "passes" / "chunking" / "c.py").write_text("from tppc.passes.annotation.a import X\nY = X\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", fake)
+    assert import_cycles() == []
+    assert subpackage_cycles() == [["tppc.passes.annotation", "tppc.passes.chunking"]]

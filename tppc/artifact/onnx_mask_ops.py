@@ -1,7 +1,7 @@
 """ONNX translations of the elementwise ops that build masks and float attention biases.
 
 A float bias (ALiBi, a T5-style bucketed relative-position table, a learned table sliced
-``[:L, :L]``) is evaluated per chunk inside a stage graph (:mod:`tppc.passes._bias_rows`):
+``[:L, :L]``) is evaluated per chunk inside a stage graph (:mod:`tppc.passes.chunking.bias_rows`):
 compares, ``where``/``masked_fill``, ``clamp``, logs and casts of positions, and ``expand``.
 This table adds them to :data:`tppc.artifact.onnx_ops.OPS`. Operands are cast to the type
 torch promotes them to (an int position compared with a float is compared as a float).

@@ -45,7 +45,7 @@ from tppc.artifact.signature import model_signature
 from tppc.artifact.to_onnx import OPSET, to_onnx
 from tppc.backends.torch_distributed import token_axes as _token_axes
 from tppc.driver.emit import build_program
-from tppc.passes.chunk_attention import REST_CHUNK
+from tppc.passes.chunking.chunk_attention import REST_CHUNK
 from tppc.version import __version__
 
 __all__ = ["EXTERNAL_DATA_BYTES", "ExportError", "export", "lengths_arg", "rest_program"]

@@ -36,8 +36,8 @@ from torch import fx
 from tppc.errors import PassError
 from tppc.ir.context import CompileContext
 from tppc.ir.records import TOKEN, TokenInfo
-from tppc.passes._shapes import ancestors, module_path, seq_axes, size_expr, tensor_val
-from tppc.passes._token_rows import row_offset
+from tppc.passes.chunking.token_rows import row_offset
+from tppc.passes.shapes import ancestors, module_path, seq_axes, size_expr, tensor_val
 
 __all__ = ["BiasRows", "value_inputs"]
 
@@ -212,7 +212,7 @@ class BiasRows:
     # -- values broadcast along the query axis, evaluated whole ------------------------------
     def whole(self, node: fx.Node) -> Any:
         """``node`` evaluated whole in the chunk step at ``seq_len`` (a key mask: one row
-        over the keys, :mod:`tppc.passes._key_masks`)."""
+        over the keys, :mod:`tppc.passes.annotation.key_masks`)."""
         return self._whole(node)
 
     def _whole(self, node: Any) -> Any:

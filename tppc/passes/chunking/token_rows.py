@@ -8,7 +8,7 @@ Terms:
         for LLM tokens, the patch-grid columns for DiT tokens (``cols · s``), the patch size
         for a latent's pixel rows (``p · s``), ``batch`` for tokens merged with the batch.
     prefix, suffix: the unsplit text segments before and after the split tokens (joint
-        attention, see :mod:`tppc.passes._segments`). The first chunk of a step
+        attention, see :mod:`tppc.passes.annotation.segments`). The first chunk of a step
         (``chunk_start == 0``) carries them: its value is ``[prefix | its rows | suffix]``;
         a later chunk's value is its rows alone. A K/V buffer holds
         ``[prefix | scale · seq_len rows | suffix]``: a chunk writes its rows at
@@ -32,8 +32,8 @@ from torch import fx
 from tppc.errors import PassError
 from tppc.ir.context import CompileContext
 from tppc.ir.records import LAYER, PART, TOKEN, TokenInfo
-from tppc.passes._segments import split_tokens
-from tppc.passes._shapes import size_expr, tensor_val
+from tppc.passes.annotation.segments import split_tokens
+from tppc.passes.shapes import size_expr, tensor_val
 
 __all__ = ["ABSENT", "REST_CHUNK", "baked_table_axis", "chunk_rows_size", "prefixed_size", "rest_of_step", "row_offset",
            "rows_per_unit", "split_size", "table_rows"]

@@ -1,13 +1,13 @@
 """Helpers of ``chunk_attention`` for context segments on either side of the split tokens.
 
-A joint-attention value is ``[prefix | split rows | suffix]`` (:mod:`tppc.passes._segments`);
-its K/V buffer holds ``[prefix | scale · seq_len rows | suffix]``, the model's own order, so
+A joint-attention value is ``[prefix | split rows | suffix]``
+(:mod:`tppc.passes.annotation.segments`); its K/V buffer holds ``[prefix | scale · seq_len rows | suffix]``, the model's own order, so
 that the whole-sequence chunk writes one contiguous block and attention reads the keys in
 the order the model does. The first chunk of a step carries both segments: its rows before
 the suffix go to ``[0, prefix + scale · chunk_end)``, its suffix to
 ``[prefix + scale · seq_len, … + suffix)``. Later chunks (the rest program) hold split rows
 only. What cannot be lined up that way is refused by name (:func:`check_context`).
-The chunk step's output node is made by :func:`tppc.passes._frame_rows.chunk_outputs`.
+The chunk step's output node is made by :func:`tppc.passes.chunking.frame_rows.chunk_outputs`.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import torch
 from torch import fx
 
 from tppc.ir.records import ChunkInput
-from tppc.passes._shapes import ancestors
+from tppc.passes.shapes import ancestors
 from tppc.passes.subgraph import copy_subgraph
 
 __all__ = ["ConstProgram", "const_values", "hoist_constants"]

@@ -26,8 +26,8 @@ from torch import fx
 from tppc.ir.context import CompileContext
 from tppc.ir.op_rules import op_rule
 from tppc.ir.records import TOKEN, TokenInfo
-from tppc.passes._positional import call_target, concrete_value, on_cpu
-from tppc.passes._shapes import ancestors, module_path, seq_axes, size_expr, tensor_val
+from tppc.passes.annotation.positional import call_target, concrete_value, on_cpu
+from tppc.passes.shapes import ancestors, module_path, seq_axes, size_expr, tensor_val
 from tppc.passes.subgraph import copy_subgraph
 
 __all__ = ["annotate_region", "row_wise_region"]

@@ -36,7 +36,7 @@ from torch import fx
 from torch.utils._sympy.symbol import SymT, symbol_is_type
 
 from tppc.ir.records import TOKEN, TokenInfo
-from tppc.passes._shapes import size_expr, tensor_val
+from tppc.passes.shapes import size_expr, tensor_val
 
 __all__ = ["segment_info", "split_tokens", "with_prefix"]
 

@@ -17,7 +17,7 @@ with ``attention="bidirectional"``: a model holding one is planned like a bidire
 ``chunk_attention`` gives each operand a full-length buffer, as it does SDPA's K and V
 (:func:`buffered_operands` names them ``key`` and ``value``): a chunk writes its rows, the op
 runs over the whole buffer, and a convolution's output is cut back to the chunk's rows
-(:class:`tppc.passes.chunk_buffers.BufferReads`). Under PipeFusion a linear attention's sum
+(:class:`tppc.passes.chunking.chunk_buffers.BufferReads`). Under PipeFusion a linear attention's sum
 is then the fresh contribution of the patches already run in this step plus the previous
 step's contribution of the others (*stale sums*), and a convolution reads the next patch's
 rows from the previous step (a stale halo). The state is kept as rows (``L × d`` per
@@ -37,8 +37,8 @@ from torch import fx
 from tppc.ir.context import CompileContext
 from tppc.ir.op_rules import op_rule
 from tppc.ir.records import TOKEN, TokenInfo
-from tppc.passes._segments import split_tokens
-from tppc.passes._shapes import size_expr, tensor_val
+from tppc.passes.annotation.segments import split_tokens
+from tppc.passes.shapes import size_expr, tensor_val
 
 __all__ = ["buffered_operands", "conv_geometry", "neighbourhood_conv",
            "token_contraction_info"]

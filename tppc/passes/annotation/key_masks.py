@@ -29,7 +29,7 @@ from torch import fx
 from tppc.errors import AnnotationError
 from tppc.ir.context import CompileContext
 from tppc.ir.records import AttentionKind, MaskSpec
-from tppc.passes._shapes import SHAPE_USES, module_path, size_expr, tensor_val
+from tppc.passes.shapes import SHAPE_USES, module_path, size_expr, tensor_val
 
 __all__ = ["inputs_by_value", "key_mask_spec"]
 

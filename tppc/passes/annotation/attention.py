@@ -10,10 +10,11 @@ otherwise classified by evaluating its mask (a positional value) at small *probe
 never at the example length (so classifying costs the same for a 32k-token example as for
 a 16-token one): a lower-triangular pattern at every probe is causal, an all-true one
 bidirectional; a causal band is a sliding window, and a mask built from an integer input
-(``attention_mask``) is a padding mask (see :mod:`tppc.passes._masks`); a float mask that
-adds values to visible keys is a bias, evaluated per chunk (:mod:`tppc.passes._bias_rows`). The probes are a short length and one longer than every integer constant
-the mask's computation uses (a sliding window of ``w`` tokens shows at lengths ``> w``), at
-most :data:`MAX_PROBE`.
+(``attention_mask``) is a padding mask (see :mod:`tppc.passes.annotation.masks`); a float
+mask that adds values to visible keys is a bias, evaluated per chunk
+(:mod:`tppc.passes.chunking.bias_rows`). The probes are a short length and one longer than
+every integer constant the mask's computation uses (a sliding window of ``w`` tokens shows
+at lengths ``> w``), at most :data:`MAX_PROBE`.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from torch.nn import functional as F
 from tppc.errors import ActivationMaskError, AnnotationError
 from tppc.ir.context import CompileContext
 from tppc.ir.records import TOKEN, AttentionKind, MaskSpec
-from tppc.passes._masks import mask_spec
-from tppc.passes._shapes import ancestors, module_path, tensor_val
+from tppc.passes.annotation.masks import mask_spec
+from tppc.passes.shapes import ancestors, module_path, tensor_val
 
 __all__ = ["MAX_PROBE", "classify_attention", "probe_lengths"]
 
@@ -41,7 +42,7 @@ _SENTINEL = 1 << 30
 def classify_attention(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext
                        ) -> tuple[AttentionKind, MaskSpec | None]:
     """The attention's kind and the structured mask (window, padding) tppc rebuilds per
-    chunk, or None for plain causal or all-visible attention (see :mod:`._masks`).
+    chunk, or None for plain causal or all-visible attention (see :mod:`.masks`).
 
     Raises:
         AnnotationError: a fused attention kernel.

@@ -16,7 +16,7 @@ from torch import fx
 
 from tppc.errors import AnnotationError
 from tppc.ir.context import CompileContext
-from tppc.passes._shapes import ancestors, call_module_of, size_expr, tensor_val
+from tppc.passes.shapes import ancestors, call_module_of, size_expr, tensor_val
 
 __all__ = ["call_target", "concrete_value", "evaluate_positional", "on_cpu"]
 

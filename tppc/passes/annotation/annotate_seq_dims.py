@@ -30,11 +30,15 @@ from tppc.errors import AnnotationError
 from tppc.ir.context import CompileContext
 from tppc.ir.op_rules import op_rule
 from tppc.ir.records import TOKEN, TokenInfo
-from tppc.passes._attention import classify_attention
-from tppc.passes._buffered_mixing import conv_geometry, neighbourhood_conv, token_contraction_info
-from tppc.passes._regions import annotate_region, row_wise_region
-from tppc.passes._segments import segment_info, split_tokens, with_prefix
-from tppc.passes._shapes import (
+from tppc.passes.annotation.attention import classify_attention
+from tppc.passes.annotation.buffered_mixing import (
+    conv_geometry,
+    neighbourhood_conv,
+    token_contraction_info,
+)
+from tppc.passes.annotation.regions import annotate_region, row_wise_region
+from tppc.passes.annotation.segments import segment_info, split_tokens, with_prefix
+from tppc.passes.shapes import (
     module_path,
     op_dims,
     seq_axes,
@@ -53,7 +57,7 @@ def annotate_seq_dims_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphM
     """Annotate every node with a :class:`TokenInfo`; set ``ctx.token_count``.
 
     A node that mixes tokens or needs the whole sequence inside a module (an MoE dispatch
-    sorting tokens by expert) is retried as part of a row-wise region (``_regions``).
+    sorting tokens by expert) is retried as part of a row-wise region (:mod:`.regions`).
     """
     sym = ctx.seq_symbol
     done: set[fx.Node] = set()
@@ -218,7 +222,7 @@ def _from_inputs(node: fx.Node, ctx: CompileContext) -> bool:
     """Whether ``node`` computes a value from integer sequence inputs (``attention_mask``)
     and positions only, reading no weight: a padding mask, ``positional`` with ``inputs``.
 
-    Such values are rebuilt per chunk when they are attention masks (see ``_masks``);
+    Such values are rebuilt per chunk when they are attention masks (see :mod:`.masks`);
     anything else reading them is refused by ``chunk_attention``.
     """
     if node.op != "call_function" or _shape_only(node) \

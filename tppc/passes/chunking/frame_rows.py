@@ -34,7 +34,7 @@ from torch import fx
 from tppc.errors import PassError
 from tppc.ir.context import CompileContext
 from tppc.ir.records import LAYER, PART, TOKEN, TokenInfo
-from tppc.passes._token_rows import ABSENT
+from tppc.passes.chunking.token_rows import ABSENT
 
 __all__ = ["chunk_outputs", "frame_table_rows", "token_frames", "write_frame_rows"]
 
@@ -107,7 +107,7 @@ def frame_table_rows(graph: fx.Graph, env: dict[fx.Node, Any], node: fx.Node, ta
                      carry: bool) -> fx.Node:
     """The chunk's rows of a ``table`` baked in at the captured resolution (frame-major
     along ``axis``), gathered in the chunk's own order, as many as ``node``'s token input
-    has (see :func:`tppc.passes._token_rows.table_rows`)."""
+    has (see :func:`tppc.passes.chunking.token_rows.table_rows`)."""
     info: TokenInfo = node.meta[TOKEN]
     token = next(a for a in node.all_input_nodes if a.meta[TOKEN].role in ("token", "mixing")
                  and a.meta[TOKEN].axis_size == info.axis_size)

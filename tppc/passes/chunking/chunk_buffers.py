@@ -1,7 +1,7 @@
 """Helpers of ``chunk_attention``: full-length buffers and the reads that follow them.
 
-Terms as in :mod:`tppc.passes.chunk_attention`; *buffered mixing* as in
-:mod:`tppc.passes._buffered_mixing` (linear attention's token contraction, a neighbourhood
+Terms as in :mod:`tppc.passes.chunking.chunk_attention`; *buffered mixing* as in
+:mod:`tppc.passes.annotation.buffered_mixing` (linear attention's token contraction, a neighbourhood
 convolution over the token axis).
 
 :class:`BufferReads` is the part of the chunk-step rewriter that writes a chunk's rows into
@@ -17,11 +17,11 @@ import torch
 from torch import fx
 
 from tppc.ir.records import CHUNK_INPUT, TOKEN, ChunkInput, TokenInfo
-from tppc.passes._buffered_mixing import buffered_operands
-from tppc.passes._context_rows import write_rows
-from tppc.passes._frame_rows import write_frame_rows
-from tppc.passes._token_rows import row_offset, rows_per_unit, split_size
-from tppc.passes.chunk_parts import SIZE_ARG_OPS, cache_source, sdpa_kwargs
+from tppc.passes.annotation.buffered_mixing import buffered_operands
+from tppc.passes.chunking.chunk_parts import SIZE_ARG_OPS, cache_source, sdpa_kwargs
+from tppc.passes.chunking.context_rows import write_rows
+from tppc.passes.chunking.frame_rows import write_frame_rows
+from tppc.passes.chunking.token_rows import row_offset, rows_per_unit, split_size
 
 __all__ = ["BufferReads", "buffered_inputs"]
 

@@ -7,11 +7,11 @@ band ``i - w < j ≤ i`` (``w`` found at the longest probe) or all-visible keys;
 random 0/1 inputs, which must give that pattern ``& key_valid[b, j]`` for
 ``key_valid = input != 0``. Anything else is refused with the node, its module and why.
 A mask that reads the values of other inputs (a prompt's padding mask) is a key mask,
-evaluated per call (:mod:`tppc.passes._key_masks`). A float mask whose visible entries are
+evaluated per call (:mod:`tppc.passes.annotation.key_masks`). A float mask whose visible entries are
 not all 0 at some probe, or that reads a parameter or buffer (a learned table, zero at
 initialisation), is an additive *bias*
 (ALiBi, relative positions): its pattern is checked the same way and its values are
-evaluated per chunk (``MaskSpec.bias``, :mod:`tppc.passes._bias_rows`).
+evaluated per chunk (``MaskSpec.bias``, :mod:`tppc.passes.chunking.bias_rows`).
 
 Example:
     >>> mask_spec(sdpa.kwargs["attn_mask"], gm, ctx)              # doctest: +SKIP
@@ -26,9 +26,9 @@ from torch import fx
 from tppc.errors import AnnotationError
 from tppc.ir.context import CompileContext
 from tppc.ir.records import AttentionKind, MaskSpec
-from tppc.passes._key_masks import key_mask_spec
-from tppc.passes._positional import evaluate_positional
-from tppc.passes._shapes import SHAPE_USES, ancestors, module_path, tensor_val
+from tppc.passes.annotation.key_masks import key_mask_spec
+from tppc.passes.annotation.positional import evaluate_positional
+from tppc.passes.shapes import SHAPE_USES, ancestors, module_path, tensor_val
 
 __all__ = ["mask_spec"]
 

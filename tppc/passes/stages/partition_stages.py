@@ -13,7 +13,7 @@ Terms:
 
 Every stage graph takes its boundary inputs first (placeholders of kind ``boundary``), then
 the chunk inputs it reads (chunk of a token input, ints, frontier slices, its own K/V
-buffers; see :class:`tppc.passes.chunk_attention.ChunkInput`), and returns its boundary
+buffers; see :class:`tppc.passes.chunking.chunk_attention.ChunkInput`), and returns its boundary
 outputs (the last stage: the model's flat outputs). Each stage module holds only the
 parameters its nodes read, and ``stage.tppc_positional`` computes only its frontier values.
 

@@ -31,7 +31,7 @@ from torch import fx
 from tppc.errors import AnnotationError
 from tppc.ir.context import CompileContext
 from tppc.ir.records import LAYER, TOKEN, LayerInfo
-from tppc.passes._waist import find_waist, mark_parts, part_names
+from tppc.passes.annotation.waist import find_waist, mark_parts, part_names
 
 __all__ = ["group_layers_pass"]
 
@@ -61,7 +61,7 @@ def group_layers_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule
 def _with_parts(gm: fx.GraphModule, nodes: list[fx.Node], names: dict[fx.Node, str],
                 order: list[str], infos: list[LayerInfo]) -> list[LayerInfo]:
     """``infos`` with each block's two sub-layers (``LayerInfo.parts``) where it has a waist
-    (:mod:`tppc.passes._waist`); marks their nodes' ``meta[PART]``."""
+    (:mod:`tppc.passes.annotation.waist`); marks their nodes' ``meta[PART]``."""
     rank = {info.name: info.index for info in infos}
     output = nodes[-1]
     fine = dict(names)

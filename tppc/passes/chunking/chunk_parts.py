@@ -1,6 +1,6 @@
 """Helpers of ``chunk_attention``: the K/V value behind SDPA, the positional program, the tail.
 
-Terms as in :mod:`tppc.passes.chunk_attention`.
+Terms as in :mod:`tppc.passes.chunking.chunk_attention`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch.fx.operator_schemas import normalize_function
 
 from tppc.errors import PassError
 from tppc.ir.records import TOKEN, TokenInfo
-from tppc.passes._shapes import ancestors, size_expr, tensor_val
+from tppc.passes.shapes import ancestors, size_expr, tensor_val
 from tppc.passes.subgraph import copy_subgraph
 
 __all__ = ["cache_source", "input_value_error", "inputs_read", "is_head_repeat", "leaves",

@@ -21,7 +21,7 @@ Each attention node becomes: write the chunk's K and V into the buffers at
 is ``chunk_start + chunk_size`` for causal attention (later positions are masked anyway)
 and ``seq_len`` for bidirectional attention; slice the mask's key columns to ``kv_len``;
 ``is_causal=True`` becomes the explicit offset-causal mask ``key j ≤ chunk_start + row i``.
-A float attention bias (ALiBi) becomes its rows for the chunk (:mod:`._bias_rows`).
+A float attention bias (ALiBi) becomes its rows for the chunk (:mod:`.bias_rows`).
 For causal models the result equals the unsplit model exactly (chunked prefill).
 
 A ``global`` epilogue (a loss, pooling over tokens) becomes the *tail* (``gm.tppc_tail``):
@@ -65,13 +65,23 @@ from tppc.ir.records import (
     KVBuffer,
     TokenInfo,
 )
-from tppc.passes._bias_rows import BiasRows, value_inputs
-from tppc.passes._buffered_mixing import buffered_operands
-from tppc.passes._context_rows import check_context
-from tppc.passes._frame_rows import chunk_outputs, frame_table_rows, token_frames
-from tppc.passes._key_masks import inputs_by_value
-from tppc.passes._shapes import module_path, size_expr, tensor_val
-from tppc.passes._token_rows import (
+from tppc.passes.annotation.buffered_mixing import buffered_operands
+from tppc.passes.annotation.key_masks import inputs_by_value
+from tppc.passes.chunking.bias_rows import BiasRows, value_inputs
+from tppc.passes.chunking.chunk_buffers import BufferReads, buffered_inputs
+from tppc.passes.chunking.chunk_parts import (
+    cache_source,
+    input_value_error,
+    inputs_read,
+    is_head_repeat,
+    leaves,
+    positional_program,
+    sdpa_kwargs,
+    tail_program,
+)
+from tppc.passes.chunking.context_rows import check_context
+from tppc.passes.chunking.frame_rows import chunk_outputs, frame_table_rows, token_frames
+from tppc.passes.chunking.token_rows import (
     REST_CHUNK,
     baked_table_axis,
     chunk_rows_size,
@@ -82,17 +92,7 @@ from tppc.passes._token_rows import (
     split_size,
     table_rows,
 )
-from tppc.passes.chunk_buffers import BufferReads, buffered_inputs
-from tppc.passes.chunk_parts import (
-    cache_source,
-    input_value_error,
-    inputs_read,
-    is_head_repeat,
-    leaves,
-    positional_program,
-    sdpa_kwargs,
-    tail_program,
-)
+from tppc.passes.shapes import module_path, size_expr, tensor_val
 
 __all__ = [
     "REST_CHUNK",
