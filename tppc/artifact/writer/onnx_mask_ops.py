@@ -3,7 +3,7 @@
 A float bias (ALiBi, a T5-style bucketed relative-position table, a learned table sliced
 ``[:L, :L]``) is evaluated per chunk inside a stage graph (:mod:`tppc.passes.chunking.bias_rows`):
 compares, ``where``/``masked_fill``, ``clamp``, logs and casts of positions, and ``expand``.
-This table adds them to :data:`tppc.artifact.onnx_ops.OPS`. Operands are cast to the type
+This table adds them to :data:`tppc.artifact.writer.onnx_ops.OPS`. Operands are cast to the type
 torch promotes them to (an int position compared with a float is compared as a float).
 """
 
@@ -17,7 +17,7 @@ import torch
 from onnx import helper
 from torch import fx
 
-from tppc.artifact.graphs import ExportError
+from tppc.artifact.writer.graphs import ExportError
 
 __all__ = ["MASK_OPS"]
 

@@ -17,7 +17,7 @@ Terms:
 ``plan.json`` also holds the wiring of every stage (what feeds each input, which outputs
 are boundary values, model outputs or new K/V rows), the K/V buffer specs, the model's
 input/output signature as JSON (no pickle) and the sha256 and size of every file.
-:func:`tppc.artifact.load.load` verifies all of it before it loads anything.
+:func:`tppc.artifact.core.load.load` verifies all of it before it loads anything.
 
 Example:
     >>> cp = tppc.compile(model, (ids,), cluster="2xcpu")                  # doctest: +SKIP
@@ -38,11 +38,11 @@ from typing import Any
 import onnx
 import torch
 
-from tppc.artifact.export_check import check_export
-from tppc.artifact.graphs import ExportError, export_stage_graph
-from tppc.artifact.load import SCHEMA, sha256_file
-from tppc.artifact.signature import model_signature
-from tppc.artifact.to_onnx import OPSET, to_onnx
+from tppc.artifact.core.load import SCHEMA, sha256_file
+from tppc.artifact.writer.export_check import check_export
+from tppc.artifact.writer.graphs import ExportError, export_stage_graph
+from tppc.artifact.writer.signature import model_signature
+from tppc.artifact.writer.to_onnx import OPSET, to_onnx
 from tppc.backends.torch_distributed import token_axes as _token_axes
 from tppc.driver.emit import build_program
 from tppc.passes.chunking.chunk_attention import REST_CHUNK
@@ -73,7 +73,7 @@ def export(compiled: Any, path: str | os.PathLike[str], *, format: str = "onnx",
         progress: called with one line per stage written (and one for the check).
         verify: run the artifact with ONNX Runtime on the example and compare it with the
             torch program, the captured graph and the eager model
-            (:mod:`tppc.artifact.export_check`); default: the compile's ``verify``.
+            (:mod:`tppc.artifact.writer.export_check`); default: the compile's ``verify``.
         example: ``(args, kwargs)`` of that check (default: the compile's example,
             ``compiled.example``; none: not checked).
 

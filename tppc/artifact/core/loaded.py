@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from tppc.artifact.assemble import Assembler, Outputs, unflatten
-from tppc.artifact.check import check_finite, check_timeout, check_token_ids
-from tppc.artifact.epilogue import OrtTail
+from tppc.artifact.core.assemble import Assembler, Outputs, unflatten
+from tppc.artifact.core.check import check_finite, check_timeout, check_token_ids
+from tppc.artifact.core.epilogue import OrtTail
 from tppc.backends.onnxruntime import (
     OrtCall,
     OrtStage,
@@ -71,7 +71,7 @@ class LoadedPipeline:
         """The stages of a step's later chunks (joint attention: no text tokens), or None."""
         tail = doc.get("tail")
         self.tail = OrtTail(tail, root, threads, providers) if tail else None
-        """The epilogue run after the stages (:mod:`tppc.artifact.epilogue`), or None."""
+        """The epilogue run after the stages (:mod:`tppc.artifact.core.epilogue`), or None."""
         self.threads_per_stage = threads
         self.actions = {c: flow_shop(c, len(doc["stages"]))
                         for c in (self.chunks(n) for n in self.lengths)}
@@ -170,8 +170,8 @@ class LoadedPipeline:
         """PipeFusion denoising through the ORT stages, as ``CompiledPipeline.denoise``
         (same arguments and result; ``patches=None``: the exported length's chunks):
         ``latents`` a torch tensor, ``scheduler`` a diffusers scheduler. Imports torch
-        (:mod:`tppc.artifact.denoise`): diffusers' schedulers run on torch tensors."""
-        from tppc.artifact.denoise import denoise_loaded
+        (:mod:`tppc.artifact.torch_runners.denoise`): diffusers' schedulers run on torch tensors."""
+        from tppc.artifact.torch_runners.denoise import denoise_loaded
         from tppc.runtime.denoise import TimestepSchedule
 
         schedule = TimestepSchedule(timesteps=timesteps, sigmas=sigmas, mu=mu,

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from tppc.artifact.load import load
+from tppc.artifact.core.load import load
 from tppc.errors import RuntimeInputError
 
 __all__ = ["flat_outputs", "run_artifact"]

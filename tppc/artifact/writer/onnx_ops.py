@@ -1,5 +1,5 @@
 """ONNX translations of the ATen ops in stage graphs (the table :data:`OPS`), and
-:func:`tppc.artifact.graphs.split_attention` as MatMul-Softmax-MatMul.
+:func:`tppc.artifact.writer.graphs.split_attention` as MatMul-Softmax-MatMul.
 
 Each translation takes the translator (``t``: emits nodes and constants), the fx node (its
 ``meta["val"]`` gives the result's dtype and rank) and the node's arguments with fx nodes
@@ -18,8 +18,8 @@ import torch
 from onnx import TensorProto, helper
 from torch import fx
 
-from tppc.artifact.graphs import ExportError, split_attention
-from tppc.artifact.onnx_mask_ops import MASK_OPS
+from tppc.artifact.writer.graphs import ExportError, split_attention
+from tppc.artifact.writer.onnx_mask_ops import MASK_OPS
 
 __all__ = ["OPS", "Int", "Tensor", "onnx_dtype"]
 

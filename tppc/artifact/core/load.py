@@ -6,7 +6,7 @@ Terms:
         checks the schema version, the type of every field :mod:`tppc.backends.onnxruntime`
         reads, that every file name stays inside the directory (a bare name: no ``/``,
         ``\\``, ``..``, no absolute path, no link out), the size and sha256 of every file,
-        and then the meaning (:mod:`tppc.artifact.check`: the chain of stages, the stage
+        and then the meaning (:mod:`tppc.artifact.core.check`: the chain of stages, the stage
         graphs' inputs and outputs, the signature and the buffer specs agree). Any failure
         raises :class:`ArtifactError` naming the field or file, the value and the fix;
         nothing is half-loaded.
@@ -28,8 +28,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tppc.artifact.check import check_graphs, check_plan
-from tppc.artifact.epilogue import check_tail
+from tppc.artifact.core.check import check_graphs, check_plan
+from tppc.artifact.core.epilogue import check_tail
 from tppc.errors import ArtifactError
 
 __all__ = ["MAX_DEPTH", "MAX_PLAN_BYTES", "SCHEMA", "ArtifactError", "load", "sha256_file",
@@ -132,7 +132,7 @@ def load(path: str | os.PathLike[str], *, backend: str = "onnxruntime",
         threads_per_stage: intra-op threads per stage (default: cores / stages).
 
     Returns:
-        A :class:`tppc.artifact.loaded.LoadedPipeline`: ``runner(*args, **inputs)`` and
+        A :class:`tppc.artifact.core.loaded.LoadedPipeline`: ``runner(*args, **inputs)`` and
         ``runner.generate(ids, max_new_tokens=...)``.
     """
     if backend != "onnxruntime":
@@ -142,7 +142,7 @@ def load(path: str | os.PathLike[str], *, backend: str = "onnxruntime",
                                           or threads_per_stage < 1):
         raise ArtifactError(f"threads_per_stage={threads_per_stage!r} must be an int ≥ 1")
     doc = verify(path)
-    from tppc.artifact.loaded import LoadedPipeline
+    from tppc.artifact.core.loaded import LoadedPipeline
 
     return LoadedPipeline(doc, Path(path), providers=providers, threads=threads_per_stage)
 

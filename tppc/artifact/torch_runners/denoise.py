@@ -15,7 +15,7 @@ Each stage sees the jobs in the order of the torch program's serial reference (s
 patch by patch), so with ``warmup_steps == num_inference_steps`` the result is the serial
 loop's and with stale patches the torch program's ``cp.denoise``. The scheduler is diffusers'
 (torch), driven by the protocol of :mod:`tppc.runtime.schedulers`; so this module imports
-torch, and :meth:`tppc.artifact.loaded.LoadedPipeline.denoise` imports it only when called
+torch, and :meth:`tppc.artifact.core.loaded.LoadedPipeline.denoise` imports it only when called
 (loading and plain calls stay torch-free).
 """
 
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tppc.artifact.assemble import Assembler, unflatten
+from tppc.artifact.core.assemble import Assembler, unflatten
 from tppc.backends.onnxruntime import OrtCall
 from tppc.errors import SpecError
 from tppc.runtime.denoise import TimestepSchedule, schedule_steps

@@ -1,6 +1,6 @@
 """A loaded artifact's outputs: chunks' rows into full-length arrays, then the model's structure.
 
-Imports no torch (the loading half of :mod:`tppc.artifact`).
+Imports no torch (:mod:`tppc.artifact.core`).
 """
 
 from __future__ import annotations

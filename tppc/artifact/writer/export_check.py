@@ -29,9 +29,9 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
-from tppc.artifact.assemble import Assembler, unflatten
-from tppc.artifact.load import load
-from tppc.artifact.run import flat_outputs
+from tppc.artifact.core.assemble import Assembler, unflatten
+from tppc.artifact.core.load import load
+from tppc.artifact.core.run import flat_outputs
 from tppc.backends.onnxruntime import OrtCall, OrtStage, run_serial
 from tppc.errors import SoundnessError
 from tppc.runtime.localize import describe

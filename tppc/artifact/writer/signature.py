@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from tppc.artifact.graphs import ExportError
+from tppc.artifact.writer.graphs import ExportError
 
 __all__ = ["model_signature", "tree_json"]
 

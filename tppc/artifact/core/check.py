@@ -1,6 +1,6 @@
 """The meaning of an artifact: ``plan.json``, the stage graphs and the signature agree.
 
-:func:`tppc.artifact.load.verify` checks fields, paths and hashes; this module checks that
+:func:`tppc.artifact.core.load.verify` checks fields, paths and hashes; this module checks that
 what the files say fits together, before any ONNX Runtime session exists:
 
 Terms:
@@ -9,7 +9,7 @@ Terms:
         entry of the signature's ``outputs`` (so a stage removed or two stages swapped is
         refused, never run).
     declared graph: a stage graph's inputs and outputs (names, element types, shapes) as
-        its ONNX file declares them (:func:`tppc.artifact.graph_io.read_graph`: the
+        its ONNX file declares them (:func:`tppc.artifact.core.graph_io.read_graph`: the
         protobuf is read, the weights skipped). Exports since this check declare the
         outputs' sizes; older ones their rank only, so a boundary is then checked by type
         and rank.
@@ -35,7 +35,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from tppc.artifact.graph_io import Graph, GraphIO, read_graph
+from tppc.artifact.core.graph_io import Graph, GraphIO, read_graph
 from tppc.errors import ArtifactError, RuntimeInputError, SpecError
 
 __all__ = ["check_finite", "check_graphs", "check_plan", "check_timeout", "check_token_ids"]

@@ -1,13 +1,13 @@
 """An exported artifact run as a torch.distributed job: rank ``r`` loads and runs stage ``r``.
 
 Terms:
-    rank runner: :class:`DistributedArtifact`, a :class:`tppc.artifact.loaded.LoadedPipeline` holding
-        one ORT stage (its session with its own intra-op threads, its K/V buffers). It
-        verifies ``plan.json`` and only its own stage's files (size, sha256), so a rank never
-        reads another stage's weights.
+    rank runner: :class:`DistributedArtifact`, a
+        :class:`tppc.artifact.core.loaded.LoadedPipeline` holding one ORT stage (its session
+        with its own intra-op threads, its K/V buffers). It verifies ``plan.json`` and only
+        its own stage's files (size, sha256), so a rank never reads another stage's weights.
     actions: the rank follows its stage's lowered action list (receive, compute, send) of
         the compute lists the loaded runner derives from ``plan.json``'s chunks
-        (:meth:`tppc.artifact.loaded.LoadedPipeline.actions_for`), dry-run first.
+        (:meth:`tppc.artifact.core.loaded.LoadedPipeline.actions_for`), dry-run first.
     transport: boundary values are numpy arrays handed to torch.distributed point to point
         through ``torch.from_numpy`` (no copies; gloo on CPU); a receive fills a numpy
         array in place. The send of chunk ``i`` (``isend``) overlaps the compute of chunk
@@ -34,8 +34,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tppc.artifact.load import verify
-from tppc.artifact.loaded import LoadedPipeline
+from tppc.artifact.core.load import verify
+from tppc.artifact.core.loaded import LoadedPipeline
 from tppc.backends import wire
 from tppc.backends.onnxruntime import OrtCall, default_threads
 from tppc.backends.torch_distributed import DistributedExecutor

@@ -7,14 +7,15 @@ Terms:
     initializer: a parameter or module buffer the graph reads (``get_attr``); each stage
         file holds only its own.
 
-Supported ops are the table :data:`tppc.artifact.onnx_ops.OPS` (the ATen ops emitted for
+Supported ops are the table :data:`tppc.artifact.writer.onnx_ops.OPS` (the ATen ops emitted for
 GPT-style causal LMs: embedding, linear/addmm, layer/RMS norm, rope, GELU/SiLU, views), the
-table :data:`tppc.artifact.onnx_dit_ops.DIT_OPS` (what diffusion transformers add: cross-
+table :data:`tppc.artifact.writer.onnx_dit_ops.DIT_OPS` (what diffusion transformers add: cross-
 attention to unsplit text keys, ``rms_norm``, rope tables from position ids), plus
-:func:`tppc.artifact.graphs.split_attention`, decomposed to MatMul-Softmax-MatMul with an
+:func:`tppc.artifact.writer.graphs.split_attention`, decomposed to MatMul-Softmax-MatMul with an
 offset-causal mask built from ``Range``/``Greater`` on the chunk's rows only (a sliding
 window reads its last ``window`` keys; a padding mask, a ``full`` input of kind key
-validity, hides keys; a row that sees none gives 0). Anything else raises :class:`~tppc.artifact.graphs.ExportError` naming the node and the op.
+validity, hides keys; a row that sees none gives 0). Anything else raises
+:class:`~tppc.artifact.writer.graphs.ExportError` naming the node and the op.
 
 Example:
     >>> model = to_onnx(gm, sym_name="chunk")                              # doctest: +SKIP
@@ -33,9 +34,9 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 from torch import fx
 
-from tppc.artifact.graphs import ExportError
-from tppc.artifact.onnx_dit_ops import DIT_OPS
-from tppc.artifact.onnx_ops import OPS, Int, Tensor, onnx_dtype
+from tppc.artifact.writer.graphs import ExportError
+from tppc.artifact.writer.onnx_dit_ops import DIT_OPS
+from tppc.artifact.writer.onnx_ops import OPS, Int, Tensor, onnx_dtype
 
 __all__ = ["OPSET", "onnx_dtype", "to_onnx"]
 

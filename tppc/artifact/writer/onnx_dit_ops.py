@@ -4,7 +4,8 @@ Cross-attention to the text states (a plain ``scaled_dot_product_attention`` who
 not split: PixArt), RMS norm, rope tables built from position ids (``outer``, ``stack``,
 ``unbind``, ``unflatten``: Flux), splits into segments of computed sizes (joint attention's
 text and image tokens) and ``squeeze``. Each takes the translator ``t``, the fx node and its
-arguments as in :mod:`tppc.artifact.onnx_ops`; :mod:`tppc.artifact.to_onnx` reads both tables.
+arguments as in :mod:`tppc.artifact.writer.onnx_ops`; :mod:`tppc.artifact.writer.to_onnx`
+reads both tables.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import numpy as np
 import torch
 from torch import fx
 
-from tppc.artifact.graphs import ExportError
-from tppc.artifact.onnx_ops import Int, Tensor
+from tppc.artifact.writer.graphs import ExportError
+from tppc.artifact.writer.onnx_ops import Int, Tensor
 
 __all__ = ["DIT_OPS"]
 
@@ -127,4 +128,5 @@ DIT_OPS: dict[Any, Callable[..., Any]] = {
     _aten.outer.default: _outer, _aten.rms_norm.default: _rms_norm,
     _aten.scaled_dot_product_attention.default: _sdpa,
 }
-"""ATen op → translation, read by :mod:`tppc.artifact.to_onnx` after :data:`~tppc.artifact.onnx_ops.OPS`."""
+"""ATen op → translation, read by :mod:`tppc.artifact.writer.to_onnx` after
+:data:`~tppc.artifact.writer.onnx_ops.OPS`."""

@@ -6,7 +6,7 @@ Terms:
         token, a pooling); ``plan.json["tail"]`` names its file, the flat inputs it reads
         (``null`` for a non-tensor input baked in), its leaf inputs and its output count.
 
-Imports no torch (the loading half of :mod:`tppc.artifact`).
+Imports no torch (:mod:`tppc.artifact.core`).
 """
 
 from __future__ import annotations

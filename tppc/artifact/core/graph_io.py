@@ -10,7 +10,7 @@ Terms:
         1 and 5 are 8 and 4 bytes, 2 is a length-prefixed slice (a message, a string, a
         packed list). Field numbers are those of ``onnx.proto3``.
 
-A serving machine has numpy and onnxruntime only (see :mod:`tppc.artifact.load`), so this
+A serving machine has numpy and onnxruntime only (see :mod:`tppc.artifact.core.load`), so this
 module imports neither onnx nor torch. A malformed file raises :class:`ArtifactError`.
 
 Example:
