@@ -304,7 +304,8 @@ def test_a_subpackage_cycle_is_caught(tmp_path: Path, monkeypatch: pytest.Monkey
     (fake / "passes" / "annotation" / "a.py").write_text("X = 1\n")
     (fake / "passes" / "annotation" / "b.py").write_text(
         "def f():\n    from tppc.passes.chunking.c import Y\n    return Y\n")
-    (fake / "passes" / "chunking" / "c.py").write_text("from tppc.passes.annotation.a import X\nY = X\n")
+    (fake / "passes" / "chunking" / "c.py").write_text(
+        "from tppc.passes.annotation.a import X\nY = X\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", fake)
     assert import_cycles() == []
     assert subpackage_cycles() == [["tppc.passes.annotation", "tppc.passes.chunking"]]
