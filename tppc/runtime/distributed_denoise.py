@@ -33,8 +33,8 @@ from tppc.backends.rank_transport import RankEnd, rank_deadline
 from tppc.backends.torch_local import run_stage
 from tppc.driver.emit import build_program
 from tppc.errors import RuntimeInputError, SpecError
-from tppc.passes.chunk_attention import REST_CHUNK
-from tppc.passes.hoist_consts import hoist_constants
+from tppc.passes.chunking.chunk_attention import REST_CHUNK
+from tppc.passes.stages.hoist_consts import hoist_constants
 from tppc.program.actions import Action
 from tppc.program.interpreter import Interpreter
 from tppc.program.program import Program, StageProgram
