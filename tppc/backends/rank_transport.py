@@ -69,7 +69,7 @@ class RankEnd:
         self.patches: list[tuple[int, Posted]] = []  # patches sent back, until completed
 
     def recv(self, act: Action) -> Any:
-        if act.peer > self.rank:
+        if self.dry.stage(act.peer) > self.dry.stage(self.rank):
             if self.feedback_recv is None:
                 raise StageFailed(f"stage {self.rank}: {act} comes back along the pipeline; "
                                   "only denoising sends patches back")
@@ -78,7 +78,7 @@ class RankEnd:
         return self._recv(act)
 
     def send(self, act: Action, values: Any) -> None:
-        if act.peer < self.rank:
+        if self.dry.stage(act.peer) < self.dry.stage(self.rank):
             if self.feedback_send is None:
                 raise StageFailed(f"stage {self.rank}: {act} goes back along the pipeline; "
                                   "only denoising sends patches back")

@@ -54,12 +54,18 @@ class DryRun:
             last stage first within a round, so chunks leave the pipeline early; every
             member of a collective has reached it before its first member's entry).
         groups: the named groups the collectives run over.
+        stages: the stage of each list's worker (empty: list ``w`` is stage ``w``).
     """
 
     actions: Actions
     rounds: tuple[tuple[int, ...], ...]
     order: tuple[tuple[int, int], ...]
     groups: Groups = ()
+    stages: tuple[int, ...] = ()
+
+    def stage(self, worker: int) -> int:
+        """The stage list ``worker`` belongs to."""
+        return self.stages[worker] if self.stages else worker
 
     def members(self, group: str) -> tuple[int, ...]:
         """The workers of ``group``."""
@@ -119,7 +125,8 @@ class DryRun:
 
 
 def check_actions(actions: Actions, feedback: Sequence[int] = (0,),
-                  capacity: int | None = None, groups: Groups = ()) -> DryRun:
+                  capacity: int | None = None, groups: Groups = (),
+                  stages: Sequence[int] = ()) -> DryRun:
     """Dry-run the lists (compute lists are lowered first, :func:`tppc.program.actions.lower`).
 
     Args:
@@ -127,6 +134,11 @@ def check_actions(actions: Actions, feedback: Sequence[int] = (0,),
         feedback: stages that get each chunk back from the last stage between steps.
         capacity: messages a send may leave unreceived per pair of stages (None: any).
         groups: ``((name, member stages), ...)`` the collectives run over.
+        stages: the stage of each list when a stage has several workers (a tensor- or
+            sequence-parallel group): then list indices are workers, a worker receives
+            from a worker of the stage before and sends to one of the stage after, and
+            the rules above hold per worker (empty: one worker per stage, list ``s`` is
+            stage ``s``). Lists of several workers per stage come lowered.
 
     Returns:
         The lowered lists and the order of the dry run (cached per arguments).
@@ -135,13 +147,15 @@ def check_actions(actions: Actions, feedback: Sequence[int] = (0,),
         ScheduleError: a rule of the module docstring is broken; the message names the
             action and prints the grid with it marked.
     """
-    return _check(actions, tuple(sorted(set(feedback))), capacity, tuple(groups))
+    return _check(actions, tuple(sorted(set(feedback))), capacity, tuple(groups),
+                  tuple(stages))
 
 
 @functools.lru_cache(maxsize=256)
 def _check(actions: Actions, feedback: tuple[int, ...], capacity: int | None,
-           groups: Groups) -> DryRun:
-    run = _Replay(lower(actions, feedback), feedback, capacity, groups)
+           groups: Groups, stages: tuple[int, ...]) -> DryRun:
+    run = _Replay(lower(actions, feedback) if not stages else actions, feedback, capacity,
+                  groups, stages)
     run.play()
     run.finish()
     return run.result()
@@ -151,12 +165,14 @@ class _Replay:
     """The state of one dry run (see the module docstring)."""
 
     def __init__(self, lowered: Actions, feedback: tuple[int, ...], capacity: int | None,
-                 groups: Groups = ()) -> None:
+                 groups: Groups = (), stages: tuple[int, ...] = ()) -> None:
         self.acts, self.capacity, self.groups = lowered, capacity, groups
+        self.stages = stages
+        self.stage = stages or tuple(range(len(lowered)))
         self.members = dict(groups)
         self.together: dict[tuple[str, int], dict[int, int]] = {}  # (group, n) -> {s: k}
         self.count: dict[tuple[str, int], int] = {}  # (group, stage) -> collectives done
-        self.last = len(lowered) - 1
+        self.last = max(self.stage, default=-1)
         self.steps, self.chunks = job_count(lowered)
         self.back = {r for r in feedback if 0 <= r < self.last} if self.steps > 1 else set()
         self.pos = [0] * len(lowered)
@@ -169,7 +185,7 @@ class _Replay:
 
     def result(self) -> DryRun:
         return DryRun(self.acts, tuple(map(tuple, self.rounds)), tuple(self.order),
-                      self.groups)
+                      self.groups, self.stages)
 
     def fail(self, why: str, mark: Iterable[tuple[int, int]] = ()) -> ScheduleError:
         grid = self.result().grid(list(mark))
@@ -215,8 +231,11 @@ class _Replay:
         if act.collective:
             return self.arrive(s, act, here)
         peer = act.peer
+        if not 0 <= peer < len(self.acts):
+            raise self.fail(f"stage {s}: {act} names stage {peer}, which has no list", here)
+        me, them = self.stage[s], self.stage[peer]
         if act.kind == "send":
-            if not (peer == s + 1 <= self.last or (s == self.last and peer in self.back)):
+            if not (them == me + 1 <= self.last or (me == self.last and them in self.back)):
                 raise self.fail(f"stage {s} sends {act} to stage {peer}; a stage sends to "
                                 "the next stage only (the last stage: back to the feedback "
                                 f"stages {sorted(self.back)})", here)
@@ -227,7 +246,7 @@ class _Replay:
                 return False
             queue.append((act.job, self.pos[s]))
             return True
-        if not (peer == s - 1 >= 0 or (peer == self.last and s in self.back)):
+        if not (them == me - 1 >= 0 or (them == self.last and me in self.back)):
             raise self.fail(f"stage {s} receives {act} from stage {peer}; a stage receives "
                             "from the previous stage only (feedback stages also from the "
                             "last)", here)
@@ -239,11 +258,11 @@ class _Replay:
                             f"{peer} is job {queue[0][0]}: messages between two stages "
                             "arrive in the order they were sent", here)
         queue.popleft()
-        self.got[s].add((peer, *act.job))
+        self.got[s].add((them, *act.job))
         return True
 
     def check_compute(self, s: int, act: Action, here: list[tuple[int, int]]) -> None:
-        (t, i), done = act.job, self.computed[s]
+        (t, i), done, me = act.job, self.computed[s], self.stage[s]
         why = None
         if act.job in done:
             why = f"stage {s} computes {act} twice"
@@ -251,9 +270,9 @@ class _Replay:
             why = f"stage {s} computes {act} before chunk {i - 1} of step {t}"
         elif t and (t - 1, i) not in done:
             why = f"stage {s} computes {act} before chunk {i} of step {t - 1}"
-        elif s and (s - 1, t, i) not in self.got[s]:
-            why = f"stage {s} computes {act} before receiving it from stage {s - 1}"
-        elif t and s in self.back and (self.last, t - 1, i) not in self.got[s]:
+        elif me and (me - 1, t, i) not in self.got[s]:
+            why = f"stage {s} computes {act} before receiving it from stage {me - 1}"
+        elif t and me in self.back and (self.last, t - 1, i) not in self.got[s]:
             why = (f"stage {s} computes {act} before receiving chunk {i} of step {t - 1} "
                    f"back from stage {self.last}")
         if why is not None:

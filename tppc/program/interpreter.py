@@ -109,7 +109,8 @@ class Interpreter:
 
     Args:
         dry: the dry run the list comes from (its grid names a failing action).
-        stage: the worker (its list is ``dry.actions[stage]``).
+        stage: the worker (its list is ``dry.actions[stage]``; its stage is
+            ``dry.stage(stage)``).
         compute: runs a compute action.
         transport: moves values (None: :meth:`do` is driven by :func:`run_in_order`).
         output: receives the jobs that leave the list.
@@ -169,10 +170,10 @@ class Interpreter:
         act = self.actions[k]
         if self.before is not None:
             self.before(k, act)
-        forward = act.peer > self.stage
+        forward = self.dry.stage(act.peer) > self.dry.stage(self.stage)
         if act.kind == "recv":
             values = self.transport.recv(act)
-            if act.peer < self.stage:
+            if self.dry.stage(act.peer) < self.dry.stage(self.stage):
                 self.uses[act.job] -= 1
                 self.slots[act.job] = values
         elif act.kind == "send":
@@ -192,10 +193,9 @@ class Interpreter:
     def _carries(self, act: Action) -> bool:
         """Whether ``act`` reads or writes its job's slot (a forward send or receive, a
         compute, a collective)."""
-        if act.kind == "send":
-            return act.peer > self.stage
-        if act.kind == "recv":
-            return act.peer < self.stage
+        if act.kind in ("send", "recv"):
+            ahead = self.dry.stage(act.peer) > self.dry.stage(self.stage)
+            return ahead == (act.kind == "send")
         return True
 
     def _keep(self, act: Action, values: Any) -> None:

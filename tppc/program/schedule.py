@@ -95,6 +95,7 @@ def simulate(
     back: np.ndarray | None = None,
     actions: Actions | None = None,
     groups: Groups = (),
+    stages: tuple[int, ...] = (),
 ) -> Schedule:
     """Simulate ``steps`` pipelined passes of ``M`` chunks over ``S`` stages.
 
@@ -108,6 +109,8 @@ def simulate(
             a program); chunk indices index the columns of ``times``.
         groups: the groups of the lists' collectives; a collective ends when its last
             member reaches it (it takes no time of its own here).
+        stages: the stage of each list when stages have several workers (lowered lists;
+            ``times`` and ``links`` then have a row per list).
 
     Returns:
         Start and end of every (stage, job) and the makespan.
@@ -135,7 +138,8 @@ def simulate(
         raise PlanError(f"actions of {len(actions)} stages, {named[0]} steps, {named[1]} "
                         f"chunks do not fit times {times.shape} and steps={steps}")
     collective = any(a.collective for row in actions for a in row)
-    dry = check_actions(actions, groups=groups) if is_lowered(actions) or collective else \
+    dry = check_actions(actions, groups=groups, stages=stages) \
+        if is_lowered(actions) or collective or stages else \
         _dry_run_of_jobs(tuple(tuple(a.job for a in row) for row in actions))
     start = np.zeros((num_stages, steps * num_chunks))
     end = np.zeros((num_stages, steps * num_chunks))
@@ -157,7 +161,7 @@ def simulate(
             start[s, j] = clock[s]
             end[s, j] = clock[s] = clock[s] + times[s, i]
         elif act.kind == "send":
-            wire = links[s, i] if act.peer == s + 1 else back[i]
+            wire = links[s, i] if dry.stage(act.peer) > dry.stage(s) else back[i]
             arrive[(s, act.peer, act.step, i)] = clock[s] + wire
         else:
             clock[s] = max(clock[s], arrive[(act.peer, s, act.step, i)])

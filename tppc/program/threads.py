@@ -120,7 +120,7 @@ class ThreadEnd:
         self.ship, self.land, self.feedback = ship, land, feedback
 
     def recv(self, act: Action) -> Any:
-        if act.peer > self.stage:
+        if self.world.dry.stage(act.peer) > self.world.dry.stage(self.stage):
             self._feedback(act)
             return None
         job, values, event = self.world.get(self.world.inboxes[self.stage])
@@ -131,7 +131,7 @@ class ThreadEnd:
         return values
 
     def send(self, act: Action, values: Any) -> None:
-        if act.peer < self.stage:
+        if self.world.dry.stage(act.peer) < self.world.dry.stage(self.stage):
             self._feedback(act, sending=True)
             return
         values, event = self.ship(values) if self.ship is not None else (values, None)
