@@ -13,7 +13,7 @@ import torch
 
 import tppc
 from tests.oracles import assert_kernels_close
-from tppc.artifact.load import ArtifactError, verify
+from tppc.artifact.core.load import ArtifactError, verify
 from tppc.examples import gpt, hf_llama
 
 pytestmark = pytest.mark.timeout(600)

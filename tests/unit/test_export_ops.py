@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.oracles import assert_kernels_close
-from tppc.artifact.to_onnx import to_onnx
+from tppc.artifact.writer.to_onnx import to_onnx
 
 ort = pytest.importorskip("onnxruntime")
 

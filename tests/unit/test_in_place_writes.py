@@ -14,7 +14,7 @@ from torch.nn import functional as F
 
 import tppc
 from tests.oracles import assert_kernels_close, kernel_tolerance
-from tppc.passes._positional import call_target
+from tppc.passes.annotation.positional import call_target
 
 
 class _WrittenKeys(nn.Module):

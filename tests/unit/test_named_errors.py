@@ -16,7 +16,7 @@ import torch
 
 import tppc
 from tests.oracles import assert_kernels_close, greedy_reference
-from tppc.artifact.write import ExportError
+from tppc.artifact.writer.write import ExportError
 from tppc.errors import CaptureError, RuntimeInputError, SpecError
 from tppc.examples import gpt
 

@@ -16,7 +16,7 @@ import torch
 
 import tppc
 from tests.oracles import assert_kernels_close
-from tppc.artifact.check import check_finite
+from tppc.artifact.core.check import check_finite
 from tppc.errors import RuntimeInputError
 from tppc.examples import dit, hf_llama
 

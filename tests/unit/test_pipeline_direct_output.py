@@ -7,7 +7,7 @@ import torch
 
 from tests.oracles import assert_kernels_close
 from tppc import examples
-from tppc.passes.direct_output import write_outputs_in_place
+from tppc.passes.stages.direct_output import write_outputs_in_place
 from tppc.planner.manual import manual_plan
 from tppc.program.state import Call, next_epoch
 from tppc.runtime.compile import compile_pipeline
