@@ -11,7 +11,7 @@ import pytest
 import sympy
 import torch
 
-from tppc.artifact.denoise import NUMPY_TIMESTEPS
+from tppc.artifact.torch_runners.denoise import NUMPY_TIMESTEPS
 from tppc.errors import SpecError
 from tppc.program.patches import (
     PatchPrograms,

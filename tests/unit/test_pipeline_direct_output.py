@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tppc import examples
-from tppc.passes.direct_output import write_outputs_in_place
+from tppc.passes.stages.direct_output import write_outputs_in_place
 from tppc.planner.manual import manual_plan
 from tppc.program.state import Call, next_epoch
 from tppc.runtime.compile import compile_pipeline

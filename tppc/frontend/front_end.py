@@ -36,7 +36,7 @@ from tppc.frontend.capture import bind_inputs
 from tppc.frontend.isolation import CAPTURE_LOCK, shadow_tree
 from tppc.ir.context import CompileContext
 from tppc.ir.records import CHUNK_SIGNATURE, TOKEN
-from tppc.passes.chunk_attention import ChunkSignature, chunk_attention_pass
+from tppc.passes.chunking.chunk_attention import ChunkSignature, chunk_attention_pass
 from tppc.passes.runner import run_passes
 from tppc.program.patches import rows_per_unit
 from tppc.program.state import StatePool

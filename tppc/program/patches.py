@@ -1,9 +1,9 @@
 """PipeFusion's patches: one copy of each rule for the torch pipeline and the numpy artifact.
 
-Imports neither torch nor numpy (as :mod:`tppc.generation` for the decode loop): ``cp.denoise``,
-its per-step and distributed variants (:mod:`tppc.runtime.denoise`) and a loaded artifact's
-``runner.denoise`` (:mod:`tppc.artifact.denoise`) call these rules; what differs between a
-torch tensor and a numpy array comes in a :class:`TimestepOps`.
+Imports neither torch nor numpy (as :mod:`tppc.generation` for the decode loop):
+``cp.denoise``, its per-step and distributed variants (:mod:`tppc.runtime.denoise`) and a
+loaded artifact's ``runner.denoise`` (:mod:`tppc.artifact.torch_runners.denoise`) call these
+rules; what differs between a torch tensor and a numpy array comes in a :class:`TimestepOps`.
 
 Terms:
     unit: one position of the sequence axis as plans count it: a token, or a patch row of a

@@ -30,7 +30,7 @@ from tppc.backends import wire
 from tppc.driver.options import CompileOptions
 from tppc.errors import SoundnessError, StageFailed
 from tppc.frontend.front_end import FrontEnd
-from tppc.passes.chunk_attention import REST_CHUNK
+from tppc.passes.chunking.chunk_attention import REST_CHUNK
 from tppc.planner.plan import Plan
 from tppc.program.state import StatePool
 from tppc.runtime.checkpoint import StageWeights
