@@ -12,6 +12,7 @@ __all__ = [
     "ArtifactError",
     "CaptureError",
     "CostModelError",
+    "ExportError",
     "PassError",
     "PlanError",
     "PlanInfeasible",
@@ -91,6 +92,11 @@ class SoundnessError(TppcError):
 
 class SpecError(TppcError, ValueError):
     """A hardware spec, cluster string or option is invalid."""
+
+
+class ExportError(TppcError):
+    """A stage or program that cannot be exported (``tppc.export``), or an artifact that
+    cannot be loaded; the message names the node or the file."""
 
 
 class CostModelError(TppcError):

@@ -38,6 +38,7 @@ from tppc.ir.context import CompileContext
 from tppc.ir.records import CHUNK_SIGNATURE, TOKEN
 from tppc.passes.chunking.chunk_attention import ChunkSignature, chunk_attention_pass
 from tppc.passes.runner import run_passes
+from tppc.program.patches import rows_per_unit
 from tppc.program.state import StatePool
 
 __all__ = ["BoundCall", "FrontEnd", "batch_shape", "bind", "capture_front_end", "check_finite",
@@ -200,7 +201,7 @@ def bind(front: FrontEnd, model: torch.nn.Module, args: tuple[Any, ...],
                 f"input {ph.name!r} has batch size 0 (shape {tuple(value.shape)}): there is "
                 "nothing to run. fix: pass at least one sequence (batch size ≥ 1)")
         for axis in seq:
-            lengths[ph.name] = int(value.shape[axis]) // _rows_per_unit(ph, axis)
+            lengths[ph.name] = int(value.shape[axis]) // rows_per_unit(ph.meta["val"].shape[axis])
     if len(set(lengths.values())) != 1:
         raise RuntimeInputError(f"sequence inputs disagree in length: {lengths}. fix: give "
                                 "every sequence input the same number of tokens")
@@ -260,16 +261,6 @@ def input_structure(model: torch.nn.Module, args: tuple[Any, ...],
                     kwargs: Mapping[str, Any]) -> str:
     """The call's input structure as :attr:`FrontEnd.key` spells it."""
     return repr(pytree.tree_flatten(_bound(model, args, kwargs))[1])
-
-
-def _rows_per_unit(ph: fx.Node, axis: int) -> int:
-    """Positions of an input's sequence axis per unit of the symbol (a latent's patch size)."""
-    size = ph.meta["val"].shape[axis]
-    if not isinstance(size, torch.SymInt):
-        return 1
-    expr = size.node.expr
-    coeff = expr.as_coeff_Mul()[0]
-    return int(coeff) if expr.is_Mul and coeff.is_Integer and coeff > 0 else 1
 
 
 def _bound(model: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:

@@ -46,6 +46,16 @@ from tppc.driver.emit import build_program
 from tppc.errors import SpecError
 from tppc.passes.chunking.chunk_attention import REST_CHUNK
 from tppc.passes.stages.hoist_consts import hoist_constants
+from tppc.program.patches import (
+    PatchPrograms,
+    TimestepOps,
+    cached_patch_programs,
+    latent_axis,
+    patch_bands,
+    patch_bounds,
+    rows_per_unit,
+)
+from tppc.program.patches import model_timestep as timestep_input
 from tppc.program.program import Program, StageProgram
 from tppc.program.schedule import check_actions
 from tppc.program.state import Call, next_epoch
@@ -62,6 +72,7 @@ from tppc.runtime.schedulers import (
 )
 
 __all__ = [
+    "TORCH_TIMESTEPS",
     "TimestepSchedule",
     "all_threads",
     "bind_steps",
@@ -74,6 +85,14 @@ __all__ = [
 ]
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
+
+TORCH_TIMESTEPS = TimestepOps(
+    convert=lambda value: value, is_array=lambda value: isinstance(value, torch.Tensor),
+    dtype=lambda value: value.dtype, cast=lambda value, dtype: value.to(dtype),
+    equal=torch.equal, first=lambda value: value.flatten()[0].item(),
+    target="the pipeline's {arg} input was compiled as {want}",
+    fix="compile with a {dtype} example {arg} (e.g. torch.tensor([1.0]))")
+"""The timestep input's operations on torch tensors (:func:`model_timestep`)."""
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -122,12 +141,13 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any,
     b = bind_steps(cp, x_in, kwargs, steps, timestep_arg, warm, patches,
                    schedule.timestep_transform, max_patches=cap)
     front, length, plan, bounds, flats = b.front, b.length, b.plan, b.bounds, b.flats
-    full, first, rest = patch_programs(cp, front, plan, length, bounds)
+    programs = patch_programs(cp, front, plan, length, bounds)
+    full, first = programs.full, programs.first
     if warm < len(steps):  # the patches against one chunk, once per shape
-        check_patches(cp, front, flats[0], length, bounds, (full, first, rest))
+        check_patches(cp, front, flats[0], length, bounds, programs)
     axis, scale = b.axis, b.scale
     chunks = tuple(itertools.pairwise(bounds))
-    bands = [(scale * a, scale * b) for a, b in chunks]
+    bands = patch_bands(chunks, scale)
     if warm < len(steps):
         check_elementwise(scheduler, x, axis, bands)
     epoch = next_epoch()
@@ -152,16 +172,15 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any,
             patch.model_input(steps[warm])
 
         def finish(t: int, m: int, values: tuple[Any, ...]) -> None:
-            a, b = chunks[m]
-            out = run.model_output(first, calls[t], m, values).narrow(axis, scale * a,
-                                                                      scale * (b - a))
+            lo, hi = bands[m]
+            out = run.model_output(first, calls[t], m, values).narrow(axis, lo, hi - lo)
             i = warm + t
             scheds[m].step(out, steps[i])
             if i + 1 < len(steps):  # patch m's input of the next step
                 scheds[m].model_input(steps[i + 1])
 
         def stage_of(m: int, s: int) -> StageProgram:
-            return (first if m == 0 or rest is None else rest).stages[s]
+            return programs.of_patch(m).stages[s]
 
         jobs = Jobs(check_actions(first.actions_for(chunks, pipelined)), calls, state,
                     stage_of, finish, warm)
@@ -285,26 +304,14 @@ def bind_steps(cp: Any, x: torch.Tensor, kwargs: Mapping[str, Any], steps: list,
 
 def model_timestep(cp: Any, arg: str, t: torch.Tensor, batch: int,
                    transform: Transform | None) -> torch.Tensor:
-    """The model's timestep input of step ``t``: ``transform(t.expand(batch))`` in the
-    scheduler's dtype, cast to the compiled input's dtype where that keeps every value (an
-    int64 ``999`` is a float ``999.0``: the model computes the same).
+    """The model's timestep input of step ``t`` (:func:`tppc.program.patches.model_timestep`),
+    in the dtype ``cp`` compiled its ``arg`` input with.
 
     Raises:
-        SpecError: the cast would change a value (a fractional timestep into an integer
-            input), naming both dtypes and the fix.
+        SpecError: the cast would change a value, naming both dtypes and the fix.
     """
-    value = t.expand(batch) if t.dim() == 0 else t
-    value = transform(value) if transform is not None else value
     want = cp.input_dtypes.get(arg) if hasattr(cp, "input_dtypes") else None
-    if want is None or not isinstance(value, torch.Tensor) or value.dtype == want:
-        return value
-    cast = value.to(want)
-    if not torch.equal(cast.to(value.dtype), value):
-        raise SpecError(
-            f"the scheduler's timesteps are {value.dtype} ({value.flatten()[0].item()!r}), the "
-            f"pipeline's {arg!r} input was compiled as {want}, which cannot hold them. fix: "
-            f"compile with a {value.dtype} example {arg} (e.g. torch.tensor([1.0]))")
-    return cast
+    return timestep_input(t, batch, transform, want, TORCH_TIMESTEPS, arg)
 
 
 def choose_patches(cp: Any, front: Any, length: int, steps: int, warmup: int, patches: int | None,
@@ -313,41 +320,30 @@ def choose_patches(cp: Any, front: Any, length: int, steps: int, warmup: int, pa
     compiled plan, or (``None``) the diffusion plan's own split, at most ``max_patches``
     (a given plan's split above it: that many equal bands; every executor calls this)."""
     if patches is not None:
-        plan, bounds = cp.program(length, front).plan, _patch_bounds(patches, length)
+        plan, bounds = cp.program(length, front).plan, patch_bounds(patches, length)
     else:
         plan = cp.denoise_plan(steps, warmup, length, front, max_patches)
         bounds = tuple(plan.boundaries) \
             if plan.workload.kind == "diffusion" and plan.seq_len == length \
-            else _patch_bounds(len(plan.stages), length)
+            else patch_bounds(len(plan.stages), length)
         if max_patches is not None and len(bounds) - 1 > max_patches:
-            bounds = _patch_bounds(max_patches, length)
+            bounds = patch_bounds(max_patches, length)
     return plan, bounds
 
 
-def _patch_bounds(patches: int, length: int) -> tuple[int, ...]:
-    if not isinstance(patches, int) or not 1 <= patches <= length:
-        raise SpecError(f"patches={patches!r}; the latent has {length} patch rows. fix: "
-                        f"1 <= patches <= {length}")
-    return tuple(round(i * length / patches) for i in range(patches + 1))
-
-
 def patch_programs(cp: Any, front: Any, plan: Any, length: int, bounds: tuple[int, ...]
-              ) -> tuple[Program, Program, Program | None]:
+                   ) -> PatchPrograms:
     """Warm-up program (one chunk), patch program, and the later patches' program (joint
-    attention: no text tokens), cached on the pipeline per (batch, length, patches)."""
-    cache = cp.__dict__.setdefault("_denoise_programs", {})
-    placement = tuple((st.layer_start, st.layer_end, st.device_index) for st in plan.stages)
-    key = (front.batch, length, bounds, placement)
-    if key not in cache:
-        devices = cp.options.devices
-        chunks = tuple(itertools.pairwise(bounds))
-        full = _hoist(build_program(front.chunk, front.ctx, plan, ((0, length),), devices))
-        first = _hoist(build_program(front.chunk, front.ctx, plan, chunks, devices))
-        rest_gm = front.chunk.meta.get(REST_CHUNK)
-        rest = (_hoist(build_program(rest_gm, front.ctx, plan, chunks, devices)) if rest_gm
-                else None)
-        cache[key] = (full, first, rest)
-    return cache[key]
+    attention: no text tokens), their constants hoisted, cached on the pipeline
+    (:func:`tppc.program.patches.cached_patch_programs`)."""
+    devices = cp.options.devices
+
+    def build(gm: Any, chunks: tuple[tuple[int, int], ...]) -> Program:
+        return _hoist(build_program(gm, front.ctx, plan, chunks, devices))
+
+    return cached_patch_programs(cp.__dict__.setdefault("_denoise_programs", {}), plan,
+                                 front.batch, length, bounds, build, front.chunk,
+                                 front.chunk.meta.get(REST_CHUNK))
 
 
 def _hoist(program: Program) -> Program:
@@ -358,13 +354,9 @@ def _hoist(program: Program) -> Program:
 
 
 def _latent_axis(front: Any, flat: list[Any], x: torch.Tensor) -> tuple[int, int]:
-    """The latent's sequence axis and its positions per unit (the patch size)."""
-    for ph, value in zip(front.placeholders, flat):
-        if value is x and ph.name in front.ctx.seq_inputs:
-            axis = front.ctx.seq_inputs[ph.name][0]
-            size = ph.meta["val"].shape[axis]
-            expr = size.node.expr if isinstance(size, torch.SymInt) else None
-            coeff = expr.as_coeff_Mul()[0] if expr is not None else 1
-            return axis, int(coeff) if expr is not None and expr.is_Mul else 1
-    raise SpecError("the latents are not a sequence input of the compiled model. fix: pass "
-                    "the latents as the model's first argument, as in the compile example")
+    """The latent axis and its positions per unit (:func:`tppc.program.patches.latent_axis`)
+    of the input that is ``x``."""
+    ph = next((ph for ph, value in zip(front.placeholders, flat) if value is x), None)
+    axes = () if ph is None else front.ctx.seq_inputs.get(ph.name, ())
+    what = "the latents" if ph is None else f"the compiled model's input {ph.name!r} (latents)"
+    return latent_axis(what, axes, [rows_per_unit(ph.meta["val"].shape[a]) for a in axes])

@@ -98,7 +98,8 @@ class StepCalls:
         plan, bounds = choose_patches(cp, front, length, steps,
                                       steps if self.warmup_steps is None
                                       else min(self.warmup_steps, steps), self.patches)
-        full, first, rest = patch_programs(cp, front, plan, length, bounds)
+        programs = patch_programs(cp, front, plan, length, bounds)
+        full, first = programs.full, programs.first
         threaded = (self.executor or cp.executor) == "threads" and len(first.stages) > 1
         if warm or len(bounds) == 2:
             call = Call(tuple(bound.flat), ((0, length),), length, length, self._epoch)
@@ -112,7 +113,7 @@ class StepCalls:
         sink = OutputAssembler(first.signature.output_axes, call, first.signature.output_rows)
 
         def stage_of(m: int, s: int) -> StageProgram:
-            return (first if m == 0 or rest is None else rest).stages[s]
+            return programs.of_patch(m).stages[s]
 
         def finish(_t: int, m: int, values: tuple[Any, ...]) -> None:
             sink(m, values)

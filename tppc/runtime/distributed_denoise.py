@@ -37,6 +37,7 @@ from tppc.passes.chunking.chunk_attention import REST_CHUNK
 from tppc.passes.stages.hoist_consts import hoist_constants
 from tppc.program.actions import Action
 from tppc.program.interpreter import Interpreter
+from tppc.program.patches import PatchPrograms, cached_patch_programs, patch_bands
 from tppc.program.program import Program, StageProgram
 from tppc.program.schedule import DryRun, check_actions
 from tppc.program.state import Call, next_epoch
@@ -123,17 +124,18 @@ def distributed_denoise(cp: DenoisingRank, latents: torch.Tensor | None, schedul
     x_in = x.clone()  # the model's input (scale_model_input, on the last rank), broadcast
     b = bind_steps(cp, x_in, kwargs, steps, arg, warmup_steps, patches, timestep_transform)
     front, length, plan, bounds, flats = b.front, b.length, b.plan, b.bounds, b.flats
-    full, first, rest = _programs(cp, front, plan, length, bounds)
-    if rest is not None and warmup_steps < len(steps):  # every rank decides alike
+    programs = _programs(cp, front, plan, length, bounds)
+    full, first = programs.full, programs.first
+    if programs.rest is not None and warmup_steps < len(steps):  # every rank decides alike
         raise SpecError(
             f"{front.ctx.model_name}: stale patches of a joint-attention DiT (text tokens "
             "beside the image, a second program for the later patches) do not run on the "
             "distributed backend yet (a later patch's stage fails on the text rows). fix: "
             "warmup_steps=None (every step warm: exact), or the threads or local executor")
     axis, scale = b.axis, b.scale
+    bands = patch_bands(itertools.pairwise(bounds), scale)
     if warmup_steps < len(steps):  # every rank checks alike (a seeded random latent)
-        check_elementwise(scheduler, x, axis, [(scale * a, scale * c)
-                                               for a, c in itertools.pairwise(bounds)])
+        check_elementwise(scheduler, x, axis, bands)
     latent = next(j for j, v in enumerate(b.bound.flat) if v is x_in)
     epoch = next_epoch()
     state = front.pool.acquire(length)
@@ -157,30 +159,26 @@ def distributed_denoise(cp: DenoisingRank, latents: torch.Tensor | None, schedul
         chunks = tuple(itertools.pairwise(bounds))
         calls = [Call(tuple(flats[warm + t]), chunks, length, length, epoch)
                  for t in range(pipelined)]
-        scheds = patch_protocols(scheduler, x, x_in, axis, [(scale * a, scale * b)
-                                 for a, b in chunks]) if cp.rank == last else []
+        scheds = patch_protocols(scheduler, x, x_in, axis, bands) if cp.rank == last else []
         for patch in scheds:
             patch.model_input(steps[warm])
         cp.collective(lambda: dist.broadcast(x_in, src=last), "model input broadcast")
 
         def rows(m: int) -> torch.Tensor:  # what the readers receive: the model input
-            a, b = chunks[m]
-            return x_in.narrow(axis, scale * a, scale * (b - a))
+            lo, hi = bands[m]
+            return x_in.narrow(axis, lo, hi - lo)
 
         def finish(t: int, m: int, values: tuple[Any, ...]) -> None:
-            out = run.model_output(first, calls[t], m, values).narrow(
-                axis, scale * chunks[m][0], scale * (chunks[m][1] - chunks[m][0]))
+            lo, hi = bands[m]
+            out = run.model_output(first, calls[t], m, values).narrow(axis, lo, hi - lo)
             i = warm + t
             scheds[m].step(out, steps[i])
             if i + 1 < len(steps):
                 scheds[m].model_input(steps[i + 1])
 
-        def program_of(m: int) -> Program:
-            return first if m == 0 or rest is None else rest
-
-        readers = _readers(cp.world, latent, first, rest)
+        readers = _readers(cp.world, latent, first, programs.rest)
         dry = check_actions(first.actions_for(chunks, pipelined), readers)
-        _Jobs(cp, calls, state, program_of, rows, warm).run(dry, finish)
+        _Jobs(cp, calls, state, programs.of_patch, rows, warm).run(dry, finish)
     cp.collective(lambda: dist.broadcast(x, src=last), "latents broadcast")
     state.consts.clear()  # the text K/V are this request's
     front.pool.release(state)
@@ -237,26 +235,20 @@ def _readers(world: int, latent: int, *programs: Program | None) -> tuple[int, .
 
 
 def _programs(cp: DenoisingRank, front: Any, plan: Any, length: int,
-              bounds: tuple[int, ...]) -> tuple[Program, Program, Program | None]:
+              bounds: tuple[int, ...]) -> PatchPrograms:
     """Warm-up, patch and later-patch programs with this rank's stage loaded and its const
     sub-graphs hoisted (as :func:`tppc.runtime.denoise.patch_programs`), cached on ``cp``."""
-    cache = cp.__dict__.setdefault("_distributed_denoise_programs", {})
-    placement = tuple((st.layer_start, st.layer_end, st.device_index) for st in plan.stages)
-    key = (front.batch, length, bounds, placement)
-    if key not in cache:
-        chunks = tuple(itertools.pairwise(bounds))
 
-        def make(gm: Any, chunks: tuple[tuple[int, int], ...]) -> Program:
-            program = cp.materialise(build_program(gm, front.ctx, plan, chunks,
-                                                    cp.options.devices))
-            stages = list(program.stages)
-            stages[cp.rank] = hoist_constants(stages[cp.rank])
-            return _replace(program, stages)
+    def make(gm: Any, chunks: tuple[tuple[int, int], ...]) -> Program:
+        program = cp.materialise(build_program(gm, front.ctx, plan, chunks,
+                                                cp.options.devices))
+        stages = list(program.stages)
+        stages[cp.rank] = hoist_constants(stages[cp.rank])
+        return _replace(program, stages)
 
-        rest_gm = front.chunk.meta.get(REST_CHUNK)
-        cache[key] = (make(front.chunk, ((0, length),)), make(front.chunk, chunks),
-                      make(rest_gm, chunks) if rest_gm else None)
-    return cache[key]
+    return cached_patch_programs(
+        cp.__dict__.setdefault("_distributed_denoise_programs", {}), plan, front.batch,
+        length, bounds, make, front.chunk, front.chunk.meta.get(REST_CHUNK))
 
 
 def _replace(program: Program, stages: list[StageProgram]) -> Program:
