@@ -103,7 +103,7 @@ def _has_hf() -> bool:
 ])
 def test_bad_options_are_refused_before_capture(options, message, monkeypatch):
     model, args, _ = examples.gpt(seq_len=SEQ, n_layer=2)
-    monkeypatch.setattr("tppc.runtime.compile.capture_front_end",
+    monkeypatch.setattr("tppc.dispatch.compile.capture_front_end",
                         lambda *a, **k: pytest.fail("captured"))
     with pytest.raises(SpecError, match=message.replace("(", r"\(").replace(")", r"\)")):
         tppc.compile(model, args, **options)

@@ -14,7 +14,7 @@ Terms:
 Each stage sees the jobs in the order of the torch program's serial reference (step by step,
 patch by patch), so with ``warmup_steps == num_inference_steps`` the result is the serial
 loop's and with stale patches the torch program's ``cp.denoise``. The scheduler is diffusers'
-(torch), driven by the protocol of :mod:`tppc.runtime.schedulers`; so this module imports
+(torch), driven by the protocol of :mod:`tppc.pipefusion.schedulers`; so this module imports
 torch, and :meth:`tppc.artifact.loaded.LoadedPipeline.denoise` imports it only when called
 (loading and plain calls stay torch-free).
 """
@@ -31,8 +31,8 @@ import torch
 from tppc.artifact.assemble import Assembler, unflatten
 from tppc.backends.onnxruntime import OrtCall
 from tppc.errors import SpecError
-from tppc.runtime.denoise import TimestepSchedule, schedule_steps
-from tppc.runtime.schedulers import (
+from tppc.pipefusion.denoise import TimestepSchedule, schedule_steps
+from tppc.pipefusion.schedulers import (
     StepProtocol,
     check_elementwise,
     patch_protocols,
@@ -124,7 +124,7 @@ def _array(value: Any) -> Any:
 
 def _timestep(runner: Any, arg: str, t: torch.Tensor, batch: int,
               transform: Transform | None) -> np.ndarray:
-    """The model's timestep input of step ``t`` (as ``tppc.runtime.denoise.model_timestep``):
+    """The model's timestep input of step ``t`` (as ``tppc.pipefusion.denoise.model_timestep``):
     ``transform(t.expand(batch))``, cast to the exported input's dtype where that keeps
     every value.
 

@@ -11,15 +11,15 @@ Terms:
         while it waits for its first chunk, so its stage does not take the page faults. The last rank unlinks
         the file once rank 0 acknowledged the mapping, or when the call fails.
     owner lock: the file ``/dev/shm/tppc-<pid>-<n>`` is owned by the last rank
-        (:mod:`tppc.runtime.owned_files`: locked until it is unlinked, the lock dropped by
+        (:mod:`tppc.processes.owned_files`: locked until it is unlinked, the lock dropped by
         the kernel however the rank dies). :func:`sweep_dead` removes the files of dead
         owners: a failed call's survivors, every rank joining a job and :func:`tppc.launch`
         call it, so a rank killed with SIGKILL leaves nothing once a tppc process looks
-        again; a rank's signal handlers release its own (:mod:`tppc.runtime.rank_exit`).
+        again; a rank's signal handlers release its own (:mod:`tppc.processes.rank_exit`).
     one machine: every rank of the job runs on this node (``LOCAL_WORLD_SIZE ==
         WORLD_SIZE``, as torchrun and :func:`tppc.launch` set them), ``/dev/shm`` exists and
         has room for twice the outputs; otherwise the outputs are streamed over the process
-        group (:mod:`tppc.runtime.result_stream`), and rank 0 tells the two apart from the
+        group (:mod:`tppc.distributed.result_stream`), and rank 0 tells the two apart from the
         header it receives.
 """
 
@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from tppc.backends import wire
 from tppc.errors import StageFailed
-from tppc.runtime import owned_files
+from tppc.processes import owned_files
 
 __all__ = ["SharedOutputs", "map_outputs", "sweep_dead"]
 

@@ -15,8 +15,8 @@ from typing import Any, Protocol
 import torch
 
 from tppc.generation import DEFAULT, greedy_decode, stop_tokens
+from tppc.pipeline.generate import TORCH_OPS, Generating, logits_output, token_input_index
 from tppc.program.state import Call, next_epoch
-from tppc.runtime.generate import TORCH_OPS, Generating, logits_output, token_input_index
 
 __all__ = ["GeneratingRank", "distributed_generate"]
 

@@ -9,7 +9,7 @@ Terms:
         rows; the first stage whose outputs differ holds the diverging layer.
     node-by-node: that stage replayed once more for the diverging chunk with an
         :class:`fx.Interpreter` that keeps every node's value, compared in graph order with the
-        same nodes of the unsplit graph (matched by :func:`tppc.runtime.replay.origin`).
+        same nodes of the unsplit graph (matched by :func:`tppc.validation.replay.origin`).
 
 The error names the node, its op, its module path (``meta["nn_module_stack"]``), the layer and
 the construct when it is a known one (a float attention bias, an in-place write into a slice,
@@ -34,7 +34,7 @@ from tppc.ir.records import CHUNK_INPUT
 from tppc.passes.chunk_attention import REST_CHUNK
 from tppc.planner.manual import manual_plan
 from tppc.program.program import Program
-from tppc.runtime.replay import (
+from tppc.validation.replay import (
     Difference,
     RecordingStage,
     Replay,

@@ -12,12 +12,12 @@ Terms:
         stage workers), writing every K/V row; exact.
     stale call: a later call: the patches one after the other through the stages, patch
         ``m`` attending to this call's rows of patches ``≤ m`` and the previous call's rows of
-        the others (one-step-stale K/V, as :mod:`tppc.runtime.denoise`). The loop steps
+        the others (one-step-stale K/V, as :mod:`tppc.pipefusion.denoise`). The loop steps
         the latent between calls, so the pipeline fills and drains once per call: with
         ``S`` stages and ``M`` patches a call takes ``M + S − 1`` patch times instead of
         the ``M`` of ``cp.denoise``, where patches of the next step enter as this step's
         leave. The fill and the drain run on the idle stages' intra-op threads too
-        (:func:`tppc.runtime.denoise_jobs.idle_threads`), which shortens them.
+        (:func:`tppc.pipefusion.jobs.idle_threads`), which shortens them.
 
 :meth:`StepCalls.reset` starts a new loop (a diffusers pipeline call): the states go back,
 and the next call of every stream is warm again.
@@ -31,13 +31,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from tppc.backends.torch_local import LocalExecutor
+from tppc.calls.call import with_tail
+from tppc.calls.io import OutputAssembler
+from tppc.pipefusion.denoise import all_threads, choose_patches, intra_op_threads, patch_programs
+from tppc.pipefusion.jobs import Jobs, run_pipelined, run_serial
 from tppc.program.program import StageProgram
 from tppc.program.schedule import check_actions
 from tppc.program.state import Call, CallState, next_epoch
-from tppc.runtime.call import with_tail
-from tppc.runtime.denoise import all_threads, choose_patches, intra_op_threads, patch_programs
-from tppc.runtime.denoise_jobs import Jobs, run_pipelined, run_serial
-from tppc.runtime.io import OutputAssembler
 
 __all__ = ["StepCalls"]
 

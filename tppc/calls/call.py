@@ -8,7 +8,7 @@ Terms:
     delivery: the one part that differs between a pipeline in one process and a rank of a
         job: where the full-length outputs live, which sink the last stage feeds, and how the
         outputs reach the caller. :class:`LocalDelivery` keeps them in the process (the last
-        stage writes them in place); :class:`tppc.runtime.rank_delivery.RankDelivery` leaves
+        stage writes them in place); :class:`tppc.distributed.rank_delivery.RankDelivery` leaves
         them on the last rank, in shared memory, or streams or gathers them to rank 0.
     epilogue: ``program.tail``, the part of the model after the last per-token value (a
         final norm over the whole sequence...), run once on the assembled outputs.
@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from tppc.calls.io import OutputAssembler
 from tppc.program.state import Call, next_epoch
-from tppc.runtime.io import OutputAssembler
 
 if TYPE_CHECKING:
     from tppc.backends.torch_local import Sink

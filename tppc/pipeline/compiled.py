@@ -26,6 +26,8 @@ from torch.utils import _pytree as pytree
 
 from tppc.backends.torch_local import LocalExecutor, Sink
 from tppc.backends.torch_threads import ThreadsExecutor
+from tppc.calls.call import Delivery, LocalDelivery, run_call
+from tppc.calls.kv_cache import read_kv_cache
 from tppc.driver.emit import build_program
 from tppc.driver.options import (
     CompileOptions,
@@ -38,13 +40,11 @@ from tppc.driver.planning import Planner
 from tppc.errors import CaptureError, RuntimeInputError, SpecError
 from tppc.frontend.front_end import BoundCall, FrontEnd, bind, capture_front_end, input_structure
 from tppc.ir.context import PassRecord
+from tppc.pipeline.rebalance import Rebalancing
 from tppc.planner.plan import Plan, Workload
 from tppc.program.program import Program
 from tppc.program.state import Call, CallState, StatePool
-from tppc.runtime.call import Delivery, LocalDelivery, run_call
-from tppc.runtime.kv_cache import read_kv_cache
-from tppc.runtime.rebalance import Rebalancing
-from tppc.runtime.validate import validate_pipeline
+from tppc.validation.validate import validate_pipeline
 
 __all__ = ["CompiledPipeline", "StageSummary"]
 
@@ -85,7 +85,7 @@ class CompiledPipeline(Rebalancing):
         context: the compile context of the example's capture.
         executor: the executor calls run on.
         last_trace: ``(stage, chunk, start, end)`` of the last ``threads`` call.
-        validation: what ``tppc.compile`` checked (:class:`tppc.runtime.validate.Validation`),
+        validation: what ``tppc.compile`` checked (:class:`tppc.validation.validate.Validation`),
             or None (``verify=False``).
         example: ``(args, kwargs)`` of the compile (what ``tppc.export`` checks the artifact
             on), or None.
@@ -180,8 +180,8 @@ class CompiledPipeline(Rebalancing):
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 20, **kwargs: Any
                  ) -> torch.Tensor:
-        """Pipelined prefill, then greedy decoding; see :func:`tppc.runtime.generate`."""
-        from tppc.runtime.generate import greedy_generate
+        """Pipelined prefill, then greedy decoding; see :func:`tppc.pipeline.generate`."""
+        from tppc.pipeline.generate import greedy_generate
 
         return greedy_generate(self, input_ids, max_new_tokens, **kwargs)
 
@@ -194,7 +194,7 @@ class CompiledPipeline(Rebalancing):
                 sigmas: Any = None, mu: float | None = None,
                 timestep_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
                 quality: Any = None) -> torch.Tensor:
-        """Denoise ``latents`` with PipeFusion (:mod:`tppc.runtime.denoise`): warm-up steps run
+        """Denoise ``latents`` with PipeFusion (:mod:`tppc.pipefusion.denoise`): warm-up steps run
         the whole image, then patches (``None``: the plan's, :meth:`denoise_plan`) of
         consecutive steps flow through the stages with one-step-stale K/V.
         ``warmup_steps == num_inference_steps`` (or ``None``) equals the serial loop
@@ -202,8 +202,8 @@ class CompiledPipeline(Rebalancing):
         ``sigmas``, ``mu`` go to ``scheduler.set_timesteps`` (as diffusers'
         ``retrieve_timesteps`` passes them); ``timestep_transform`` maps ``t.expand(batch)``
         to the model's timestep (Flux: ``lambda t: t / 1000``); ``quality``: see
-        :mod:`tppc.runtime.denoise_quality`."""
-        from tppc.runtime.denoise import TimestepSchedule, denoise
+        :mod:`tppc.pipefusion.quality`."""
+        from tppc.pipefusion.denoise import TimestepSchedule, denoise
 
         schedule = TimestepSchedule(timesteps=timesteps, sigmas=sigmas, mu=mu,
                                     timestep_transform=timestep_transform)
@@ -374,8 +374,8 @@ class CompiledPipeline(Rebalancing):
 
     def profile(self, *args: Any, **kwargs: Any) -> Any:
         """Run once untimed, then once with the ``threads`` executor timing every job against
-        the plan's prediction; returns a :class:`tppc.runtime.profile.Profile`."""
-        from tppc.runtime.profile import profile_call
+        the plan's prediction; returns a :class:`tppc.pipeline.profile.Profile`."""
+        from tppc.pipeline.profile import profile_call
 
         return profile_call(self, args, kwargs)
 
@@ -394,7 +394,7 @@ class CompiledPipeline(Rebalancing):
 
     # -- building ------------------------------------------------------------------------------
     def _delivery(self, timeout: float | None = None) -> Delivery:
-        """How one call's outputs reach the caller (:mod:`tppc.runtime.call`); ``timeout``:
+        """How one call's outputs reach the caller (:mod:`tppc.calls.call`); ``timeout``:
         the call's (a job bounds its wait for the results by it)."""
         return LocalDelivery()
 

@@ -2,14 +2,14 @@
 
 Terms:
     check on rank 0: after the plan is shared and before any rank loads its stage, rank 0
-        runs the check ``tppc.compile`` runs (:func:`tppc.runtime.validate.validate_pipeline`:
+        runs the check ``tppc.compile`` runs (:func:`tppc.validation.validate.validate_pipeline`:
         the emitted stages, two of them at least, in two or three chunks, against the unsplit
         captured graph; a long example at two short lengths) on a local program with every
         stage on its own device. The weights of that check come from where the ranks' come
         from: the model's own tensors, or the checkpoint (read into copies of the captured
         graphs, freed when the check ends: rank 0 holds the whole model meanwhile).
     verdict: rank 0 broadcasts the check's runs, or its error; every rank returns the same
-        :class:`tppc.runtime.validate.Validation` or raises :class:`tppc.errors.SoundnessError`
+        :class:`tppc.validation.validate.Validation` or raises :class:`tppc.errors.SoundnessError`
         (rank 0 its own, naming the node; the others quote it). The other ranks wait for it
         like they wait for the plan (``comm_timeout``).
 
@@ -27,15 +27,15 @@ import torch
 from torch import fx
 
 from tppc.backends import wire
+from tppc.distributed.checkpoint import StageWeights
 from tppc.driver.options import CompileOptions
 from tppc.errors import SoundnessError, StageFailed
 from tppc.frontend.front_end import FrontEnd
 from tppc.passes.chunk_attention import REST_CHUNK
+from tppc.pipeline.compiled import CompiledPipeline
 from tppc.planner.plan import Plan
 from tppc.program.state import StatePool
-from tppc.runtime.checkpoint import StageWeights
-from tppc.runtime.compiled import CompiledPipeline
-from tppc.runtime.validate import CheckRun, Validation, validate_pipeline
+from tppc.validation.validate import CheckRun, Validation, validate_pipeline
 
 __all__ = ["retarget", "validate_on_rank0"]
 

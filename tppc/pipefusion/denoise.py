@@ -20,14 +20,14 @@ Terms:
         (i + 1, 0), …``, lowered with the feedback edge to stage 0 and dry-run,
         :mod:`tppc.program.schedule`); when job ``(i, m)`` leaves the last stage the
         calling thread applies the scheduler step to patch ``m`` (one scheduler copy per
-        patch, :mod:`tppc.runtime.schedulers`), and stage 0 may start job ``(i + 1, m)``:
+        patch, :mod:`tppc.pipefusion.schedulers`), and stage 0 may start job ``(i + 1, m)``:
         the pipeline fills once per image, not once per step. Every stage sees its jobs in
         the same order as the serial reference (``executor="local"``, which does the
         computes in the dry run's order), so both give the same latents.
 
 Buffers are zeroed at the start of every call; with ``warmup_steps == num_inference_steps``
 the result is the serial loop's (see :func:`denoise`). The first call with patches checks
-them against one chunk on one step (:mod:`tppc.runtime.denoise_check`; ``verify=False``
+them against one chunk on one step (:mod:`tppc.pipefusion.check`; ``verify=False``
 skips it).
 """
 
@@ -42,24 +42,24 @@ from typing import Any, NamedTuple
 import torch
 
 from tppc.backends.torch_local import LocalExecutor
+from tppc.calls.io import OutputAssembler
 from tppc.driver.emit import build_program
 from tppc.errors import SpecError
 from tppc.passes.chunk_attention import REST_CHUNK
 from tppc.passes.hoist_consts import hoist_constants
-from tppc.program.program import Program, StageProgram
-from tppc.program.schedule import check_actions
-from tppc.program.state import Call, next_epoch
-from tppc.runtime.denoise_check import check_patches
-from tppc.runtime.denoise_jobs import Jobs, run_pipelined, run_serial
-from tppc.runtime.denoise_quality import quality_settings
-from tppc.runtime.io import OutputAssembler
-from tppc.runtime.schedulers import (
+from tppc.pipefusion.check import check_patches
+from tppc.pipefusion.jobs import Jobs, run_pipelined, run_serial
+from tppc.pipefusion.quality import quality_settings
+from tppc.pipefusion.schedulers import (
     StepProtocol,
     check_elementwise,
     check_scheduler,
     patch_protocols,
     start_timesteps,
 )
+from tppc.program.program import Program, StageProgram
+from tppc.program.schedule import check_actions
+from tppc.program.state import Call, next_epoch
 
 __all__ = [
     "TimestepSchedule",
@@ -109,7 +109,7 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any,
             out = output_transform(out) if output_transform else out
             latents = scheduler.step(out, t, latents).prev_sample
 
-    (the step protocol of diffusers' pipelines, :mod:`tppc.runtime.schedulers`; a scheduler
+    (the step protocol of diffusers' pipelines, :mod:`tppc.pipefusion.schedulers`; a scheduler
     whose step is not element-wise is refused when stale patches would need it).
     ``quality`` raises the warm-up and caps the patches (:func:`quality_settings`).
     """

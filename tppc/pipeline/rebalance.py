@@ -252,7 +252,7 @@ class Rebalancing:
                    timeout: float | None = None, executor: Any = None,
                    trace: list | None = None) -> tuple[Any, Sample]:
         """``run`` with every job traced; returns the outputs and the call's sample."""
-        from tppc.runtime.call import run_call
+        from tppc.calls.call import run_call
 
         trace = [] if trace is None else trace
         seen = len(trace)

@@ -13,7 +13,7 @@ Terms:
 Streaming is used when every output has a token axis and there is no global epilogue; the
 ranks decide that from the same program, so they agree without a message. When rank 0 and
 the last rank share a machine the outputs go through shared memory instead
-(:mod:`tppc.runtime.shared_results`); the header tells rank 0 which.
+(:mod:`tppc.distributed.shared_results`); the header tells rank 0 which.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from tppc.backends import wire
-from tppc.runtime.shared_results import map_outputs
+from tppc.distributed.shared_results import map_outputs
 
 __all__ = ["ResultSender", "receive_results", "streamable"]
 
@@ -70,7 +70,7 @@ def receive_results(chunks: tuple[tuple[int, int], ...], axes: tuple[int | None,
                     length: int, src: int, device: torch.device, wait: wire.Wait
                     ) -> list[torch.Tensor]:
     """Rank 0: receive what :class:`ResultSender` sent into full-length outputs (or map
-    those a :class:`tppc.runtime.shared_results.SharedOutputs` header names); each receive
+    those a :class:`tppc.distributed.shared_results.SharedOutputs` header names); each receive
     bounded by ``wait``."""
     header = wire.recv_header(src, "cpu", wait)
     if "shared" in header:  # the last rank wrote them into shared memory

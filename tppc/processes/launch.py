@@ -12,15 +12,15 @@ exit on its own within ``comm_timeout`` (which is what the failure tests check);
 
 Terms:
     job directory: ``<tmp>/tppc-launch-XXXX`` (inputs, outputs, reports, logs), owned by the
-        launcher (:mod:`tppc.runtime.owned_files`: locked while it lives).
+        launcher (:mod:`tppc.processes.owned_files`: locked while it lives).
     cleanup: however :func:`launch` ends (a result, a failed rank, an exception, SIGINT, or
         SIGTERM when it runs in the main thread without a SIGTERM handler of its own), it
         stops the ranks still running (SIGTERM, SIGKILL after :data:`STOP_GRACE_S`),
         removes the shared-output files of its dead ranks and its job directory. When the
         launcher itself is killed (SIGKILL), its ranks get SIGTERM from the kernel (parent
-        death signal, :mod:`tppc.runtime.rank_exit`), release their files, remove the dead
+        death signal, :mod:`tppc.processes.rank_exit`), release their files, remove the dead
         launcher's directory and exit; whatever a process killed outright left is swept
-        by the next launch or rank (:func:`tppc.runtime.owned_files.sweep_all`).
+        by the next launch or rank (:func:`tppc.processes.owned_files.sweep_all`).
 
 Example:
     >>> out = tppc.launch("tppc.examples:hf_llama", 2, checkpoint="llama.safetensors",
@@ -49,8 +49,8 @@ import torch
 
 from tppc.driver.options import check_seconds
 from tppc.errors import SpecError, StageFailed
-from tppc.runtime import owned_files
-from tppc.runtime.rank_exit import LAUNCH_DIR_ENV, LAUNCHER_PID_ENV
+from tppc.processes import owned_files
+from tppc.processes.rank_exit import LAUNCH_DIR_ENV, LAUNCHER_PID_ENV
 
 __all__ = ["STOP_GRACE_S", "LaunchResult", "launch"]
 

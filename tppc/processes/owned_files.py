@@ -39,7 +39,7 @@ LOCK_NAME = ".owner"
 """The lock file inside an owned directory."""
 SHM_ROOT = Path("/dev/shm")
 SHM_PREFIX = "tppc-"
-"""Shared-output files: ``/dev/shm/tppc-<pid>-<n>`` (:mod:`tppc.runtime.shared_results`)."""
+"""Shared-output files: ``/dev/shm/tppc-<pid>-<n>`` (:mod:`tppc.distributed.shared_results`)."""
 LAUNCH_PREFIX = "tppc-launch-"
 """Job directories of :func:`tppc.launch`, in the temporary directory."""
 

@@ -7,13 +7,13 @@ Terms:
     full warm-up: a one-chunk pass of the patch program fills every K/V buffer with this
         step's rows before its patches run, so no patch reads stale K/V; the patches must
         then give the warm-up program's output exactly (within the tolerance of
-        :func:`tppc.runtime.replay.tolerance`).
+        :func:`tppc.validation.replay.tolerance`).
 
 :func:`check_patches` runs on the first denoising call with two patches or more and pipelined
 steps, per (batch shape, patch rows, patches, placement), on the first step's inputs: the
 warm-up program in one chunk, and the patch program after a full warm-up. A difference raises
 :class:`tppc.errors.SoundnessError` (localised like a compile's check,
-:mod:`tppc.runtime.localize`). Skipped with ``verify=False`` and on the meta device. It costs
+:mod:`tppc.validation.localize`). Skipped with ``verify=False`` and on the meta device. It costs
 three forwards of the model once per shape.
 """
 
@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from tppc.program.program import Program
-from tppc.runtime.replay import Replay
-from tppc.runtime.validate import check_replay
+from tppc.validation.replay import Replay
+from tppc.validation.validate import check_replay
 
 __all__ = ["check_patches"]
 

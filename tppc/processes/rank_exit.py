@@ -19,7 +19,7 @@ Terms:
         on the launcher's death; it then :func:`cleanup` s and ends the process at once
         (exit status 128 + the signal's number, or 1 when the launcher died).
     cleanup: remove what this process owns (its shared-output files) and what dead
-        processes owned (:func:`tppc.runtime.owned_files.sweep_all`): shared-output files of
+        processes owned (:func:`tppc.processes.owned_files.sweep_all`): shared-output files of
         killed ranks, and the launch directory of a dead launcher (a live launcher removes
         its own).
 
@@ -39,7 +39,7 @@ import threading
 import time
 from pathlib import Path
 
-from tppc.runtime.owned_files import LAUNCH_PREFIX, release_all, sweep, sweep_all
+from tppc.processes.owned_files import LAUNCH_PREFIX, release_all, sweep, sweep_all
 
 __all__ = ["LAUNCHER_EXIT_S", "LAUNCHER_PID_ENV", "LAUNCH_DIR_ENV", "POLL_S", "TORCHRUN_ENV",
            "cleanup", "guard_rank", "launcher_alive"]

@@ -124,7 +124,7 @@ class StageWeights:
 
             if not Path(checkpoint).is_file():
                 raise SpecError(f"checkpoint={str(checkpoint)!r} is not a file. fix: write one "
-                                "with tppc.runtime.checkpoint.save_checkpoint(model, path)")
+                                "with tppc.distributed.checkpoint.save_checkpoint(model, path)")
             with safe_open(str(checkpoint), framework="pt") as f:
                 self._keys = set(f.keys())
 
@@ -166,7 +166,7 @@ class StageWeights:
             raise SpecError(
                 f"tensor {name!r} (also known as {candidates[1:]}) is not in checkpoint "
                 f"{str(self.checkpoint)!r} ({len(self._keys)} tensors). fix: write the "
-                "checkpoint from this model's state_dict (tppc.runtime.checkpoint."
+                "checkpoint from this model's state_dict (tppc.distributed.checkpoint."
                 "save_checkpoint)")
         tensor = _lookup(self._model, name)
         if tensor.device.type == "meta":

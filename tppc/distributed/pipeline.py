@@ -11,9 +11,9 @@ Terms:
     materialised stage: each rank captures the model (built on the meta device: no weights)
         and plans (rank 0 plans, the plan is broadcast as JSON), builds the program on the
         meta device, then loads only its own stage's tensors from a safetensors checkpoint
-        (:class:`tppc.runtime.checkpoint.StageWeights`).
+        (:class:`tppc.distributed.checkpoint.StageWeights`).
 
-``generate`` and ``denoise`` (DiT, :mod:`tppc.runtime.distributed_denoise`) step the same
+``generate`` and ``denoise`` (DiT, :mod:`tppc.distributed.denoise`) step the same
 loop on every rank; the last rank sends what stage 0 needs next (tokens, stepped patches).
 An ahead-of-time export directory would replace capture and
 planning by reading ``plan.json`` and the stage files: only :meth:`DistributedPipeline.materialise` reads weights.
@@ -33,19 +33,19 @@ from torch.utils import _pytree as pytree
 
 from tppc.backends import wire
 from tppc.backends.torch_distributed import DistributedExecutor
+from tppc.calls.call import run_call
+from tppc.distributed.checkpoint import StageWeights
+from tppc.distributed.rank_delivery import RankDelivery
+from tppc.distributed.shared_results import sweep_dead
+from tppc.distributed.validate import retarget, validate_on_rank0
 from tppc.driver.options import CompileOptions, check_seconds
 from tppc.driver.planning import Planner, example_plan
 from tppc.errors import RuntimeInputError, SpecError, StageFailed, TppcError
 from tppc.frontend.front_end import FrontEnd, capture_front_end
+from tppc.pipeline.compiled import CompiledPipeline
 from tppc.planner.plan import Plan
 from tppc.program.program import Program
 from tppc.program.state import Call
-from tppc.runtime.call import run_call
-from tppc.runtime.checkpoint import StageWeights
-from tppc.runtime.compiled import CompiledPipeline
-from tppc.runtime.distributed_validate import retarget, validate_on_rank0
-from tppc.runtime.rank_delivery import RankDelivery
-from tppc.runtime.shared_results import sweep_dead
 
 __all__ = ["DistributedPipeline", "compile_distributed", "init_distributed"]
 
@@ -65,7 +65,7 @@ def init_distributed(timeout: float = 60.0, device: str = "auto"
         ``(rank, world size, this rank's device)``.
 
     Joining also removes the shared-output files of dead processes on this machine
-    (:func:`tppc.runtime.shared_results.sweep_dead`).
+    (:func:`tppc.distributed.shared_results.sweep_dead`).
     """
     check_seconds("comm_timeout", timeout)
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -95,7 +95,7 @@ def compile_distributed(model: torch.nn.Module, args: tuple[Any, ...],
     """``tppc.compile(..., backend="distributed")``: see the module docstring.
 
     Args:
-        model: the model, on the meta device (see :func:`tppc.runtime.checkpoint.empty_model`)
+        model: the model, on the meta device (see :func:`tppc.distributed.checkpoint.empty_model`)
             or real (then, without a checkpoint, every rank copies its stage from it).
         checkpoint: safetensors file of the model's weights.
         buffers: real buffers of an empty model (``empty_model``'s fourth result).
@@ -103,7 +103,7 @@ def compile_distributed(model: torch.nn.Module, args: tuple[Any, ...],
         comm_timeout: seconds a rank waits for a peer before it fails (bounded failure).
         device: ``"auto"``, ``"cpu"`` or ``"cuda"``.
         **options: :class:`CompileOptions` fields (``verify``: rank 0 checks the program
-            before the stages load, :mod:`tppc.runtime.distributed_validate`; ``num_stages``
+            before the stages load, :mod:`tppc.distributed.validate`; ``num_stages``
             defaults to the job's size, ``cluster`` to ``"<S>xcpu"``; ``devices`` and
             ``executor`` are set here).
     """
@@ -186,17 +186,17 @@ class DistributedPipeline(CompiledPipeline):
         """Greedy generation through the job (collective; rank 0's ``input_ids``).
 
         Every rank steps the same loop; the last rank picks each token and broadcasts it.
-        Returns prompt + new tokens (see :func:`tppc.runtime.generate.greedy_generate`).
+        Returns prompt + new tokens (see :func:`tppc.pipeline.generate.greedy_generate`).
         """
-        from tppc.runtime.distributed_generate import distributed_generate
+        from tppc.distributed.generate import distributed_generate
 
         return distributed_generate(self, input_ids, max_new_tokens, **kwargs)
 
     def denoise(self, latents: torch.Tensor | None, scheduler: Any,
                 num_inference_steps: int = 20, **kwargs: Any) -> torch.Tensor | None:
         """PipeFusion denoising through the job (collective; rank 0's latents; every rank
-        passes its scheduler); see :mod:`tppc.runtime.distributed_denoise`."""
-        from tppc.runtime.distributed_denoise import distributed_denoise
+        passes its scheduler); see :mod:`tppc.distributed.denoise`."""
+        from tppc.distributed.denoise import distributed_denoise
 
         kwargs.pop("executor", None)  # always the job
         return distributed_denoise(self, latents, scheduler, num_inference_steps, **kwargs)

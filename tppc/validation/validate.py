@@ -1,7 +1,7 @@
 """Translation validation: ``tppc.compile`` checks the program it emitted against the capture.
 
 Terms:
-    check: one replay of an emitted program (:mod:`tppc.runtime.replay`) compared, output by
+    check: one replay of an emitted program (:mod:`tppc.validation.replay`) compared, output by
         output, with the unsplit captured graph on the same inputs (:class:`CheckRun`).
     validation program: the compiled program when it has two stages or more; else the same
         chunk-step graph emitted with two stages (a manual plan cut in the middle of the
@@ -22,8 +22,8 @@ program on the example in two or three chunks (a bidirectional model's chunked p
 a one-chunk pass filled its K/V buffers); the validation program at the probe length in two or
 three chunks. For a long example: the validation program at the two short lengths, in three
 chunks each (on the example's first rows). A difference above the
-tolerance (:func:`tppc.runtime.replay.tolerance`) is localised and raised as
-:class:`tppc.errors.SoundnessError` (:mod:`tppc.runtime.localize`). Skipped for models on the
+tolerance (:func:`tppc.validation.replay.tolerance`) is localised and raised as
+:class:`tppc.errors.SoundnessError` (:mod:`tppc.validation.localize`). Skipped for models on the
 meta device (planning only) and with ``verify=False``.
 
 Example:
@@ -51,8 +51,8 @@ from tppc.passes.chunk_attention import REST_CHUNK
 from tppc.planner.manual import manual_plan
 from tppc.planner.plan import Plan
 from tppc.program.program import Program
-from tppc.runtime.localize import raise_crash, raise_divergence
-from tppc.runtime.replay import (
+from tppc.validation.localize import raise_crash, raise_divergence
+from tppc.validation.replay import (
     Difference,
     Replay,
     StageFailed,
@@ -158,7 +158,7 @@ def validate_pipeline(cp: Validated, model: torch.nn.Module, args: tuple[Any, ..
 
     Raises:
         SoundnessError: a program's output differs from the captured graph's; the message
-            names the first diverging node (see :mod:`tppc.runtime.localize`).
+            names the first diverging node (see :mod:`tppc.validation.localize`).
     """
     start = time.perf_counter()
     skip = _skip_reason(model, args, kwargs or {})

@@ -1,5 +1,5 @@
 """The patches of pipelined denoising steps through the stages (see
-:mod:`tppc.runtime.denoise` for the terms): :class:`Jobs` holds them, :func:`run_serial`
+:mod:`tppc.pipefusion.denoise` for the terms): :class:`Jobs` holds them, :func:`run_serial`
 computes them in the dry run's order in the calling thread (the reference),
 :func:`run_pipelined` with one worker per stage following its lowered action list.
 """

@@ -26,12 +26,12 @@ import torch
 from torch import fx
 
 from tppc.backends.torch_local import run_stage
+from tppc.calls.call import new_outputs, with_tail
+from tppc.calls.io import OutputAssembler
 from tppc.errors import TppcError
 from tppc.ir.records import TOKEN, TokenInfo
 from tppc.program.program import Program, StageProgram
 from tppc.program.state import Call, CallState, next_epoch
-from tppc.runtime.call import new_outputs, with_tail
-from tppc.runtime.io import OutputAssembler
 
 __all__ = ["Difference", "RecordingStage", "Replay", "StageFailed", "chunk_rows", "compare",
            "origin", "run_reference", "token_info", "tolerance"]

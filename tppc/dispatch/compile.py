@@ -17,9 +17,9 @@ from tppc.driver.options import CompileOptions
 from tppc.driver.planning import example_plan
 from tppc.errors import SpecError
 from tppc.frontend.front_end import capture_front_end
+from tppc.pipeline.compiled import CompiledPipeline
 from tppc.planner.plan import Plan
-from tppc.runtime.compiled import CompiledPipeline
-from tppc.runtime.validate import validate_pipeline
+from tppc.validation.validate import validate_pipeline
 
 __all__ = ["compile_pipeline"]
 
@@ -44,7 +44,7 @@ def compile_pipeline(
         backend: ``"torch"`` (the stages run as torch GraphModules in this process) or
             ``"distributed"`` (one process per stage; call on every rank of a torchrun job;
             extra keywords ``checkpoint``, ``buffers``, ``results``, ``comm_timeout``,
-            ``device``: see :func:`tppc.runtime.distributed.compile_distributed`).
+            ``device``: see :func:`tppc.distributed.pipeline.compile_distributed`).
         plan: a plan to use as is (then other lengths are refused); its lengths are in units
             of the sequence axis (:attr:`tppc.planner.plan.Plan.unit`).
         seq_dims: sequence axes of the inputs (see :func:`tppc.frontend.capture.capture`).
@@ -60,10 +60,10 @@ def compile_pipeline(
         SpecError: a bad option (before anything is captured).
         CaptureError, AnnotationError, PassError, PlanError: naming the problem.
         SoundnessError: the emitted program differs from the captured graph on the example
-            or on a probe length (see :mod:`tppc.runtime.validate`; ``verify=False`` skips it).
+            or on a probe length (see :mod:`tppc.validation.validate`; ``verify=False`` skips it).
     """
     if backend == "distributed" or options.get("executor") == "distributed":
-        from tppc.runtime.distributed import compile_distributed
+        from tppc.distributed.pipeline import compile_distributed
 
         options.pop("executor", None)
         return compile_distributed(model, args, kwargs, plan=plan, seq_dims=seq_dims,

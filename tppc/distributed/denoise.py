@@ -5,10 +5,10 @@ Terms:
         broadcast (or its error, raised by every rank); every rank passes its own scheduler
         (only the last rank steps it; the others read its timesteps).
     warm-up step: the last rank computes the model input (``scale_model_input``, the step
-        protocol of :mod:`tppc.runtime.schedulers`) and broadcasts it, the whole image runs
+        protocol of :mod:`tppc.pipefusion.schedulers`) and broadcasts it, the whole image runs
         as one chunk through the ranks, the last rank applies the scheduler step.
     pipelined step: job ``(i, m)`` (patch ``m`` of step ``i``) runs on every rank in the
-        order of the patch program's action lists (as :mod:`tppc.runtime.denoise`), lowered
+        order of the patch program's action lists (as :mod:`tppc.pipefusion.denoise`), lowered
         with the feedback edge to the ranks that read the latents and dry-run; each rank
         follows its lowered list. The boundary values go rank to rank as in ``__call__``.
         When job ``(i, m)`` leaves the last rank it steps patch ``m`` and sends its next
@@ -35,21 +35,21 @@ from tppc.driver.emit import build_program
 from tppc.errors import RuntimeInputError, SpecError, StageFailed, StageTimeout
 from tppc.passes.chunk_attention import REST_CHUNK
 from tppc.passes.hoist_consts import hoist_constants
-from tppc.program.program import Program, StageProgram
-from tppc.program.schedule import DryRun, check_actions
-from tppc.program.state import Call, next_epoch
-from tppc.runtime.denoise import (
+from tppc.pipefusion.denoise import (
     DenoiseRun,
     TimestepSchedule,
     bind_steps,
     model_timestep,
     schedule_steps,
 )
-from tppc.runtime.schedulers import (
+from tppc.pipefusion.schedulers import (
     StepProtocol,
     check_elementwise,
     patch_protocols,
 )
+from tppc.program.program import Program, StageProgram
+from tppc.program.schedule import DryRun, check_actions
+from tppc.program.state import Call, next_epoch
 
 if TYPE_CHECKING:
     from tppc.backends.torch_distributed import DistributedExecutor
@@ -61,7 +61,7 @@ __all__ = ["DenoisingRank", "distributed_denoise"]
 
 class DenoisingRank(Protocol):
     """What :func:`distributed_denoise` needs of a rank (a ``DistributedPipeline``; the
-    helpers of :mod:`tppc.runtime.denoise` it calls read ``program``, ``assemble``,
+    helpers of :mod:`tppc.pipefusion.denoise` it calls read ``program``, ``assemble``,
     ``denoise_plan`` and ``executor`` too)."""
 
     rank: int
@@ -96,7 +96,7 @@ def distributed_denoise(cp: DenoisingRank, latents: torch.Tensor | None, schedul
                         ) -> torch.Tensor | None:
     """``cp.denoise(...)`` through the job (collective; rank 0's latents and inputs).
 
-    Same contract as :func:`tppc.runtime.denoise.denoise`; see the module docstring. Rank
+    Same contract as :func:`tppc.pipefusion.denoise.denoise`; see the module docstring. Rank
     0's ``timesteps``, ``sigmas`` and ``mu`` are every rank's (the scheduler steps alike
     everywhere); ``timestep_transform`` and ``output_transform`` are each rank's own (give
     the same function on every rank, as the same script does).
@@ -257,7 +257,7 @@ def _readers(world: int, latent: int, *programs: Program | None) -> tuple[int, .
 def _programs(cp: DenoisingRank, front: Any, plan: Any, length: int,
               bounds: tuple[int, ...]) -> tuple[Program, Program, Program | None]:
     """Warm-up, patch and later-patch programs with this rank's stage loaded and its const
-    sub-graphs hoisted (as :func:`tppc.runtime.denoise.patch_programs`), cached on ``cp``."""
+    sub-graphs hoisted (as :func:`tppc.pipefusion.denoise.patch_programs`), cached on ``cp``."""
     cache = cp.__dict__.setdefault("_distributed_denoise_programs", {})
     placement = tuple((st.layer_start, st.layer_end, st.device_index) for st in plan.stages)
     key = (front.batch, length, bounds, placement)

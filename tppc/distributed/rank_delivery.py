@@ -2,9 +2,9 @@
 
 Terms:
     shared: rank 0 and the last rank share a machine: the last stage writes the outputs into
-        one shared-memory file that rank 0 maps (:mod:`tppc.runtime.shared_results`).
+        one shared-memory file that rank 0 maps (:mod:`tppc.distributed.shared_results`).
     streamed: every output has a token axis and there is no epilogue: the last rank sends
-        each chunk's outputs as soon as it has them (:mod:`tppc.runtime.result_stream`).
+        each chunk's outputs as soon as it has them (:mod:`tppc.distributed.result_stream`).
     gathered: otherwise the last rank runs the epilogue and sends the whole outputs in the
         wire format (:mod:`tppc.backends.wire`) to rank 0, or broadcasts them to every rank
         (``results="all"``).
@@ -25,23 +25,23 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tppc.backends import wire
+from tppc.calls.call import new_outputs, with_tail
+from tppc.distributed.result_stream import ResultSender, receive_results, streamable
+from tppc.distributed.shared_results import SharedOutputs, sweep_dead
 from tppc.errors import TppcError
-from tppc.runtime.call import new_outputs, with_tail
-from tppc.runtime.result_stream import ResultSender, receive_results, streamable
-from tppc.runtime.shared_results import SharedOutputs, sweep_dead
 
 if TYPE_CHECKING:
     from tppc.backends.torch_distributed import DistributedExecutor
     from tppc.backends.torch_local import Sink
+    from tppc.calls.io import OutputAssembler
     from tppc.frontend.front_end import BoundCall
     from tppc.program.program import Program
-    from tppc.runtime.io import OutputAssembler
 
 __all__ = ["RankDelivery"]
 
 
 class RankDelivery:
-    """One call's delivery on one rank (a :class:`tppc.runtime.call.Delivery`).
+    """One call's delivery on one rank (a :class:`tppc.calls.call.Delivery`).
 
     Args:
         rank, world: this rank and the number of ranks.

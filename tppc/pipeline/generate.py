@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from tppc.calls.call import Calling
+from tppc.calls.kv_memory import check_generation_memory
 from tppc.errors import RuntimeInputError
 from tppc.generation import DEFAULT, ArrayOps, check_max_new_tokens, greedy_decode, stop_tokens
 from tppc.program.state import Call, next_epoch
-from tppc.runtime.call import Calling
-from tppc.runtime.kv_memory import check_generation_memory
 
 if TYPE_CHECKING:
     from tppc.frontend.front_end import FrontEnd
@@ -42,7 +42,7 @@ TORCH_OPS = ArrayOps(
 
 class Generating(Calling, Protocol):
     """What :func:`greedy_generate` needs of a pipeline (a :class:`tppc.CompiledPipeline`):
-    the call algorithm's methods (:class:`tppc.runtime.call.Calling`) and these."""
+    the call algorithm's methods (:class:`tppc.calls.call.Calling`) and these."""
 
     @property
     def model(self) -> torch.nn.Module: ...
