@@ -20,6 +20,7 @@ Terms:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -40,8 +41,8 @@ from tppc.passes.chunk_attention import ChunkSignature, chunk_attention_pass
 from tppc.passes.runner import run_passes
 from tppc.program.state import StatePool
 
-__all__ = ["BoundCall", "FrontEnd", "batch_shape", "bind", "capture_front_end", "check_finite",
-           "guards_hold", "input_structure", "on_meta_if"]
+__all__ = ["BoundCall", "CallInputs", "FrontEnd", "batch_shape", "bind", "capture_front_end",
+           "check_finite", "guards_hold", "on_meta_if", "read_inputs"]
 
 BatchShape = tuple[tuple[int | None, ...] | None, ...]
 
@@ -75,7 +76,7 @@ class FrontEnd:
     seconds: float = 0.0
     truncated: tuple[str, int] | None = None
 
-    @property
+    @functools.cached_property
     def key(self) -> tuple[str, BatchShape]:
         """Cache key: the input structure (which keyword inputs) and the batch shape."""
         return (repr(self.signature.in_spec), self.batch)
@@ -87,10 +88,10 @@ class FrontEnd:
         return (self.key[0] == structure and batch_shape(bound.flat, self.ctx, names)
                 == self.batch and guards_hold(self.ctx, bound.flat))
 
-    @property
-    def placeholders(self) -> list[fx.Node]:
+    @functools.cached_property
+    def placeholders(self) -> tuple[fx.Node, ...]:
         """The captured graph's user inputs, in flat order."""
-        return list(self.annotated.graph.find_nodes(op="placeholder"))
+        return tuple(self.annotated.graph.find_nodes(op="placeholder"))
 
 
 @dataclass(frozen=True)
@@ -172,18 +173,37 @@ def batch_shape(flat: list[Any], ctx: CompileContext, names: list[str]) -> Batch
     return tuple(out)
 
 
-def bind(front: FrontEnd, model: torch.nn.Module, args: tuple[Any, ...],
-         kwargs: Mapping[str, Any]) -> BoundCall:
-    """Bind and check call inputs against ``front``: their structure, dtypes and ranks.
-    Static sizes (batch, a latent's width, a table's length) may differ: the call's
+@dataclass(frozen=True)
+class CallInputs:
+    """A call's inputs bound to ``model.forward`` once: flat, their tree spec and structure."""
+
+    flat: list[Any]
+    spec: pytree.TreeSpec
+    structure: str
+    """The input structure as :attr:`FrontEnd.key` spells it (which keyword inputs)."""
+
+
+def read_inputs(model: torch.nn.Module, args: tuple[Any, ...],
+                kwargs: Mapping[str, Any]) -> CallInputs:
+    """Bind ``args``/``kwargs`` to ``model.forward`` and flatten them, once per call.
+
+    Raises:
+        RuntimeInputError: inputs ``model.forward`` does not take.
+    """
+    flat, spec = pytree.tree_flatten(_bound(model, args, kwargs))
+    return CallInputs(flat=flat, spec=spec, structure=repr(spec))
+
+
+def bind(front: FrontEnd, model: torch.nn.Module, inputs: CallInputs) -> BoundCall:
+    """Check call inputs (:func:`read_inputs`) against ``front``: their structure, dtypes and
+    ranks. Static sizes (batch, a latent's width, a table's length) may differ: the call's
     :func:`batch_shape` then selects (or captures) another front end.
 
     Raises:
         RuntimeInputError: naming the input, what it is, what was compiled, and the fix.
     """
-    flat = _flat(model, args, kwargs)
+    flat, spec = inputs.flat, inputs.spec
     signature = front.signature
-    _, spec = pytree.tree_flatten(_bound(model, args, kwargs))
     if signature.in_spec is not None and spec != signature.in_spec:
         raise RuntimeInputError(
             f"inputs of {type(model).__name__} have structure {spec}, the pipeline was "
@@ -254,12 +274,6 @@ def check_finite(name: str, value: Any) -> None:
             "masked attention spreads a NaN differently in eager and in chunks, so no "
             "result would be meaningful. fix: replace NaN before the call (e.g. "
             "torch.nan_to_num) or find where it came from")
-
-
-def input_structure(model: torch.nn.Module, args: tuple[Any, ...],
-                    kwargs: Mapping[str, Any]) -> str:
-    """The call's input structure as :attr:`FrontEnd.key` spells it."""
-    return repr(pytree.tree_flatten(_bound(model, args, kwargs))[1])
 
 
 def _rows_per_unit(ph: fx.Node, axis: int) -> int:

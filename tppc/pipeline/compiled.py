@@ -38,7 +38,13 @@ from tppc.driver.options import (
 )
 from tppc.driver.planning import Planner
 from tppc.errors import CaptureError, RuntimeInputError, SpecError
-from tppc.frontend.front_end import BoundCall, FrontEnd, bind, capture_front_end, input_structure
+from tppc.frontend.front_end import (
+    BoundCall,
+    FrontEnd,
+    bind,
+    capture_front_end,
+    read_inputs,
+)
 from tppc.ir.context import PassRecord
 from tppc.pipeline.rebalance import Rebalancing
 from tppc.planner.plan import Plan, Workload
@@ -281,10 +287,11 @@ class CompiledPipeline(Rebalancing):
         Raises:
             RuntimeInputError: naming the input, what it is, what was compiled, and the fix.
         """
-        structure = input_structure(self._model, args, kwargs)
+        inputs = read_inputs(self._model, args, kwargs)  # bound once per call
+        structure = inputs.structure
         base = self._front_for((_ANY_BATCH, structure),  # other keyword inputs: capture them
                                lambda: self._capture(args, kwargs, None))
-        bound = bind(base, self._model, args, kwargs)
+        bound = bind(base, self._model, inputs)
         if self.options.max_seq is not None and bound.length > self.options.max_seq:
             raise RuntimeInputError(
                 f"the sequence has {bound.length} tokens, max_seq={self.options.max_seq}. "
