@@ -29,6 +29,7 @@ from tppc.program.state import Call, next_epoch
 
 if TYPE_CHECKING:
     from tppc.backends.torch_local import Sink
+    from tppc.calls.states import CallStates
     from tppc.frontend.front_end import BoundCall, FrontEnd
     from tppc.program.program import Program, StageProgram
     from tppc.program.state import CallState
@@ -39,6 +40,8 @@ __all__ = ["Calling", "Delivery", "LocalDelivery", "new_outputs", "run_call", "w
 class Calling(Protocol):
     """What :func:`run_call` needs of a pipeline (a :class:`tppc.CompiledPipeline`)."""
 
+    states: CallStates
+
     def bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
              ) -> tuple[FrontEnd, BoundCall]: ...
 
@@ -47,8 +50,6 @@ class Calling(Protocol):
     def execute(self, program: Program, call: Call, state: CallState, sink: Sink | None = None,
                 executor: Any = None, timeout: float | None = None,
                 trace: list | None = None) -> list[tuple[Any, ...]]: ...
-
-    def finish(self, front: FrontEnd, state: CallState, filled: int) -> None: ...
 
     def assemble(self, program: Program, leaves: list[Any]) -> Any: ...
 
@@ -88,7 +89,7 @@ def run_call(pipe: Calling, args: tuple[Any, ...], kwargs: Mapping[str, Any],
     """
     front, bound = pipe.bind(args, kwargs)
     program = pipe.program(bound.length, front)
-    state = front.pool.acquire(bound.length)
+    state = pipe.states.acquire(front, bound.length)
     try:  # a failure drops the state; the delivery releases what it took, however it ends
         call = Call(tuple(bound.flat), program.chunks, bound.length, bound.length,
                     next_epoch(), delivery.outputs(program, bound.length))
@@ -99,7 +100,7 @@ def run_call(pipe: Calling, args: tuple[Any, ...], kwargs: Mapping[str, Any],
         delivery.flush()
     finally:
         delivery.close()
-    pipe.finish(front, state, bound.length)
+    pipe.states.finish(front, state, bound.length)
     leaves = delivery.leaves(program, bound, assembler.leaves)
     return None if leaves is None else pipe.assemble(program, leaves)
 

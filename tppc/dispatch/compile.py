@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import torch
 
+from tppc.driver.emit import Emitter
 from tppc.driver.options import CompileOptions
 from tppc.driver.planning import example_plan
 from tppc.errors import SpecError
@@ -72,10 +73,11 @@ def compile_pipeline(
         raise SpecError(f"backend={backend!r}; use 'torch' or 'distributed' (ONNX Runtime "
                         "stages come with tppc.export)")
     opts = CompileOptions.from_kwargs(**options)
-    front = capture_front_end(model, args, kwargs, seq_dims=seq_dims,
-                              keep_states=opts.keep_states)
+    front = capture_front_end(model, args, kwargs, seq_dims=seq_dims)
     plan, planner = example_plan(front, opts, plan)
-    cp = CompiledPipeline(model, front, plan, planner=planner, options=opts, seq_dims=seq_dims)
+    emitter = Emitter(opts, planner, None if planner is not None else plan)
+    emitter.check(front, plan)
+    cp = CompiledPipeline(model, front, emitter.emit(front, plan), emitter, seq_dims=seq_dims)
     cp.example = (tuple(args), dict(kwargs or {}))
     if opts.verify:  # translation validation: SoundnessError names the first diverging node
         cp.validation = validate_pipeline(cp, model, args, kwargs)

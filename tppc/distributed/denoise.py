@@ -53,6 +53,7 @@ from tppc.program.state import Call, next_epoch
 
 if TYPE_CHECKING:
     from tppc.backends.torch_distributed import DistributedExecutor
+    from tppc.calls.states import CallStates
     from tppc.driver.options import CompileOptions
     from tppc.frontend.front_end import BoundCall, FrontEnd
 
@@ -70,6 +71,7 @@ class DenoisingRank(Protocol):
     device: torch.device
     comm: DistributedExecutor
     options: CompileOptions
+    states: CallStates
 
     def bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
              ) -> tuple[FrontEnd, BoundCall]: ...
@@ -134,7 +136,7 @@ def distributed_denoise(cp: DenoisingRank, latents: torch.Tensor | None, schedul
                                                for a, c in itertools.pairwise(bounds)])
     latent = next(j for j, v in enumerate(b.bound.flat) if v is x_in)
     epoch = next_epoch()
-    state = front.pool.acquire(length)
+    state = cp.states.acquire(front, length)
     state.reset()
     run = DenoiseRun(cp, x, axis, scale, output_transform)
     last = cp.world - 1
@@ -181,7 +183,7 @@ def distributed_denoise(cp: DenoisingRank, latents: torch.Tensor | None, schedul
         _Jobs(cp, calls, state, program_of, rows, warm).run(dry, finish)
     cp.collective(lambda: dist.broadcast(x, src=last), "latents broadcast")
     state.consts.clear()  # the text K/V are this request's
-    front.pool.release(state)
+    cp.states.release(front, state)
     return x if cp.rank == 0 or cp.results == "all" else None
 
 

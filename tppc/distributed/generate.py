@@ -53,7 +53,7 @@ def distributed_generate(cp: GeneratingRank, input_ids: torch.Tensor | None,
     ids[:, :prompt] = input_ids
     flat = list(bound.flat)
     flat[token_input_index(cp.model_name, front)] = ids
-    state = front.pool.acquire(total)
+    state = cp.states.acquire(front, total)
     epoch = next_epoch()
 
     def step(n: int) -> torch.Tensor | None:
@@ -70,7 +70,7 @@ def distributed_generate(cp: GeneratingRank, input_ids: torch.Tensor | None,
 
     length = greedy_decode(ids, prompt, step, TORCH_OPS, eos_ids=eos_ids, pad=pad,
                            share=share)
-    cp.finish(front, state, length - 1)
+    cp.states.finish(front, state, length - 1)
     if cp.results == "rank0" and cp.rank != 0:
         return None
     return ids[:, :length].clone()

@@ -29,7 +29,6 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from torch.utils import _pytree as pytree
 
 from tppc.backends import wire
 from tppc.backends.torch_distributed import DistributedExecutor
@@ -38,6 +37,7 @@ from tppc.distributed.checkpoint import StageWeights
 from tppc.distributed.rank_delivery import RankDelivery
 from tppc.distributed.shared_results import sweep_dead
 from tppc.distributed.validate import retarget, validate_on_rank0
+from tppc.driver.emit import Emitter
 from tppc.driver.options import CompileOptions, check_seconds
 from tppc.driver.planning import Planner, example_plan
 from tppc.errors import RuntimeInputError, SpecError, StageFailed, TppcError
@@ -117,8 +117,7 @@ def compile_distributed(model: torch.nn.Module, args: tuple[Any, ...],
     if where.type == "cpu" and opts.threads_per_stage is not None:
         t = opts.threads_per_stage
         torch.set_num_threads(t if isinstance(t, int) else t[rank])
-    front = capture_front_end(model, args, kwargs, seq_dims=seq_dims,
-                              keep_states=opts.keep_states)  # on meta when the model is
+    front = capture_front_end(model, args, kwargs, seq_dims=seq_dims)  # on meta if the model is
     plan, planner = example_plan(front, opts, plan,
                                  share=lambda planner: _shared_planner(planner, rank))
     validation = None
@@ -127,7 +126,9 @@ def compile_distributed(model: torch.nn.Module, args: tuple[Any, ...],
                                        checkpoint=checkpoint, buffers=dict(buffers or {}),
                                        device=where, rank=rank)
     weights = StageWeights(checkpoint, model, dict(buffers or {}), where)
-    cp = DistributedPipeline(model, front, plan, planner=planner, options=opts,
+    emitter = Emitter(opts, planner, None if planner is not None else plan)
+    emitter.check(front, plan)
+    cp = DistributedPipeline(model, front, emitter.emit(front, plan), emitter,
                              seq_dims=seq_dims, weights=weights, rank=rank, world=world,
                              results=results, comm_timeout=comm_timeout)
     cp.validation, cp.example = validation, (tuple(args), dict(kwargs or {}))
@@ -149,16 +150,15 @@ class DistributedPipeline(CompiledPipeline):
                          "stage's weights, and moving layers would reload them on every rank "
                          "at once. fix: re-plan and launch the job again (tppc.plan)")
 
-    def __init__(self, model: torch.nn.Module, front: FrontEnd, plan: Plan, *,
-                 planner: Planner | None, options: CompileOptions,
-                 seq_dims: Mapping[str, int | tuple[int, ...]] | None, weights: StageWeights,
-                 rank: int, world: int, results: Results, comm_timeout: float) -> None:
+    def __init__(self, model: torch.nn.Module, front: FrontEnd, program: Program,
+                 emitter: Emitter, *, seq_dims: Mapping[str, int | tuple[int, ...]] | None,
+                 weights: StageWeights, rank: int, world: int, results: Results,
+                 comm_timeout: float) -> None:
         self.rank, self.world, self.results = rank, world, results
         self.device, self.weights = weights.device, weights
         self.comm_timeout = comm_timeout
-        self.comm = DistributedExecutor(rank, world, options.queue_depth, comm_timeout)
-        super().__init__(model, front, plan, planner=planner, options=options,
-                         seq_dims=seq_dims)
+        self.comm = DistributedExecutor(rank, world, emitter.options.queue_depth, comm_timeout)
+        super().__init__(model, front, program, emitter, seq_dims=seq_dims)
 
     @property
     def last_trace(self) -> list[tuple[int, int, float, float]]:
@@ -262,9 +262,10 @@ class DistributedPipeline(CompiledPipeline):
         return RankDelivery(self.rank, self.world, self.results, self.device, self.comm,
                             self.collective, timeout)
 
-    def _build(self, front: FrontEnd, plan: Plan) -> Program:
+    def _admit(self, program: Program) -> Program:
+        """An emitted (meta) program with this rank's stage loaded."""
         self._executors.setdefault("distributed", self.comm)
-        return self.materialise(super()._build(front, plan))
+        return self.materialise(super()._admit(program))
 
     def materialise(self, program: Program) -> Program:
         """The meta program with this rank's stage (and tail, on the last rank) loaded."""
@@ -286,11 +287,6 @@ class DistributedPipeline(CompiledPipeline):
             self.weights.materialise(tail)
             retarget(tail, self.device)
         return dataclasses.replace(program, stages=tuple(stages), tail=tail)
-
-    def _capture(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], bound: Any
-                 ) -> FrontEnd:
-        return super()._capture(_meta_if(self._model, args), _meta_if(self._model, kwargs),
-                                bound)
 
 
 def _shared_planner(planner: Planner, rank: int) -> Planner:
@@ -314,10 +310,3 @@ def _shared_planner(planner: Planner, rank: int) -> Planner:
         return Plan.from_json(box[0][1])
 
     return plan_length
-
-
-def _meta_if(model: torch.nn.Module, tree: Any) -> Any:
-    """``tree``'s tensors on the meta device when ``model``'s parameters are there."""
-    if not any(p.device.type == "meta" for p in model.parameters()):
-        return tree
-    return pytree.tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, tree)

@@ -28,13 +28,13 @@ from torch import fx
 
 from tppc.backends import wire
 from tppc.distributed.checkpoint import StageWeights
+from tppc.driver.emit import Emitter
 from tppc.driver.options import CompileOptions
 from tppc.errors import SoundnessError, StageFailed
 from tppc.frontend.front_end import FrontEnd
 from tppc.passes.chunk_attention import REST_CHUNK
 from tppc.pipeline.compiled import CompiledPipeline
 from tppc.planner.plan import Plan
-from tppc.program.state import StatePool
 from tppc.validation.validate import CheckRun, Validation, validate_pipeline
 
 __all__ = ["retarget", "validate_on_rank0"]
@@ -100,8 +100,11 @@ def _check_locally(model: torch.nn.Module, front: FrontEnd, plan: Plan,
     """Rank 0's check on a local program over real copies of the captured graphs."""
     device = loader.device
     real = _with_weights(front, loader, device)
-    local = CompiledPipeline(model, real, plan, planner=None, options=dataclasses.replace(
-        options, executor="local", devices=(device,) * len(plan.stages), chunks=None))
+    emitter = Emitter(dataclasses.replace(options, executor="local",
+                                          devices=(device,) * len(plan.stages), chunks=None),
+                      None, plan)
+    emitter.check(real, plan)
+    local = CompiledPipeline(model, real, emitter.emit(real, plan), emitter)
     return validate_pipeline(local, real.annotated, _on(args, device), _on(kwargs, device))
 
 
@@ -110,7 +113,7 @@ def _with_weights(front: FrontEnd, loader: StageWeights, device: torch.device) -
     (``front`` itself when it holds real tensors: a real model, no copy)."""
     tensors = [*front.annotated.parameters(), *front.annotated.buffers()]
     if not any(t.device.type == "meta" for t in tensors):
-        return dataclasses.replace(front, pool=StatePool(1))
+        return front
     annotated, chunk = copy.deepcopy(front.annotated), copy.deepcopy(front.chunk)
     modules = [annotated, chunk]
     rest = chunk.meta.get(REST_CHUNK)
@@ -122,7 +125,7 @@ def _with_weights(front: FrontEnd, loader: StageWeights, device: torch.device) -
     loader.materialise(*modules)
     for module in modules:
         retarget(module, device)
-    return dataclasses.replace(front, annotated=annotated, chunk=chunk, pool=StatePool(1))
+    return dataclasses.replace(front, annotated=annotated, chunk=chunk)
 
 
 def retarget(module: torch.nn.Module, device: torch.device) -> None:

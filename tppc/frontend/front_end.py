@@ -39,7 +39,6 @@ from tppc.ir.context import CompileContext
 from tppc.ir.records import CHUNK_SIGNATURE, TOKEN
 from tppc.passes.chunk_attention import ChunkSignature, chunk_attention_pass
 from tppc.passes.runner import run_passes
-from tppc.program.state import StatePool
 
 __all__ = ["BoundCall", "CallInputs", "FrontEnd", "batch_shape", "bind", "capture_front_end",
            "check_finite", "guards_hold", "on_meta_if", "read_inputs"]
@@ -60,10 +59,11 @@ class FrontEnd:
         bidirectional: names of its bidirectional attention and buffered-mixing nodes
             (linear attention, "same" convolutions; their calls run as one chunk: exact, see
             DESIGN.md "Token semantics").
-        pool: idle call states for this batch shape.
         seconds: wall time of the capture (capture, annotation, grouping, chunk rewrite).
         truncated: ``(module path, real block count)`` of a planning front end (see the
             module docstring), None for a front end that may be emitted.
+        passes: the records of the capture in ``ctx.history`` (its first ``passes``; each
+            emission appends its own after them).
     """
 
     annotated: fx.GraphModule
@@ -72,9 +72,9 @@ class FrontEnd:
     signature: ChunkSignature
     batch: BatchShape
     bidirectional: tuple[str, ...]
-    pool: StatePool
     seconds: float = 0.0
     truncated: tuple[str, int] | None = None
+    passes: int = 0
 
     @functools.cached_property
     def key(self) -> tuple[str, BatchShape]:
@@ -106,7 +106,7 @@ class BoundCall:
 def capture_front_end(model: torch.nn.Module, args: tuple[Any, ...],
                       kwargs: Mapping[str, Any] | None, *,
                       seq_dims: Mapping[str, int | tuple[int, ...]] | None,
-                      keep_states: int = 1, plan_only: bool = False) -> FrontEnd:
+                      plan_only: bool = False) -> FrontEnd:
     """Capture, annotate, group and chunk ``model`` for inputs shaped like ``args``.
 
     Inputs move to the meta device when the model's parameters are there (a model built
@@ -116,26 +116,25 @@ def capture_front_end(model: torch.nn.Module, args: tuple[Any, ...],
     t0 = time.perf_counter()
     args, kwargs = on_meta_if(model, (tuple(args), dict(kwargs or {})))
     if not plan_only:
-        return _front_end(model, args, kwargs, seq_dims, keep_states, t0)
+        return _front_end(model, args, kwargs, seq_dims, t0)
     # the block list is shortened in a shadow of the module tree (same tensors), never in the
     # user's model: an eager call from another thread meanwhile runs every block
     shadow = shadow_tree(model)
     with CAPTURE_LOCK, few_blocks(shadow) as truncated:
-        front = _front_end(shadow, args, kwargs, seq_dims, keep_states, t0)
+        front = _front_end(shadow, args, kwargs, seq_dims, t0)
     if truncated is None:
         return front
     layers = expand_layers(front.ctx.layers, *truncated)
     if sum(layer.kind == "block" for layer in layers) != truncated[1]:
         # the blocks group_layers found are not the list we shortened: capture it all
-        return _front_end(model, args, kwargs, seq_dims, keep_states, t0)
+        return _front_end(model, args, kwargs, seq_dims, t0)
     front.ctx.layers = layers
     return dataclasses.replace(front, truncated=truncated,
                                seconds=time.perf_counter() - t0)
 
 
 def _front_end(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-               seq_dims: Mapping[str, int | tuple[int, ...]] | None, keep_states: int,
-               t0: float) -> FrontEnd:
+               seq_dims: Mapping[str, int | tuple[int, ...]] | None, t0: float) -> FrontEnd:
     annotated, ctx = annotate(model, args, kwargs, seq_dims=seq_dims)
     chunk = run_passes(annotated, ctx, [chunk_attention_pass])
     flat = _flat(model, args, kwargs)
@@ -145,7 +144,7 @@ def _front_end(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     names = [p.name for p in annotated.graph.find_nodes(op="placeholder")]
     return FrontEnd(annotated=annotated, chunk=chunk, ctx=ctx,
                     signature=chunk.meta[CHUNK_SIGNATURE], batch=batch_shape(flat, ctx, names),
-                    bidirectional=bidirectional, pool=StatePool(keep_states),
+                    bidirectional=bidirectional, passes=len(ctx.history),
                     seconds=time.perf_counter() - t0)
 
 

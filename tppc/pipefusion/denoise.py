@@ -131,7 +131,7 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any,
     if warm < len(steps):
         check_elementwise(scheduler, x, axis, bands)
     epoch = next_epoch()
-    state = front.pool.acquire(length)
+    state = cp.states.acquire(front, length)
     state.reset()
     run = DenoiseRun(cp, x, axis, scale, output_transform)
     threaded = (executor or cp.executor) == "threads" and len(first.stages) > 1
@@ -170,7 +170,7 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any,
         else:
             run_serial(jobs)
     state.consts.clear()  # the text K/V are this request's
-    front.pool.release(state)
+    cp.states.release(front, state)
     return x
 
 

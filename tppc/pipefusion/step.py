@@ -75,7 +75,7 @@ class StepCalls:
             self._epoch = next_epoch()
         for front, state, _ in streams.values():
             state.consts.clear()  # the text K/V are this loop's
-            front.pool.release(state)
+            self.cp.states.release(front, state)
 
     def __call__(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], stream: Any = None
                  ) -> Any:
@@ -88,7 +88,7 @@ class StepCalls:
         with self._lock:
             entry = self._streams.get(key)
             if entry is None:
-                state = front.pool.acquire(length)
+                state = cp.states.acquire(front, length)
                 state.reset()
                 entry = (front, state, 0)
             front, state, done = entry

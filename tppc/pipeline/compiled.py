@@ -4,19 +4,21 @@ Terms:
     program cache: one :class:`tppc.program.program.Program` per (batch shape, sequence length),
         least recently used first out (``CompileOptions.program_cache``). A length tppc has
         not planned is re-planned (when tppc made the plan) or refused (when it was given).
-    call state: each call takes its own K/V buffers from the front end's pool
-        (:mod:`tppc.program.state`), so concurrent calls of one pipeline are independent;
+    call state: each call takes its own K/V buffers from the pipeline's pool of its capture
+        (:mod:`tppc.calls.states`), so concurrent calls of one pipeline are independent;
         a call that fails drops its state and leaves the pipeline as it was.
+
+The pipeline holds what it is given: the example's capture and program, and the emitter
+(:class:`tppc.driver.emit.Emitter`) of the programs of other lengths; its parts are the
+captures (:mod:`tppc.pipeline.captures`), the programs, the call states and the executors.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,28 +30,17 @@ from tppc.backends.torch_local import LocalExecutor, Sink
 from tppc.backends.torch_threads import ThreadsExecutor
 from tppc.calls.call import Delivery, LocalDelivery, run_call
 from tppc.calls.kv_cache import read_kv_cache
-from tppc.driver.emit import build_program
-from tppc.driver.options import (
-    CompileOptions,
-    ExecutorName,
-    check_executor,
-    check_seconds,
-    chunk_bounds,
-)
-from tppc.driver.planning import Planner
-from tppc.errors import CaptureError, RuntimeInputError, SpecError
-from tppc.frontend.front_end import (
-    BoundCall,
-    FrontEnd,
-    bind,
-    capture_front_end,
-    read_inputs,
-)
+from tppc.calls.states import CallStates
+from tppc.driver.emit import Emitter
+from tppc.driver.options import CompileOptions, ExecutorName, check_executor, check_seconds
+from tppc.errors import SpecError
+from tppc.frontend.front_end import BoundCall, FrontEnd
 from tppc.ir.context import PassRecord
+from tppc.pipeline.captures import Captures
 from tppc.pipeline.rebalance import Rebalancing
 from tppc.planner.plan import Plan, Workload
 from tppc.program.program import Program
-from tppc.program.state import Call, CallState, StatePool
+from tppc.program.state import Call, CallState
 from tppc.validation.validate import validate_pipeline
 
 __all__ = ["CompiledPipeline", "StageSummary"]
@@ -78,18 +69,23 @@ class StageSummary:
     kv_bytes: int
 
 
-_ANY_BATCH = object()
-"""First item of a front-end key that matches any batch shape of an input structure."""
-
-
 class CompiledPipeline(Rebalancing):
     """A model compiled into pipeline stages; call it like the model.
+
+    Args:
+        model: the compiled model.
+        front: the example's capture.
+        program: the program of the example's length (``program.plan``: :attr:`plan`).
+        emitter: the programs of other lengths and captures (and its ``options``).
+        seq_dims: the sequence axes given to compile (for captures of other batch shapes).
 
     Attributes:
         plan: the plan of the example's length.
         options: the validated compile options.
         context: the compile context of the example's capture.
         executor: the executor calls run on.
+        captures: the captures of the model and the binding of a call's inputs.
+        states: the call states (a pool per capture; the last call's, for :meth:`kv_cache`).
         last_trace: ``(stage, chunk, start, end)`` of the last ``threads`` call.
         validation: what ``tppc.compile`` checked (:class:`tppc.validation.validate.Validation`),
             or None (``verify=False``).
@@ -100,29 +96,28 @@ class CompiledPipeline(Rebalancing):
     validation: Any = None
     example: tuple[tuple[Any, ...], dict[str, Any]] | None = None
 
-    def __init__(self, model: torch.nn.Module, front: FrontEnd, plan: Plan, *,
-                 planner: Planner | None, options: CompileOptions,
+    def __init__(self, model: torch.nn.Module, front: FrontEnd, program: Program,
+                 emitter: Emitter, *,
                  seq_dims: Mapping[str, int | tuple[int, ...]] | None = None) -> None:
+        options = emitter.options
         self.model_name = type(model).__name__
         self._model, self._seq_dims = model, seq_dims
-        self.options, self._planner, self._given = options, planner, plan
+        self.options, self._emitter = options, emitter
         self._front = front
-        self._fronts: OrderedDict[Any, FrontEnd] = OrderedDict({front.key: front})
+        self.captures = Captures(model, front, seq_dims=seq_dims, keep=options.program_cache,
+                                 max_seq=options.max_seq)
+        self.states = CallStates(options.keep_states, options.program_cache)
         self._programs: OrderedDict[tuple[Any, int], Program] = OrderedDict()
         self._lock = threading.RLock()
-        self._pending: dict[Any, Future[FrontEnd]] = {}  # captures in flight, by front key
         self._executors = {"local": LocalExecutor(),
                            "threads": ThreadsExecutor(options.threads_per_stage,
                                                       options.queue_depth)}
         self.executor: ExecutorName = options.executor
-        self._last: tuple[CallState, int, FrontEnd] | None = None
         generation = getattr(model, "generation_config", None)
         self.eos_token_id = getattr(generation, "eos_token_id", None)
         self.pad_token_id = getattr(generation, "pad_token_id", None)
-        self._captured_history = len(front.ctx.history)
-        self._check_bidirectional(plan)
-        self._programs[front.key, plan.seq_len] = self._build(front, plan)
-        self.plan = plan
+        self._programs[front.key, program.plan.seq_len] = self._admit(program)
+        self.plan = program.plan
 
     # -- public --------------------------------------------------------------------------------
     @property
@@ -227,7 +222,8 @@ class CompiledPipeline(Rebalancing):
         when its workload is ``diffusion``, else one patch per stage), ``max_patches`` at most."""
         front = front or self._front
         length = self.plan.seq_len if length is None else length
-        if self._planner is None:
+        planner = self._emitter.planner
+        if planner is None:
             return self.program(length, front).plan
         key = (front.key, length, num_inference_steps, warmup_steps, max_patches)
         with self._lock:
@@ -236,7 +232,7 @@ class CompiledPipeline(Rebalancing):
                 workload = Workload(kind="diffusion", steps=num_inference_steps,
                                     warmup_steps=min(warmup_steps, num_inference_steps),
                                     max_patches=max_patches)
-                cache[key] = self._planner(front, length, workload=workload)
+                cache[key] = planner(front, length, workload=workload)
                 while len(cache) > self.options.program_cache:
                     cache.popitem(last=False)
             return cache[key]
@@ -250,9 +246,7 @@ class CompiledPipeline(Rebalancing):
         Raises:
             RuntimeInputError: no call has finished yet, or a later call reused its buffers.
         """
-        with self._lock:
-            last = self._last
-        return read_kv_cache(last)
+        return read_kv_cache(self.states.last)
 
     def with_plan(self, plan: Plan, *, executor: ExecutorName | None = None,
                   **options: Any) -> CompiledPipeline:
@@ -267,13 +261,13 @@ class CompiledPipeline(Rebalancing):
         fields = {**self.options.__dict__, **options,
                   "executor": executor or self.executor, "chunks": None}
         ctx = dataclasses.replace(self._front.ctx,
-                                  history=list(self._front.ctx.history[: self._captured_history]))
-        front = dataclasses.replace(self._front, ctx=ctx,
-                                    pool=StatePool(self.options.keep_states))
-        other = CompiledPipeline(self._model, front, plan, planner=None,
-                                 options=CompileOptions(**fields), seq_dims=self._seq_dims)
-        with self._lock:  # captures of other batch shapes are shared (they are immutable)
-            other._fronts.update((k, f) for k, f in self._fronts.items() if k != front.key)
+                                  history=list(self._front.ctx.history[: self._front.passes]))
+        front = dataclasses.replace(self._front, ctx=ctx)
+        emitter = Emitter(CompileOptions(**fields), None, plan)
+        emitter.check(front, plan)
+        other = CompiledPipeline(self._model, front, emitter.emit(front, plan), emitter,
+                                 seq_dims=self._seq_dims)
+        other.captures.share(self.captures)  # captures of other batch shapes (immutable)
         other.example = self.example
         if other.options.verify and self.example is not None:  # SoundnessError on a mismatch
             other.validation = validate_pipeline(other, self._model, *self.example)
@@ -282,62 +276,12 @@ class CompiledPipeline(Rebalancing):
     # -- used by generate and the tests ---------------------------------------------------------
     def bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
              ) -> tuple[FrontEnd, BoundCall]:
-        """The front end for these inputs (captured for a new batch size) and the bound call.
+        """The capture for these inputs and the bound call (:meth:`Captures.bind`).
 
         Raises:
             RuntimeInputError: naming the input, what it is, what was compiled, and the fix.
         """
-        inputs = read_inputs(self._model, args, kwargs)  # bound once per call
-        structure = inputs.structure
-        base = self._front_for((_ANY_BATCH, structure),  # other keyword inputs: capture them
-                               lambda: self._capture(args, kwargs, None))
-        bound = bind(base, self._model, inputs)
-        if self.options.max_seq is not None and bound.length > self.options.max_seq:
-            raise RuntimeInputError(
-                f"the sequence has {bound.length} tokens, max_seq={self.options.max_seq}. "
-                f"fix: compile with max_seq={bound.length} (or more), or max_seq=None")
-        with self._lock:  # a dynamic capture serves many sizes, a specialised one its own
-            front = next((f for f in reversed(self._fronts.values())
-                          if f.serves(structure, bound)), None)
-        front = front or self._front_for((structure, bound.batch),
-                                         lambda: self._capture(args, kwargs, bound))
-        return front, dataclasses.replace(bound, batch=front.batch)
-
-    def _front_for(self, key: tuple[Any, Any], capture: Callable[[], FrontEnd]) -> FrontEnd:
-        """The cached front end for ``key`` (``(_ANY_BATCH, structure)``: the latest of any
-        batch shape), else ``capture()``'s, run once for concurrent callers: the first
-        captures (the process runs one capture at a time, :mod:`tppc.frontend.isolation`),
-        the others wait for it and share its front end or its error."""
-        with self._lock:
-            front = (self._fronts.get(key) if key[0] is not _ANY_BATCH else
-                     next((f for f in reversed(self._fronts.values()) if f.key[0] == key[1]),
-                          None))
-            if front is not None:
-                if key[0] is not _ANY_BATCH:
-                    self._fronts.move_to_end(key)
-                return front
-            pending = self._pending.get(key)
-            if pending is None:
-                pending = self._pending[key] = Future()
-                owner = True
-            else:
-                owner = False
-        if not owner:
-            return pending.result()
-        try:
-            front = capture()
-        except BaseException as exc:
-            with self._lock:
-                del self._pending[key]
-            pending.set_exception(exc)
-            raise
-        with self._lock:
-            self._fronts[front.key] = front
-            while len(self._fronts) > self.options.program_cache:
-                self._fronts.popitem(last=False)
-            del self._pending[key]
-        pending.set_result(front)
-        return front
+        return self.captures.bind(args, kwargs)
 
     def program(self, length: int, front: FrontEnd | None = None) -> Program:
         """The program for ``length`` tokens (re-planned and cached, or refused)."""
@@ -347,13 +291,7 @@ class CompiledPipeline(Rebalancing):
             if key in self._programs:
                 self._programs.move_to_end(key)
                 return self._programs[key]
-            if self._planner is None and length != self._given.seq_len:
-                raise RuntimeInputError(
-                    f"the sequence has {length} tokens; the given plan is for "
-                    f"{self._given.seq_len}. fix: call with {self._given.seq_len} tokens, or "
-                    "compile with plan=None so that tppc re-plans per length")
-            plan = self._given if self._planner is None else self._planner(front, length)
-            program = self._build(front, plan)
+            program = self._admit(self._emitter(front, length))
             self._programs[key] = program
             while len(self._programs) > self.options.program_cache:
                 self._programs.popitem(last=False)
@@ -386,13 +324,6 @@ class CompiledPipeline(Rebalancing):
 
         return profile_call(self, args, kwargs)
 
-    def finish(self, front: FrontEnd, state: CallState, filled: int) -> None:
-        """Record a successful call's state (for :meth:`kv_cache`) and give it back."""
-        state.filled = filled
-        with self._lock:
-            self._last = (state, state.uses, front)
-        front.pool.release(state)
-
     def assemble(self, program: Program, leaves: list[Any]) -> Any:
         """The model's output structure from its flat outputs."""
         if program.signature.out_spec is None:
@@ -405,42 +336,8 @@ class CompiledPipeline(Rebalancing):
         the call's (a job bounds its wait for the results by it)."""
         return LocalDelivery()
 
-    def _capture(self, args: tuple[Any, ...], kwargs: Mapping[str, Any],
-                 bound: BoundCall | None) -> FrontEnd:
-        if bound is not None and bound.length < 2:
-            raise RuntimeInputError(
-                f"a call with batch shape {bound.batch} needs a new capture, and a "
-                f"{bound.length}-token call cannot be captured. fix: call once with at least "
-                "2 tokens at this batch size")
-        what = f"inputs {sorted(kwargs)}" if bound is None else f"batch shape {bound.batch}"
-        try:
-            return capture_front_end(self._model, tuple(args), kwargs, seq_dims=self._seq_dims,
-                                     keep_states=self.options.keep_states)
-        except CaptureError as exc:
-            raise RuntimeInputError(f"re-capturing {self.model_name} for {what} failed: "
-                                    f"{exc}") from exc
-
-    def _check_bidirectional(self, plan: Plan) -> None:
-        chunks = self.options.chunks
-        many = (chunks is not None and (chunks != 1 if isinstance(chunks, int)
-                                        else len(chunks) > 2))
-        given_many = (self._planner is None and len(plan.boundaries) > 2
-                      and plan.workload.kind != "diffusion")  # diffusion: denoise's patches
-        if self._front.bidirectional and (many or given_many):
-            raise SpecError(
-                f"{self.model_name} has bidirectional attention or buffered mixing ("
-                f"{self._front.bidirectional[0]}): a chunk would read stale rows of later "
-                "chunks, so tppc runs each call as one chunk (exact). fix: drop chunks= / give "
-                "a plan with one chunk (cp.denoise pipelines the patches)")
-
-    def _build(self, front: FrontEnd, plan: Plan) -> Program:
-        chunks = plan.chunks
-        if front.bidirectional:  # a barrier at every layer: one chunk, exact
-            chunks = ((0, plan.seq_len),)
-        elif self.options.chunks is not None and self._planner is None:
-            bounds = chunk_bounds(self.options.chunks, plan.seq_len)
-            chunks = tuple(itertools.pairwise(bounds))
-        program = build_program(front.chunk, front.ctx, plan, chunks, self.options.devices)
+    def _admit(self, program: Program) -> Program:
+        """An emitted program this pipeline will run: refused when its executor cannot."""
         reason = self._executors[self.executor].check(program)
         if reason is not None:
             raise SpecError(f"executor {self.executor!r} cannot run these stages: {reason}. "

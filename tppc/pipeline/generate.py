@@ -95,7 +95,7 @@ def greedy_generate(cp: Generating, input_ids: torch.Tensor, max_new_tokens: int
     flat = tuple(_extended(front, bound.flat, total))
     ids = flat[token_input_index(cp.model_name, front)]
     logits_at = logits_output(cp.model_name, front)
-    state = front.pool.acquire(total)
+    state = cp.states.acquire(front, total)
     epoch = next_epoch()
 
     def step(n: int) -> torch.Tensor:
@@ -108,7 +108,7 @@ def greedy_generate(cp: Generating, input_ids: torch.Tensor, max_new_tokens: int
         return cp.execute(program, call, state, executor="local")[-1][logits_at]
 
     length = greedy_decode(ids, prompt, step, TORCH_OPS, eos_ids=eos_ids, pad=pad)
-    cp.finish(front, state, length - 1)  # the last token's K/V are not computed
+    cp.states.finish(front, state, length - 1)  # the last token's K/V are not computed
     return ids[:, :length].clone()
 
 

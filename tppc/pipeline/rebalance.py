@@ -176,6 +176,7 @@ class _Recording:
 
     def __init__(self, pipe: Any) -> None:
         self.pipe, self.front, self.used = pipe, None, None
+        self.states = pipe.states
 
     def bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
              ) -> tuple[FrontEnd, BoundCall]:
@@ -188,9 +189,6 @@ class _Recording:
 
     def execute(self, *args: Any, **kwargs: Any) -> Any:
         return self.pipe.execute(*args, **kwargs)
-
-    def finish(self, *args: Any) -> None:
-        self.pipe.finish(*args)
 
     def assemble(self, *args: Any) -> Any:
         return self.pipe.assemble(*args)
@@ -297,9 +295,10 @@ class Rebalancing:
 
     def _swap(self, front: Any, plan: Plan, planner: Any, rates: tuple[float, ...]) -> None:
         """Install the re-plan between calls (module docstring)."""
-        program = self._build(front, plan)  # outside the lock: callers go on meanwhile
-        with self._lock:
-            self._planner, self.rates = planner, rates
+        program = self._admit(self._emitter.emit(front, plan))  # outside the lock
+        with self._lock:  # callers went on meanwhile
+            self._emitter = dataclasses.replace(self._emitter, planner=planner)
+            self.rates = rates
             self._programs.clear()
             self._programs[front.key, plan.seq_len] = program
             self.__dict__.pop("_denoise_plans", None)
@@ -311,7 +310,7 @@ class Rebalancing:
     def _check_rebalance(self, calls: int, margin: float) -> None:
         if self.REBALANCE_REFUSAL is not None:
             raise SpecError(self.REBALANCE_REFUSAL)
-        if self._planner is None:
+        if self._emitter.planner is None:
             raise SpecError(f"{self.model_name} was compiled with a given plan, which tppc "
                             "keeps as is: there is nothing to re-plan. fix: compile with "
                             "plan=None (tppc plans), then rebalance")
