@@ -1,7 +1,8 @@
 """The call core: one call of a compiled pipeline, in one process or on one rank of a job.
 
 ``call`` THE call algorithm (bind, program, state, run, release, epilogue, assemble) and the
-in-process delivery; ``io`` output assembly; ``kv_cache`` reading the K/V of the last call;
+in-process delivery; ``states`` a pipeline's call states (a pool per capture, the
+last call's); ``io`` output assembly; ``kv_cache`` reading the K/V of the last call;
 ``kv_memory`` whether a generation fits in the K/V buffers.
 """
 

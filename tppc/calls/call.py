@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from tppc.calls.io import OutputAssembler
+from tppc.calls.io import OutputAssembler, output_structure
 from tppc.program.state import Call, next_epoch
 
 if TYPE_CHECKING:
@@ -51,7 +51,6 @@ class Calling(Protocol):
                 executor: Any = None, timeout: float | None = None,
                 trace: list | None = None) -> list[tuple[Any, ...]]: ...
 
-    def assemble(self, program: Program, leaves: list[Any]) -> Any: ...
 
 
 class Delivery(Protocol):
@@ -102,7 +101,7 @@ def run_call(pipe: Calling, args: tuple[Any, ...], kwargs: Mapping[str, Any],
         delivery.close()
     pipe.states.finish(front, state, bound.length)
     leaves = delivery.leaves(program, bound, assembler.leaves)
-    return None if leaves is None else pipe.assemble(program, leaves)
+    return None if leaves is None else output_structure(program, leaves)
 
 
 class LocalDelivery:

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from tppc.ir.records import frame_blocks
 from tppc.program.state import Call
 
-__all__ = ["OutputAssembler"]
+if TYPE_CHECKING:
+    from tppc.program.program import Program
+
+__all__ = ["OutputAssembler", "output_structure"]
+
+
+def output_structure(program: Program, leaves: list[Any]) -> Any:
+    """The model's output structure from its flat outputs."""
+    if program.signature.out_spec is None:
+        return leaves[0] if len(leaves) == 1 else tuple(leaves)
+    return pytree.tree_unflatten(leaves, program.signature.out_spec)
 
 
 class OutputAssembler:

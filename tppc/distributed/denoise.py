@@ -62,7 +62,7 @@ __all__ = ["DenoisingRank", "distributed_denoise"]
 
 class DenoisingRank(Protocol):
     """What :func:`distributed_denoise` needs of a rank (a ``DistributedPipeline``; the
-    helpers of :mod:`tppc.pipefusion.denoise` it calls read ``program``, ``assemble``,
+    helpers of :mod:`tppc.pipefusion.denoise` it calls read ``program``,
     ``denoise_plan`` and ``executor`` too)."""
 
     rank: int

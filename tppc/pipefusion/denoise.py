@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 import torch
 
 from tppc.backends.torch_local import LocalExecutor
-from tppc.calls.io import OutputAssembler
+from tppc.calls.io import OutputAssembler, output_structure
 from tppc.driver.emit import build_program
 from tppc.errors import SpecError
 from tppc.passes.chunk_attention import REST_CHUNK
@@ -195,7 +195,7 @@ class DenoiseRun:
         if program.tail is not None:
             with torch.no_grad():
                 leaves = list(program.tail(*call.flat_inputs, *leaves))
-        out = self.cp.assemble(program, leaves)
+        out = output_structure(program, leaves)
         out = out[0] if isinstance(out, tuple | list) else out
         out = getattr(out, "sample", out)
         return self.transform(out) if self.transform is not None else out

@@ -32,7 +32,7 @@ from typing import Any
 
 from tppc.backends.torch_local import LocalExecutor
 from tppc.calls.call import with_tail
-from tppc.calls.io import OutputAssembler
+from tppc.calls.io import OutputAssembler, output_structure
 from tppc.pipefusion.denoise import all_threads, choose_patches, intra_op_threads, patch_programs
 from tppc.pipefusion.jobs import Jobs, run_pipelined, run_serial
 from tppc.program.program import StageProgram
@@ -106,7 +106,7 @@ class StepCalls:
             with intra_op_threads(all_threads(cp, len(full.stages)) if threaded else None):
                 (values,) = LocalExecutor().run(full, call, state)
             sink(0, values)
-            return cp.assemble(full, with_tail(full, call.flat_inputs, sink.leaves))
+            return output_structure(full, with_tail(full, call.flat_inputs, sink.leaves))
         chunks = tuple(itertools.pairwise(bounds))
         call = Call(tuple(bound.flat), chunks, length, length, self._epoch)
         sink = OutputAssembler(first.signature.output_axes, call, first.signature.output_rows)
@@ -123,4 +123,4 @@ class StepCalls:
             run_pipelined(cp, jobs)
         else:
             run_serial(jobs)
-        return cp.assemble(first, with_tail(first, call.flat_inputs, sink.leaves))
+        return output_structure(first, with_tail(first, call.flat_inputs, sink.leaves))

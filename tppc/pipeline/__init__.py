@@ -1,6 +1,7 @@
 """The in-process pipeline: ``CompiledPipeline``, one thread per stage in this process.
 
-``compiled`` ``CompiledPipeline`` (program cache, per-call states, calls); ``generate``
+``compiled`` ``CompiledPipeline`` (the programs it is given, per-call states, calls);
+``captures`` a capture per batch shape and the binding of a call's inputs; ``generate``
 pipelined prefill + greedy decoding (the loop: ``tppc.generation``); ``profile`` predicted
 against measured; ``rebalance`` measuring the stages, refitting the rates, swapping the program.
 """

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch.utils import _pytree as pytree
 
 from tppc.backends.torch_local import LocalExecutor, Sink
 from tppc.backends.torch_threads import ThreadsExecutor
@@ -323,12 +322,6 @@ class CompiledPipeline(Rebalancing):
         from tppc.pipeline.profile import profile_call
 
         return profile_call(self, args, kwargs)
-
-    def assemble(self, program: Program, leaves: list[Any]) -> Any:
-        """The model's output structure from its flat outputs."""
-        if program.signature.out_spec is None:
-            return leaves[0] if len(leaves) == 1 else tuple(leaves)
-        return pytree.tree_unflatten(leaves, program.signature.out_spec)
 
     # -- building ------------------------------------------------------------------------------
     def _delivery(self, timeout: float | None = None) -> Delivery:

@@ -190,8 +190,6 @@ class _Recording:
     def execute(self, *args: Any, **kwargs: Any) -> Any:
         return self.pipe.execute(*args, **kwargs)
 
-    def assemble(self, *args: Any) -> Any:
-        return self.pipe.assemble(*args)
 
 
 class Rebalancing:
