@@ -1,16 +1,17 @@
 """A model compiled into a token pipeline: :class:`CompiledPipeline` (call it like the model).
 
 Terms:
-    program cache: one :class:`tppc.program.program.Program` per (batch shape, sequence length),
-        least recently used first out (``CompileOptions.program_cache``). A length tppc has
-        not planned is re-planned (when tppc made the plan) or refused (when it was given).
+    program cache: one :class:`tppc.program.program.Program` per (batch shape, sequence length)
+        (:mod:`tppc.pipeline.programs`). A length tppc has not planned is re-planned (when
+        tppc made the plan) or refused (when it was given).
     call state: each call takes its own K/V buffers from the pipeline's pool of its capture
         (:mod:`tppc.calls.states`), so concurrent calls of one pipeline are independent;
         a call that fails drops its state and leaves the pipeline as it was.
 
 The pipeline holds what it is given: the example's capture and program, and the emitter
 (:class:`tppc.driver.emit.Emitter`) of the programs of other lengths; its parts are the
-captures (:mod:`tppc.pipeline.captures`), the programs, the call states and the executors.
+captures (:mod:`tppc.pipeline.captures`), the programs (:mod:`tppc.pipeline.programs`), the
+call states (:mod:`tppc.calls.states`) and the executors.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from tppc.errors import SpecError
 from tppc.frontend.front_end import BoundCall, FrontEnd
 from tppc.ir.context import PassRecord
 from tppc.pipeline.captures import Captures
+from tppc.pipeline.programs import Programs
 from tppc.pipeline.rebalance import Rebalancing
 from tppc.planner.plan import Plan, Workload
 from tppc.program.program import Program
@@ -84,6 +86,7 @@ class CompiledPipeline(Rebalancing):
         context: the compile context of the example's capture.
         executor: the executor calls run on.
         captures: the captures of the model and the binding of a call's inputs.
+        programs: the programs held, one per (capture, length), and their emitter.
         states: the call states (a pool per capture; the last call's, for :meth:`kv_cache`).
         last_trace: ``(stage, chunk, start, end)`` of the last ``threads`` call.
         validation: what ``tppc.compile`` checked (:class:`tppc.validation.validate.Validation`),
@@ -101,12 +104,12 @@ class CompiledPipeline(Rebalancing):
         options = emitter.options
         self.model_name = type(model).__name__
         self._model, self._seq_dims = model, seq_dims
-        self.options, self._emitter = options, emitter
+        self.options = options
         self._front = front
         self.captures = Captures(model, front, seq_dims=seq_dims, keep=options.program_cache,
                                  max_seq=options.max_seq)
         self.states = CallStates(options.keep_states, options.program_cache)
-        self._programs: OrderedDict[tuple[Any, int], Program] = OrderedDict()
+        self.programs = Programs(emitter, self._admit, options.program_cache)
         self._lock = threading.RLock()
         self._executors = {"local": LocalExecutor(),
                            "threads": ThreadsExecutor(options.threads_per_stage,
@@ -115,7 +118,7 @@ class CompiledPipeline(Rebalancing):
         generation = getattr(model, "generation_config", None)
         self.eos_token_id = getattr(generation, "eos_token_id", None)
         self.pad_token_id = getattr(generation, "pad_token_id", None)
-        self._programs[front.key, program.plan.seq_len] = self._admit(program)
+        self.programs.hold(front, self._admit(program))
         self.plan = program.plan
 
     # -- public --------------------------------------------------------------------------------
@@ -221,7 +224,7 @@ class CompiledPipeline(Rebalancing):
         when its workload is ``diffusion``, else one patch per stage), ``max_patches`` at most."""
         front = front or self._front
         length = self.plan.seq_len if length is None else length
-        planner = self._emitter.planner
+        planner = self.programs.emitter.planner
         if planner is None:
             return self.program(length, front).plan
         key = (front.key, length, num_inference_steps, warmup_steps, max_patches)
@@ -284,17 +287,7 @@ class CompiledPipeline(Rebalancing):
 
     def program(self, length: int, front: FrontEnd | None = None) -> Program:
         """The program for ``length`` tokens (re-planned and cached, or refused)."""
-        front = front or self._front
-        key = (front.key, length)
-        with self._lock:
-            if key in self._programs:
-                self._programs.move_to_end(key)
-                return self._programs[key]
-            program = self._admit(self._emitter(front, length))
-            self._programs[key] = program
-            while len(self._programs) > self.options.program_cache:
-                self._programs.popitem(last=False)
-            return program
+        return self.programs.get(front or self._front, length)
 
     def execute(self, program: Program, call: Call, state: CallState, sink: Sink | None = None,
                 executor: ExecutorName | None = None, timeout: float | None = None,

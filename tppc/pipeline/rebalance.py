@@ -293,12 +293,11 @@ class Rebalancing:
 
     def _swap(self, front: Any, plan: Plan, planner: Any, rates: tuple[float, ...]) -> None:
         """Install the re-plan between calls (module docstring)."""
-        program = self._admit(self._emitter.emit(front, plan))  # outside the lock
-        with self._lock:  # callers went on meanwhile
-            self._emitter = dataclasses.replace(self._emitter, planner=planner)
+        emitter = dataclasses.replace(self.programs.emitter, planner=planner)
+        program = self._admit(emitter.emit(front, plan))  # outside the lock: calls go on
+        with self._lock:
             self.rates = rates
-            self._programs.clear()
-            self._programs[front.key, plan.seq_len] = program
+            self.programs.hold(front, program, emitter)
             self.__dict__.pop("_denoise_plans", None)
             if front is self._front and plan.seq_len == self.plan.seq_len:
                 self.plan = plan
@@ -308,7 +307,7 @@ class Rebalancing:
     def _check_rebalance(self, calls: int, margin: float) -> None:
         if self.REBALANCE_REFUSAL is not None:
             raise SpecError(self.REBALANCE_REFUSAL)
-        if self._emitter.planner is None:
+        if self.programs.emitter.planner is None:
             raise SpecError(f"{self.model_name} was compiled with a given plan, which tppc "
                             "keeps as is: there is nothing to re-plan. fix: compile with "
                             "plan=None (tppc plans), then rebalance")
