@@ -35,9 +35,9 @@ def hwm():
     for line in Path('/proc/self/status').read_text().splitlines():
         if line.startswith('VmHWM:'):
             return int(line.split()[1]) / 1024
-import onnxruntime, tppc.artifact.load, tppc.artifact.loaded
+import onnxruntime, tppc.artifact.core.load, tppc.artifact.core.loaded
 before = hwm()
-runner = tppc.artifact.load.load(sys.argv[1], threads_per_stage=1)
+runner = tppc.artifact.core.load.load(sys.argv[1], threads_per_stage=1)
 loaded = hwm()
 ids = np.load(sys.argv[2])['input_ids']
 times = []

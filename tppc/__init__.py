@@ -11,7 +11,7 @@ without torch, ``import tppc`` offers ``load`` and the errors only).
 
 from __future__ import annotations
 
-from tppc.artifact.load import load
+from tppc.artifact.core.load import load
 from tppc.errors import (
     ActivationMaskError,
     AnnotationError,
@@ -37,7 +37,7 @@ except ImportError:
     _torch = None
 
 if _torch is not None:
-    from tppc.artifact.write import export
+    from tppc.artifact.writer.write import export
     from tppc.cost_models import Cluster, CostTable, DeviceSpec, LinkSpec, calibrate
     from tppc.dispatch.compile import compile_pipeline as compile
     from tppc.driver.costing import cost_report

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tppc
-from tppc.artifact.load import ArtifactError, verify
+from tppc.artifact.core.load import ArtifactError, verify
 from tppc.examples import gpt, hf_llama
 
 pytestmark = pytest.mark.timeout(600)

@@ -9,7 +9,7 @@ from tests.unit._helpers import block_activations, roles_by_target
 from tppc import examples
 from tppc.errors import AnnotationError
 from tppc.ir.records import TOKEN
-from tppc.passes._shapes import size_expr
+from tppc.passes.shapes import size_expr
 
 pytest.importorskip("transformers")
 

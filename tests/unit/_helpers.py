@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import fx
 
 from tppc.ir.records import LAYER, TOKEN
-from tppc.passes._shapes import tensor_val
+from tppc.passes.shapes import tensor_val
 
 
 def block_activations(gm: fx.GraphModule, ctx) -> list[fx.Node]:

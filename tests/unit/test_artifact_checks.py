@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import tppc
-import tppc.artifact.loaded as loaded_module
-from tppc.artifact.load import sha256_file
+import tppc.artifact.core.loaded as loaded_module
+from tppc.artifact.core.load import sha256_file
 from tppc.errors import ArtifactError, RuntimeInputError, SpecError
 from tppc.examples import gpt
 
@@ -213,14 +213,14 @@ def test_an_output_tree_nested_too_deep_is_refused_by_name(artifact) -> None:
 
 
 def test_an_oversized_plan_json_is_refused(artifact, monkeypatch) -> None:
-    monkeypatch.setattr("tppc.artifact.load.MAX_PLAN_BYTES", 1000)
+    monkeypatch.setattr("tppc.artifact.core.load.MAX_PLAN_BYTES", 1000)
     with pytest.raises(ArtifactError, match="more than the 1,000 tppc reads"):
         tppc.load(artifact)
 
 
 def test_a_single_stage_of_a_distributed_job_is_checked_alone(artifact) -> None:
     """A rank reads its own stage's graph (the others' files need not be there)."""
-    from tppc.artifact.load import verify
+    from tppc.artifact.core.load import verify
 
     for name in ("stage_1.onnx", "stage_1.onnx.data"):
         (artifact / name).unlink(missing_ok=True)

@@ -18,9 +18,9 @@ import torch
 
 import tppc
 from tppc import examples
-from tppc.artifact.distributed import DistributedArtifact
-from tppc.artifact.load import verify
-from tppc.artifact.loaded import Assembler
+from tppc.artifact.core.load import verify
+from tppc.artifact.core.loaded import Assembler
+from tppc.artifact.torch_runners.distributed import DistributedArtifact
 from tppc.backends import onnxruntime as ort_backend
 from tppc.backends import torch_distributed
 from tppc.backends.torch_distributed import DistributedExecutor

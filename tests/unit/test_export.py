@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import tppc
-from tppc.artifact.graphs import export_stage_graph, split_attention
-from tppc.artifact.load import SCHEMA, sha256_file
+from tppc.artifact.core.load import SCHEMA, sha256_file
+from tppc.artifact.writer.graphs import export_stage_graph, split_attention
 from tppc.examples import gpt
 from tppc.ir.ops import chunk_attention_eager
 

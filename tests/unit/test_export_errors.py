@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import tppc
-import tppc.artifact.loaded as loaded_module
-from tppc.artifact.load import ArtifactError
+import tppc.artifact.core.loaded as loaded_module
+from tppc.artifact.core.load import ArtifactError
 from tppc.errors import RuntimeInputError
 from tppc.examples import gpt
 
@@ -158,7 +158,7 @@ def test_load_run_and_cli_run_need_neither_torch_nor_transformers(pristine, tmp_
 def test_a_failed_export_removes_what_it_wrote(tmp_path, monkeypatch, existing) -> None:
     """The second stage's translation fails after the first stage's file was written: the
     new files go (and the directories the export created), a file already there stays."""
-    import tppc.artifact.write as write_module
+    import tppc.artifact.writer.write as write_module
 
     model, args, kwargs = gpt(seq_len=32, n_layer=2)
     cp = tppc.compile(model, args, kwargs, cluster="2xcpu", num_stages=2, chunks=2)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tppc.artifact.to_onnx import to_onnx
+from tppc.artifact.writer.to_onnx import to_onnx
 
 ort = pytest.importorskip("onnxruntime")
 

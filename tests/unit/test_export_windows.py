@@ -1,6 +1,6 @@
 """Export of pipelines whose attention has a sliding window or a padding mask (issue 18).
 
-The exported attention (:func:`tppc.artifact.graphs.split_attention` and its ONNX form)
+The exported attention (:func:`tppc.artifact.writer.graphs.split_attention` and its ONNX form)
 reads the window's keys only and hides padded keys; the oracles are
 ``tppc::chunk_attention`` over the written buffer and the eager HF model.
 """
@@ -15,7 +15,7 @@ import torch
 
 import tppc
 from tppc import examples
-from tppc.artifact.graphs import ExportError, export_stage_graph, split_attention
+from tppc.artifact.writer.graphs import ExportError, export_stage_graph, split_attention
 from tppc.ir.ops import chunk_attention_eager
 from tppc.passes.subgraph import copy_graph
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tppc.artifact.loaded import NUMPY_OPS
+from tppc.artifact.core.loaded import NUMPY_OPS
 from tppc.generation import greedy_decode
 from tppc.pipeline.generate import TORCH_OPS
 

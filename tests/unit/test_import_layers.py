@@ -5,8 +5,10 @@ The floors and the forbidden imports are read from the two tables of ``docs/layo
 map of the packages). Every import in ``tppc/`` is read from the AST (module level, function
 level and ``TYPE_CHECKING`` blocks alike). A package may import its own modules and any package
 on a lower floor of :data:`FLOORS`; anything else is an upward import. Modules import each other
-without a circle (inside a package too). A name with a leading underscore is imported only
-inside its own module, and a module with a leading underscore only from its own package.
+without a circle (inside a package too), and so do the sub-packages of a package, each taken as
+one node. A name with a leading underscore is imported only inside its own module, and a module
+with a leading underscore only from its own package. The torch-free packages
+(:data:`TORCH_FREE`) never import torch, nor at module level a module that does.
 
 To see the test fail, add ``from tppc.pipeline.compiled import CompiledPipeline`` to any
 function in ``tppc/planner/plan.py``: the planner (floor 8) may not import the in-process
@@ -156,9 +158,10 @@ def private_imports() -> list[str]:
     return bad
 
 
-def import_cycles() -> list[list[str]]:
-    """Strongly connected groups of more than one module (Tarjan)."""
-    edges = _edges()
+def import_cycles(edges: dict[str, set[str]] | None = None) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan); ``edges``: module ->
+    modules it imports (default: every import in ``tppc/``)."""
+    edges = _edges() if edges is None else edges
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -288,3 +291,144 @@ def test_tppc_loads_an_artifact_without_torch(tmp_path: Path) -> None:
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("ok"), result.stdout
+
+
+def subpackage_of(module: str) -> str:
+    """``tppc.passes.chunking.bias_rows`` -> ``tppc.passes.chunking``; a module directly in a
+    package (``tppc.passes.runner``, ``tppc.passes.chunking``) is its own unit."""
+    return ".".join(module.split(".")[:3])
+
+
+def subpackage_cycles() -> list[list[str]]:
+    """Circles between the sub-packages of a package, each sub-package one node (chunking
+    reads annotation's helpers, so annotation may never read chunking), less the lazy
+    imports of :data:`LAZY_UPWARD`."""
+    edges: dict[str, set[str]] = {}
+    for me, targets in _edges().items():
+        mine = edges.setdefault(subpackage_of(me), set())
+        mine |= {subpackage_of(t) for t in targets
+                 if (me, t) not in LAZY_UPWARD and subpackage_of(t) != subpackage_of(me)}
+    return import_cycles(edges)
+
+
+#: Function-level imports that run against the order of their package's sub-packages, each
+#: with its reason; any other closes a circle and fails :func:`test_no_subpackage_cycles`.
+LAZY_UPWARD: dict[tuple[str, str], str] = {
+    ("tppc.artifact.core.loaded", "tppc.artifact.torch_runners.denoise"):
+        "LoadedPipeline.denoise steps diffusers' (torch) schedulers: it imports torch only "
+        "when called, so loading and plain calls stay torch-free",
+}
+
+
+def test_no_subpackage_cycles() -> None:
+    cycles = subpackage_cycles()
+    assert not cycles, "sub-package circles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_a_subpackage_cycle_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two sub-packages whose modules import each other without a module circle."""
+    fake = tmp_path / "tppc"
+    for pkg in ("", "passes", "passes/annotation", "passes/chunking"):
+        (fake / pkg).mkdir(parents=True, exist_ok=True)
+        (fake / pkg / "__init__.py").write_text("")
+    (fake / "passes" / "annotation" / "a.py").write_text("X = 1\n")
+    (fake / "passes" / "annotation" / "b.py").write_text(
+        "def f():\n    from tppc.passes.chunking.c import Y\n    return Y\n")
+    (fake / "passes" / "chunking" / "c.py").write_text(
+        "from tppc.passes.annotation.a import X\nY = X\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", fake)
+    assert import_cycles() == []
+    assert subpackage_cycles() == [["tppc.passes.annotation", "tppc.passes.chunking"]]
+
+
+#: Packages that never import torch, nor at module level a ``tppc`` module that does: what
+#: ``tppc.load`` and ``tppc run`` need on a machine without torch.
+TORCH_FREE: tuple[str, ...] = ("tppc.artifact.core",)
+
+
+def _run_on_import(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """The import statements a module runs when it is imported (none inside a function or
+    under ``if TYPE_CHECKING``)."""
+    found: list[ast.Import | ast.ImportFrom] = []
+    todo: list[ast.stmt] = list(tree.body)
+    while todo:
+        stmt = todo.pop()
+        if isinstance(stmt, ast.Import | ast.ImportFrom):
+            found.append(stmt)
+        elif isinstance(stmt, ast.If):
+            checking = "TYPE_CHECKING" in ast.unparse(stmt.test)
+            todo += stmt.orelse if checking else [*stmt.body, *stmt.orelse]
+        elif isinstance(stmt, ast.Try | ast.With | ast.ClassDef):
+            for block in ("body", "orelse", "finalbody"):
+                todo += getattr(stmt, block, [])
+            for handler in getattr(stmt, "handlers", []):
+                todo += handler.body
+    return found
+
+
+def _torch_lines(nodes: list[ast.AST]) -> list[int]:
+    """The lines of the ``import torch...`` and ``from torch... import`` among ``nodes``."""
+    lines = []
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        else:
+            continue
+        if any(n == "torch" or n.startswith("torch.") for n in names):
+            lines.append(node.lineno)
+    return lines
+
+
+def torch_imports() -> list[str]:
+    """Modules of :data:`TORCH_FREE` that import torch (at any depth of their own file), or
+    import at module level a ``tppc`` module that imports torch at module level."""
+    files = {module_name(p): p for p in _files()}
+    bad = []
+    for me, path in files.items():
+        if not any(me == p or me.startswith(p + ".") for p in TORCH_FREE):
+            continue
+        bad += [f"{path.relative_to(ROOT.parent)}:{line} imports torch"
+                for line in _torch_lines(list(ast.walk(ast.parse(path.read_text()))))]
+        seen, todo = {me}, [(me, (me,))]
+        while todo:
+            module, chain = todo.pop()
+            tree = ast.parse(files[module].read_text())
+            on_import = _run_on_import(tree)
+            if module != me and _torch_lines(on_import):
+                bad.append(f"{me} imports torch through {' -> '.join(chain)}")
+                continue
+            lines = {n.lineno for n in on_import}
+            for target, _name, line in imports_of(files[module]):
+                while target not in files and "." in target:
+                    target = target.rpartition(".")[0]
+                if line in lines and target in files and target not in seen:
+                    seen.add(target)
+                    todo.append((target, (*chain, target)))
+    return bad
+
+
+def test_the_torch_free_core_imports_no_torch() -> None:
+    bad = torch_imports()
+    assert not bad, "torch in the torch-free packages:\n" + "\n".join(bad)
+
+
+def test_a_torch_import_in_the_core_is_caught(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A function-level ``import torch`` in the core, and a module-level one a step away."""
+    fake = tmp_path / "tppc"
+    for pkg in ("", "artifact", "artifact/core", "backends"):
+        (fake / pkg).mkdir(parents=True, exist_ok=True)
+        (fake / pkg / "__init__.py").write_text("")
+    (fake / "artifact" / "core" / "load.py").write_text(
+        "from tppc.backends.ort import X\n\ndef f():\n    import torch.nn\n    return X\n")
+    (fake / "backends" / "ort.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\nX = 1\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", fake)
+    assert torch_imports() == ["tppc/artifact/core/load.py:4 imports torch"]
+    (fake / "backends" / "ort.py").write_text("from torch import fx\nX = 1\n")
+    assert torch_imports() == [
+        "tppc/artifact/core/load.py:4 imports torch",
+        "tppc.artifact.core.load imports torch through tppc.artifact.core.load -> "
+        "tppc.backends.ort"]

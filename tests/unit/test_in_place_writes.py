@@ -13,7 +13,7 @@ from torch import fx, nn
 from torch.nn import functional as F
 
 import tppc
-from tppc.passes._positional import call_target
+from tppc.passes.annotation.positional import call_target
 
 
 class _WrittenKeys(nn.Module):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import tppc
-from tppc.artifact.write import ExportError
+from tppc.artifact.writer.write import ExportError
 from tppc.errors import CaptureError, RuntimeInputError, SpecError
 from tppc.examples import gpt
 

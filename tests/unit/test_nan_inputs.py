@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import tppc
-from tppc.artifact.check import check_finite
+from tppc.artifact.core.check import check_finite
 from tppc.errors import RuntimeInputError
 from tppc.examples import dit, hf_llama
 

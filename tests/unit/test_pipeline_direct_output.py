@@ -7,7 +7,7 @@ import torch
 
 from tppc import examples
 from tppc.dispatch.compile import compile_pipeline
-from tppc.passes.direct_output import write_outputs_in_place
+from tppc.passes.stages.direct_output import write_outputs_in_place
 from tppc.planner.manual import manual_plan
 from tppc.program.state import Call, next_epoch
 

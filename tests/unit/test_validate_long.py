@@ -50,7 +50,7 @@ def test_a_program_broken_at_one_mlp_is_refused_on_a_long_example(monkeypatch) -
 
 def test_an_alibi_bias_on_a_long_example_is_checked_short_and_exact() -> None:
     """ALiBi was refused here by the short probes before float biases were evaluated per chunk
-    (tppc/passes/_bias_rows.py); now the probes pass and the long call equals eager."""
+    (tppc/passes/chunking/bias_rows.py); now the probes pass and the long call equals eager."""
     model = _Toy("alibi").eval()
     ids = torch.randint(0, 64, (1, LONG))
     cp = tppc.compile(model, (ids,), executor="local")

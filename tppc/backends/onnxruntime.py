@@ -10,14 +10,14 @@ Terms:
         that every chunk binds with IOBinding, and each stage's positional values.
     K/V rows: an exported stage returns the chunk's new K and V rows; the stage writes them
         into its buffers (``c`` rows, in place) before its next chunk, so no chunk copies a
-        whole buffer (see :mod:`tppc.artifact.graphs`).
+        whole buffer (see :mod:`tppc.artifact.writer.graphs`).
 
 Both loops follow the call's action lists (:mod:`tppc.program.schedule`; the loaded
 artifact derives them from ``plan.json``'s chunks): :func:`run_serial` does the computes in
 the dry run's order in the calling thread, :func:`run_pipeline` gives each stage a thread
 that follows its lowered list (receive, compute, send).
 
-Imports no torch: this module, :mod:`tppc.artifact.load` and numpy/onnxruntime are all
+Imports no torch: this module, :mod:`tppc.artifact.core.load` and numpy/onnxruntime are all
 a loaded artifact needs. ONNX Runtime releases the GIL in ``run_with_iobinding``, so the
 stage threads overlap like the torch ``threads`` executor.
 """

@@ -5,7 +5,7 @@ A stage step feeds each placeholder of the stage graph from the call and its sta
 of a user input, a whole const input, the chunk's rows of a positional value, the stage's
 K/V buffers, a whole user input (``full``: the key-validity mask), or an int. The last stage writes a bias-free linear output (an LM head)
 straight into the call's full-length output when that slice is contiguous
-(:mod:`tppc.passes.direct_output`).
+(:mod:`tppc.passes.stages.direct_output`).
 
 The ``local`` executor does the computes of the program's action lists
 (:mod:`tppc.program.schedule`) one at a time in the calling thread, in the order of their dry
@@ -23,7 +23,7 @@ import torch
 
 from tppc.errors import StageTimeout
 from tppc.ir.records import ChunkInput
-from tppc.passes.hoist_consts import const_values
+from tppc.passes.stages.hoist_consts import const_values
 from tppc.program.program import Program, StageProgram
 from tppc.program.schedule import serial_order
 from tppc.program.state import Call, CallState

@@ -48,7 +48,7 @@ def _plan(ns: argparse.Namespace) -> int:
 
 
 def _export(ns: argparse.Namespace) -> int:
-    from tppc.artifact.write import export, lengths_arg
+    from tppc.artifact.writer.write import export, lengths_arg
     from tppc.dispatch.compile import compile_pipeline
 
     model, args, kwargs = load_factory(ns.factory)
@@ -63,7 +63,7 @@ def _export(ns: argparse.Namespace) -> int:
 
 
 def _run(ns: argparse.Namespace) -> int:
-    from tppc.artifact.run import run_artifact
+    from tppc.artifact.core.run import run_artifact
 
     return run_artifact(ns.artifact, ns.input, ns.output, threads=ns.threads,
                         generate=ns.generate)

@@ -20,7 +20,7 @@ A rank that fails prints ``[tppc.run rank r] StageFailed: ...`` and exits with s
 With an artifact directory written by ``tppc.export`` instead of ``MODULE:FACTORY``
 (``torchrun --nproc-per-node S -m tppc.cli.rank DIR --input in.npz --output out.npz``), rank
 ``r`` verifies and loads only stage ``r``'s ONNX file and runs it on ONNX Runtime
-(:mod:`tppc.artifact.distributed`); the inputs are named as in ``plan.json``'s
+(:mod:`tppc.artifact.torch_runners.distributed`); the inputs are named as in ``plan.json``'s
 signature (``args.N`` / ``kwargs.NAME`` work too) and the outputs by their path, like
 ``tppc run DIR``.
 """
@@ -224,8 +224,8 @@ def _run_artifact(ns: argparse.Namespace) -> dict[str, Any]:
     """This rank's stage of an exported artifact (see the module docstring)."""
     import numpy as np
 
-    from tppc.artifact.distributed import load_distributed
-    from tppc.artifact.run import flat_outputs
+    from tppc.artifact.core.run import flat_outputs
+    from tppc.artifact.torch_runners.distributed import load_distributed
     from tppc.errors import SpecError
 
     for flag in ("checkpoint", "chunks", "cluster"):

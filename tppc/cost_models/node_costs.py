@@ -45,7 +45,7 @@ from tppc.cost_models.unpriced import UnpricedOpWarning, warn_unpriced
 from tppc.errors import CostModelError
 from tppc.ir.op_rules import op_rule
 from tppc.ir.records import TOKEN, TokenInfo
-from tppc.passes.chunk_parts import cache_source, is_head_repeat
+from tppc.passes.chunking.chunk_parts import cache_source, is_head_repeat
 
 __all__ = [
     "C",

@@ -41,7 +41,8 @@ class LayerCost:
         workspace_bytes_per_key: bytes per (query row, key) of the causal attention kernel's
             mask, built for at most ``tppc.ir.ops.MASK_ELEMENTS`` rows × keys at once.
         parts: a block's two sub-layers (``<name>.attn``, ``<name>.mlp``: the block cut at
-            its waist, see :mod:`tppc.passes._waist`), priced alike; empty when it has none.
+            its waist, see :mod:`tppc.passes.annotation.waist`), priced alike; empty when it
+            has none.
     """
 
     name: str

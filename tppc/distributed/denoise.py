@@ -33,8 +33,8 @@ import torch.distributed as dist
 from tppc.backends.torch_local import run_stage
 from tppc.driver.emit import build_program
 from tppc.errors import RuntimeInputError, SpecError, StageFailed, StageTimeout
-from tppc.passes.chunk_attention import REST_CHUNK
-from tppc.passes.hoist_consts import hoist_constants
+from tppc.passes.chunking.chunk_attention import REST_CHUNK
+from tppc.passes.stages.hoist_consts import hoist_constants
 from tppc.pipefusion.denoise import (
     DenoiseRun,
     TimestepSchedule,

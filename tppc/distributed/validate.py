@@ -32,7 +32,7 @@ from tppc.driver.emit import Emitter
 from tppc.driver.options import CompileOptions
 from tppc.errors import SoundnessError, StageFailed
 from tppc.frontend.front_end import FrontEnd
-from tppc.passes.chunk_attention import REST_CHUNK
+from tppc.passes.chunking.chunk_attention import REST_CHUNK
 from tppc.pipeline.compiled import CompiledPipeline
 from tppc.planner.plan import Plan
 from tppc.validation.validate import CheckRun, Validation, validate_pipeline

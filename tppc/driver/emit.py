@@ -1,5 +1,6 @@
 """Emit: partition a chunk-step graph by a plan, place each stage, let the last stage write
-its outputs in place (:mod:`tppc.passes.direct_output`): a :class:`~tppc.program.program.Program`.
+its outputs in place (:mod:`tppc.passes.stages.direct_output`): a
+:class:`~tppc.program.program.Program`.
 
 Terms:
     emitter: what a pipeline is given to get the program of a length it has not run yet
@@ -22,9 +23,9 @@ from tppc.driver.options import CompileOptions, chunk_bounds
 from tppc.errors import RuntimeInputError, SpecError
 from tppc.ir.context import CompileContext
 from tppc.ir.records import CHUNK_INPUT, CHUNK_SIGNATURE, STAGE_INFO, ChunkSignature
-from tppc.passes.direct_output import write_outputs_in_place
-from tppc.passes.partition_stages import partition_stages
 from tppc.passes.runner import run_passes
+from tppc.passes.stages.direct_output import write_outputs_in_place
+from tppc.passes.stages.partition_stages import partition_stages
 from tppc.passes.subgraph import copy_graph
 from tppc.planner.plan import Plan, StagePlan
 from tppc.program.program import BufferSpec, Program, StageProgram

@@ -37,7 +37,7 @@ from tppc.frontend.capture import bind_inputs
 from tppc.frontend.isolation import CAPTURE_LOCK, shadow_tree
 from tppc.ir.context import CompileContext
 from tppc.ir.records import CHUNK_SIGNATURE, TOKEN
-from tppc.passes.chunk_attention import ChunkSignature, chunk_attention_pass
+from tppc.passes.chunking.chunk_attention import ChunkSignature, chunk_attention_pass
 from tppc.passes.runner import run_passes
 
 __all__ = ["BoundCall", "CallInputs", "FrontEnd", "batch_shape", "bind", "capture_front_end",

@@ -65,7 +65,7 @@ class MaskSpec:
     ``i - j < window`` (when set), and ``key_valid[b, j] != 0`` (when set). A float mask
     that also adds values other than 0 to the scores of visible keys (ALiBi, relative
     position biases) is a *bias*: the chunk step evaluates its rows for the chunk's queries
-    (:mod:`tppc.passes._bias_rows`) instead of rebuilding the pattern.
+    (:mod:`tppc.passes.chunking.bias_rows`) instead of rebuilding the pattern.
 
     Attributes:
         window: a causal sliding window of this many keys (the query's own included).
@@ -76,7 +76,7 @@ class MaskSpec:
             the *values* of inputs other than the sequence inputs (a text padding mask over
             joint keys: HunyuanVideo's ``encoder_attention_mask``); the chunk step evaluates
             it whole (``O(L)``) and attention applies it as it is
-            (:mod:`tppc.passes._key_masks`).
+            (:mod:`tppc.passes.annotation.key_masks`).
     """
 
     window: int | None = None
@@ -153,7 +153,7 @@ class LayerInfo:
             (long skip connections, block i -> block N-i): a stage boundary inside or
             after this layer must forward them.
         parts: a block's two sub-layers (``<name>.attn``, ``<name>.mlp``), split at its
-            waist (:mod:`tppc.passes._waist`), where a stage boundary may also fall; empty
+            waist (:mod:`tppc.passes.annotation.waist`), where a stage boundary may also fall; empty
             when the block has no waist. A plan that cuts the block names its parts as
             layers.
     """
@@ -206,7 +206,7 @@ class ChunkInput:
             a frontier value), ``key`` / ``value`` (a K/V buffer), ``boundary`` (a token value
             sent by the previous stage; only in stage graphs), ``full`` (a user input with a
             sequence axis, whole: the key-validity mask of every position so far),
-            ``hoisted`` (a const sub-graph's value, :mod:`tppc.passes.hoist_consts`).
+            ``hoisted`` (a const sub-graph's value, :mod:`tppc.passes.stages.hoist_consts`).
         source: the user input's name, the frontier node's name, the attention node's name,
             or the boundary value's name.
         index: flat user-input index (token, const) or positional-program output index.
@@ -216,7 +216,7 @@ class ChunkInput:
         layer: key/value buffers: the layer that owns the buffer.
         scale: positions of the token axis per unit of the sequence symbol (a DiT's patch
             columns, a latent's patch size; 1 for LLM tokens), see
-            :mod:`tppc.passes._token_rows`.
+            :mod:`tppc.passes.chunking.token_rows`.
         prefix: the unsplit text segment before the split positions (joint attention).
         suffix: the unsplit text segment after the split positions (K/V buffers only: the
             first chunk of a step writes it after the last split row).
@@ -317,7 +317,7 @@ class ChunkSignature:
         tail: True when a ``global`` epilogue (``gm.tppc_tail``) turns the full-length chunk
             outputs into the model's outputs; False when the chunk outputs are the model's.
         output_rows: per flat output, ``(scale, prefix, frames)`` of its token axis (see
-            :mod:`tppc.passes._token_rows`, :func:`frame_blocks`), None where
+            :mod:`tppc.passes.chunking.token_rows`, :func:`frame_blocks`), None where
             ``output_axes`` is None.
     """
 

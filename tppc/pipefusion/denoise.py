@@ -4,7 +4,7 @@ Terms:
     patch: a band of whole patch rows of the latent, ``[a, b)`` in units of the sequence
         symbol (patch rows; a specialised capture cuts the same contiguous token range). In
         a video latent of several frames it is the band in every frame (one block of the
-        frame-major tokens per frame, :mod:`tppc.passes._frame_rows`); captured along the
+        frame-major tokens per frame, :mod:`tppc.passes.chunking.frame_rows`); captured along the
         frame axis, a band of whole frames.
     warm-up step: the whole image as one chunk through every stage, synchronously; it
         writes every row of every K/V buffer (the first step of a call always is one).
@@ -45,8 +45,8 @@ from tppc.backends.torch_local import LocalExecutor
 from tppc.calls.io import OutputAssembler, output_structure
 from tppc.driver.emit import build_program
 from tppc.errors import SpecError
-from tppc.passes.chunk_attention import REST_CHUNK
-from tppc.passes.hoist_consts import hoist_constants
+from tppc.passes.chunking.chunk_attention import REST_CHUNK
+from tppc.passes.stages.hoist_consts import hoist_constants
 from tppc.pipefusion.check import check_patches
 from tppc.pipefusion.jobs import Jobs, run_pipelined, run_serial
 from tppc.pipefusion.quality import quality_settings
@@ -352,7 +352,7 @@ def patch_programs(cp: Any, front: Any, plan: Any, length: int, bounds: tuple[in
 
 def _hoist(program: Program) -> Program:
     """``program`` with every stage's const sub-graphs (text K/V, timestep embedding)
-    computed once per set of input values and fed in (:mod:`tppc.passes.hoist_consts`)."""
+    computed once per set of input values and fed in (:mod:`tppc.passes.stages.hoist_consts`)."""
     return dataclasses.replace(program, stages=tuple(hoist_constants(st)
                                                      for st in program.stages))
 

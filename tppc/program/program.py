@@ -116,8 +116,8 @@ class StageProgram:
         out_slots: the last stage's outputs written in place, in placeholder order.
         param_count: parameter elements it holds.
         param_bytes: bytes of its parameters and module buffers.
-        consts: const programs feeding its ``hoisted`` inputs (:mod:`tppc.passes.hoist_consts`;
-            ``denoise`` only, else empty).
+        consts: const programs feeding its ``hoisted`` inputs
+            (:mod:`tppc.passes.stages.hoist_consts`; ``denoise`` only, else empty).
     """
 
     index: int

@@ -73,7 +73,7 @@ class CallState:
         self._buffers: dict[tuple[str, str], torch.Tensor] = {}
         self._specs: dict[tuple[str, str], BufferSpec] = {}
         self._positional: dict[int, tuple[Any, tuple[Any, ...]]] = {}
-        self.consts: dict[Any, Any] = {}  # hoisted const values (tppc.passes.hoist_consts)
+        self.consts: dict[Any, Any] = {}  # hoisted const values (tppc.passes.stages.hoist_consts)
 
     def reserve(self, capacity: int) -> None:
         """Hold at least ``capacity`` tokens (growing keeps the buffers' contents)."""

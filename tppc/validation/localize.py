@@ -31,7 +31,7 @@ from tppc.driver.emit import build_program
 from tppc.errors import SoundnessError
 from tppc.frontend.front_end import FrontEnd
 from tppc.ir.records import CHUNK_INPUT
-from tppc.passes.chunk_attention import REST_CHUNK
+from tppc.passes.chunking.chunk_attention import REST_CHUNK
 from tppc.planner.manual import manual_plan
 from tppc.program.program import Program
 from tppc.validation.replay import (

@@ -47,7 +47,7 @@ import torch
 from tppc.driver.emit import build_program
 from tppc.driver.options import CompileOptions
 from tppc.frontend.front_end import BoundCall, FrontEnd
-from tppc.passes.chunk_attention import REST_CHUNK
+from tppc.passes.chunking.chunk_attention import REST_CHUNK
 from tppc.planner.manual import manual_plan
 from tppc.planner.plan import Plan
 from tppc.program.program import Program

@@ -1,0 +1,182 @@
+"""PipeFusion denoising on a loaded artifact: ``runner.denoise`` mirrors ``cp.denoise``.
+
+Terms:
+    warm-up step: the whole latent as one chunk through every ORT stage; it writes every
+        row of every K/V buffer.
+    pipelined step: the patches (bands of patch rows) one after the other through the
+        stages. A stage's K/V buffers keep their rows across the steps of a call, so patch
+        ``m`` attends to this step's rows of patches ``≤ m`` and the previous step's rows of
+        the others (PipeFusion's stale K/V), as the torch program does.
+    model output of a patch: the last stage's rows of the patch written into full-length
+        outputs kept across steps (``Assembler`` with chunks), the epilogue applied
+        (``tail.onnx``: an unpatchify over the whole latent), the patch's band of latent rows.
+
+Each stage sees the jobs in the order of the torch program's serial reference (step by step,
+patch by patch), so with ``warmup_steps == num_inference_steps`` the result is the serial
+loop's and with stale patches the torch program's ``cp.denoise``. The scheduler is diffusers'
+(torch), driven by the protocol of :mod:`tppc.pipefusion.schedulers`; so this module imports
+torch, and :meth:`tppc.artifact.core.loaded.LoadedPipeline.denoise` imports it only when called
+(loading and plain calls stay torch-free).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from tppc.artifact.core.assemble import Assembler, unflatten
+from tppc.backends.onnxruntime import OrtCall
+from tppc.errors import SpecError
+from tppc.pipefusion.denoise import TimestepSchedule, schedule_steps
+from tppc.pipefusion.schedulers import (
+    StepProtocol,
+    check_elementwise,
+    patch_protocols,
+)
+
+__all__ = ["denoise_loaded"]
+
+Transform = Callable[[torch.Tensor], torch.Tensor]
+
+
+def denoise_loaded(runner: Any, latents: torch.Tensor, scheduler: Any,
+                   num_inference_steps: int | None = 20, *, warmup_steps: int | None = 1,
+                   patches: int | None = None, model_kwargs: Mapping[str, Any] | None = None,
+                   timestep_arg: str = "timestep", output_transform: Transform | None = None,
+                   schedule: TimestepSchedule | None = None) -> torch.Tensor:
+    """Denoise ``latents`` through ``runner``'s ORT stages (see the module docstring and
+    ``CompiledPipeline.denoise`` for the contract; ``patches=None``: the chunks the plan
+    recorded for the latent's length)."""
+    schedule = schedule or TimestepSchedule()
+    steps, warm = schedule_steps(scheduler, num_inference_steps, warmup_steps, schedule)
+    x = latents.detach().clone()
+    x_in = x.clone()  # the model's input: scale_model_input of the latents
+    kwargs = {k: _array(v) for k, v in (model_kwargs or {}).items()}
+    flats, length = [], 0
+    for t in steps:  # x_in's array shares its memory: each chunk reads its rows when it runs
+        flat, length = runner.bind((x_in.numpy(),), {
+            **kwargs, timestep_arg: _timestep(runner, timestep_arg, t, len(x),
+                                              schedule.timestep_transform)})
+        flats.append(flat)
+    axis, per_unit = _latent_axis(runner)
+    chunks = _patches(runner, length, patches)
+    bands = [(per_unit * a, per_unit * b) for a, b in chunks]
+    if warm < len(steps) and len(chunks) > 1:
+        _check_patches(runner, x, chunks)
+        check_elementwise(scheduler, x, axis, bands)
+    call = OrtCall(flat=flats[0], chunks=((0, length),), seq_len=length, pos_len=length)
+    for stage in runner.stages:  # K/V buffers zeroed per call, kept across its steps
+        stage.allocate(call, length)
+    outputs = _ModelOutput(runner, length, output_transform)
+    whole = StepProtocol(scheduler, x, x_in)
+    for i in range(warm):
+        whole.model_input(steps[i])
+        whole.step(outputs.of(call, flats[i], ((0, length),), 0), steps[i])
+    if warm < len(steps):
+        scheds = patch_protocols(scheduler, x, x_in, axis, bands)
+        for patch in scheds:
+            patch.model_input(steps[warm])
+        for i in range(warm, len(steps)):
+            for m, (a, b) in enumerate(chunks):
+                out = outputs.of(call, flats[i], chunks, m)
+                scheds[m].step(out.narrow(axis, per_unit * a, per_unit * (b - a)), steps[i])
+                if i + 1 < len(steps):  # patch m's input of the next step
+                    scheds[m].model_input(steps[i + 1])
+    return x
+
+
+class _ModelOutput:
+    """The model output of one chunk of a step: every stage in order, the chunk's rows kept
+    in full-length outputs across steps, the epilogue, the output transform."""
+
+    def __init__(self, runner: Any, length: int, transform: Transform | None) -> None:
+        self.runner, self.transform = runner, transform
+        self.sink = Assembler(runner.signature["outputs"], length, ())
+
+    def of(self, call: OrtCall, flat: list[Any], chunks: Sequence[tuple[int, int]],
+           m: int) -> torch.Tensor:
+        call.flat = flat
+        a, b = chunks[m]
+        values: list[np.ndarray] = []
+        rest = self.runner.rest_stages
+        for stage in self.runner.stages if m == 0 or rest is None else rest:
+            values = stage.step(call, a, b, values)
+        self.sink.chunks = chunks
+        self.sink(m, values)
+        leaves = self.sink.leaves
+        if self.runner.tail is not None:
+            leaves = self.runner.tail(flat, leaves)
+        out = unflatten(self.runner.signature["out_spec"], iter(leaves))
+        if isinstance(out, dict):
+            out = out.get("sample", next(iter(out.values())))
+        out = out[0] if isinstance(out, tuple | list) else out
+        out = torch.from_numpy(np.array(out))
+        return self.transform(out) if self.transform is not None else out
+
+
+def _array(value: Any) -> Any:
+    return value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else value
+
+
+def _timestep(runner: Any, arg: str, t: torch.Tensor, batch: int,
+              transform: Transform | None) -> np.ndarray:
+    """The model's timestep input of step ``t`` (as ``tppc.pipefusion.denoise.model_timestep``):
+    ``transform(t.expand(batch))``, cast to the exported input's dtype where that keeps
+    every value.
+
+    Raises:
+        SpecError: the cast would change a value, naming both dtypes and the fix.
+    """
+    value = t.expand(batch) if t.dim() == 0 else t
+    value = transform(value) if transform is not None else value
+    array = _array(value)
+    spec = next((e for e in runner.signature["inputs"] if e["name"] == arg), None)
+    if spec is None or "dtype" not in spec or not isinstance(array, np.ndarray):
+        return array
+    cast = array.astype(np.dtype(spec["dtype"]))
+    if not np.array_equal(cast.astype(array.dtype), array):
+        raise SpecError(f"the scheduler's timesteps are {array.dtype} ({array.flat[0]!r}), "
+                        f"the artifact's {arg!r} input is {spec['dtype']}, which cannot hold "
+                        f"them. fix: export with a {array.dtype} example {arg}")
+    return cast
+
+
+def _latent_axis(runner: Any) -> tuple[int, int]:
+    """The latents' sequence axis and its rows per unit (the first input's)."""
+    spec = runner.signature["inputs"][0]
+    if not spec.get("seq_axes"):
+        raise SpecError(f"the artifact's first input {spec['name']!r} has no sequence axis; "
+                        "denoise passes the latents first. fix: export a DiT whose first "
+                        "input is the latents")
+    rows = spec.get("seq_rows") or [1]
+    return spec["seq_axes"][0], rows[0]
+
+
+def _patches(runner: Any, length: int, patches: int | None) -> tuple[tuple[int, int], ...]:
+    if patches is None:
+        return runner.chunks(length)
+    if isinstance(patches, bool) or not isinstance(patches, int) or not 1 <= patches <= length:
+        raise SpecError(f"patches={patches!r}; the latent has {length} patch rows. fix: "
+                        f"1 <= patches <= {length}")
+    cuts = [round(i * length / patches) for i in range(patches + 1)]
+    return tuple(itertools.pairwise(cuts))
+
+
+def _check_patches(runner: Any, x: torch.Tensor, chunks: Sequence[tuple[int, int]]) -> None:
+    """Refuse stale patches the exported stages cannot run: joint attention's text prefix
+    without the stages of the later patches (``stage_<s>.rest.onnx``: an artifact of an
+    older tppc) and video latents of several frames."""
+    if runner.rest_stages is None and any(int(b.get("prefix", 0)) for st in runner.stages
+                                          for b in st.buffers):
+        raise SpecError("the artifact's attention has an unsplit text prefix (joint "
+                        "attention): its stale patches need the stages of the later "
+                        "patches, which this artifact does not hold. fix: export it again "
+                        "with this tppc, or warmup_steps=num_inference_steps, or patches=1")
+    if x.dim() == 5 and min(x.shape[1], x.shape[2]) > 1:
+        raise SpecError(f"video latents of shape {tuple(x.shape)}: a band of patch rows spans "
+                        "every frame, but the tokens are frame-major. fix: warmup_steps="
+                        "num_inference_steps, or patches=1")

@@ -1,0 +1,160 @@
+"""Translation validation of an export: the ONNX Runtime stages against the torch program.
+
+Terms:
+    check length: the example's length with the exported chunks; for a long example
+        (:func:`tppc.validation.validate.short_lengths`) the first short probe length on the
+        example's first rows, in three chunks (an ONNX stage takes the chunk's start and size
+        as inputs, so it runs any length).
+    stage output: what a stage hands to the next (``boundary.<value>``) or, for the last
+        stage, a model output (named by its path: ``logits``, ``0``, ``1.key``).
+
+What runs (:func:`check_export`): the torch program (each stage's outputs of each chunk kept),
+the ONNX Runtime stages of the artifact on the same inputs and chunks (each stage's outputs
+kept), and the unsplit captured graph; at the example length also the eager model. Every
+stage's outputs are compared chunk by chunk, stage by stage: since each ONNX stage receives
+the previous ONNX stage's outputs, the first stage whose outputs differ is the one that
+computes something else, and :class:`tppc.errors.SoundnessError` names it, the output and the
+chunk. The model outputs are then compared with the torch program's, the captured graph's and
+the eager model's. ``tppc.export(..., verify=False)`` skips the check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils import _pytree as pytree
+
+from tppc.artifact.core.assemble import Assembler, unflatten
+from tppc.artifact.core.load import load
+from tppc.artifact.core.run import flat_outputs
+from tppc.backends.onnxruntime import OrtCall, OrtStage, run_serial
+from tppc.errors import SoundnessError
+from tppc.validation.localize import describe
+from tppc.validation.replay import Difference, Replay, compare, run_reference
+from tppc.validation.validate import probe_chunks, resize_inputs, short_lengths
+
+__all__ = ["ExportCheck", "check_export"]
+
+
+@dataclass(frozen=True)
+class ExportCheck:
+    """What the check of an export compared.
+
+    Attributes:
+        length: the check length (units of the sequence axis).
+        chunks: its chunks.
+        stage_outputs: stage outputs compared (over every chunk).
+        max_diff: the largest max-abs difference of any stage or model output.
+        eager: whether the eager model was compared too (the example length).
+    """
+
+    length: int
+    chunks: tuple[tuple[int, int], ...]
+    stage_outputs: int
+    max_diff: float
+    eager: bool
+
+    def summary(self) -> str:
+        """One line."""
+        return (f"export validated: length {self.length}, {len(self.chunks)} chunk(s), "
+                f"{self.stage_outputs} stage outputs, max |diff| {self.max_diff:.2g}"
+                + (", eager model compared" if self.eager else ""))
+
+
+class _Recording:
+    """An ORT stage that keeps each chunk's outputs (``outputs[(stage, chunk start)]``)."""
+
+    def __init__(self, stage: OrtStage, outputs: dict[tuple[int, int], list[np.ndarray]]
+                 ) -> None:
+        self.stage, self.outputs = stage, outputs
+
+    def step(self, call: OrtCall, start: int, end: int, boundary: Sequence[np.ndarray]
+             ) -> list[np.ndarray]:
+        out = self.stage.step(call, start, end, boundary)
+        self.outputs[self.stage.index, start] = out
+        return out
+
+
+def check_export(compiled: Any, path: str | Path, args: tuple[Any, ...],
+                 kwargs: Mapping[str, Any] | None = None) -> ExportCheck:
+    """Run the artifact at ``path`` on the example and compare it with ``compiled``.
+
+    Raises:
+        SoundnessError: an ONNX stage's output, or a model output, differs; the message
+            names the stage, the output, the chunk and the fix.
+    """
+    kwargs = dict(kwargs or {})
+    front, bound = compiled.bind(args, kwargs)
+    program = compiled.program(compiled.plan.seq_len, front)
+    length, flat, eager = bound.length, list(bound.flat), True
+    chunks = program.chunks if length == program.seq_len else probe_chunks(front, length)[0]
+    short = short_lengths(front, length)
+    if short is not None:
+        flat, length, eager = resize_inputs(front, flat, length, short[0]), short[0], False
+        chunks = probe_chunks(front, length)[0]
+    sent: dict[tuple[int, int], tuple[Any, ...]] = {}
+    replay = Replay(program, None, flat, length, chunks)
+    with torch.no_grad():
+        torch_leaves = replay.run(hook=lambda s, m, out: sent.__setitem__((s, chunks[m][0]),
+                                                                          out))
+    runner = load(path, threads_per_stage=1)
+    got: dict[tuple[int, int], list[np.ndarray]] = {}
+    ort_leaves = _run_ort(runner, flat, length, chunks, got)
+    names = list(flat_outputs(unflatten(runner.signature["out_spec"], iter(ort_leaves))))
+    worst, count = 0.0, 0
+    for s, stage in enumerate(runner.stages[:-1]):
+        for start, end in chunks:
+            for k, name in enumerate(stage.entry["outputs"]):
+                diff = compare(torch.from_numpy(np.asarray(got[s, start][k])), sent[s, start][k])
+                _raise_if(diff, compiled, s, name, (start, end), "the torch program's")
+                worst, count = max(worst, diff.max_abs), count + 1
+    last = len(runner.stages) - 1
+    wants = [("the torch program's", torch_leaves),
+             ("the captured graph's", run_reference(front.annotated, flat)[0])]
+    if eager:
+        with torch.no_grad():
+            leaves = pytree.tree_leaves(compiled.model(*args, **kwargs))
+        if len(leaves) == len(ort_leaves):
+            wants.append(("the eager model's", leaves))
+    for what, want in wants:
+        for j, (value, ref) in enumerate(zip(ort_leaves, want, strict=False)):
+            got_j = torch.from_numpy(np.asarray(value)) if isinstance(value, np.ndarray) \
+                else value
+            diff = compare(got_j, ref)
+            _raise_if(diff, compiled, last, names[j], (0, length), what)
+            worst = max(worst, diff.max_abs)
+    return ExportCheck(length=length, chunks=chunks, stage_outputs=count + len(ort_leaves),
+                       max_diff=worst, eager=eager and len(wants) == 3)
+
+
+def _run_ort(runner: Any, flat: Sequence[Any], length: int,
+             chunks: tuple[tuple[int, int], ...],
+             got: dict[tuple[int, int], list[np.ndarray]]) -> list[Any]:
+    """The model's flat outputs of the ORT stages (each stage's outputs kept in ``got``)."""
+    arrays = [x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x for x in flat]
+    call = OrtCall(flat=arrays, chunks=chunks, seq_len=length, pos_len=length)
+    for stage in runner.stages:
+        stage.allocate(call, length)
+    sink = Assembler(runner.signature["outputs"], length)
+    run_serial([_Recording(st, got) for st in runner.stages], call, sink)
+    return sink.leaves if runner.tail is None else runner.tail(arrays, sink.leaves)
+
+
+def _raise_if(diff: Difference, compiled: Any, stage: int, output: str,
+              chunk: tuple[int, int], what: str) -> None:
+    if not diff.exceeds:
+        return
+    where = (f"output {output!r} of ONNX stage {stage}" if output.startswith("boundary.")
+             else f"model output {output!r} (ONNX stage {stage})")
+    raise SoundnessError(
+        f"{compiled.model_name}: the exported artifact differs from {what}: {where}, chunk "
+        f"[{chunk[0]}, {chunk[1]}): {describe(diff)}; every earlier stage agrees. The ONNX "
+        "translation of that stage computes something else (an op translated wrongly, or "
+        "ONNX Runtime's numerics). fix: report it with this message, or export with "
+        "verify=False to keep this artifact although its outputs differ",
+        construct="the ONNX translation", max_diff=diff.max_abs, stage=stage, output=output)

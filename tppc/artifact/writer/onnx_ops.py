@@ -1,0 +1,391 @@
+"""ONNX translations of the ATen ops in stage graphs (the table :data:`OPS`), and
+:func:`tppc.artifact.writer.graphs.split_attention` as MatMul-Softmax-MatMul.
+
+Each translation takes the translator (``t``: emits nodes and constants), the fx node (its
+``meta["val"]`` gives the result's dtype and rank) and the node's arguments with fx nodes
+replaced by :class:`Tensor` (an ONNX value), :class:`Int` (a dynamic int64 scalar) or
+Python values.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from onnx import TensorProto, helper
+from torch import fx
+
+from tppc.artifact.writer.graphs import ExportError, split_attention
+from tppc.artifact.writer.onnx_mask_ops import MASK_OPS
+
+__all__ = ["OPS", "Int", "Tensor", "onnx_dtype"]
+
+_aten = torch.ops.aten
+
+
+def onnx_dtype(dtype: torch.dtype) -> int:
+    """The ONNX element type of a torch dtype."""
+    return helper.np_dtype_to_tensor_dtype(np.dtype(str(dtype).removeprefix("torch."))) \
+        if dtype != torch.bfloat16 else TensorProto.BFLOAT16
+
+
+class Tensor:
+    """An ONNX value with its torch dtype and rank."""
+
+    def __init__(self, name: str, dtype: torch.dtype, rank: int) -> None:
+        self.name, self.dtype, self.rank = name, dtype, rank
+
+
+class Int:
+    """A dynamic int64 scalar."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+Fn = Callable[..., Any]
+
+
+def _unary(op_type: str) -> Fn:
+    def fn(t: Any, node: fx.Node, x: Tensor, *_: Any, **__: Any) -> Tensor:
+        return t.tensor(node, t.op(op_type, [x.name]))
+    return fn
+
+
+def _binary(op_type: str) -> Fn:
+    def fn(t: Any, node: fx.Node, a: Any, b: Any, *, alpha: Any = 1) -> Tensor:
+        ref = t.tensor(node, "")
+        if alpha != 1:
+            b = Tensor(t.op("Mul", [t.like(b, ref), t.const(alpha, ref.dtype)]), ref.dtype,
+                        ref.rank)
+        return t.tensor(node, t.op(op_type, [t.like(a, ref), t.like(b, ref)]))
+    return fn
+
+
+def _int_op(op_type: str, py: Callable[[int, int], int]) -> Fn:
+    def fn(t: Any, node: fx.Node, a: Any, b: Any) -> Any:
+        if isinstance(a, int) and isinstance(b, int):
+            return py(a, b)
+        return Int(t.op(op_type, [t.scalar(a), t.scalar(b)]))
+    return fn
+
+
+def _cast(t: Any, node: fx.Node, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    out = t.tensor(node, "")
+    return t.tensor(node, x.name if out.dtype == x.dtype
+                    else t.op("Cast", [x.name], to=onnx_dtype(out.dtype)))
+
+
+def _axis(dim: int, rank: int) -> int:
+    return dim + rank if dim < 0 else dim
+
+
+def _linear(t: Any, node: fx.Node, x: Tensor, w: Tensor, b: Any = None) -> Tensor:
+    y = t.op("MatMul", [x.name, t.op("Transpose", [w.name], perm=[1, 0])])
+    return t.tensor(node, y if b is None else t.op("Add", [y, b.name]))
+
+
+def _addmm(t: Any, node: fx.Node, b: Tensor, x: Tensor, w: Tensor, *,
+           beta: Any = 1, alpha: Any = 1) -> Tensor:
+    if beta != 1 or alpha != 1:
+        raise ExportError(f"node {node.name!r}: addmm with beta/alpha is not exported")
+    return t.tensor(node, t.op("Add", [t.op("MatMul", [x.name, w.name]), b.name]))
+
+
+def _pow(t: Any, node: fx.Node, x: Tensor, exponent: Any) -> Tensor:
+    if exponent == 2:
+        return t.tensor(node, t.op("Mul", [x.name, x.name]))
+    return t.tensor(node, t.op("Pow", [x.name, t.like(exponent, x)]))
+
+
+def _pow_scalar(t: Any, node: fx.Node, base: Any, exponent: Tensor) -> Tensor:
+    """``base ** exponent`` of a number and a tensor (rope frequencies)."""
+    ref = t.tensor(node, "")
+    return t.tensor(node, t.op("Pow", [t.like(base, ref), t.like(exponent, ref)]))
+
+
+def _mean(t: Any, node: fx.Node, x: Tensor, dims: Any, keepdim: bool = False,
+          **_: Any) -> Tensor:
+    return t.tensor(node, t.op("ReduceMean", [x.name, t.i64(list(dims))],
+                               keepdims=int(keepdim)))
+
+
+def _rsqrt(t: Any, node: fx.Node, x: Tensor) -> Tensor:
+    return t.tensor(node, t.op("Reciprocal", [t.op("Sqrt", [x.name])]))
+
+
+def _silu(t: Any, node: fx.Node, x: Tensor) -> Tensor:
+    return t.tensor(node, t.op("Mul", [x.name, t.op("Sigmoid", [x.name])]))
+
+
+def _gelu(t: Any, node: fx.Node, x: Tensor, approximate: str = "none") -> Tensor:
+    def c(v: float) -> str:
+        return t.const(v, x.dtype)
+
+    if approximate == "tanh":
+        cube = t.op("Mul", [t.op("Mul", [x.name, x.name]), x.name])
+        inner = t.op("Add", [x.name, t.op("Mul", [cube, c(0.044715)])])
+        th = t.op("Tanh", [t.op("Mul", [inner, c(float(np.sqrt(2 / np.pi)))])])
+        return t.tensor(node, t.op("Mul", [t.op("Mul", [x.name, c(0.5)]),
+                                           t.op("Add", [th, c(1.0)])]))
+    erf = t.op("Erf", [t.op("Mul", [x.name, c(float(1 / np.sqrt(2)))])])
+    return t.tensor(node, t.op("Mul", [t.op("Mul", [x.name, c(0.5)]),
+                                       t.op("Add", [erf, c(1.0)])]))
+
+
+def _layer_norm(t: Any, node: fx.Node, x: Tensor, shape: Any, w: Any = None,
+                b: Any = None, eps: float = 1e-5, *_: Any) -> Tensor:
+    if w is None:
+        w = Tensor(t.const(np.ones(list(shape)), x.dtype), x.dtype, len(shape))
+    inputs = [x.name, w.name] + ([b.name] if b is not None else [])
+    return t.tensor(node, t.op("LayerNormalization", inputs, axis=-len(shape), epsilon=eps))
+
+
+def _embedding(t: Any, node: fx.Node, w: Tensor, idx: Tensor, *_: Any) -> Tensor:
+    return t.tensor(node, t.op("Gather", [w.name, idx.name], axis=0))
+
+
+def _view(t: Any, node: fx.Node, x: Tensor, shape: Any) -> Tensor:
+    return t.tensor(node, t.op("Reshape", [x.name, t.i64(list(shape))]))
+
+
+def _transpose(t: Any, node: fx.Node, x: Tensor, a: int, b: int) -> Tensor:
+    perm = list(range(x.rank))
+    a, b = _axis(a, x.rank), _axis(b, x.rank)
+    perm[a], perm[b] = perm[b], perm[a]
+    return t.tensor(node, t.op("Transpose", [x.name], perm=perm))
+
+
+def _unsqueeze(t: Any, node: fx.Node, x: Tensor, dim: int) -> Tensor:
+    return t.tensor(node, t.op("Unsqueeze", [x.name, t.i64([_axis(dim, x.rank + 1)])]))
+
+
+def _slice(t: Any, node: fx.Node, x: Tensor, dim: int = 0, start: Any = None,
+           end: Any = None, step: int = 1) -> Tensor:
+    start = 0 if start is None else start
+    end = 2**63 - 1 if end is None else end
+    ins = [x.name, t.i64([start]), t.i64([end]), t.i64([_axis(dim, x.rank)]), t.i64([step])]
+    return Tensor(t.op("Slice", ins), x.dtype, x.rank)  # a node tppc added has no "val"
+
+
+def _narrow(t: Any, node: fx.Node, x: Tensor, dim: int, start: Any,
+            length: Any) -> Tensor:
+    end = start + length if isinstance(start, int) and isinstance(length, int) \
+        else Int(t.op("Add", [t.scalar(start), t.scalar(length)]))
+    return _slice(t, node, x, dim, start, end)
+
+
+def _cat(t: Any, node: fx.Node, xs: list[Tensor], dim: int = 0) -> Tensor:
+    ref = t.tensor(node, "")
+    return t.tensor(node, t.op("Concat", [t.like(x, ref) for x in xs],
+                               axis=_axis(dim, ref.rank)))
+
+
+def _split(t: Any, node: fx.Node, x: Tensor, size: int, dim: int = 0) -> list[Any]:
+    parts = node.meta["val"]
+    out, offset = [], 0
+    for part in parts:
+        n = int(part.shape[dim])
+        ins = [x.name, t.i64([offset]), t.i64([offset + n]), t.i64([_axis(dim, x.rank)])]
+        out.append(Tensor(t.op("Slice", ins), part.dtype, part.dim()))
+        offset += n
+    return out
+
+
+def _chunk(t: Any, node: fx.Node, x: Tensor, chunks: int, dim: int = 0) -> list[Any]:
+    return _split(t, node, x, 0, dim)
+
+
+def _flatten(t: Any, node: fx.Node, x: Tensor, start: int = 0, end: int = -1) -> Tensor:
+    start, end = _axis(start, x.rank), _axis(end, x.rank)
+    tail = [int(s) for s in node.args[0].meta["val"].shape[end + 1:]]  # static (checked)
+    return t.tensor(node, t.op("Reshape", [x.name, t.i64([0] * start + [-1] + tail)]))
+
+
+def _permute(t: Any, node: fx.Node, x: Tensor, dims: Any) -> Tensor:
+    return t.tensor(node, t.op("Transpose", [x.name], perm=[_axis(d, x.rank) for d in dims]))
+
+
+def _conv2d(t: Any, node: fx.Node, x: Tensor, w: Tensor, b: Any = None,
+            stride: Any = (1, 1), padding: Any = (0, 0), dilation: Any = (1, 1),
+            groups: int = 1) -> Tensor:
+    pads = _pair(padding)
+    ins = [x.name, w.name] + ([b.name] if isinstance(b, Tensor) else [])
+    return t.tensor(node, t.op("Conv", ins, strides=_pair(stride), pads=pads + pads,
+                               dilations=_pair(dilation), group=groups))
+
+
+def _pair(value: Any) -> list[int]:
+    return [value, value] if isinstance(value, int) else [int(v) for v in value]
+
+
+def _repeat(t: Any, node: fx.Node, x: Tensor, sizes: Any) -> Tensor:
+    name = x.name
+    extra = len(sizes) - x.rank
+    if extra > 0:  # torch's repeat adds leading axes
+        name = t.op("Unsqueeze", [name, t.i64(list(range(extra)))])
+    return t.tensor(node, t.op("Tile", [name, t.i64(list(sizes))]))
+
+
+def _repeat_interleave(t: Any, node: fx.Node, x: Tensor, repeats: int, dim: Any = None,
+                       *_: Any, **__: Any) -> Tensor:
+    if dim is None:  # flattened, like torch
+        flat = t.op("Reshape", [x.name, t.i64([-1])])
+        x, dim = Tensor(flat, x.dtype, 1), 0
+    d = _axis(dim, x.rank)
+    ones = [1] * (x.rank + 1)
+    ones[d + 1] = int(repeats)
+    tiled = t.op("Tile", [t.op("Unsqueeze", [x.name, t.i64([d + 1])]), t.i64(ones)])
+    tail = [int(v) for v in node.meta["val"].shape[d + 1:]]  # static (checked by int())
+    return t.tensor(node, t.op("Reshape", [tiled, t.i64([0] * d + [-1] + tail)]))
+
+
+def _sym_size(t: Any, node: fx.Node, x: Tensor, dim: int) -> Any:
+    val = node.meta.get("val")
+    if isinstance(val, int):
+        return val
+    shape = t.op("Shape", [x.name])
+    return Int(t.op("Squeeze", [t.op("Gather", [shape, t.i64([_axis(dim, x.rank)])]),
+                                 t.const([0])]))
+
+
+def _arange(t: Any, node: fx.Node, *args: Any, **kwargs: Any) -> Tensor:
+    start, end, step = (0, args[0], 1) if len(args) == 1 else (*args, 1)[:3]
+    ref = t.tensor(node, "")
+    ins = [t.like(v, ref) for v in (start, end, step)]
+    return t.tensor(node, t.op("Range", ins))
+
+
+def _einsum(t: Any, node: fx.Node, equation: str, xs: list[Tensor]) -> Tensor:
+    return t.tensor(node, t.op("Einsum", [x.name for x in xs], equation=equation))
+
+
+def _select(t: Any, node: fx.Node, x: Tensor, dim: int, index: Any) -> Tensor:
+    """``x.select(dim, index)``: a Gather of one index (a scalar index drops the axis)."""
+    return t.tensor(node, t.op("Gather", [x.name, t.scalar(index)], axis=_axis(dim, x.rank)))
+
+
+def _identity(t: Any, node: fx.Node, x: Any, *_: Any, **__: Any) -> Any:
+    return x
+
+
+def _attention(t: Any, node: fx.Node, q: Tensor, kb: Tensor, vb: Tensor,
+               k: Tensor, v: Tensor, start: Any, kv_len: Any, causal: bool,
+               scale: float | None, gqa: bool, mask: Any, key_valid: Any = None,
+               window: int | None = None) -> Tensor:
+    """:func:`split_attention` in ONNX ops (see its docstring)."""
+    val = node.meta["val"]
+    heads, kv_heads, d = int(q_shape(node)[-3]), int(node.args[3].meta["val"].shape[-3]), \
+        int(q_shape(node)[-1])
+    axis = kb.rank - 2
+    c = t.op("Squeeze", [t.op("Shape", [q.name], start=-2, end=-1), t.const([0])])
+    end = Int(t.op("Add", [t.scalar(start), c]))
+    lo: Any = 0 if window is None else Int(t.op("Max", [t.const(0), t.op(
+        "Sub", [t.scalar(start), t.const(int(window) - 1)])]))
+    keys = [t.op("Slice", [kb.name, t.i64([lo]), t.i64([start]), t.i64([axis])]), k.name]
+    vals = [t.op("Slice", [vb.name, t.i64([lo]), t.i64([start]), t.i64([axis])]), v.name]
+    if not causal:
+        keys.append(t.op("Slice", [kb.name, t.i64([end]), t.i64([kv_len]), t.i64([axis])]))
+        vals.append(t.op("Slice", [vb.name, t.i64([end]), t.i64([kv_len]), t.i64([axis])]))
+    query = q.name
+    grouped = gqa and heads != kv_heads
+    if grouped:  # (B, Hkv, G, c, d) against (B, Hkv, 1, n, d)
+        lead = [int(s) for s in q_shape(node)[:-3]]
+        query = t.op("Reshape", [q.name, t.i64([*lead, kv_heads, heads // kv_heads, -1, d])])
+        keys = [t.op("Unsqueeze", [x, t.i64([axis])]) for x in keys]
+        vals = [t.op("Unsqueeze", [x, t.i64([axis])]) for x in vals]
+    rank = q.rank + int(grouped)
+    perm = [*range(rank - 2), rank - 1, rank - 2]
+    s = t.const(float(scale if scale is not None else 1 / np.sqrt(d)), val.dtype)
+    scores = [t.op("Mul", [t.op("MatMul", [query, t.op("Transpose", [x], perm=perm)]), s])
+              for x in keys]
+    full = t.op("Concat", scores, axis=-1)
+    hi = end if causal else kv_len
+    visible = _visible(t, start, end, lo, hi, window) if causal else None
+    if key_valid is not None:  # (B, ≥ kv_len) → (B, 1, .., 1, keys)
+        rows = t.op("Slice", [key_valid.name, t.i64([lo]), t.i64([hi]), t.i64([1])])
+        valid = t.op("Unsqueeze", [t.op("Cast", [rows], to=TensorProto.BOOL),
+                                   t.i64(list(range(1, rank - 1)))])
+        visible = valid if visible is None else t.op("And", [visible, valid])
+    hidden = t.const(-np.inf, val.dtype)
+    if mask is not None:
+        m = mask.name if not grouped else t.op("Unsqueeze", [mask.name, t.i64([-3])])
+        full = t.op("Where", [m, full, hidden]) if mask.dtype == torch.bool \
+            else t.op("Add", [full, t.like(mask, Tensor("", val.dtype, 0))])
+    if visible is not None:
+        full = t.op("Where", [visible, full, hidden])
+    probs = t.op("Softmax", [full], axis=-1)
+    if key_valid is not None or mask is not None:  # a row that sees no key gives 0
+        empty = t.op("Equal", [t.op("ReduceMax", [full, t.i64([-1])], keepdims=1), hidden])
+        probs = t.op("Where", [empty, t.const(0.0, val.dtype), probs])
+    out = None
+    bounds = [0, _minus(t, start, lo), _minus(t, end, lo), _minus(t, kv_len, lo)]
+    for i, x in enumerate(vals):  # segments of the concatenated key axis
+        p = t.op("Slice", [probs, t.i64([bounds[i]]), t.i64([bounds[i + 1]]), t.i64([-1])])
+        part = t.op("MatMul", [p, x])
+        out = part if out is None else t.op("Add", [out, part])
+    if grouped:
+        lead = [int(s) for s in q_shape(node)[:-3]]
+        out = t.op("Reshape", [out, t.i64([*lead, heads, -1, d])])
+    return Tensor(out, val.dtype, val.dim())
+
+
+def _minus(t: Any, a: Any, b: Any) -> Any:
+    """``a - b`` of ints and dynamic ints."""
+    if isinstance(b, int) and b == 0:
+        return a
+    return Int(t.op("Sub", [t.scalar(a), t.scalar(b)]))
+
+
+def _visible(t: Any, start: Any, end: Any, lo: Any, hi: Any, window: int | None) -> str:
+    """``(c, keys)`` bool: key ``j`` (positions ``[lo, hi)``) visible from query ``i``
+    (positions ``[start, end)``) when ``j ≤ i`` and, with a window, ``j > i - window``."""
+    rows = t.op("Unsqueeze", [t.op("Range", [t.scalar(start), t.scalar(end), t.const(1)]),
+                              t.const([1])])
+    cols = t.op("Unsqueeze", [t.op("Range", [t.scalar(lo), t.scalar(hi), t.const(1)]),
+                              t.const([0])])
+    seen = t.op("Not", [t.op("Greater", [cols, rows])])
+    if window is None:
+        return seen
+    near = t.op("Greater", [cols, t.op("Sub", [rows, t.const(int(window))])])
+    return t.op("And", [seen, near])
+
+
+def q_shape(node: fx.Node) -> tuple[Any, ...]:
+    return tuple(node.args[0].meta["val"].shape)
+
+
+OPS: dict[Any, Fn] = {
+    _aten.add.Tensor: _binary("Add"), _aten.sub.Tensor: _binary("Sub"),
+    _aten.mul.Tensor: _binary("Mul"), _aten.div.Tensor: _binary("Div"),
+    _aten.neg.default: _unary("Neg"), _aten.cos.default: _unary("Cos"),
+    _aten.sin.default: _unary("Sin"), _aten.tanh.default: _unary("Tanh"),
+    _aten.exp.default: _unary("Exp"), _aten.sigmoid.default: _unary("Sigmoid"),
+    _aten.rsqrt.default: _rsqrt, _aten.silu.default: _silu, _aten.gelu.default: _gelu,
+    _aten.pow.Tensor_Scalar: _pow, _aten.pow.Scalar: _pow_scalar, _aten.mean.dim: _mean,
+    _aten.to.dtype: _cast, _aten.to.device: _cast, _aten.to.dtype_layout: _cast,
+    _aten._to_copy.default: _cast,
+    _aten.linear.default: _linear, _aten.addmm.default: _addmm,
+    _aten.layer_norm.default: _layer_norm, _aten.embedding.default: _embedding,
+    _aten.view.default: _view, _aten.reshape.default: _view,
+    _aten.transpose.int: _transpose, _aten.unsqueeze.default: _unsqueeze,
+    _aten.slice.Tensor: _slice, _aten.narrow.default: _narrow, _aten.cat.default: _cat,
+    _aten.split.Tensor: _split, _aten.sym_size.int: _sym_size,
+    _aten.chunk.default: _chunk, _aten.flatten.using_ints: _flatten,
+    _aten.permute.default: _permute, _aten.conv2d.default: _conv2d,
+    _aten.repeat.default: _repeat, _aten.repeat_interleave.self_int: _repeat_interleave,
+    _aten.arange.default: _arange, _aten.arange.start: _arange,
+    _aten.arange.start_step: _arange,
+    _aten.einsum.default: _einsum, _aten.select.int: _select,
+    _aten.alias.default: _identity, _aten.dropout.default: _identity,
+    _aten.clone.default: _identity, _aten.contiguous.default: _identity,
+    operator.getitem: lambda t, node, xs, i: xs[i],
+    operator.add: _int_op("Add", operator.add), operator.sub: _int_op("Sub", operator.sub),
+    operator.mul: _int_op("Mul", operator.mul),
+    operator.floordiv: _int_op("Div", operator.floordiv),  # sizes: non-negative
+    split_attention: _attention,
+    **MASK_OPS,  # compares, where, clamp, logs, expand: masks and float biases
+}

@@ -1,0 +1,403 @@
+"""Pass: find the token axis and the role of every node (writes ``meta[TOKEN]``).
+
+Roles (see :data:`tppc.ir.records.Role`) flow forward through the graph: a node that reads a token
+value is ``token`` (row-wise), ``mixing`` (recognised attention), ``global`` (a reduction
+over tokens, or a reshape that breaks their order) — or an error when it mixes along the
+token axis in a way tppc cannot pipeline. Nodes without token inputs are ``positional``
+when their shape or value depends on the sequence length, else ``const``. A value's token
+axis is the axis whose size depends on the sequence symbol, so transposes, views and
+merges of the token axis are followed by the symbolic shapes themselves.
+
+Graphs come from torch.export and hold aten ops.
+
+Example:
+    >>> gm, ctx = tppc.capture(tppc.examples.models.GPT(), (ids,))          # doctest: +SKIP
+    >>> annotate_seq_dims_pass(gm, ctx)
+    >>> [n.meta[TOKEN].role for n in gm.graph.nodes][-3:]
+    ['token', 'token', 'token']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import sympy
+import torch
+from torch import fx
+
+from tppc.errors import AnnotationError
+from tppc.ir.context import CompileContext
+from tppc.ir.op_rules import op_rule
+from tppc.ir.records import TOKEN, TokenInfo
+from tppc.passes.annotation.attention import classify_attention
+from tppc.passes.annotation.buffered_mixing import (
+    conv_geometry,
+    neighbourhood_conv,
+    token_contraction_info,
+)
+from tppc.passes.annotation.regions import annotate_region, row_wise_region
+from tppc.passes.annotation.segments import segment_info, split_tokens, with_prefix
+from tppc.passes.shapes import (
+    module_path,
+    op_dims,
+    seq_axes,
+    size_expr,
+    tensor_val,
+)
+
+__all__ = ["annotate_seq_dims_pass"]
+
+_aten = torch.ops.aten
+
+_SHAPE_ATTRS = {"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "layout"}
+
+
+def annotate_seq_dims_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    """Annotate every node with a :class:`TokenInfo`; set ``ctx.token_count``.
+
+    A node that mixes tokens or needs the whole sequence inside a module (an MoE dispatch
+    sorting tokens by expert) is retried as part of a row-wise region (:mod:`.regions`).
+    """
+    sym = ctx.seq_symbol
+    done: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node in done:
+            continue
+        try:
+            info: TokenInfo | None = _annotate(node, gm, ctx, sym)
+        except AnnotationError as exc:
+            info, error = None, exc
+        if info is None or (info.role == "global" and node.op == "call_function"):
+            region = row_wise_region(node, gm, ctx) if module_path(node) else None
+            if region is not None:  # a mixture-of-experts dispatch: row-wise as a whole
+                annotate_region(region, sym)
+                done.update(region)
+                continue
+            if info is None:
+                raise error
+        node.meta[TOKEN] = info
+    return gm
+
+
+def _annotate(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext,
+              sym: sympy.Symbol) -> TokenInfo:
+    axes, sizes = seq_axes(node, sym)
+    where = module_path(node)
+    if node.op == "get_attr":
+        return TokenInfo("const", module=where)
+    if node.op == "placeholder":
+        if (node.name in ctx.seq_inputs or node.target in ctx.seq_inputs) and axes:
+            return _info("token", axes, sizes, where)
+        return TokenInfo("const", module=where)
+    if node.op == "output":
+        roles = {_role(a) for a in node.all_input_nodes}
+        return TokenInfo("global" if "global" in roles else "token", module=where)
+    if _from_inputs(node, ctx):
+        return _input_value(node, axes, sizes, where)
+    ins = [a.meta[TOKEN] for a in node.all_input_nodes]
+    roles = {i.role for i in ins}
+    if "global" in roles:
+        return _info("global", axes, sizes, where)
+    if op_rule(node.target).role == "attention" and roles & {"token", "mixing"}:
+        return _attention(node, gm, ctx, axes, sizes, where)
+    if op_rule(node.target).role == "contracts" and roles & {"token", "mixing"}:
+        contraction = token_contraction_info(node, ctx, where)  # linear attention
+        if contraction is not None:
+            return contraction
+    segment = None if _shape_only(node) else segment_info(node, where)
+    if segment is not None:
+        return segment
+    if not roles & {"token", "mixing"} or _shape_only(node):
+        dependent = bool(axes) or "positional" in roles or _symbolic_scalar(node, sym)
+        role = "positional" if dependent else "const"
+        info = _info(role, axes, sizes, where)
+        for src in (i for i in ins if i.prefix and i.role == "positional"):
+            info = with_prefix(info, src)  # a position table with a text segment first
+        return dataclasses.replace(info, inputs=True) if any(i.inputs for i in ins) else info
+    return _token_op(node, axes, sizes, where)
+
+
+def _token_op(node: fx.Node, axes: list[int], sizes: list[sympy.Expr], where: str
+              ) -> TokenInfo:
+    """Classify a node that reads token values: token, global, or an AnnotationError.
+
+    A reshape may merge constant axes before the token axis into it (a batch flattened
+    with the tokens by GPT-2's ``Conv1D``, a video's frames): its rows are still one per
+    (batch, token), so row-wise ops on it stay ``token``.
+    """
+    name, role = _op_name(node), op_rule(node.target).role
+    src = _token_input(node)
+    src_info: TokenInfo = src.meta[TOKEN]
+    dims = op_dims(node, src)
+    if role == "mixes_along_dim" and src_info.axis in dims:
+        hint = " Eager attention (matmul → softmax → matmul) is not supported; load the model " \
+            "with attn_implementation='sdpa'." if "softmax" in name else ""
+        raise _mix_error(node, name, where, f"{name} along the token axis {src_info.axis}.{hint}")
+    if role == "conv":
+        if neighbourhood_conv(node, src_info):  # a "same" convolution: buffered mixing
+            info = _info("mixing", axes, sizes, where)
+            return dataclasses.replace(with_prefix(info, src_info), attention="bidirectional")
+        _check_conv(node, src_info, name, where)
+    if role == "reduction" and (src_info.axis in dims or not dims) and not _binary(node):
+        return _info("global", axes, sizes, where)
+    if role == "selects" and src_info.axis in dims and not _full_slice(node, src_info):
+        return _info("global", axes, sizes, where)
+    if node.target is operator.getitem and not _getitem_keeps_tokens(node):
+        return _info("global", axes, sizes, where)
+    if role == "reshape" and (_pinned_shape(node)
+                              or not _keeps_token_order(node, src, axes, merge=True)):
+        return _info("global", axes, sizes, where)
+    if len(axes) > 1 and role == "contracts":
+        raise _mix_error(node, name, where, f"its value has {len(axes)} token axes {axes}: the "
+                         "score matrix of eager attention. fix: load the model with "
+                         "attn_implementation='sdpa' (or call F.scaled_dot_product_attention)")
+    if role == "contracts" and not axes:
+        raise _mix_error(node, name, where, "a matmul contracts over the token axis")
+    if not axes and _has_tensor(node):
+        return _info("global", axes, sizes, where)
+    if _resizes_tokens(node, src_info, sizes):
+        return _info("global", axes, sizes, where)
+    return with_prefix(_info("token", axes, sizes, where), src_info)
+
+
+def _resizes_tokens(node: fx.Node, src: TokenInfo, sizes: list[sympy.Expr]) -> bool:
+    """A row-wise op keeps the token count; one that pads, repeats or crops it is global.
+
+    Reshapes and (patchify) convolutions change the axis' extent legitimately and are checked
+    by their own rules.
+    """
+    if op_rule(node.target).role in ("reshape", "conv"):
+        return False
+    if src.axis_size is None or not sizes:
+        return False
+    return sympy.simplify(sizes[0] - src.axis_size) != 0
+
+
+def _attention(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext, axes: list[int],
+               sizes: list[sympy.Expr], where: str) -> TokenInfo:
+    """Self- or joint attention over the token axis is ``mixing``.
+
+    Cross-attention to the context stream (keys without split tokens: text states) is
+    row-wise over the queries, hence ``token``; its keys and values are ``const``. So is
+    attention along another axis, with the tokens on a batch axis of queries and keys alike
+    (a video's temporal attention over the frames of each patch, ``(b·tokens, frames, d)``):
+    each token's rows attend among themselves.
+    """
+    query: TokenInfo = node.args[0].meta[TOKEN]
+    key: TokenInfo = node.args[1].meta[TOKEN]
+    q_val = tensor_val(node.args[0])
+    if query.axis is not None and q_val is not None and query.axis < q_val.dim() - 2 \
+            and (key.axis, key.axis_size) == (query.axis, query.axis_size):
+        return with_prefix(_info("token", axes, sizes, where), query)
+    if not (key.role in ("token", "mixing") and split_tokens(key)):
+        if query.prefix_only:
+            return TokenInfo("token", query.axis, query.axis_size, module=where,
+                             prefix=query.prefix)
+        return with_prefix(_info("token", axes, sizes, where), query)
+    kind, mask = classify_attention(node, gm, ctx)
+    if ctx.token_count is None and sizes:
+        ctx.token_count = sizes[0] - query.prefix - query.suffix
+    info = with_prefix(_info("mixing", axes, sizes, where), query)
+    return dataclasses.replace(info, attention=kind, mask=mask) if info.role == "mixing" \
+        else info
+
+
+def _input_value(node: fx.Node, axes: list[int], sizes: list[sympy.Expr], where: str
+                 ) -> TokenInfo:
+    """A value computed from integer inputs: ``token`` where it is row-wise (token ids
+    reshaped before the embedding), else ``positional`` (a mask over query and key
+    positions, with ``inputs`` set: evaluated per call, never from the length alone)."""
+    if any(a.meta[TOKEN].role == "token" for a in node.all_input_nodes):
+        try:
+            info = _token_op(node, axes, sizes, where)
+        except AnnotationError:
+            info = None
+        if info is not None and info.role == "token" and not info.other_axes:
+            return dataclasses.replace(info, inputs=True)
+    return dataclasses.replace(_info("positional", axes, sizes, where), inputs=True)
+
+
+def _from_inputs(node: fx.Node, ctx: CompileContext) -> bool:
+    """Whether ``node`` computes a value from integer sequence inputs (``attention_mask``)
+    and positions only, reading no weight: a padding mask, ``positional`` with ``inputs``.
+
+    Such values are rebuilt per chunk when they are attention masks (see :mod:`.masks`);
+    anything else reading them is refused by ``chunk_attention``.
+    """
+    if node.op != "call_function" or _shape_only(node) \
+            or op_rule(node.target).role == "attention":
+        return False
+    found = False
+    for arg in node.all_input_nodes:
+        info: TokenInfo = arg.meta[TOKEN]
+        if arg.op == "placeholder" and info.role == "token":
+            val = tensor_val(arg)
+            if val is None or val.is_floating_point() or arg.name not in ctx.seq_inputs:
+                return False
+            found = True
+        elif info.inputs and info.role in ("token", "positional"):
+            found = True
+        elif info.role not in ("positional", "const") or (
+                arg.op == "get_attr" and tensor_val(arg) is not None
+                and tensor_val(arg).is_floating_point()):
+            return False
+    return found
+
+
+def _check_conv(node: fx.Node, src: TokenInfo, name: str, where: str) -> None:
+    spatial = (src.axis or 0) - 2
+    if spatial < 0:
+        raise _mix_error(node, name, where, "the token axis is the batch or channel axis")
+    kernel, stride, padding, dilation = conv_geometry(node, spatial)
+    if not (kernel == stride and padding == 0 and (dilation == 1 or kernel == 1)):
+        raise _mix_error(
+            node, name, where,
+            f"a convolution over the token axis (kernel {kernel}, stride {stride}, padding "
+            f"{padding}) mixes neighbouring tokens; only patchify convolutions (kernel == "
+            "stride, no padding) are row-wise, and only stride-1 convolutions that keep the "
+            "axis' extent ('same' padding) are pipelined as buffered mixing",
+        )
+
+
+def _keeps_token_order(node: fx.Node, src: fx.Node, out_axes: list[int], *,
+                       merge: bool = False) -> bool:
+    """A reshape keeps token order when the extent of all axes before the token axis matches.
+
+    With ``merge``, constant axes before the token axis may also be merged into it.
+    """
+    info: TokenInfo = src.meta[TOKEN]
+    if info.axis is None or len(out_axes) != 1:
+        return False
+    in_shape = tensor_val(src).shape
+    out_shape = tensor_val(node).shape
+    before_in = sympy.Mul(*[size_expr(s) for s in in_shape[: info.axis]])
+    before_out = sympy.Mul(*[size_expr(s) for s in out_shape[: out_axes[0]]])
+    if sympy.simplify(before_in - before_out) == 0:
+        return True
+    if not merge or before_in.free_symbols or before_out.free_symbols:
+        return False
+    # constant axes merged into the token axis, or split off it again: the rows up to and
+    # including the token axis are the same, in the same order; constant axes after it may
+    # join too (a video's frames, rows and columns flattened into frame-major tokens)
+    through_in = before_in * size_expr(in_shape[info.axis])
+    through_out = before_out * size_expr(out_shape[out_axes[0]])
+    for after in [None, *in_shape[info.axis + 1:]]:
+        if after is not None:
+            if size_expr(after).free_symbols:
+                return False
+            through_in = through_in * size_expr(after)
+        if sympy.simplify(through_in - through_out) == 0:
+            return True
+    return False
+
+
+def _pinned_shape(node: fx.Node) -> bool:
+    """A reshape to a literal size where its value's size depends on the sequence symbol.
+
+    A specialised capture keeps the sizes the model's Python computed from the example
+    (DiT's ``int(sqrt(tokens))`` grid: ``reshape(x, [-1, 4, 4, ...])``) while the traced
+    shape stays symbolic (``(1, 4, s, ...)``): the op runs on the whole sequence only.
+    """
+    shape = node.args[1] if len(node.args) > 1 else None
+    val = tensor_val(node)
+    if not isinstance(shape, list | tuple) or val is None or len(shape) != val.dim():
+        return False
+    return any(isinstance(a, int) and a != -1 and size_expr(s).free_symbols
+               for a, s in zip(shape, val.shape))
+
+
+def _getitem_keeps_tokens(node: fx.Node) -> bool:
+    """``x[...]`` on a tensor keeps the tokens unless it indexes or slices the token axis."""
+    base = node.args[0]
+    if not isinstance(base, fx.Node) or isinstance(base.meta.get("val"), list | tuple):
+        return True  # picks one value of a tuple (chunk, split, max...)
+    src: TokenInfo = base.meta[TOKEN]
+    if src.axis is None or tensor_val(base) is None:
+        return True
+    items = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    rank = tensor_val(node.args[0]).dim()
+    axis = 0
+    for item in items:
+        if item is Ellipsis:
+            axis += rank - sum(1 for i in items if i is not None and i is not Ellipsis)
+        elif isinstance(item, fx.Node) and axis <= src.axis:
+            return False  # advanced indexing before or at the token axis
+        elif item is not None:
+            if axis == src.axis:
+                return isinstance(item, slice) and item.start in (0, None) and \
+                    item.step in (1, None) and (item.stop is None or
+                                                (isinstance(item.stop, int) and item.stop >= 2**62))
+            axis += 1
+    return True
+
+
+def _binary(node: fx.Node) -> bool:
+    """``torch.max(a, b)`` and friends: elementwise, not a reduction."""
+    tensors = [a for a in node.args if isinstance(a, fx.Node) and tensor_val(a) is not None]
+    return len(tensors) > 1
+
+
+def _full_slice(node: fx.Node, src: TokenInfo) -> bool:
+    if _op_name(node) != "slice":
+        return False
+    start = node.args[2] if len(node.args) > 2 else 0
+    end = node.args[3] if len(node.args) > 3 else None
+    step = node.args[4] if len(node.args) > 4 else 1
+    big = end is None or (isinstance(end, int) and end >= 2**62)
+    return start in (0, None) and big and step == 1
+
+
+def _mix_error(node: fx.Node, name: str, where: str, why: str) -> AnnotationError:
+    return AnnotationError(
+        f"node {node.name!r} (op {name}, module {where or '<top level>'}) mixes values along "
+        f"the token axis: {why} tppc can pipeline only row-wise ops and recognised attention "
+        "(scaled_dot_product_attention) inside the blocks."
+    )
+
+
+def _info(role: str, axes: list[int], sizes: list[sympy.Expr], where: str) -> TokenInfo:
+    if not axes:
+        return TokenInfo(role, module=where)  # type: ignore[arg-type]
+    return TokenInfo(role, axes[0], sizes[0], tuple(axes[1:]), module=where)  # type: ignore[arg-type]
+
+
+def _role(node: fx.Node) -> str:
+    info = node.meta.get(TOKEN)
+    return info.role if info else "const"
+
+
+def _token_input(node: fx.Node) -> fx.Node:
+    """The input whose token axis the op follows: one with split tokens when there is one."""
+    for arg in node.all_input_nodes:
+        if arg.meta[TOKEN].role in ("token", "mixing") and split_tokens(arg.meta[TOKEN]):
+            return arg
+    for arg in node.all_input_nodes:
+        if arg.meta[TOKEN].role in ("token", "mixing") and arg.meta[TOKEN].axis is not None:
+            return arg
+    return next(a for a in node.all_input_nodes if a.meta[TOKEN].role in ("token", "mixing"))
+
+
+def _op_name(node: fx.Node) -> str:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target.overloadpacket.__name__
+    return getattr(target, "__name__", str(target))
+
+
+def _has_tensor(node: fx.Node) -> bool:
+    return tensor_val(node) is not None
+
+
+def _shape_only(node: fx.Node) -> bool:
+    """Ops that read only the shape, dtype or device of their token input."""
+    if node.target is getattr:
+        return node.args[1] in _SHAPE_ATTRS
+    return node.op == "call_function" and op_rule(node.target).role == "shape_only"
+
+
+def _symbolic_scalar(node: fx.Node, sym: sympy.Symbol) -> bool:
+    val = node.meta.get("val")
+    items = val if isinstance(val, list | tuple) else (val,)
+    return any(isinstance(v, torch.SymInt | sympy.Basic) and sym in size_expr(v).free_symbols
+               for v in items)

@@ -1,0 +1,94 @@
+"""Tell causal from bidirectional attention.
+
+Attention nodes are the ops whose role in :mod:`tppc.ir.op_rules` is ``attention``. Of
+those, tppc chunks ``aten.scaled_dot_product_attention`` (what torch.export captures) and
+calls of ``torch.nn.functional.scaled_dot_product_attention``; the fused kernels SDPA
+decomposes to (flash, efficient, cuDNN) are refused when they attend over the split tokens
+(their arguments and outputs differ). An SDPA node is causal
+when ``is_causal=True``, bidirectional when it has neither a mask nor ``is_causal``, and
+otherwise classified by evaluating its mask (a positional value) at small *probe lengths*,
+never at the example length (so classifying costs the same for a 32k-token example as for
+a 16-token one): a lower-triangular pattern at every probe is causal, an all-true one
+bidirectional; a causal band is a sliding window, and a mask built from an integer input
+(``attention_mask``) is a padding mask (see :mod:`tppc.passes.annotation.masks`); a float
+mask that adds values to visible keys is a bias, evaluated per chunk
+(:mod:`tppc.passes.chunking.bias_rows`). The probes are a short length and one longer than
+every integer constant the mask's computation uses (a sliding window of ``w`` tokens shows
+at lengths ``> w``), at most :data:`MAX_PROBE`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+from torch.nn import functional as F
+
+from tppc.errors import ActivationMaskError, AnnotationError
+from tppc.ir.context import CompileContext
+from tppc.ir.records import TOKEN, AttentionKind, MaskSpec
+from tppc.passes.annotation.masks import mask_spec
+from tppc.passes.shapes import ancestors, module_path, tensor_val
+
+__all__ = ["MAX_PROBE", "classify_attention", "probe_lengths"]
+
+_aten = torch.ops.aten
+MAX_PROBE = 8192
+"""Longest probe length at which a mask is evaluated (its ``L × L`` pattern: 64 MiB)."""
+_SHORT_PROBE = 7
+_SENTINEL = 1 << 30
+"""Integer constants this large are slice ends and dtype limits, not window sizes."""
+
+
+def classify_attention(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext
+                       ) -> tuple[AttentionKind, MaskSpec | None]:
+    """The attention's kind and the structured mask (window, padding) tppc rebuilds per
+    chunk, or None for plain causal or all-visible attention (see :mod:`.masks`).
+
+    Raises:
+        AnnotationError: a fused attention kernel.
+        ActivationMaskError: a mask or float bias computed from activations.
+    """
+    if getattr(node.target, "overloadpacket", node.target) not in (
+            _aten.scaled_dot_product_attention, F.scaled_dot_product_attention):
+        raise AnnotationError(
+            f"attention node {node.name!r} (op {node.target}, module "
+            f"{module_path(node) or '<top level>'}) is a fused attention kernel over the split "
+            "tokens; tppc chunks aten.scaled_dot_product_attention only. fix: capture without "
+            "decompositions (torch.export keeps scaled_dot_product_attention) or call "
+            "F.scaled_dot_product_attention")
+    args = list(node.args) + [None] * 8
+    mask = node.kwargs.get("attn_mask", args[3])
+    is_causal = bool(node.kwargs.get("is_causal", args[5] or False))
+    if is_causal:
+        return "causal", None
+    if mask is None:
+        return "bidirectional", None
+    info = mask.meta[TOKEN] if isinstance(mask, fx.Node) else None
+    if info is None or not (info.role in ("positional", "const") or info.inputs):
+        float_mask = getattr(tensor_val(mask), "dtype", torch.bool).is_floating_point
+        construct = ("a float attention bias computed from activations" if float_mask
+                     else "an attention mask computed from activations")
+        where = module_path(node)
+        raise ActivationMaskError(
+            f"attention node {node.name!r} (module {where or '<top level>'}) has "
+            f"{construct}: its attn_mask {getattr(mask, 'name', mask)!r} depends on hidden "
+            "states, not only on positions, constants, parameters and integer inputs such as "
+            "attention_mask; it cannot be evaluated per chunk. fix: build the mask or bias "
+            "from positions, parameters and attention_mask only",
+            node=node.name, module=where, mask=str(getattr(mask, "name", mask)),
+            construct=construct)
+    return mask_spec(node, mask, gm, ctx, probe_lengths(mask))
+
+
+def probe_lengths(mask: fx.Node) -> tuple[int, ...]:
+    """Sequence lengths at which to evaluate ``mask``: a short one and one beyond every
+    integer constant of its computation (capped at :data:`MAX_PROBE`)."""
+    literals = [abs(a) for n in ancestors([mask]) for a in _int_args(n)]
+    long = min(MAX_PROBE, max([2 * _SHORT_PROBE + 1, *(v + 2 for v in literals)]))
+    return (_SHORT_PROBE, long)
+
+
+def _int_args(node: fx.Node) -> list[int]:
+    flat = torch.utils._pytree.tree_leaves((node.args, node.kwargs))
+    return [a for a in flat if isinstance(a, int) and not isinstance(a, bool)
+            and abs(a) < _SENTINEL]
