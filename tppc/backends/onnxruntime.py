@@ -12,10 +12,10 @@ Terms:
         into its buffers (``c`` rows, in place) before its next chunk, so no chunk copies a
         whole buffer (see :mod:`tppc.artifact.writer.graphs`).
 
-Both loops follow the call's action lists (:mod:`tppc.program.schedule`; the loaded
-artifact derives them from ``plan.json``'s chunks): :func:`run_serial` does the computes in
-the dry run's order in the calling thread, :func:`run_pipeline` gives each stage a thread
-that follows its lowered list (receive, compute, send).
+Both loops run the call's action lists (:mod:`tppc.program.schedule`; the loaded
+artifact derives them from ``plan.json``'s chunks) through THE interpreter
+(:mod:`tppc.program.interpreter`): :func:`run_serial` in the dry run's order in the calling
+thread, :func:`run_pipeline` with a thread per stage over the thread transport.
 
 Imports no torch: this module, :mod:`tppc.artifact.core.load` and numpy/onnxruntime are all
 a loaded artifact needs. ONNX Runtime releases the GIL in ``run_with_iobinding``, so the
@@ -25,8 +25,6 @@ stage threads overlap like the torch ``threads`` executor.
 from __future__ import annotations
 
 import os
-import queue
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -36,17 +34,18 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from tppc.errors import ScheduleError, StageTimeout
+from tppc.errors import StageTimeout
 from tppc.program.actions import Actions, flow_shop
+from tppc.program.collectives import NUMPY
 from tppc.program.dry_run import DryRun, check_actions
+from tppc.program.interpreter import Deadline, Interpreter, run_in_order
+from tppc.program.threads import ThreadWorld
 
 __all__ = ["OrtCall", "OrtStage", "default_threads", "run_pipeline", "run_serial",
            "session_options", "span"]
 
 Sink = Callable[[int, list[np.ndarray]], None]
 """Receives ``(chunk index, last stage's outputs)``."""
-
-_STOP = object()
 
 
 def session_options(threads: int) -> ort.SessionOptions:
@@ -188,40 +187,26 @@ def _rows(value: np.ndarray, axis: int, start: int, size: int) -> np.ndarray:
 
 def run_serial(stages: Sequence[OrtStage], call: OrtCall, sink: Sink,
                actions: Actions | None = None, timeout: float | None = None) -> None:
-    """The computes of ``actions`` (default: every chunk through every stage in order) in
-    the dry run's order, in the calling thread (decoding steps, one-stage pipelines).
+    """The stages' lists of ``actions`` (default: every chunk through every stage in order)
+    in the dry run's order, in the calling thread (decoding steps, one-stage pipelines).
 
     Raises:
         StageTimeout: ``timeout`` seconds passed (checked after every compute: at most one
             chunk's time late).
     """
-    dry = _dry_run(stages, call, actions)
-    last = len(stages) - 1
-    deadline = None if timeout is None else time.monotonic() + timeout
-    sent: dict[tuple[int, tuple[int, int]], list[np.ndarray]] = {}
-    for s, act in dry.computes():
-        try:
-            values = stages[s].step(call, act.start, act.end, sent.pop((s - 1, act.job), []))
-        except Exception as exc:
-            exc.add_note(f"[tppc] in ORT stage {s}, chunk {act.chunk} [{act.start}, "
-                         f"{act.end})")
-            raise
-        if deadline is not None and time.monotonic() > deadline:
-            raise StageTimeout(f"the ONNX Runtime pipeline did not finish in {timeout} s "
-                               f"(ORT stage {s} ended chunk {act.chunk} after it). fix: "
-                               "raise timeout")
-        if s < last:
-            sent[(s, act.job)] = values
-        else:
-            sink(act.chunk, values)
+    run_in_order(_dry_run(stages, call, actions),
+                 lambda s, act, got: stages[s].step(call, act.start, act.end, list(got)),
+                 output=lambda s, act, values: sink(act.chunk, values), ops=NUMPY,
+                 who=lambda s: f"ORT stage {s}", deadline=_deadline(timeout))
 
 
 def run_pipeline(stages: Sequence[OrtStage], call: OrtCall, sink: Sink, *,
                  actions: Actions | None = None, timeout: float | None = None,
                  trace: list[tuple[int, int, float, float]] | None = None) -> None:
     """The stages' lowered lists of ``actions`` (default: every chunk through every stage
-    in order), one thread per stage (chunk i on stage s+1 while chunk i+1 runs on stage s);
-    ``sink`` runs in the last stage's thread, in chunk order.
+    in order), one thread per stage (chunk i on stage s+1 while chunk i+1 runs on stage s)
+    through THE interpreter over the thread transport; ``sink`` runs in the last stage's
+    thread, in chunk order.
 
     Raises:
         ScheduleError: the actions cannot run (the message prints the action grid).
@@ -231,61 +216,35 @@ def run_pipeline(stages: Sequence[OrtStage], call: OrtCall, sink: Sink, *,
     if len(stages) == 1:
         run_serial(stages, call, sink, actions, timeout)
         return
-    dry = _dry_run(stages, call, actions)
-    inbox: list[queue.Queue[Any]] = [queue.Queue() for _ in stages]
-    errors: list[BaseException] = []
-    stop = threading.Event()
+    world = ThreadWorld(_dry_run(stages, call, actions), 0, NUMPY)
 
     def work(s: int) -> None:
-        k, stage, last = 0, stages[s], len(stages) - 1
-        got: dict[tuple[int, int], list[np.ndarray]] = {}  # received, not yet computed
-        made: dict[tuple[int, int], list[np.ndarray]] = {}  # computed, not yet sent
-        try:
-            for k, act in enumerate(dry.actions[s]):  # noqa: B007 (k names a failing action)
-                if stop.is_set():
-                    break
-                if act.kind == "recv":
-                    item = inbox[s].get()
-                    if item is _STOP:
-                        break
-                    if item[0] != act.job:
-                        raise ScheduleError(f"ORT stage {s} expected {act}, got {item[0]}")
-                    got[act.job] = item[1]
-                elif act.kind == "compute":
-                    t0 = time.perf_counter()
-                    out = stage.step(call, act.start, act.end, got.pop(act.job, []))
-                    if s == last:
-                        sink(act.chunk, out)
-                    else:
-                        made[act.job] = out
-                    if trace is not None:
-                        trace.append((s, act.chunk, t0, time.perf_counter()))
-                else:
-                    inbox[act.peer].put((act.job, made.pop(act.job)))
-        except BaseException as exc:  # re-raised in the caller
-            exc.add_note(f"[tppc] in ORT stage {s}, {dry.describe(s, k)}")
-            errors.append(exc)
-            stop.set()
-        if s < len(stages) - 1 and stop.is_set():
-            inbox[s + 1].put(_STOP)
+        world.work(Interpreter(
+            world.dry, s, lambda act, got: stages[s].step(call, act.start, act.end, list(got)),
+            world.end(s), lambda act, values: sink(act.chunk, values),
+            who=f"ORT stage {s}", trace=trace))
 
-    threads = [threading.Thread(target=work, args=(s,), name=f"tppc-ort-stage{s}",
-                                daemon=True) for s in range(len(stages))]
+    threads = world.threads(work, "tppc-ort-stage")
     deadline = None if timeout is None else time.monotonic() + timeout
-    for t in threads:
-        t.start()
     for s, t in enumerate(threads):
         t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if t.is_alive() or (deadline is not None and time.monotonic() > deadline
-                            and not errors):
-            stop.set()
-            for box in inbox:
-                box.put(_STOP)
+                            and not world.errors):
+            world.stop.set()
             state = "still running" if t.is_alive() else "finished after it"
             raise StageTimeout(f"the ONNX Runtime pipeline did not finish in {timeout} s "
                                f"(stage {s} {state}). fix: raise timeout")
-    if errors:
-        raise errors[0]
+    if world.errors:
+        raise world.errors[0]
+
+
+def _deadline(timeout: float | None) -> Deadline | None:
+    """The serial loop's deadline: a compute that ends past it raises StageTimeout."""
+    if timeout is None:
+        return None
+    return Deadline(timeout, lambda s, act: StageTimeout(
+        f"the ONNX Runtime pipeline did not finish in {timeout} s (ORT stage {s} ended "
+        f"chunk {act.chunk} after it). fix: raise timeout"))
 
 
 def _dry_run(stages: Sequence[OrtStage], call: OrtCall, actions: Actions | None) -> DryRun:

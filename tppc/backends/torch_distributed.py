@@ -1,8 +1,9 @@
 """The ``distributed`` executor: one process per stage, point-to-point over torch.distributed.
 
 Rank ``r`` runs stage ``r`` only (the other stages of its program are never materialised).
-It follows stage ``r``'s lowered action list (``program.actions`` with their sends and
-receives written out and dry-run, :func:`tppc.program.schedule.check_actions`): a receive
+It runs stage ``r``'s lowered action list (``program.actions`` with their sends and
+receives written out and dry-run, :meth:`tppc.program.program.Program.dry_run`) through THE
+interpreter over the process-group transport (:mod:`tppc.backends.rank_transport`): a receive
 takes the boundary values from rank ``r - 1``, a compute runs the chunk
 (:func:`tppc.backends.torch_local.run_stage`, the same code every executor runs), a send
 posts an asynchronous send (``isend``) to rank ``r + 1``, which proceeds while it computes
@@ -44,10 +45,12 @@ import torch
 import torch.distributed as dist
 
 from tppc.backends import wire
+from tppc.backends.rank_transport import RankEnd, rank_deadline
 from tppc.backends.torch_local import Sink, run_stage
 from tppc.errors import StageFailed, StageTimeout
+from tppc.program.actions import Action
+from tppc.program.interpreter import Interpreter
 from tppc.program.program import Program, StageProgram
-from tppc.program.schedule import check_actions
 from tppc.program.state import Call, CallState
 
 __all__ = ["FAILURE_KEY", "DistributedExecutor", "read_failure", "token_axes"]
@@ -112,49 +115,34 @@ class DistributedExecutor:
                 for a peer (naming it); the failure record names it for the other ranks.
         """
         stage = program.stages[self.rank]
-        deadline = None if timeout is None else time.monotonic() + timeout
-        dry = check_actions(program.actions_for(call.chunks))
-        pending: list[tuple[Any, tuple[Any, ...]]] = []
+        dry = program.dry_run(call.chunks)
+        deadline = rank_deadline(self, timeout)
         results: list[tuple[Any, ...]] = []
         jobs: list[tuple[int, int, float, float]] = []
-        got: dict[tuple[int, int], tuple[Any, ...]] = {}  # received, not yet computed
-        made: dict[tuple[int, int], tuple[Any, ...]] = {}  # computed, not yet sent
-        k = 0
-        try:
-            for k, act in enumerate(dry.actions[self.rank]):  # noqa: B007 (k names a failing action)
-                if act.kind == "recv":
-                    got[act.job] = self._recv(program, act.end - act.start, deadline)
-                elif act.kind == "compute":
-                    self._inject(act.chunk)
-                    t0 = time.perf_counter()
-                    values = run_stage(stage, call, state, act.start, act.end,
-                                       got.pop(act.job, ()))
-                    jobs.append((self.rank, act.chunk, t0, time.perf_counter()))
-                    self.check_deadline(deadline, timeout, act.chunk)
-                    if self.rank + 1 < self.world:
-                        made[act.job] = values
-                    elif sink is None:
-                        results.append(values)
-                    else:
-                        sink(act.chunk, values)
-                else:
-                    pending.append(self._send(program, stage, made.pop(act.job)))
-                    while len(pending) > self.queue_depth:
-                        self._wait(pending.pop(0)[0], self.rank + 1, deadline)
-            for work, _ in pending:
-                self._wait(work, self.rank + 1, deadline)
-        except (StageFailed, StageTimeout):
-            raise
-        except Exception as exc:
-            where = f"stage {self.rank}, {dry.where(self.rank, k)}"
-            grid = dry.describe(self.rank, k)
-            if self.expired(deadline):
-                raise self.timed_out(timeout, where, grid) from exc
-            raise self.failure(exc, where, grid) from exc
+
+        def output(act: Action, values: tuple[Any, ...]) -> None:
+            if sink is None:
+                results.append(values)
+            else:
+                sink(act.chunk, values)
+
+        transport = RankEnd(
+            self, dry, deadline=deadline,
+            recv=lambda act: self._recv(program, act.end - act.start, deadline.at),
+            send=lambda act, values: self._send(program, stage, values))
+        Interpreter(dry, self.rank, lambda act, got: run_stage(stage, call, state, act.start,
+                                                               act.end, got),
+                    transport, output, deadline=deadline, trace=jobs,
+                    before=self.before).run()
         self.last_trace = jobs
         if trace is not None:
             trace.extend(jobs)
         return results
+
+    def before(self, k: int, act: Action) -> None:
+        """Before action ``k``: the fault drill of ``TPPC_FAULT`` at a compute."""
+        if act.kind == "compute":
+            self._inject(act.chunk)
 
     # -- failure ------------------------------------------------------------------------------
     def failure(self, exc: BaseException, where: str, detail: str = "") -> StageFailed:
@@ -196,11 +184,16 @@ class DistributedExecutor:
         """
         if deadline is None or time.monotonic() <= deadline:
             return
+        raise self.late(timeout, chunk)
+
+    def late(self, timeout: float | None, chunk: int) -> StageTimeout:
+        """The StageTimeout of a compute of ``chunk`` that ended past the call's deadline
+        (recorded first, naming this stage)."""
         _write_failure(f"stage {self.rank} (rank {self.rank}) was still computing (chunk "
                        f"{chunk}) when the call's timeout of {timeout} s passed")
-        raise StageTimeout(f"the distributed call did not finish in {timeout} s: stage "
-                           f"{self.rank} (rank {self.rank}) ended chunk {chunk} after it. "
-                           "fix: raise timeout, or see why that stage is slow")
+        return StageTimeout(f"the distributed call did not finish in {timeout} s: stage "
+                            f"{self.rank} (rank {self.rank}) ended chunk {chunk} after it. "
+                            "fix: raise timeout, or see why that stage is slow")
 
     def expired(self, deadline: float | None) -> bool:
         """Whether the call's ``deadline`` (``time.monotonic``) has passed, within

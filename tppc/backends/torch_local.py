@@ -7,10 +7,11 @@ K/V buffers, a whole user input (``full``: the key-validity mask), or an int. Th
 straight into the call's full-length output when that slice is contiguous
 (:mod:`tppc.passes.stages.direct_output`).
 
-The ``local`` executor does the computes of the program's action lists
-(:mod:`tppc.program.schedule`) one at a time in the calling thread, in the order of their dry
-run (a receive is the hand-over of the previous stage's outputs): the reference the others
-are tested against; it also runs the decoding steps of ``generate``.
+The ``local`` executor runs the program's action lists (:mod:`tppc.program.schedule`) through
+THE interpreter one action at a time in the calling thread, in the order of their dry run
+(:func:`tppc.program.interpreter.run_in_order`: a receive is the hand-over of the previous
+stage's outputs): the reference the others are tested against; it also runs the decoding
+steps of ``generate``.
 """
 
 from __future__ import annotations
@@ -24,11 +25,19 @@ import torch
 from tppc.errors import StageTimeout
 from tppc.ir.records import ChunkInput
 from tppc.passes.stages.hoist_consts import const_values
+from tppc.program.actions import Action
+from tppc.program.collectives import CollectiveOps
+from tppc.program.interpreter import Deadline, run_in_order
 from tppc.program.program import Program, StageProgram
-from tppc.program.schedule import serial_order
 from tppc.program.state import Call, CallState
 
-__all__ = ["LocalExecutor", "Sink", "chunk_rows", "past_deadline", "prepare_stage", "run_stage"]
+__all__ = ["TORCH_OPS", "LocalExecutor", "Sink", "chunk_rows", "past_deadline", "prepare_stage",
+           "run_stage"]
+
+TORCH_OPS = CollectiveOps(cat=lambda arrays, axis: torch.cat(list(arrays), axis),
+                          split=lambda array, n, axis: torch.tensor_split(array, n, axis),
+                          copy=torch.clone)
+"""The array operations of collectives on torch tensors (the in-process transports)."""
 
 Sink = Callable[[int, tuple[Any, ...]], None]
 """Receives ``(chunk index, last stage's outputs)`` in chunk order, in the calling thread."""
@@ -170,31 +179,30 @@ class LocalExecutor:
                 raised at most one chunk's time late.
         """
         results: dict[int, tuple[Any, ...]] = {}
-        last = len(program.stages) - 1
-        sent: dict[tuple[int, int], tuple[Any, ...]] = {}  # (stage, chunk) -> its outputs
-        order = serial_order(program.actions_for(call.chunks))
-        deadline = None if timeout is None else time.perf_counter() + timeout
-        for k, (s, act) in enumerate(order):
-            stage, i, start, end = program.stages[s], act.chunk, act.start, act.end
-            try:
-                t0 = time.perf_counter()
-                values = run_stage(stage, call, state, start, end, sent.pop((s - 1, i), ()))
-                if trace is not None:
-                    trace.append((s, i, t0, time.perf_counter()))
-            except Exception as exc:
-                exc.add_note(f"[tppc] in stage {s} ({stage.device}), chunk {i} "
-                             f"[{start}, {end})")
-                raise
-            if past_deadline(deadline):
-                raise StageTimeout(
-                    f"the call did not finish within timeout={timeout} s: stage {s} "
-                    f"({stage.device}, layers {stage.layers[0]}..{stage.layers[-1]}) ended "
-                    f"chunk {i} of {len(call.chunks)} after it ({k + 1} of {len(order)} "
-                    "stage steps done). fix: raise the timeout, or check that stage's device")
-            if s < last:
-                sent[(s, i)] = values
-            elif sink is None:
-                results[i] = values
+        stages = program.stages
+        dry = program.dry_run(call.chunks)
+        computes = sum(a.kind == "compute" for row in dry.actions for a in row)
+        done = [0]
+
+        def compute(s: int, act: Action, got: Any) -> tuple[Any, ...]:
+            done[0] += 1
+            return run_stage(stages[s], call, state, act.start, act.end, got)
+
+        def late(s: int, act: Action) -> StageTimeout:
+            stage = stages[s]
+            return StageTimeout(
+                f"the call did not finish within timeout={timeout} s: stage {s} "
+                f"({stage.device}, layers {stage.layers[0]}..{stage.layers[-1]}) ended "
+                f"chunk {act.chunk} of {len(call.chunks)} after it ({done[0]} of {computes} "
+                "stage steps done). fix: raise the timeout, or check that stage's device")
+
+        def output(s: int, act: Action, values: tuple[Any, ...]) -> None:
+            if sink is None:
+                results[act.chunk] = values
             else:
-                sink(i, values)
+                sink(act.chunk, values)
+
+        run_in_order(dry, compute, output=output, ops=TORCH_OPS,
+                     who=lambda s: f"stage {s} ({stages[s].device})",
+                     deadline=None if timeout is None else Deadline(timeout, late), trace=trace)
         return [results[i] for i in sorted(results)]

@@ -1,10 +1,12 @@
 """The ``threads`` executor: one worker thread per stage, joined by bounded queues.
 
-Stage ``s``'s worker follows its lowered action list (``program.actions`` with their sends
-and receives written out and dry-run, :func:`tppc.program.schedule.check_actions`): a
-receive takes the next item from its input queue, a compute runs the chunk, a send puts the
-boundary values on the queue of stage ``s + 1`` while the worker goes on with its next
-action: the stages run concurrently (PyTorch releases the GIL inside every op). Each worker
+Stage ``s``'s worker runs its lowered action list (``program.actions`` with their sends
+and receives written out and dry-run, :meth:`tppc.program.program.Program.dry_run`) through
+THE interpreter (:mod:`tppc.program.interpreter`) over the thread transport
+(:mod:`tppc.program.threads`): a receive takes the next item from its inbox, a compute runs
+the chunk, a send puts the boundary values on the inbox of stage ``s + 1`` while the worker
+goes on with its next action, a collective meets the group's other workers in shared
+buffers: the stages run concurrently (PyTorch releases the GIL inside every op). Each worker
 sets its own intra-op thread count (``torch.set_num_threads`` is per thread) and grad mode.
 
 Transfers: when the next stage lives on another CUDA device, the worker copies its outputs
@@ -26,33 +28,18 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from tppc.backends.torch_local import Sink, past_deadline, run_stage
-from tppc.errors import ScheduleError, StageTimeout
+from tppc.backends.torch_local import TORCH_OPS, Sink, past_deadline, run_stage
+from tppc.errors import StageTimeout
+from tppc.program.interpreter import Interpreter
 from tppc.program.program import Program
-from tppc.program.schedule import DryRun, check_actions
 from tppc.program.state import Call, CallState
+from tppc.program.threads import POLL, ThreadWorld
 
 __all__ = ["ThreadsExecutor"]
-
-_POLL = 0.05
-"""Seconds between checks of the stop flag while a worker waits on a queue."""
-
-
-@dataclass(frozen=True)
-class _Item:
-    index: int
-    values: tuple[Any, ...]
-    event: Any = None
-    step: int = 0
-
-
-class _Stopped(Exception):
-    """Raised inside a worker when another worker failed."""
 
 
 class ThreadsExecutor:
@@ -96,53 +83,51 @@ class ThreadsExecutor:
             StageTimeout: ``timeout`` seconds passed before the last chunk left the last stage.
         """
         stages = program.stages
-        dry = check_actions(program.actions_for(call.chunks))
-        run = _Run(call, state, len(stages), self.queue_depth,
-                   [] if trace is None else trace)
+        dry = program.dry_run(call.chunks)
+        world = ThreadWorld(dry, self.queue_depth, TORCH_OPS)
+        run = _Run(call, state, [None] * len(stages), [] if trace is None else trace)
         mode = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
-        workers = [threading.Thread(target=self._work_in_mode, name=f"tppc-stage-{s}",
-                                    daemon=True, args=(mode, program, s, run, dry))
-                   for s in range(len(stages))]
-        for w in workers:
-            w.start()
+        workers = world.threads(lambda s: self._work_in_mode(mode, program, s, run, world),
+                                "tppc-stage")
         deadline = None if timeout is None else time.perf_counter() + timeout
         results: dict[int, tuple[Any, ...]] = {}
         timed_out = False
         try:
             for _ in range(sum(a.kind == "compute" for a in dry.actions[-1])):
-                item = self._next(run, workers, deadline, program, timeout)
+                item = self._next(run, world, workers, deadline, program, timeout)
                 if item is None:
                     break
-                _wait_event(item.event, stages[-1].device)
+                (_step, chunk), values, event = item
+                _wait_event(event, stages[-1].device)
                 if sink is None:
-                    results[item.index] = item.values
+                    results[chunk] = values
                 else:
-                    sink(item.index, item.values)
+                    sink(chunk, values)
         except StageTimeout:
             timed_out = True
             raise
         finally:
-            run.stop.set()
+            world.stop.set()
             for w in workers:  # a worker stuck in an op cannot be interrupted: not waited for
-                w.join(timeout=_POLL * 4 if timed_out else None)
+                w.join(timeout=POLL * 4 if timed_out else None)
         self.last_trace = run.trace
-        if run.errors:
-            raise run.errors[0]
+        if world.errors:
+            raise world.errors[0]
         return [results[i] for i in sorted(results)]
 
-    def _next(self, run: _Run, workers: list[threading.Thread], deadline: float | None,
-              program: Program, timeout: float | None) -> _Item | None:
+    def _next(self, run: _Run, world: ThreadWorld, workers: list[threading.Thread],
+              deadline: float | None, program: Program, timeout: float | None) -> Any:
         """The next chunk out of the last stage; None when a worker failed.
 
         Raises:
             StageTimeout: the ``deadline`` (``time.perf_counter``) passed before the chunk
                 came out; waits end at the deadline, never a poll interval after it.
         """
-        while not run.errors:
-            wait = _POLL if deadline is None else min(_POLL, deadline - time.perf_counter())
+        while not world.errors:
+            wait = POLL if deadline is None else min(POLL, deadline - time.perf_counter())
             try:
                 if wait > 0:
-                    item = run.queues[-1].get(timeout=wait)
+                    item = world.inboxes[-1].get(timeout=wait)
                     if not past_deadline(deadline):
                         return item
             except queue.Empty:
@@ -151,9 +136,9 @@ class ThreadsExecutor:
                 raise self._timed_out(run, program, timeout)
             if not any(w.is_alive() for w in workers):
                 try:  # the last item may have been put just before its worker exited
-                    return run.queues[-1].get_nowait()
+                    return world.inboxes[-1].get_nowait()
                 except queue.Empty:
-                    if not run.errors:
+                    if not world.errors:
                         raise RuntimeError(
                             f"tppc threads executor: every worker ended with {run.done} chunks "
                             f"done per stage of {len(run.call.chunks)}") from None
@@ -175,12 +160,19 @@ class ThreadsExecutor:
         with torch.inference_mode() if inference else torch.set_grad_enabled(grad):
             self._work(*args)
 
-    def _work(self, program: Program, s: int, run: _Run, dry: DryRun) -> None:
-        """Stage ``s``'s lowered list: receive, compute, send (see the module docstring)."""
+    def _work(self, program: Program, s: int, run: _Run, world: ThreadWorld) -> None:
+        """Stage ``s``'s lowered list through the interpreter (see the module docstring)."""
         stage = program.stages[s]
         last = len(program.stages) - 1
         nxt = program.stages[s + 1].device if s < last else stage.device
-        call, k = run.call, 0
+        call = run.call
+        interpreter = Interpreter(
+            world.dry, s, lambda act, got: run_stage(stage, call, run.state, act.start,
+                                                     act.end, got),
+            world.end(s), lambda act, values: world.put(world.inboxes[-1], (act.job, values,
+                                                                            None)),
+            who=f"stage {s} ({stage.device})", trace=run.trace)
+        run.interpreters[s] = interpreter
         try:
             threads = self._threads(s)
             if threads is not None:
@@ -188,40 +180,17 @@ class ThreadsExecutor:
             if stage.device.type == "cuda":
                 torch.cuda.set_device(stage.device)
             copier = _Copier(stage.device, nxt)
+            interpreter.transport = world.end(
+                s, ship=copier.send, land=lambda event: _wait_event(event, stage.device))
             if s > 0 and s == last:
-                _touch_while_idle(call.outputs, lambda: not run.queues[s].empty()
-                                  or run.stop.is_set())
-            got: dict[tuple[int, int], tuple[Any, ...]] = {}  # received, not yet computed
-            made: dict[tuple[int, int], tuple[Any, ...]] = {}  # computed, not yet sent
-            for k, act in enumerate(dry.actions[s]):  # noqa: B007 (k names a failing action)
-                if act.kind == "recv":
-                    item = _get(run.queues[s], run.stop)
-                    if (item.step, item.index) != act.job:
-                        raise ScheduleError(f"stage {s} expected {act}, got job "
-                                            f"{(item.step, item.index)}")
-                    _wait_event(item.event, stage.device)
-                    got[act.job] = item.values
-                elif act.kind == "compute":
-                    t0 = time.perf_counter()
-                    values = run_stage(stage, call, run.state, act.start, act.end,
-                                       got.pop(act.job, ()))
-                    run.trace.append((s, act.chunk, t0, time.perf_counter()))
-                    run.done[s] += 1
-                    if s == last:  # to the calling thread
-                        _put(run.queues[s + 1], _Item(act.chunk, values, None, act.step),
-                             run.stop)
-                    else:
-                        made[act.job] = values
-                else:
-                    values, event = copier.send(made.pop(act.job))
-                    _put(run.queues[act.peer], _Item(act.chunk, values, event, act.step),
-                         run.stop)
-        except _Stopped:
-            return
+                _touch_while_idle(call.outputs, lambda: not world.inboxes[s].empty()
+                                  or world.stop.is_set())
         except BaseException as exc:  # re-raised in the calling thread
-            exc.add_note(f"[tppc] in stage {s} ({stage.device}), {dry.describe(s, k)}")
-            run.errors.append(exc)
-            run.stop.set()
+            exc.add_note(interpreter.note(0))
+            world.errors.append(exc)
+            world.stop.set()
+            return
+        world.work(interpreter)
 
     def _threads(self, s: int) -> int | None:
         t = self.threads_per_stage
@@ -231,23 +200,26 @@ class ThreadsExecutor:
 
 
 class _Run:
-    """The queues, stop flag, errors, progress and trace of one call."""
+    """The call, state, interpreters and trace of one call."""
 
-    def __init__(self, call: Call, state: CallState, stages: int, depth: int,
+    def __init__(self, call: Call, state: CallState, interpreters: list[Any],
                  trace: list) -> None:
         self.call, self.state = call, state
-        self.queues: list[queue.Queue] = [queue.Queue(depth) for _ in range(stages + 1)]
-        self.stop = threading.Event()
-        self.errors: list[BaseException] = []
-        self.done = [0] * stages
+        self.interpreters: list[Interpreter | None] = interpreters
         self.trace: list[tuple[int, int, float, float]] = trace
+
+    @property
+    def done(self) -> list[int]:
+        """Computes each stage has done."""
+        return [0 if it is None else it.done for it in self.interpreters]
 
     def stuck_stage(self) -> int:
         """The first stage that is behind the stage before it (or the first stage)."""
-        for s, done in enumerate(self.done):
-            if done < (len(self.call.chunks) if s == 0 else self.done[s - 1]):
+        done = self.done
+        for s, count in enumerate(done):
+            if count < (len(self.call.chunks) if s == 0 else done[s - 1]):
                 return s
-        return len(self.done) - 1
+        return len(done) - 1
 
 
 class _Copier:
@@ -282,27 +254,6 @@ class _Copier:
 def _wait_event(event: Any, device: torch.device) -> None:
     if event is not None:
         torch.cuda.current_stream(device).wait_event(event)
-
-
-def _get(q: queue.Queue, stop: threading.Event) -> _Item:
-    while True:
-        if stop.is_set():
-            raise _Stopped
-        try:
-            return q.get(timeout=_POLL)
-        except queue.Empty:
-            continue
-
-
-def _put(q: queue.Queue, item: _Item, stop: threading.Event) -> None:
-    while True:
-        if stop.is_set():
-            raise _Stopped
-        try:
-            q.put(item, timeout=_POLL)
-            return
-        except queue.Full:
-            continue
 
 
 _TOUCH_ELEMENTS = 1 << 21

@@ -23,16 +23,16 @@ The final latents are broadcast from the last rank; rank 0 returns them (every r
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+from tppc.backends.rank_transport import RankEnd, rank_deadline
 from tppc.backends.torch_local import run_stage
 from tppc.driver.emit import build_program
-from tppc.errors import RuntimeInputError, SpecError, StageFailed, StageTimeout
+from tppc.errors import RuntimeInputError, SpecError
 from tppc.passes.chunking.chunk_attention import REST_CHUNK
 from tppc.passes.stages.hoist_consts import hoist_constants
 from tppc.pipefusion.denoise import (
@@ -47,6 +47,8 @@ from tppc.pipefusion.schedulers import (
     check_elementwise,
     patch_protocols,
 )
+from tppc.program.actions import Action
+from tppc.program.interpreter import Interpreter
 from tppc.program.program import Program, StageProgram
 from tppc.program.schedule import DryRun, check_actions
 from tppc.program.state import Call, next_epoch
@@ -198,55 +200,35 @@ class _Jobs:
         self.program_of, self.rows, self.warm = program_of, rows, warm
 
     def run(self, dry: DryRun, finish: Callable[[int, int, tuple[Any, ...]], None]) -> None:
-        """This rank's lowered list: receive (from the previous rank, or a stepped patch
-        back from the last), compute (the last rank then steps the patch), send (to the
-        next rank, or the stepped patch back to the ranks that read the latents)."""
+        """This rank's lowered list through THE interpreter over the process-group
+        transport: receive (from the previous rank, or a stepped patch back from the last),
+        compute (the last rank then steps the patch), send (to the next rank, or the
+        stepped patch back to the ranks that read the latents)."""
         cp, ex = self.cp, self.ex
         rank, last = cp.rank, cp.world - 1
-        timeout = cp.options.timeout
-        deadline = None if timeout is None else time.monotonic() + timeout
-        sends: list[tuple[Any, Any]] = []  # boundary values to rank + 1 (bounded)
-        patches: list[tuple[Any, Any]] = []  # stepped rows to the readers (waited at the end)
-        got: dict[tuple[int, int], tuple[Any, ...]] = {}  # received, not yet computed
-        made: dict[tuple[int, int], tuple[Any, ...]] = {}  # computed, not yet sent
-        k = 0
-        try:
-            for k, act in enumerate(dry.actions[rank]):  # noqa: B007 (k names a failing action)
-                program = self.program_of(act.chunk)
-                if act.kind == "recv" and act.peer == last:  # a stepped patch comes back
-                    view = self.rows(act.chunk)
-                    buf = torch.empty_like(view, memory_format=torch.contiguous_format)
-                    ex.wait([dist.irecv(buf, last)], last, deadline)
-                    view.copy_(buf)
-                elif act.kind == "recv":
-                    got[act.job] = ex.recv_chunk(program, act.end - act.start, deadline)
-                elif act.kind == "compute":
-                    values = run_stage(program.stages[rank], self.calls[act.step], self.state,
-                                       act.start, act.end, got.pop(act.job, ()))
-                    if rank < last:
-                        made[act.job] = values
-                    else:
-                        finish(act.step, act.chunk, values)
-                elif act.peer == rank + 1:
-                    sends.append(ex.send_chunk(program, made.pop(act.job)))
-                    while len(sends) > cp.options.queue_depth:
-                        ex.wait(sends.pop(0)[0], rank + 1, deadline)
-                else:  # the stepped patch back to a rank that reads the latents
-                    out = self.rows(act.chunk).contiguous()
-                    patches = [p for p in patches if not p[0].is_completed()]
-                    patches.append((dist.isend(out, act.peer), out))
-            for works, _ in sends:
-                ex.wait(works, rank + 1, deadline)
-            for work, _ in patches:
-                ex.wait([work], 0, deadline)
-        except (StageFailed, StageTimeout):
-            raise
-        except Exception as exc:
-            where = (f"stage {rank}, denoise (pipelined step t is step {self.warm} + t) "
-                     f"{dry.where(rank, k)}")
-            if ex.expired(deadline):
-                raise ex.timed_out(timeout, where, dry.describe(rank, k)) from exc
-            raise ex.failure(exc, where, dry.describe(rank, k)) from exc
+        deadline = rank_deadline(ex, cp.options.timeout)
+
+        def back(act: Action) -> None:  # a stepped patch comes back
+            view = self.rows(act.chunk)
+            buf = torch.empty_like(view, memory_format=torch.contiguous_format)
+            ex.wait([dist.irecv(buf, last)], last, deadline.at)
+            view.copy_(buf)
+
+        def home(act: Action) -> tuple[Any, Any]:  # the stepped patch back to a reader
+            out = self.rows(act.chunk).contiguous()
+            return [dist.isend(out, act.peer)], out
+
+        transport = RankEnd(
+            ex, dry, deadline=deadline, feedback_recv=back, feedback_send=home,
+            recv=lambda act: ex.recv_chunk(self.program_of(act.chunk), act.end - act.start,
+                                           deadline.at),
+            send=lambda act, values: ex.send_chunk(self.program_of(act.chunk), values))
+        Interpreter(dry, rank, lambda act, got: run_stage(
+            self.program_of(act.chunk).stages[rank], self.calls[act.step], self.state,
+            act.start, act.end, got), transport,
+            lambda act, values: finish(act.step, act.chunk, values),
+            who=f"stage {rank}, denoise (pipelined step t is step {self.warm} + t)",
+            deadline=None).run()
 
 
 def _readers(world: int, latent: int, *programs: Program | None) -> tuple[int, ...]:

@@ -3,7 +3,17 @@
 Terms:
     action: one thing a stage does (:class:`Action`): compute chunk ``i`` (tokens
         ``[start, end)``) of pipelined step ``t``, send that job's outputs to stage ``peer``,
-        or receive them from stage ``peer``. A stage does its actions in the order listed.
+        or receive them from stage ``peer``, or run a collective on them with the other
+        members of a named group. A stage does its actions in the order listed.
+    worker: the owner of one list (``actions[w]``); today one worker per stage.
+    collective: an action every member of a group (``Action.group``, named by the program:
+        ``groups``, name -> member workers) runs together on its values of one job, in the
+        same order on every member (:data:`COLLECTIVES`): ``all_reduce`` (the elementwise
+        sum), ``all_gather`` (the members' values concatenated along ``dims[0]`` in member
+        order), ``reduce_scatter`` (the sum, cut into equal parts along ``dims[0]``: member
+        ``r`` keeps part ``r``), ``all_to_all`` (each member cuts its values into equal parts
+        along ``dims[0]``, sends part ``r`` to member ``r``, and concatenates what it gets
+        along ``dims[1]``: Ulysses' tokens-to-heads exchange).
     compute lists: what each stage computes, in order (:func:`flow_shop` builds the usual
         ones); ``Program.actions`` holds them.
     lowered lists: the compute lists with every transfer written out (:func:`lower`), as
@@ -26,9 +36,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Action", "Actions", "Kind", "flow_shop", "is_lowered", "job_count", "lower"]
+__all__ = ["COLLECTIVES", "Action", "Actions", "Groups", "Kind", "flow_shop", "is_lowered",
+           "job_count", "lower"]
 
-Kind = Literal["compute", "send", "recv"]
+Kind = Literal["compute", "send", "recv", "all_reduce", "all_gather", "reduce_scatter",
+               "all_to_all"]
+
+COLLECTIVES: dict[str, str] = {"all_reduce": "AR", "all_gather": "AG",
+                               "reduce_scatter": "RS", "all_to_all": "AA"}
+"""Collective kinds and their short names in the action grid."""
+
+Groups = tuple[tuple[str, tuple[int, ...]], ...]
+"""Named groups of workers, ``((name, members), ...)`` (hashable: the dry run is cached)."""
 
 
 @dataclass(frozen=True)
@@ -40,8 +59,11 @@ class Action:
         chunk: chunk index ``i`` within the step.
         start: first token of the chunk.
         end: one past its last token.
-        kind: ``"compute"``, ``"send"`` or ``"recv"``.
-        peer: the stage a send goes to or a receive comes from (``-1`` for compute).
+        kind: ``"compute"``, ``"send"``, ``"recv"`` or a collective (:data:`COLLECTIVES`).
+        peer: the stage a send goes to or a receive comes from (``-1`` otherwise).
+        group: the group a collective runs over (``""`` otherwise).
+        dims: a collective's axes: ``all_gather``/``reduce_scatter`` ``(axis,)``,
+            ``all_to_all`` ``(split axis, concat axis)``.
     """
 
     step: int
@@ -50,11 +72,18 @@ class Action:
     end: int
     kind: Kind = "compute"
     peer: int = -1
+    group: str = ""
+    dims: tuple[int, ...] = ()
 
     @property
     def job(self) -> tuple[int, int]:
         """``(step, chunk)``."""
         return self.step, self.chunk
+
+    @property
+    def collective(self) -> bool:
+        """Whether the action is a collective."""
+        return self.kind in COLLECTIVES
 
     def __str__(self) -> str:
         name = f"{self.step}.{self.chunk}"
@@ -62,6 +91,9 @@ class Action:
             return f"S{name}>{self.peer}"
         if self.kind == "recv":
             return f"R{name}<{self.peer}"
+        if self.kind in COLLECTIVES:
+            dims = ":" + ",".join(map(str, self.dims)) if self.dims else ""
+            return f"{COLLECTIVES[self.kind]}{name}@{self.group}{dims}"
         return f"C{name}"
 
 
@@ -77,12 +109,12 @@ def flow_shop(chunks: tuple[tuple[int, int], ...], num_stages: int, steps: int =
 
 def is_lowered(actions: Actions) -> bool:
     """Whether the lists already hold their sends and receives."""
-    return any(a.kind != "compute" for row in actions for a in row)
+    return any(a.kind in ("send", "recv") for row in actions for a in row)
 
 
 def job_count(actions: Actions) -> tuple[int, int]:
     """``(steps, chunks per step)`` the lists name (from their largest indices)."""
-    jobs = [a.job for row in actions for a in row]
+    jobs = [a.job for row in actions for a in row if not a.collective]
     if not jobs:
         return 0, 0
     return 1 + max(t for t, _ in jobs), 1 + max(i for _, i in jobs)
@@ -94,8 +126,10 @@ def lower(actions: Actions, feedback: Sequence[int] = (0,)) -> Actions:
     Stage ``s`` sends every job to ``s + 1`` right after computing it; before computing a
     job it receives, in the order they were sent, the messages up to that job from
     ``s - 1`` and (steps after the first, stages in ``feedback``) from the last stage,
-    which sends each job of every step but the last back to those stages. Lists that
-    already hold communication are returned as they are. Lowering never refuses: lists it
+    which sends each job of every step but the last back to those stages. A collective
+    right after a compute of the same job (or after such collectives) goes before that
+    job's send: the send carries the collective's result. Lists that already hold sends
+    or receives are returned as they are. Lowering never refuses: lists it
     cannot make consistent come out inconsistent, and :func:`tppc.program.dry_run.
     check_actions` names the action.
     """
@@ -106,16 +140,26 @@ def lower(actions: Actions, feedback: Sequence[int] = (0,)) -> Actions:
     back = tuple(sorted({r for r in feedback if 0 <= r < last})) if steps > 1 else ()
     rows = []
     for s, row in enumerate(actions):
-        fwd = _Inbox(actions[s - 1] if s else (), s - 1)
-        home = _Inbox(tuple(a for a in actions[last] if a.step + 1 < steps)
+        fwd = _Inbox(tuple(a for a in actions[s - 1] if not a.collective) if s else (), s - 1)
+        home = _Inbox(tuple(a for a in actions[last] if a.step + 1 < steps
+                            and not a.collective)
                       if s in back else (), last)
         out: list[Action] = []
-        for act in row:
+        k = 0
+        while k < len(row):
+            act = row[k]
+            k += 1
+            if act.collective:
+                out.append(act)
+                continue
             if s in back and act.step > 0:
                 out += home.until((act.step - 1, act.chunk))
             if s:
                 out += fwd.until(act.job)
             out.append(act)
+            while k < len(row) and row[k].collective and row[k].job == act.job:
+                out.append(row[k])
+                k += 1
             if s < last:
                 out.append(_comm(act, "send", s + 1))
             elif act.step + 1 < steps:

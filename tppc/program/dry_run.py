@@ -13,6 +13,10 @@ Terms:
         ``feedback`` stage, the same chunk of the previous step from the last stage), after
         the chunk before it in the same step and after the same chunk of the previous step;
         every stage computes every chunk of every step exactly once; every send is received.
+        A collective (:data:`tppc.program.actions.COLLECTIVES`) names a group the stage is
+        a member of, comes after the stage computed its job, and goes when every member of
+        the group has reached it: the ``n``-th collective of a group is the same action
+        (kind, job, axes) on every member, or the lists are refused.
     grid: the lists laid out by round (stages as rows), the actions no round reached in a
         last column, the failing action marked ``[like this]``.
 
@@ -34,7 +38,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from tppc.errors import ScheduleError
-from tppc.program.actions import Action, Actions, job_count, lower
+from tppc.program.actions import Action, Actions, Groups, job_count, lower
 
 __all__ = ["DryRun", "check_actions"]
 
@@ -47,12 +51,25 @@ class DryRun:
         actions: the lowered lists (what executors follow).
         rounds: ``rounds[s][k]``: the round of action ``k`` of stage ``s`` (``-1``: never).
         order: ``(stage, k)`` in an order one thread can do them (dependencies first, the
-            last stage first within a round, so chunks leave the pipeline early).
+            last stage first within a round, so chunks leave the pipeline early; every
+            member of a collective has reached it before its first member's entry).
+        groups: the named groups the collectives run over.
+        stages: the stage of each list's worker (empty: list ``w`` is stage ``w``).
     """
 
     actions: Actions
     rounds: tuple[tuple[int, ...], ...]
     order: tuple[tuple[int, int], ...]
+    groups: Groups = ()
+    stages: tuple[int, ...] = ()
+
+    def stage(self, worker: int) -> int:
+        """The stage list ``worker`` belongs to."""
+        return self.stages[worker] if self.stages else worker
+
+    def members(self, group: str) -> tuple[int, ...]:
+        """The workers of ``group``."""
+        return dict(self.groups)[group]
 
     def computes(self) -> list[tuple[int, Action]]:
         """``(stage, compute action)`` in :attr:`order`."""
@@ -61,6 +78,8 @@ class DryRun:
 
     def where(self, stage: int, index: int) -> str:
         """``step t, chunk i [a, b), action k (C0.1, a compute)`` of ``stage``."""
+        if index == len(self.actions[stage]) and index:
+            return "after its last action (its sends in flight)"
         if not 0 <= index < len(self.actions[stage]):
             return "before its first action"
         act = self.actions[stage][index]
@@ -74,7 +93,7 @@ class DryRun:
     def grid(self, mark: Iterable[tuple[int, int]] = (), width: int = 8) -> str:
         """The lists by round (stages as rows), ``mark``ed ``(stage, k)`` in brackets, at
         most ``width`` rounds (around the first marked one), then the actions never done."""
-        marked = set(mark)
+        marked = {(s, k) for s, k in mark if 0 <= k < len(self.actions[s])}
         total = 1 + max((r for row in self.rounds for r in row), default=-1)
         focus = min((self.rounds[s][k] for s, k in marked if self.rounds[s][k] >= 0),
                     default=total)
@@ -106,13 +125,20 @@ class DryRun:
 
 
 def check_actions(actions: Actions, feedback: Sequence[int] = (0,),
-                  capacity: int | None = None) -> DryRun:
+                  capacity: int | None = None, groups: Groups = (),
+                  stages: Sequence[int] = ()) -> DryRun:
     """Dry-run the lists (compute lists are lowered first, :func:`tppc.program.actions.lower`).
 
     Args:
         actions: compute or lowered lists, one per stage.
         feedback: stages that get each chunk back from the last stage between steps.
         capacity: messages a send may leave unreceived per pair of stages (None: any).
+        groups: ``((name, member stages), ...)`` the collectives run over.
+        stages: the stage of each list when a stage has several workers (a tensor- or
+            sequence-parallel group): then list indices are workers, a worker receives
+            from a worker of the stage before and sends to one of the stage after, and
+            the rules above hold per worker (empty: one worker per stage, list ``s`` is
+            stage ``s``). Lists of several workers per stage come lowered.
 
     Returns:
         The lowered lists and the order of the dry run (cached per arguments).
@@ -121,12 +147,15 @@ def check_actions(actions: Actions, feedback: Sequence[int] = (0,),
         ScheduleError: a rule of the module docstring is broken; the message names the
             action and prints the grid with it marked.
     """
-    return _check(actions, tuple(sorted(set(feedback))), capacity)
+    return _check(actions, tuple(sorted(set(feedback))), capacity, tuple(groups),
+                  tuple(stages))
 
 
 @functools.lru_cache(maxsize=256)
-def _check(actions: Actions, feedback: tuple[int, ...], capacity: int | None) -> DryRun:
-    run = _Replay(lower(actions, feedback), feedback, capacity)
+def _check(actions: Actions, feedback: tuple[int, ...], capacity: int | None,
+           groups: Groups, stages: tuple[int, ...]) -> DryRun:
+    run = _Replay(lower(actions, feedback) if not stages else actions, feedback, capacity,
+                  groups, stages)
     run.play()
     run.finish()
     return run.result()
@@ -135,10 +164,15 @@ def _check(actions: Actions, feedback: tuple[int, ...], capacity: int | None) ->
 class _Replay:
     """The state of one dry run (see the module docstring)."""
 
-    def __init__(self, lowered: Actions, feedback: tuple[int, ...], capacity: int | None
-                 ) -> None:
-        self.acts, self.capacity = lowered, capacity
-        self.last = len(lowered) - 1
+    def __init__(self, lowered: Actions, feedback: tuple[int, ...], capacity: int | None,
+                 groups: Groups = (), stages: tuple[int, ...] = ()) -> None:
+        self.acts, self.capacity, self.groups = lowered, capacity, groups
+        self.stages = stages
+        self.stage = stages or tuple(range(len(lowered)))
+        self.members = dict(groups)
+        self.together: dict[tuple[str, int], dict[int, int]] = {}  # (group, n) -> {s: k}
+        self.count: dict[tuple[str, int], int] = {}  # (group, stage) -> collectives done
+        self.last = max(self.stage, default=-1)
         self.steps, self.chunks = job_count(lowered)
         self.back = {r for r in feedback if 0 <= r < self.last} if self.steps > 1 else set()
         self.pos = [0] * len(lowered)
@@ -150,7 +184,8 @@ class _Replay:
         self.round = 0
 
     def result(self) -> DryRun:
-        return DryRun(self.acts, tuple(map(tuple, self.rounds)), tuple(self.order))
+        return DryRun(self.acts, tuple(map(tuple, self.rounds)), tuple(self.order),
+                      self.groups, self.stages)
 
     def fail(self, why: str, mark: Iterable[tuple[int, int]] = ()) -> ScheduleError:
         grid = self.result().grid(list(mark))
@@ -193,9 +228,14 @@ class _Replay:
             self.check_compute(s, act, here)
             self.computed[s].add(act.job)
             return True
+        if act.collective:
+            return self.arrive(s, act, here)
         peer = act.peer
+        if not 0 <= peer < len(self.acts):
+            raise self.fail(f"stage {s}: {act} names stage {peer}, which has no list", here)
+        me, them = self.stage[s], self.stage[peer]
         if act.kind == "send":
-            if not (peer == s + 1 <= self.last or (s == self.last and peer in self.back)):
+            if not (them == me + 1 <= self.last or (me == self.last and them in self.back)):
                 raise self.fail(f"stage {s} sends {act} to stage {peer}; a stage sends to "
                                 "the next stage only (the last stage: back to the feedback "
                                 f"stages {sorted(self.back)})", here)
@@ -206,7 +246,7 @@ class _Replay:
                 return False
             queue.append((act.job, self.pos[s]))
             return True
-        if not (peer == s - 1 >= 0 or (peer == self.last and s in self.back)):
+        if not (them == me - 1 >= 0 or (them == self.last and me in self.back)):
             raise self.fail(f"stage {s} receives {act} from stage {peer}; a stage receives "
                             "from the previous stage only (feedback stages also from the "
                             "last)", here)
@@ -218,11 +258,11 @@ class _Replay:
                             f"{peer} is job {queue[0][0]}: messages between two stages "
                             "arrive in the order they were sent", here)
         queue.popleft()
-        self.got[s].add((peer, *act.job))
+        self.got[s].add((them, *act.job))
         return True
 
     def check_compute(self, s: int, act: Action, here: list[tuple[int, int]]) -> None:
-        (t, i), done = act.job, self.computed[s]
+        (t, i), done, me = act.job, self.computed[s], self.stage[s]
         why = None
         if act.job in done:
             why = f"stage {s} computes {act} twice"
@@ -230,15 +270,44 @@ class _Replay:
             why = f"stage {s} computes {act} before chunk {i - 1} of step {t}"
         elif t and (t - 1, i) not in done:
             why = f"stage {s} computes {act} before chunk {i} of step {t - 1}"
-        elif s and (s - 1, t, i) not in self.got[s]:
-            why = f"stage {s} computes {act} before receiving it from stage {s - 1}"
-        elif t and s in self.back and (self.last, t - 1, i) not in self.got[s]:
+        elif me and (me - 1, t, i) not in self.got[s]:
+            why = f"stage {s} computes {act} before receiving it from stage {me - 1}"
+        elif t and me in self.back and (self.last, t - 1, i) not in self.got[s]:
             why = (f"stage {s} computes {act} before receiving chunk {i} of step {t - 1} "
                    f"back from stage {self.last}")
         if why is not None:
             raise self.fail(why, here)
 
+    def arrive(self, s: int, act: Action, here: list[tuple[int, int]]) -> bool:
+        """Stage ``s`` has reached collective ``act``; whether every member has."""
+        members = self.members.get(act.group)
+        if members is None or s not in members:
+            known = {g: list(m) for g, m in self.groups}
+            raise self.fail(f"stage {s} runs {act} over group {act.group!r}, which "
+                            f"{'does not hold it' if members else 'is not named'} "
+                            f"(groups: {known})", here)
+        if act.job not in self.computed[s]:
+            raise self.fail(f"stage {s} runs {act} before computing its job", here)
+        n = self.count.get((act.group, s), 0)
+        met = self.together.setdefault((act.group, n), {})
+        met[s] = self.pos[s]
+        for r, k in met.items():
+            other = self.acts[r][k]
+            if (other.kind, other.job, other.dims) != (act.kind, act.job, act.dims):
+                raise self.fail(f"collective {n} of group {act.group!r} is {act} on stage "
+                                f"{s} but {other} on stage {r}: every member runs the "
+                                "group's collectives in the same order", [*here, (r, k)])
+        if len(met) < len(members):
+            return False
+        self.count[(act.group, s)] = n + 1
+        return True
+
     def waiting(self, s: int, act: Action) -> str:
+        if act.collective:
+            n = self.count.get((act.group, s), 0)
+            met = self.together.get((act.group, n), {})
+            away = [r for r in self.members[act.group] if r not in met]
+            return f"group {act.group!r}: stages {away} have not reached it"
         if act.kind == "send":
             return f"stage {act.peer} has not received the {self.capacity} sent before it"
         return f"no message from stage {act.peer} yet"

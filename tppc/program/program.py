@@ -27,7 +27,8 @@ import torch
 from torch import fx
 
 from tppc.ir.records import ChunkInput, ChunkSignature
-from tppc.program.actions import Actions, flow_shop, job_count
+from tppc.program.actions import Actions, Groups, flow_shop, job_count
+from tppc.program.dry_run import DryRun, check_actions
 
 __all__ = ["BufferSpec", "OutSlot", "Program", "StageProgram"]
 
@@ -150,6 +151,7 @@ class Program:
         actions: what each stage computes, in order (:mod:`tppc.program.schedule`; compute
             lists, or lists with their sends and receives already written out): the lists
             the plan's simulation replayed, which every executor lowers and follows.
+        groups: the named groups of stage workers the lists' collectives run over.
     """
 
     plan: Any
@@ -159,6 +161,16 @@ class Program:
     signature: ChunkSignature
     tail: fx.GraphModule | None
     actions: Actions = ()
+    groups: Groups = ()
+
+    def dry_run(self, chunks: tuple[tuple[int, int], ...], steps: int = 1,
+                feedback: tuple[int, ...] = (0,)) -> DryRun:
+        """The checked, lowered lists of a call (:meth:`actions_for`, with :attr:`groups`).
+
+        Raises:
+            ScheduleError: the lists cannot run (the message prints the action grid).
+        """
+        return check_actions(self.actions_for(chunks, steps), feedback, groups=self.groups)
 
     def actions_for(self, chunks: tuple[tuple[int, int], ...], steps: int = 1) -> Actions:
         """The compute lists of a call with ``chunks`` and ``steps`` pipelined steps: the

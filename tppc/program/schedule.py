@@ -43,7 +43,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from tppc.errors import PlanError
-from tppc.program.actions import Action, Actions, flow_shop, is_lowered, job_count, lower
+from tppc.program.actions import (
+    Action,
+    Actions,
+    Groups,
+    flow_shop,
+    is_lowered,
+    job_count,
+    lower,
+)
 from tppc.program.dry_run import DryRun, check_actions
 
 __all__ = ["Action", "Actions", "DryRun", "Schedule", "check_actions", "flow_shop", "lower",
@@ -86,6 +94,8 @@ def simulate(
     steps: int = 1,
     back: np.ndarray | None = None,
     actions: Actions | None = None,
+    groups: Groups = (),
+    stages: tuple[int, ...] = (),
 ) -> Schedule:
     """Simulate ``steps`` pipelined passes of ``M`` chunks over ``S`` stages.
 
@@ -97,6 +107,10 @@ def simulate(
             steps (zeros when ``None``).
         actions: compute or lowered lists (default: :func:`flow_shop`, as the executors run
             a program); chunk indices index the columns of ``times``.
+        groups: the groups of the lists' collectives; a collective ends when its last
+            member reaches it (it takes no time of its own here).
+        stages: the stage of each list when stages have several workers (lowered lists;
+            ``times`` and ``links`` then have a row per list).
 
     Returns:
         Start and end of every (stage, job) and the makespan.
@@ -123,21 +137,31 @@ def simulate(
     if len(actions) != num_stages or named[0] > steps or named[1] > num_chunks:
         raise PlanError(f"actions of {len(actions)} stages, {named[0]} steps, {named[1]} "
                         f"chunks do not fit times {times.shape} and steps={steps}")
-    dry = check_actions(actions) if is_lowered(actions) else \
+    collective = any(a.collective for row in actions for a in row)
+    dry = check_actions(actions, groups=groups, stages=stages) \
+        if is_lowered(actions) or collective or stages else \
         _dry_run_of_jobs(tuple(tuple(a.job for a in row) for row in actions))
     start = np.zeros((num_stages, steps * num_chunks))
     end = np.zeros((num_stages, steps * num_chunks))
     clock = [0.0] * num_stages
     arrive: dict[tuple[int, int, int, int], float] = {}  # (src, dst, step, chunk) -> time
+    met: dict[tuple[str, int], float] = {}  # (group, n): when its last member reached it
+    count: dict[tuple[str, int], int] = {}  # (group, stage): collectives done
     for s, k in dry.order:
         act = dry.actions[s][k]
         i = act.chunk
-        if act.kind == "compute":
+        if act.collective:  # every member has reached it before its first entry
+            n = count.get((act.group, s), 0)
+            count[(act.group, s)] = n + 1
+            if (act.group, n) not in met:
+                met[(act.group, n)] = max(clock[m] for m in dry.members(act.group))
+            clock[s] = met[(act.group, n)]
+        elif act.kind == "compute":
             j = act.step * num_chunks + i
             start[s, j] = clock[s]
             end[s, j] = clock[s] = clock[s] + times[s, i]
         elif act.kind == "send":
-            wire = links[s, i] if act.peer == s + 1 else back[i]
+            wire = links[s, i] if dry.stage(act.peer) > dry.stage(s) else back[i]
             arrive[(s, act.peer, act.step, i)] = clock[s] + wire
         else:
             clock[s] = max(clock[s], arrive[(act.peer, s, act.step, i)])

@@ -25,7 +25,6 @@ Terms:
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,9 +37,11 @@ from tppc.artifact.core.load import verify
 from tppc.artifact.core.loaded import LoadedPipeline
 from tppc.backends import wire
 from tppc.backends.onnxruntime import OrtCall, default_threads
+from tppc.backends.rank_transport import RankEnd, numpy_arrays, rank_deadline
 from tppc.backends.torch_distributed import DistributedExecutor
-from tppc.errors import RuntimeInputError, SpecError, StageFailed, StageTimeout, TppcError
+from tppc.errors import RuntimeInputError, SpecError, TppcError
 from tppc.program.dry_run import check_actions
+from tppc.program.interpreter import Deadline, Interpreter
 
 __all__ = ["DistributedArtifact", "load_distributed"]
 
@@ -112,8 +113,9 @@ class DistributedArtifact(LoadedPipeline):
             StageFailed: a stage raised or died (naming it).
         """
         self._timeout = timeout  # the results' wait on rank 0 (_gather) ends by it too
-        self._deadline = None if timeout is None else time.monotonic() + timeout
-        self._pipeline(call, sink, timeout, self._deadline)
+        deadline = rank_deadline(self._comm, timeout)
+        self._deadline = deadline.at
+        self._pipeline(call, sink, deadline)
 
     def _token_share(self, ids: np.ndarray) -> Callable[[Any], Any]:
         """The last rank's token on every rank."""
@@ -132,42 +134,18 @@ class DistributedArtifact(LoadedPipeline):
 
     # -- the pipeline ---------------------------------------------------------------------------
     def _pipeline(self, call: OrtCall, sink: Callable[[int, list[np.ndarray]], None],
-                  timeout: float | None, deadline: float | None) -> None:
-        """This rank's lowered action list of ``call`` (receive, compute, send)."""
+                  deadline: Deadline) -> None:
+        """This rank's lowered action list of ``call`` through THE interpreter over the
+        process-group transport (receive, compute, send)."""
         dry = check_actions(self.actions_for(call.chunks))
-        pending: list[tuple[list[Any], list[np.ndarray]]] = []
-        got: dict[tuple[int, int], list[np.ndarray]] = {}  # received, not yet computed
-        made: dict[tuple[int, int], list[np.ndarray]] = {}  # computed, not yet sent
         self.last_trace = []
-        k = 0
-        try:
-            for k, act in enumerate(dry.actions[self.rank]):  # noqa: B007 (k names a failing action)
-                if act.kind == "recv":
-                    got[act.job] = self._recv(act.end - act.start, deadline)
-                elif act.kind == "compute":
-                    self._comm._inject(act.chunk)
-                    t0 = time.perf_counter()
-                    out = self.stage.step(call, act.start, act.end, got.pop(act.job, []))
-                    self.last_trace.append((self.rank, act.chunk, t0, time.perf_counter()))
-                    self._comm.check_deadline(deadline, timeout, act.chunk)
-                    if self.rank + 1 < self.world:
-                        made[act.job] = out
-                    else:
-                        sink(act.chunk, out)
-                else:
-                    pending.append(self._send(made.pop(act.job)))
-                    while len(pending) > self._comm.queue_depth:
-                        self._wait(pending.pop(0)[0], self.rank + 1, deadline)
-            for works, _ in pending:
-                self._wait(works, self.rank + 1, deadline)
-        except (StageFailed, StageTimeout):
-            raise
-        except Exception as exc:
-            where = f"stage {self.rank}, {dry.where(self.rank, k)}"
-            grid = dry.describe(self.rank, k)
-            if self._comm.expired(deadline):
-                raise self._comm.timed_out(timeout, where, grid) from exc
-            raise self._comm.failure(exc, where, grid) from exc
+        transport = RankEnd(self._comm, dry, deadline=deadline, arrays=numpy_arrays(),
+                            recv=lambda act: self._recv(act.end - act.start, deadline.at),
+                            send=lambda act, values: self._send(values))
+        Interpreter(dry, self.rank, lambda act, got: self.stage.step(
+            call, act.start, act.end, list(got)), transport,
+            lambda act, values: sink(act.chunk, values), deadline=deadline,
+            trace=self.last_trace, before=self._comm.before).run()
 
     def _send(self, values: list[np.ndarray]) -> tuple[list[Any], list[np.ndarray]]:
         dst = self.rank + 1

@@ -1,0 +1,72 @@
+"""Collectives over torch.distributed: the process-group transport's collective actions.
+
+Terms:
+    process group: one ``torch.distributed`` group per named group of the lists, made by
+        :func:`process_groups` on every rank in the same order (``new_group`` is itself
+        collective), gloo on CPU and NCCL on GPUs as the default group is.
+    exchange: :func:`run_collective` runs one collective action on this rank's values
+        with the backend's own collective (the sums add in the backend's order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tppc.program.actions import Action, Groups
+from tppc.program.collectives import parts
+
+__all__ = ["process_groups", "run_collective"]
+
+
+_GROUPS: dict[tuple[int, ...], Any] = {}
+"""Process groups made so far in this process, by member ranks."""
+
+
+def process_groups(groups: Groups) -> dict[str, Any]:
+    """A process group per named group (made once per member set, on every rank in the
+    order of ``groups``, which every rank reads from the same program)."""
+    made = {}
+    for name, members in groups:
+        key = tuple(members)
+        if key not in _GROUPS:
+            _GROUPS[key] = dist.new_group(list(key))
+        made[name] = _GROUPS[key]
+    return made
+
+
+def run_collective(act: Action, values: Sequence[Any], members: Sequence[int], rank: int,
+                   group: Any) -> tuple[Any, ...]:
+    """This rank's result of collective ``act`` on its ``values`` (tensors; other values
+    pass through as they are) over ``group`` (the ranks ``members``)."""
+    n, me = len(members), list(members).index(rank)
+    out = []
+    for value in values:
+        if not isinstance(value, torch.Tensor):
+            out.append(value)
+            continue
+        value = value.contiguous()
+        if act.kind == "all_reduce":
+            total = value.clone()
+            dist.all_reduce(total, group=group)
+            out.append(total)
+        elif act.kind == "all_gather":
+            pieces = [torch.empty_like(value) for _ in range(n)]
+            dist.all_gather(pieces, value, group=group)
+            out.append(torch.cat(pieces, act.dims[0]))
+        elif act.kind == "reduce_scatter":
+            parts(act, value.shape, n)
+            mine = torch.empty_like(torch.tensor_split(value, n, act.dims[0])[me])
+            dist.reduce_scatter(mine, [p.contiguous() for p in
+                                       torch.tensor_split(value, n, act.dims[0])], group=group)
+            out.append(mine)
+        else:
+            parts(act, value.shape, n)
+            send = [p.contiguous() for p in torch.tensor_split(value, n, act.dims[0])]
+            got = [torch.empty_like(p) for p in send]
+            dist.all_to_all(got, send, group=group)
+            out.append(torch.cat(got, act.dims[1]))
+    return tuple(out)
