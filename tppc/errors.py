@@ -66,7 +66,7 @@ class ActivationMaskError(AnnotationError, PassError):
 
 class SoundnessError(TppcError):
     """A compiled program computes something other than the captured model (translation
-    validation, :mod:`tppc.runtime.validate`); the message names the first diverging node,
+    validation, :mod:`tppc.validation.validate`); the message names the first diverging node,
     its op, module path and construct, what was compared and the max abs difference.
 
     Attributes:

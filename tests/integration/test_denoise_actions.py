@@ -15,9 +15,10 @@ import torch
 
 import tppc
 from tppc import examples
+from tppc.distributed import denoise as distributed_denoise
+from tppc.pipefusion import jobs as denoise_jobs
 from tppc.planner.manual import manual_plan
 from tppc.program.schedule import Action, check_actions
-from tppc.runtime import denoise_jobs, distributed_denoise
 
 diffusers = pytest.importorskip("diffusers")
 

@@ -12,7 +12,7 @@ import torch
 
 import tppc
 from tppc import examples
-from tppc.runtime.schedulers import check_elementwise, start_timesteps
+from tppc.pipefusion.schedulers import check_elementwise, start_timesteps
 
 diffusers = pytest.importorskip("diffusers")
 

@@ -8,9 +8,9 @@ import torch
 
 import tppc
 from tppc import examples
+from tppc.distributed.checkpoint import save_checkpoint
 from tppc.errors import StageFailed
 from tppc.planner.manual import manual_plan
-from tppc.runtime.checkpoint import save_checkpoint
 
 diffusers = pytest.importorskip("diffusers")
 pytestmark = pytest.mark.timeout(600)

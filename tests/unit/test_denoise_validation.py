@@ -13,8 +13,8 @@ import torch
 
 import tppc
 from tppc import examples
+from tppc.pipefusion import denoise as denoise_module
 from tppc.planner.manual import manual_plan
-from tppc.runtime import denoise as denoise_module
 
 diffusers = pytest.importorskip("diffusers")
 

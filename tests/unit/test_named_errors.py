@@ -160,7 +160,7 @@ def test_generating_past_the_memory_is_refused_with_the_numbers(compiled, monkey
     assert f"{total} tokens need {(kv + ids) / 2**30:,.1f} GiB on cpu" in message, message
     assert "fix: lower max_new_tokens to at most" in message
     free = 2**30  # a machine with 1 GiB free: the named bound is what fits in it
-    monkeypatch.setattr("tppc.runtime.kv_memory.free_bytes", lambda device: free)
+    monkeypatch.setattr("tppc.calls.kv_memory.free_bytes", lambda device: free)
     with pytest.raises(RuntimeInputError) as info:
         cp.generate(args[0], max_new_tokens=10**9)
     fits = int(free / ((kv + ids) / total)) - SEQ

@@ -13,6 +13,7 @@ import torch
 
 from tppc.artifact.torch_runners.denoise import NUMPY_TIMESTEPS
 from tppc.errors import SpecError
+from tppc.pipefusion.denoise import TORCH_TIMESTEPS
 from tppc.program.patches import (
     PatchPrograms,
     cached_patch_programs,
@@ -22,7 +23,6 @@ from tppc.program.patches import (
     patch_bounds,
     rows_per_unit,
 )
-from tppc.runtime.denoise import TORCH_TIMESTEPS
 
 
 def test_patch_bounds_are_equal_bands_rounded() -> None:

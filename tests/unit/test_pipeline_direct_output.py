@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from tppc import examples
+from tppc.dispatch.compile import compile_pipeline
 from tppc.passes.stages.direct_output import write_outputs_in_place
 from tppc.planner.manual import manual_plan
 from tppc.program.state import Call, next_epoch
-from tppc.runtime.compile import compile_pipeline
 
 pytest.importorskip("transformers")
 
@@ -45,7 +45,7 @@ def test_logits_written_in_place_equal_the_fresh_per_chunk_logits_bit_for_bit(ll
         front, bound = cp.bind((ids,), {})
         program = cp.program(SEQ, front)
         call = Call(tuple(bound.flat), program.chunks, SEQ, SEQ, next_epoch())  # no outputs
-        state = front.pool.acquire(SEQ)
+        state = cp.states.acquire(front, SEQ)
         fresh = torch.cat([values[0] for values in cp.execute(program, call, state,
                                                               executor=executor)], dim=1)
         expected = model(ids).logits

@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tppc import examples
+from tppc.dispatch.compile import compile_pipeline
 from tppc.planner.manual import manual_plan
-from tppc.runtime.compile import compile_pipeline
 
 SEQ = 16
 LAYERS = 6  # prologue, 4 blocks, epilogue

@@ -147,7 +147,7 @@ def length_planner(opts: CompileOptions, rates: tuple[float, ...] | None = None)
     planned as one chunk unless the workload is diffusion (patches, for ``denoise``);
     ``opts.chunks`` fixes the split (the placement is still planned). ``rates``: seconds
     measured per second predicted on each device of the cluster (:meth:`CostTable.scaled`;
-    refitted by :mod:`tppc.runtime.rebalance`), None: as priced.
+    refitted by :mod:`tppc.pipeline.rebalance`), None: as priced.
     """
 
     def plan_length(front: FrontEnd, length: int, workload: Workload | None = None) -> Plan:

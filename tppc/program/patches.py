@@ -1,7 +1,7 @@
 """PipeFusion's patches: one copy of each rule for the torch pipeline and the numpy artifact.
 
 Imports neither torch nor numpy (as :mod:`tppc.generation` for the decode loop):
-``cp.denoise``, its per-step and distributed variants (:mod:`tppc.runtime.denoise`) and a
+``cp.denoise``, its per-step and distributed variants (:mod:`tppc.pipefusion.denoise`) and a
 loaded artifact's ``runner.denoise`` (:mod:`tppc.artifact.torch_runners.denoise`) call these
 rules; what differs between a torch tensor and a numpy array comes in a :class:`TimestepOps`.
 

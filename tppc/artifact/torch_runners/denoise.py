@@ -14,7 +14,7 @@ Terms:
 Each stage sees the jobs in the order of the torch program's serial reference (step by step,
 patch by patch), so with ``warmup_steps == num_inference_steps`` the result is the serial
 loop's and with stale patches the torch program's ``cp.denoise``. The scheduler is diffusers'
-(torch), driven by the protocol of :mod:`tppc.runtime.schedulers`; so this module imports
+(torch), driven by the protocol of :mod:`tppc.pipefusion.schedulers`; so this module imports
 torch, and :meth:`tppc.artifact.core.loaded.LoadedPipeline.denoise` imports it only when called
 (loading and plain calls stay torch-free).
 """
@@ -31,6 +31,12 @@ import torch
 from tppc.artifact.core.assemble import Assembler, unflatten
 from tppc.backends.onnxruntime import OrtCall
 from tppc.errors import SpecError
+from tppc.pipefusion.denoise import TimestepSchedule, schedule_steps
+from tppc.pipefusion.schedulers import (
+    StepProtocol,
+    check_elementwise,
+    patch_protocols,
+)
 from tppc.program.patches import (
     PatchPrograms,
     TimestepOps,
@@ -38,12 +44,6 @@ from tppc.program.patches import (
     model_timestep,
     patch_bands,
     patch_bounds,
-)
-from tppc.runtime.denoise import TimestepSchedule, schedule_steps
-from tppc.runtime.schedulers import (
-    StepProtocol,
-    check_elementwise,
-    patch_protocols,
 )
 
 __all__ = ["denoise_loaded"]
