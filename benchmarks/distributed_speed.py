@@ -55,7 +55,7 @@ def timed(fn) -> float:
 
 def main() -> None:
     import tppc
-    from tppc.runtime.checkpoint import save_checkpoint
+    from tppc.distributed.checkpoint import save_checkpoint
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq", type=int, default=1024)

@@ -23,7 +23,7 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
-from tppc.runtime.compile import compile_pipeline
+from tppc.dispatch.compile import compile_pipeline
 
 
 def padded(seq: int) -> tuple[torch.nn.Module, tuple, dict]:

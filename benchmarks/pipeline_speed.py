@@ -33,8 +33,8 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from tppc.dispatch.compile import compile_pipeline
 from tppc.planner.manual import manual_plan
-from tppc.runtime.compile import compile_pipeline
 
 
 def llama(args: argparse.Namespace) -> LlamaForCausalLM:

@@ -41,8 +41,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tppc.cost_models.layer_costs import build_cost_table
+from tppc.dispatch.compile import compile_pipeline
 from tppc.planner.manual import manual_plan
-from tppc.runtime.compile import compile_pipeline
 
 STAGE_PREFIX = "tppc-stage-"
 """Name of the ``threads`` executor's worker of stage ``s`` (``tppc-stage-{s}``)."""

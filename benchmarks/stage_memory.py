@@ -70,8 +70,8 @@ def measure_stages(length: int, cluster: str = "3xcpu") -> list[dict]:
 
     import tppc
     from tppc.backends.torch_local import run_stage
+    from tppc.calls.call import new_outputs
     from tppc.program.state import Call, CallState
-    from tppc.runtime.call import new_outputs
 
     torch.set_num_threads(1)
     model = _model()

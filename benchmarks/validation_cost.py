@@ -1,7 +1,7 @@
 """What translation validation costs: ``cp.validation.seconds`` against the whole compile.
 
 ``tppc.compile`` replays the emitted program against the captured graph before returning it
-(:mod:`tppc.runtime.validate`): the compiled program on the example, a two-stage program in
+(:mod:`tppc.validation.validate`): the compiled program on the example, a two-stage program in
 2-3 chunks on the example and on a probe length. Models: the project's GPT, transformers'
 Llama (``tppc.examples.hf_llama``) and the project's DiT, each compiled ``--repeat`` times
 on ``2xcpu`` with the ``local`` executor. Reported per model: median compile seconds

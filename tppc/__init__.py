@@ -18,6 +18,7 @@ from tppc.errors import (
     ArtifactError,
     CaptureError,
     CostModelError,
+    ExportError,
     PassError,
     PlanError,
     PlanInfeasible,
@@ -39,21 +40,21 @@ except ImportError:
 if _torch is not None:
     from tppc.artifact.writer.write import export
     from tppc.cost_models import Cluster, CostTable, DeviceSpec, LinkSpec, calibrate
+    from tppc.dispatch.compile import compile_pipeline as compile
     from tppc.driver.costing import cost_report
     from tppc.driver.options import CompileOptions
     from tppc.driver.planning import plan
     from tppc.frontend.annotate import annotate
     from tppc.frontend.capture import capture
     from tppc.ir.context import CompileContext, PassRecord
+    from tppc.pipeline.compiled import CompiledPipeline, StageSummary
     from tppc.planner import Plan, Workload, plan_from_costs, split_tokens
     from tppc.planner.manual import manual_plan
+    from tppc.processes.launch import LaunchResult, launch
     from tppc.program.program import Program
     from tppc.report.layers import layer_table
     from tppc.report.timeline import draw_timeline as plan_timeline
     from tppc.report.trace import plan_trace
-    from tppc.runtime.compile import compile_pipeline as compile
-    from tppc.runtime.compiled import CompiledPipeline, StageSummary
-    from tppc.runtime.launch import LaunchResult, launch
 
 __all__ = [
     "ActivationMaskError",
@@ -67,6 +68,7 @@ __all__ = [
     "CostModelError",
     "CostTable",
     "DeviceSpec",
+    "ExportError",
     "LaunchResult",
     "LinkSpec",
     "PassError",

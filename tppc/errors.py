@@ -12,6 +12,7 @@ __all__ = [
     "ArtifactError",
     "CaptureError",
     "CostModelError",
+    "ExportError",
     "PassError",
     "PlanError",
     "PlanInfeasible",
@@ -65,7 +66,7 @@ class ActivationMaskError(AnnotationError, PassError):
 
 class SoundnessError(TppcError):
     """A compiled program computes something other than the captured model (translation
-    validation, :mod:`tppc.runtime.validate`); the message names the first diverging node,
+    validation, :mod:`tppc.validation.validate`); the message names the first diverging node,
     its op, module path and construct, what was compared and the max abs difference.
 
     Attributes:
@@ -91,6 +92,11 @@ class SoundnessError(TppcError):
 
 class SpecError(TppcError, ValueError):
     """A hardware spec, cluster string or option is invalid."""
+
+
+class ExportError(TppcError):
+    """A stage or program that cannot be exported (``tppc.export``), or an artifact that
+    cannot be loaded; the message names the node or the file."""
 
 
 class CostModelError(TppcError):

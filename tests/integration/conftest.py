@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from tppc.distributed.checkpoint import save_checkpoint
 from tppc.examples import gpt
-from tppc.runtime.checkpoint import save_checkpoint
 
 
 @pytest.fixture(scope="module")

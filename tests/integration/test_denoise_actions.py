@@ -16,8 +16,9 @@ import torch
 import tppc
 from tests.oracles import two_stage_plan
 from tppc import examples
+from tppc.distributed import denoise as distributed_denoise
+from tppc.pipefusion import jobs as denoise_jobs
 from tppc.program.schedule import Action, check_actions
-from tppc.runtime import denoise_jobs, distributed_denoise
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -97,9 +98,14 @@ def test_each_distributed_rank_follows_its_lowered_list(monkeypatch) -> None:
         log[0].append(("recv", src))
         return Done(lambda: buf.copy_(wire[(src, 0)].get(timeout=30)))
 
-    class Ex:
+    class Ex:  # the executor's face the process-group transport reads
+        queue_depth = 2
+
         def __init__(self, rank: int) -> None:
-            self.rank = rank
+            self.rank, self._peer = rank, None
+
+        def expired(self, deadline):
+            return False
 
         def recv_chunk(self, program, size, deadline):
             log[self.rank].append(("recv", self.rank - 1))

@@ -52,7 +52,7 @@ def test_text_kv_projection_runs_once_per_call_and_results_are_exact() -> None:
     x = args[0]
     cp.denoise(x, diffusers.DPMSolverMultistepScheduler(), 3, warmup_steps=1, patches=2,
                model_kwargs=kw, output_transform=_half)  # the first call of a shape also
-    # checks its patches once (tppc.runtime.denoise_check): not counted below
+    # checks its patches once (tppc.pipefusion.check): not counted below
     for block in model.transformer_blocks:  # one stage each holds one block
         counter = _CountReads(block.attn2.to_k.weight)
         with counter:

@@ -11,9 +11,9 @@ import torch
 import tppc
 from tests.oracles import assert_kernels_close, serial_denoise
 from tppc import examples
+from tppc.pipefusion import denoise as denoise_module
 from tppc.planner.manual import manual_plan
 from tppc.planner.plan import Workload
-from tppc.runtime import denoise as denoise_module
 
 diffusers = pytest.importorskip("diffusers")
 

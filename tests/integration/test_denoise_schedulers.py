@@ -13,7 +13,7 @@ import torch
 import tppc
 from tests.oracles import assert_kernels_close, serial_denoise
 from tppc import examples
-from tppc.runtime.schedulers import check_elementwise, start_timesteps
+from tppc.pipefusion.schedulers import check_elementwise, start_timesteps
 
 diffusers = pytest.importorskip("diffusers")
 

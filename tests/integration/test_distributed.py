@@ -13,8 +13,8 @@ import torch
 
 import tppc
 from tests.oracles import assert_kernels_close
+from tppc.distributed.checkpoint import empty_model, save_checkpoint
 from tppc.examples import gpt, hf_llama
-from tppc.runtime.checkpoint import empty_model, save_checkpoint
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -80,7 +80,7 @@ def test_empty_model_holds_no_weights() -> None:
 
 
 def test_missing_tensor_names_the_checkpoint(tmp_path: Path) -> None:
-    from tppc.runtime.checkpoint import StageWeights
+    from tppc.distributed.checkpoint import StageWeights
 
     model, _, _, buffers = empty_model(gpt)
     empty = tmp_path / "empty.safetensors"

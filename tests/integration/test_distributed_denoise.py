@@ -9,8 +9,8 @@ import torch
 import tppc
 from tests.oracles import assert_kernels_close, serial_denoise, two_stage_plan
 from tppc import examples
+from tppc.distributed.checkpoint import save_checkpoint
 from tppc.errors import StageFailed
-from tppc.runtime.checkpoint import save_checkpoint
 
 diffusers = pytest.importorskip("diffusers")
 pytestmark = pytest.mark.timeout(600)

@@ -31,7 +31,7 @@ def _compile(case: str, checkpoint: str | None, **options: Any) -> dict[str, Any
     """One compile on this rank: what it returned or raised."""
     import tppc
     from tppc import examples
-    from tppc.runtime.checkpoint import empty_model
+    from tppc.distributed.checkpoint import empty_model
 
     if checkpoint is None:
         model, args, _ = examples.gpt(seq_len=SEQ, n_layer=2)
@@ -92,7 +92,7 @@ def test_rank_0_checks_the_program_and_every_rank_obeys(weights, tmp_path: Path)
     checkpoint = None
     if weights == "checkpoint":
         from tppc import examples
-        from tppc.runtime.checkpoint import save_checkpoint
+        from tppc.distributed.checkpoint import save_checkpoint
 
         checkpoint = str(save_checkpoint(examples.gpt(seq_len=SEQ, n_layer=2)[0],
                                          tmp_path / "gpt.safetensors"))

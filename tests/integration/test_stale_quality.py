@@ -18,8 +18,8 @@ import quality_dit
 import stale_quality
 
 from tests.oracles import assert_kernels_close
-from tppc.runtime.denoise_jobs import Jobs
-from tppc.runtime.denoise_quality import BALANCED_DB, quality_settings
+from tppc.pipefusion.jobs import Jobs
+from tppc.pipefusion.quality import BALANCED_DB, quality_settings
 
 STEPS, BATCH = 20, 4
 BOUND_DB = {"eps": 34.0, "flow": 37.0}

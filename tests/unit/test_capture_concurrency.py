@@ -62,13 +62,13 @@ def test_concurrent_first_calls_of_one_new_batch_shape_capture_once(monkeypatch)
     model, args, _ = examples.gpt(seq_len=8, n_layer=2)
     cp = tppc.compile(model, args, chunks=2, executor="threads")
     captures = []
-    real = tppc.runtime.compiled.capture_front_end
+    real = tppc.pipeline.captures.capture_front_end
 
     def counted(*a, **k):
         captures.append(a[1][0].shape)
         return real(*a, **k)
 
-    monkeypatch.setattr("tppc.runtime.compiled.capture_front_end", counted)
+    monkeypatch.setattr("tppc.pipeline.captures.capture_front_end", counted)
     ids = torch.randint(0, 256, (3, 10))
     with torch.no_grad():
         expected = model(ids)
@@ -116,7 +116,7 @@ def test_captures_never_overlap_across_pipelines_and_compiles(monkeypatch) -> No
 def test_a_failed_capture_reaches_every_waiting_caller_and_is_not_cached(monkeypatch) -> None:
     model, args, _ = examples.gpt(seq_len=8, n_layer=2)
     cp = tppc.compile(model, args, chunks=2)
-    real, calls, waiting = tppc.runtime.compiled.capture_front_end, [], threading.Semaphore(0)
+    real, calls, waiting = tppc.pipeline.captures.capture_front_end, [], threading.Semaphore(0)
 
     class CountedFuture(Future):
         def result(self, timeout=None):
@@ -129,14 +129,14 @@ def test_a_failed_capture_reaches_every_waiting_caller_and_is_not_cached(monkeyp
             assert waiting.acquire(timeout=30)
         raise tppc.errors.CaptureError("injected")
 
-    monkeypatch.setattr("tppc.runtime.compiled.Future", CountedFuture)
-    monkeypatch.setattr("tppc.runtime.compiled.capture_front_end", failing)
+    monkeypatch.setattr("tppc.pipeline.captures.Future", CountedFuture)
+    monkeypatch.setattr("tppc.pipeline.captures.capture_front_end", failing)
     ids = torch.randint(0, 256, (2, 8))
     errors = _together(4, lambda i: cp(ids))
     assert len(errors) == 4 and all(isinstance(e, RuntimeInputError) for e in errors)
     assert all("injected" in str(e) for e in errors)
     assert len(calls) == 1
-    monkeypatch.setattr("tppc.runtime.compiled.capture_front_end", real)
+    monkeypatch.setattr("tppc.pipeline.captures.capture_front_end", real)
     with torch.no_grad():
         assert_kernels_close(cp(ids), model(ids))
 

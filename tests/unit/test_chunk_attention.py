@@ -9,13 +9,13 @@ import torch
 
 from tests.oracles import assert_kernels_close
 from tppc import examples
+from tppc.dispatch.compile import compile_pipeline
 from tppc.examples.models import GPT, GPTConfig
 from tppc.frontend.annotate import annotate
 from tppc.ir.records import CHUNK_INPUT, CHUNK_SIGNATURE
 from tppc.passes.chunking.chunk_attention import chunk_attention_pass
 from tppc.passes.runner import run_passes
 from tppc.planner.manual import manual_plan
-from tppc.runtime.compile import compile_pipeline
 
 
 @pytest.fixture(scope="module")

@@ -77,7 +77,7 @@ def test_each_patch_copy_scales_then_steps_its_own_rows(case, monkeypatch) -> No
     euler = diffusers.EulerDiscreteScheduler
     log: list = []
     # the element-wise check steps copies of its own (ids of freed copies may come again)
-    monkeypatch.setattr("tppc.runtime.denoise.check_elementwise", lambda *a: None)
+    monkeypatch.setattr("tppc.pipefusion.denoise.check_elementwise", lambda *a: None)
     for name in ("scale_model_input", "step"):
         monkeypatch.setattr(euler, name, _spy(log, name, getattr(euler, name)))
     x = case[1]

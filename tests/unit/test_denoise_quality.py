@@ -12,14 +12,14 @@ from planner_helpers import hand_makespan
 
 from tppc.cost_models.table import CostTable, LayerCost, LinkCost
 from tppc.errors import PlanError, SpecError
-from tppc.planner import Workload, plan_from_costs
-from tppc.runtime.denoise_quality import (
+from tppc.pipefusion.quality import (
     BALANCED_DB,
     MEASURED,
     MEASURED_STEPS,
     QualityChoice,
     quality_settings,
 )
+from tppc.planner import Workload, plan_from_costs
 
 
 def _brute(target: float) -> tuple[int, int] | None:

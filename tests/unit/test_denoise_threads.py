@@ -1,5 +1,5 @@
 """The fill and the drain of pipelined patches borrow the idle stages' intra-op threads
-(:func:`tppc.runtime.denoise_jobs.idle_threads`): hand-computed thread counts per action,
+(:func:`tppc.pipefusion.jobs.idle_threads`): hand-computed thread counts per action,
 the counts the stage workers really ran with, and the result against the serial reference."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import torch
 import tppc
 from tests.oracles import assert_kernels_close
 from tppc import examples
+from tppc.pipefusion import jobs as denoise_jobs
+from tppc.pipefusion.jobs import idle_threads
+from tppc.pipefusion.step import StepCalls
 from tppc.program.actions import Action
-from tppc.runtime import denoise_jobs
-from tppc.runtime.denoise_jobs import idle_threads
-from tppc.runtime.denoise_step import StepCalls
 
 diffusers = pytest.importorskip("diffusers")
 

@@ -14,7 +14,7 @@ import torch
 import tppc
 from tests.oracles import two_stage_plan
 from tppc import examples
-from tppc.runtime import denoise as denoise_module
+from tppc.pipefusion import denoise as denoise_module
 
 diffusers = pytest.importorskip("diffusers")
 

@@ -55,8 +55,7 @@ def gpt():
 def _with_actions(cp, actions) -> None:
     """Give the cached program of ``SEQ`` tokens other action lists."""
     program = cp.program(SEQ)
-    key = next(k for k, v in cp._programs.items() if v is program)
-    cp._programs[key] = dataclasses.replace(program, actions=actions)
+    cp.programs.hold(cp.captures.example, dataclasses.replace(program, actions=actions))
 
 
 def test_the_flow_shop_and_the_held_lists_compute_the_same_jobs(gpt) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from tppc.artifact.core.loaded import NUMPY_OPS
 from tppc.generation import greedy_decode
-from tppc.runtime.generate import TORCH_OPS
+from tppc.pipeline.generate import TORCH_OPS
 
 BATCH, PROMPT, VOCAB, NEW = 3, 4, 9, 6
 

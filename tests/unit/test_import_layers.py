@@ -1,21 +1,24 @@
-"""The import layers of ``tppc/`` (DESIGN.md, "Layout"): imports point down, never in a circle,
-and no private name crosses a module.
+"""The import layers of ``tppc/`` (docs/layout.md): imports point down, never in a circle, and
+no private name crosses a module.
 
-Every import in ``tppc/`` is read from the AST (module level, function level and
-``TYPE_CHECKING`` blocks alike). A package may import its own modules and any package on a
-lower floor of :data:`FLOORS`; anything else is an upward import. Modules import each other
-without a circle (inside a package too), and so do the sub-packages of a package, each taken
-as one node. A name with a leading underscore is imported only inside its own module, and a
-module with a leading underscore only from its own package. The torch-free packages
+The floors and the forbidden imports are read from the two tables of ``docs/layout.md`` (the one
+map of the packages). Every import in ``tppc/`` is read from the AST (module level, function
+level and ``TYPE_CHECKING`` blocks alike). A package may import its own modules and any package
+on a lower floor of :data:`FLOORS`; anything else is an upward import. Modules import each other
+without a circle (inside a package too), and so do the sub-packages of a package, each taken as
+one node. A name with a leading underscore is imported only inside its own module, and a module
+with a leading underscore only from its own package. The torch-free packages
 (:data:`TORCH_FREE`) never import torch, nor at module level a module that does.
 
-To see the test fail, add ``from tppc.runtime.compiled import CompiledPipeline`` to any
-function in ``tppc/planner/plan.py``: the planner (floor 8) may not import the runtime (11).
+To see the test fail, add ``from tppc.pipeline.compiled import CompiledPipeline`` to any
+function in ``tppc/planner/plan.py``: the planner (floor 8) may not import the in-process
+pipeline (15).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 import textwrap
@@ -24,25 +27,34 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2] / "tppc"
+LAYOUT = ROOT.parent / "docs" / "layout.md"
+_ROW = re.compile(r"^\| *(\d+|top) *\| *(`tppc/[^|]*`) *\|", re.MULTILINE)
+_RULE = re.compile(r"^\| *`tppc/(\w+)` *\| *((?:`tppc/\w+`,? *)+)\|", re.MULTILINE)
 
-#: Packages from the bottom up: a package imports only those on lower floors (and itself).
-FLOORS: tuple[str, ...] = (
-    "version", "errors", "generation", "ir", "program", "passes", "frontend", "cost_models", "planner",
-    "driver", "backends", "runtime", "diffusers", "artifact", "report", "examples", "cli",
-)
-# "diffusers" (the drop-in for diffusers pipelines) sits on the runtime: it wraps a compiled
-# pipeline's per-step calls (tppc.runtime.denoise_step) in what a pipeline reads of its
-# transformer, and nothing below imports it.
-#: Packages a package may not import although they sit lower (DESIGN.md's rules): the cost
-#: model never calls the front end, the planner never reads fx graphs, executors know
-#: programs, never plans or the planner.
-FORBIDDEN: dict[str, frozenset[str]] = {
-    "cost_models": frozenset({"frontend"}),
-    "planner": frozenset({"passes", "frontend"}),
-    "backends": frozenset({"frontend", "cost_models", "planner", "driver"}),
-}
-#: The top: the public API (``tppc/__init__.py``) and the ``python -m tppc.run`` shim.
-TOP = ("__init__", "run")
+
+def read_floors(text: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The floor table of docs/layout.md: packages from the bottom up, and the top's modules."""
+    rows = [(floor, re.findall(r"`tppc/(\w+)(?:\.py|/__init__\.py)?`", cells))
+            for floor, cells in _ROW.findall(text)]
+    numbered = [(int(floor), names) for floor, names in rows if floor != "top"]
+    assert [f for f, _ in numbered] == list(range(len(numbered))), \
+        f"docs/layout.md: floors {[f for f, _ in numbered]} are not 0, 1, 2, ... in order"
+    assert all(len(names) == 1 for _, names in numbered), "one package per floor"
+    top = [name for floor, names in rows if floor == "top" for name in names]
+    return tuple(names[0] for _, names in numbered), tuple(top)
+
+
+def read_forbidden(text: str) -> dict[str, frozenset[str]]:
+    """The "never imports" table of docs/layout.md: package -> packages it may not import."""
+    return {pkg: frozenset(re.findall(r"`tppc/(\w+)`", never)) for pkg, never in _RULE.findall(text)}
+
+
+#: Packages from the bottom up: a package imports only those on lower floors (and itself);
+#: the top: the public API (``tppc/__init__.py``) and the ``python -m tppc.run`` shim.
+FLOORS, TOP = read_floors(LAYOUT.read_text())
+#: Packages a package may not import although they sit lower (the cost model never calls the
+#: front end, the planner never reads fx graphs, executors know programs, never plans).
+FORBIDDEN = read_forbidden(LAYOUT.read_text())
 
 
 def module_name(path: Path) -> str:
@@ -86,7 +98,8 @@ def floor_of(module: str) -> int:
     if len(parts) == 1 or parts[1] in TOP:
         return len(FLOORS)
     if parts[1] not in FLOORS:
-        raise AssertionError(f"{module}: package {parts[1]!r} has no floor; add it to FLOORS")
+        raise AssertionError(f"{module}: package {parts[1]!r} has no floor; add it to the table "
+                             "of docs/layout.md")
     return FLOORS.index(parts[1])
 
 
@@ -187,6 +200,23 @@ def test_every_package_has_a_floor() -> None:
         floor_of(module_name(path))
 
 
+def test_the_map_names_the_tree() -> None:
+    """Every floor of docs/layout.md is a package or module on disk, and so is every rule's."""
+    on_disk = {p.stem if p.suffix else p.name for p in ROOT.iterdir()
+               if p.suffix == ".py" or (p / "__init__.py").exists()}
+    assert set(FLOORS) | set(TOP) == on_disk, (set(FLOORS) | set(TOP)) ^ on_disk
+    assert FORBIDDEN and all(pkg in FLOORS and never <= set(FLOORS)
+                             for pkg, never in FORBIDDEN.items()), FORBIDDEN
+
+
+def test_the_map_is_read_from_its_tables() -> None:
+    """A floor table out of order is refused; a rule row gives the packages it names."""
+    with pytest.raises(AssertionError, match="not 0, 1, 2"):
+        read_floors("| 0 | `tppc/errors.py` | x |\n| 2 | `tppc/ir` | y |\n")
+    assert read_forbidden("| `tppc/planner` | `tppc/passes`, `tppc/frontend` | z |\n") == {
+        "planner": frozenset({"passes", "frontend"})}
+
+
 def test_imports_point_down() -> None:
     bad = upward_imports()
     assert not bad, "imports that run up:\n" + "\n".join(bad)
@@ -212,23 +242,23 @@ def test_no_package_is_named_like_a_public_function() -> None:
 
 
 def test_an_upward_import_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The checker itself fails on a planner module that imports the runtime."""
+    """The checker itself fails on a planner module that imports the pipeline."""
     fake = tmp_path / "tppc"
     (fake / "planner").mkdir(parents=True)
-    (fake / "runtime").mkdir()
-    for pkg in ("", "planner", "runtime"):
+    (fake / "pipeline").mkdir()
+    for pkg in ("", "planner", "pipeline"):
         (fake / pkg / "__init__.py").write_text("")
-    (fake / "runtime" / "compiled.py").write_text("X = 1\n")
+    (fake / "pipeline" / "compiled.py").write_text("X = 1\n")
     (fake / "planner" / "plan.py").write_text(
-        "def f():\n    from tppc.runtime.compiled import X\n    return X\n")
+        "def f():\n    from tppc.pipeline.compiled import X\n    return X\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", fake)
-    assert any("tppc/planner/plan.py:2 imports tppc.runtime.compiled:X" in b
+    assert any("tppc/planner/plan.py:2 imports tppc.pipeline.compiled:X" in b
                for b in upward_imports())
-    (fake / "runtime" / "compiled.py").write_text("from tppc.runtime.other import _y\n")
-    (fake / "runtime" / "other.py").write_text("from tppc.runtime.compiled import *\n_y = 1\n")
-    assert import_cycles() == [["tppc.runtime.compiled", "tppc.runtime.other"]]
-    assert private_imports() == ["tppc/runtime/compiled.py:1 imports the private name "
-                                 "tppc.runtime.other:_y"]
+    (fake / "pipeline" / "compiled.py").write_text("from tppc.pipeline.other import _y\n")
+    (fake / "pipeline" / "other.py").write_text("from tppc.pipeline.compiled import *\n_y = 1\n")
+    assert import_cycles() == [["tppc.pipeline.compiled", "tppc.pipeline.other"]]
+    assert private_imports() == ["tppc/pipeline/compiled.py:1 imports the private name "
+                                 "tppc.pipeline.other:_y"]
 
 
 def test_tppc_loads_an_artifact_without_torch(tmp_path: Path) -> None:

@@ -16,8 +16,8 @@ import torch
 from torch import fx, nn
 
 import tppc
-from tppc.runtime import localize
-from tppc.runtime.replay import origin
+from tppc.validation import localize
+from tppc.validation.replay import origin
 
 
 class _Gates(nn.Module):

@@ -16,9 +16,11 @@ import torch
 
 import tppc
 from tests.oracles import assert_kernels_close, greedy_reference
-from tppc.artifact.writer.write import ExportError
+from tppc import errors
 from tppc.errors import CaptureError, RuntimeInputError, SpecError
 from tppc.examples import gpt
+from tppc.program.actions import flow_shop
+from tppc.program.schedule import check_actions
 
 SEQ = 16
 
@@ -95,9 +97,21 @@ def test_invalid_denoising_step_counts_are_refused(compiled, steps, warmup, name
                                           ("128", "lengths='128' must be a list")])
 def test_invalid_export_lengths_are_refused(compiled, tmp_path, lengths, text) -> None:
     out = tmp_path / "artifact"
-    with pytest.raises(ExportError, match=_re(text) + ".*fix: e.g. lengths=\\[128, 256\\]"):
+    with pytest.raises(tppc.ExportError, match=_re(text) + ".*fix: e.g. lengths=\\[128, 256\\]"):
         tppc.export(compiled[2], out, lengths=lengths)
     assert not out.exists()
+
+
+def test_every_error_class_is_importable_from_tppc() -> None:
+    """``except tppc.ExportError`` and ``except tppc.ScheduleError`` work (as every other
+    :class:`tppc.TppcError` of ``tppc/errors.py``), and catch what tppc raises."""
+    classes = {name for name, value in vars(errors).items()
+               if isinstance(value, type) and issubclass(value, errors.TppcError)}
+    assert {"ExportError", "ScheduleError"} <= classes <= set(tppc.__all__)
+    assert all(getattr(tppc, name) is getattr(errors, name) for name in classes)
+    (row,) = flow_shop(((0, 1), (1, 2)), 1)
+    with pytest.raises(tppc.ScheduleError, match="computes C0.1 before chunk 0"):
+        check_actions((row, row[::-1]))  # stage 1 runs chunk 1 before chunk 0
 
 
 def test_an_empty_batch_is_refused_at_compile_and_per_call(compiled, monkeypatch) -> None:
@@ -147,7 +161,7 @@ def test_generating_past_the_memory_is_refused_with_the_numbers(compiled, monkey
     assert f"{total} tokens need {(kv + ids) / 2**30:,.1f} GiB on cpu" in message, message
     assert "fix: lower max_new_tokens to at most" in message
     free = 2**30  # a machine with 1 GiB free: the named bound is what fits in it
-    monkeypatch.setattr("tppc.runtime.kv_memory.free_bytes", lambda device: free)
+    monkeypatch.setattr("tppc.calls.kv_memory.free_bytes", lambda device: free)
     with pytest.raises(RuntimeInputError) as info:
         cp.generate(args[0], max_new_tokens=10**9)
     fits = int(free / ((kv + ids) / total)) - SEQ

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from tppc.runtime import owned_files
+from tppc.processes import owned_files
 
 ROOT = Path(__file__).resolve().parents[2]
 
 _OWNER = """
 import sys, time
 from pathlib import Path
-from tppc.runtime import owned_files
+from tppc.processes import owned_files
 root = Path(sys.argv[1])
 path = (owned_files.create_dir("tppc-test-", root) if sys.argv[2] == "dir"
         else owned_files.create_file(root, "tppc-test-"))

@@ -7,10 +7,10 @@ import torch
 
 from tests.oracles import assert_kernels_close
 from tppc import examples
+from tppc.dispatch.compile import compile_pipeline
 from tppc.passes.stages.direct_output import write_outputs_in_place
 from tppc.planner.manual import manual_plan
 from tppc.program.state import Call, next_epoch
-from tppc.runtime.compile import compile_pipeline
 
 pytest.importorskip("transformers")
 
@@ -46,7 +46,7 @@ def test_logits_written_in_place_equal_the_fresh_per_chunk_logits_bit_for_bit(ll
         front, bound = cp.bind((ids,), {})
         program = cp.program(SEQ, front)
         call = Call(tuple(bound.flat), program.chunks, SEQ, SEQ, next_epoch())  # no outputs
-        state = front.pool.acquire(SEQ)
+        state = cp.states.acquire(front, SEQ)
         fresh = torch.cat([values[0] for values in cp.execute(program, call, state,
                                                               executor=executor)], dim=1)
         expected = model(ids).logits

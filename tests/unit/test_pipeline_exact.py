@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from tests.oracles import assert_kernels_close
 from tppc import examples
+from tppc.dispatch.compile import compile_pipeline
 from tppc.planner.manual import manual_plan
-from tppc.runtime.compile import compile_pipeline
 
 SEQ = 16
 LAYERS = 6  # prologue, 4 blocks, epilogue

@@ -7,9 +7,9 @@ import torch
 
 from tests.oracles import greedy_reference
 from tppc import examples
+from tppc.dispatch.compile import compile_pipeline
 from tppc.errors import RuntimeInputError
 from tppc.planner.manual import manual_plan
-from tppc.runtime.compile import compile_pipeline
 
 SEQ = 12
 

@@ -8,9 +8,9 @@ import torch
 from tests.oracles import assert_kernels_close
 from tppc import examples
 from tppc.backends import torch_local
+from tppc.dispatch.compile import compile_pipeline
 from tppc.errors import RuntimeInputError
 from tppc.planner.manual import manual_plan
-from tppc.runtime.compile import compile_pipeline
 
 SEQ = 16
 

@@ -9,9 +9,9 @@ import torch
 
 from tests.oracles import assert_kernels_close
 from tppc import examples
+from tppc.dispatch.compile import compile_pipeline
 from tppc.ir.records import CHUNK_INPUT, STAGE_INFO, TOKEN
 from tppc.planner.manual import manual_plan
-from tppc.runtime.compile import compile_pipeline
 
 SEQ = 16
 

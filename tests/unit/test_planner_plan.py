@@ -13,6 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as hst
 from planner_helpers import hand_makespan, table
 
+import tppc
+from tppc import examples
 from tppc.cost_models.table import CostTable, LayerCost, LinkCost
 from tppc.errors import PlanError, PlanInfeasible
 from tppc.planner import PLAN_SCHEMA, Plan, Workload, plan_for, plan_from_costs, simulate
@@ -255,6 +257,34 @@ def test_empty_cluster_is_rejected() -> None:
 def test_workload_validation() -> None:
     with pytest.raises(PlanError, match="warmup_steps=5"):
         Workload(kind="diffusion", steps=4, warmup_steps=5)
+
+
+def test_a_bidirectional_pass_is_planned_as_a_causal_prefill_is() -> None:
+    """The kind names what one call computes; the planner treats both one-pass kinds alike."""
+    t = table(num_layers=6, speeds=(1.0, 1.0), seq_len=1024)
+    prefill = plan_from_costs(t, granularity=128)
+    one = plan_from_costs(t, granularity=128, workload=Workload(kind="bidirectional_pass"))
+    assert (one.boundaries, one.stages, one.latency) == (
+        prefill.boundaries, prefill.stages, prefill.latency)
+    with pytest.raises(PlanError, match="bidirectional_pass runs one step"):
+        Workload(kind="bidirectional_pass", steps=2)
+
+
+def test_a_plan_prints_the_kind_of_what_one_call_computes() -> None:
+    """A DiT's call is a bidirectional pass (never a causal prefill), a diffusion workload
+    prints its steps, a causal LM's call is a prefill."""
+    dit, args, kwargs = examples.dit(size=8, depth=2)
+    one = tppc.plan(dit, args, kwargs, cluster="2xcpu", num_stages=2)
+    assert one.workload.kind == "bidirectional_pass" and len(one.boundaries) == 2
+    assert one.summary().startswith("tppc plan: bidirectional_pass, seq_len=4 rows")
+    given = tppc.plan(dit, args, kwargs, cluster="2xcpu", num_stages=2, workload=Workload())
+    assert given.workload.kind == "bidirectional_pass"  # the model's attention names it
+    steps = tppc.plan(dit, args, kwargs, cluster="2xcpu", num_stages=2,
+                      workload=Workload(kind="diffusion", steps=4, warmup_steps=1))
+    assert steps.summary().startswith("tppc plan: diffusion, 4 steps (1 warm-up), ")
+    gpt, args, kwargs = examples.gpt(seq_len=32, n_layer=2)
+    prefill = tppc.plan(gpt, args, kwargs, cluster="2xcpu", num_stages=2)
+    assert prefill.summary().startswith("tppc plan: causal_prefill, seq_len=32 tokens")
 
 
 def _bidirectional_table(stages: int, fixed: float) -> CostTable:

@@ -1,4 +1,4 @@
-"""Dynamic balancing (tppc.runtime.rebalance): refit the device rates, re-plan, swap exactly.
+"""Dynamic balancing (tppc.pipeline.rebalance): refit the device rates, re-plan, swap exactly.
 
 The slow device is injected, never measured on the machine as it is: a trace whose stage-1
 jobs last k times their prediction, or a stage-1 job that sleeps far longer than it computes.
@@ -19,7 +19,7 @@ from tppc import examples
 from tppc.backends import torch_threads
 from tppc.driver.planning import price_plan
 from tppc.errors import SpecError
-from tppc.runtime.rebalance import Sample, predicted_busy, refit_rates
+from tppc.pipeline.rebalance import Sample, predicted_busy, refit_rates
 
 
 def _gpt():

@@ -104,7 +104,7 @@ def _has_hf() -> bool:
 ])
 def test_bad_options_are_refused_before_capture(options, message, monkeypatch):
     model, args, _ = examples.gpt(seq_len=SEQ, n_layer=2)
-    monkeypatch.setattr("tppc.runtime.compile.capture_front_end",
+    monkeypatch.setattr("tppc.dispatch.compile.capture_front_end",
                         lambda *a, **k: pytest.fail("captured"))
     with pytest.raises(SpecError, match=message.replace("(", r"\(").replace(")", r"\)")):
         tppc.compile(model, args, **options)
@@ -218,3 +218,32 @@ def test_the_last_chunk_is_not_dropped_when_every_worker_has_exited(monkeypatch)
     out = cp(*args)
     assert raced
     assert_kernels_close(out, _eager(model, args[0]))
+
+
+def test_a_call_binds_its_inputs_once(gpt, monkeypatch):
+    import tppc.frontend.front_end as front_end
+
+    _, cp = gpt
+    ids = torch.randint(0, 256, (1, SEQ))
+    cp(ids)  # captured and planned: what remains per call
+    calls = []
+    real = front_end.bind_inputs
+    monkeypatch.setattr(front_end, "bind_inputs", lambda *a: calls.append(1) or real(*a))
+    cp(ids)
+    assert len(calls) == 1
+
+
+def test_two_pipelines_of_one_capture_keep_their_own_call_states(gpt):
+    _, cp = gpt
+    ids = torch.randint(0, 256, (2, SEQ))  # batch 2: a capture cp.with_plan shares
+    with torch.no_grad():
+        cp(ids)
+        other = cp.with_plan(cp.plan, verify=False)
+        front = cp.bind((ids,), {})[0]
+        assert other.bind((ids,), {})[0] is front
+        assert other.states.pool(front) is not cp.states.pool(front)
+        cp(ids)
+        expected = [(k.clone(), v.clone()) for k, v in cp.kv_cache()]
+        other(torch.randint(0, 256, (2, SEQ)))  # would reuse cp's state if they shared it
+        assert all(torch.equal(k, k2) and torch.equal(v, v2)
+                   for (k, v), (k2, v2) in zip(expected, cp.kv_cache(), strict=True))

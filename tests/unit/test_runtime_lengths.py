@@ -89,7 +89,7 @@ def test_the_program_cache_is_bounded():
     cp.program(9)
     cp.program(10)
     assert cp.program(8) is not first  # evicted, re-planned
-    assert len(cp._programs) == 2
+    assert len(cp.programs) == 2
 
 
 @pytest.mark.parametrize(("options", "message"), [

@@ -10,11 +10,11 @@ from tests.oracles import assert_kernels_close
 from tppc import examples
 from tppc.cost_models import build_cost_table
 from tppc.cost_models.table import CostTable, LayerCost, LinkCost
+from tppc.dispatch.compile import compile_pipeline
 from tppc.errors import PlanError
 from tppc.frontend.annotate import annotate
 from tppc.planner.joint import plan_from_costs
 from tppc.planner.manual import manual_plan
-from tppc.runtime.compile import compile_pipeline
 
 
 @pytest.mark.parametrize("example", ["gpt", "hf_llama", "hf_gpt2"])

@@ -18,8 +18,8 @@ import tppc
 from tests.oracles import assert_kernels_close, kernel_tolerance
 from tppc import examples
 from tppc.driver import emit
-from tppc.runtime.replay import compare
-from tppc.runtime.validate import validate_pipeline
+from tppc.validation.replay import compare
+from tppc.validation.validate import validate_pipeline
 
 
 def test_half_precision_rounding_passes_and_a_wrong_row_block_does_not() -> None:
@@ -33,7 +33,7 @@ def test_half_precision_rounding_passes_and_a_wrong_row_block_does_not() -> None
     assert compare(fp32 + 2e-4 * fp32.abs().max(), fp32).exceeds  # fp32: 1e-4 of the max
 
 
-def _chunked_and_staged(validation: tppc.runtime.validate.Validation) -> bool:
+def _chunked_and_staged(validation: tppc.validation.validate.Validation) -> bool:
     return any(len(r.chunks) >= 2 and len(r.stages) >= 2 for r in validation.runs)
 
 

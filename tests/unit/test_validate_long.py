@@ -14,7 +14,7 @@ from tests.oracles import assert_kernels_close, kernel_tolerance
 from tests.unit.test_validate import _scale_module_output, _Toy
 from tppc import examples
 from tppc.driver import emit
-from tppc.runtime.validate import LONG_TOKENS, SHORT_TOKENS
+from tppc.validation.validate import LONG_TOKENS, SHORT_TOKENS
 
 LONG = LONG_TOKENS + 44
 

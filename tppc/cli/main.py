@@ -49,7 +49,7 @@ def _plan(ns: argparse.Namespace) -> int:
 
 def _export(ns: argparse.Namespace) -> int:
     from tppc.artifact.writer.write import export, lengths_arg
-    from tppc.runtime.compile import compile_pipeline
+    from tppc.dispatch.compile import compile_pipeline
 
     model, args, kwargs = load_factory(ns.factory)
     options = {"num_stages": ns.stages} if ns.stages else {}

@@ -128,7 +128,7 @@ def _watchdog(rank: str, grace: float = 2.0) -> None:
     ``grace`` seconds later: a rank stuck in an op (an NCCL hang, a hung stage) cannot
     outlive the job's failure."""
     from tppc.backends.torch_distributed import read_failure
-    from tppc.runtime.rank_exit import cleanup
+    from tppc.processes.rank_exit import cleanup
 
     def watch() -> None:
         while True:
@@ -149,8 +149,8 @@ def _run(ns: argparse.Namespace) -> dict[str, Any]:
     import torch
     from torch.utils import _pytree as pytree
 
-    from tppc.runtime.checkpoint import empty_model
-    from tppc.runtime.distributed import compile_distributed
+    from tppc.distributed.checkpoint import empty_model
+    from tppc.distributed.pipeline import compile_distributed
 
     if Path(ns.factory, "plan.json").is_file():
         return _run_artifact(ns)
@@ -271,7 +271,7 @@ def _run_artifact(ns: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run this rank; returns 0, or exits the process with status 1 on any error."""
-    from tppc.runtime.rank_exit import LAUNCH_DIR_ENV, cleanup, guard_rank
+    from tppc.processes.rank_exit import LAUNCH_DIR_ENV, cleanup, guard_rank
 
     ns = _parser().parse_args(argv)
     rank = os.environ.get("RANK", "?")

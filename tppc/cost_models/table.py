@@ -154,7 +154,7 @@ class CostTable:
 
     def scaled(self, factors: Sequence[float]) -> CostTable:
         """This table with every layer time of device ``d`` multiplied by ``factors[d]``
-        (seconds measured per second predicted: :mod:`tppc.runtime.rebalance`); links and
+        (seconds measured per second predicted: :mod:`tppc.pipeline.rebalance`); links and
         memory unchanged. Identical time functions stay shared (``times_at`` evaluates each
         once)."""
         if len(factors) != self.num_devices:

@@ -6,7 +6,7 @@ Terms:
         their transformer is answered by the wrapped model (``config``, ``dtype``,
         ``device``, any other attribute), ``forward`` takes the model's arguments and
         ``return_dict``, and ``cache_context(name)`` names the stream of the calls inside it
-        (:mod:`tppc.runtime.denoise_step`).
+        (:mod:`tppc.pipefusion.step`).
     lazy compile: the first call compiles the model with that call's inputs
         (``return_dict=False``), so the pipeline's dtypes, text length and latent size are
         the example; a call whose tensors have other dtypes compiles once more; other batch
@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from tppc.runtime.compile import compile_pipeline as compile_model
-from tppc.runtime.denoise_step import StepCalls
+from tppc.dispatch.compile import compile_pipeline as compile_model
+from tppc.pipefusion.step import StepCalls
 
 __all__ = ["PipeFusionTransformer", "compile_pipeline"]
 

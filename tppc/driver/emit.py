@@ -1,16 +1,26 @@
 """Emit: partition a chunk-step graph by a plan, place each stage, let the last stage write
 its outputs in place (:mod:`tppc.passes.stages.direct_output`): a
 :class:`~tppc.program.program.Program`.
+
+Terms:
+    emitter: what a pipeline is given to get the program of a length it has not run yet
+        (:class:`Emitter`): the plan of that length (re-planned when tppc made the plan,
+        refused when it was given), its chunks, then :func:`build_program`. The pipeline
+        holds the programs; it never plans or emits itself.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import fx
 
-from tppc.errors import SpecError
+from tppc.driver.options import CompileOptions, chunk_bounds
+from tppc.errors import RuntimeInputError, SpecError
 from tppc.ir.context import CompileContext
 from tppc.ir.records import CHUNK_INPUT, CHUNK_SIGNATURE, STAGE_INFO, ChunkSignature
 from tppc.passes.runner import run_passes
@@ -21,7 +31,75 @@ from tppc.planner.plan import Plan, StagePlan
 from tppc.program.program import BufferSpec, Program, StageProgram
 from tppc.program.schedule import flow_shop
 
-__all__ = ["build_program", "device_for"]
+if TYPE_CHECKING:
+    from tppc.driver.planning import Planner
+    from tppc.frontend.front_end import FrontEnd
+
+__all__ = ["Emitter", "build_program", "device_for"]
+
+
+@dataclass(frozen=True)
+class Emitter:
+    """The programs of a compiled model, one per (capture, length) (module docstring).
+
+    Attributes:
+        options: the compile options (``chunks``, ``devices``).
+        planner: the planner of every length, or None: ``given`` is run as is.
+        given: the plan given to compile (None when tppc plans).
+    """
+
+    options: CompileOptions
+    planner: Planner | None
+    given: Plan | None = None
+
+    def __call__(self, front: FrontEnd, length: int) -> Program:
+        """The program of ``length`` tokens on ``front``'s capture."""
+        return self.emit(front, self.plan(front, length))
+
+    def plan(self, front: FrontEnd, length: int) -> Plan:
+        """The plan of ``length`` tokens: re-planned, or the given one.
+
+        Raises:
+            RuntimeInputError: a length other than the given plan's.
+        """
+        if self.planner is not None:
+            return self.planner(front, length)
+        assert self.given is not None, "an emitter needs a planner or a given plan"
+        if length != self.given.seq_len:
+            raise RuntimeInputError(
+                f"the sequence has {length} tokens; the given plan is for "
+                f"{self.given.seq_len}. fix: call with {self.given.seq_len} tokens, or "
+                "compile with plan=None so that tppc re-plans per length")
+        return self.given
+
+    def emit(self, front: FrontEnd, plan: Plan) -> Program:
+        """``plan``'s program: its chunks (one where attention is bidirectional; the option's
+        on a given plan), then :func:`build_program`."""
+        chunks = plan.chunks
+        if front.bidirectional:  # a barrier at every layer: one chunk, exact
+            chunks = ((0, plan.seq_len),)
+        elif self.options.chunks is not None and self.planner is None:
+            bounds = chunk_bounds(self.options.chunks, plan.seq_len)
+            chunks = tuple(itertools.pairwise(bounds))
+        return build_program(front.chunk, front.ctx, plan, chunks, self.options.devices)
+
+    def check(self, front: FrontEnd, plan: Plan) -> None:
+        """Refuse chunks on a model whose attention is bidirectional (before emitting).
+
+        Raises:
+            SpecError: ``chunks=`` or a given plan of many chunks on such a model.
+        """
+        chunks = self.options.chunks
+        many = (chunks is not None and (chunks != 1 if isinstance(chunks, int)
+                                        else len(chunks) > 2))
+        given_many = (self.planner is None and len(plan.boundaries) > 2
+                      and plan.workload.kind != "diffusion")  # diffusion: denoise's patches
+        if front.bidirectional and (many or given_many):
+            raise SpecError(
+                f"{front.ctx.model_name} has bidirectional attention or buffered mixing ("
+                f"{front.bidirectional[0]}): a chunk would read stale rows of later "
+                "chunks, so tppc runs each call as one chunk (exact). fix: drop chunks= / give "
+                "a plan with one chunk (cp.denoise pipelines the patches)")
 
 
 def build_program(chunk: fx.GraphModule, ctx: CompileContext, plan: Plan,

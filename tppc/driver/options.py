@@ -38,14 +38,14 @@ class CompileOptions:
     :class:`~tppc.cost_models.cluster.Cluster`."""
     executor: ExecutorName = "threads"
     """``"threads"`` (one worker per stage), ``"local"`` (the reference), or ``"distributed"``
-    (one process per stage; set by ``backend="distributed"``, see :mod:`tppc.runtime.distributed`)."""
+    (one process per stage; set by ``backend="distributed"``, see :mod:`tppc.distributed.pipeline`)."""
     chunks: int | tuple[int, ...] | None = None
     """Override the planner's split: a number of equal chunks, or the boundaries."""
     devices: tuple[str | torch.device, ...] | None = None
     """One torch device per stage (default: ``cpu`` for CPU presets, else ``cuda:i``)."""
     verify: bool | Literal["full"] = True
     """Check the emitted program against the captured graph before returning it (real weights;
-    see :mod:`tppc.runtime.validate`): a long example is checked at two short lengths,
+    see :mod:`tppc.validation.validate`): a long example is checked at two short lengths,
     ``"full"`` checks it at its own length too (a few forwards of the model), False skips."""
     max_seq: int | None = None
     """Longest sequence (prompt + generated tokens) accepted; None: no limit."""

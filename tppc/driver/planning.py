@@ -72,8 +72,9 @@ def plan(
         cluster: a :class:`Cluster` or a string such as ``"8xh100-sxm"``.
         seq_len: sequence length to plan for, in units of the sequence axis (tokens for a
             language model, patch rows for a DiT; default: the example's).
-        workload: causal prefill (default) or multi-step diffusion. Without a diffusion
-            workload a model with bidirectional attention is planned as one chunk (exact).
+        workload: multi-step diffusion, or (default) one pass: a causal prefill, or for a
+            model with bidirectional attention one chunk (exact), the plan's kind
+            ``"bidirectional_pass"``.
         granularity: chunk sizes are multiples of this many units, the last chunk may be
             shorter (default: :func:`tppc.planner.grid.default_granularity`; for a DiT one
             patch row).
@@ -146,7 +147,7 @@ def length_planner(opts: CompileOptions, rates: tuple[float, ...] | None = None)
     planned as one chunk unless the workload is diffusion (patches, for ``denoise``);
     ``opts.chunks`` fixes the split (the placement is still planned). ``rates``: seconds
     measured per second predicted on each device of the cluster (:meth:`CostTable.scaled`;
-    refitted by :mod:`tppc.runtime.rebalance`), None: as priced.
+    refitted by :mod:`tppc.pipeline.rebalance`), None: as priced.
     """
 
     def plan_length(front: FrontEnd, length: int, workload: Workload | None = None) -> Plan:
@@ -231,6 +232,9 @@ def _plan_length(front: FrontEnd, opts: CompileOptions, length: int,
     table_at = _table_at(front, opts, rates, costing)
     bounds = None
     diffusion = workload is not None and workload.kind == "diffusion"
+    if not diffusion:  # one pass, named after the model's attention (planned alike)
+        workload = Workload(kind="bidirectional_pass" if front.bidirectional
+                            else "causal_prefill")
     if opts.chunks is not None:
         bounds = chunk_bounds(opts.chunks, length)
     elif front.bidirectional and not diffusion:

@@ -20,12 +20,12 @@ from typing import Any
 import torch
 
 from tppc import examples
+from tppc.dispatch.compile import compile_pipeline
 from tppc.driver.planning import plan
 from tppc.examples.models import GPT, DiT, DiTConfig, GPTConfig
 from tppc.frontend.annotate import annotate
 from tppc.planner import Workload
 from tppc.report.layers import layer_table
-from tppc.runtime.compile import compile_pipeline
 
 __all__ = ["run_demo"]
 

@@ -20,6 +20,7 @@ Terms:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -38,10 +39,10 @@ from tppc.ir.context import CompileContext
 from tppc.ir.records import CHUNK_SIGNATURE, TOKEN
 from tppc.passes.chunking.chunk_attention import ChunkSignature, chunk_attention_pass
 from tppc.passes.runner import run_passes
-from tppc.program.state import StatePool
+from tppc.program.patches import rows_per_unit
 
-__all__ = ["BoundCall", "FrontEnd", "batch_shape", "bind", "capture_front_end", "check_finite",
-           "guards_hold", "input_structure", "on_meta_if"]
+__all__ = ["BoundCall", "CallInputs", "FrontEnd", "batch_shape", "bind", "capture_front_end",
+           "check_finite", "guards_hold", "on_meta_if", "read_inputs"]
 
 BatchShape = tuple[tuple[int | None, ...] | None, ...]
 
@@ -59,10 +60,11 @@ class FrontEnd:
         bidirectional: names of its bidirectional attention and buffered-mixing nodes
             (linear attention, "same" convolutions; their calls run as one chunk: exact, see
             DESIGN.md "Token semantics").
-        pool: idle call states for this batch shape.
         seconds: wall time of the capture (capture, annotation, grouping, chunk rewrite).
         truncated: ``(module path, real block count)`` of a planning front end (see the
             module docstring), None for a front end that may be emitted.
+        passes: the records of the capture in ``ctx.history`` (its first ``passes``; each
+            emission appends its own after them).
     """
 
     annotated: fx.GraphModule
@@ -71,11 +73,11 @@ class FrontEnd:
     signature: ChunkSignature
     batch: BatchShape
     bidirectional: tuple[str, ...]
-    pool: StatePool
     seconds: float = 0.0
     truncated: tuple[str, int] | None = None
+    passes: int = 0
 
-    @property
+    @functools.cached_property
     def key(self) -> tuple[str, BatchShape]:
         """Cache key: the input structure (which keyword inputs) and the batch shape."""
         return (repr(self.signature.in_spec), self.batch)
@@ -87,10 +89,10 @@ class FrontEnd:
         return (self.key[0] == structure and batch_shape(bound.flat, self.ctx, names)
                 == self.batch and guards_hold(self.ctx, bound.flat))
 
-    @property
-    def placeholders(self) -> list[fx.Node]:
+    @functools.cached_property
+    def placeholders(self) -> tuple[fx.Node, ...]:
         """The captured graph's user inputs, in flat order."""
-        return list(self.annotated.graph.find_nodes(op="placeholder"))
+        return tuple(self.annotated.graph.find_nodes(op="placeholder"))
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,7 @@ class BoundCall:
 def capture_front_end(model: torch.nn.Module, args: tuple[Any, ...],
                       kwargs: Mapping[str, Any] | None, *,
                       seq_dims: Mapping[str, int | tuple[int, ...]] | None,
-                      keep_states: int = 1, plan_only: bool = False) -> FrontEnd:
+                      plan_only: bool = False) -> FrontEnd:
     """Capture, annotate, group and chunk ``model`` for inputs shaped like ``args``.
 
     Inputs move to the meta device when the model's parameters are there (a model built
@@ -115,26 +117,25 @@ def capture_front_end(model: torch.nn.Module, args: tuple[Any, ...],
     t0 = time.perf_counter()
     args, kwargs = on_meta_if(model, (tuple(args), dict(kwargs or {})))
     if not plan_only:
-        return _front_end(model, args, kwargs, seq_dims, keep_states, t0)
+        return _front_end(model, args, kwargs, seq_dims, t0)
     # the block list is shortened in a shadow of the module tree (same tensors), never in the
     # user's model: an eager call from another thread meanwhile runs every block
     shadow = shadow_tree(model)
     with CAPTURE_LOCK, few_blocks(shadow) as truncated:
-        front = _front_end(shadow, args, kwargs, seq_dims, keep_states, t0)
+        front = _front_end(shadow, args, kwargs, seq_dims, t0)
     if truncated is None:
         return front
     layers = expand_layers(front.ctx.layers, *truncated)
     if sum(layer.kind == "block" for layer in layers) != truncated[1]:
         # the blocks group_layers found are not the list we shortened: capture it all
-        return _front_end(model, args, kwargs, seq_dims, keep_states, t0)
+        return _front_end(model, args, kwargs, seq_dims, t0)
     front.ctx.layers = layers
     return dataclasses.replace(front, truncated=truncated,
                                seconds=time.perf_counter() - t0)
 
 
 def _front_end(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-               seq_dims: Mapping[str, int | tuple[int, ...]] | None, keep_states: int,
-               t0: float) -> FrontEnd:
+               seq_dims: Mapping[str, int | tuple[int, ...]] | None, t0: float) -> FrontEnd:
     annotated, ctx = annotate(model, args, kwargs, seq_dims=seq_dims)
     chunk = run_passes(annotated, ctx, [chunk_attention_pass])
     flat = _flat(model, args, kwargs)
@@ -144,7 +145,7 @@ def _front_end(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     names = [p.name for p in annotated.graph.find_nodes(op="placeholder")]
     return FrontEnd(annotated=annotated, chunk=chunk, ctx=ctx,
                     signature=chunk.meta[CHUNK_SIGNATURE], batch=batch_shape(flat, ctx, names),
-                    bidirectional=bidirectional, pool=StatePool(keep_states),
+                    bidirectional=bidirectional, passes=len(ctx.history),
                     seconds=time.perf_counter() - t0)
 
 
@@ -172,18 +173,37 @@ def batch_shape(flat: list[Any], ctx: CompileContext, names: list[str]) -> Batch
     return tuple(out)
 
 
-def bind(front: FrontEnd, model: torch.nn.Module, args: tuple[Any, ...],
-         kwargs: Mapping[str, Any]) -> BoundCall:
-    """Bind and check call inputs against ``front``: their structure, dtypes and ranks.
-    Static sizes (batch, a latent's width, a table's length) may differ: the call's
+@dataclass(frozen=True)
+class CallInputs:
+    """A call's inputs bound to ``model.forward`` once: flat, their tree spec and structure."""
+
+    flat: list[Any]
+    spec: pytree.TreeSpec
+    structure: str
+    """The input structure as :attr:`FrontEnd.key` spells it (which keyword inputs)."""
+
+
+def read_inputs(model: torch.nn.Module, args: tuple[Any, ...],
+                kwargs: Mapping[str, Any]) -> CallInputs:
+    """Bind ``args``/``kwargs`` to ``model.forward`` and flatten them, once per call.
+
+    Raises:
+        RuntimeInputError: inputs ``model.forward`` does not take.
+    """
+    flat, spec = pytree.tree_flatten(_bound(model, args, kwargs))
+    return CallInputs(flat=flat, spec=spec, structure=repr(spec))
+
+
+def bind(front: FrontEnd, model: torch.nn.Module, inputs: CallInputs) -> BoundCall:
+    """Check call inputs (:func:`read_inputs`) against ``front``: their structure, dtypes and
+    ranks. Static sizes (batch, a latent's width, a table's length) may differ: the call's
     :func:`batch_shape` then selects (or captures) another front end.
 
     Raises:
         RuntimeInputError: naming the input, what it is, what was compiled, and the fix.
     """
-    flat = _flat(model, args, kwargs)
+    flat, spec = inputs.flat, inputs.spec
     signature = front.signature
-    _, spec = pytree.tree_flatten(_bound(model, args, kwargs))
     if signature.in_spec is not None and spec != signature.in_spec:
         raise RuntimeInputError(
             f"inputs of {type(model).__name__} have structure {spec}, the pipeline was "
@@ -200,7 +220,7 @@ def bind(front: FrontEnd, model: torch.nn.Module, args: tuple[Any, ...],
                 f"input {ph.name!r} has batch size 0 (shape {tuple(value.shape)}): there is "
                 "nothing to run. fix: pass at least one sequence (batch size ≥ 1)")
         for axis in seq:
-            lengths[ph.name] = int(value.shape[axis]) // _rows_per_unit(ph, axis)
+            lengths[ph.name] = int(value.shape[axis]) // rows_per_unit(ph.meta["val"].shape[axis])
     if len(set(lengths.values())) != 1:
         raise RuntimeInputError(f"sequence inputs disagree in length: {lengths}. fix: give "
                                 "every sequence input the same number of tokens")
@@ -256,20 +276,6 @@ def check_finite(name: str, value: Any) -> None:
             "torch.nan_to_num) or find where it came from")
 
 
-def input_structure(model: torch.nn.Module, args: tuple[Any, ...],
-                    kwargs: Mapping[str, Any]) -> str:
-    """The call's input structure as :attr:`FrontEnd.key` spells it."""
-    return repr(pytree.tree_flatten(_bound(model, args, kwargs))[1])
-
-
-def _rows_per_unit(ph: fx.Node, axis: int) -> int:
-    """Positions of an input's sequence axis per unit of the symbol (a latent's patch size)."""
-    size = ph.meta["val"].shape[axis]
-    if not isinstance(size, torch.SymInt):
-        return 1
-    expr = size.node.expr
-    coeff = expr.as_coeff_Mul()[0]
-    return int(coeff) if expr.is_Mul and coeff.is_Integer and coeff > 0 else 1
 
 
 def _bound(model: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:

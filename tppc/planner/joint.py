@@ -141,7 +141,7 @@ def plan_from_costs(
             best,
             lambda b: plan_for(table, cuts, b, workload, granularity=granularity, solver=solver),
             n, granularity, max_chunks, lambda b: diffusion_latency(table, cuts, b, workload))
-    if workload.kind == "causal_prefill" and num_stages > 1 \
+    if workload.kind != "diffusion" and num_stages > 1 \
             and time.perf_counter() < ctx.deadline:  # improvements only within the limit
         for phase in (_improve, _in_block_cuts):  # and until near the bound
             best = stop.note(best) if stop.reached(best) else phase(

@@ -38,31 +38,35 @@ class Workload:
     """What one call of the pipeline computes.
 
     Attributes:
-        kind: ``"causal_prefill"`` (one pass, attention cost grows with the prefix) or
+        kind: ``"causal_prefill"`` (one pass, attention cost grows with the prefix),
+            ``"bidirectional_pass"`` (one pass of a model with bidirectional attention, e.g.
+            a DiT's call, one denoising step: one chunk, exact; planned as a prefill) or
             ``"diffusion"`` (``steps`` denoising steps over every chunk, bidirectional).
-        steps: denoising steps ``D`` (1 for prefill).
+            ``tppc.plan`` names the one-pass kind after the model's attention.
+        steps: denoising steps ``D`` (1 for a one-pass kind).
         warmup_steps: leading steps that run the full sequence synchronously (diffusion).
         max_patches: at most this many patches per step (diffusion; ``None``: any). More
             patches make more of the K/V stale (a quality limit, ``cp.denoise(quality=...)``).
     """
 
-    kind: Literal["causal_prefill", "diffusion"] = "causal_prefill"
+    kind: Literal["causal_prefill", "bidirectional_pass", "diffusion"] = "causal_prefill"
     steps: int = 1
     warmup_steps: int = 0
     max_patches: int | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in ("causal_prefill", "diffusion"):
-            raise PlanError(f"Workload.kind={self.kind!r}; use 'causal_prefill' or 'diffusion'")
+        if self.kind not in ("causal_prefill", "bidirectional_pass", "diffusion"):
+            raise PlanError(f"Workload.kind={self.kind!r}; use 'causal_prefill', "
+                            "'bidirectional_pass' or 'diffusion'")
         if self.steps < 1:
             raise PlanError(f"Workload.steps={self.steps} must be at least 1")
         if not 0 <= self.warmup_steps <= self.steps:
             raise PlanError(
                 f"Workload.warmup_steps={self.warmup_steps} must lie in [0, steps={self.steps}]"
             )
-        if self.kind == "causal_prefill" and (self.steps != 1 or self.warmup_steps != 0):
+        if self.kind != "diffusion" and (self.steps != 1 or self.warmup_steps != 0):
             raise PlanError(
-                f"causal_prefill runs one step; got steps={self.steps}, "
+                f"{self.kind} runs one step; got steps={self.steps}, "
                 f"warmup_steps={self.warmup_steps} (use kind='diffusion' for multi-step)"
             )
         if self.max_patches is not None and (self.kind != "diffusion" or self.max_patches < 1):
@@ -283,7 +287,7 @@ class Plan:
         """A readable table of the plan (stages, memory, busy time, chunks, solver)."""
         w = self.workload
         steps = (
-            "" if w.kind == "causal_prefill" else f", {w.steps} steps ({w.warmup_steps} warm-up)"
+            "" if w.kind != "diffusion" else f", {w.steps} steps ({w.warmup_steps} warm-up)"
         )
         s = self.solver
         lines = [

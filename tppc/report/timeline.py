@@ -2,7 +2,7 @@
 
 One row per stage: the predicted jobs as filled bars labelled with their chunk, the link
 transfer of each chunk to the next stage as a thin bar below, idle time (bubbles) shaded, the
-lower bound as a dashed line. With ``measured`` (a :class:`tppc.runtime.profile.Profile`),
+lower bound as a dashed line. With ``measured`` (a :class:`tppc.pipeline.profile.Profile`),
 the measured jobs are drawn as outlined bars on top of the prediction. Needs matplotlib (the
 ``viz`` extra).
 
@@ -26,7 +26,7 @@ __all__ = ["draw_timeline"]
 def draw_timeline(plan: Plan, path: str | Path, *, measured: Any = None) -> Path:
     """Draw a Gantt chart of stages × time into ``path`` (a PNG; needs matplotlib): chunk
     jobs, link transfers, bubbles, the lower bound, and ``measured`` (a
-    :class:`tppc.runtime.profile.Profile`) overlaid. Returns the path (``tppc.plan_timeline``)."""
+    :class:`tppc.pipeline.profile.Profile`) overlaid. Returns the path (``tppc.plan_timeline``)."""
     try:
         import matplotlib
 

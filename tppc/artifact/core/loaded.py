@@ -172,7 +172,7 @@ class LoadedPipeline:
         ``latents`` a torch tensor, ``scheduler`` a diffusers scheduler. Imports torch
         (:mod:`tppc.artifact.torch_runners.denoise`): diffusers' schedulers run on torch tensors."""
         from tppc.artifact.torch_runners.denoise import denoise_loaded
-        from tppc.runtime.denoise import TimestepSchedule
+        from tppc.pipefusion.denoise import TimestepSchedule
 
         schedule = TimestepSchedule(timesteps=timesteps, sigmas=sigmas, mu=mu,
                                     timestep_transform=timestep_transform)

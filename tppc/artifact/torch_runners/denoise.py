@@ -14,7 +14,7 @@ Terms:
 Each stage sees the jobs in the order of the torch program's serial reference (step by step,
 patch by patch), so with ``warmup_steps == num_inference_steps`` the result is the serial
 loop's and with stale patches the torch program's ``cp.denoise``. The scheduler is diffusers'
-(torch), driven by the protocol of :mod:`tppc.runtime.schedulers`; so this module imports
+(torch), driven by the protocol of :mod:`tppc.pipefusion.schedulers`; so this module imports
 torch, and :meth:`tppc.artifact.core.loaded.LoadedPipeline.denoise` imports it only when called
 (loading and plain calls stay torch-free).
 """
@@ -31,16 +31,34 @@ import torch
 from tppc.artifact.core.assemble import Assembler, unflatten
 from tppc.backends.onnxruntime import OrtCall
 from tppc.errors import SpecError
-from tppc.runtime.denoise import TimestepSchedule, schedule_steps
-from tppc.runtime.schedulers import (
+from tppc.pipefusion.denoise import TimestepSchedule, schedule_steps
+from tppc.pipefusion.schedulers import (
     StepProtocol,
     check_elementwise,
     patch_protocols,
+)
+from tppc.program.patches import (
+    PatchPrograms,
+    TimestepOps,
+    latent_axis,
+    model_timestep,
+    patch_bands,
+    patch_bounds,
 )
 
 __all__ = ["denoise_loaded"]
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
+
+NUMPY_TIMESTEPS = TimestepOps(
+    convert=lambda value: np.array(value.detach().cpu().numpy())
+    if isinstance(value, torch.Tensor) else value,
+    is_array=lambda value: isinstance(value, np.ndarray), dtype=lambda array: array.dtype,
+    cast=lambda array, dtype: array.astype(dtype), equal=np.array_equal,
+    first=lambda array: array.flat[0].item(),
+    target="the artifact's {arg} input is {want}",
+    fix="export with a {dtype} example {arg}")
+"""The timestep input's operations on numpy arrays (a copy of the scheduler's tensor)."""
 
 
 def denoise_loaded(runner: Any, latents: torch.Tensor, scheduler: Any,
@@ -57,21 +75,26 @@ def denoise_loaded(runner: Any, latents: torch.Tensor, scheduler: Any,
     x_in = x.clone()  # the model's input: scale_model_input of the latents
     kwargs = {k: _array(v) for k, v in (model_kwargs or {}).items()}
     flats, length = [], 0
+    spec = next((e for e in runner.signature["inputs"] if e["name"] == timestep_arg), {})
+    want = np.dtype(spec["dtype"]) if "dtype" in spec else None
     for t in steps:  # x_in's array shares its memory: each chunk reads its rows when it runs
         flat, length = runner.bind((x_in.numpy(),), {
-            **kwargs, timestep_arg: _timestep(runner, timestep_arg, t, len(x),
-                                              schedule.timestep_transform)})
+            **kwargs, timestep_arg: model_timestep(t, len(x), schedule.timestep_transform,
+                                                   want, NUMPY_TIMESTEPS, timestep_arg)})
         flats.append(flat)
-    axis, per_unit = _latent_axis(runner)
+    first = runner.signature["inputs"][0]
+    axis, per_unit = latent_axis(f"the artifact's first input {first['name']!r}",
+                                 first.get("seq_axes") or (), first.get("seq_rows"))
     chunks = _patches(runner, length, patches)
-    bands = [(per_unit * a, per_unit * b) for a, b in chunks]
+    bands = patch_bands(chunks, per_unit)
     if warm < len(steps) and len(chunks) > 1:
         _check_patches(runner, x, chunks)
         check_elementwise(scheduler, x, axis, bands)
     call = OrtCall(flat=flats[0], chunks=((0, length),), seq_len=length, pos_len=length)
     for stage in runner.stages:  # K/V buffers zeroed per call, kept across its steps
         stage.allocate(call, length)
-    outputs = _ModelOutput(runner, length, output_transform)
+    outputs = _ModelOutput(runner, length, output_transform,
+                           PatchPrograms(runner.stages, runner.stages, runner.rest_stages))
     whole = StepProtocol(scheduler, x, x_in)
     for i in range(warm):
         whole.model_input(steps[i])
@@ -81,9 +104,9 @@ def denoise_loaded(runner: Any, latents: torch.Tensor, scheduler: Any,
         for patch in scheds:
             patch.model_input(steps[warm])
         for i in range(warm, len(steps)):
-            for m, (a, b) in enumerate(chunks):
+            for m, (lo, hi) in enumerate(bands):
                 out = outputs.of(call, flats[i], chunks, m)
-                scheds[m].step(out.narrow(axis, per_unit * a, per_unit * (b - a)), steps[i])
+                scheds[m].step(out.narrow(axis, lo, hi - lo), steps[i])
                 if i + 1 < len(steps):  # patch m's input of the next step
                     scheds[m].model_input(steps[i + 1])
     return x
@@ -93,8 +116,9 @@ class _ModelOutput:
     """The model output of one chunk of a step: every stage in order, the chunk's rows kept
     in full-length outputs across steps, the epilogue, the output transform."""
 
-    def __init__(self, runner: Any, length: int, transform: Transform | None) -> None:
-        self.runner, self.transform = runner, transform
+    def __init__(self, runner: Any, length: int, transform: Transform | None,
+                 stages: PatchPrograms) -> None:
+        self.runner, self.transform, self.stages = runner, transform, stages
         self.sink = Assembler(runner.signature["outputs"], length, ())
 
     def of(self, call: OrtCall, flat: list[Any], chunks: Sequence[tuple[int, int]],
@@ -102,8 +126,7 @@ class _ModelOutput:
         call.flat = flat
         a, b = chunks[m]
         values: list[np.ndarray] = []
-        rest = self.runner.rest_stages
-        for stage in self.runner.stages if m == 0 or rest is None else rest:
+        for stage in self.stages.of_patch(m):
             values = stage.step(call, a, b, values)
         self.sink.chunks = chunks
         self.sink(m, values)
@@ -122,48 +145,10 @@ def _array(value: Any) -> Any:
     return value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else value
 
 
-def _timestep(runner: Any, arg: str, t: torch.Tensor, batch: int,
-              transform: Transform | None) -> np.ndarray:
-    """The model's timestep input of step ``t`` (as ``tppc.runtime.denoise.model_timestep``):
-    ``transform(t.expand(batch))``, cast to the exported input's dtype where that keeps
-    every value.
-
-    Raises:
-        SpecError: the cast would change a value, naming both dtypes and the fix.
-    """
-    value = t.expand(batch) if t.dim() == 0 else t
-    value = transform(value) if transform is not None else value
-    array = _array(value)
-    spec = next((e for e in runner.signature["inputs"] if e["name"] == arg), None)
-    if spec is None or "dtype" not in spec or not isinstance(array, np.ndarray):
-        return array
-    cast = array.astype(np.dtype(spec["dtype"]))
-    if not np.array_equal(cast.astype(array.dtype), array):
-        raise SpecError(f"the scheduler's timesteps are {array.dtype} ({array.flat[0]!r}), "
-                        f"the artifact's {arg!r} input is {spec['dtype']}, which cannot hold "
-                        f"them. fix: export with a {array.dtype} example {arg}")
-    return cast
-
-
-def _latent_axis(runner: Any) -> tuple[int, int]:
-    """The latents' sequence axis and its rows per unit (the first input's)."""
-    spec = runner.signature["inputs"][0]
-    if not spec.get("seq_axes"):
-        raise SpecError(f"the artifact's first input {spec['name']!r} has no sequence axis; "
-                        "denoise passes the latents first. fix: export a DiT whose first "
-                        "input is the latents")
-    rows = spec.get("seq_rows") or [1]
-    return spec["seq_axes"][0], rows[0]
-
-
 def _patches(runner: Any, length: int, patches: int | None) -> tuple[tuple[int, int], ...]:
     if patches is None:
         return runner.chunks(length)
-    if isinstance(patches, bool) or not isinstance(patches, int) or not 1 <= patches <= length:
-        raise SpecError(f"patches={patches!r}; the latent has {length} patch rows. fix: "
-                        f"1 <= patches <= {length}")
-    cuts = [round(i * length / patches) for i in range(patches + 1)]
-    return tuple(itertools.pairwise(cuts))
+    return tuple(itertools.pairwise(patch_bounds(patches, length)))
 
 
 def _check_patches(runner: Any, x: torch.Tensor, chunks: Sequence[tuple[int, int]]) -> None:

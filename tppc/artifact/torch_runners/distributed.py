@@ -15,7 +15,7 @@ Terms:
         life carries a JSON header (dtype, shape of each value); later chunks send bare
         arrays, whose token axis (``plan.json``'s ``boundary_axes``) holds ``k × chunk
         size`` rows. No pickle: inputs, headers and outputs travel as JSON + arrays.
-    collective call: as :mod:`tppc.runtime.distributed`: every rank calls together, rank 0's
+    collective call: as :mod:`tppc.distributed.pipeline`: every rank calls together, rank 0's
         inputs are validated on rank 0 (``bind``) and broadcast (or its error); the outputs
         come back on rank 0 (``results="rank0"``) or on every rank (``"all"``).
     failure: as :mod:`tppc.backends.torch_distributed` (whose executor records and names the
@@ -63,7 +63,7 @@ def load_distributed(path: str | Path, *, threads_per_stage: int | None = None,
         SpecError: the job's size is not the artifact's number of stages.
         ArtifactError: plan.json or this rank's files are damaged (nothing is loaded).
     """
-    from tppc.runtime.distributed import init_distributed
+    from tppc.distributed.pipeline import init_distributed
 
     if results not in ("rank0", "all"):
         raise SpecError(f"results={results!r}; use 'rank0' or 'all'")

@@ -2,7 +2,7 @@
 
 Terms:
     check length: the example's length with the exported chunks; for a long example
-        (:func:`tppc.runtime.validate.short_lengths`) the first short probe length on the
+        (:func:`tppc.validation.validate.short_lengths`) the first short probe length on the
         example's first rows, in three chunks (an ONNX stage takes the chunk's start and size
         as inputs, so it runs any length).
     stage output: what a stage hands to the next (``boundary.<value>``) or, for the last
@@ -34,9 +34,9 @@ from tppc.artifact.core.load import load
 from tppc.artifact.core.run import flat_outputs
 from tppc.backends.onnxruntime import OrtCall, OrtStage, run_serial
 from tppc.errors import SoundnessError
-from tppc.runtime.localize import describe
-from tppc.runtime.replay import Difference, Replay, compare, run_reference
-from tppc.runtime.validate import probe_chunks, resize_inputs, short_lengths
+from tppc.validation.localize import describe
+from tppc.validation.replay import Difference, Replay, compare, run_reference
+from tppc.validation.validate import probe_chunks, resize_inputs, short_lengths
 
 __all__ = ["ExportCheck", "check_export"]
 

@@ -29,16 +29,12 @@ import torch
 from torch import fx
 
 import tppc.ir.ops  # noqa: F401  (registers torch.ops.tppc)
-from tppc.errors import TppcError
+from tppc.errors import ExportError
 from tppc.passes.subgraph import copy_graph
 
 __all__ = ["ExportError", "attention_args", "export_stage_graph", "split_attention"]
 
 _aten = torch.ops.aten
-
-
-class ExportError(TppcError):
-    """A stage or program that cannot be exported, or an artifact that cannot be loaded."""
 
 
 def split_attention(query: torch.Tensor, key_buffer: torch.Tensor, value_buffer: torch.Tensor,

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from tppc.artifact.writer.graphs import ExportError
+from tppc.program.patches import rows_per_unit
 
 __all__ = ["model_signature", "tree_json"]
 
@@ -34,7 +35,7 @@ def model_signature(compiled: Any, program: Any) -> dict[str, Any]:
             inputs.append({"name": ph.name, "dtype": str(val.dtype).removeprefix("torch."),
                            "shape": [None if i in seq or isinstance(s, torch.SymInt)
                                      else int(s) for i, s in enumerate(val.shape)],
-                           "seq_axes": seq, "seq_rows": [_rows_per_unit(val, a) for a in seq]})
+                           "seq_axes": seq, "seq_rows": [rows_per_unit(val.shape[a]) for a in seq]})
         elif val is None or isinstance(val, (bool, int, float, str)):
             inputs.append({"name": ph.name, "value": val})
         else:
@@ -83,17 +84,6 @@ def _rows(rows: Any, j: int) -> dict[str, int]:
     rows before them)."""
     found = rows[j] if j < len(rows) and rows[j] else (1, 0)
     return {"scale": int(found[0]), "prefix": int(found[1])}
-
-
-def _rows_per_unit(val: torch.Tensor, axis: int) -> int:
-    """Positions of a sequence axis per unit of the symbol (a latent's patch size; 1 for
-    tokens), as the front end binds a call."""
-    size = val.shape[axis]
-    if not isinstance(size, torch.SymInt):
-        return 1
-    expr = size.node.expr
-    coeff = expr.as_coeff_Mul()[0]
-    return int(coeff) if expr.is_Mul and coeff.is_Integer and coeff > 0 else 1
 
 
 def _ids(value: Any) -> Any:

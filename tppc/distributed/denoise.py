@@ -1,0 +1,259 @@
+"""PipeFusion denoising over a multi-process pipeline (every rank steps the same loop).
+
+Terms:
+    shared call: rank 0's latents, model inputs and step counts are validated on rank 0 and
+        broadcast (or its error, raised by every rank); every rank passes its own scheduler
+        (only the last rank steps it; the others read its timesteps).
+    warm-up step: the last rank computes the model input (``scale_model_input``, the step
+        protocol of :mod:`tppc.pipefusion.schedulers`) and broadcasts it, the whole image runs
+        as one chunk through the ranks, the last rank applies the scheduler step.
+    pipelined step: job ``(i, m)`` (patch ``m`` of step ``i``) runs on every rank in the
+        order of the patch program's action lists (as :mod:`tppc.pipefusion.denoise`), lowered
+        with the feedback edge to the ranks that read the latents and dry-run; each rank
+        follows its lowered list. The boundary values go rank to rank as in ``__call__``.
+        When job ``(i, m)`` leaves the last rank it steps patch ``m`` and sends its next
+        model input's rows to every earlier rank that reads the latents (stage 0), which
+        receives them before job ``(i + 1, m)``: the same jobs in the same order per stage
+        as the ``threads`` and ``local`` executors, so the latents are theirs.
+
+The final latents are broadcast from the last rank; rank 0 returns them (every rank with
+``results="all"``), the others None.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from tppc.backends.rank_transport import RankEnd, rank_deadline
+from tppc.backends.torch_local import run_stage
+from tppc.driver.emit import build_program
+from tppc.errors import RuntimeInputError, SpecError
+from tppc.passes.chunking.chunk_attention import REST_CHUNK
+from tppc.passes.stages.hoist_consts import hoist_constants
+from tppc.pipefusion.denoise import (
+    DenoiseRun,
+    TimestepSchedule,
+    bind_steps,
+    model_timestep,
+    schedule_steps,
+)
+from tppc.pipefusion.schedulers import (
+    StepProtocol,
+    check_elementwise,
+    patch_protocols,
+)
+from tppc.program.actions import Action
+from tppc.program.interpreter import Interpreter
+from tppc.program.patches import PatchPrograms, cached_patch_programs, patch_bands
+from tppc.program.program import Program, StageProgram
+from tppc.program.schedule import DryRun, check_actions
+from tppc.program.state import Call, next_epoch
+
+if TYPE_CHECKING:
+    from tppc.backends.torch_distributed import DistributedExecutor
+    from tppc.calls.states import CallStates
+    from tppc.driver.options import CompileOptions
+    from tppc.frontend.front_end import BoundCall, FrontEnd
+
+__all__ = ["DenoisingRank", "distributed_denoise"]
+
+
+class DenoisingRank(Protocol):
+    """What :func:`distributed_denoise` needs of a rank (a ``DistributedPipeline``; the
+    helpers of :mod:`tppc.pipefusion.denoise` it calls read ``program``,
+    ``denoise_plan`` and ``executor`` too)."""
+
+    rank: int
+    world: int
+    results: str
+    device: torch.device
+    comm: DistributedExecutor
+    options: CompileOptions
+    states: CallStates
+
+    def bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+             ) -> tuple[FrontEnd, BoundCall]: ...
+
+    def execute(self, program: Program, call: Call, state: Any, sink: Any = None,
+                executor: Any = None, timeout: float | None = None,
+                trace: list | None = None) -> list[tuple[Any, ...]]: ...
+
+    def share_inputs(self, what: str, value: Any, check: Any = None) -> Any: ...
+
+    def collective(self, op: Callable[[], Any], what: str) -> Any: ...
+
+    def materialise(self, program: Program) -> Program: ...
+
+
+def distributed_denoise(cp: DenoisingRank, latents: torch.Tensor | None, scheduler: Any,
+                        num_inference_steps: int | None = 20, *,
+                        warmup_steps: int | None = 1, patches: int | None = None,
+                        model_kwargs: Mapping[str, Any] | None = None,
+                        timestep_arg: str = "timestep",
+                        output_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                        timesteps: Any = None, sigmas: Any = None, mu: float | None = None,
+                        timestep_transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+                        ) -> torch.Tensor | None:
+    """``cp.denoise(...)`` through the job (collective; rank 0's latents and inputs).
+
+    Same contract as :func:`tppc.pipefusion.denoise.denoise`; see the module docstring. Rank
+    0's ``timesteps``, ``sigmas`` and ``mu`` are every rank's (the scheduler steps alike
+    everywhere); ``timestep_transform`` and ``output_transform`` are each rank's own (give
+    the same function on every rank, as the same script does).
+    """
+    def timing(shared: tuple[Any, ...]) -> TimestepSchedule:
+        return TimestepSchedule(timesteps=shared[0], sigmas=shared[1], mu=shared[2])
+
+    def check(value: tuple[Any, ...]) -> None:
+        x, kwargs, steps, warm, _, arg, shared = value
+        first = schedule_steps(scheduler, steps, warm, timing(shared))[0][0]
+        if not isinstance(x, torch.Tensor):
+            raise RuntimeInputError(f"latents of type {type(x).__name__}; pass a tensor")
+        cp.bind((x,), {**kwargs, arg: model_timestep(cp, arg, first, len(x),
+                                                     timestep_transform)})
+
+    plain = [None if v is None else [float(t) for t in v] for v in (timesteps, sigmas)]
+    x, kwargs, steps_n, warmup_steps, patches, arg, shared = cp.share_inputs(
+        "denoise", (latents, dict(model_kwargs or {}), num_inference_steps, warmup_steps,
+                    patches, timestep_arg, (*plain, mu)), check)
+    steps, warmup_steps = schedule_steps(scheduler, steps_n, warmup_steps, timing(shared))
+    x = x.detach().clone().contiguous().to(cp.device)
+    x_in = x.clone()  # the model's input (scale_model_input, on the last rank), broadcast
+    b = bind_steps(cp, x_in, kwargs, steps, arg, warmup_steps, patches, timestep_transform)
+    front, length, plan, bounds, flats = b.front, b.length, b.plan, b.bounds, b.flats
+    programs = _programs(cp, front, plan, length, bounds)
+    full, first = programs.full, programs.first
+    if programs.rest is not None and warmup_steps < len(steps):  # every rank decides alike
+        raise SpecError(
+            f"{front.ctx.model_name}: stale patches of a joint-attention DiT (text tokens "
+            "beside the image, a second program for the later patches) do not run on the "
+            "distributed backend yet (a later patch's stage fails on the text rows). fix: "
+            "warmup_steps=None (every step warm: exact), or the threads or local executor")
+    axis, scale = b.axis, b.scale
+    bands = patch_bands(itertools.pairwise(bounds), scale)
+    if warmup_steps < len(steps):  # every rank checks alike (a seeded random latent)
+        check_elementwise(scheduler, x, axis, bands)
+    latent = next(j for j, v in enumerate(b.bound.flat) if v is x_in)
+    epoch = next_epoch()
+    state = cp.states.acquire(front, length)
+    state.reset()
+    run = DenoiseRun(cp, x, axis, scale, output_transform)
+    last = cp.world - 1
+    warm = min(warmup_steps, len(steps))
+    got: dict[str, Any] = {}
+    whole = StepProtocol(scheduler, x, x_in)
+    for i in range(warm):
+        if cp.rank == last:
+            whole.model_input(steps[i])
+        cp.collective(lambda: dist.broadcast(x_in, src=last), "model input broadcast")
+        call = Call(tuple(flats[i]), ((0, length),), length, length, epoch)
+        cp.execute(full, call, state, sink=lambda _, values: got.__setitem__("v", values))
+        if cp.rank == last:
+            out = run.model_output(full, call, 0, got["v"])
+            whole.step(out, steps[i])
+    pipelined = len(steps) - warm
+    if pipelined:
+        chunks = tuple(itertools.pairwise(bounds))
+        calls = [Call(tuple(flats[warm + t]), chunks, length, length, epoch)
+                 for t in range(pipelined)]
+        scheds = patch_protocols(scheduler, x, x_in, axis, bands) if cp.rank == last else []
+        for patch in scheds:
+            patch.model_input(steps[warm])
+        cp.collective(lambda: dist.broadcast(x_in, src=last), "model input broadcast")
+
+        def rows(m: int) -> torch.Tensor:  # what the readers receive: the model input
+            lo, hi = bands[m]
+            return x_in.narrow(axis, lo, hi - lo)
+
+        def finish(t: int, m: int, values: tuple[Any, ...]) -> None:
+            lo, hi = bands[m]
+            out = run.model_output(first, calls[t], m, values).narrow(axis, lo, hi - lo)
+            i = warm + t
+            scheds[m].step(out, steps[i])
+            if i + 1 < len(steps):
+                scheds[m].model_input(steps[i + 1])
+
+        readers = _readers(cp.world, latent, first, programs.rest)
+        dry = check_actions(first.actions_for(chunks, pipelined), readers)
+        _Jobs(cp, calls, state, programs.of_patch, rows, warm).run(dry, finish)
+    cp.collective(lambda: dist.broadcast(x, src=last), "latents broadcast")
+    state.consts.clear()  # the text K/V are this request's
+    cp.states.release(front, state)
+    return x if cp.rank == 0 or cp.results == "all" else None
+
+
+class _Jobs:
+    """This rank's pipelined jobs (see the module docstring); step ``t`` of the action
+    lists is step ``warm + t`` of the call."""
+
+    def __init__(self, cp: DenoisingRank, calls: list[Call], state: Any,
+                 program_of: Callable[[int], Program], rows: Callable[[int], torch.Tensor],
+                 warm: int) -> None:
+        self.cp, self.ex, self.calls, self.state = cp, cp.comm, calls, state
+        self.program_of, self.rows, self.warm = program_of, rows, warm
+
+    def run(self, dry: DryRun, finish: Callable[[int, int, tuple[Any, ...]], None]) -> None:
+        """This rank's lowered list through THE interpreter over the process-group
+        transport: receive (from the previous rank, or a stepped patch back from the last),
+        compute (the last rank then steps the patch), send (to the next rank, or the
+        stepped patch back to the ranks that read the latents)."""
+        cp, ex = self.cp, self.ex
+        rank, last = cp.rank, cp.world - 1
+        deadline = rank_deadline(ex, cp.options.timeout)
+
+        def back(act: Action) -> None:  # a stepped patch comes back
+            view = self.rows(act.chunk)
+            buf = torch.empty_like(view, memory_format=torch.contiguous_format)
+            ex.wait([dist.irecv(buf, last)], last, deadline.at)
+            view.copy_(buf)
+
+        def home(act: Action) -> tuple[Any, Any]:  # the stepped patch back to a reader
+            out = self.rows(act.chunk).contiguous()
+            return [dist.isend(out, act.peer)], out
+
+        transport = RankEnd(
+            ex, dry, deadline=deadline, feedback_recv=back, feedback_send=home,
+            recv=lambda act: ex.recv_chunk(self.program_of(act.chunk), act.end - act.start,
+                                           deadline.at),
+            send=lambda act, values: ex.send_chunk(self.program_of(act.chunk), values))
+        Interpreter(dry, rank, lambda act, got: run_stage(
+            self.program_of(act.chunk).stages[rank], self.calls[act.step], self.state,
+            act.start, act.end, got), transport,
+            lambda act, values: finish(act.step, act.chunk, values),
+            who=f"stage {rank}, denoise (pipelined step t is step {self.warm} + t)",
+            deadline=None).run()
+
+
+def _readers(world: int, latent: int, *programs: Program | None) -> tuple[int, ...]:
+    """Ranks whose stage reads the latents (flat input ``latent``)."""
+    return tuple(r for r in range(world) if any(
+        spec.kind in ("token", "const", "full") and spec.index == latent
+        for p in programs if p is not None for _, spec in p.stages[r].inputs))
+
+
+def _programs(cp: DenoisingRank, front: Any, plan: Any, length: int,
+              bounds: tuple[int, ...]) -> PatchPrograms:
+    """Warm-up, patch and later-patch programs with this rank's stage loaded and its const
+    sub-graphs hoisted (as :func:`tppc.pipefusion.denoise.patch_programs`), cached on ``cp``."""
+
+    def make(gm: Any, chunks: tuple[tuple[int, int], ...]) -> Program:
+        program = cp.materialise(build_program(gm, front.ctx, plan, chunks,
+                                                cp.options.devices))
+        stages = list(program.stages)
+        stages[cp.rank] = hoist_constants(stages[cp.rank])
+        return _replace(program, stages)
+
+    return cached_patch_programs(
+        cp.__dict__.setdefault("_distributed_denoise_programs", {}), plan, front.batch,
+        length, bounds, make, front.chunk, front.chunk.meta.get(REST_CHUNK))
+
+
+def _replace(program: Program, stages: list[StageProgram]) -> Program:
+    import dataclasses
+
+    return dataclasses.replace(program, stages=tuple(stages))

@@ -1,0 +1,312 @@
+"""A pipeline over processes: one rank per stage, each holding only its own stage's weights.
+
+Terms:
+    job: ``S`` processes started together (``torchrun --nproc-per-node S``, a multi-node
+        c10d rendezvous, or :func:`tppc.launch`); rank ``r`` runs stage ``r`` on its local
+        device (``cuda:LOCAL_RANK`` with NCCL, else CPU with gloo).
+    collective call: every rank calls the pipeline together (SPMD, like any torch.distributed
+        program). Rank 0's inputs are used: it validates them before any communication and
+        broadcasts them (or its error, which every rank then raises); the results come back
+        on rank 0 (``results="rank0"``, the others get None) or on every rank (``"all"``).
+    materialised stage: each rank captures the model (built on the meta device: no weights)
+        and plans (rank 0 plans, the plan is broadcast as JSON), builds the program on the
+        meta device, then loads only its own stage's tensors from a safetensors checkpoint
+        (:class:`tppc.distributed.checkpoint.StageWeights`).
+
+``generate`` and ``denoise`` (DiT, :mod:`tppc.distributed.denoise`) step the same
+loop on every rank; the last rank sends what stage 0 needs next (tokens, stepped patches).
+An ahead-of-time export directory would replace capture and
+planning by reading ``plan.json`` and the stage files: only :meth:`DistributedPipeline.materialise` reads weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from tppc.backends import wire
+from tppc.backends.torch_distributed import DistributedExecutor
+from tppc.calls.call import run_call
+from tppc.distributed.checkpoint import StageWeights
+from tppc.distributed.rank_delivery import RankDelivery
+from tppc.distributed.shared_results import sweep_dead
+from tppc.distributed.validate import retarget, validate_on_rank0
+from tppc.driver.emit import Emitter
+from tppc.driver.options import CompileOptions, check_seconds
+from tppc.driver.planning import Planner, example_plan
+from tppc.errors import RuntimeInputError, SpecError, StageFailed, TppcError
+from tppc.frontend.front_end import FrontEnd, capture_front_end
+from tppc.pipeline.compiled import CompiledPipeline
+from tppc.planner.plan import Plan
+from tppc.program.program import Program
+from tppc.program.state import Call
+
+__all__ = ["DistributedPipeline", "compile_distributed", "init_distributed"]
+
+Results = Literal["rank0", "all"]
+
+
+def init_distributed(timeout: float = 60.0, device: str = "auto"
+                     ) -> tuple[int, int, torch.device]:
+    """Join the job (from torchrun's environment) unless already joined.
+
+    Args:
+        timeout: seconds any collective or point-to-point operation may wait.
+        device: ``"auto"`` (``cuda:LOCAL_RANK`` when CUDA is present, else CPU), ``"cpu"``
+            or ``"cuda"``.
+
+    Returns:
+        ``(rank, world size, this rank's device)``.
+
+    Joining also removes the shared-output files of dead processes on this machine
+    (:func:`tppc.distributed.shared_results.sweep_dead`).
+    """
+    check_seconds("comm_timeout", timeout)
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    where = torch.device("cuda", local) if use_cuda else torch.device("cpu")
+    if not dist.is_initialized():
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            raise SpecError("backend='distributed' needs a job: RANK and WORLD_SIZE are not set. "
+                            "fix: start with `torchrun --nproc-per-node S ...` or tppc.launch")
+        if use_cuda:  # survivors of a dead peer raise instead of hanging for the watchdog
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+            torch.cuda.set_device(where)
+        dist.init_process_group("nccl" if use_cuda else "gloo",
+                                timeout=timedelta(seconds=timeout),
+                                device_id=where if use_cuda else None)
+        sweep_dead()  # shared outputs an earlier job's killed rank left on this machine
+    return dist.get_rank(), dist.get_world_size(), where
+
+
+def compile_distributed(model: torch.nn.Module, args: tuple[Any, ...],
+                        kwargs: Mapping[str, Any] | None = None, *, plan: Plan | None = None,
+                        seq_dims: Mapping[str, int | tuple[int, ...]] | None = None,
+                        checkpoint: str | None = None,
+                        buffers: Mapping[str, torch.Tensor] | None = None,
+                        results: Results = "rank0", comm_timeout: float = 60.0,
+                        device: str = "auto", **options: Any) -> DistributedPipeline:
+    """``tppc.compile(..., backend="distributed")``: see the module docstring.
+
+    Args:
+        model: the model, on the meta device (see :func:`tppc.distributed.checkpoint.empty_model`)
+            or real (then, without a checkpoint, every rank copies its stage from it).
+        checkpoint: safetensors file of the model's weights.
+        buffers: real buffers of an empty model (``empty_model``'s fourth result).
+        results: ``"rank0"`` or ``"all"``: who gets the outputs.
+        comm_timeout: seconds a rank waits for a peer before it fails (bounded failure).
+        device: ``"auto"``, ``"cpu"`` or ``"cuda"``.
+        **options: :class:`CompileOptions` fields (``verify``: rank 0 checks the program
+            before the stages load, :mod:`tppc.distributed.validate`; ``num_stages``
+            defaults to the job's size, ``cluster`` to ``"<S>xcpu"``; ``devices`` and
+            ``executor`` are set here).
+    """
+    if results not in ("rank0", "all"):
+        raise SpecError(f"results={results!r}; use 'rank0' or 'all'")
+    rank, world, where = init_distributed(comm_timeout, device)
+    options.setdefault("cluster", f"{world}xcpu")
+    options.setdefault("num_stages", world)
+    options.update(executor="distributed", devices=("meta",) * world)
+    opts = CompileOptions.from_kwargs(**options)
+    if where.type == "cpu" and opts.threads_per_stage is not None:
+        t = opts.threads_per_stage
+        torch.set_num_threads(t if isinstance(t, int) else t[rank])
+    front = capture_front_end(model, args, kwargs, seq_dims=seq_dims)  # on meta if the model is
+    plan, planner = example_plan(front, opts, plan,
+                                 share=lambda planner: _shared_planner(planner, rank))
+    validation = None
+    if opts.verify:  # rank 0 checks the program before any rank loads its stage
+        validation = validate_on_rank0(model, front, plan, opts, args, kwargs,
+                                       checkpoint=checkpoint, buffers=dict(buffers or {}),
+                                       device=where, rank=rank)
+    weights = StageWeights(checkpoint, model, dict(buffers or {}), where)
+    emitter = Emitter(opts, planner, None if planner is not None else plan)
+    emitter.check(front, plan)
+    cp = DistributedPipeline(model, front, emitter.emit(front, plan), emitter,
+                             seq_dims=seq_dims, weights=weights, rank=rank, world=world,
+                             results=results, comm_timeout=comm_timeout)
+    cp.validation, cp.example = validation, (tuple(args), dict(kwargs or {}))
+    return cp
+
+
+class DistributedPipeline(CompiledPipeline):
+    """This rank's share of a pipeline; call it on every rank together (module docstring).
+
+    Attributes:
+        rank: this process's rank (= its stage).
+        world: number of ranks.
+        device: this rank's device.
+        weights: this rank's loaded tensors (``weights.nbytes``).
+        comm: this rank's :class:`tppc.backends.torch_distributed.DistributedExecutor`.
+    """
+
+    REBALANCE_REFUSAL = ("a distributed pipeline cannot rebalance: every rank holds only its "
+                         "stage's weights, and moving layers would reload them on every rank "
+                         "at once. fix: re-plan and launch the job again (tppc.plan)")
+
+    def __init__(self, model: torch.nn.Module, front: FrontEnd, program: Program,
+                 emitter: Emitter, *, seq_dims: Mapping[str, int | tuple[int, ...]] | None,
+                 weights: StageWeights, rank: int, world: int, results: Results,
+                 comm_timeout: float) -> None:
+        self.rank, self.world, self.results = rank, world, results
+        self.device, self.weights = weights.device, weights
+        self.comm_timeout = comm_timeout
+        self.comm = DistributedExecutor(rank, world, emitter.options.queue_depth, comm_timeout)
+        super().__init__(model, front, program, emitter, seq_dims=seq_dims)
+
+    @property
+    def last_trace(self) -> list[tuple[int, int, float, float]]:
+        """``(stage, chunk, start, end)`` of this rank's jobs in the last call."""
+        return self.comm.last_trace
+
+    def run(self, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None, *,
+            timeout: float | None = None, executor: Any = None,
+            trace: list | None = None) -> Any:
+        """``model(*args, **kwargs)`` through the job (collective; rank 0's inputs); the
+        outputs on rank 0 (every rank with ``results="all"``), None elsewhere.
+
+        Raises:
+            StageTimeout: the call outlived ``timeout`` (default ``options.timeout``), rank
+                0's wait for the results included.
+        """
+        check_seconds("timeout", timeout)
+        timeout = self.options.timeout if timeout is None else timeout
+        args, kwargs = self.share_inputs("call", (tuple(args), dict(kwargs or {})))
+        return run_call(self, args, kwargs, self._delivery(timeout), timeout=timeout,
+                        trace=trace)
+
+    def generate(self, input_ids: torch.Tensor | None = None, max_new_tokens: int = 20,
+                 **kwargs: Any) -> torch.Tensor | None:
+        """Greedy generation through the job (collective; rank 0's ``input_ids``).
+
+        Every rank steps the same loop; the last rank picks each token and broadcasts it.
+        Returns prompt + new tokens (see :func:`tppc.pipeline.generate.greedy_generate`).
+        """
+        from tppc.distributed.generate import distributed_generate
+
+        return distributed_generate(self, input_ids, max_new_tokens, **kwargs)
+
+    def denoise(self, latents: torch.Tensor | None, scheduler: Any,
+                num_inference_steps: int = 20, **kwargs: Any) -> torch.Tensor | None:
+        """PipeFusion denoising through the job (collective; rank 0's latents; every rank
+        passes its scheduler); see :mod:`tppc.distributed.denoise`."""
+        from tppc.distributed.denoise import distributed_denoise
+
+        kwargs.pop("executor", None)  # always the job
+        return distributed_denoise(self, latents, scheduler, num_inference_steps, **kwargs)
+
+    def execute(self, program: Program, call: Call, state: Any, sink: Any = None,
+                executor: Any = None, timeout: float | None = None,
+                trace: list | None = None) -> list[tuple[Any, ...]]:
+        """This rank's stage of ``call`` (``executor`` is ignored: always the job); a call
+        longer than ``timeout`` (default ``options.timeout``) raises StageTimeout."""
+        timeout = self.options.timeout if timeout is None else timeout
+        return self.comm.run(program, call, state, sink, timeout=timeout, trace=trace)
+
+    # -- collective helpers (used by generate and denoise) -----------------------------------------
+    def share_generate(self, input_ids: Any, max_new_tokens: int) -> tuple[Any, int]:
+        """Rank 0's ``(input_ids, max_new_tokens)`` on every rank (validated on rank 0)."""
+        def check(value: tuple[Any, int]) -> None:
+            self.bind((value[0],), {})
+            if isinstance(value[1], bool) or not isinstance(value[1], int) or value[1] < 1:
+                raise RuntimeInputError(f"max_new_tokens={value[1]!r} must be an integer ≥ 1")
+
+        return self.share_inputs("generate", (input_ids, max_new_tokens), check)
+
+    def broadcast_token(self, token: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+        """The last rank's ``token`` (shaped like ``like``) on every rank."""
+        buf = (token if token is not None else torch.empty_like(like)).to(self.device)
+        self.collective(lambda: dist.broadcast(buf, src=self.world - 1), "token broadcast")
+        return buf.to(like.device)
+
+    def share_inputs(self, what: str, value: Any, check: Any = None) -> Any:
+        """Rank 0's ``value`` on every rank (in the wire format), after rank 0 validated it
+        with ``check(value)`` (default: ``bind(*value)``); rank 0's error on every rank."""
+        message: dict[str, Any] | None = None
+        error: TppcError | None = None
+        if self.rank == 0:
+            try:
+                if check is not None:
+                    check(value)
+                else:
+                    self.bind(*value)
+                message = {"ok": value}
+                wire.encode(message)  # refuses what cannot travel, before anything is sent
+            except TppcError as exc:
+                error, message = exc, {"error": f"{type(exc).__name__}: {exc}"}
+        message = self.collective(lambda: wire.broadcast(message, 0, self.device),
+                                  f"{what} inputs")
+        if "error" in message:
+            if error is not None:
+                raise error
+            raise RuntimeInputError(f"rank 0 refused the {what} inputs: {message['error']}")
+        return message["ok"]
+
+    def collective(self, op: Callable[[], Any], what: str) -> Any:
+        """``op()``, a communication of ``what``: its failure raised as ``StageFailed``."""
+        try:
+            return op()
+        except TppcError:
+            raise
+        except Exception as exc:
+            raise self.comm.failure(exc, f"the {what}") from exc
+
+    # -- building -----------------------------------------------------------------------------
+    def _delivery(self, timeout: float | None = None) -> RankDelivery:
+        return RankDelivery(self.rank, self.world, self.results, self.device, self.comm,
+                            self.collective, timeout)
+
+    def _admit(self, program: Program) -> Program:
+        """An emitted (meta) program with this rank's stage loaded."""
+        self._executors.setdefault("distributed", self.comm)
+        return self.materialise(super()._admit(program))
+
+    def materialise(self, program: Program) -> Program:
+        """The meta program with this rank's stage (and tail, on the last rank) loaded."""
+        stage = program.stages[self.rank]
+        modules = [stage.module] + ([stage.runnable] if stage.runnable is not stage.module
+                                    else [])
+        self.weights.materialise(*modules)
+        for module in modules:
+            retarget(module, self.device)
+        tensors = [*stage.module.parameters(), *stage.module.buffers()]
+        mine = dataclasses.replace(
+            stage, device=self.device, positional=stage.module.tppc_positional,
+            param_count=sum(p.numel() for p in stage.module.parameters()),
+            param_bytes=sum(t.numel() * t.element_size() for t in tensors))
+        stages = list(program.stages)
+        stages[self.rank] = mine
+        tail = program.tail
+        if tail is not None and self.rank == self.world - 1:
+            self.weights.materialise(tail)
+            retarget(tail, self.device)
+        return dataclasses.replace(program, stages=tuple(stages), tail=tail)
+
+
+def _shared_planner(planner: Planner, rank: int) -> Planner:
+    """Rank 0 plans; every rank gets the plan (JSON) or rank 0's error."""
+    def plan_length(front: FrontEnd, length: int, workload: Any = None) -> Plan:
+        box: list[Any] = [None]
+        if rank == 0:
+            try:
+                plan = planner(front, length) if workload is None else planner(
+                    front, length, workload=workload)
+                box[0] = ("ok", plan.to_json())
+            except TppcError as exc:
+                box[0] = ("error", f"{type(exc).__name__}: {exc}")
+        try:
+            box[0] = wire.broadcast(box[0], 0)
+        except Exception as exc:
+            raise StageFailed(f"rank 0 did not share the plan for {length} tokens: {exc}. "
+                              "fix: see rank 0's log") from exc
+        if box[0][0] == "error":
+            raise SpecError(f"planning {length} tokens on rank 0 failed: {box[0][1]}")
+        return Plan.from_json(box[0][1])
+
+    return plan_length

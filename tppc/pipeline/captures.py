@@ -1,0 +1,131 @@
+"""The captures of one compiled model, and binding a call's inputs to one of them.
+
+Terms:
+    capture: a :class:`tppc.frontend.front_end.FrontEnd`: the model captured for one input
+        structure (which keyword inputs) and one batch shape. A call whose inputs another
+        capture serves runs there; a new batch shape or new keyword inputs are captured on the
+        call, once for concurrent callers, and cached (least recently used first out,
+        ``CompileOptions.program_cache``).
+    bind: a call's inputs bound to ``model.forward`` once (:func:`read_inputs`), checked
+        against a capture (:func:`tppc.frontend.front_end.bind`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from tppc.errors import CaptureError, RuntimeInputError
+from tppc.frontend.front_end import BoundCall, FrontEnd, bind, capture_front_end, read_inputs
+
+__all__ = ["Captures"]
+
+_ANY_BATCH = object()
+"""First item of a capture key that matches any batch shape of an input structure."""
+
+
+class Captures:
+    """The captures of one model (module docstring); thread-safe.
+
+    Args:
+        model: the compiled model.
+        front: the example's capture.
+        seq_dims: the sequence axes given to compile.
+        keep: captures kept at most.
+        max_seq: the longest sequence a call may have (None: no limit).
+    """
+
+    def __init__(self, model: torch.nn.Module, front: FrontEnd, *,
+                 seq_dims: Mapping[str, int | tuple[int, ...]] | None, keep: int,
+                 max_seq: int | None) -> None:
+        self.model, self.seq_dims, self.keep, self.max_seq = model, seq_dims, keep, max_seq
+        self.example = front
+        self._fronts: OrderedDict[Any, FrontEnd] = OrderedDict({front.key: front})
+        self._pending: dict[Any, Future[FrontEnd]] = {}  # captures in flight, by key
+        self._lock = threading.Lock()
+
+    def bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+             ) -> tuple[FrontEnd, BoundCall]:
+        """The capture for these inputs (captured for a new batch size) and the bound call.
+
+        Raises:
+            RuntimeInputError: naming the input, what it is, what was compiled, and the fix.
+        """
+        inputs = read_inputs(self.model, args, kwargs)  # bound once per call
+        structure = inputs.structure
+        base = self._front_for((_ANY_BATCH, structure),  # other keyword inputs: capture them
+                               lambda: self._capture(args, kwargs, None))
+        bound = bind(base, self.model, inputs)
+        if self.max_seq is not None and bound.length > self.max_seq:
+            raise RuntimeInputError(
+                f"the sequence has {bound.length} tokens, max_seq={self.max_seq}. "
+                f"fix: compile with max_seq={bound.length} (or more), or max_seq=None")
+        with self._lock:  # a dynamic capture serves many sizes, a specialised one its own
+            front = next((f for f in reversed(self._fronts.values())
+                          if f.serves(structure, bound)), None)
+        front = front or self._front_for((structure, bound.batch),
+                                         lambda: self._capture(args, kwargs, bound))
+        return front, dataclasses.replace(bound, batch=front.batch)
+
+    def share(self, other: Captures) -> None:
+        """Take ``other``'s captures of other batch shapes (captures are immutable)."""
+        with other._lock:
+            theirs = list(other._fronts.items())
+        with self._lock:
+            self._fronts.update((k, f) for k, f in theirs if k != self.example.key)
+
+    def _front_for(self, key: tuple[Any, Any], capture: Callable[[], FrontEnd]) -> FrontEnd:
+        """The cached capture for ``key`` (``(_ANY_BATCH, structure)``: the latest of any
+        batch shape), else ``capture()``'s, run once for concurrent callers: the first
+        captures (the process runs one capture at a time, :mod:`tppc.frontend.isolation`),
+        the others wait for it and share its capture or its error."""
+        with self._lock:
+            front = (self._fronts.get(key) if key[0] is not _ANY_BATCH else
+                     next((f for f in reversed(self._fronts.values()) if f.key[0] == key[1]),
+                          None))
+            if front is not None:
+                if key[0] is not _ANY_BATCH:
+                    self._fronts.move_to_end(key)
+                return front
+            pending = self._pending.get(key)
+            if pending is None:
+                pending = self._pending[key] = Future()
+                owner = True
+            else:
+                owner = False
+        if not owner:
+            return pending.result()
+        try:
+            front = capture()
+        except BaseException as exc:
+            with self._lock:
+                del self._pending[key]
+            pending.set_exception(exc)
+            raise
+        with self._lock:
+            self._fronts[front.key] = front
+            while len(self._fronts) > self.keep:
+                self._fronts.popitem(last=False)
+            del self._pending[key]
+        pending.set_result(front)
+        return front
+
+    def _capture(self, args: tuple[Any, ...], kwargs: Mapping[str, Any],
+                 bound: BoundCall | None) -> FrontEnd:
+        if bound is not None and bound.length < 2:
+            raise RuntimeInputError(
+                f"a call with batch shape {bound.batch} needs a new capture, and a "
+                f"{bound.length}-token call cannot be captured. fix: call once with at least "
+                "2 tokens at this batch size")
+        what = f"inputs {sorted(kwargs)}" if bound is None else f"batch shape {bound.batch}"
+        try:
+            return capture_front_end(self.model, tuple(args), kwargs, seq_dims=self.seq_dims)
+        except CaptureError as exc:
+            raise RuntimeInputError(f"re-capturing {type(self.model).__name__} for {what} "
+                                    f"failed: {exc}") from exc
