@@ -183,3 +183,21 @@ def test_invalid_launch_limits_are_refused_before_any_rank_starts(monkeypatch, n
     monkeypatch.setattr("subprocess.Popen", lambda *a, **k: pytest.fail("a rank started"))
     with pytest.raises(SpecError, match=name + _re(f"={value!r} must be a positive number")):
         tppc.launch("tppc.examples:gpt", 2, **{name: value})
+
+
+def test_a_granularity_larger_than_the_example_is_refused_before_planning(monkeypatch) -> None:
+    """It crashed the compile's check with a raw IndexError (its probe length, 16 + 2000
+    tokens, was past GPT's 1024 positions)."""
+    model, args, kwargs = gpt(seq_len=SEQ, n_layer=2)
+    with monkeypatch.context() as patch:
+        patch.setattr("tppc.driver.planning.length_planner",
+                      lambda *_, **__: pytest.fail("planned before the granularity was refused"))
+        patch.setattr("tppc.dispatch.compile.validate_pipeline",
+                      lambda *_, **__: pytest.fail("validated before the granularity was refused"))
+        with pytest.raises(errors.PlanError, match=r"granularity=2000 is larger than the example "
+                                                   r"of GPT, which has 16 tokens.*fix: pass "
+                                                   r"granularity <= 16"):
+            tppc.compile(model, args, kwargs, granularity=2000)
+    cp = tppc.compile(model, args, kwargs, granularity=SEQ)  # the fix: at most the example
+    with torch.no_grad():
+        assert_kernels_close(cp(*args), model(*args))

@@ -117,6 +117,7 @@ def example_plan(front: FrontEnd, opts: CompileOptions, plan: Plan | None = None
 
     Raises:
         SpecError: a given plan whose unit is not the model's.
+        PlanError: a granularity larger than the example's length (before any planning).
     """
     if front.truncated is not None:
         raise SpecError(f"the front end of {front.ctx.model_name} holds only some of its "
@@ -125,10 +126,28 @@ def example_plan(front: FrontEnd, opts: CompileOptions, plan: Plan | None = None
     if plan is not None:
         _check_unit(plan, front)
         return plan, None
+    _check_granularity(front, opts.granularity)
     planner = length_planner(opts)
     if share is not None:
         planner = share(planner)
     return planner(front, front.ctx.example_seq), planner
+
+
+def _check_granularity(front: FrontEnd, granularity: int | None) -> None:
+    """Refuse a granularity larger than the example: it would run as one chunk, and the
+    compile's check has no other length within the example's reach (its probe length would
+    be the example plus the granularity, past what the model may accept)."""
+    length = front.ctx.example_seq
+    if granularity is None or granularity <= length:
+        return
+    per = tokens_per_unit(front.ctx, length)
+    unit = "tokens" if per == 1 else f"rows of {per} tokens"
+    raise PlanError(
+        f"granularity={granularity} is larger than the example of {front.ctx.model_name}, "
+        f"which has {length} {unit} along its sequence axis: chunks are multiples of "
+        f"{granularity} {unit}, so the example cannot be split (nor checked at another "
+        f"length). fix: pass granularity <= {length} (or granularity=None: automatic), or "
+        f"an example of at least {granularity} {unit}")
 
 
 def _check_unit(plan: Plan, front: FrontEnd) -> None:
