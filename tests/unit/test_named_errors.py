@@ -201,3 +201,18 @@ def test_a_granularity_larger_than_the_example_is_refused_before_planning(monkey
     cp = tppc.compile(model, args, kwargs, granularity=SEQ)  # the fix: at most the example
     with torch.no_grad():
         assert_kernels_close(cp(*args), model(*args))
+
+
+def test_a_scheduler_class_is_refused_by_both_denoise_loops(compiled) -> None:
+    """``denoise(x, DDIMScheduler, ...)`` (the class) raised a raw TypeError from
+    ``set_timesteps``; the compiled pipeline and a loaded artifact refuse it alike."""
+    diffusers = pytest.importorskip("diffusers")
+    from tppc.artifact.torch_runners.denoise import denoise_loaded
+
+    latents = torch.randn(1, 4, 8, 8)
+    text = r"scheduler=DDIMScheduler is a class, not a scheduler.*fix: pass an instance: " \
+           r"DDIMScheduler\(\)"
+    with pytest.raises(SpecError, match=text):
+        compiled[2].denoise(latents, diffusers.DDIMScheduler, 4)
+    with pytest.raises(SpecError, match=text):  # refused before the artifact's runner is read
+        denoise_loaded(None, latents, diffusers.DDIMScheduler, 4)

@@ -42,8 +42,14 @@ def check_scheduler(scheduler: Any) -> None:
     """Refuse an object without the step protocol (``set_timesteps``, ``timesteps``, ``step``).
 
     Raises:
-        SpecError: naming the missing method and the fix.
+        SpecError: a scheduler class (not an instance), or naming the missing method; and
+            the fix.
     """
+    if isinstance(scheduler, type):
+        name = scheduler.__name__
+        raise SpecError(f"scheduler={name} is a class, not a scheduler: denoise steps an "
+                        f"instance (its timesteps and history are per call). fix: pass an "
+                        f"instance: {name}() or {name}.from_config(pipe.scheduler.config)")
     for name in ("set_timesteps", "step"):
         if not callable(getattr(scheduler, name, None)):
             raise SpecError(f"scheduler {type(scheduler).__name__} has no {name}(): denoise "
