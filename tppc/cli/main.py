@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
+from tppc.cli.checks import check_arguments, lengths_arg
 from tppc.errors import TppcError
 from tppc.examples.factory import load_factory
 
@@ -48,15 +49,16 @@ def _plan(ns: argparse.Namespace) -> int:
 
 
 def _export(ns: argparse.Namespace) -> int:
-    from tppc.artifact.writer.write import export, lengths_arg
+    from tppc.artifact.writer.write import export
     from tppc.dispatch.compile import compile_pipeline
 
+    lengths = lengths_arg(ns.lengths)  # refused before the model is compiled
     model, args, kwargs = load_factory(ns.factory)
     options = {"num_stages": ns.stages} if ns.stages else {}
     if ns.chunks:
         options["chunks"] = ns.chunks
     compiled = compile_pipeline(model, args, kwargs, cluster=ns.cluster, **options)
-    out = export(compiled, ns.out, lengths=lengths_arg(ns.lengths),
+    out = export(compiled, ns.out, lengths=lengths,
                  progress=lambda line: print(line, file=sys.stderr))
     print(f"wrote {out}/plan.json and {len(compiled.plan.stages)} stage(s)")
     return 0
@@ -66,7 +68,7 @@ def _run(ns: argparse.Namespace) -> int:
     from tppc.artifact.core.run import run_artifact
 
     return run_artifact(ns.artifact, ns.input, ns.output, threads=ns.threads,
-                        generate=ns.generate)
+                        generate=ns.generate or 0)
 
 
 def _needs_torch(ns: argparse.Namespace) -> int:
@@ -104,7 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="length in the plan's unit: tokens, or patch rows for a DiT "
                          "(default: the example's)")
     pl.add_argument("--granularity", type=int, default=None, help="chunk sizes are multiples")
-    pl.add_argument("--steps", type=int, default=0, help="diffusion steps (DiT workloads)")
+    pl.add_argument("--steps", type=int, default=None,
+                    help="diffusion steps (DiT workloads; default: one pass)")
     pl.add_argument("--time-limit", type=float, default=10.0, help="solver seconds")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.add_argument("--png", default=None, metavar="FILE",
@@ -126,13 +129,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     rn.add_argument("--input", required=True, help=".npz with one array per model input")
     rn.add_argument("--output", required=True, help=".npz to write the outputs to")
     rn.add_argument("--threads", type=int, default=None, help="intra-op threads per stage")
-    rn.add_argument("--generate", type=int, default=0, metavar="N",
+    rn.add_argument("--generate", type=int, default=None, metavar="N",
                     help="greedy-generate N tokens instead (output 'ids')")
     rn.set_defaults(fn=_run)
     ns = parser.parse_args(argv)
     fn: Callable[[argparse.Namespace], int] = ns.fn
     start = time.perf_counter()
     try:
+        check_arguments(ns)  # every number and path, before the model is loaded
         code = fn(ns)
     except TppcError as exc:
         print(f"tppc: error: {exc}", file=sys.stderr)

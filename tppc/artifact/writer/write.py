@@ -31,7 +31,7 @@ import json
 import operator
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,7 @@ from tppc.driver.emit import build_program
 from tppc.passes.chunking.chunk_attention import REST_CHUNK
 from tppc.version import __version__
 
-__all__ = ["EXTERNAL_DATA_BYTES", "ExportError", "export", "lengths_arg", "rest_program"]
+__all__ = ["EXTERNAL_DATA_BYTES", "ExportError", "export", "rest_program"]
 
 EXTERNAL_DATA_BYTES = 1 << 28
 """A stage whose weights exceed this (256 MiB) keeps them in ``stage_<s>.onnx.data``."""
@@ -284,9 +284,3 @@ def _save(model: onnx.ModelProto, out: Path, name: str, external: bool | None,
     onnx.save_model(model, str(target))
     return [name]
 
-
-def lengths_arg(values: Sequence[str] | None) -> list[int] | None:
-    """``--lengths 128 256`` or ``--lengths 128,256`` of the CLI as ints."""
-    if not values:
-        return None
-    return [int(v) for item in values for v in str(item).split(",") if v]
