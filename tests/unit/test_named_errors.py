@@ -216,3 +216,21 @@ def test_a_scheduler_class_is_refused_by_both_denoise_loops(compiled) -> None:
         compiled[2].denoise(latents, diffusers.DDIMScheduler, 4)
     with pytest.raises(SpecError, match=text):  # refused before the artifact's runner is read
         denoise_loaded(None, latents, diffusers.DDIMScheduler, 4)
+
+
+def test_inputs_on_the_meta_device_are_refused_at_bind(compiled, monkeypatch) -> None:
+    """They crashed in the executor ("Cannot copy out of meta tensor") inside stage 0."""
+    model, args, cp = compiled
+    meta = args[0].to("meta")
+    monkeypatch.setattr(type(cp), "execute",
+                        lambda *_, **__: pytest.fail("a stage ran before the input was refused"))
+    text = r"input 'input_ids' is on the meta device \(shape \(1, 16\)\).*fix: pass real tensors"
+    for executor in ("local", "threads"):
+        with pytest.raises(RuntimeInputError, match=text):
+            cp.run((meta,), executor=executor)
+    with pytest.raises(RuntimeInputError, match=text):
+        cp.generate(meta, max_new_tokens=2)
+    monkeypatch.undo()
+    real = torch.empty_like(meta, device="cpu").copy_(args[0])  # the fix: a tensor with data
+    with torch.no_grad():
+        assert_kernels_close(cp(real), model(*args))

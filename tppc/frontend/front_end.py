@@ -200,7 +200,8 @@ def bind(front: FrontEnd, model: torch.nn.Module, inputs: CallInputs) -> BoundCa
     :func:`batch_shape` then selects (or captures) another front end.
 
     Raises:
-        RuntimeInputError: naming the input, what it is, what was compiled, and the fix.
+        RuntimeInputError: naming the input, what it is (on the meta device, NaN, an empty
+            batch), what was compiled, and the fix.
     """
     flat, spec = inputs.flat, inputs.spec
     signature = front.signature
@@ -212,6 +213,12 @@ def bind(front: FrontEnd, model: torch.nn.Module, inputs: CallInputs) -> BoundCa
     placeholders = front.placeholders
     for ph, value in zip(placeholders, flat):
         seq = front.ctx.seq_inputs.get(ph.name, ())
+        if isinstance(value, torch.Tensor) and value.is_meta:
+            raise RuntimeInputError(
+                f"input {ph.name!r} is on the meta device (shape {tuple(value.shape)}): it "
+                "has a shape but no data to run (tppc.plan takes meta inputs, a call does "
+                "not). fix: pass real tensors, e.g. on cpu (the pipeline moves inputs to "
+                "its stages)")
         check_input(ph, value, skip_axes=_static_axes(ph, seq))
         check_finite(ph.name, value)
         if 0 not in seq and isinstance(value, torch.Tensor) and value.dim() \
