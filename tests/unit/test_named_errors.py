@@ -7,6 +7,7 @@ where a fix is named, following it is checked against eager torch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import time
@@ -234,3 +235,58 @@ def test_inputs_on_the_meta_device_are_refused_at_bind(compiled, monkeypatch) ->
     real = torch.empty_like(meta, device="cpu").copy_(args[0])  # the fix: a tensor with data
     with torch.no_grad():
         assert_kernels_close(cp(real), model(*args))
+
+
+@dataclasses.dataclass
+class _Output:
+    """A model output no pytree knows (not a transformers ModelOutput)."""
+    logits: torch.Tensor
+    pair: tuple[torch.Tensor, torch.Tensor]
+    note: str | None = None
+
+
+class _DataclassOutput(torch.nn.Module):
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids: torch.Tensor) -> _Output:
+        logits = self.inner(input_ids)
+        return _Output(logits=logits, pair=(logits * 2, logits.softmax(-1)))
+
+
+def test_a_dataclass_output_is_captured_and_returned_as_that_dataclass() -> None:
+    """It was refused as "CaptureError: torch.export could not capture ... at <string>:1 ()"
+    (torch.export flattens only registered types): tppc registers it, as a user would."""
+    inner, args, _ = gpt(seq_len=SEQ, n_layer=2)
+    model = _DataclassOutput(inner).eval()
+    cp = tppc.compile(model, args, num_stages=2, chunks=2)
+    with torch.no_grad():
+        got, want = cp(*args), model(*args)
+    assert type(got) is _Output and got.note is None
+    for name in ("logits", "pair"):
+        assert_kernels_close(getattr(got, name), getattr(want, name))
+    assert not model._forward_hooks  # the hook that registered it was on the traced copy
+
+
+class _Box:
+    """A plain class holding a tensor: no pytree flattens it."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits
+
+
+class _BoxOutput(_DataclassOutput):
+    def forward(self, input_ids: torch.Tensor) -> _Box:  # type: ignore[override]
+        return _Box(self.inner(input_ids))
+
+
+def test_an_output_of_an_unknown_class_names_the_class_and_the_fix() -> None:
+    """Was "could not capture ... at <string>:1 ()": a location in generated code."""
+    inner, args, _ = gpt(seq_len=SEQ, n_layer=2)
+    with pytest.raises(CaptureError, match=r"could not capture _BoxOutput: an input or output "
+                                           r"of a type .*: (tests\.unit\.)?test_named_errors\._Box"
+                                           r"\.\nfix: return tensors in a tuple, a dict or a "
+                                           r"dataclass") as info:
+        tppc.compile(_BoxOutput(inner).eval(), args)
+    assert "<string>" not in str(info.value)

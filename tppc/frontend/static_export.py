@@ -17,6 +17,7 @@ from torch.utils import _pytree as pytree
 
 from tppc.errors import CaptureError
 from tppc.frontend.isolation import CAPTURE_LOCK, isolated
+from tppc.frontend.torch_export import register_dataclasses
 
 __all__ = ["MethodCall", "export_static", "outside_inference"]
 
@@ -54,6 +55,7 @@ def export_static(model: torch.nn.Module, args: tuple[Any, ...],
                                             (tuple(args), kwargs))
     name = f"{type(model).__name__}.{method}"
     with CAPTURE_LOCK, isolated(module) as traced:
+        traced.register_forward_hook(lambda _module, _inputs, out: register_dataclasses(out))
         try:
             ep = torch.export.export(traced, tuple(args), kwargs, strict=False)
         except Exception as exc:  # torch raises many types; name the component

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
 import traceback
@@ -16,7 +17,7 @@ from tppc.errors import CaptureError
 from tppc.frontend.isolation import isolated
 from tppc.ir.context import CompileContext
 
-__all__ = ["example_units", "export_dynamic", "is_latent"]
+__all__ = ["example_units", "export_dynamic", "is_latent", "register_dataclasses"]
 
 _DEFAULT_MAX_FACTOR = 64
 
@@ -81,10 +82,30 @@ def _export(model: torch.nn.Module, bound: inspect.BoundArguments, shapes: dict[
     :mod:`tppc.frontend.isolation`), whether the export succeeded or raised.
     """
     with isolated(model) as traced:
+        traced.register_forward_hook(lambda _module, _inputs, out: register_dataclasses(out))
         ep = torch.export.export(traced, bound.args, bound.kwargs, dynamic_shapes=shapes,
                                  strict=False,
                                  prefer_deferred_runtime_asserts_over_guards=deferred)
         return _functional(ep)
+
+
+def register_dataclasses(output: Any) -> None:
+    """Register with torch.export every dataclass in a model's output that pytree does not
+    know (``torch.export.register_dataclass``; process-wide, as a user would), so that a
+    ``forward`` returning one is captured and each call returns the same dataclass. Called
+    by a forward hook on the traced module (the shadow tree's: the model keeps no hook)."""
+    if dataclasses.is_dataclass(output) and not isinstance(output, type):
+        if type(output) not in pytree.SUPPORTED_NODES:
+            torch.export.register_dataclass(type(output))
+        children: Any = [getattr(output, f.name) for f in dataclasses.fields(output)]
+    elif isinstance(output, list | tuple):
+        children = output
+    elif isinstance(output, dict):
+        children = output.values()
+    else:
+        return
+    for child in children:
+        register_dataclasses(child)
 
 
 def _functional(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
@@ -254,6 +275,11 @@ _HINTS: list[tuple[str, str, str]] = [
      "write the tensor without `.data` (torch.cat, index_put), or build the model with its "
      "size config equal to this input's size (a sincos table is not a weight: "
      "from_pretrained(..., sample_height=h, sample_width=w) loads the same weights)"),
+    (r"in (?:output|input), which is not a known type",
+     "an input or output of a type torch.export cannot flatten (a class that is neither a "
+     "tensor, a tuple, a list, a dict nor a dataclass; dataclasses are registered by tppc)",
+     "return tensors in a tuple, a dict or a dataclass, or register the class with "
+     "torch.utils._pytree.register_pytree_node"),
     (_CACHE,
      "a key/value cache object in the inputs or outputs",
      "do not pass past_key_values; tppc builds its own K/V buffers"),
@@ -293,7 +319,7 @@ def _explain(model: torch.nn.Module, exc: Exception, why: str = "") -> str:
     if hint is not None:
         _pattern, what, fix = hint
         what += why
-        where = where or _lifted_owner(text)
+        where = where or _lifted_owner(text) or _unknown_type(text)
         return (f"torch.export could not capture {type(model).__name__}: {what}{where}.\n"
                 f"fix: {fix}.\ntorch.export's error, in full:\n{text.strip()}")
     return (f"torch.export could not capture {type(model).__name__}{where}.\n"
@@ -307,9 +333,17 @@ def _lifted_owner(text: str) -> str:
     return f" in module {found.group(1)}" if found else ""
 
 
+def _unknown_type(text: str) -> str:
+    """``: <class>`` for torch.export's "Found <class 'X'> in output, which is not a known
+    type", else ''."""
+    found = re.search(r"Found <class '([^']+)'> in (?:output|input)", text)
+    return f": {found.group(1)}" if found else ""
+
+
 def _user_frame(exc: Exception) -> str:
     frames = traceback.extract_tb(exc.__traceback__)
     for frame in reversed(frames):
-        if "/torch/" not in frame.filename and "/tppc/" not in frame.filename:
+        if "/torch/" not in frame.filename and "/tppc/" not in frame.filename \
+                and not frame.filename.startswith("<"):  # generated code: <string>, <eval...>
             return f" at {frame.filename}:{frame.lineno} ({frame.line})"
     return ""
