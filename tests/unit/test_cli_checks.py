@@ -165,3 +165,24 @@ def test_the_command_exits_2_with_one_line(tmp_path, inputs) -> None:
     assert done.returncode == 2, done.stderr
     assert done.stdout == "" and done.stderr.count("\n") == 1, done.stderr
     assert "is the input" in done.stderr and inputs.read_bytes() == data
+
+
+@pytest.mark.parametrize("argv,text", [
+    (["--generate", "0"], "--generate 0 must be an integer >= 1"),
+    (["--repeat", "0"], "--repeat 0 must be an integer >= 1"),
+    (["--input", "IN", "--output", "IN"], "is the input (--input"),
+    (["--output", "NOWHERE/o.npz"], "does not exist"),
+])
+def test_the_rank_entry_checks_its_arguments_before_loading(tmp_path, inputs, argv,
+                                                            text) -> None:
+    """``python -m tppc.run`` (one rank): status 1 and one line, as any rank error, before the
+    model is built (a factory that does not exist is never imported)."""
+    argv = [a.replace("IN", str(inputs)).replace("NOWHERE", str(tmp_path / "nowhere"))
+            for a in argv]
+    data = inputs.read_bytes()
+    done = subprocess.run([sys.executable, "-m", "tppc.cli.rank", "no_such_module:f", *argv],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert "] SpecError: --" in done.stderr and text in done.stderr, done.stderr
+    assert "no_such_module" not in done.stderr and inputs.read_bytes() == data

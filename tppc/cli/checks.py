@@ -32,7 +32,7 @@ from pathlib import Path
 from tppc.errors import SpecError
 
 __all__ = ["check_arguments", "check_count", "check_output_dir", "check_output_file",
-           "lengths_arg", "npz_path"]
+           "check_rank_arguments", "lengths_arg", "npz_path"]
 
 #: Per subcommand: the integer options (attribute, flag, least value).
 COUNTS: dict[str, tuple[tuple[str, str, int], ...]] = {
@@ -71,6 +71,31 @@ def check_arguments(ns: argparse.Namespace) -> None:
                             "inputs (numpy.savez)")
         check_output_file("--output", ns.output and str(npz_path(ns.output)),
                           source=("--input", source))
+
+
+#: The rank entry's integer options (``python -m tppc.run``; attribute, flag, least value).
+RANK_COUNTS: tuple[tuple[str, str, int], ...] = (
+    ("generate", "--generate", 1), ("denoise", "--denoise", 1),
+    ("warmup_steps", "--warmup-steps", 1), ("patches", "--patches", 1),
+    ("chunks", "--chunks", 1), ("threads", "--threads", 1), ("repeat", "--repeat", 1))
+
+
+def check_rank_arguments(ns: argparse.Namespace, rank: int | None) -> None:
+    """Check the rank entry's numbers, ``--input`` and (on rank 0, which writes it; ``rank``
+    None: unknown) ``--output``, before the model or the artifact is loaded.
+
+    Raises:
+        SpecError: the first bad argument, naming the option, its value and the fix.
+    """
+    for attr, flag, least in RANK_COUNTS:
+        check_count(flag, getattr(ns, attr, None), least)
+    source = None if ns.input is None else Path(ns.input)
+    if source is not None and not source.is_file():
+        raise SpecError(f"--input {ns.input!r} is not a file. fix: pass the .npz of the "
+                        "inputs (numpy.savez), or leave --input out (the factory's examples)")
+    if ns.output is not None and rank in (0, None):
+        check_output_file("--output", ns.output and str(npz_path(ns.output)),
+                          source=None if source is None else ("--input", source))
 
 
 def check_count(flag: str, value: int | None, least: int) -> None:

@@ -145,6 +145,10 @@ def _watchdog(rank: str, grace: float = 2.0) -> None:
 
 
 def _run(ns: argparse.Namespace) -> dict[str, Any]:
+    from tppc.cli.checks import check_rank_arguments
+
+    rank = os.environ.get("RANK")
+    check_rank_arguments(ns, int(rank) if rank and rank.isdigit() else None)
     import numpy as np
     import torch
     from torch.utils import _pytree as pytree
