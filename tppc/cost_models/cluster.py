@@ -47,8 +47,8 @@ Example:
 from __future__ import annotations
 
 import re
-from itertools import pairwise
 from dataclasses import dataclass
+from itertools import pairwise
 
 from tppc.cost_models.presets import DEFAULT_LINK, DEVICE_PRESETS, LINK_PRESETS
 from tppc.cost_models.specs import DeviceSpec, LinkSpec
