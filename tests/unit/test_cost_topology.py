@@ -180,3 +180,15 @@ def test_hierarchical_all_reduce_uses_the_smallest_node_share():
 def test_bad_collective_requests_are_refused_by_name(collective, nbytes, group, wrong):
     with pytest.raises(SpecError, match=wrong):
         collective_cost("8xh20", collective, nbytes, group)
+
+
+def test_one_member_per_node_is_a_flat_ring_or_tree_over_the_inter_node_link():
+    c = Cluster.parse("2x(4xh20)@ib-ndr")
+    cost = collective_cost(c, "all_reduce", 1e6, (0, 4))
+    assert dict(cost.candidates).keys() == {"ring", "tree"}  # nothing to do inside a node
+    assert dict(cost.candidates)["ring"] == pytest.approx(1e6 / 50e9 + 2 * 10e-6)
+
+
+def test_tree_depth_rounds_up_for_groups_that_are_not_powers_of_two():
+    cost = collective_cost("8xh20", "all_reduce", 1e3, (0, 1, 2))
+    assert dict(cost.candidates)["tree"] == pytest.approx(2 * 2 * (8e-6 + 1e3 / 370e9))
