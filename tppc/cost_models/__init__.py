@@ -2,8 +2,11 @@
 
 Modules (one concern each):
     specs        MatrixUnit, VectorUnit, Memory, DeviceSpec, LinkSpec (validated records)
-    presets      H100/H200/A100/V100/TPU v4-v5p devices; NVLink, PCIe, ICI, Ethernet links
-    cluster      Cluster: a chain of devices and links, ``Cluster.parse("2xh100-sxm")``
+    presets      H100/H200/H20/A100/V100/TPU v4-v5p devices; NVLink, PCIe, ICI, Ethernet,
+                 InfiniBand links
+    cluster      Cluster: a chain of devices in nodes, ``Cluster.parse("4x(8xh20)@ib-ndr")``
+    collective_costs  ``collective_cost``: all-reduce, all-gather, reduce-scatter, all-to-all
+                 by algorithm (ring, tree, hierarchical) on the links a group crosses
     calibration  ``calibrate("cpu")``: micro-benchmarks → DeviceSpec (cached JSON)
     unpriced     the warning for ops without a rule (the rules: :mod:`tppc.ir.op_rules`)
     node_costs   FLOPs and bytes of one fx node as sympy in (c, p, L)
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 from tppc.cost_models.calibration import calibrate
 from tppc.cost_models.cluster import Cluster
+from tppc.cost_models.collective_costs import CollectiveCost, collective_cost
 from tppc.cost_models.layer_costs import build_cost_table, layer_expressions
 from tppc.cost_models.presets import DEVICE_PRESETS, LINK_PRESETS
 from tppc.cost_models.report import CostReport, report_from_graph
@@ -28,6 +32,7 @@ __all__ = [
     "DEVICE_PRESETS",
     "LINK_PRESETS",
     "Cluster",
+    "CollectiveCost",
     "CostReport",
     "CostTable",
     "DeviceSpec",
@@ -40,6 +45,7 @@ __all__ = [
     "VectorUnit",
     "build_cost_table",
     "calibrate",
+    "collective_cost",
     "layer_expressions",
     "report_from_graph",
 ]

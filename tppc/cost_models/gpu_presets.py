@@ -122,6 +122,18 @@ def _h200() -> DeviceSpec:
                    description=_h200.__doc__ or "")
 
 
+def _h20() -> DeviceSpec:
+    """NVIDIA H20 96GB (Hopper, export-limited, 400 W), 78 SMs.
+
+    Source: datasheet (2024): 148 TFLOP/s fp16/bf16 dense, 296 fp8/int8, 74 tf32, 44 fp32;
+    HBM3 96 GB at 4.0 TB/s; NVLink 4 at 900 GB/s total (450 per direction, ``nvlink4``).
+    Achieved: GEMM 0.8 and attention as H100 (estimates: no public MAMF for the part).
+    """
+    return _nvidia("h20", {"fp32": 44 * T, "tf32": 74 * T, "bf16": 148 * T, "fp16": 148 * T,
+                           "fp8": 296 * T, "int8": 296 * T},
+                   44 * T, 4.0 * T, 96 * G, 78, 0.8, 0.665, _h20.__doc__ or "")
+
+
 def _b200() -> DeviceSpec:
     """NVIDIA B200 SXM 180GB (HGX, 1000 W), 148 SMs.
 
@@ -185,6 +197,6 @@ def _mi300x() -> DeviceSpec:
 
 
 GPU_DEVICES: tuple[DeviceSpec, ...] = (
-    _h100_sxm(), _h200(), _b200(), _a100_80gb(), _a100_pcie(), _v100(), _l40s(), _l20(),
+    _h100_sxm(), _h200(), _h20(), _b200(), _a100_80gb(), _a100_pcie(), _v100(), _l40s(), _l20(),
     _mi300x())
 """Every GPU preset, achieved rates included."""

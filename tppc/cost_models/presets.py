@@ -121,6 +121,14 @@ LINK_PRESETS: dict[str, LinkSpec] = {
               "TPU v6e ICI: 3584 Gb/s = 448 GB/s total per chip, 2-D torus."),
         _link("eth-100g", 12.5 * G, 10e-6, "100 Gb/s Ethernet with RDMA: 12.5 GB/s."),
         _link("eth-400g", 50 * G, 10e-6, "400 Gb/s Ethernet with RDMA: 50 GB/s."),
+        _link("ib-ndr", 50 * G, 10e-6,
+              "NDR InfiniBand (ConnectX-7, 400 Gb/s = 50 GB/s per direction), one NIC per GPU "
+              "(rail-optimised HGX nodes); latency: NCCL's own model charges a network hop "
+              "2.7 us (LL) to 9.6 us (Simple) per ring step (src/graph/tuning.cc, hwLat NET); "
+              "taken as 10 us, as the RDMA Ethernet presets."),
+        _link("ib-hdr", 25 * G, 10e-6,
+              "HDR InfiniBand (ConnectX-6, 200 Gb/s = 25 GB/s per direction), one NIC per GPU; "
+              "latency as ib-ndr (NCCL's hwLat NET does not depend on the generation)."),
         _link("shm", 8 * G, 20e-6,
               "Same-host shared memory between processes or threads: a memcpy (~8 GB/s "
               "single-threaded) plus a hand-off of about 20 us."),
@@ -131,6 +139,7 @@ LINK_PRESETS: dict[str, LinkSpec] = {
 DEFAULT_LINK: dict[str, str] = {
     "h100-sxm": "nvlink4",
     "h200": "nvlink4",
+    "h20": "nvlink4",
     "b200": "nvlink5",
     "a100-80gb": "nvlink3",
     "a100-pcie": "pcie4",
