@@ -68,8 +68,10 @@ def test_planned_patches_are_shared_by_rank_0(dit: tuple) -> None:
 
 
 def test_a_bad_warmup_is_refused_on_every_rank(dit: tuple) -> None:
+    """Refused by the rank entry's checks before any model is loaded, on every rank."""
     _, args, x, path = dit
-    with pytest.raises(StageFailed, match="warmup_steps=0") as info:
+    with pytest.raises(StageFailed, match="rank 1 .*--warmup-steps 0 must be an integer >= 1"
+                       ) as info:
         _job(path, x, args[2], steps=2, warmup=0)
     assert info.value.returncodes == (1, 1)
 
