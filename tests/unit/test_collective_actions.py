@@ -153,3 +153,10 @@ def test_the_grid_shows_collectives() -> None:
     rows = tuple((*r, _ar(0)) for r in lower(flow_shop(((0, 4),), 2)))
     grid = check_actions(rows, groups=(("g", (0, 1)),)).grid()
     assert "AR0.0@g" in grid
+
+
+def test_a_send_past_the_next_stage_is_refused() -> None:
+    c, s2, r0, r1 = (Action(0, 0, 0, 4), Action(0, 0, 0, 4, "send", 2),
+                     Action(0, 0, 0, 4, "recv", 0), Action(0, 0, 0, 4, "recv", 1))
+    with pytest.raises(ScheduleError, match="a stage sends to the next stage only"):
+        check_actions(((c, s2), (r0, c, s2), (r1, c)), stages=(0, 1, 2))

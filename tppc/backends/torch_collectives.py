@@ -59,9 +59,9 @@ def run_collective(act: Action, values: Sequence[Any], members: Sequence[int], r
             out.append(torch.cat(pieces, act.dims[0]))
         elif act.kind == "reduce_scatter":
             parts(act, value.shape, n)
-            mine = torch.empty_like(torch.tensor_split(value, n, act.dims[0])[me])
-            dist.reduce_scatter(mine, [p.contiguous() for p in
-                                       torch.tensor_split(value, n, act.dims[0])], group=group)
+            pieces = [p.contiguous() for p in torch.tensor_split(value, n, act.dims[0])]
+            mine = torch.empty_like(pieces[me])
+            dist.reduce_scatter(mine, pieces, group=group)
             out.append(mine)
         else:
             parts(act, value.shape, n)

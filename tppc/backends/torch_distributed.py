@@ -36,7 +36,7 @@ import os
 import signal
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -47,7 +47,7 @@ import torch.distributed as dist
 from tppc.backends import wire
 from tppc.backends.rank_transport import RankEnd, rank_deadline
 from tppc.backends.torch_local import Sink, run_stage
-from tppc.errors import StageFailed, StageTimeout
+from tppc.errors import StageFailed, StageTimeout, TppcError
 from tppc.program.actions import Action
 from tppc.program.interpreter import Interpreter
 from tppc.program.program import Program, StageProgram
@@ -145,6 +145,16 @@ class DistributedExecutor:
             self._inject(act.chunk)
 
     # -- failure ------------------------------------------------------------------------------
+    def guard(self, op: Callable[[], Any], what: str) -> Any:
+        """``op()``, a communication of ``what`` outside the action lists (a broadcast of the
+        inputs or results): its failure raised as :meth:`failure`'s ``StageFailed``."""
+        try:
+            return op()
+        except TppcError:
+            raise
+        except Exception as exc:
+            raise self.failure(exc, f"the {what}") from exc
+
     def failure(self, exc: BaseException, where: str, detail: str = "") -> StageFailed:
         """A :class:`StageFailed` naming the failed stage; records it first when it is ours.
         ``detail`` (the action grid) follows on the next lines of this rank's message."""

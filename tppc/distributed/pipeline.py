@@ -250,12 +250,7 @@ class DistributedPipeline(CompiledPipeline):
 
     def collective(self, op: Callable[[], Any], what: str) -> Any:
         """``op()``, a communication of ``what``: its failure raised as ``StageFailed``."""
-        try:
-            return op()
-        except TppcError:
-            raise
-        except Exception as exc:
-            raise self.comm.failure(exc, f"the {what}") from exc
+        return self.comm.guard(op, what)
 
     # -- building -----------------------------------------------------------------------------
     def _delivery(self, timeout: float | None = None) -> RankDelivery:

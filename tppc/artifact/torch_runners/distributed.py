@@ -223,9 +223,4 @@ class DistributedArtifact(LoadedPipeline):
         return None
 
     def _guard(self, op: Callable[[], Any], what: str) -> Any:
-        try:
-            return op()
-        except TppcError:
-            raise
-        except Exception as exc:
-            raise self._comm.failure(exc, f"the {what}") from exc
+        return self._comm.guard(op, what)
