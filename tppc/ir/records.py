@@ -24,6 +24,8 @@ __all__ = [
     "CHUNK_SIGNATURE",
     "LAYER",
     "PART",
+    "SHARD",
+    "SHARD_SIZES",
     "STAGE_INFO",
     "TOKEN",
     "AttentionKind",
@@ -35,6 +37,7 @@ __all__ = [
     "LayerKind",
     "MaskSpec",
     "Role",
+    "ShardRole",
     "StageInfo",
     "TokenInfo",
     "frame_blocks",
@@ -267,6 +270,40 @@ def frame_blocks(scale: int, prefix: int, frames: int, start: int, end: int, len
     if start == 0 and prefix:
         out[0] = (0, prefix + out[0][1])
     return out
+
+
+SHARD = "tppc.shard"
+"""Key of a node's :class:`ShardRole` (``annotate_shards``: how it runs under tensor
+parallelism, for every degree the sizes in :data:`SHARD_SIZES` allow)."""
+
+SHARD_SIZES = "tppc.shard_sizes"
+"""``GraphModule.meta`` key: the sizes a tensor-parallel degree must divide (head counts,
+the segments of sharded axes); a degree that divides all of them shards every
+``column``/``row`` node of the graph."""
+
+
+@dataclass(frozen=True)
+class ShardRole:
+    """How a node runs on ``t`` workers of a tensor-parallel group.
+
+    Attributes:
+        kind: ``replicated`` (every worker computes all of it), ``sharded`` (every worker
+            computes its part: ``1/t`` of the work; its value is cut on ``axis``),
+            ``column`` (a linear whose weight rows are cut: output sharded on its last axis),
+            ``row`` (a linear whose weight columns are cut: its output is a partial sum,
+            all-reduced right after it; a bias is added once, after the sum), ``gather``
+            (a sharded value gathered whole on ``axis`` before a replicated use).
+        axis: the cut axis of the node's value (``sharded``/``column``/``gather``).
+        segments: that axis's segments (sizes); each is cut into ``t`` equal parts and
+            worker ``r`` holds part ``r`` of every segment (a fused QKV: three).
+        collective: the group's collective after the node: ``all_reduce`` (``row``),
+            ``all_gather`` (``gather``), else ``""``.
+    """
+
+    kind: Literal["replicated", "sharded", "column", "row", "gather"]
+    axis: int | None = None
+    segments: tuple[int, ...] = ()
+    collective: str = ""
 
 
 STAGE_INFO = "tppc.stage_info"
