@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,12 +38,16 @@ from torch import fx
 
 from tppc.cost_models.cluster import Cluster
 from tppc.cost_models.collective_costs import collective_cost
-from tppc.cost_models.layer_costs import LayerExpr, layer_expressions
 from tppc.cost_models.lambdify import to_numpy
+from tppc.cost_models.layer_costs import LayerExpr, layer_expressions
 from tppc.cost_models.node_costs import C, L, P, Shapes, TokenSubstitution, find_seq_symbol
 from tppc.cost_models.roofline import node_time_terms
-from tppc.cost_models.shard_costs import LayerShards, effective_roles, layer_shards, \
-    shard_node_cost
+from tppc.cost_models.shard_costs import (
+    LayerShards,
+    effective_roles,
+    layer_shards,
+    shard_node_cost,
+)
 from tppc.cost_models.specs import DeviceSpec
 from tppc.cost_models.table import CostTable, LayerCost, LinkCost, TimeFn
 from tppc.errors import CostModelError
@@ -211,7 +216,7 @@ def group_cost_table(gm: fx.GraphModule, layers: Sequence[LayerInfo], cluster: C
         if not words:
             words = tuple(layer_collectives(pricer.shards(e)) for e in per_spec[0])
     links = tuple(LinkCost(latency=(lk := cluster.link(a[-1], b[0])).latency,
-                           bandwidth=lk.bandwidth) for a, b in zip(groups, groups[1:]))
+                           bandwidth=lk.bandwidth) for a, b in itertools.pairwise(groups))
     first = pricer.exprs(cluster.devices[groups[0][0]])
     causal = any(c.kind == "attention" and (c.bytes.has(P) or c.matrix_flops.has(P))
                  for e in first for c in e.nodes)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import sympy
 from torch import fx
 
-from tppc.cost_models.node_costs import C, L, P, NodeCost, Shapes, tensor_vals, value_bytes
+from tppc.cost_models.node_costs import C, L, NodeCost, P, Shapes, tensor_vals, value_bytes
 from tppc.ir.records import SHARD, ShardRole
 
 __all__ = ["CUT_KINDS", "LayerShards", "effective_roles", "layer_shards", "shard_node_cost"]

@@ -50,14 +50,21 @@ class Workload:
         warmup_steps: leading steps that run the full sequence synchronously (diffusion).
         max_patches: at most this many patches per step (diffusion; ``None``: any). More
             patches make more of the K/V stale (a quality limit, ``cp.denoise(quality=...)``).
+        objective: what the hybrid search (:mod:`tppc.planner.hybrid`) minimises:
+            ``"latency"`` (one call) or ``"throughput_per_device"`` (latency × the devices of
+            one pipeline).
     """
 
     kind: Literal["causal_prefill", "bidirectional_pass", "diffusion"] = "causal_prefill"
     steps: int = 1
     warmup_steps: int = 0
     max_patches: int | None = None
+    objective: Literal["latency", "throughput_per_device"] = "latency"
 
     def __post_init__(self) -> None:
+        if self.objective not in ("latency", "throughput_per_device"):
+            raise PlanError(f"Workload.objective={self.objective!r}; use 'latency' (one call) "
+                            "or 'throughput_per_device' (calls per second per device)")
         if self.kind not in ("causal_prefill", "bidirectional_pass", "diffusion"):
             raise PlanError(f"Workload.kind={self.kind!r}; use 'causal_prefill', "
                             "'bidirectional_pass' or 'diffusion'")
