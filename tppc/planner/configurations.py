@@ -61,7 +61,8 @@ class Configuration:
 
 
 def _divides(t: int, sizes: Sequence[int]) -> bool:
-    return all(s % t == 0 for s in sizes)
+    """``t`` cuts every size (nothing to cut: only ``t = 1``)."""
+    return t == 1 or (bool(sizes) and all(s % t == 0 for s in sizes))
 
 
 def check_degree(t: int, sizes: Sequence[int]) -> None:

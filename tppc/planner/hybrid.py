@@ -93,7 +93,8 @@ def _value(c: _Candidate, plan: Plan, objective: str) -> float:
 
 def _label(c: _Candidate, plan: Plan | None) -> str:
     if plan is None:
-        return f"PP{c.stages or '?'} x {c.config.label}"
+        return f"PP{c.stages} x {c.config.label}" if c.stages else \
+            f"{c.config.label} (any number of stages)"
     return degrees_text(_degrees(c, plan))
 
 
@@ -205,6 +206,14 @@ def _package(best: _Candidate, candidates: list[_Candidate], cluster: Cluster, o
         runner_text = f"{_label(runner, runner.plan)}: {theirs:.3f} {unit}"
         why = (f"{_label(best, plan)} predicts {mine:.3f} {unit}, {100 * (1 - mine / theirs):.1f}"
                f"% less than the runner-up {_label(runner, runner.plan)} ({theirs:.3f} {unit})")
+    skipped = sorted((c for c in candidates if c.plan is None and not c.refused),
+                     key=lambda c: c.bound)
+    if runner is None and skipped:
+        low = skipped[0].bound * (1 if objective == "latency" else skipped[0].devices()) * 1e3
+        runner_text = f"{_label(skipped[0], None)}: at least {low:.3f} {unit} (its bound)"
+        why = (f"{_label(best, plan)} predicts {mine:.3f} {unit}; no plan of "
+               f"{_label(skipped[0], None)} can take less than {low:.3f} {unit} (its lower "
+               "bound), so it was not planned")
     bounds = [(min(c.plan.lower_bound, c.bound) if c.plan.lower_bound > 0 else c.bound, c)
               if c.plan is not None else (c.bound, c) for c in candidates]
     low, low_c = min(bounds, key=lambda item: item[0])
