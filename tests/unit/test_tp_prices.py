@@ -19,6 +19,7 @@ from tppc.errors import PlanError
 from tppc.examples.hf import hf_llama
 from tppc.frontend.front_end import capture_front_end
 from tppc.ir.records import SHARD, SHARD_SIZES, ShardRole
+from tppc.passes.sharding.annotate_shards import annotate_shards
 
 HIDDEN, BYTES = 64, 4  # hf_llama: hidden 64, fp32; 4 heads, 2 K/V heads of 16
 BLOCK_WEIGHTS = (64 * 64 + 32 * 64 + 32 * 64 + 64 * 64 + 3 * 128 * 64) * BYTES
@@ -116,3 +117,16 @@ def test_tensor_parallel_1_plans_exactly_as_before(front) -> None:
     assert before.choice is None
     strip = dict(solver=None, split=None)
     assert dataclasses.replace(fixed, **strip) == dataclasses.replace(before, **strip)
+
+
+def test_the_sharding_pass_roles_price_heads_kv_and_the_vocabulary_cut() -> None:
+    model, args, kwargs = hf_llama(seq_len=32, layers=2)
+    fe = capture_front_end(model, args, kwargs, seq_dims=None, plan_only=True)
+    annotate_shards(fe.chunk)
+    table, words = _table(fe, "2xh100-sxm", ((0, 1),))
+    block, head = table.layers[0][1], table.layers[0][-1]
+    assert block.weight_bytes == BLOCK_WEIGHTS // 2 + NORMS
+    assert block.kv_bytes_per_token == 32 * BYTES  # 2 K/V heads of 16, one per worker
+    assert head.weight_bytes == 128 * 64 * BYTES // 2 + 64 * BYTES  # LM head cut, norm whole
+    assert words[1] == f"2 all_reduce of {HIDDEN * BYTES} B/token"
+    assert words[-1] == f"1 all_gather of {128 * BYTES} B/token"  # the logits, vocab 128

@@ -13,7 +13,9 @@ Terms:
         ``row`` (weight columns cut): ``k / t`` reduction, ``1/t`` of input and weight, the
         whole (partial-sum) output; ``sharded``: ``1/t`` of everything (attention by heads,
         elementwise work on cut values, experts), the batch (heads) of its matmuls cut when
-        ``t`` divides it, else their columns; ``replicated``/``gather``: the whole node.
+        ``t`` divides it, else their columns; ``gather``: its own work is cut (a linear's by
+        columns: the LM head cut by vocabulary), then its value is gathered whole;
+        ``replicated``: the whole node.
     collective: after a ``row`` node an all-reduce of its output, at a ``gather`` node an
         all-gather of its output (bytes per chunk token × c; priced by
         :func:`.collective_costs.collective_cost` on the group's devices).
@@ -78,6 +80,13 @@ def _cut_matmul(dims: tuple, kind: str, t: int) -> tuple:
     return (b, m, _cut(n, t), k)
 
 
+def _work_kind(role: ShardRole, matmul: bool) -> str:
+    """How a node's own work is cut: a ``gather`` node computes its cut part first."""
+    if role.kind == "gather":
+        return "column" if matmul else "sharded"
+    return role.kind
+
+
 def shard_node_cost(cost: NodeCost, role: ShardRole, t: int, in_bytes: sympy.Expr,
                     out_bytes: sympy.Expr) -> NodeCost:
     """One worker's share of ``cost`` under ``role`` at degree ``t`` (module docstring).
@@ -87,18 +96,19 @@ def shard_node_cost(cost: NodeCost, role: ShardRole, t: int, in_bytes: sympy.Exp
     K/V heads stay whole (fewer K/V heads than ``t``) is priced as reading ``1/t`` of them
     (its memory is not: :attr:`LayerShards.kv_sharded`).
     """
-    if t == 1 or role.kind not in CUT_KINDS:
+    kind = _work_kind(role, bool(cost.matmuls))
+    if t == 1 or kind not in CUT_KINDS:
         return cost
     share = sympy.Rational(1, t)
     nbytes = cost.bytes * share
-    if role.kind == "column":
+    if kind == "column":
         nbytes += in_bytes * (1 - share)
-    elif role.kind == "row":
+    elif kind == "row":
         nbytes += out_bytes * (1 - share)
     return dataclasses.replace(
         cost,
         matrix_flops=cost.matrix_flops * share,
-        matmuls=tuple(_cut_matmul(tuple(map(sympy.sympify, mm)), role.kind, t)
+        matmuls=tuple(_cut_matmul(tuple(map(sympy.sympify, mm)), kind, t)
                       for mm in cost.matmuls),
         vector_flops=cost.vector_flops * share,
         bytes=nbytes,
@@ -115,7 +125,7 @@ class LayerShards:
         out_bytes: bytes of each node's output (sympy in c, p).
         collectives: ``(kind, bytes per chunk token)`` of each collective, in graph order.
         sharded_weight_bytes: weight bytes cut ``t`` ways (weights of ``column``/``row``/
-            ``sharded`` nodes; a ``row`` bias stays whole).
+            ``sharded``/``gather`` nodes; a ``row`` bias stays whole).
         kv_sharded: True when the K/V written into the layer's buffers is cut (by heads).
     """
 
@@ -165,7 +175,7 @@ def layer_shards(nodes: Mapping[str, fx.Node], names: Iterable[str],
             collectives.append(("all_reduce", _per_token(outs[-1], seq_len)))
         elif role.kind == "gather" or role.collective == "all_gather":
             collectives.append(("all_gather", _per_token(outs[-1], seq_len)))
-        if role.kind in CUT_KINDS:
+        if role.kind in (*CUT_KINDS, "gather"):
             weights.update(_weight_bytes(node, role, shapes))
         if _writes_buffer(node):
             source = node.args[1] if len(node.args) > 1 else None

@@ -1,0 +1,231 @@
+"""Hybrid plans (tensor parallel x pipeline) predicted next to published runs.
+
+Run: PYTHONPATH=. .venv/bin/python benchmarks/hybrid_predictions.py [--only llama|deepseek]
+
+Models are built on the meta device (bf16, no weights), captured the way ``tppc.plan`` does
+it (two blocks exported, the layer list re-expanded), annotated by the sharding pass
+(``annotate_shards``) and priced by the cost model: layers of a tensor-parallel group at
+their shard's GEMM shapes plus the group's collectives (``group_cost_table``). Every row is
+the planner's own plan for the degrees it names (placement, chunks), or its free choice.
+
+Rows:
+    SGLang (lmsys blog, 2026-01-15): DeepSeek-V3.1, one 128k-token prompt (batch 1 prefill),
+        4 nodes of 8 H20s over NDR InfiniBand (``4x(8xh20)@ib-ndr``): TP8 on one node, TP32
+        over the 4 nodes, PP4 x TP8; published prefill throughput 3.31x (PP4xTP8 / TP8) and
+        2.54x (TP32 / TP8); TTFT TP8 48.5 s, PP4 x TP8 15.7 s. DeepSeek-V3.1 serves FP8
+        weights: the tables here price matmuls at the FP8 rate and hold weights at one byte
+        (the meta model is bf16; ``--bf16`` prices it as built).
+    Qwen2-shaped prefill on this machine (``2xcpu``, 2048 tokens; ``benchmarks/qwen2_prefill.py``'s
+        model): PP2 x TP1 against PP1 x TP2, as the CPU's calibration prices them.
+    Llama-70B-shaped prefill (hidden 8192, FFN 28672, 80 blocks, 64 heads, 8 K/V heads,
+        vocab 32000), 32k tokens on ``8xh100-sxm`` (NVLink 4): TP8, PP8 and the planner's
+        choice (no published row given; the three are compared with each other).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from tppc.cost_models.cluster import Cluster
+from tppc.cost_models.group_costs import group_cost_table
+from tppc.cost_models.layer_costs import build_cost_table
+from tppc.cost_models.table import CostTable
+from tppc.frontend.front_end import FrontEnd, capture_front_end
+from tppc.ir.records import SHARD_SIZES
+from tppc.passes.sharding.annotate_shards import SHARD_NOTES, annotate_shards
+from tppc.planner.configurations import (
+    Configuration,
+    fixed_configuration,
+    tp_configurations,
+)
+from tppc.planner.grid import default_granularity, plan_any_length
+from tppc.planner.hybrid import plan_hybrid
+from tppc.planner.plan import Plan
+
+TIME_LIMIT = 20.0
+sys.path.insert(0, str(Path(__file__).parent))  # qwen2_prefill's model
+
+
+def llama70b() -> tuple[torch.nn.Module, tuple]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=8192, intermediate_size=28672,
+                      num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    return model, (torch.randint(0, 1000, (1, 256), device="meta"),)
+
+
+def deepseek_v31() -> tuple[torch.nn.Module, tuple]:
+    """DeepSeek-V3.1's shape (config.json of deepseek-ai/DeepSeek-V3.1): MLA, 61 blocks (3
+    dense), 256 routed experts top-8 + 1 shared; experts as transformers' ``batched_mm``."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+        moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
+        num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256,
+        num_experts_per_tok=8, n_group=8, topk_group=4, first_k_dense_replace=3,
+        kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128,
+        v_head_dim=128, max_position_embeddings=163840, experts_implementation="batched_mm")
+    cfg._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(cfg).to(torch.bfloat16).eval()
+    return model, (torch.randint(0, 1000, (1, 256), device="meta"),)
+
+
+def front_of(build) -> tuple[FrontEnd, float]:
+    t0 = time.perf_counter()
+    model, args = build()
+    front = capture_front_end(model, args, {}, seq_dims=None, plan_only=True)
+    annotate_shards(front.chunk)
+    return front, time.perf_counter() - t0
+
+
+def _fp8(table: CostTable) -> CostTable:
+    """Weights held at one byte (FP8) instead of two."""
+    return dataclasses.replace(table, layers=tuple(
+        tuple(dataclasses.replace(lc, weight_bytes=lc.weight_bytes // 2, parts=())
+              for lc in row) for row in table.layers))
+
+
+class Predictor:
+    """Plans of one model on one cluster at one length, any configuration."""
+
+    def __init__(self, front: FrontEnd, cluster: str, tokens: int, fp8: bool) -> None:
+        self.front, self.cluster, self.tokens = front, Cluster.parse(cluster), tokens
+        self.dtype = "fp8" if fp8 else None
+        self.fp8 = fp8
+        self.sizes = tuple(front.chunk.meta.get(SHARD_SIZES, ()))
+        self.granularity = default_granularity(tokens)
+        self._tables: dict[tuple, tuple[CostTable, tuple[str, ...]]] = {}
+        self.costing = 0.0
+
+    def price(self, config: Configuration) -> tuple[CostTable, tuple[str, ...]]:
+        if config.groups not in self._tables:
+            t0 = time.perf_counter()
+            ctx = self.front.ctx
+            kw = dict(seq_symbol=ctx.seq_symbol, token_count=ctx.token_count,
+                      compute_dtype=self.dtype)
+            if all(len(g) == 1 for g in config.groups):
+                table = build_cost_table(self.front.chunk, ctx.layers, self.cluster,
+                                         self.tokens, **kw)
+                table, words = table, ()
+            else:
+                table, words = group_cost_table(self.front.chunk, ctx.layers, self.cluster,
+                                                self.tokens, config.groups, **kw)
+            self._tables[config.groups] = (_fp8(table) if self.fp8 else table, words)
+            self.costing += time.perf_counter() - t0
+        return self._tables[config.groups]
+
+    def plan(self, tensor_parallel: int | None, num_stages: int | None,
+             time_limit: float = TIME_LIMIT) -> tuple[Plan, float]:
+        """The plan of fixed degrees (or, with ``tensor_parallel=None``, the free choice)."""
+        t0 = time.perf_counter()
+        if tensor_parallel is None:
+            configs = tp_configurations(self.cluster, self.sizes)
+            across = tp_configurations(self.cluster, self.sizes, across_nodes=True)
+        else:
+            configs = [fixed_configuration(self.cluster, self.sizes, tensor_parallel,
+                                           num_stages)]
+            across = []
+
+        def plan_table(table: CostTable, k: int | None, seconds: float) -> Plan:
+            return plan_any_length(lambda _n: table, self.tokens, granularity=self.granularity,
+                                   num_stages=k, time_limit=seconds)
+
+        plan = plan_hybrid(configs, self.price, plan_table, cluster=self.cluster,
+                           granularity=self.granularity, num_stages=num_stages,
+                           time_limit=time_limit, across=across)
+        return plan, time.perf_counter() - t0
+
+
+def _row(name: str, plan: Plan, seconds: float, base: Plan | None) -> str:
+    ratio = f"{base.latency / plan.latency:.2f}x" if base is not None else "1.00x"
+    chunks = len(plan.chunk_sizes)
+    return (f"| {name} | {plan.degrees['num_stages']} x TP{plan.degrees['tensor_parallel']} "
+            f"| {plan.latency:.2f} s | {ratio} | {plan.lower_bound:.2f} s | {chunks} | "
+            f"{max(st.memory_bytes for st in plan.stages) / 1e9:.1f} GB | {seconds:.1f} s |")
+
+
+HEADER = ("| configuration | stages x TP | predicted TTFT | throughput vs first row | lower bound "
+          "| chunks | peak memory/device | planning |\n|---|---|---|---|---|---|---|---|")
+
+
+def deepseek(fp8: bool) -> None:
+    front, capture_s = front_of(deepseek_v31)
+    notes = front.chunk.meta.get(SHARD_NOTES, ())
+    print(f"DeepSeek-V3.1 shape captured + sharded in {capture_s:.1f} s; shard sizes "
+          f"{front.chunk.meta.get(SHARD_SIZES)}; linears left whole: {len(notes)} "
+          f"{notes[:3]}")
+    p = Predictor(front, "4x(8xh20)@ib-ndr", 131072, fp8)
+    tp8, s8 = p.plan(8, 1)
+    tp32, s32 = p.plan(32, 1)
+    pp4, s4 = p.plan(8, 4)
+    free, sf = p.plan(None, None, time_limit=60.0)
+    print(HEADER)
+    for name, plan, sec in (("TP8 (one node)", tp8, s8), ("TP32", tp32, s32),
+                            ("PP4 x TP8", pp4, s4), ("planner's choice", free, sf)):
+        print(_row(name, plan, sec, tp8))
+    print("\npublished: PP4xTP8/TP8 3.31x, TP32/TP8 2.54x (TTFT 48.5 s -> 15.7 s at 4 stages)")
+    print(f"predicted: PP4xTP8/TP8 {tp8.latency / pp4.latency:.2f}x, TP32/TP8 "
+          f"{tp8.latency / tp32.latency:.2f}x; costing {p.costing:.1f} s")
+    print(free.summary())
+
+
+def llama(fp8: bool) -> None:
+    front, capture_s = front_of(llama70b)
+    print(f"Llama-70B shape captured + sharded in {capture_s:.1f} s; shard sizes "
+          f"{front.chunk.meta.get(SHARD_SIZES)}")
+    p = Predictor(front, "8xh100-sxm", 32768, fp8)
+    tp8, s8 = p.plan(8, 1)
+    pp8, sp = p.plan(1, 8)
+    free, sf = p.plan(None, None)
+    print(HEADER)
+    for name, plan, sec in (("TP8", tp8, s8), ("PP8", pp8, sp), ("planner's choice", free, sf)):
+        print(_row(name, plan, sec, tp8))
+    print(f"costing {p.costing:.1f} s")
+    print(free.summary())
+
+
+def qwen2_cpu() -> None:
+    """The 2-core machine's prediction (issue 28's table): PP2 x TP1 against PP1 x TP2."""
+    from qwen2_prefill import qwen2
+
+    def build() -> tuple[torch.nn.Module, tuple]:
+        return qwen2(8), (torch.randint(0, 32000, (1, 256)),)
+
+    front, capture_s = front_of(build)
+    p = Predictor(front, "2xcpu", 2048, False)
+    pp2, s2 = p.plan(1, 2)
+    tp2, st = p.plan(2, 1)
+    free, sf = p.plan(None, None)
+    print(f"Qwen2 shape (8 layers, hidden 512) on 2xcpu, 2048 tokens; capture {capture_s:.1f} s")
+    print(HEADER)
+    for name, plan, sec in (("PP2 x TP1", pp2, s2), ("PP1 x TP2", tp2, st),
+                            ("planner's choice", free, sf)):
+        print(_row(name, plan, sec, pp2))
+    print(free.summary())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=("llama", "deepseek", "qwen2"))
+    parser.add_argument("--bf16", action="store_true", help="DeepSeek weights as built (bf16)")
+    args = parser.parse_args()
+    if args.only in (None, "llama"):
+        llama(False)
+    if args.only in (None, "deepseek"):
+        deepseek(not args.bf16)
+    if args.only in (None, "qwen2"):
+        qwen2_cpu()
+
+
+if __name__ == "__main__":
+    main()
