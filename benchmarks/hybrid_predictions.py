@@ -12,9 +12,10 @@ Rows:
     SGLang (lmsys blog, 2026-01-15): DeepSeek-V3.1, one 128k-token prompt (batch 1 prefill),
         4 nodes of 8 H20s over NDR InfiniBand (``4x(8xh20)@ib-ndr``): TP8 on one node, TP32
         over the 4 nodes, PP4 x TP8; published prefill throughput 3.31x (PP4xTP8 / TP8) and
-        2.54x (TP32 / TP8); TTFT TP8 48.5 s, PP4 x TP8 15.7 s. DeepSeek-V3.1 serves FP8
-        weights: the tables here price matmuls at the FP8 rate and hold weights at one byte
-        (the meta model is bf16; ``--bf16`` prices it as built).
+        2.54x (TP32 / TP8); TTFT TP8 48.5 s, PP4 x TP8 15.7 s. The shape captured is the
+        nearest tppc captures at this size (:func:`deepseek_v31`: MLA as is, every MLP dense
+        with the active experts' width, the experts' weights added to memory); weights are
+        held at one byte (FP8, as served), matmuls priced at bf16.
     Qwen2-shaped prefill on this machine (``2xcpu``, 2048 tokens; ``benchmarks/qwen2_prefill.py``'s
         model): PP2 x TP1 against PP1 x TP2, as the CPU's calibration prices them.
     Llama-70B-shaped prefill (hidden 8192, FFN 28672, 80 blocks, 64 heads, 8 K/V heads,
@@ -62,22 +63,51 @@ def llama70b() -> tuple[torch.nn.Module, tuple]:
     return model, (torch.randint(0, 1000, (1, 256), device="meta"),)
 
 
+EXPERTS = 256 * 3 * 7168 * 2048
+"""Routed-expert parameters of one DeepSeek-V3.1 MoE block (256 experts, gate/up/down)."""
+MOE_BLOCKS = range(3, 61)
+LATENT_KV = (512 + 64) * 2
+"""MLA's cached latent per token and block (kv_lora_rank + rope dims, bf16), whole on every
+tensor-parallel worker (SGLang caches the latent, not the per-head K/V)."""
+
+
 def deepseek_v31() -> tuple[torch.nn.Module, tuple]:
-    """DeepSeek-V3.1's shape (config.json of deepseek-ai/DeepSeek-V3.1): MLA, 61 blocks (3
-    dense), 256 routed experts top-8 + 1 shared; experts as transformers' ``batched_mm``."""
+    """DeepSeek-V3.1's shape (config.json of deepseek-ai/DeepSeek-V3.1) with every block
+    dense: MLA as is (128 heads, q/kv LoRA ranks 1536/512, head dims 128+64 / 128), the MLP
+    of intermediate 18432 = the active experts' (8 routed + 1 shared, 9 x 2048). The MoE
+    blocks themselves are not captured here (transformers' expert kernels sort or repeat
+    tokens: the annotation refuses them at this size); their 256 experts' weights are added
+    to the memory of blocks 3-60 (cut t ways: expert parallelism) by :func:`_deepseek_memory`.
+    """
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     cfg = DeepseekV3Config(
         vocab_size=129280, hidden_size=7168, intermediate_size=18432,
         moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
         num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256,
-        num_experts_per_tok=8, n_group=8, topk_group=4, first_k_dense_replace=3,
+        num_experts_per_tok=8, n_group=8, topk_group=4, first_k_dense_replace=61,
         kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128,
-        v_head_dim=128, max_position_embeddings=163840, experts_implementation="batched_mm")
+        v_head_dim=128, max_position_embeddings=163840)
     cfg._attn_implementation = "sdpa"
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(cfg).to(torch.bfloat16).eval()
     return model, (torch.randint(0, 1000, (1, 256), device="meta"),)
+
+
+def _deepseek_memory(table: CostTable, groups: tuple[tuple[int, ...], ...]) -> CostTable:
+    """The MoE blocks' expert weights (FP8, ``1/t`` per worker) and MLA's latent K/V cache."""
+    moe = {f"model.layers.{i}" for i in MOE_BLOCKS}
+
+    def fix(lc, t: int):
+        if not lc.name.startswith("model.layers."):
+            return lc
+        extra = EXPERTS // t if lc.name in moe else 0
+        return dataclasses.replace(lc, weight_bytes=lc.weight_bytes + extra,
+                                   kv_bytes_per_token=LATENT_KV)
+
+    return dataclasses.replace(table, layers=tuple(
+        tuple(fix(lc, len(g)) for lc in row) for row, g in zip(table.layers, groups,
+                                                               strict=True)))
 
 
 def front_of(build) -> tuple[FrontEnd, float]:
@@ -98,10 +128,11 @@ def _fp8(table: CostTable) -> CostTable:
 class Predictor:
     """Plans of one model on one cluster at one length, any configuration."""
 
-    def __init__(self, front: FrontEnd, cluster: str, tokens: int, fp8: bool) -> None:
+    def __init__(self, front: FrontEnd, cluster: str, tokens: int, fp8: bool,
+                 memory=None) -> None:
         self.front, self.cluster, self.tokens = front, Cluster.parse(cluster), tokens
-        self.dtype = "fp8" if fp8 else None
-        self.fp8 = fp8
+        self.fp8 = fp8  # weights held at one byte; matmuls priced at their own dtype (bf16)
+        self.memory = memory
         self.sizes = tuple(front.chunk.meta.get(SHARD_SIZES, ()))
         self.granularity = default_granularity(tokens)
         self._tables: dict[tuple, tuple[CostTable, tuple[str, ...]]] = {}
@@ -111,8 +142,7 @@ class Predictor:
         if config.groups not in self._tables:
             t0 = time.perf_counter()
             ctx = self.front.ctx
-            kw = dict(seq_symbol=ctx.seq_symbol, token_count=ctx.token_count,
-                      compute_dtype=self.dtype)
+            kw = dict(seq_symbol=ctx.seq_symbol, token_count=ctx.token_count)
             if all(len(g) == 1 for g in config.groups):
                 table = build_cost_table(self.front.chunk, ctx.layers, self.cluster,
                                          self.tokens, **kw)
@@ -120,7 +150,10 @@ class Predictor:
             else:
                 table, words = group_cost_table(self.front.chunk, ctx.layers, self.cluster,
                                                 self.tokens, config.groups, **kw)
-            self._tables[config.groups] = (_fp8(table) if self.fp8 else table, words)
+            table = _fp8(table) if self.fp8 else table
+            if self.memory is not None:
+                table = self.memory(table, config.groups)
+            self._tables[config.groups] = (table, words)
             self.costing += time.perf_counter() - t0
         return self._tables[config.groups]
 
@@ -164,7 +197,7 @@ def deepseek(fp8: bool) -> None:
     print(f"DeepSeek-V3.1 shape captured + sharded in {capture_s:.1f} s; shard sizes "
           f"{front.chunk.meta.get(SHARD_SIZES)}; linears left whole: {len(notes)} "
           f"{notes[:3]}")
-    p = Predictor(front, "4x(8xh20)@ib-ndr", 131072, fp8)
+    p = Predictor(front, "4x(8xh20)@ib-ndr", 131072, fp8, _deepseek_memory)
     tp8, s8 = p.plan(8, 1)
     tp32, s32 = p.plan(32, 1)
     pp4, s4 = p.plan(8, 4)
