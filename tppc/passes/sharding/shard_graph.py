@@ -93,7 +93,7 @@ class _Shard:
             elif lin is not None and node in self.result.cuts and \
                     self.result.cuts.get(lin.x) is None:
                 cut = self.result.cuts[node]
-                self._param(node, lin.weight, lin.out_axis, cut.segments)
+                self._param(lin.via or node, lin.weight, lin.out_axis, cut.segments)
                 if isinstance(lin.bias, fx.Node):
                     self._param(node, lin.bias, 0, cut.segments)
             elif node in self.result.cuts:
@@ -121,7 +121,7 @@ class _Shard:
 
     def _row(self, node: fx.Node, lin, segments: tuple[int, ...]) -> None:
         """A row-parallel linear: its weight's columns cut, an all-reduce, then the bias."""
-        self._param(node, lin.weight, lin.in_axis, segments)
+        self._param(lin.via or node, lin.weight, lin.in_axis, segments)
         weight = node.args[1] if node.target == aten.linear.default else node.args[-1]
         bias = lin.bias
         if bias is not None:
