@@ -83,6 +83,7 @@ class _Shard:
         self.gm, self.result, self.rank, self.degree = gm, result, rank, degree
         self.graph = gm.graph
         self.count = 0
+        self.whole: dict[fx.Node, fx.Node] = {}  # a row-parallel linear -> its summed value
 
     def run(self) -> None:
         for node in list(self.graph.nodes):
@@ -132,10 +133,12 @@ class _Shard:
         with self.graph.inserting_after(node):
             mark = self._new(all_reduce_mark, (node,), node)
         node.replace_all_uses_with(mark, delete_user_cb=lambda u: u is not mark)
+        self.whole[node] = mark
         if bias is not None:
             with self.graph.inserting_after(mark):
                 added = self._new(aten.add.Tensor, (mark, bias), node)
             mark.replace_all_uses_with(added, delete_user_cb=lambda u: u is not added)
+            self.whole[node] = added
 
     def _sizes(self, node: fx.Node) -> None:
         """The sizes a reshape, expand or split names on the cut axis, divided."""
@@ -163,6 +166,7 @@ class _Shard:
 
     def _part(self, user: fx.Node, arg: fx.Node, axis: int, segments: tuple[int, ...]) -> None:
         """``user`` reads part ``rank`` of whole operand ``arg``."""
+        arg = self.whole.get(arg, arg)
         if arg.op == "get_attr":
             self._param(user, arg, axis, segments)
             return
