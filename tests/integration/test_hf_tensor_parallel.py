@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import tppc
-from tests.oracles import assert_kernels_close
+from tests.oracles import assert_kernels_close, greedy_reference
 from tppc.driver.emit import build_program
 from tppc.errors import SpecError
 from tppc.examples import hf
@@ -92,8 +92,11 @@ FAMILIES: dict[str, tuple[Callable, int]] = {
 }
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-@pytest.mark.parametrize(("degrees", "executor"), [((2,), "local"), ((2, 2), "threads")])
+CASES = [(family, (2, 2), "threads") for family in sorted(FAMILIES)] + [
+    (family, (2,), "local") for family in ("gpt2", "phi3", "falcon_mqa")]  # the fused forms
+
+
+@pytest.mark.parametrize(("family", "degrees", "executor"), CASES)
 def test_sharded_prefill_equals_eager(family: str, degrees: tuple[int, ...],
                                       executor: str) -> None:
     make, vocab = FAMILIES[family]
@@ -115,6 +118,14 @@ def test_degree_four_with_the_pipeline_equals_eager(make: Callable) -> None:
     with torch.no_grad():
         want = _logits(model(ids))
     assert_kernels_close(_logits(_compile(model, ids, (4, 2), "threads")(ids)), want)
+
+
+def test_generate_with_key_value_caches_cut_by_heads_equals_greedy_eager() -> None:
+    model, (ids,), _ = hf.hf_llama(seq_len=12)
+    cp = _compile(model, ids, (2, 2), "threads")
+    want = greedy_reference(lambda x: model(x).logits, ids, 8)
+    assert cp.generate(ids, max_new_tokens=8).tolist() == want.tolist()
+    assert {b.name.rsplit("@", 1)[1] for b in cp.program(12).buffer_specs()} == {"tp0", "tp1"}
 
 
 def test_degree_the_key_value_heads_do_not_allow_is_refused() -> None:
