@@ -12,10 +12,10 @@ Rows:
     SGLang (lmsys blog, 2026-01-15): DeepSeek-V3.1, one 128k-token prompt (batch 1 prefill),
         4 nodes of 8 H20s over NDR InfiniBand (``4x(8xh20)@ib-ndr``): TP8 on one node, TP32
         over the 4 nodes, PP4 x TP8; published prefill throughput 3.31x (PP4xTP8 / TP8) and
-        2.54x (TP32 / TP8); TTFT TP8 48.5 s, PP4 x TP8 15.7 s. The shape captured is the
-        nearest tppc captures at this size (:func:`deepseek_v31`: MLA as is, every MLP dense
-        with the active experts' width, the experts' weights added to memory); weights are
-        held at one byte (FP8, as served), matmuls priced at bf16.
+        2.54x (TP32 / TP8); TTFT TP8 48.5 s, PP4 x TP8 15.7 s. The shape priced is the
+        nearest one tppc captures and cuts (:func:`deepseek_v31`: multi-head attention of
+        MLA's FLOPs, dense MLPs of the active experts' width) with DeepSeek-V3.1's own
+        memory (FP8 weights, experts cut t ways, MLA's latent cache); matmuls priced at bf16.
     Qwen2-shaped prefill on this machine (``2xcpu``, 2048 tokens; ``benchmarks/qwen2_prefill.py``'s
         model): PP2 x TP1 against PP1 x TP2, as the CPU's calibration prices them.
     Llama-70B-shaped prefill (hidden 8192, FFN 28672, 80 blocks, 64 heads, 8 K/V heads,
@@ -63,46 +63,50 @@ def llama70b() -> tuple[torch.nn.Module, tuple]:
     return model, (torch.randint(0, 1000, (1, 256), device="meta"),)
 
 
-EXPERTS = 256 * 3 * 7168 * 2048
-"""Routed-expert parameters of one DeepSeek-V3.1 MoE block (256 experts, gate/up/down)."""
-MOE_BLOCKS = range(3, 61)
+MLA_WHOLE = 7168 * 1536 + 7168 * (512 + 64)
+"""MLA's down-projections (q_a, kv_a): left whole under tensor parallelism (a norm follows)."""
+MLA_CUT = 1536 * 128 * 192 + 512 * 128 * 256 + 128 * 128 * 7168
+"""MLA's per-head projections (q_b, kv_b, o): cut by heads."""
+DENSE_MLP = 3 * 7168 * 18432
+MOE_MLP = 3 * 7168 * 2048 + 256 * 3 * 7168 * 2048  # shared expert + 256 routed experts (EP)
 LATENT_KV = (512 + 64) * 2
 """MLA's cached latent per token and block (kv_lora_rank + rope dims, bf16), whole on every
 tensor-parallel worker (SGLang caches the latent, not the per-head K/V)."""
 
 
 def deepseek_v31() -> tuple[torch.nn.Module, tuple]:
-    """DeepSeek-V3.1's shape (config.json of deepseek-ai/DeepSeek-V3.1) with every block
-    dense: MLA as is (128 heads, q/kv LoRA ranks 1536/512, head dims 128+64 / 128), the MLP
-    of intermediate 18432 = the active experts' (8 routed + 1 shared, 9 x 2048). The MoE
-    blocks themselves are not captured here (transformers' expert kernels sort or repeat
-    tokens: the annotation refuses them at this size); their 256 experts' weights are added
-    to the memory of blocks 3-60 (cut t ways: expert parallelism) by :func:`_deepseek_memory`.
-    """
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    """The nearest shape of DeepSeek-V3.1 whose attention and MLP the sharding pass cuts: a
+    Llama-shaped stack with DeepSeek-V3.1's hidden 7168, 61 blocks, 128 heads (head dim 160:
+    MLA's q·k over 192 dims and p·v over 128 cost what 160 and 160 cost), vocab 129280, and
+    dense MLPs of intermediate 18432 = the active experts' width (8 routed + 1 shared, 9 x
+    2048; the 3 dense blocks have this width too). Not captured: MLA's low-rank projections
+    (the pass leaves DeepSeekV3's attention whole: an ``aten.copy`` on its query path has no
+    sharding rule) and the routed experts (transformers' expert kernels sort or repeat tokens;
+    the annotation refuses them at this size). Memory is DeepSeek-V3.1's own
+    (:func:`_deepseek_memory`)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = DeepseekV3Config(
-        vocab_size=129280, hidden_size=7168, intermediate_size=18432,
-        moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
-        num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256,
-        num_experts_per_tok=8, n_group=8, topk_group=4, first_k_dense_replace=61,
-        kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128,
-        v_head_dim=128, max_position_embeddings=163840)
-    cfg._attn_implementation = "sdpa"
+    cfg = LlamaConfig(vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+                      num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+                      head_dim=160, max_position_embeddings=163840)
     with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(cfg).to(torch.bfloat16).eval()
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     return model, (torch.randint(0, 1000, (1, 256), device="meta"),)
 
 
 def _deepseek_memory(table: CostTable, groups: tuple[tuple[int, ...], ...]) -> CostTable:
-    """The MoE blocks' expert weights (FP8, ``1/t`` per worker) and MLA's latent K/V cache."""
-    moe = {f"model.layers.{i}" for i in MOE_BLOCKS}
+    """Each block's weights as DeepSeek-V3.1 holds them per worker at degree t (FP8: one byte;
+    MLA's down-projections whole, its heads, the MLP and the experts ``1/t``: expert
+    parallelism) and MLA's latent K/V cache (whole on every worker); the logits of the last
+    position only (what a server keeps; the captured model returns every position's)."""
 
     def fix(lc, t: int):
+        if lc is table.layers[0][-1] or lc.name == table.layers[0][-1].name:
+            return dataclasses.replace(lc, act_bytes_per_token=0)
         if not lc.name.startswith("model.layers."):
             return lc
-        extra = EXPERTS // t if lc.name in moe else 0
-        return dataclasses.replace(lc, weight_bytes=lc.weight_bytes + extra,
+        mlp = DENSE_MLP if int(lc.name.split(".")[2]) < 3 else MOE_MLP
+        return dataclasses.replace(lc, weight_bytes=MLA_WHOLE + (MLA_CUT + mlp) // t,
                                    kv_bytes_per_token=LATENT_KV)
 
     return dataclasses.replace(table, layers=tuple(
