@@ -105,3 +105,38 @@ def test_save_pretrained_saves_the_original_transformer(tmp_path) -> None:
     back.set_progress_bar_config(disable=True)
     assert type(back.transformer) is DiTTransformer2DModel
     torch.testing.assert_close(_call(back, call, steps=2), want, rtol=0, atol=0)
+
+
+def chroma_pipe():
+    """Chroma: Flux's blocks, one T5 encoder; its pipeline passes ``attention_mask`` over the
+    joint text + image sequence."""
+    from diffusers import (
+        ChromaPipeline,
+        ChromaTransformer2DModel,
+        FlowMatchEulerDiscreteScheduler,
+    )
+
+    from tests.integration.test_diffusers_dropin import _t5, _vae
+
+    torch.manual_seed(0)
+    model = ChromaTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=8,
+        num_attention_heads=2, joint_attention_dim=12, axes_dims_rope=(2, 2, 4),
+        approximator_num_channels=8, approximator_hidden_dim=16, approximator_layers=1).eval()
+    pipe = ChromaPipeline(scheduler=FlowMatchEulerDiscreteScheduler(),
+                          vae=_vae(shift_factor=0.1, scaling_factor=0.5), text_encoder=_t5(),
+                          tokenizer=_tokenizer(8), transformer=model)
+    return pipe, {"prompt": "a red dog", "negative_prompt": "a cat", "height": 16,
+                  "width": 16, "max_sequence_length": 8}
+
+
+def test_chromas_joint_attention_mask_is_named_as_the_cause() -> None:
+    """The refusal names the input, its length as text + image tokens (was: 'avoid int()/math
+    on sizes', a fix that does not apply)."""
+    pipe, call = chroma_pipe()
+    pipe.set_progress_bar_config(disable=True)
+    tppc.diffusers.compile_pipeline(pipe, warmup_steps=None, num_stages=2)
+    with pytest.raises(tppc.CaptureError, match=r"input 'attention_mask' axis 1 has 24 = 8 "
+                                                r"\(encoder_hidden_states axis 1\) \+ 16 tokens, "
+                                                r"a tensor over the joint"):
+        _call(pipe, call, steps=1)
