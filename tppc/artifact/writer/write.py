@@ -38,7 +38,7 @@ from typing import Any
 import onnx
 import torch
 
-from tppc.artifact.core.load import SCHEMA, sha256_file
+from tppc.artifact.core.load import SCHEMA, plan_digest, sha256_file
 from tppc.artifact.writer.export_check import check_export
 from tppc.artifact.writer.graphs import ExportError, export_stage_graph
 from tppc.artifact.writer.signature import model_signature
@@ -70,7 +70,8 @@ def export(compiled: Any, path: str | os.PathLike[str], *, format: str = "onnx",
             length); lengths tppc did not plan are planned now (or refused for a given plan).
         external_data: weights in a ``.data`` file next to each stage (default: when a
             stage's weights exceed :data:`EXTERNAL_DATA_BYTES`).
-        progress: called with one line per stage written (and one for the check).
+        progress: called with one line per stage written, one with the digest of
+            ``plan.json`` (``tppc.load(path, expected_sha256=...)``), and one for the check.
         verify: run the artifact with ONNX Runtime on the example and compare it with the
             torch program, the captured graph and the eager model
             (:mod:`tppc.artifact.writer.export_check`); default: the compile's ``verify``.
@@ -106,6 +107,9 @@ def export(compiled: Any, path: str | os.PathLike[str], *, format: str = "onnx",
             except OSError:
                 break
         raise
+    if progress is not None:
+        progress(f"plan.json sha256 {plan_digest(out)} (tppc.load(..., expected_sha256=) "
+                 "refuses any other artifact)")
     verify = bool(compiled.options.verify) if verify is None else verify
     example = example if example is not None else getattr(compiled, "example", None)
     if verify and example is not None:  # the files stay written when the check fails
