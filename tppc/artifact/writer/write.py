@@ -79,8 +79,9 @@ def export(compiled: Any, path: str | os.PathLike[str], *, format: str = "onnx",
             ``compiled.example``; none: not checked).
 
     Raises:
-        ExportError: an unknown format, a length that is not an int ≥ 1, or an op the ONNX
-            translation does not support (naming the node).
+        ExportError: an unknown format, a length that is not an int ≥ 1, a plan with
+            tensor-parallel stages, or an op the ONNX translation does not support (naming
+            the node).
         SoundnessError: the artifact's output differs (the files stay written); the message
             names the ONNX stage and the output.
 
@@ -91,6 +92,12 @@ def export(compiled: Any, path: str | os.PathLike[str], *, format: str = "onnx",
     wanted_lengths = _check_lengths(lengths)
     if format != "onnx":
         raise ExportError(f"format={format!r}: tppc exports 'onnx' only. fix: format='onnx'")
+    degrees = [getattr(st, "tensor_parallel", 1) for st in compiled.plan.stages]
+    if any(d > 1 for d in degrees):
+        raise ExportError(
+            f"the plan's stages have tensor_parallel={degrees}: an artifact holds one ONNX "
+            "graph per stage and its runner has no collectives yet. fix: compile with "
+            "tensor_parallel=1 to export (or run the sharded pipeline in torch)")
     out = Path(path)
     made = [p for p in (out, *out.parents) if not p.exists()]
     out.mkdir(parents=True, exist_ok=True)
