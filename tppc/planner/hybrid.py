@@ -12,8 +12,8 @@ Terms:
     any-plan bound of a configuration: ``max(serial / groups, path)``, with each layer on its
         fastest group: no plan of the configuration, on any subset of its groups, is faster.
     search: configurations (× stage counts) in order of that bound; one whose bound (× its
-        devices, for throughput) cannot beat the best plan found is pruned (exact); the time
-        limit is shared among those left. When nothing inside nodes fits in memory, groups
+        devices, for throughput) cannot beat the best plan found is pruned (exact); each gets
+        half of the time left (the last one all of it). When nothing inside nodes fits in memory, groups
         spanning nodes are tried, and the plan says why.
     bound of the plan: the least over every configuration of its certified bound (the
         planner's ``lower_bound`` where it was planned, its any-plan bound otherwise): no
@@ -170,8 +170,8 @@ def _search(candidates: list[_Candidate], plan_table: PlanTable, objective: str,
         if best is not None and (key(c) >= _value(best, best.plan, objective)
                                  or time.perf_counter() >= deadline):
             continue
-        left = deadline - time.perf_counter()
-        seconds = max(left / (len(order) - i), MIN_SECONDS)
+        left = deadline - time.perf_counter()  # the most promising bound gets the most
+        seconds = max(left / 2 if i < len(order) - 1 else left, MIN_SECONDS)
         try:
             c.plan = plan_table(c.table, c.stages, seconds)
         except PlanInfeasible as exc:
