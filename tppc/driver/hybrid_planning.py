@@ -1,7 +1,8 @@
 """Tensor-parallel degrees in ``tppc.plan``: the configurations, their prices, the search.
 
-The front end's graph says what can be cut (``SHARD`` roles on its nodes, the sizes a
-degree must divide in ``gm.meta[SHARD_SIZES]``: the sharding pass); the cluster says which
+The front end's graph says what can be cut (``SHARD`` roles on its nodes, copied onto the
+chunk-step graph, whose own buffer writes take their source's cut; the sizes a degree must
+divide in ``gm.meta[SHARD_SIZES]``: the sharding pass); the cluster says which
 groups exist (:mod:`tppc.planner.configurations`); each configuration is priced as a table of
 groups (:func:`tppc.cost_models.group_costs.group_cost_table`) and planned by the placement +
 split planner; :func:`tppc.planner.hybrid.plan_hybrid` keeps the best.
@@ -21,7 +22,7 @@ from tppc.cost_models.shard_costs import effective_roles
 from tppc.cost_models.table import CostTable
 from tppc.driver.options import CompileOptions
 from tppc.frontend.front_end import FrontEnd
-from tppc.ir.records import SHARD, SHARD_SIZES, ShardRole
+from tppc.ir.records import SHARD_SIZES, ShardRole
 from tppc.planner.configurations import (
     Configuration,
     check_degree,
@@ -55,29 +56,14 @@ def wants_hybrid(front: FrontEnd, opts: CompileOptions) -> bool:
     return Cluster.parse(opts.cluster).num_devices > 1 and bool(shard_sizes(front))
 
 
-def _roles(front: FrontEnd) -> dict[str, ShardRole]:
-    """The chunk graph's effective roles; roles only on the annotated graph (the chunk
-    pass did not copy them) are read by node name."""
-    roles = effective_roles(front.chunk)
-    if not any(isinstance(n.meta.get(SHARD), ShardRole) for n in front.chunk.graph.nodes):
-        named = {n.name: n.meta[SHARD] for n in front.annotated.graph.nodes
-                 if isinstance(n.meta.get(SHARD), ShardRole)}
-        if named:
-            for node in front.chunk.graph.nodes:
-                if node.name in named:
-                    node.meta[SHARD] = named[node.name]
-            roles = effective_roles(front.chunk)
-    return roles
-
-
 def _group_table(front: FrontEnd, opts: CompileOptions, tokens: int,
                  groups: tuple[tuple[int, ...], ...], rates: tuple[float, ...] | None,
                  roles: dict[str, ShardRole] | None = None) -> tuple[CostTable, tuple[str, ...]]:
     ctx = front.ctx
     table, words = group_cost_table(
         front.chunk, ctx.layers, Cluster.parse(opts.cluster), tokens, groups,
-        roles=_roles(front) if roles is None else roles, queue_depth=opts.queue_depth,
-        seq_symbol=ctx.seq_symbol, token_count=ctx.token_count)
+        roles=effective_roles(front.chunk) if roles is None else roles,
+        queue_depth=opts.queue_depth, seq_symbol=ctx.seq_symbol, token_count=ctx.token_count)
     if rates is not None:
         table = table.scaled([max(rates[d] for d in g) for g in groups])
     return table, words
@@ -130,7 +116,7 @@ def tensor_parallel_plan(front: FrontEnd, opts: CompileOptions, tokens: int,
             return sub_table(base[0], tuple(g[0] for g in config.groups)), ()
         for t in set(config.degrees):
             check_degree(t, sizes)
-        roles = _roles(front) if roles is None else roles
+        roles = effective_roles(front.chunk) if roles is None else roles
         return _group_table(front, opts, tokens, config.groups, rates, roles)
 
     def plan_table(table: CostTable, stages: int | None, seconds: float) -> Plan:
