@@ -197,3 +197,15 @@ def test_summary_shows_groups_degrees_collectives_and_the_runner_up() -> None:
     assert "degrees PP1 x TP2 (2 devices)" in text
     assert "0-1" in text and "1 all_reduce of 256 B/token" in text
     assert "runner-up: TP1 (any number of stages): at least" in text
+
+
+def test_degrees_may_differ_per_stage_on_a_mixed_cluster() -> None:
+    mixed = Configuration(((0, 1), (2,)))  # an H100 pair, then one A100
+    cluster = Cluster.parse("(2xh100-sxm)+(1xa100-80gb)@ib-hdr")
+    rows = dataclasses.replace(table(4, (2.0, 1.0), seq_len=L), device_names=("grp", "a100"))
+    plan = plan_hybrid([mixed], lambda c: (rows, ()), _plan_table(), cluster=cluster,
+                       granularity=64, num_stages=2, time_limit=5.0)
+    assert plan.degrees == {"num_stages": 2, "tensor_parallel": (2, 1), "replicas": 1}
+    assert [st.device_indices for st in plan.stages] == [(0, 1), (2,)]
+    assert Plan.from_json(plan.to_json()).degrees == plan.degrees
+    assert "PP2 x TP(2,1)" in plan.summary()
