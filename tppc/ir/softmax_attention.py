@@ -38,8 +38,8 @@ def softmax_attention_math(query: torch.Tensor, key: torch.Tensor, value: torch.
                            ) -> torch.Tensor:
     """``softmax(softcap(scale · q kᵀ) + mask ∥ sinks)[..., :kv] · v``, in transformers' order.
 
-    A boolean mask hides keys with the dtype's minimum (as transformers' eager masks do); a
-    float mask is added. The softmax runs in float32 and is cast back to ``value``'s dtype.
+    A boolean mask hides keys, a float mask is added; a query that sees no key gives 0 (as
+    SDPA). The softmax runs in float32 and is cast back to ``value``'s dtype.
     """
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         repeat = query.shape[-3] // key.shape[-3]
@@ -53,13 +53,15 @@ def softmax_attention_math(query: torch.Tensor, key: torch.Tensor, value: torch.
         rows, keys = scores.shape[-2:]
         attn_mask = torch.ones(rows, keys, dtype=torch.bool, device=scores.device).tril()
     if attn_mask is not None and attn_mask.dtype == torch.bool:
-        scores = scores.masked_fill(~attn_mask, torch.finfo(scores.dtype).min)
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
     elif attn_mask is not None:
         scores = scores + attn_mask
     if sinks is not None:
         sink = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
         scores = torch.cat([scores, sink], dim=-1)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    if attn_mask is not None:  # rows that see no key give 0
+        probs = probs.masked_fill(scores.isneginf().all(-1, keepdim=True), 0.0)
     if sinks is not None:
         probs = probs[..., :-1]
     return torch.matmul(probs, value)

@@ -264,14 +264,7 @@ def _rewrite(gm: fx.GraphModule, region: _Region) -> None:
         if isinstance(key, tuple):
             key = new.call(_aten.transpose.int, (key[1], -2, -1))
         q, k, v = (new.in_frame(x, frame) for x in (region.query, key, region.value))
-        mask = None
-        for kind, term, factor in region.terms:
-            if kind == "hide":
-                term = new.call(_aten.where.Scalar, (term, float(factor), 0.0))
-            elif factor != 1:
-                term = new.call(_aten.mul.Tensor, (term, float(factor)))
-            term = new.in_frame(term, frame, like=region.scores)
-            mask = term if mask is None else new.call(_aten.add.Tensor, (mask, term))
+        mask = _mask(new, region, frame)
         if region.softcap is None and region.sinks is None:
             attn = new.call(_aten.scaled_dot_product_attention.default, (q, k, v, mask),
                             {"scale": region.scale})
@@ -292,6 +285,51 @@ def _rewrite(gm: fx.GraphModule, region: _Region) -> None:
         if node.op == "call_function" and not node.users and not node.is_impure():
             inputs.update(node.all_input_nodes)
             graph.erase_node(node)
+
+
+def _mask(new: _Builder, region: _Region, frame: list[Any]) -> fx.Node | None:
+    """SDPA's mask for the region's additive terms: a boolean mask for the terms that only
+    hide keys (``where(visible, 0, min)``, ``masked_fill(hidden, -inf)``), the sum of the
+    others as a float bias (hidden keys set to ``-inf`` there).
+
+    A query that sees no key then gives 0, as SDPA does, where eager averages every value
+    of the sequence (future ones included): only such rows (padding) differ from eager.
+    """
+    visible: fx.Node | None = None
+    bias: fx.Node | None = None
+    for kind, term, factor in region.terms:
+        shown = _visible(term) if kind == "add" and factor == 1 else None
+        if kind == "hide":
+            shown = new.call(_aten.logical_not.default, (term,))
+        if shown is not None:
+            shown = new.in_frame(shown, frame, like=region.scores)
+            visible = shown if visible is None else \
+                new.call(_aten.logical_and.default, (visible, shown))
+            continue
+        if factor != 1:
+            term = new.call(_aten.mul.Tensor, (term, float(factor)))
+        term = new.in_frame(term, frame, like=region.scores)
+        bias = term if bias is None else new.call(_aten.add.Tensor, (bias, term))
+    if bias is None or visible is None:
+        return bias if visible is None else visible
+    return new.call(_aten.where.ScalarOther, (visible, bias, float("-inf")))
+
+
+def _visible(term: fx.Node) -> fx.Node | None:
+    """``cond`` of ``where(cond, 0, very negative)``: a mask that only hides keys."""
+    if term.op != "call_function" or term.target not in (
+            _aten.where.ScalarOther, _aten.where.Scalar, _aten.where.self):
+        return None
+    cond, shown, hidden = term.args[:3]
+    if _number(hidden) is None or _number(hidden) > _VERY_NEGATIVE:
+        return None
+    if isinstance(shown, fx.Node):
+        if shown.target not in (_aten.zeros.default, _aten.zeros_like.default) \
+                or tensor_val(shown).dim() != 0:
+            return None
+    elif _number(shown) != 0:
+        return None
+    return cond
 
 
 class _Builder:
