@@ -106,7 +106,7 @@ _ORDER = ("shift", "sinks", "mask", "softcap", "scale")
 def _logits(region: _Region, node: fx.Node) -> None:
     """Read scale, soft-cap, additive terms and sinks from the softmax's input back to
     ``q @ kᵀ``; each step may only come before (in the graph) the ones already read."""
-    stage = 0
+    stage, later = 0, node
     while True:
         target = node.target if node.op == "call_function" else None
         step, nxt = _logit_step(region, node, target)
@@ -115,10 +115,10 @@ def _logits(region: _Region, node: fx.Node) -> None:
         if step in _ORDER:
             at = _ORDER.index(step)
             if at < stage:
-                raise _refuse(node, f"{_name(node)} ({step}) comes after the "
-                              f"{_ORDER[stage]} on the way to the softmax; the recognised "
-                              "order is q·kᵀ → scale → soft-cap → mask → sinks → softmax")
-            stage = at
+                raise _refuse(later, f"{_name(later)} ({_ORDER[stage]}) follows "
+                              f"{_name(node)} ({step}), out of the recognised order")
+            if at > stage:
+                stage, later = at, node
         region.nodes.add(node)
         node = nxt
 
@@ -221,8 +221,8 @@ def _probabilities(region: _Region, softmax: fx.Node) -> None:
         users = [u for u in node.users if u.target is not _aten._assert_tensor_metadata.default]
         if len(users) != 1:
             raise _refuse(node, f"the attention probabilities are read by {len(users)} ops "
-                          f"({[u.name for u in users]}; output_attentions=True?). fix: do not "
-                          "return the attention weights")
+                          f"({[u.name for u in users]}): returned (output_attentions=True?) "
+                          "or reused; only the attention's output may leave it")
         node = users[0]
         target = node.target
         if target in _CASTS or (target in _VIEWS and _regroups_batch(node.args[0], node)):
@@ -424,14 +424,14 @@ def _name(node: fx.Node) -> str:
 
 
 def _source_line(node: fx.Node) -> str:
-    """``file:line`` of the model code that made ``node`` (the last frame of its trace)."""
+    """``file:line (function)`` of the model code that made ``node``: the last frame of its
+    trace (torch.export records a module's ``forward``; a helper it calls shows as the call)."""
     trace = node.meta.get("stack_trace") or ""
     frames = [ln.strip() for ln in trace.splitlines() if ln.strip().startswith("File ")]
-    if not frames:
+    parts = frames[-1].split(", ") if frames else []
+    if len(parts) < 3:
         return "source line unknown"
-    parts = frames[-1].split(",")
-    return f"{parts[0][5:].strip(chr(34))}:{parts[1].split()[-1]}" if len(parts) > 1 \
-        else frames[-1]
+    return f"{parts[0][5:].strip(chr(34))}:{parts[1].split()[-1]} ({parts[2][3:]})"
 
 
 def _refuse(node: fx.Node, why: str) -> AnnotationError:
