@@ -135,3 +135,21 @@ def test_softmax_attention_math_equals_its_definition() -> None:
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     none = softmax_attention_math(q, kk, vv, torch.zeros(6, 6, dtype=torch.bool))
     assert not math.isnan(float(none.abs().sum())) and not none.any()  # no key seen: 0
+
+
+def test_folded_attention_is_priced_as_attention_like_sdpa() -> None:
+    """The soft-capped form's chunk op is priced as the plain form's (SDPA's): attention
+    work over the visited keys, one node per layer."""
+    from tppc.cost_models.layer_costs import layer_expressions
+    from tppc.cost_models.presets import DEVICE_PRESETS
+    from tppc.frontend.annotate import annotate, program_of
+
+    def attention(form: str) -> list:
+        gm, ctx = annotate(HandLM(form).eval(), (_ids(),))
+        exprs = layer_expressions(program_of(gm, ctx), ctx.layers, DEVICE_PRESETS["a100-80gb"],
+                                  16, seq_symbol=ctx.seq_symbol, token_count=ctx.token_count)
+        return [n for e in exprs for n in e.nodes if n.kind == "attention"]
+
+    plain, capped = attention("plain"), attention("softcap")
+    assert len(capped) == 2 and all(n.op == "chunk_attention" and n.causal_keys for n in capped)
+    assert [n.matrix_flops for n in capped] == [n.matrix_flops for n in plain]
