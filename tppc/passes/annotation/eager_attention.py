@@ -10,8 +10,10 @@ Terms:
         sinks → ``@ v``. Casts and views that only regroup the batch and head axes may sit
         anywhere on the way (Bloom's ``(b·h, q, k)`` scores viewed as ``(b, h, q, k)``).
 
-Each region becomes ``aten.scaled_dot_product_attention(q, k, v, mask, scale=…)`` (mask: the
-sum of the additive terms, in the softmax's batch layout), or, with a soft-cap or sinks,
+:mod:`.eager_region` reads a region; this pass rewrites it. Each region becomes
+``aten.scaled_dot_product_attention(q, k, v, mask, scale=…)`` (mask: the terms that only hide
+keys as a boolean mask, the others summed into a float bias, in the softmax's batch layout),
+or, with a soft-cap or sinks,
 ``tppc::softmax_attention`` (:mod:`tppc.ir.softmax_attention`) with the same arguments plus
 ``softcap`` and ``sinks``. Annotation then sees attention and classifies its mask as it does
 SDPA's (causal, window, padding, bias), and ``chunk_attention`` gives it the same K/V buffers;
@@ -26,47 +28,19 @@ Example:
 
 from __future__ import annotations
 
-import math
-import operator
-from dataclasses import dataclass, field
 from typing import Any
 
-import sympy
 import torch
 from torch import fx
 
 import tppc.ir.softmax_attention  # noqa: F401  (registers torch.ops.tppc.softmax_attention)
-from tppc.errors import AnnotationError
 from tppc.ir.context import CompileContext
-from tppc.passes.shapes import module_path, size_expr, tensor_val
+from tppc.passes.annotation.eager_region import EagerRegion, read_eager_region, visible_keys
+from tppc.passes.shapes import size_expr, tensor_val
 
 __all__ = ["fold_eager_attention_pass"]
 
 _aten = torch.ops.aten
-_SOFTMAX = (_aten.softmax.int, _aten._softmax.default, _aten._safe_softmax.default)
-_CASTS = {_aten.to.dtype, _aten.to.dtype_layout, _aten._to_copy.default, _aten.clone.default,
-          _aten.contiguous.default, _aten.alias.default, _aten.detach.default}
-_VIEWS = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default}
-_MATMULS = {_aten.matmul.default, _aten.bmm.default}
-_VERY_NEGATIVE = -1e30
-"""A fill value at or below this hides a key (transformers fills with the dtype's minimum)."""
-
-
-@dataclass
-class _Region:
-    """What one eager region computes, read off the graph (see the module docstring)."""
-
-    softmax: fx.Node
-    nodes: set[fx.Node] = field(default_factory=set)
-    scale: float = 1.0
-    softcap: float | None = None
-    terms: list[tuple[str, fx.Node, Any]] = field(default_factory=list)
-    sinks: fx.Node | None = None
-    query: fx.Node | None = None
-    key: fx.Node | None = None
-    value: fx.Node | None = None
-    scores: fx.Node | None = None
-    output: fx.Node | None = None
 
 
 def fold_eager_attention_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
@@ -76,185 +50,16 @@ def fold_eager_attention_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.Gra
         AnnotationError: a softmax over a score matrix whose region is not of that form.
     """
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target in _SOFTMAX \
-                and _over_keys(node, ctx.seq_symbol):
-            region = _Region(node)
-            _logits(region, node.args[0])
-            _probabilities(region, node)
-            _check_closed(region)
+        region = read_eager_region(node, ctx.seq_symbol)
+        if region is not None:
             _rewrite(gm, region)
     gm.graph.lint()
     gm.recompile()
     return gm
 
 
-def _over_keys(softmax: fx.Node, sym: sympy.Symbol) -> bool:
-    """A softmax along the last axis of a score matrix."""
-    val = tensor_val(softmax.args[0])
-    if val is None or val.dim() < 2:
-        return False
-    dim = softmax.args[1] if len(softmax.args) > 1 else softmax.kwargs.get("dim", -1)
-    if dim % val.dim() != val.dim() - 1:
-        return False
-    return all(sym in size_expr(s).free_symbols for s in val.shape[-2:])
-
-
-# -- the logits, walked back from the softmax -------------------------------------------------
-_ORDER = ("shift", "sinks", "mask", "softcap", "scale")
-
-
-def _logits(region: _Region, node: fx.Node) -> None:
-    """Read scale, soft-cap, additive terms and sinks from the softmax's input back to
-    ``q @ kᵀ``; each step may only come before (in the graph) the ones already read."""
-    stage, later = 0, node
-    while True:
-        target = node.target if node.op == "call_function" else None
-        step, nxt = _logit_step(region, node, target)
-        if step == "matmul":
-            return
-        if step in _ORDER:
-            at = _ORDER.index(step)
-            if at < stage:
-                raise _refuse(later, f"{_name(later)} ({_ORDER[stage]}) follows "
-                              f"{_name(node)} ({step}), out of the recognised order")
-            if at > stage:
-                stage, later = at, node
-        region.nodes.add(node)
-        node = nxt
-
-
-def _logit_step(region: _Region, node: fx.Node, target: Any) -> tuple[str, fx.Node | None]:
-    """One op of the logits: its kind and the node on the score path before it."""
-    args = node.args
-    if target in _CASTS or (target in _VIEWS and _regroups_batch(args[0], node)):
-        return "cast", args[0]
-    if target in _MATMULS or target is _aten.baddbmm.default:
-        _qk(region, node)
-        return "matmul", None
-    if target in (_aten.mul.Tensor, _aten.div.Tensor) and _number(args[1]) is not None:
-        if isinstance(args[0], fx.Node) and args[0].target is _aten.tanh.default:
-            return "softcap", _softcap(region, node)
-        factor = _number(args[1])
-        region.scale *= factor if target is _aten.mul.Tensor else 1.0 / factor
-        return "scale", args[0]
-    if target is _aten.add.Tensor and all(isinstance(a, fx.Node) for a in args[:2]):
-        score, term = (args[0], args[1]) if _on_score_path(args[0]) else (args[1], args[0])
-        if not _on_score_path(score) or _on_score_path(term):
-            raise _refuse(node, "an add whose operands are both scores, or neither")
-        alpha = node.kwargs.get("alpha", 1)
-        region.terms.append(("add", term, alpha))
-        return "mask", score
-    if target is _aten.masked_fill.Scalar and _number(args[2]) is not None \
-            and _number(args[2]) <= _VERY_NEGATIVE:
-        region.terms.append(("hide", args[1], _number(args[2])))
-        return "mask", args[0]
-    if target is _aten.sub.Tensor and _is_max_of(args[1], args[0]):
-        region.nodes.update((args[1], args[1].args[0]))
-        return "shift", args[0]
-    if target is _aten.cat.default and _cat_dim(node) == -1 and len(args[0]) == 2:
-        region.sinks = _sinks(node, args[0][1])
-        return "sinks", args[0][0]
-    raise _refuse(node, f"op {_name(node)} between q·kᵀ and the softmax is none of scale, "
-                  "tanh soft-capping, an additive mask or bias, sinks, a cast")
-
-
-def _qk(region: _Region, node: fx.Node) -> None:
-    """``q @ kᵀ`` (or ``baddbmm(bias, q, kᵀ)``): the query, the key and the scores' layout."""
-    if node.target is _aten.baddbmm.default:
-        bias, query, key_t = node.args[:3]
-        beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
-        region.terms.append(("add", bias, beta))
-        region.scale *= float(alpha)
-    else:
-        query, key_t = node.args[:2]
-    region.nodes.add(node)
-    region.query, region.scores = query, node
-    region.key = _untransposed(key_t, region)
-
-
-def _untransposed(key_t: fx.Node, region: _Region) -> fx.Node | tuple[str, fx.Node]:
-    """``k`` from ``kᵀ`` (a transpose of the last two axes), else a transpose to insert."""
-    rank = tensor_val(key_t).dim()
-    if key_t.target is _aten.transpose.int and len(key_t.users) == 1 and \
-            {key_t.args[1] % rank, key_t.args[2] % rank} == {rank - 2, rank - 1}:
-        region.nodes.add(key_t)
-        return key_t.args[0]
-    return ("transpose", key_t)
-
-
-def _softcap(region: _Region, node: fx.Node) -> fx.Node:
-    """``cap · tanh(s / cap)`` (or ``tanh(s · (1/cap)) · cap``): the cap; returns ``s``."""
-    tanh = node.args[0]
-    inner = tanh.args[0]
-    outer = _number(node.args[1])
-    if node.target is not _aten.mul.Tensor or not isinstance(inner, fx.Node) \
-            or inner.target not in (_aten.div.Tensor, _aten.mul.Tensor) \
-            or _number(inner.args[1]) is None:
-        raise _refuse(node, "a tanh on the scores that is not cap · tanh(scores / cap)")
-    cap = _number(inner.args[1]) if inner.target is _aten.div.Tensor \
-        else 1.0 / _number(inner.args[1])
-    if not math.isclose(cap, outer, rel_tol=1e-6):
-        raise _refuse(node, f"tanh soft-capping divides by {cap} but multiplies by {outer}")
-    region.softcap = outer
-    region.nodes.update((tanh, inner))
-    return inner.args[0]
-
-
-def _sinks(cat: fx.Node, sink: fx.Node) -> fx.Node:
-    """The per-head logit a ``cat`` appends to every row, before its ``expand`` to the rows."""
-    while sink.op == "call_function" and sink.target is _aten.expand.default:
-        sink = sink.args[0]
-    val = tensor_val(sink)
-    if val is None or val.dim() < 2 or any(size_expr(s).free_symbols for s in val.shape) \
-            or int(val.shape[-1]) != 1 or int(val.shape[-2]) != 1:
-        raise _refuse(cat, "a cat along the keys of something other than one logit per head "
-                      "(attention sinks)")
-    return sink
-
-
-# -- the probabilities, walked forward to ``@ v`` ----------------------------------------------
-def _probabilities(region: _Region, softmax: fx.Node) -> None:
-    node = softmax
-    sinks_dropped = region.sinks is None
-    while True:
-        region.nodes.add(node)
-        users = [u for u in node.users if u.target is not _aten._assert_tensor_metadata.default]
-        if len(users) != 1:
-            raise _refuse(node, f"the attention probabilities are read by {len(users)} ops "
-                          f"({[u.name for u in users]}): returned (output_attentions=True?) "
-                          "or reused; only the attention's output may leave it")
-        node = users[0]
-        target = node.target
-        if target in _CASTS or (target in _VIEWS and _regroups_batch(node.args[0], node)):
-            continue
-        if target is _aten.dropout.default and (node.args[1] == 0 or not node.args[2]):
-            continue
-        if target is _aten.dropout.default:
-            raise _refuse(node, f"dropout with p={node.args[1]} in training mode. fix: put "
-                          "the model in eval mode")
-        if target is _aten.slice.Tensor and not sinks_dropped and _drops_last(node):
-            sinks_dropped = True
-            continue
-        if target in _MATMULS and node.args[0] in region.nodes and sinks_dropped:
-            region.value, region.output = node.args[1], node
-            region.nodes.add(node)
-            return
-        raise _refuse(node, f"op {_name(node)} between the softmax and @ v is none of a cast, "
-                      "dropout at p = 0, the slice dropping the sinks")
-
-
-def _check_closed(region: _Region) -> None:
-    """Only the region reads its own intermediate values (else they would be lost)."""
-    for node in region.nodes - {region.output}:
-        for user in node.users:
-            if user not in region.nodes and \
-                    user.target is not _aten._assert_tensor_metadata.default:
-                raise _refuse(node, f"its value is also read by {user.name} ({_name(user)}) "
-                              "outside the attention")
-
-
 # -- the rewrite ---------------------------------------------------------------------------------
-def _rewrite(gm: fx.GraphModule, region: _Region) -> None:
+def _rewrite(gm: fx.GraphModule, region: EagerRegion) -> None:
     graph = gm.graph
     out = region.output
     frame = list(tensor_val(region.softmax.args[0]).shape[:-2])
@@ -287,7 +92,7 @@ def _rewrite(gm: fx.GraphModule, region: _Region) -> None:
             graph.erase_node(node)
 
 
-def _mask(new: _Builder, region: _Region, frame: list[Any]) -> fx.Node | None:
+def _mask(new: _Builder, region: EagerRegion, frame: list[Any]) -> fx.Node | None:
     """SDPA's mask for the region's additive terms: a boolean mask for the terms that only
     hide keys (``where(visible, 0, min)``, ``masked_fill(hidden, -inf)``), the sum of the
     others as a float bias (hidden keys set to ``-inf`` there).
@@ -298,7 +103,7 @@ def _mask(new: _Builder, region: _Region, frame: list[Any]) -> fx.Node | None:
     visible: fx.Node | None = None
     bias: fx.Node | None = None
     for kind, term, factor in region.terms:
-        shown = _visible(term) if kind == "add" and factor == 1 else None
+        shown = visible_keys(term) if kind == "add" and factor == 1 else None
         if kind == "hide":
             shown = new.call(_aten.logical_not.default, (term,))
         if shown is not None:
@@ -313,23 +118,6 @@ def _mask(new: _Builder, region: _Region, frame: list[Any]) -> fx.Node | None:
     if bias is None or visible is None:
         return bias if visible is None else visible
     return new.call(_aten.where.ScalarOther, (visible, bias, float("-inf")))
-
-
-def _visible(term: fx.Node) -> fx.Node | None:
-    """``cond`` of ``where(cond, 0, very negative)``: a mask that only hides keys."""
-    if term.op != "call_function" or term.target not in (
-            _aten.where.ScalarOther, _aten.where.Scalar, _aten.where.self):
-        return None
-    cond, shown, hidden = term.args[:3]
-    if _number(hidden) is None or _number(hidden) > _VERY_NEGATIVE:
-        return None
-    if isinstance(shown, fx.Node):
-        if shown.target not in (_aten.zeros.default, _aten.zeros_like.default) \
-                or tensor_val(shown).dim() != 0:
-            return None
-    elif _number(shown) != 0:
-        return None
-    return cond
 
 
 class _Builder:
@@ -365,78 +153,3 @@ class _Builder:
         val = tensor_val(node)
         return [self.call(_aten.sym_size.int, (node, val.dim() - 2 + i))
                 if size_expr(s).free_symbols else int(s) for i, s in enumerate(val.shape[-2:])]
-
-
-# -- helpers -------------------------------------------------------------------------------------
-def _on_score_path(node: fx.Node, depth: int = 0) -> bool:
-    """Whether ``node`` leads back to ``q @ kᵀ`` through ops of the logits (not a mask)."""
-    if depth > 32 or node.op != "call_function":
-        return False
-    if node.target in _MATMULS or node.target is _aten.baddbmm.default:
-        val = tensor_val(node)
-        return val is not None and val.dim() >= 2 and all(
-            size_expr(s).free_symbols for s in val.shape[-2:])
-    if node.target in _CASTS | _VIEWS | {_aten.mul.Tensor, _aten.div.Tensor, _aten.tanh.default,
-                                         _aten.add.Tensor, _aten.masked_fill.Scalar}:
-        return any(_on_score_path(a, depth + 1) for a in node.args[:2] if isinstance(a, fx.Node))
-    return False
-
-
-def _regroups_batch(src: Any, node: fx.Node) -> bool:
-    """A view that keeps the last two axes and regroups only the ones before them."""
-    a, b = tensor_val(src), tensor_val(node)
-    return a is not None and b is not None and a.dim() >= 2 and b.dim() >= 2 and all(
-        sympy.simplify(size_expr(x) - size_expr(y)) == 0
-        for x, y in zip(a.shape[-2:], b.shape[-2:]))
-
-
-def _is_max_of(node: Any, source: fx.Node) -> bool:
-    """``x.max(-1, keepdim=True).values`` (or ``amax``) of ``source``: softmax's own shift."""
-    if not isinstance(node, fx.Node):
-        return False
-    if node.target is operator.getitem and node.args[1] == 0:
-        node = node.args[0]
-    return node.target in (_aten.max.dim, _aten.amax.default) and node.args[0] is source
-
-
-def _cat_dim(node: fx.Node) -> int:
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-    return dim - tensor_val(node).dim() if dim >= 0 else dim
-
-
-def _drops_last(node: fx.Node) -> bool:
-    """``x[..., :-1]``: a slice of the last axis without its last entry."""
-    rank = tensor_val(node).dim()
-    dim, start, end = (list(node.args[1:4]) + [None] * 3)[:3]
-    return dim % rank == rank - 1 and start in (0, None) and end == -1
-
-
-def _number(value: Any) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) \
-        else None
-
-
-def _name(node: fx.Node) -> str:
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return target.overloadpacket.__name__
-    return getattr(target, "__name__", str(target))
-
-
-def _source_line(node: fx.Node) -> str:
-    """``file:line (function)`` of the model code that made ``node``: the last frame of its
-    trace (torch.export records a module's ``forward``; a helper it calls shows as the call)."""
-    trace = node.meta.get("stack_trace") or ""
-    frames = [ln.strip() for ln in trace.splitlines() if ln.strip().startswith("File ")]
-    parts = frames[-1].split(", ") if frames else []
-    if len(parts) < 3:
-        return "source line unknown"
-    return f"{parts[0][5:].strip(chr(34))}:{parts[1].split()[-1]} ({parts[2][3:]})"
-
-
-def _refuse(node: fx.Node, why: str) -> AnnotationError:
-    return AnnotationError(
-        f"hand-written attention at node {node.name!r} (op {_name(node)}, module "
-        f"{module_path(node) or '<top level>'}, {_source_line(node)}): {why}. tppc recognises "
-        "q·kᵀ → scale → tanh soft-cap → additive masks and biases → sinks → softmax → @ v. "
-        "fix: write the attention in that form or call F.scaled_dot_product_attention")
