@@ -32,7 +32,7 @@ from tppc.program.program import Program, StageProgram
 from tppc.program.state import Call, CallState
 
 __all__ = ["TORCH_OPS", "LocalExecutor", "Sink", "chunk_rows", "past_deadline", "prepare_stage",
-           "run_stage"]
+           "run_stage", "worker_name"]
 
 TORCH_OPS = CollectiveOps(cat=lambda arrays, axis: torch.cat(list(arrays), axis),
                           split=lambda array, n, axis: torch.tensor_split(array, n, axis),
@@ -111,6 +111,12 @@ def run_stage(stage: StageProgram, call: Call, state: CallState, start: int, end
         return tuple(stage.runnable(*args))
 
 
+def worker_name(stage: StageProgram) -> str:
+    """``stage 1 (cpu)``, or ``stage 1 rank 0 (cpu)`` for a shard of a sharded stage."""
+    rank = f" rank {stage.rank}" if stage.parts else ""
+    return f"stage {stage.index}{rank} ({stage.device})"
+
+
 def past_deadline(deadline: float | None) -> bool:
     """Whether ``deadline`` (a ``time.perf_counter`` value; None: none) has passed."""
     return deadline is not None and time.perf_counter() > deadline
@@ -179,14 +185,14 @@ class LocalExecutor:
                 raised at most one chunk's time late.
         """
         results: dict[int, tuple[Any, ...]] = {}
-        stages = program.stages
+        stages, leader = program.runners, program.leader
         dry = program.dry_run(call.chunks)
         computes = sum(a.kind == "compute" for row in dry.actions for a in row)
         done = [0]
 
         def compute(s: int, act: Action, got: Any) -> tuple[Any, ...]:
             done[0] += 1
-            return run_stage(stages[s], call, state, act.start, act.end, got)
+            return run_stage(stages[s].part(act.part), call, state, act.start, act.end, got)
 
         def late(s: int, act: Action) -> StageTimeout:
             stage = stages[s]
@@ -197,12 +203,14 @@ class LocalExecutor:
                 "stage steps done). fix: raise the timeout, or check that stage's device")
 
         def output(s: int, act: Action, values: tuple[Any, ...]) -> None:
+            if s != leader:  # another shard of the last stage: the same values
+                return
             if sink is None:
                 results[act.chunk] = values
             else:
                 sink(act.chunk, values)
 
         run_in_order(dry, compute, output=output, ops=TORCH_OPS,
-                     who=lambda s: f"stage {s} ({stages[s].device})",
+                     who=lambda s: worker_name(stages[s]),
                      deadline=None if timeout is None else Deadline(timeout, late), trace=trace)
         return [results[i] for i in sorted(results)]

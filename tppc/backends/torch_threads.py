@@ -32,8 +32,9 @@ from typing import Any
 
 import torch
 
-from tppc.backends.torch_local import TORCH_OPS, Sink, past_deadline, run_stage
+from tppc.backends.torch_local import TORCH_OPS, Sink, past_deadline, run_stage, worker_name
 from tppc.errors import StageTimeout
+from tppc.program.actions import Action
 from tppc.program.interpreter import Interpreter
 from tppc.program.program import Program
 from tppc.program.state import Call, CallState
@@ -82,7 +83,7 @@ class ThreadsExecutor:
         Raises:
             StageTimeout: ``timeout`` seconds passed before the last chunk left the last stage.
         """
-        stages = program.stages
+        stages = program.runners
         dry = program.dry_run(call.chunks)
         world = ThreadWorld(dry, self.queue_depth, TORCH_OPS)
         run = _Run(call, state, [None] * len(stages), [] if trace is None else trace)
@@ -93,7 +94,8 @@ class ThreadsExecutor:
         results: dict[int, tuple[Any, ...]] = {}
         timed_out = False
         try:
-            for _ in range(sum(a.kind == "compute" for a in dry.actions[-1])):
+            for _ in range(len({a.job for a in dry.actions[program.leader]
+                                if a.kind == "compute"})):
                 item = self._next(run, world, workers, deadline, program, timeout)
                 if item is None:
                     break
@@ -162,19 +164,23 @@ class ThreadsExecutor:
 
     def _work(self, program: Program, s: int, run: _Run, world: ThreadWorld) -> None:
         """Stage ``s``'s lowered list through the interpreter (see the module docstring)."""
-        stage = program.stages[s]
+        stage = program.runners[s]
         last = len(program.stages) - 1
-        nxt = program.stages[s + 1].device if s < last else stage.device
+        nxt = program.stages[stage.index + 1].device if stage.index < last else stage.device
         call = run.call
+        leader = s == program.leader
+
+        def output(act: Action, values: Any) -> None:
+            if leader:  # another shard of the last stage holds the same values
+                world.put(world.inboxes[-1], (act.job, values, None))
+
         interpreter = Interpreter(
-            world.dry, s, lambda act, got: run_stage(stage, call, run.state, act.start,
-                                                     act.end, got),
-            world.end(s), lambda act, values: world.put(world.inboxes[-1], (act.job, values,
-                                                                            None)),
-            who=f"stage {s} ({stage.device})", trace=run.trace)
+            world.dry, s, lambda act, got: run_stage(stage.part(act.part), call, run.state,
+                                                     act.start, act.end, got),
+            world.end(s), output, who=worker_name(stage), trace=run.trace)
         run.interpreters[s] = interpreter
         try:
-            threads = self._threads(s)
+            threads = self._threads(stage.index)
             if threads is not None:
                 torch.set_num_threads(threads)
             if stage.device.type == "cuda":
@@ -182,7 +188,7 @@ class ThreadsExecutor:
             copier = _Copier(stage.device, nxt)
             interpreter.transport = world.end(
                 s, ship=copier.send, land=lambda event: _wait_event(event, stage.device))
-            if s > 0 and s == last:
+            if s > 0 and leader:
                 _touch_while_idle(call.outputs, lambda: not world.inboxes[s].empty()
                                   or world.stop.is_set())
         except BaseException as exc:  # re-raised in the calling thread

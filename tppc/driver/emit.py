@@ -11,6 +11,7 @@ Terms:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,20 +23,23 @@ from torch import fx
 from tppc.driver.options import CompileOptions, chunk_bounds
 from tppc.errors import RuntimeInputError, SpecError
 from tppc.ir.context import CompileContext
-from tppc.ir.records import CHUNK_INPUT, CHUNK_SIGNATURE, STAGE_INFO, ChunkSignature
+from tppc.ir.records import CHUNK_INPUT, CHUNK_SIGNATURE, STAGE_INFO, ChunkSignature, StageInfo
 from tppc.passes.runner import run_passes
+from tppc.passes.sharding.shard_graph import shard_graph
+from tppc.passes.sharding.split_parts import split_parts
 from tppc.passes.stages.direct_output import write_outputs_in_place
 from tppc.passes.stages.partition_stages import partition_stages
 from tppc.passes.subgraph import copy_graph
 from tppc.planner.plan import Plan, StagePlan
 from tppc.program.program import BufferSpec, Program, StageProgram
 from tppc.program.schedule import flow_shop
+from tppc.program.sharded import sharded_groups
 
 if TYPE_CHECKING:
     from tppc.driver.planning import Planner
     from tppc.frontend.front_end import FrontEnd
 
-__all__ = ["Emitter", "build_program", "device_for"]
+__all__ = ["Emitter", "build_program", "device_for", "sharded_stage"]
 
 
 @dataclass(frozen=True)
@@ -104,7 +108,8 @@ class Emitter:
 
 def build_program(chunk: fx.GraphModule, ctx: CompileContext, plan: Plan,
                   chunks: tuple[tuple[int, int], ...] | None = None,
-                  devices: Sequence[str | torch.device] | None = None) -> Program:
+                  devices: Sequence[str | torch.device] | None = None,
+                  degrees: Sequence[int] | None = None) -> Program:
     """Partition ``chunk`` (a chunk-step graph) by ``plan`` and place each stage.
 
     Every stage gets its own parameter tensors: on its device they alias the model's storage
@@ -117,19 +122,71 @@ def build_program(chunk: fx.GraphModule, ctx: CompileContext, plan: Plan,
         plan: placement and split.
         chunks: the call's chunks (default: the plan's).
         devices: one torch device per stage (default: see :func:`device_for`).
+        degrees: each stage's tensor-parallel degree (default: the plan's).
     """
     ranges = [(st.layer_start, st.layer_end) for st in plan.stages]
     names = [name for st in plan.stages for name in st.layer_names]
     graph = run_passes(chunk, ctx, [partition_stages(ranges, names)])
     signature: ChunkSignature = chunk.meta[CHUNK_SIGNATURE]
-    stages = tuple(_stage(getattr(graph, f"stage_{s}"), device_for(st, s, devices), signature)
-                   for s, st in enumerate(plan.stages))
+    degrees = tuple(degrees or (getattr(st, "tensor_parallel", 1) for st in plan.stages))
+    workers: list[StageProgram] = []
+    for s, st in enumerate(plan.stages):
+        module, device = getattr(graph, f"stage_{s}"), device_for(st, s, devices)
+        workers.extend(sharded_stage(module, device, signature, degrees[s], s)
+                       if degrees[s] > 1 else [_stage(module, device, signature)])
+    stages = tuple(next(w for w in workers if w.index == s) for s in range(len(plan.stages)))
     tail = getattr(chunk, "tppc_tail", None)
     if tail is not None:  # a copy with its own module tree (the chunk graph's stays as is)
         tail = _own_tensors(copy_graph(tail), stages[-1].device)
     chunks = chunks or plan.chunks
+    sharded = any(d > 1 for d in degrees)
     return Program(plan=plan, seq_len=plan.seq_len, chunks=chunks, stages=stages,
-                   signature=signature, tail=tail, actions=flow_shop(chunks, len(stages)))
+                   signature=signature, tail=tail, actions=flow_shop(chunks, len(stages)),
+                   groups=sharded_groups([w.index for w in workers]) if sharded else (),
+                   workers=tuple(workers) if sharded else ())
+
+
+def sharded_stage(module: fx.GraphModule, device: torch.device, signature: ChunkSignature,
+                  degree: int, s: int) -> list[StageProgram]:
+    """Stage ``s``'s ``degree`` workers: each its shard (:func:`shard_graph`) cut into parts
+    at its collectives (:func:`split_parts`); each K/V buffer named per worker.
+
+    Raises:
+        SpecError: the stage's cut axes do not divide into ``degree`` parts.
+    """
+    info = module.meta[STAGE_INFO]
+    workers = []
+    for r in range(degree):
+        shard = shard_graph(module, r, degree, f"stage {s} ({info.layers[0]}..)")
+        pieces, joins = split_parts(shard)
+        parts = []
+        for q, part in enumerate(pieces):
+            ins = tuple(p.name for p in part.graph.find_nodes(op="placeholder")
+                        if p.meta[CHUNK_INPUT].kind == "boundary")
+            outs = info.outputs if q == len(pieces) - 1 else ("carried",)
+            part.meta[STAGE_INFO] = StageInfo(s, info.layers, ins, outs, info.buffers)
+            part.tppc_positional = module.tppc_positional
+            parts.append(_rank_buffers(_stage(part, device, signature), r))
+        shard.meta[STAGE_INFO] = info
+        tensors = [*shard.parameters(), *shard.buffers()]
+        workers.append(dataclasses.replace(
+            parts[0], module=shard, runnable=shard, boundary_out=parts[-1].boundary_out,
+            buffers=tuple({b.name: b for p in parts for b in p.buffers}.values()),
+            out_slots=parts[-1].out_slots, rank=r, parts=tuple(parts),
+            joins=tuple((j.kind, j.dims) for j in joins),
+            param_count=sum(p.numel() for p in shard.parameters()),
+            param_bytes=sum(t.numel() * t.element_size() for t in tensors)))
+    return workers
+
+
+def _rank_buffers(stage: StageProgram, rank: int) -> StageProgram:
+    """The stage's K/V buffers named for worker ``rank`` (a call state holds one per name)."""
+    def named(name: str) -> str:
+        return f"{name}@tp{rank}"
+    return dataclasses.replace(
+        stage, inputs=tuple((named(n) if spec.kind in ("key", "value") else n, spec)
+                            for n, spec in stage.inputs),
+        buffers=tuple(dataclasses.replace(b, name=named(b.name)) for b in stage.buffers))
 
 
 def _stage(module: fx.GraphModule, device: torch.device, signature: ChunkSignature

@@ -64,6 +64,10 @@ class Action:
         group: the group a collective runs over (``""`` otherwise).
         dims: a collective's axes: ``all_gather``/``reduce_scatter`` ``(axis,)``,
             ``all_to_all`` ``(split axis, concat axis)``.
+        part: which part of the worker's stage a compute runs (a stage cut into parts at
+            its collectives: tensor parallelism; 0 otherwise).
+        first: a collective runs on the slot's first ``first`` values, the rest pass
+            through unchanged (0: on every value).
     """
 
     step: int
@@ -74,6 +78,8 @@ class Action:
     peer: int = -1
     group: str = ""
     dims: tuple[int, ...] = ()
+    part: int = 0
+    first: int = 0
 
     @property
     def job(self) -> tuple[int, int]:
@@ -93,8 +99,9 @@ class Action:
             return f"R{name}<{self.peer}"
         if self.kind in COLLECTIVES:
             dims = ":" + ",".join(map(str, self.dims)) if self.dims else ""
-            return f"{COLLECTIVES[self.kind]}{name}@{self.group}{dims}"
-        return f"C{name}"
+            first = f"^{self.first}" if self.first else ""
+            return f"{COLLECTIVES[self.kind]}{name}@{self.group}{dims}{first}"
+        return f"C{name}/{self.part}" if self.part else f"C{name}"
 
 
 Actions = tuple[tuple[Action, ...], ...]

@@ -179,6 +179,7 @@ class _Replay:
         self.rounds = [[-1] * len(row) for row in lowered]
         self.order: list[tuple[int, int]] = []
         self.computed: list[set[tuple[int, int]]] = [set() for _ in lowered]
+        self.parts: dict[tuple[int, tuple[int, int]], int] = {}  # (stage, job) -> next part
         self.got: list[set[tuple[int, int, int]]] = [set() for _ in lowered]
         self.queues: dict[tuple[int, int], deque[tuple[tuple[int, int], int]]] = {}
         self.round = 0
@@ -227,6 +228,7 @@ class _Replay:
         if act.kind == "compute":
             self.check_compute(s, act, here)
             self.computed[s].add(act.job)
+            self.parts[(s, act.job)] = act.part + 1
             return True
         if act.collective:
             return self.arrive(s, act, here)
@@ -264,7 +266,11 @@ class _Replay:
     def check_compute(self, s: int, act: Action, here: list[tuple[int, int]]) -> None:
         (t, i), done, me = act.job, self.computed[s], self.stage[s]
         why = None
-        if act.job in done:
+        if act.part or ((s, act.job) in self.parts and act.job in done):
+            if self.parts.get((s, act.job), 0) != act.part:  # a stage's parts, in order
+                why = (f"stage {s} computes {act} after part "
+                       f"{self.parts.get((s, act.job), 0) - 1} of its job")
+        elif act.job in done:
             why = f"stage {s} computes {act} twice"
         elif i and (t, i - 1) not in done:
             why = f"stage {s} computes {act} before chunk {i - 1} of step {t}"
@@ -293,7 +299,8 @@ class _Replay:
         met[s] = self.pos[s]
         for r, k in met.items():
             other = self.acts[r][k]
-            if (other.kind, other.job, other.dims) != (act.kind, act.job, act.dims):
+            if (other.kind, other.job, other.dims, other.first) != (
+                    act.kind, act.job, act.dims, act.first):
                 raise self.fail(f"collective {n} of group {act.group!r} is {act} on stage "
                                 f"{s} but {other} on stage {r}: every member runs the "
                                 "group's collectives in the same order", [*here, (r, k)])

@@ -188,7 +188,12 @@ class Interpreter:
             if self.deadline is not None and self.deadline.passed():
                 raise self.deadline.late(self.stage, act)
         else:
-            self._keep(act, self.transport.collective(act, self._use(act, keep=True)))
+            values = self._use(act, keep=True)
+            if act.first:  # the rest of the slot passes through
+                head = self.transport.collective(act, _head(act, values))
+                self._keep(act, (*head, *values[act.first:]))
+            else:
+                self._keep(act, self.transport.collective(act, values))
 
     def _carries(self, act: Action) -> bool:
         """Whether ``act`` reads or writes its job's slot (a forward send or receive, a
@@ -257,8 +262,8 @@ class _SerialEnd:
         if (act.group, n, self.stage) not in world.results:
             if world.ops is None:
                 raise TypeError(f"{act} needs array operations: pass ops to run_in_order")
-            inputs = [values if m == self.stage else world.interpreters[m].slots[act.job]
-                      for m in members]
+            inputs = [values if m == self.stage else _head(act, world.interpreters[m].slots[
+                act.job]) for m in members]
             for m, result in zip(members, combine(act, inputs, world.ops), strict=True):
                 world.results[(act.group, n, m)] = result
         return world.results.pop((act.group, n, self.stage))
@@ -269,6 +274,11 @@ class _SerialEnd:
     def failure(self, exc: BaseException, where: Interpreter, k: int) -> BaseException:
         exc.add_note(where.note(k))
         return exc
+
+
+def _head(act: Action, values: Any) -> Any:
+    """The values of a slot collective ``act`` runs on (its first ``act.first``; all at 0)."""
+    return tuple(values[:act.first]) if act.first else values
 
 
 def run_in_order(dry: DryRun, compute: Callable[[int, Action, Any], Any], *,

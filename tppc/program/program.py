@@ -29,6 +29,7 @@ from torch import fx
 from tppc.ir.records import ChunkInput, ChunkSignature
 from tppc.program.actions import Actions, Groups, flow_shop, job_count
 from tppc.program.dry_run import DryRun, check_actions
+from tppc.program.sharded import sharded_lists
 
 __all__ = ["BufferSpec", "OutSlot", "Program", "StageProgram"]
 
@@ -119,6 +120,11 @@ class StageProgram:
         param_bytes: bytes of its parameters and module buffers.
         consts: const programs feeding its ``hoisted`` inputs
             (:mod:`tppc.passes.stages.hoist_consts`; ``denoise`` only, else empty).
+        rank: the worker's place in its stage's tensor-parallel group (0 when alone).
+        parts: the worker's shard cut at its collectives (:mod:`tppc.passes.sharding`):
+            part ``p`` is a stage program of its own, run by a compute of ``part=p``
+            (empty: ``runnable`` runs whole).
+        joins: the collective after each part but the last, ``(kind, dims)``.
     """
 
     index: int
@@ -135,6 +141,13 @@ class StageProgram:
     param_count: int
     param_bytes: int
     consts: tuple[Any, ...] = ()
+    rank: int = 0
+    parts: tuple[StageProgram, ...] = ()
+    joins: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+    def part(self, index: int) -> StageProgram:
+        """What a compute of part ``index`` runs (the stage itself when it has no parts)."""
+        return self.parts[index] if self.parts else self
 
 
 @dataclass(frozen=True)
@@ -152,6 +165,10 @@ class Program:
             lists, or lists with their sends and receives already written out): the lists
             the plan's simulation replayed, which every executor lowers and follows.
         groups: the named groups of stage workers the lists' collectives run over.
+        workers: one stage program per worker when a stage has several (tensor
+            parallelism: the shards of stage ``s`` are the workers whose ``index`` is ``s``,
+            in rank order; a stage of one worker is its stage program); empty: one worker
+            per stage, ``stages``. ``stages[s]`` is then the first shard of stage ``s``.
     """
 
     plan: Any
@@ -162,6 +179,22 @@ class Program:
     tail: fx.GraphModule | None
     actions: Actions = ()
     groups: Groups = ()
+    workers: tuple[StageProgram, ...] = ()
+
+    @property
+    def runners(self) -> tuple[StageProgram, ...]:
+        """The stage program of every worker (list ``w`` of the action lists)."""
+        return self.workers or self.stages
+
+    @property
+    def stage_of(self) -> tuple[int, ...]:
+        """The stage of every worker (empty: one worker per stage)."""
+        return tuple(w.index for w in self.workers)
+
+    @property
+    def leader(self) -> int:
+        """The worker whose outputs are the model's (the first of the last stage)."""
+        return len(self.runners) - sum(w.index == len(self.stages) - 1 for w in self.runners)
 
     def dry_run(self, chunks: tuple[tuple[int, int], ...], steps: int = 1,
                 feedback: tuple[int, ...] = (0,)) -> DryRun:
@@ -170,16 +203,22 @@ class Program:
         Raises:
             ScheduleError: the lists cannot run (the message prints the action grid).
         """
-        return check_actions(self.actions_for(chunks, steps), feedback, groups=self.groups)
+        return check_actions(self.actions_for(chunks, steps), feedback, groups=self.groups,
+                             stages=self.stage_of)
 
     def actions_for(self, chunks: tuple[tuple[int, int], ...], steps: int = 1) -> Actions:
         """The compute lists of a call with ``chunks`` and ``steps`` pipelined steps: the
         program's own when they are for those chunks and steps; otherwise (a decoding step,
-        a denoising call) every stage runs every chunk of every step in order."""
+        a denoising call) every stage runs every chunk of every step in order; the workers
+        of sharded stages run their parts and collectives (:func:`sharded_lists`)."""
+        if self.workers:
+            return sharded_lists(chunks, steps, self.stage_of,
+                                 tuple(max(1, len(w.parts)) for w in self.workers),
+                                 tuple(w.joins for w in self.workers))
         if chunks == self.chunks and self.actions and job_count(self.actions)[0] == steps:
             return self.actions
         return flow_shop(chunks, len(self.stages), steps)
 
     def buffer_specs(self) -> tuple[BufferSpec, ...]:
-        """Every K/V buffer of the program, stage by stage."""
-        return tuple(b for st in self.stages for b in st.buffers)
+        """Every K/V buffer of the program, worker by worker."""
+        return tuple(b for st in self.runners for b in st.buffers)

@@ -106,12 +106,12 @@ class CallState:
 
     def positional(self, stage: StageProgram, key: Any) -> tuple[Any, ...] | None:
         """The stage's positional values computed under ``key``, or None."""
-        entry = self._positional.get(id(stage))
+        entry = self._positional.get(id(stage.positional))  # shared by a stage's parts
         return entry[1] if entry is not None and entry[0] == key else None
 
     def set_positional(self, stage: StageProgram, key: Any, values: tuple[Any, ...]) -> None:
         """Remember the stage's positional values computed under ``key``."""
-        self._positional[id(stage)] = (key, values)
+        self._positional[id(stage.positional)] = (key, values)
 
     def reset(self) -> None:
         """Zero every K/V buffer (a new generation must not see the last one's K/V)."""

@@ -1,0 +1,228 @@
+"""One worker's shard of a stage graph: the parts of the cut weights, the sizes it sees, and
+the collectives marked where the values must be whole again.
+
+Terms:
+    part ``r`` of ``t``: of an axis cut into ``segments``, worker ``r`` holds rows
+        ``[off + r·L/t, off + (r+1)·L/t)`` of every segment ``(off, L)``, in order
+        (:func:`take`).
+    collective mark: a call of :func:`all_reduce_mark` (after a row-parallel linear, before
+        its bias) or :func:`all_gather_mark` (a cut value the graph returns); marks never run:
+        :mod:`tppc.passes.sharding.split_parts` cuts the graph at them and the program runs
+        each as a collective action of the stage's group.
+
+The analysis (:func:`tppc.passes.sharding.annotate_shards.analyse`) runs on the stage graph
+itself, so a stage shards alone, at its own degree.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from tppc.ir.records import CHUNK_INPUT, LAYER
+from tppc.passes.sharding.annotate_shards import Sharding, analyse, check_degree, linear_of
+from tppc.passes.sharding.cuts import Cut
+from tppc.passes.subgraph import copy_graph
+
+__all__ = ["MARKS", "all_gather_mark", "all_reduce_mark", "shard_graph", "take"]
+
+aten = torch.ops.aten
+
+
+def all_reduce_mark(x: torch.Tensor) -> torch.Tensor:
+    """Marks an all-reduce of ``x`` over the stage's group (never runs)."""
+    raise RuntimeError("a collective mark runs only once its graph is split into parts")
+
+
+def all_gather_mark(x: torch.Tensor, axis: int) -> torch.Tensor:
+    """Marks an all-gather of ``x`` on ``axis`` over the stage's group (never runs)."""
+    raise RuntimeError("a collective mark runs only once its graph is split into parts")
+
+
+MARKS = {all_reduce_mark: "all_reduce", all_gather_mark: "all_gather"}
+"""Each mark and the collective it stands for."""
+
+_SIZED = (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+          aten.expand.default)
+
+
+def take(tensor: torch.Tensor, axis: int, segments: tuple[int, ...], rank: int,
+         degree: int) -> torch.Tensor:
+    """Part ``rank`` of ``degree`` of ``tensor``'s ``axis`` cut into ``segments`` (a copy)."""
+    pieces, off = [], 0
+    for size in segments:
+        step = size // degree
+        pieces.append(tensor.narrow(axis, off + rank * step, step))
+        off += size
+    return torch.cat(pieces, axis).contiguous() if len(pieces) > 1 else pieces[0].clone()
+
+
+def shard_graph(gm: fx.GraphModule, rank: int, degree: int, what: str) -> fx.GraphModule:
+    """Worker ``rank``'s shard (of ``degree``) of stage graph ``gm`` (a copy; ``gm`` stays).
+
+    Raises:
+        SpecError: a cut axis of the graph does not divide into ``degree`` parts.
+    """
+    new = copy_graph(gm)
+    new.meta.update(gm.meta)
+    for name in ("tppc_positional", "tppc_consts"):
+        if hasattr(gm, name):
+            setattr(new, name, getattr(gm, name))
+    result = analyse(new)
+    check_degree(result.sizes, degree, what)
+    _Shard(new, result, rank, degree).run()
+    new.graph.lint()
+    new.recompile()
+    return new
+
+
+class _Shard:
+    """The rewrite of one graph for one worker (see the module docstring)."""
+
+    def __init__(self, gm: fx.GraphModule, result: Sharding, rank: int, degree: int) -> None:
+        self.gm, self.result, self.rank, self.degree = gm, result, rank, degree
+        self.graph = gm.graph
+        self.count = 0
+        self.whole: dict[fx.Node, fx.Node] = {}  # a row-parallel linear -> its summed value
+
+    def run(self) -> None:
+        for node in list(self.graph.nodes):
+            role = self.result.roles.get(node)
+            lin = linear_of(node)
+            if lin is not None and role is not None and role.kind == "row":
+                self._row(node, lin, role.segments)
+            elif lin is not None and node in self.result.cuts and \
+                    self.result.cuts.get(lin.x) is None:
+                cut = self.result.cuts[node]
+                self._param(lin.via or node, lin.weight, lin.out_axis, cut.segments)
+                if isinstance(lin.bias, fx.Node):
+                    self._param(node, lin.bias, 0, cut.segments)
+            elif node in self.result.cuts:
+                self._sizes(node)
+            for arg, axis, segments in self.result.parts.get(node, ()):
+                self._part(node, arg, axis, segments)
+            if node.op == "placeholder" and node in self.result.cuts:
+                self._buffer(node)
+        for node in self.result.gathered:
+            self._gather(node)
+
+    def _param(self, user: fx.Node, param: fx.Node, axis: int,
+               segments: tuple[int, ...]) -> None:
+        """Point ``user`` at part ``rank`` of parameter ``param`` (a new attribute)."""
+        tensor = self.gm.get_submodule("").get_parameter(param.target) \
+            if _is_param(self.gm, param.target) else _attr(self.gm, param.target)
+        name = f"tp_{param.name}_{axis}_" + "_".join(map(str, segments))
+        if not hasattr(self.gm, name):
+            part = take(tensor.detach(), axis, segments, self.rank, self.degree)
+            self.gm.register_parameter(name, torch.nn.Parameter(part, requires_grad=False))
+        with self.graph.inserting_before(user):
+            got = self.graph.get_attr(name)
+        got.meta.update(param.meta)
+        user.replace_input_with(param, got)
+
+    def _row(self, node: fx.Node, lin, segments: tuple[int, ...]) -> None:
+        """A row-parallel linear: its weight's columns cut, an all-reduce, then the bias."""
+        self._param(lin.via or node, lin.weight, lin.in_axis, segments)
+        weight = node.args[1] if node.target == aten.linear.default else node.args[-1]
+        bias = lin.bias
+        if bias is not None:
+            if node.target == aten.linear.default:
+                node.args = (node.args[0], weight)
+            else:  # addmm(bias, x, w) -> mm(x, w)
+                node.target, node.args = aten.mm.default, (node.args[1], weight)
+        with self.graph.inserting_after(node):
+            mark = self._new(all_reduce_mark, (node,), node)
+        node.replace_all_uses_with(mark, delete_user_cb=lambda u: u is not mark)
+        self.whole[node] = mark
+        if bias is not None:
+            with self.graph.inserting_after(mark):
+                added = self._new(aten.add.Tensor, (mark, bias), node)
+            mark.replace_all_uses_with(added, delete_user_cb=lambda u: u is not added)
+            self.whole[node] = added
+
+    def _sizes(self, node: fx.Node) -> None:
+        """The sizes a reshape, expand or split names on the cut axis, divided."""
+        cut = self.result.cuts[node]
+        if node.target in _SIZED and isinstance(node.args[1], (list, tuple)):
+            sizes = list(node.args[1])
+            at = cut.axis
+            if isinstance(sizes[at], int) and sizes[at] != -1:
+                sizes[at] //= self.degree
+                node.args = (node.args[0], sizes, *node.args[2:])
+            return
+        src = self.result.cuts.get(node.args[0]) if node.args else None
+        if not isinstance(src, Cut):
+            return
+        args = list(node.args)
+        if node.target == aten.split_with_sizes.default and _dim(node, 2) == src.axis:
+            args[1] = [s // self.degree for s in args[1]]
+        elif node.target == aten.split.Tensor and _dim(node, 2) == src.axis:
+            args[1] //= self.degree
+        elif node.target == aten.slice.Tensor and _dim(node, 1) == src.axis:
+            for k in (2, 3):
+                if len(args) > k and isinstance(args[k], int) and args[k] < 2 ** 62:
+                    args[k] //= self.degree
+        node.args = tuple(args)
+
+    def _part(self, user: fx.Node, arg: fx.Node, axis: int, segments: tuple[int, ...]) -> None:
+        """``user`` reads part ``rank`` of whole operand ``arg``."""
+        arg = self.whole.get(arg, arg)
+        if arg.op == "get_attr":
+            self._param(user, arg, axis, segments)
+            return
+        with self.graph.inserting_before(user):
+            pieces, off = [], 0
+            for size in segments:
+                step = size // self.degree
+                pieces.append(self._new(aten.narrow.default,
+                                        (arg, axis, off + self.rank * step, step), user))
+                off += size
+            got = pieces[0] if len(pieces) == 1 else self._new(
+                aten.cat.default, (pieces, axis), user)
+        user.replace_input_with(arg, got)
+
+    def _buffer(self, node: fx.Node) -> None:
+        """A K/V buffer placeholder cut on its heads axis: its shape per worker."""
+        spec, cut = node.meta[CHUNK_INPUT], self.result.cuts[node]
+        shape = list(spec.shape)
+        shape[cut.axis] = shape[cut.axis] // self.degree
+        node.meta[CHUNK_INPUT] = type(spec)(**{**spec.__dict__, "shape": tuple(shape)})
+
+    def _gather(self, node: fx.Node) -> None:
+        """A cut value the graph returns: gathered whole first."""
+        out = self.graph.output_node()
+        with self.graph.inserting_before(out):
+            mark = self._new(all_gather_mark, (node, self.result.cuts[node].axis), node)
+        mark.meta.update({k: v for k, v in node.meta.items() if k == "val"})
+        out.replace_input_with(node, mark)
+
+    def _new(self, target, args: tuple, like: fx.Node) -> fx.Node:
+        self.count += 1
+        made = self.graph.call_function(target, args)
+        if LAYER in like.meta:
+            made.meta[LAYER] = like.meta[LAYER]
+        if "val" in like.meta and target in (all_reduce_mark, aten.add.Tensor):
+            made.meta["val"] = like.meta["val"]
+        return made
+
+
+def _dim(node: fx.Node, k: int) -> int:
+    """The (non-negative) dim argument at position ``k`` of ``node``."""
+    dim = node.args[k] if len(node.args) > k else node.kwargs.get("dim", 0)
+    val = node.args[0].meta.get("val")
+    return dim + val.dim() if dim < 0 and val is not None else dim
+
+
+def _is_param(gm: fx.GraphModule, target: str) -> bool:
+    try:
+        gm.get_parameter(target)
+        return True
+    except AttributeError:
+        return False
+
+
+def _attr(gm: fx.GraphModule, target: str) -> torch.Tensor:
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
