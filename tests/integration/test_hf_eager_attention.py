@@ -151,3 +151,22 @@ def test_chunk_step_carries_the_soft_cap_or_the_sinks(family: str) -> None:
            if n.target is torch.ops.tppc.chunk_attention.default]
     index = 10 if family == "gemma2" else 11
     assert len(ops) == 2 and all(len(n.args) == 12 and n.args[index] is not None for n in ops)
+
+
+def test_diffusers_eager_attention_processor_is_folded_and_exact() -> None:
+    """diffusers' ``AttnProcessor`` writes attention out (``baddbmm`` with ``beta=0`` over an
+    empty tensor, softmax, ``bmm``): self-attention is folded into bidirectional attention,
+    cross-attention to the text keys stays row-wise."""
+    pytest.importorskip("diffusers")
+    from diffusers.models.attention_processor import AttnProcessor
+
+    from tppc.examples import hf_pixart
+
+    model, args, kwargs = hf_pixart(size=8, layers=2)
+    model.set_attn_processor(AttnProcessor())
+    cp = tppc.compile(model, args, kwargs, cluster="2xcpu", num_stages=2)
+    with torch.no_grad():
+        assert_kernels_close(cp(*args, **kwargs)[0], model(*args, **kwargs)[0])
+    mixing = [n for n in cp._front.annotated.graph.nodes if n.meta[TOKEN].role == "mixing"]
+    assert len(mixing) == 2 and {(str(n.target), n.meta[TOKEN].attention) for n in mixing} == \
+        {("aten.scaled_dot_product_attention.default", "bidirectional")}
