@@ -62,6 +62,8 @@ def fold_eager_attention_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.Gra
 def _rewrite(gm: fx.GraphModule, region: EagerRegion) -> None:
     graph = gm.graph
     out = region.output
+    # the softmax's batch layout, where the masks are added: batch first, as the padding
+    # rule reads them (Bloom's (b·h) scores would mix the batch with the heads)
     frame = list(tensor_val(region.softmax.args[0]).shape[:-2])
     with graph.inserting_before(out):
         new = _Builder(graph, out)
