@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from tppc.errors import SpecError
 from tppc.ir.records import CHUNK_INPUT, LAYER
 from tppc.passes.sharding.annotate_shards import Sharding, analyse, check_degree, linear_of
 from tppc.passes.sharding.cuts import Cut
@@ -61,7 +62,8 @@ def shard_graph(gm: fx.GraphModule, rank: int, degree: int, what: str) -> fx.Gra
     """Worker ``rank``'s shard (of ``degree``) of stage graph ``gm`` (a copy; ``gm`` stays).
 
     Raises:
-        SpecError: a cut axis of the graph does not divide into ``degree`` parts.
+        SpecError: a cut axis of the graph does not divide into ``degree`` parts, or nothing
+            in it can be cut.
     """
     new = copy_graph(gm)
     new.meta.update(gm.meta)
@@ -70,6 +72,11 @@ def shard_graph(gm: fx.GraphModule, rank: int, degree: int, what: str) -> fx.Gra
             setattr(new, name, getattr(gm, name))
     result = analyse(new)
     check_degree(result.sizes, degree, what)
+    if not any(role.kind == "row" for role in result.roles.values()) and not result.gathered:
+        why = "; ".join(f"{origin}: {reason}" for origin, reason in result.notes[:3])
+        raise SpecError(f"{what}: nothing in it can be cut over tensor_parallel={degree} "
+                        f"workers ({why or 'it has no linear layer'}); each worker would "
+                        "compute all of it. fix: tensor_parallel=1 for this stage")
     _Shard(new, result, rank, degree).run()
     new.graph.lint()
     new.recompile()
