@@ -289,7 +289,8 @@ def test_falcon_alibi_export_is_refused_by_name_or_matches(tmp_path) -> None:
 
 
 def test_bloom_alibi_is_exact_or_refused_by_name() -> None:
-    """transformers has no SDPA attention for Bloom: its eager score matrix is refused."""
+    """transformers has no SDPA attention for Bloom: its eager attention is folded (issue 31;
+    more plans, padding and generate in test_hf_eager_attention)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.BloomConfig(vocab_size=64, hidden_size=64, n_layer=2, n_head=4)

@@ -7,7 +7,6 @@ import pytest
 import tppc
 from tests.unit._helpers import block_activations, roles_by_target
 from tppc import examples
-from tppc.errors import AnnotationError
 from tppc.ir.records import TOKEN
 from tppc.passes.shapes import size_expr
 
@@ -70,7 +69,8 @@ def test_llama_gqa_block_params(llama) -> None:
     assert block.param_count == expected
 
 
-def test_llama_eager_attention_is_refused() -> None:
+def test_llama_eager_attention_is_annotated_as_causal_attention() -> None:
+    """Issue 31: the eager region is folded into SDPA (exactness: test_hf_eager_attention)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -79,8 +79,9 @@ def test_llama_eager_attention_is_refused() -> None:
     model = LlamaForCausalLM(cfg).eval()
     import torch
 
-    with pytest.raises(AnnotationError, match=r"(?s)token axis.*sdpa"):
-        tppc.annotate(model, (torch.randint(0, 64, (1, 8)),))
+    _, ctx = tppc.annotate(model, (torch.randint(0, 64, (1, 8)),))
+    blocks = [layer for layer in ctx.layers if layer.kind == "block"]
+    assert [b.attention_kinds for b in blocks] == [("causal",)] * 2
 
 
 def test_gpt2_layers_and_causal_attention(gpt2) -> None:

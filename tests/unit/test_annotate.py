@@ -129,7 +129,7 @@ def test_cumsum_over_tokens_is_refused_naming_node_op_module() -> None:
 
 
 def test_softmax_over_tokens_outside_attention_is_refused() -> None:
-    with pytest.raises(AnnotationError, match=r"softmax.*token axis.*sdpa"):
+    with pytest.raises(AnnotationError, match=r"softmax.*token axis.*this one is not"):
         _annotate(lambda m, x: m.lin(x).softmax(dim=1))
 
 
@@ -150,13 +150,24 @@ def test_same_conv_over_tokens_is_buffered_mixing() -> None:
     assert (conv.meta[TOKEN].role, conv.meta[TOKEN].attention) == ("mixing", "bidirectional")
 
 
-def test_eager_attention_scores_are_refused() -> None:
+def test_eager_attention_scores_are_folded_into_bidirectional_attention() -> None:
     def eager(m, x):
         q = m.lin(x)
         return (q @ x.transpose(1, 2)).softmax(-1) @ x
 
-    with pytest.raises(AnnotationError, match=r"eager attention|token axis"):
-        _annotate(eager)
+    gm, _ = _annotate(eager)
+    mixing = [n for n in gm.graph.nodes if n.meta[TOKEN].role == "mixing"]
+    assert mixing and {(str(n.target), n.meta[TOKEN].attention) for n in mixing} == \
+        {("aten.scaled_dot_product_attention.default", "bidirectional")}
+
+
+def test_a_softmax_over_the_queries_stays_refused() -> None:
+    def over_queries(m, x):
+        q = m.lin(x)
+        return (q @ x.transpose(1, 2)).softmax(-2) @ x
+
+    with pytest.raises(AnnotationError, match=r"token axis"):
+        _annotate(over_queries)
 
 
 def test_pooling_inside_a_block_is_refused() -> None:
@@ -172,7 +183,8 @@ def test_sdpa_bidirectional_and_causal_told_apart() -> None:
 
 def test_pass_history_records_each_pass(gpt_graph) -> None:
     _, ctx = gpt_graph
-    assert [r.name for r in ctx.history] == ["annotate_seq_dims", "group_layers", "annotate_shards"]
+    assert [r.name for r in ctx.history] == ["fold_eager_attention", "annotate_seq_dims",
+                                             "group_layers", "annotate_shards"]
     assert all(r.seconds >= 0 and "def forward" in r.code for r in ctx.history)
 
 

@@ -99,6 +99,7 @@ _TABLE: dict[object, OpRule] = {
     _newer("_scaled_dot_product_attention_math_for_mps"): OpRule("attention", "attention"),
     _newer("_scaled_dot_product_fused_attention_overrideable"): OpRule("attention", "attention"),
     _A.scaled_dot_product_attention: OpRule("attention", "attention"),
+    "softmax_attention": OpRule("attention", "attention"),  # tppc::, a folded eager region
     # matrix work
     _A._convolution: OpRule("conv", "matrix"),
     _A.addmm: OpRule(price="matrix"),

@@ -18,7 +18,9 @@ whose boolean mask holds at most :data:`MASK_ELEMENTS` elements, each block read
 the keys it may see. A padding mask arrives as an O(L) key-validity vector and a sliding
 window as an int, combined per block: a window of ``w`` keys reads ``O(c · w)`` keys, not
 the whole prefix. A float attention bias (ALiBi) arrives as its rows for the chunk
-(``c × kv_len``, hiding the later keys itself) and is SDPA's mask as it is.
+(``c × kv_len``, hiding the later keys itself) and is SDPA's mask as it is. With a
+soft-cap or attention sinks (:mod:`tppc.ir.softmax_attention`) every path runs that module's
+kernel on the same blocks in place of SDPA.
 
 Example:
     >>> q = k = v = torch.randn(1, 2, 8, 4)
@@ -29,8 +31,12 @@ Example:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.nn import functional as F
+
+from tppc.ir.softmax_attention import softmax_attention_math
 
 __all__ = ["MASK_ELEMENTS", "chunk_attention", "chunk_attention_eager"]
 
@@ -43,7 +49,8 @@ MASK_ELEMENTS = 1 << 24
 def chunk_attention_eager(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     chunk_start: int, causal: bool, scale: float | None = None,
                     enable_gqa: bool = False, attn_mask: torch.Tensor | None = None,
-                    key_valid: torch.Tensor | None = None, window: int | None = None
+                    key_valid: torch.Tensor | None = None, window: int | None = None,
+                    softcap: float | None = None, sinks: torch.Tensor | None = None
                     ) -> torch.Tensor:
     """Attention of a chunk's queries over the buffer's keys (see the module docstring);
     the body of the ``tppc::chunk_attention`` op.
@@ -64,15 +71,22 @@ def chunk_attention_eager(query: torch.Tensor, key: torch.Tensor, value: torch.T
         key_valid: ``(batch, ≥ kv_len)``: keys ``j`` with ``key_valid[b, j] == 0`` are hidden
             from every query of sequence ``b`` (a padding mask).
         window: causal sliding window: query ``i`` sees keys ``i - window < j ≤ i`` only.
+        softcap: tanh soft-capping of the scaled scores (see
+            :mod:`tppc.ir.softmax_attention`); with ``sinks``, the blocks run
+            :func:`softmax_attention_math` in place of SDPA.
+        sinks: one logit per head appended to every row's scores (attention sinks).
     """
+    extended = softcap is not None or sinks is not None
+    attend = functools.partial(softmax_attention_math, softcap=softcap, sinks=sinks) \
+        if extended else F.scaled_dot_product_attention
     if not causal:
         if window is not None:
             raise ValueError("tppc::chunk_attention: a window needs causal=True")
         if key_valid is not None:
             valid = key_valid[:, : key.shape[-2]].bool()[:, None, None, :]
             attn_mask = valid if attn_mask is None else attn_mask & valid
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
-                                              scale=scale, enable_gqa=enable_gqa)
+        return attend(query, key, value, attn_mask=attn_mask, scale=scale,
+                      enable_gqa=enable_gqa)
     c, kv_len = query.shape[-2], key.shape[-2]
     if chunk_start + c > kv_len:
         raise ValueError(f"tppc::chunk_attention: chunk [{chunk_start}, {chunk_start + c}) "
@@ -81,13 +95,13 @@ def chunk_attention_eager(query: torch.Tensor, key: torch.Tensor, value: torch.T
         if attn_mask.dtype == torch.bool or key_valid is not None or window is not None:
             raise ValueError("tppc::chunk_attention: causal=True takes a float attn_mask "
                              "(a bias hiding later keys itself) without key_valid or window")
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
-                                              scale=scale, enable_gqa=enable_gqa)
+        return attend(query, key, value, attn_mask=attn_mask, scale=scale,
+                      enable_gqa=enable_gqa)
     plain = key_valid is None and (window is None or window >= kv_len)
     if plain and chunk_start == 0 and c == kv_len:
-        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale,
-                                              enable_gqa=enable_gqa)
-    if plain and _split_ok(query, key, value, enable_gqa):
+        return attend(query, key, value, is_causal=True, scale=scale,
+                      enable_gqa=enable_gqa)
+    if plain and not extended and _split_ok(query, key, value, enable_gqa):
         return _prefix_and_diagonal(query, key, value, chunk_start, scale)
     out = query.new_empty((*query.shape[:-1], value.shape[-1]))
     batch = 1 if key_valid is None else key_valid.shape[0]
@@ -95,6 +109,9 @@ def chunk_attention_eager(query: torch.Tensor, key: torch.Tensor, value: torch.T
     rows = max(1, min(c, MASK_ELEMENTS // max(1, batch * span)))
     if window is not None:  # a block of r rows reads r + window keys: keep r near window
         rows = min(rows, max(64, window))
+    if extended:  # the scores themselves are built, for every head
+        heads = max(1, query.numel() // max(1, c * query.shape[-1]))
+        rows = max(1, min(rows, MASK_ELEMENTS // max(1, heads * span)))
     for r0 in range(0, c, rows):
         r1 = min(c, r0 + rows)
         hi = chunk_start + r1  # the last row of this block sees keys [lo, hi)
@@ -106,7 +123,7 @@ def chunk_attention_eager(query: torch.Tensor, key: torch.Tensor, value: torch.T
             mask = mask & (keys > positions[:, None] - window)
         if key_valid is not None:
             mask = mask & key_valid[:, lo:hi].bool()[:, None, None, :]
-        out[..., r0:r1, :] = F.scaled_dot_product_attention(
+        out[..., r0:r1, :] = attend(
             query[..., r0:r1, :], key[..., lo:hi, :], value[..., lo:hi, :], attn_mask=mask,
             scale=scale, enable_gqa=enable_gqa)
     return out
@@ -149,16 +166,18 @@ def _prefix_and_diagonal(query: torch.Tensor, key: torch.Tensor, value: torch.Te
 def chunk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     chunk_start: int, causal: bool, scale: float | None = None,
                     enable_gqa: bool = False, attn_mask: torch.Tensor | None = None,
-                    key_valid: torch.Tensor | None = None, window: int | None = None
+                    key_valid: torch.Tensor | None = None, window: int | None = None,
+                    softcap: float | None = None, sinks: torch.Tensor | None = None
                     ) -> torch.Tensor:
     """``torch.ops.tppc.chunk_attention``: :func:`chunk_attention_eager` as one graph node."""
     return chunk_attention_eager(query, key, value, chunk_start, causal, scale, enable_gqa,
-                                 attn_mask, key_valid, window)
+                                 attn_mask, key_valid, window, softcap, sinks)
 
 
 @chunk_attention.register_fake
 def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunk_start: int,
       causal: bool, scale: float | None = None, enable_gqa: bool = False,
       attn_mask: torch.Tensor | None = None, key_valid: torch.Tensor | None = None,
-      window: int | None = None) -> torch.Tensor:
+      window: int | None = None, softcap: float | None = None,
+      sinks: torch.Tensor | None = None) -> torch.Tensor:
     return query.new_empty((*query.shape[:-1], value.shape[-1]))

@@ -144,9 +144,9 @@ def _is_buffer_narrow(node: Any, buffers: set[str]) -> bool:
 
 
 _ATTENTION_ARGS = ("query", "key", "value", "chunk_start", "causal", "scale", "enable_gqa",
-                   "attn_mask", "key_valid", "window")
+                   "attn_mask", "key_valid", "window", "softcap", "sinks")
 _ATTENTION_DEFAULTS = {"scale": None, "enable_gqa": False, "attn_mask": None,
-                       "key_valid": None, "window": None}
+                       "key_valid": None, "window": None, "softcap": None, "sinks": None}
 
 
 def attention_args(node: fx.Node) -> dict[str, Any]:
@@ -167,6 +167,12 @@ def _rewrite_attention(graph: fx.Graph, node: fx.Node, buffers: set[str],
     (``chunk_start`` for LLM tokens; ``prefix + scale · chunk_start`` for a DiT's patch rows
     after a text prefix: the chunk's start is in units, its K/V rows are not)."""
     a = attention_args(node)
+    extra = [what for what, key in (("a tanh soft-cap", "softcap"), ("attention sinks", "sinks"))
+             if a[key] is not None]
+    if extra:
+        raise ExportError(f"attention {node.name!r} (hand-written attention with "
+                          f"{' and '.join(extra)}) has no exported form yet; tppc exports "
+                          "attention that SDPA computes. fix: run it with backend='torch'")
     views = (a["key"], a["value"])
     if not all(_is_buffer_narrow(v, buffers) for v in views) or \
             any(v.args[2] != 0 for v in views):

@@ -131,8 +131,8 @@ def _token_op(node: fx.Node, axes: list[int], sizes: list[sympy.Expr], where: st
     src_info: TokenInfo = src.meta[TOKEN]
     dims = op_dims(node, src)
     if role == "mixes_along_dim" and src_info.axis in dims:
-        hint = " Eager attention (matmul → softmax → matmul) is not supported; load the model " \
-            "with attn_implementation='sdpa'." if "softmax" in name else ""
+        hint = " (a softmax over the keys of q·kᵀ, followed by @ v, is recognised as " \
+            "attention; this one is not)." if "softmax" in name else ""
         raise _mix_error(node, name, where, f"{name} along the token axis {src_info.axis}.{hint}")
     if role == "conv":
         if neighbourhood_conv(node, src_info):  # a "same" convolution: buffered mixing
@@ -149,9 +149,10 @@ def _token_op(node: fx.Node, axes: list[int], sizes: list[sympy.Expr], where: st
                               or not _keeps_token_order(node, src, axes, merge=True)):
         return _info("global", axes, sizes, where)
     if len(axes) > 1 and role == "contracts":
-        raise _mix_error(node, name, where, f"its value has {len(axes)} token axes {axes}: the "
-                         "score matrix of eager attention. fix: load the model with "
-                         "attn_implementation='sdpa' (or call F.scaled_dot_product_attention)")
+        raise _mix_error(node, name, where, f"its value has {len(axes)} token axes {axes}: a "
+                         "score matrix q·kᵀ not followed by a softmax over the keys and @ v "
+                         "(hand-written attention is recognised in that form). fix: write it "
+                         "so, or call F.scaled_dot_product_attention")
     if role == "contracts" and not axes:
         raise _mix_error(node, name, where, "a matmul contracts over the token axis")
     if not axes and _has_tensor(node):
@@ -352,7 +353,7 @@ def _mix_error(node: fx.Node, name: str, where: str, why: str) -> AnnotationErro
     return AnnotationError(
         f"node {node.name!r} (op {name}, module {where or '<top level>'}) mixes values along "
         f"the token axis: {why} tppc can pipeline only row-wise ops and recognised attention "
-        "(scaled_dot_product_attention) inside the blocks."
+        "(scaled_dot_product_attention, or softmax(q·kᵀ)·v written out) inside the blocks."
     )
 
 

@@ -1,8 +1,10 @@
 """Tell causal from bidirectional attention.
 
 Attention nodes are the ops whose role in :mod:`tppc.ir.op_rules` is ``attention``. Of
-those, tppc chunks ``aten.scaled_dot_product_attention`` (what torch.export captures) and
-calls of ``torch.nn.functional.scaled_dot_product_attention``; the fused kernels SDPA
+those, tppc chunks ``aten.scaled_dot_product_attention`` (what torch.export captures),
+calls of ``torch.nn.functional.scaled_dot_product_attention`` and ``tppc::softmax_attention``
+(hand-written attention with a soft-cap or sinks, folded by
+:mod:`tppc.passes.annotation.eager_attention`); the fused kernels SDPA
 decomposes to (flash, efficient, cuDNN) are refused when they attend over the split tokens
 (their arguments and outputs differ). An SDPA node is causal
 when ``is_causal=True``, bidirectional when it has neither a mask nor ``is_causal``, and
@@ -23,13 +25,15 @@ import torch
 from torch import fx
 from torch.nn import functional as F
 
+import tppc.ir.softmax_attention  # noqa: F401  (registers torch.ops.tppc.softmax_attention)
 from tppc.errors import ActivationMaskError, AnnotationError
 from tppc.ir.context import CompileContext
 from tppc.ir.records import TOKEN, AttentionKind, MaskSpec
 from tppc.passes.annotation.masks import mask_spec
 from tppc.passes.shapes import ancestors, module_path, tensor_val
 
-__all__ = ["MAX_PROBE", "classify_attention", "probe_lengths"]
+__all__ = ["CHUNKED_KERNELS", "MAX_PROBE", "chunked_kernel", "classify_attention",
+           "probe_lengths"]
 
 _aten = torch.ops.aten
 MAX_PROBE = 8192
@@ -37,6 +41,14 @@ MAX_PROBE = 8192
 _SHORT_PROBE = 7
 _SENTINEL = 1 << 30
 """Integer constants this large are slice ends and dtype limits, not window sizes."""
+CHUNKED_KERNELS = (_aten.scaled_dot_product_attention.default,
+                   torch.ops.tppc.softmax_attention.default)
+"""The captured attention ops ``chunk_attention`` rewrites into ``tppc::chunk_attention``."""
+
+
+def chunked_kernel(node: fx.Node) -> bool:
+    """Whether ``node`` calls one of :data:`CHUNKED_KERNELS`."""
+    return node.op == "call_function" and node.target in CHUNKED_KERNELS
 
 
 def classify_attention(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext
@@ -48,8 +60,7 @@ def classify_attention(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext
         AnnotationError: a fused attention kernel.
         ActivationMaskError: a mask or float bias computed from activations.
     """
-    if getattr(node.target, "overloadpacket", node.target) not in (
-            _aten.scaled_dot_product_attention, F.scaled_dot_product_attention):
+    if not chunked_kernel(node) and node.target is not F.scaled_dot_product_attention:
         raise AnnotationError(
             f"attention node {node.name!r} (op {node.target}, module "
             f"{module_path(node) or '<top level>'}) is a fused attention kernel over the split "

@@ -45,7 +45,7 @@ _aten = torch.ops.aten
 _ELEMENTWISE_EXTRA = {
     _aten.where.ScalarOther, _aten.where.ScalarSelf, _aten.where.Scalar,
     _aten.__and__.Tensor, _aten.__or__.Tensor, _aten.__xor__.Tensor, _aten._to_copy.default,
-    _aten.clone.default, _aten.alias.default, _aten.contiguous.default, _aten.detach.default,
+    _aten.clone.default, _aten.alias.default, _aten.to.dtype_layout, _aten.contiguous.default, _aten.detach.default,
     _aten.to.dtype, _aten.type_as.default, _aten.lift_fresh_copy.default,
 }
 _VIEWS = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default}

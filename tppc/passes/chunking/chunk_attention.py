@@ -65,6 +65,7 @@ from tppc.ir.records import (
     KVBuffer,
     TokenInfo,
 )
+from tppc.passes.annotation.attention import chunked_kernel
 from tppc.passes.annotation.buffered_mixing import buffered_operands
 from tppc.passes.annotation.key_masks import inputs_by_value
 from tppc.passes.chunking.bias_rows import BiasRows, value_inputs
@@ -337,14 +338,14 @@ class _Rewriter(BufferReads):
             end = self._kv_end() if causal else self.seq_len
             kv_len = row_offset(self.graph, end, keys.scale, keys.prefix + keys.suffix)
         bias = info.mask is not None and info.mask.bias  # K/V heads repeated: per-head rows
-        gqa = not bias and node.target is _aten.scaled_dot_product_attention.default and all(
+        gqa = not bias and chunked_kernel(node) and all(
             is_head_repeat(*cache_source(kwargs[w], self.sym)) for w in ("key", "value"))
         for which in ("key", "value"):
             buf = self.buffer_nodes[node.name, which]
             axis = buf.meta[CHUNK_INPUT].axis
             kwargs[which] = self._read_buffer(kwargs[which], buf, axis, kv_len, layer,
                                               repeat=not gqa, frames=self._frames(info))
-        if node.target is _aten.scaled_dot_product_attention.default:
+        if chunked_kernel(node):
             return self._chunk_op(node, kwargs, causal, gqa or kwargs.get("enable_gqa", False),
                                   kv_len)
         if gqa:
@@ -386,6 +387,10 @@ class _Rewriter(BufferReads):
         elif mask is not None:
             valid = None if mask.key_valid is None else self._full_input(mask.key_valid)
             args = (*args, None, valid, mask.window)
+        extra = (kwargs.get("softcap"), kwargs.get("sinks"))  # tppc::softmax_attention's
+        if extra != (None, None):
+            args = (*args, *[None] * (10 - len(args)), extra[0],
+                    self.env[extra[1]] if isinstance(extra[1], fx.Node) else extra[1])
         out = self.graph.call_function(torch.ops.tppc.chunk_attention.default, args)
         out.meta.update(node.meta)
         return out

@@ -14,6 +14,7 @@ from torch.fx.operator_schemas import normalize_function
 
 from tppc.errors import PassError
 from tppc.ir.records import TOKEN, TokenInfo
+from tppc.passes.annotation.attention import chunked_kernel
 from tppc.passes.shapes import ancestors, size_expr, tensor_val
 from tppc.passes.subgraph import copy_subgraph
 
@@ -121,8 +122,7 @@ def input_value_error(node: fx.Node, info: TokenInfo) -> PassError:
 def inputs_read(node: fx.Node) -> list[fx.Node]:
     """The nodes the chunk step reads for ``node``: SDPA's mask is not read (its node becomes
     ``tppc::chunk_attention``, causal or unmasked by annotation's proof)."""
-    if node.target is not _aten.scaled_dot_product_attention.default \
-            or node.meta[TOKEN].role != "mixing":
+    if not chunked_kernel(node) or node.meta[TOKEN].role != "mixing":
         return node.all_input_nodes  # cross-attention keeps its mask over the text keys
     mask = sdpa_kwargs(node).get("attn_mask")
     return [a for a in node.all_input_nodes if a is not mask]
