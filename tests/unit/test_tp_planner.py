@@ -209,3 +209,11 @@ def test_degrees_may_differ_per_stage_on_a_mixed_cluster() -> None:
     assert [st.device_indices for st in plan.stages] == [(0, 1), (2,)]
     assert Plan.from_json(plan.to_json()).degrees == plan.degrees
     assert "PP2 x TP(2,1)" in plan.summary()
+
+
+def test_charts_and_traces_name_a_stage_group() -> None:
+    from tppc.report.trace import plan_trace
+
+    names = [e["args"]["name"] for e in plan_trace(_hybrid(3.0))["traceEvents"]
+             if e.get("name") == "thread_name"]
+    assert names == ["stage 0 (grp TP2 (devices 0-1), layers [0, 4))"]

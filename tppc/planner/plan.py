@@ -186,6 +186,14 @@ class StagePlan:
                 "first. fix: replace device_index and device_indices together")
 
     @property
+    def devices_label(self) -> str:
+        """``"h100-sxm"``, or for a group ``"h100-sxm TP4 (devices 0-3)"`` (charts, traces)."""
+        if self.tensor_parallel == 1:
+            return self.device_name
+        ids = self.device_indices
+        return f"{self.device_name} TP{self.tensor_parallel} (devices {ids[0]}-{ids[-1]})"
+
+    @property
     def num_layers(self) -> int:
         """Layers in this stage."""
         return self.layer_end - self.layer_start
