@@ -73,6 +73,12 @@ def _falcon():
     return transformers.FalconForCausalLM(cfg).eval()
 
 
+def _eager_family(name: str) -> torch.nn.Module:
+    from tests.integration.test_hf_eager_attention import _model
+
+    return _model(name)
+
+
 def _example(fn: Callable) -> Callable:
     return lambda: fn()[0]
 
@@ -89,6 +95,10 @@ FAMILIES: dict[str, tuple[Callable, int]] = {
     "qwen2_moe": (_qwen2_moe, 128),
     "phi3": (_phi3, 128),
     "falcon_mqa": (_falcon, 64),
+    # attention written out by hand (folded into attention by the annotation)
+    "gemma2_softcap": (lambda: _eager_family("gemma2"), 128),
+    "gpt_oss_sinks": (lambda: _eager_family("gpt_oss"), 128),
+    "bloom_alibi": (lambda: _eager_family("bloom"), 128),
 }
 
 

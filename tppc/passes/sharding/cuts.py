@@ -447,4 +447,5 @@ _RULES: dict[Any, _Rule] = {
     aten.bmm.default: _matmul, aten.expand.default: _expand, aten.view.default: _view_rule,
     aten.reshape.default: _view_rule, aten._unsafe_view.default: _view_rule,
     torch.ops.tppc.chunk_attention.default: _attention, operator.getitem: _getitem,
+    torch.ops.tppc.softmax_attention.default: _attention,
 }
