@@ -25,7 +25,7 @@ from tppc.passes.sharding.annotate_shards import Sharding, analyse, check_degree
 from tppc.passes.sharding.cuts import Cut
 from tppc.passes.subgraph import copy_graph
 
-__all__ = ["MARKS", "all_gather_mark", "all_reduce_mark", "shard_graph", "take"]
+__all__ = ["MARKS", "all_gather_mark", "all_reduce_mark", "cuttable", "shard_graph", "take"]
 
 aten = torch.ops.aten
 
@@ -56,6 +56,12 @@ def take(tensor: torch.Tensor, axis: int, segments: tuple[int, ...], rank: int,
         pieces.append(tensor.narrow(axis, off + rank * step, step))
         off += size
     return torch.cat(pieces, axis).contiguous() if len(pieces) > 1 else pieces[0].clone()
+
+
+def cuttable(gm: fx.GraphModule) -> bool:
+    """Whether anything in ``gm`` is cut over a group (a row-parallel linear or a gather)."""
+    result = analyse(gm)
+    return any(role.kind == "row" for role in result.roles.values()) or bool(result.gathered)
 
 
 def shard_graph(gm: fx.GraphModule, rank: int, degree: int, what: str) -> fx.GraphModule:
