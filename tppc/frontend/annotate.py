@@ -23,10 +23,11 @@ from tppc.passes.annotation.annotate_seq_dims import annotate_seq_dims_pass
 from tppc.passes.annotation.group_layers import group_layers_pass
 from tppc.passes.chunking.chunk_attention import chunk_attention_pass
 from tppc.passes.runner import run_passes
+from tppc.passes.sharding.annotate_shards import annotate_shards
 
 __all__ = ["ANALYSIS_PASSES", "annotate", "annotate_program", "program_of"]
 
-ANALYSIS_PASSES = (annotate_seq_dims_pass, group_layers_pass)
+ANALYSIS_PASSES = (annotate_seq_dims_pass, group_layers_pass, annotate_shards)
 
 
 def annotate(
@@ -36,7 +37,8 @@ def annotate(
     *,
     seq_dims: Mapping[str, int | tuple[int, ...]] | None = None,
 ) -> tuple[fx.GraphModule, CompileContext]:
-    """Capture ``model`` and run the annotation passes (token axes, roles, layers).
+    """Capture ``model`` and run the annotation passes (token axes, roles, layers, how each
+    node shards under tensor parallelism).
 
     Returns:
         The annotated GraphModule and its context (``ctx.layers`` lists the layers).

@@ -378,12 +378,25 @@ def _norm(node, cuts, cut, args, parts):
 
 
 def _attention(node, cuts, cut, args, parts):
+    """Attention over cut heads: the queries cut on the heads axis; each of the keys and
+    values cut there too, or whole with one head (MQA, broadcast) or with the queries' heads
+    (narrowed to the part: the ``expand`` of a repeated K/V head)."""
     q, k, v = (cuts.get(a) for a in args[:3])
     nd = _ndim(args[0])
     heads = nd - 3
-    if any(c is None or c.axis != heads for c in (q, k, v)):
-        raise _conflict(node, [q, k, v], "attention over query, key and value heads not all "
-                        "cut on the heads axis")
+    off = [c for c in (k, v) if c is not None and c.axis != heads]
+    if q is None or q.axis != heads or off:
+        bad = off or [c for c in (q, k, v) if c is not None]
+        raise _conflict(node, bad, "attention whose queries, keys or values are cut off "
+                        "the heads axis, or keys and values cut without the queries")
+    for arg, got in zip(args[1:3], (k, v), strict=True):
+        if got is None:
+            size = sizes_of(arg)[heads]
+            if size == sum(q.segments):
+                parts.append((arg, heads, q.segments))
+            elif size != 1:
+                raise _conflict(node, [q], f"whole keys or values with {size} heads beside "
+                                f"{sum(q.segments)} cut query heads")
     for arg in args[3:]:
         if isinstance(arg, fx.Node) and cuts.get(arg) is None and sizes_of(arg) is not None:
             shape = sizes_of(arg)
