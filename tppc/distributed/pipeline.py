@@ -127,7 +127,7 @@ def compile_distributed(model: torch.nn.Module, args: tuple[Any, ...],
     opts = CompileOptions.from_kwargs(**options)
     if where.type == "cpu" and opts.threads_per_stage is not None:
         t = opts.threads_per_stage
-        torch.set_num_threads(t if isinstance(t, int) else t[rank])
+        torch.set_num_threads(t if isinstance(t, int) else t[min(rank, len(t) - 1)])
     front = capture_front_end(model, args, kwargs, seq_dims=seq_dims)  # on meta if the model is
     plan, planner = example_plan(front, opts, plan,
                                  share=lambda planner: _shared_planner(planner, rank))
@@ -141,6 +141,9 @@ def compile_distributed(model: torch.nn.Module, args: tuple[Any, ...],
     emitter.check(front, plan)
     program = emitter.emit(front, plan)
     check_world(program, world)
+    t = opts.threads_per_stage
+    if where.type == "cpu" and isinstance(t, tuple) and program.workers:  # per stage
+        torch.set_num_threads(t[program.runners[rank].index])
     cp = DistributedPipeline(model, front, program, emitter,
                              seq_dims=seq_dims, weights=weights, rank=rank, world=world,
                              results=results, comm_timeout=comm_timeout)
