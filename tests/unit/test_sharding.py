@@ -175,6 +175,29 @@ def test_mqa_keeps_its_one_key_value_head_whole_and_shards_the_queries() -> None
         assert_kernels_close(_sharded(model, ids, degrees), want)
 
 
+class NormedLM(nn.Module):
+    """Every linear's output is normalised over its features: nothing can be cut."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.blocks = nn.ModuleList(nn.Linear(HIDDEN, HIDDEN) for _ in range(2))
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = x + F.layer_norm(block(x), (HIDDEN,))
+        return F.log_softmax(self.head(x), dim=-1)
+
+
+def test_a_stage_with_nothing_to_cut_is_refused_with_the_reason() -> None:
+    ids = torch.randint(0, VOCAB, (1, 16))
+    with pytest.raises(SpecError, match=r"nothing in it can be cut .*normalises over the cut"):
+        _sharded(NormedLM().eval(), ids, (2,))
+
+
 def test_parts_run_in_order() -> None:
     stage = (Action(0, 0, 0, 2, part=1), Action(0, 0, 0, 2))
     with pytest.raises(ScheduleError, match="after part -1"):

@@ -71,28 +71,30 @@ def parts(act: Action, shape: Sequence[int], n: int) -> int:
     return size // n
 
 
-def combine(act: Action, inputs: Sequence[Sequence[Any]], ops: CollectiveOps
-            ) -> list[tuple[Any, ...]]:
+def combine(act: Action, inputs: Sequence[Sequence[Any]], ops: CollectiveOps,
+            share: bool = False) -> list[tuple[Any, ...]]:
     """Every member's result of collective ``act``, given every member's values (in
-    member order); the sums add in member order."""
+    member order); the sums add in member order. ``share``: the members of an
+    ``all_reduce`` or ``all_gather`` get the one result array (read-only: the stage graphs
+    are functional), not a copy each."""
     n = len(inputs)
     if len({len(v) for v in inputs}) > 1:
         raise ScheduleError(f"{act}: the members hold {[len(v) for v in inputs]} values; "
                             "every member of a collective holds as many")
     out: list[list[Any]] = [[] for _ in range(n)]
     for column in zip(*inputs):
-        for m, result in enumerate(_one(act, list(column), ops)):
+        for m, result in enumerate(_one(act, list(column), ops, share)):
             out[m].append(result)
     return [tuple(values) for values in out]
 
 
-def _one(act: Action, arrays: list[Any], ops: CollectiveOps) -> list[Any]:
+def _one(act: Action, arrays: list[Any], ops: CollectiveOps, share: bool) -> list[Any]:
     """The members' results for one position of their values."""
     n = len(arrays)
     if act.kind in ("all_reduce", "all_gather"):
         whole = functools.reduce(operator.add, arrays) if act.kind == "all_reduce" \
             else ops.cat(arrays, act.dims[0])
-        return [whole, *(ops.copy(whole) for _ in range(n - 1))]
+        return [whole, *((whole if share else ops.copy(whole)) for _ in range(n - 1))]
     if act.kind == "reduce_scatter":
         parts(act, arrays[0].shape, n)
         total = functools.reduce(operator.add, arrays)

@@ -8,7 +8,9 @@ Terms:
         returned for the receiver's ``land`` (a CUDA event after an asynchronous copy).
     meeting: a group's shared buffers: each member puts its values, the last one to come
         computes every member's result (:func:`tppc.program.collectives.combine`, in member
-        order, so the members' results are bit-identical) and each takes its own.
+        order, so the members' results are bit-identical) and each takes its own (the
+        members of an all-reduce or all-gather share the one result: the graphs that read
+        it are functional).
     feedback: a receive from a later stage (a denoised patch coming back) waits on the
         ``feedback`` hook; the matching send is the hook's owner's (the calling thread's).
 
@@ -178,7 +180,7 @@ class _Meeting:
             if len(came) == len(self.members):
                 del self.inputs[n]
                 self.outputs[n] = combine(act, [came[m] for m in self.members],
-                                          self.world.ops)
+                                          self.world.ops, share=True)
                 self.cond.notify_all()
             while n not in self.outputs:
                 if self.world.stop.is_set():

@@ -25,11 +25,13 @@ from typing import Any
 import torch
 from torch import fx
 
-from tppc.backends.torch_local import run_stage
+from tppc.backends.torch_local import TORCH_OPS, run_stage
 from tppc.calls.call import new_outputs, with_tail
 from tppc.calls.io import OutputAssembler
 from tppc.errors import TppcError
 from tppc.ir.records import TOKEN, TokenInfo
+from tppc.program.actions import Action
+from tppc.program.interpreter import run_in_order
 from tppc.program.program import Program, StageProgram
 from tppc.program.state import Call, CallState, next_epoch
 
@@ -157,6 +159,9 @@ class Replay:
         sink = OutputAssembler(axes, call, self.program.signature.output_rows)
         for m, (start, end) in enumerate(chunks):
             values: tuple[Any, ...] = ()
+            if self.program.workers:  # sharded stages: their workers and collectives
+                sink(m, self._sharded(m, call, state, start, end, hook))
+                continue
             for s in range(len(self.program.stages)):
                 stage = swap.get((s, m)) or self.stage(s, m)
                 try:
@@ -171,6 +176,35 @@ class Replay:
                     hook(s, m, values)
             sink(m, values)
         return with_tail(self.program, self.flat, sink.leaves)
+
+    def _sharded(self, m: int, call: Call, state: CallState, start: int, end: int,
+                 hook: StageHook | None) -> tuple[Any, ...]:
+        """Chunk ``m`` through a program whose stages have several workers (in the dry
+        run's order, collectives included); ``hook`` sees rank 0's values of each stage."""
+        program = self.program if m == 0 or self.rest is None else self.rest
+        workers, out = program.runners, []
+
+        def compute(w: int, act: Action, got: Any) -> tuple[Any, ...]:
+            worker = workers[w]
+            part = worker.part(act.part)
+            try:
+                values = run_stage(part, call, state, start, end, got)
+            except TppcError:
+                raise
+            except Exception as exc:
+                raise StageFailed(worker.index, m, (start, end), tuple(worker.layers), None,
+                                  exc) from exc
+            last = act.part == max(len(worker.parts), 1) - 1
+            if hook is not None and worker.rank == 0 and last and not worker.joins[act.part:]:
+                hook(worker.index, m, values)
+            return values
+
+        def output(w: int, act: Action, values: tuple[Any, ...]) -> None:
+            if w == program.leader:
+                out.append(values)
+
+        run_in_order(program.dry_run(((start, end),)), compute, output=output, ops=TORCH_OPS)
+        return out[0]
 
     def _failing_node(self, s: int, m: int) -> fx.Node | None:
         """The node of stage ``s`` that raises in chunk ``m``: the replay run once more with

@@ -60,6 +60,8 @@ class Linear:
     weight: fx.Node
     bias: Any
     out_axis: int
+    via: fx.Node | None = None
+    """The transpose that reads the weight (``x @ W.T``), or None: the op reads it."""
 
     @property
     def in_axis(self) -> int:
@@ -83,11 +85,16 @@ def linear_of(node: fx.Node) -> Linear | None:
         out = 1
     else:
         return None
+    via = None
+    if isinstance(w, fx.Node) and w.op == "call_function" and len(w.users) == 1 and (
+            w.target == aten.t.default or (w.target == aten.permute.default
+            and list(w.args[1]) == [1, 0])):
+        via, w, out = w, w.args[0], 1 - out  # x @ W.T
     if not (isinstance(w, fx.Node) and w.op == "get_attr" and len(sizes_of(w) or ()) == 2):
         return None
     if isinstance(b, fx.Node) and b.op != "get_attr":
         return None
-    return Linear(x, w, b, out)
+    return Linear(x, w, b, out, via)
 
 
 @dataclass
@@ -167,9 +174,9 @@ def _node(node: fx.Node, cuts: dict, out: Sharding, whole: set[str],
           refined: dict[str, tuple[int, tuple[int, ...]]]) -> None:
     lin = linear_of(node)
     if lin is not None and cuts.get(lin.x) is None:
-        if node.name in whole:
-            return
         features = sizes_of(lin.weight)[lin.out_axis]
+        if node.name in whole or features < 2:  # one output feature: nothing to cut
+            return
         segs = refined.get(node.name, (0, (features,)))[1]
         cuts[node] = Cut(len(sizes_of(node)) - 1, segs, frozenset({node.name}))
         out.roles[node] = ShardRole("column", len(sizes_of(node)) - 1, segs)

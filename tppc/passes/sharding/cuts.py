@@ -48,10 +48,14 @@ class Cut:
     axis: int
     segments: tuple[int, ...]
     origins: frozenset[str]
+    unit: int = 1
+    """Elements of the origin's cut axis per element of this one (a head: its head dim)."""
 
-    def moved(self, axis: int, segments: tuple[int, ...] | None = None) -> Cut:
-        """The same cut on another axis (and segments)."""
-        return Cut(axis, self.segments if segments is None else segments, self.origins)
+    def moved(self, axis: int, segments: tuple[int, ...] | None = None, unit: int = 1
+              ) -> Cut:
+        """The same cut on another axis (with other segments: ``unit`` times coarser)."""
+        return Cut(axis, self.segments if segments is None else segments, self.origins,
+                   self.unit * unit)
 
 
 class Conflict(Exception):
@@ -166,7 +170,7 @@ def _elementwise(node: fx.Node, cuts: dict[fx.Node, Any], parts: list) -> Cut | 
         if found is not None and (found.axis, found.segments) != (at, cut.segments):
             raise _conflict(node, [found, cut], "operands cut differently")
         found = cut.moved(at) if found is None else Cut(at, cut.segments,
-                                                        found.origins | cut.origins)
+                                                        found.origins | cut.origins, cut.unit)
     if found is None:
         raise _conflict(node, [cuts.get(a) for a in node.all_input_nodes], "a cut operand of unknown shape")
     for arg in tensors:
@@ -190,14 +194,15 @@ def _view(node: fx.Node, cut: Cut) -> Cut:
             if len(outs) > 1 and k > 1 and dst[outs[0]] == k and len(set(segs)) == 1:
                 rest = math.prod(dst[o] for o in outs[2:])
                 if isinstance(rest, int) and segs[0] == dst[outs[1]] * rest:
-                    return cut.moved(outs[1], (dst[outs[1]],))
+                    return cut.moved(outs[1], (dst[outs[1]],), rest)
             inner = math.prod(dst[o] for o in outs[1:])
             if isinstance(inner, int) and all(s % inner == 0 for s in segs):
-                return cut.moved(outs[0], tuple(s // inner for s in segs))
+                return cut.moved(outs[0], tuple(s // inner for s in segs), inner)
         elif ins[0] == cut.axis and len(outs) == 1:
             inner = math.prod(src[i] for i in ins[1:])
-            if isinstance(inner, int):
-                return cut.moved(outs[0], tuple(s * inner for s in cut.segments))
+            if isinstance(inner, int) and cut.unit % inner == 0:
+                return Cut(outs[0], tuple(s * inner for s in cut.segments), cut.origins,
+                           cut.unit // inner)
         raise _conflict(node, [cut], f"a reshape {src} -> {dst} moves the cut axis "
                         f"{cut.axis} where its parts are not contiguous")
     raise _conflict(node, [cut], f"a reshape {src} -> {dst} loses the cut axis")
@@ -249,7 +254,7 @@ def _split(node: fx.Node, cut: Cut, axis: int, pieces: list[int]) -> list[Cut | 
         if len(cut.origins) == 1:
             fine = sorted(set(bounds) | set(seg_bounds))
             raise Refine(next(iter(cut.origins)),
-                         tuple(b - a for a, b in itertools.pairwise(fine)))
+                         tuple((b - a) * cut.unit for a, b in itertools.pairwise(fine)))
         raise _conflict(node, [cut], "a split cuts a segment of values of several origins")
     out = []
     for a, b in itertools.pairwise(bounds):
@@ -310,6 +315,7 @@ def _slice(node, cuts, cut, args, parts):
     size = sum(cut.segments)
     start = args[2] if len(args) > 2 and args[2] is not None else 0
     end = min(args[3], size) if len(args) > 3 and args[3] is not None else size
+    start, end = (x + size if x < 0 else x for x in (start, end))
     if len(args) > 4 and args[4] != 1:
         raise _conflict(node, [cut], "a strided slice of the cut axis")
     return _split(node, cut, dim, [p for p in (start, end - start, size - end) if p])[
@@ -351,7 +357,7 @@ def _cat(node, cuts, cut, args, parts):
     if dim == cut.axis or any(g is None or (g.axis, g.segments) != (cut.axis, cut.segments)
                               for g in got):
         raise _conflict(node, got, "concatenates cut and whole values or along the cut axis")
-    return Cut(cut.axis, cut.segments, _origins(got))
+    return Cut(cut.axis, cut.segments, _origins(got), cut.unit)
 
 
 def _reduce(node, cuts, cut, args, parts):
@@ -403,7 +409,7 @@ def _attention(node, cuts, cut, args, parts):
             at = heads - (nd - len(shape))
             if at >= 0 and shape[at] != 1:
                 parts.append((arg, at, q.segments))
-    return Cut(heads, q.segments, _origins([q, k, v]))
+    return Cut(heads, q.segments, _origins([q, k, v]), q.unit)
 
 
 def _matmul(node, cuts, cut, args, parts):
@@ -414,7 +420,7 @@ def _matmul(node, cuts, cut, args, parts):
     at_a, at_b = a.axis + nd - na, b.axis + nd - nb
     if at_a != at_b or at_a >= nd - 2:
         raise _conflict(node, [a, b], "a matmul contracting or mixing the cut axis")
-    return Cut(at_a, a.segments, a.origins | b.origins)
+    return Cut(at_a, a.segments, a.origins | b.origins, a.unit)
 
 
 def _expand(node, cuts, cut, args, parts):

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from tppc.errors import SpecError
 from tppc.ir.records import CHUNK_INPUT, LAYER
 from tppc.passes.sharding.annotate_shards import Sharding, analyse, check_degree, linear_of
 from tppc.passes.sharding.cuts import Cut
@@ -80,7 +81,8 @@ def shard_graph(gm: fx.GraphModule, rank: int, degree: int, what: str) -> fx.Gra
     """Worker ``rank``'s shard (of ``degree``) of stage graph ``gm`` (a copy; ``gm`` stays).
 
     Raises:
-        SpecError: a cut axis of the graph does not divide into ``degree`` parts.
+        SpecError: a cut axis of the graph does not divide into ``degree`` parts, or nothing
+            in it can be cut.
     """
     new = copy_graph(gm)
     new.meta.update(gm.meta)
@@ -89,6 +91,11 @@ def shard_graph(gm: fx.GraphModule, rank: int, degree: int, what: str) -> fx.Gra
             setattr(new, name, getattr(gm, name))
     result = analyse(new)
     check_degree(result.sizes, degree, what)
+    if not any(role.kind == "row" for role in result.roles.values()) and not result.gathered:
+        why = "; ".join(f"{origin}: {reason}" for origin, reason in result.notes[:3])
+        raise SpecError(f"{what}: nothing in it can be cut over tensor_parallel={degree} "
+                        f"workers ({why or 'it has no linear layer'}); each worker would "
+                        "compute all of it. fix: tensor_parallel=1 for this stage")
     _Shard(new, result, rank, degree).run()
     new.graph.lint()
     new.recompile()
@@ -102,6 +109,7 @@ class _Shard:
         self.gm, self.result, self.rank, self.degree = gm, result, rank, degree
         self.graph = gm.graph
         self.count = 0
+        self.whole: dict[fx.Node, fx.Node] = {}  # a row-parallel linear -> its summed value
 
     def run(self) -> None:
         for node in list(self.graph.nodes):
@@ -112,7 +120,7 @@ class _Shard:
             elif lin is not None and node in self.result.cuts and \
                     self.result.cuts.get(lin.x) is None:
                 cut = self.result.cuts[node]
-                self._param(node, lin.weight, lin.out_axis, cut.segments)
+                self._param(lin.via or node, lin.weight, lin.out_axis, cut.segments)
                 if isinstance(lin.bias, fx.Node):
                     self._param(node, lin.bias, 0, cut.segments)
             elif node in self.result.cuts:
@@ -142,7 +150,7 @@ class _Shard:
 
     def _row(self, node: fx.Node, lin, segments: tuple[int, ...]) -> None:
         """A row-parallel linear: its weight's columns cut, an all-reduce, then the bias."""
-        self._param(node, lin.weight, lin.in_axis, segments)
+        self._param(lin.via or node, lin.weight, lin.in_axis, segments)
         weight = node.args[1] if node.target == aten.linear.default else node.args[-1]
         bias = lin.bias
         if bias is not None:
@@ -153,10 +161,12 @@ class _Shard:
         with self.graph.inserting_after(node):
             mark = self._new(all_reduce_mark, (node,), node)
         node.replace_all_uses_with(mark, delete_user_cb=lambda u: u is not mark)
+        self.whole[node] = mark
         if bias is not None:
             with self.graph.inserting_after(mark):
                 added = self._new(aten.add.Tensor, (mark, bias), node)
             mark.replace_all_uses_with(added, delete_user_cb=lambda u: u is not added)
+            self.whole[node] = added
 
     def _sizes(self, node: fx.Node) -> None:
         """The sizes a reshape, expand or split names on the cut axis, divided."""
@@ -184,6 +194,7 @@ class _Shard:
 
     def _part(self, user: fx.Node, arg: fx.Node, axis: int, segments: tuple[int, ...]) -> None:
         """``user`` reads part ``rank`` of whole operand ``arg``."""
+        arg = self.whole.get(arg, arg)
         if arg.op == "get_attr":
             self._param(user, arg, axis, segments)
             return
