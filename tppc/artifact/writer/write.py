@@ -78,8 +78,9 @@ def export(compiled: Any, path: str | os.PathLike[str], *, format: str = "onnx",
             ``compiled.example``; none: not checked).
 
     Raises:
-        ExportError: an unknown format, a length that is not an int ≥ 1, or an op the ONNX
-            translation does not support (naming the node).
+        ExportError: an unknown format, a length that is not an int ≥ 1, an op the ONNX
+            translation does not support (naming the node), or tensor-parallel stages
+            (the artifact holds one graph per stage, no shards yet).
         SoundnessError: the artifact's output differs (the files stay written); the message
             names the ONNX stage and the output.
 
@@ -118,6 +119,12 @@ def export(compiled: Any, path: str | os.PathLike[str], *, format: str = "onnx",
 def _export(compiled: Any, out: Path, wanted_lengths: list[int], external_data: bool | None,
             progress: Progress | None) -> None:
     program = compiled.program(compiled.plan.seq_len)
+    if program.workers:  # one file per stage would hold only each stage's first shard
+        raise ExportError(
+            f"the program has tensor-parallel stages ({len(program.runners)} workers for "
+            f"{len(program.stages)} stages): an artifact holds one ONNX graph per stage, not "
+            "one per shard yet. fix: export a plan with tensor_parallel=1, or run the "
+            "sharded pipeline with backend='distributed'")
     wanted = sorted({*wanted_lengths, program.seq_len})
     chunks = {str(n): [list(c) for c in compiled.program(n).chunks] for n in wanted}
     files: dict[str, dict[str, Any]] = {}
