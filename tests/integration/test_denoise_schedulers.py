@@ -94,12 +94,29 @@ def test_an_argument_the_scheduler_does_not_take_is_named(dit) -> None:
         cp.denoise(x, diffusers.DDIMScheduler(), 2, model_kwargs=kw, mu=0.5)
 
 
-def test_a_fractional_timestep_into_an_integer_input_names_the_compile_fix() -> None:
-    model, args, kwargs = examples.hf_dit()  # compiled with an int64 timestep
+def test_fractional_timesteps_into_an_integer_input_are_captured_again_for_their_dtype(
+        monkeypatch) -> None:
+    """DiT compiled with an int64 example timestep, denoised by Euler (float32 timesteps,
+    fractional): the model is captured again for float32 (one more capture), and every step
+    warm equals the loop."""
+    model, args, kwargs = examples.hf_dit()
     cp = tppc.compile(model, args, kwargs, executor="local", num_stages=2)
     kw = {k: v for k, v in kwargs.items() if k != "timestep"}
-    with pytest.raises(tppc.SpecError, match="compile with a torch.float32 example timestep"):
-        cp.denoise(args[0], diffusers.EulerDiscreteScheduler(), 3, model_kwargs=kw)
+    captured, real = [], tppc.pipeline.captures.capture_front_end
+
+    def counted(model, args, kwargs, **kw):
+        captured.append(kwargs["timestep"].dtype)
+        return real(model, args, kwargs, **kw)
+
+    monkeypatch.setattr("tppc.pipeline.captures.capture_front_end", counted)
+    want = _loop(model, args[0], diffusers.EulerDiscreteScheduler(), kw, steps=3)
+    got = cp.denoise(args[0], diffusers.EulerDiscreteScheduler(), 3, warmup_steps=None,
+                     model_kwargs=kw)
+    assert_kernels_close(got, want, depth=3)
+    assert captured == [torch.float32]
+    cp.denoise(args[0], diffusers.EulerDiscreteScheduler(), 3, warmup_steps=1, patches=2,
+               model_kwargs=kw)
+    assert captured == [torch.float32]  # cached
 
 
 class _RenamedEuler(diffusers.EulerDiscreteScheduler):

@@ -145,7 +145,7 @@ def test_good_arguments_reach_the_work(tmp_path, inputs, monkeypatch) -> None:
     assert main(["run", "art", "--input", str(inputs), "--output", str(tmp_path / "out"),
                  "--generate", "3"]) == 0
     assert seen == [(("art", str(inputs), str(tmp_path / "out")),
-                     {"threads": None, "generate": 3})]
+                     {"threads": None, "generate": 3, "expected_sha256": None})]
     monkeypatch.setattr(CLI, "load_factory", lambda name: seen.append(name) or 1 / 0)
     with pytest.raises(ZeroDivisionError):  # got past the checks to the factory
         main(["export", "m:f", "--out", str(tmp_path / "a" / "b"), "--lengths", "16,32"])

@@ -41,6 +41,12 @@ class OutputAssembler:
                 self.leaves[j] = value
                 continue
             rows = self.rows[j] if j < len(self.rows) and self.rows[j] else (1, 0)
+            if self.leaves[j] is None and (start, end) == (0, self.call.seq_len) \
+                    and tuple(rows) in ((1, 0), (1, 0, 1)) and value.shape[axis] == end \
+                    and isinstance(value, torch.Tensor) and value._base is None \
+                    and not any(value is x for x in self.call.flat_inputs):
+                self.leaves[j] = value  # one chunk of every row, a tensor of its own: no copy
+                continue
             if self.leaves[j] is None:
                 shape = list(value.shape)
                 shape[axis] = rows[1] + rows[0] * self.call.seq_len

@@ -49,6 +49,7 @@ def _plan(ns: argparse.Namespace) -> int:
 
 
 def _export(ns: argparse.Namespace) -> int:
+    from tppc.artifact.core.load import plan_digest
     from tppc.artifact.writer.write import export
     from tppc.dispatch.compile import compile_pipeline
 
@@ -60,7 +61,8 @@ def _export(ns: argparse.Namespace) -> int:
     compiled = compile_pipeline(model, args, kwargs, cluster=ns.cluster, **options)
     out = export(compiled, ns.out, lengths=lengths,
                  progress=lambda line: print(line, file=sys.stderr))
-    print(f"wrote {out}/plan.json and {len(compiled.plan.stages)} stage(s)")
+    print(f"wrote {out}/plan.json and {len(compiled.plan.stages)} stage(s); plan.json sha256 "
+          f"{plan_digest(out)} (tppc run --expected-sha256 refuses any other artifact)")
     return 0
 
 
@@ -68,7 +70,7 @@ def _run(ns: argparse.Namespace) -> int:
     from tppc.artifact.core.run import run_artifact
 
     return run_artifact(ns.artifact, ns.input, ns.output, threads=ns.threads,
-                        generate=ns.generate or 0)
+                        generate=ns.generate or 0, expected_sha256=ns.expected_sha256)
 
 
 def _needs_torch(ns: argparse.Namespace) -> int:
@@ -131,6 +133,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     rn.add_argument("--threads", type=int, default=None, help="intra-op threads per stage")
     rn.add_argument("--generate", type=int, default=None, metavar="N",
                     help="greedy-generate N tokens instead (output 'ids')")
+    rn.add_argument("--expected-sha256", default=None, metavar="HEX",
+                    help="refuse the artifact unless its plan.json has this sha256 (the "
+                         "digest tppc export printed)")
     rn.set_defaults(fn=_run)
     ns = parser.parse_args(argv)
     fn: Callable[[argparse.Namespace], int] = ns.fn

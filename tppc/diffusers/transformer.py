@@ -5,7 +5,7 @@ Terms:
         (``pipe(prompt, num_inference_steps=...)``) runs unchanged. What pipelines read of
         their transformer is answered by the wrapped model (``config``, ``dtype``,
         ``device``, any other attribute), ``forward`` takes the model's arguments and
-        ``return_dict``, and ``cache_context(name)`` names the stream of the calls inside it
+        ``return_dict``, and ``cache_context(name, **where)`` names the stream of the calls inside it
         (:mod:`tppc.pipefusion.step`).
     lazy compile: the first call compiles the model with that call's inputs
         (``return_dict=False``), so the pipeline's dtypes, text length and latent size are
@@ -88,12 +88,14 @@ class PipeFusionTransformer(torch.nn.Module):
             return getattr(super().__getattr__("model"), name)
 
     @contextlib.contextmanager
-    def cache_context(self, name: str) -> Iterator[None]:
-        """The calls inside are the stream ``name`` (its own K/V and step count)."""
+    def cache_context(self, name: str, **kwargs: Any) -> Iterator[None]:
+        """The calls inside are the stream ``name`` (its own K/V and step count); ``kwargs``
+        (diffusers 0.42: ``step_index``, ``sigma``, ``num_inference_steps``) go to the
+        model's own ``cache_context`` (the stream counts its steps itself)."""
         inner = getattr(self.model, "cache_context", None)
         before, self._stream = self._stream, name
         try:
-            with inner(name) if inner is not None else contextlib.nullcontext():
+            with inner(name, **kwargs) if inner is not None else contextlib.nullcontext():
                 yield
         finally:
             self._stream = before
@@ -130,7 +132,8 @@ class PipeFusionTransformer(torch.nn.Module):
 def compile_pipeline(pipe: Any, *, warmup_steps: int | None = 1, patches: int | None = None,
                      **options: Any) -> Any:
     """Set ``pipe.transformer`` to a :class:`PipeFusionTransformer` of it and start a new
-    loop at every pipeline call; returns ``pipe`` (its call is unchanged).
+    loop at every pipeline call; returns ``pipe`` (its call is unchanged;
+    ``pipe.save_pretrained`` saves the original transformer).
 
     Example:
         >>> pipe = tppc.diffusers.compile_pipeline(pipe, warmup_steps=1, patches=4,
@@ -154,4 +157,24 @@ def compile_pipeline(pipe: Any, *, warmup_steps: int | None = 1, patches: int | 
         return bar(iterable=iterable, total=total)
 
     pipe.progress_bar = progress_bar
+    pipe.save_pretrained = _saving_the_model(pipe)
     return pipe
+
+
+def _saving_the_model(pipe: Any) -> Any:
+    """``pipe.save_pretrained`` that saves the wrapped model where the pipeline holds a
+    :class:`PipeFusionTransformer` (diffusers saves only its own classes, and would drop it):
+    the saved pipeline loads back as a plain diffusers pipeline."""
+    save = type(pipe).save_pretrained.__get__(pipe)
+
+    def save_pretrained(*args: Any, **kwargs: Any) -> Any:
+        current = pipe.transformer
+        if not isinstance(current, PipeFusionTransformer):
+            return save(*args, **kwargs)
+        pipe.transformer = current.model  # the pipeline registers the model's class
+        try:
+            return save(*args, **kwargs)
+        finally:
+            pipe.transformer = current
+
+    return save_pretrained

@@ -39,7 +39,7 @@ from tppc.pipefusion.denoise import (
     DenoiseRun,
     TimestepSchedule,
     bind_steps,
-    model_timestep,
+    model_timesteps,
     schedule_steps,
 )
 from tppc.pipefusion.schedulers import (
@@ -114,8 +114,8 @@ def distributed_denoise(cp: DenoisingRank, latents: torch.Tensor | None, schedul
         first = schedule_steps(scheduler, steps, warm, timing(shared))[0][0]
         if not isinstance(x, torch.Tensor):
             raise RuntimeInputError(f"latents of type {type(x).__name__}; pass a tensor")
-        cp.bind((x,), {**kwargs, arg: model_timestep(cp, arg, first, len(x),
-                                                     timestep_transform)})
+        cp.bind((x,), {**kwargs, arg: model_timesteps(cp, arg, [first], len(x),
+                                                       timestep_transform)[0]})
 
     plain = [None if v is None else [float(t) for t in v] for v in (timesteps, sigmas)]
     x, kwargs, steps_n, warmup_steps, patches, arg, shared = cp.share_inputs(

@@ -8,6 +8,10 @@ Terms:
         that differ from a front end's only on axis 0 (the batch) get their own front end,
         and so do calls with other keyword inputs (``generate`` adds ``position_ids`` to a
         model compiled with ``attention_mask``).
+    input structure: which inputs a call passes and the dtype of each tensor among them
+        (:func:`input_structure`); a call with another structure gets its own front end
+        (a float timestep into a model compiled with an integer one: captured again for
+        that dtype, as ``torch.compile`` recompiles).
     planning front end: a front end made only to be priced (``tppc.plan``): a model whose
         blocks are all the same computation is captured with two of them and its layer list
         re-expanded (:mod:`tppc.frontend.blocks`), so an 80-layer model plans in seconds. Its
@@ -42,7 +46,7 @@ from tppc.passes.runner import run_passes
 from tppc.program.patches import rows_per_unit
 
 __all__ = ["BoundCall", "CallInputs", "FrontEnd", "batch_shape", "bind", "capture_front_end",
-           "check_finite", "guards_hold", "on_meta_if", "read_inputs"]
+           "check_finite", "guards_hold", "input_structure", "on_meta_if", "read_inputs"]
 
 BatchShape = tuple[tuple[int | None, ...] | None, ...]
 
@@ -79,8 +83,9 @@ class FrontEnd:
 
     @functools.cached_property
     def key(self) -> tuple[str, BatchShape]:
-        """Cache key: the input structure (which keyword inputs) and the batch shape."""
-        return (repr(self.signature.in_spec), self.batch)
+        """Cache key: the input structure (:func:`input_structure`) and the batch shape."""
+        values = [ph.meta.get("val") for ph in self.placeholders]
+        return (input_structure(self.signature.in_spec, values), self.batch)
 
     def serves(self, structure: str, bound: BoundCall) -> bool:
         """Whether a call of input ``structure`` bound as ``bound`` runs on this capture: its
@@ -180,7 +185,14 @@ class CallInputs:
     flat: list[Any]
     spec: pytree.TreeSpec
     structure: str
-    """The input structure as :attr:`FrontEnd.key` spells it (which keyword inputs)."""
+    """The input structure as :attr:`FrontEnd.key` spells it (:func:`input_structure`)."""
+
+
+def input_structure(spec: Any, flat: list[Any]) -> str:
+    """Which inputs a call passes (the tree ``spec``) and each tensor's dtype, as one string."""
+    dtypes = ",".join(str(v.dtype).removeprefix("torch.") if isinstance(v, torch.Tensor)
+                      else "-" for v in flat)
+    return f"{spec!r} dtypes=({dtypes})"
 
 
 def read_inputs(model: torch.nn.Module, args: tuple[Any, ...],
@@ -191,7 +203,7 @@ def read_inputs(model: torch.nn.Module, args: tuple[Any, ...],
         RuntimeInputError: inputs ``model.forward`` does not take.
     """
     flat, spec = pytree.tree_flatten(_bound(model, args, kwargs))
-    return CallInputs(flat=flat, spec=spec, structure=repr(spec))
+    return CallInputs(flat=flat, spec=spec, structure=input_structure(spec, flat))
 
 
 def bind(front: FrontEnd, model: torch.nn.Module, inputs: CallInputs) -> BoundCall:

@@ -80,6 +80,8 @@ __all__ = [
     "choose_patches",
     "denoise",
     "intra_op_threads",
+    "model_timestep",
+    "model_timesteps",
     "patch_programs",
     "schedule_steps",
 ]
@@ -292,14 +294,26 @@ def bind_steps(cp: Any, x: torch.Tensor, kwargs: Mapping[str, Any], steps: list,
                max_patches: int | None = None) -> _Bound:
     """Bind every step's inputs (``x`` and ``kwargs`` with ``arg`` = the step's timestep,
     :func:`model_timestep`) and choose the patches (every executor's denoise starts here)."""
-    calls_in = [((x,), {**kwargs, arg: model_timestep(cp, arg, t, len(x), transform)})
-                for t in steps]
+    calls_in = [((x,), {**kwargs, arg: t}) for t in model_timesteps(cp, arg, steps, len(x),
+                                                                     transform)]
     front, bound = cp.bind(*calls_in[0])
     length = bound.length
     plan, bounds = choose_patches(cp, front, length, len(steps), warmup, patches, max_patches)
     axis, scale = _latent_axis(front, bound.flat, x)
     flats = [cp.bind(a, k)[1].flat for a, k in calls_in]
     return _Bound(front, bound, length, plan, bounds, axis, scale, flats)
+
+
+def model_timesteps(cp: Any, arg: str, steps: list, batch: int, transform: Transform | None
+                    ) -> list[torch.Tensor]:
+    """Every step's timestep input (:func:`model_timestep`), all in one dtype: the compiled
+    one where it holds every step's value, else the scheduler's own (a flow-matching
+    scheduler's float timesteps into a model compiled with an integer one: the pipeline
+    captures the model again for that dtype, :mod:`tppc.pipeline.captures`)."""
+    try:
+        return [model_timestep(cp, arg, t, batch, transform) for t in steps]
+    except SpecError:
+        return [timestep_input(t, batch, transform, None, TORCH_TIMESTEPS, arg) for t in steps]
 
 
 def model_timestep(cp: Any, arg: str, t: torch.Tensor, batch: int,

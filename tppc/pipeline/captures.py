@@ -2,10 +2,10 @@
 
 Terms:
     capture: a :class:`tppc.frontend.front_end.FrontEnd`: the model captured for one input
-        structure (which keyword inputs) and one batch shape. A call whose inputs another
-        capture serves runs there; a new batch shape or new keyword inputs are captured on the
-        call, once for concurrent callers, and cached (least recently used first out,
-        ``CompileOptions.program_cache``).
+        structure (which keyword inputs, each tensor's dtype) and one batch shape. A call
+        whose inputs another capture serves runs there; a new batch shape, new keyword
+        inputs or new dtypes are captured on the call, once for concurrent callers, and
+        cached (least recently used first out, ``CompileOptions.program_cache``).
     bind: a call's inputs bound to ``model.forward`` once (:func:`read_inputs`), checked
         against a capture (:func:`tppc.frontend.front_end.bind`).
 """
@@ -13,6 +13,7 @@ Terms:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -22,9 +23,16 @@ from typing import Any
 import torch
 
 from tppc.errors import CaptureError, RuntimeInputError
-from tppc.frontend.front_end import BoundCall, FrontEnd, bind, capture_front_end, read_inputs
+from tppc.frontend.front_end import (
+    BoundCall,
+    CallInputs,
+    FrontEnd,
+    bind,
+    capture_front_end,
+    read_inputs,
+)
 
-__all__ = ["Captures"]
+__all__ = ["RUN_KEYWORDS", "Captures", "forward_parameters"]
 
 _ANY_BATCH = object()
 """First item of a capture key that matches any batch shape of an input structure."""
@@ -59,8 +67,8 @@ class Captures:
         """
         inputs = read_inputs(self.model, args, kwargs)  # bound once per call
         structure = inputs.structure
-        base = self._front_for((_ANY_BATCH, structure),  # other keyword inputs: capture them
-                               lambda: self._capture(args, kwargs, None))
+        base = self._front_for((_ANY_BATCH, structure),  # other inputs or dtypes: capture
+                               lambda: self._capture_inputs(args, kwargs, inputs))
         bound = bind(base, self.model, inputs)
         if self.max_seq is not None and bound.length > self.max_seq:
             raise RuntimeInputError(
@@ -129,3 +137,45 @@ class Captures:
         except CaptureError as exc:
             raise RuntimeInputError(f"re-capturing {type(self.model).__name__} for {what} "
                                     f"failed: {exc}") from exc
+
+    def _capture_inputs(self, args: tuple[Any, ...], kwargs: Mapping[str, Any],
+                        inputs: CallInputs) -> FrontEnd:
+        """A capture for a new input structure: other inputs, or other dtypes of the same
+        inputs; a failure names the dtype that differs, or the keyword no parameter takes."""
+        try:
+            return self._capture(args, kwargs, None)
+        except RuntimeInputError as exc:
+            cause = str(exc.__cause__ or exc).splitlines()[0]
+            name = type(self.model).__name__
+            with self._lock:
+                same = next((f for f in self._fronts.values()
+                             if f.signature.in_spec == inputs.spec), None)
+            if same is not None:  # only dtypes differ: the compiled dtype, named
+                try:
+                    bind(same, self.model, inputs)
+                except RuntimeInputError as refusal:
+                    raise RuntimeInputError(f"{refusal} (captured again for these dtypes, "
+                                            f"{name} failed: {cause})") from exc
+            unnamed = sorted(set(kwargs) - forward_parameters(self.model))
+            if unnamed:  # keywords only a **kwargs takes
+                raise RuntimeInputError(
+                    f"keyword {', '.join(map(repr, unnamed))} is not a parameter of {name}."
+                    f"forward (its **kwargs takes it), and re-capturing {name} with it failed."
+                    f" fix: drop {unnamed[0]}= from the call (tppc's own per-call keywords "
+                    f"are {list(RUN_KEYWORDS)}). torch.export's error: {cause}") from exc
+            raise
+
+
+RUN_KEYWORDS = ("timeout", "executor", "trace")
+"""Keywords of a call that are the compiled pipeline's own (``CompiledPipeline.run``'s)
+unless ``model.forward`` names them."""
+
+
+def forward_parameters(model: torch.nn.Module) -> frozenset[str]:
+    """The parameters ``model.forward`` names (not those a ``**kwargs`` would take)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # no signature: every keyword is the model's
+        return frozenset(RUN_KEYWORDS)
+    return frozenset(n for n, p in params.items()
+                     if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))

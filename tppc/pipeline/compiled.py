@@ -8,6 +8,12 @@ Terms:
         (:mod:`tppc.calls.states`), so concurrent calls of one pipeline are independent;
         a call that fails drops its state and leaves the pipeline as it was.
 
+A drop-in for the model (as ``torch.compile``'s wrapper is): a public attribute the pipeline
+does not have is the model's (``cp.config``, ``cp.dtype``, ``cp.device``: what a diffusers
+pipeline reads of ``pipe.transformer = tppc.compile(pipe.transformer, ...)``), and a call's
+keywords ``timeout``, ``executor``, ``trace`` (``tppc.pipeline.captures.RUN_KEYWORDS``) are
+the pipeline's own unless ``model.forward`` names them: they never reach its ``**kwargs``.
+
 The pipeline holds what it is given: the example's capture and program, and the emitter
 (:class:`tppc.driver.emit.Emitter`) of the programs of other lengths; its parts are the
 captures (:mod:`tppc.pipeline.captures`), the programs (:mod:`tppc.pipeline.programs`), the
@@ -36,7 +42,7 @@ from tppc.driver.options import CompileOptions, ExecutorName, check_executor, ch
 from tppc.errors import SpecError
 from tppc.frontend.front_end import BoundCall, FrontEnd
 from tppc.ir.context import PassRecord
-from tppc.pipeline.captures import Captures
+from tppc.pipeline.captures import RUN_KEYWORDS, Captures, forward_parameters
 from tppc.pipeline.programs import Programs
 from tppc.pipeline.rebalance import Rebalancing
 from tppc.planner.plan import Plan, Workload
@@ -120,6 +126,19 @@ class CompiledPipeline(Rebalancing):
         self.pad_token_id = getattr(generation, "pad_token_id", None)
         self.programs.hold(front, self._admit(program))
         self.plan = program.plan
+        named = forward_parameters(model)
+        self._run_keywords = tuple(k for k in RUN_KEYWORDS if k not in named)
+
+    def __getattr__(self, name: str) -> Any:
+        """A public attribute of the model (module docstring), else AttributeError."""
+        model = self.__dict__.get("_model")
+        if name.startswith("_") or model is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        try:
+            return getattr(model, name)
+        except AttributeError:
+            raise AttributeError(f"neither the compiled pipeline nor its model "
+                                 f"{type(model).__name__} has an attribute {name!r}") from None
 
     # -- public --------------------------------------------------------------------------------
     @property
@@ -162,12 +181,16 @@ class CompiledPipeline(Rebalancing):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the pipeline; returns what the model returns.
 
+        ``timeout``, ``executor`` and ``trace`` are :meth:`run`'s unless ``model.forward``
+        names them (module docstring).
+
         Raises:
             RuntimeInputError: inputs that do not match the compiled model (before any stage
                 runs), or a length that cannot be re-planned.
             StageTimeout: the call took longer than ``options.timeout``.
         """
-        return self.run(args, kwargs)
+        own = {k: kwargs.pop(k) for k in self._run_keywords if k in kwargs}
+        return self.run(args, kwargs, **own)
 
     def run(self, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None, *,
             timeout: float | None = None, executor: ExecutorName | None = None,

@@ -282,13 +282,16 @@ class Difference:
         return self.norm_tolerance is None or self.rel_norm > self.norm_tolerance
 
 
-def tolerance(want: torch.Tensor) -> float:
+def tolerance(want: torch.Tensor, ulps: int | None = None) -> float:
     """The largest max-abs difference accepted against ``want``: a relative tolerance by dtype
-    (fp32 1e-4, TF32 matmuls 5e-3, bf16 5e-2, fp16 1e-2) times ``max(1, max |want|)`` over its
-    finite entries; 0 for integer and bool values."""
+    (fp32 1e-4, TF32 matmuls 5e-3, bf16 5e-2, fp16 1e-2; fp32 and fp64 at least ``ulps``
+    units of the dtype's epsilon) times ``max(1, max |want|)`` over its finite entries; 0
+    for integer and bool values."""
     if not want.is_floating_point():
         return 0.0
     rtol = _RTOL.get(want.dtype, 1e-4)
+    if ulps is not None and want.dtype in (torch.float32, torch.float64):
+        rtol = max(rtol, ulps * torch.finfo(want.dtype).eps)
     if want.dtype == torch.float32 and want.device.type == "cuda" \
             and (torch.backends.cuda.matmul.allow_tf32
                  or torch.get_float32_matmul_precision() != "highest"):
@@ -298,13 +301,14 @@ def tolerance(want: torch.Tensor) -> float:
     return rtol * max(1.0, scale)
 
 
-def compare(got: Any, want: Any) -> Difference:
+def compare(got: Any, want: Any, ulps: int | None = None) -> Difference:
     """How far ``got`` is from ``want`` (tensors, or tuples of them compared pairwise: the
-    worst pair)."""
+    worst pair), against :func:`tolerance` (``ulps``: at least that many units of the
+    dtype's epsilon, relative to the values)."""
     if isinstance(want, list | tuple) and isinstance(got, list | tuple):
         if len(got) != len(want):
             return Difference(float("inf"), 0.0)
-        pairs = [compare(g, w) for g, w in zip(got, want, strict=True)]
+        pairs = [compare(g, w, ulps) for g, w in zip(got, want, strict=True)]
         return max(pairs, key=lambda d: (d.exceeds, d.max_abs - d.tolerance),
                    default=Difference(0.0, 0.0))
     if not isinstance(want, torch.Tensor):
@@ -322,11 +326,11 @@ def compare(got: Any, want: Any) -> Difference:
     one_sided = (a.isnan() ^ b.isnan()) | ((a.isinf() | b.isinf()) & (a != b)
                                            & ~(a.isnan() | b.isnan()))
     if bool(one_sided.any()):
-        return Difference(float("inf"), tolerance(want))
+        return Difference(float("inf"), tolerance(want, ulps))
     delta = (a - b).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
     finite = b.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
     rel = float(delta.norm() / finite.norm().clamp_min(1e-30))
-    return Difference(float(delta.abs().max()), tolerance(want), rel,
+    return Difference(float(delta.abs().max()), tolerance(want, ulps), rel,
                       _NORM_RTOL.get(want.dtype))
 
 

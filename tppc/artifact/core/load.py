@@ -10,6 +10,11 @@ Terms:
         graphs' inputs and outputs, the signature and the buffer specs agree). Any failure
         raises :class:`ArtifactError` naming the field or file, the value and the fix;
         nothing is half-loaded.
+    authenticity: the hashes catch damage, not an edit (a stage swapped for another valid
+        model with ``plan.json`` hashed again passes them). ``expected_sha256``, the digest
+        of ``plan.json`` that ``tppc.export`` reports (:func:`plan_digest`), pins the whole
+        artifact: ``plan.json`` lists every file's sha256, so a digest that matches vouches
+        for every byte loaded.
 
 This module imports no torch (nor transformers, diffusers, onnx, pickle): a serving
 machine needs numpy and onnxruntime only. ``tppc.load`` is this module's :func:`load`.
@@ -32,8 +37,8 @@ from tppc.artifact.core.check import check_graphs, check_plan
 from tppc.artifact.core.epilogue import check_tail
 from tppc.errors import ArtifactError
 
-__all__ = ["MAX_DEPTH", "MAX_PLAN_BYTES", "SCHEMA", "ArtifactError", "load", "sha256_file",
-           "verify"]
+__all__ = ["MAX_DEPTH", "MAX_PLAN_BYTES", "SCHEMA", "ArtifactError", "load", "plan_digest",
+           "sha256_file", "verify"]
 
 SCHEMA = "tppc.export/1"
 """The ``plan.json`` schema this tppc writes and reads."""
@@ -56,11 +61,18 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def verify(path: str | os.PathLike[str], stage: int | None = None) -> dict[str, Any]:
+def plan_digest(path: str | os.PathLike[str]) -> str:
+    """The hex sha256 of an artifact's ``plan.json`` (what ``expected_sha256`` compares)."""
+    return sha256_file(Path(path) / "plan.json")
+
+
+def verify(path: str | os.PathLike[str], stage: int | None = None, *,
+           expected_sha256: str | None = None) -> dict[str, Any]:
     """Read and check an artifact's ``plan.json`` and files; returns the document.
 
     With ``stage``, only that stage's files are checked on disk (a rank of a distributed
-    job reads nothing else; the other files need not be present).
+    job reads nothing else; the other files need not be present). With
+    ``expected_sha256``, ``plan.json`` must have that digest (module docstring).
 
     Raises:
         ArtifactError: see the module docstring.
@@ -70,7 +82,7 @@ def verify(path: str | os.PathLike[str], stage: int | None = None) -> dict[str, 
     if not plan_file.is_file():
         raise ArtifactError(f"{root} has no plan.json. fix: pass the directory that "
                             "tppc.export wrote")
-    doc = _read_plan(plan_file)
+    doc = _read_plan(plan_file, expected_sha256)
     schema = doc.get("schema")
     if schema != SCHEMA:
         raise ArtifactError(f"{plan_file}: schema {schema!r} is not {SCHEMA!r}, the one this "
@@ -122,11 +134,14 @@ def verify(path: str | os.PathLike[str], stage: int | None = None) -> dict[str, 
 
 
 def load(path: str | os.PathLike[str], *, backend: str = "onnxruntime",
-         providers: list[Any] | None = None, threads_per_stage: int | None = None) -> Any:
+         providers: list[Any] | None = None, threads_per_stage: int | None = None,
+         expected_sha256: str | None = None) -> Any:
     """Verify an artifact (:func:`verify`) and return its runner.
 
     Args:
         path: the directory :func:`tppc.export` wrote.
+        expected_sha256: the digest of its ``plan.json`` that the export reported; an
+            artifact whose ``plan.json`` differs is refused (module docstring).
         backend: ``"onnxruntime"`` (the only one).
         providers: ONNX Runtime execution providers of the stage sessions (default CPU).
         threads_per_stage: intra-op threads per stage (default: cores / stages).
@@ -141,20 +156,36 @@ def load(path: str | os.PathLike[str], *, backend: str = "onnxruntime",
     if threads_per_stage is not None and (not _is_int(threads_per_stage)
                                           or threads_per_stage < 1):
         raise ArtifactError(f"threads_per_stage={threads_per_stage!r} must be an int ≥ 1")
-    doc = verify(path)
+    doc = verify(path, expected_sha256=expected_sha256)
     from tppc.artifact.core.loaded import LoadedPipeline
 
     return LoadedPipeline(doc, Path(path), providers=providers, threads=threads_per_stage)
 
 
-def _read_plan(plan_file: Path) -> dict[str, Any]:
-    """``plan.json`` parsed within :data:`MAX_PLAN_BYTES` and :data:`MAX_DEPTH`."""
+def _read_plan(plan_file: Path, expected_sha256: str | None) -> dict[str, Any]:
+    """``plan.json`` parsed within :data:`MAX_PLAN_BYTES` and :data:`MAX_DEPTH`, with the
+    digest ``expected_sha256`` (of the very bytes parsed) when given."""
+    if expected_sha256 is not None and not (
+            isinstance(expected_sha256, str) and len(expected_sha256) == 64
+            and all(c in "0123456789abcdefABCDEF" for c in expected_sha256)):
+        raise ArtifactError(f"expected_sha256={expected_sha256!r} is not a sha256 digest (64 "
+                            "hex digits). fix: pass the digest tppc.export reported for "
+                            "plan.json")
     size = plan_file.stat().st_size
     if size > MAX_PLAN_BYTES:
         raise ArtifactError(f"{plan_file} has {size:,} bytes, more than the {MAX_PLAN_BYTES:,} "
                             "tppc reads (an export writes far less). fix: re-export")
+    data = plan_file.read_bytes()
+    if expected_sha256 is not None:
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != expected_sha256.lower():
+            raise ArtifactError(f"{plan_file}: sha256 {digest} is not the expected "
+                                f"{expected_sha256.lower()} (this is not the artifact that was "
+                                "exported: plan.json was rewritten, or a file it lists was "
+                                "swapped). fix: load the directory the export wrote, or pass "
+                                "the digest it reported")
     try:
-        doc = json.loads(plan_file.read_bytes())
+        doc = json.loads(data)
     except RecursionError:
         doc = None  # nested deeper than the parser's stack: reported as too deep below
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

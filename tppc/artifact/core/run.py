@@ -20,9 +20,11 @@ __all__ = ["flat_outputs", "run_artifact"]
 
 
 def run_artifact(artifact: str, inputs: str, output: str, *, threads: int | None = None,
-                 generate: int = 0) -> int:
-    """Load ``artifact``, run it on the arrays of ``inputs``, write ``output``; exit code."""
-    runner = load(artifact, threads_per_stage=threads)
+                 generate: int = 0, expected_sha256: str | None = None) -> int:
+    """Load ``artifact`` (refused unless its ``plan.json`` has the digest
+    ``expected_sha256``, when given), run it on the arrays of ``inputs``, write ``output``;
+    exit code."""
+    runner = load(artifact, threads_per_stage=threads, expected_sha256=expected_sha256)
     try:
         with np.load(inputs, allow_pickle=False) as data:
             arrays = {name: data[name] for name in data.files}

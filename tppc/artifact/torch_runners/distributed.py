@@ -48,7 +48,8 @@ __all__ = ["DistributedArtifact", "load_distributed"]
 
 def load_distributed(path: str | Path, *, threads_per_stage: int | None = None,
                      results: str = "rank0", comm_timeout: float = 60.0,
-                     queue_depth: int = 2) -> DistributedArtifact:
+                     queue_depth: int = 2,
+                     expected_sha256: str | None = None) -> DistributedArtifact:
     """Join the job (torchrun's environment) and load this rank's stage of an artifact.
 
     Args:
@@ -58,6 +59,8 @@ def load_distributed(path: str | Path, *, threads_per_stage: int | None = None,
         results: ``"rank0"`` or ``"all"``: who gets the outputs.
         comm_timeout: seconds a rank waits for a peer before it fails.
         queue_depth: sends in flight at most.
+        expected_sha256: the digest of ``plan.json`` the export reported (every rank refuses
+            another artifact: :func:`tppc.artifact.core.load.verify`).
 
     Raises:
         SpecError: the job's size is not the artifact's number of stages.
@@ -68,7 +71,7 @@ def load_distributed(path: str | Path, *, threads_per_stage: int | None = None,
     if results not in ("rank0", "all"):
         raise SpecError(f"results={results!r}; use 'rank0' or 'all'")
     rank, world, _ = init_distributed(comm_timeout, "cpu")
-    doc = verify(path, stage=min(rank, world - 1))
+    doc = verify(path, stage=min(rank, world - 1), expected_sha256=expected_sha256)
     stages = len(doc["stages"])
     if stages != world:
         raise SpecError(f"{path} has {stages} stages and the job {world} ranks. fix: launch "

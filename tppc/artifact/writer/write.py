@@ -38,7 +38,7 @@ from typing import Any
 import onnx
 import torch
 
-from tppc.artifact.core.load import SCHEMA, sha256_file
+from tppc.artifact.core.load import SCHEMA, plan_digest, sha256_file
 from tppc.artifact.writer.export_check import check_export
 from tppc.artifact.writer.graphs import ExportError, export_stage_graph
 from tppc.artifact.writer.signature import model_signature
@@ -70,7 +70,8 @@ def export(compiled: Any, path: str | os.PathLike[str], *, format: str = "onnx",
             length); lengths tppc did not plan are planned now (or refused for a given plan).
         external_data: weights in a ``.data`` file next to each stage (default: when a
             stage's weights exceed :data:`EXTERNAL_DATA_BYTES`).
-        progress: called with one line per stage written (and one for the check).
+        progress: called with one line per stage written, one with the digest of
+            ``plan.json`` (``tppc.load(path, expected_sha256=...)``), and one for the check.
         verify: run the artifact with ONNX Runtime on the example and compare it with the
             torch program, the captured graph and the eager model
             (:mod:`tppc.artifact.writer.export_check`); default: the compile's ``verify``.
@@ -78,9 +79,9 @@ def export(compiled: Any, path: str | os.PathLike[str], *, format: str = "onnx",
             ``compiled.example``; none: not checked).
 
     Raises:
-        ExportError: an unknown format, a length that is not an int ≥ 1, an op the ONNX
-            translation does not support (naming the node), or tensor-parallel stages
-            (the artifact holds one graph per stage, no shards yet).
+        ExportError: an unknown format, a length that is not an int ≥ 1, a plan with
+            tensor-parallel stages, or an op the ONNX translation does not support (naming
+            the node).
         SoundnessError: the artifact's output differs (the files stay written); the message
             names the ONNX stage and the output.
 
@@ -91,6 +92,12 @@ def export(compiled: Any, path: str | os.PathLike[str], *, format: str = "onnx",
     wanted_lengths = _check_lengths(lengths)
     if format != "onnx":
         raise ExportError(f"format={format!r}: tppc exports 'onnx' only. fix: format='onnx'")
+    degrees = [getattr(st, "tensor_parallel", 1) for st in compiled.plan.stages]
+    if any(d > 1 for d in degrees):
+        raise ExportError(
+            f"the plan's stages have tensor_parallel={degrees}: an artifact holds one ONNX "
+            "graph per stage and its runner has no collectives yet. fix: compile with "
+            "tensor_parallel=1 to export (or run the sharded pipeline in torch)")
     out = Path(path)
     made = [p for p in (out, *out.parents) if not p.exists()]
     out.mkdir(parents=True, exist_ok=True)
@@ -107,6 +114,9 @@ def export(compiled: Any, path: str | os.PathLike[str], *, format: str = "onnx",
             except OSError:
                 break
         raise
+    if progress is not None:
+        progress(f"plan.json sha256 {plan_digest(out)} (tppc.load(..., expected_sha256=) "
+                 "refuses any other artifact)")
     verify = bool(compiled.options.verify) if verify is None else verify
     example = example if example is not None else getattr(compiled, "example", None)
     if verify and example is not None:  # the files stay written when the check fails
@@ -119,7 +129,7 @@ def export(compiled: Any, path: str | os.PathLike[str], *, format: str = "onnx",
 def _export(compiled: Any, out: Path, wanted_lengths: list[int], external_data: bool | None,
             progress: Progress | None) -> None:
     program = compiled.program(compiled.plan.seq_len)
-    if program.workers:  # one file per stage would hold only each stage's first shard
+    if program.workers:  # (degrees the plan does not carry) one file per stage: shard 0 only
         raise ExportError(
             f"the program has tensor-parallel stages ({len(program.runners)} workers for "
             f"{len(program.stages)} stages): an artifact holds one ONNX graph per stage, not "

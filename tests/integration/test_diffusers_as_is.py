@@ -1,0 +1,142 @@
+"""diffusers pipelines as they are (issue 30): ``pipe.transformer = tppc.compile(...)`` as
+with torch.compile, WanPipeline's ``cache_context`` keywords, and ``save_pretrained`` after
+``tppc.diffusers.compile_pipeline``. Tiny random pipelines built offline
+(:mod:`tests.integration.test_diffusers_dropin`); the oracle is the eager pipeline's call with
+the same seed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+pytest.importorskip("tokenizers")
+
+import tppc
+import tppc.diffusers
+from tests.integration.test_diffusers_dropin import (
+    _call,
+    _tokenizer,
+    dit_pipe,
+    sd3_pipe,
+)
+from tests.oracles import assert_kernels_close
+
+
+def test_a_compiled_transformer_assigned_to_the_pipeline_runs_its_float_timesteps(
+        monkeypatch) -> None:
+    """``pipe.transformer = tppc.compile(...)`` with an int64 example timestep: the pipeline
+    reads ``config``/``dtype`` through it, and its flow-matching scheduler's float timesteps
+    are served by a capture for float32 (one more), the call equal to eager."""
+    pipe, call = sd3_pipe()
+    pipe.set_progress_bar_config(disable=True)
+    want = _call(pipe, call, steps=2)
+    torch.manual_seed(1)
+    example = {"hidden_states": torch.randn(2, 4, 8, 8),
+               "encoder_hidden_states": torch.randn(2, 8, 16),
+               "pooled_projections": torch.randn(2, 16), "timestep": torch.tensor([999, 999]),
+               "return_dict": False}
+    pipe.transformer = tppc.compile(pipe.transformer, (), example, num_stages=2)
+    captured, real = [], tppc.pipeline.captures.capture_front_end
+
+    def counted(model, args, kwargs, **kw):
+        captured.append(kwargs["timestep"].dtype)
+        return real(model, args, kwargs, **kw)
+
+    monkeypatch.setattr("tppc.pipeline.captures.capture_front_end", counted)
+    assert_kernels_close(_call(pipe, call, steps=2), want, depth=2)
+    assert captured == [torch.float32]
+
+
+def wan_pipe():
+    """Wan 2.1: a video DiT whose pipeline calls ``cache_context("cond", step_index=...)``;
+    guidance 5: a conditional and an unconditional stream."""
+    from diffusers import (
+        AutoencoderKLWan,
+        FlowMatchEulerDiscreteScheduler,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(base_dim=3, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                           temperal_downsample=[False, True, True], latents_mean=[0.0] * 4,
+                           latents_std=[1.0] * 4).eval()
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4,
+        out_channels=4, text_dim=12, freq_dim=16, ffn_dim=16, num_layers=2,
+        cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32).eval()
+    torch.manual_seed(0)
+    t5 = T5EncoderModel(T5Config(vocab_size=16, d_model=12, d_kv=4, d_ff=16, num_layers=1,
+                                 num_heads=2, decoder_start_token_id=0, pad_token_id=0)).eval()
+    pipe = WanPipeline(tokenizer=_tokenizer(8), text_encoder=t5, vae=vae, transformer=model,
+                       scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
+    return pipe, {"prompt": "a red dog", "negative_prompt": "a cat", "height": 32,
+                  "width": 32, "num_frames": 5, "max_sequence_length": 8,
+                  "guidance_scale": 5.0}
+
+
+def test_wan_pipeline_call_equals_eager_with_every_step_warm() -> None:
+    """diffusers 0.42's Wan passes ``step_index``, ``sigma`` and ``num_inference_steps`` to
+    ``cache_context``: the drop-in takes them."""
+    pipe, call = wan_pipe()
+    pipe.set_progress_bar_config(disable=True)
+    want = _call(pipe, call, steps=2)
+    tppc.diffusers.compile_pipeline(pipe, warmup_steps=None, patches=2, num_stages=2)
+    assert_kernels_close(_call(pipe, call, steps=2), want, depth=2)
+
+
+def test_save_pretrained_saves_the_original_transformer(tmp_path) -> None:
+    """After ``compile_pipeline`` (and a call), the saved pipeline loads back as a plain
+    diffusers pipeline whose call equals the eager one bit for bit; the compiled pipeline
+    keeps its drop-in."""
+    from diffusers import DiTPipeline, DiTTransformer2DModel
+
+    pipe, call = dit_pipe()
+    pipe.set_progress_bar_config(disable=True)
+    want = _call(pipe, call, steps=2)
+    tppc.diffusers.compile_pipeline(pipe, num_stages=2)
+    _call(pipe, call, steps=2)
+    pipe.save_pretrained(tmp_path)
+    assert isinstance(pipe.transformer, tppc.diffusers.PipeFusionTransformer)
+    back = DiTPipeline.from_pretrained(tmp_path)
+    back.set_progress_bar_config(disable=True)
+    assert type(back.transformer) is DiTTransformer2DModel
+    torch.testing.assert_close(_call(back, call, steps=2), want, rtol=0, atol=0)
+
+
+def chroma_pipe():
+    """Chroma: Flux's blocks, one T5 encoder; its pipeline passes ``attention_mask`` over the
+    joint text + image sequence."""
+    from diffusers import (
+        ChromaPipeline,
+        ChromaTransformer2DModel,
+        FlowMatchEulerDiscreteScheduler,
+    )
+
+    from tests.integration.test_diffusers_dropin import _t5, _vae
+
+    torch.manual_seed(0)
+    model = ChromaTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=8,
+        num_attention_heads=2, joint_attention_dim=12, axes_dims_rope=(2, 2, 4),
+        approximator_num_channels=8, approximator_hidden_dim=16, approximator_layers=1).eval()
+    pipe = ChromaPipeline(scheduler=FlowMatchEulerDiscreteScheduler(),
+                          vae=_vae(shift_factor=0.1, scaling_factor=0.5), text_encoder=_t5(),
+                          tokenizer=_tokenizer(8), transformer=model)
+    return pipe, {"prompt": "a red dog", "negative_prompt": "a cat", "height": 16,
+                  "width": 16, "max_sequence_length": 8}
+
+
+def test_chromas_joint_attention_mask_is_named_as_the_cause() -> None:
+    """The refusal names the input, its length as text + image tokens (was: 'avoid int()/math
+    on sizes', a fix that does not apply)."""
+    pipe, call = chroma_pipe()
+    pipe.set_progress_bar_config(disable=True)
+    tppc.diffusers.compile_pipeline(pipe, warmup_steps=None, num_stages=2)
+    with pytest.raises(tppc.CaptureError, match=r"input 'attention_mask' axis 1 has 24 = 8 "
+                                                r"\(encoder_hidden_states axis 1\) \+ 16 tokens, "
+                                                r"a tensor over the joint"):
+        _call(pipe, call, steps=1)
