@@ -120,6 +120,20 @@ def test_degree_four_with_the_pipeline_equals_eager(make: Callable) -> None:
     assert_kernels_close(_logits(_compile(model, ids, (4, 2), "threads")(ids)), want)
 
 
+@pytest.mark.parametrize("make", [lambda: hf.hf_mixtral(layers=1)[0], _qwen2_moe],
+                         ids=["mixtral", "qwen2_moe"])
+def test_moe_experts_are_cut_inside_every_expert(make: Callable) -> None:
+    """Tensor-parallel experts: each expert's gate/up cut by columns, its down by rows (the
+    router stays whole: a softmax over the experts)."""
+    model = make()
+    cp = tppc.compile(model, (torch.randint(0, 128, (1, 16)),), verify=False)
+    roles = [n.meta[SHARD].kind for n in cp._front.annotated.graph.nodes
+             if "grouped_mm" in str(n.target)]
+    assert roles and roles == ["column", "row"] * (len(roles) // 2)
+    notes = dict(cp._front.annotated.meta["tppc.shard_notes"])
+    assert any("reduces over the cut axis" in why for why in notes.values())
+
+
 def test_generate_with_key_value_caches_cut_by_heads_equals_greedy_eager() -> None:
     model, (ids,), _ = hf.hf_llama(seq_len=12)
     cp = _compile(model, ids, (2, 2), "threads")

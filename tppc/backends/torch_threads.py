@@ -149,11 +149,12 @@ class ThreadsExecutor:
     @staticmethod
     def _timed_out(run: _Run, program: Program, timeout: float | None) -> StageTimeout:
         s = run.stuck_stage()
-        stage = program.stages[s]
+        stage = program.runners[s]
         what = (f"has not finished chunk {run.done[s]} of {len(run.call.chunks)} within"
                 if run.done[s] < len(run.call.chunks) else "finished its last chunk after")
         return StageTimeout(
-            f"stage {s} ({stage.device}, layers {stage.layers[0]}..{stage.layers[-1]}) {what} "
+            f"stage {stage.index}{f' rank {stage.rank}' if stage.parts else ''} "
+            f"({stage.device}, layers {stage.layers[0]}..{stage.layers[-1]}) {what} "
             f"timeout={timeout} s. fix: raise the timeout, or check that stage's device")
 
     def _work_in_mode(self, mode: tuple[bool, bool], *args: Any) -> None:

@@ -33,6 +33,7 @@ from torch import fx
 
 from tppc.errors import SpecError
 from tppc.ir.context import CompileContext
+from tppc.ir.op_rules import op_rule
 from tppc.ir.records import CHUNK_INPUT, SHARD, SHARD_SIZES, ShardRole
 from tppc.passes.sharding.cuts import Conflict, Cut, Refine, flow, sizes_of
 
@@ -62,11 +63,12 @@ class Linear:
     out_axis: int
     via: fx.Node | None = None
     """The transpose that reads the weight (``x @ W.T``), or None: the op reads it."""
+    in_axis: int = -1
+    """The weight's input-feature axis (-1: the other axis of a 2-D weight)."""
 
-    @property
-    def in_axis(self) -> int:
-        """The weight's input-feature axis."""
-        return 1 - self.out_axis
+    def __post_init__(self) -> None:
+        if self.in_axis == -1:
+            object.__setattr__(self, "in_axis", 1 - self.out_axis)
 
 
 def linear_of(node: fx.Node) -> Linear | None:
@@ -83,6 +85,8 @@ def linear_of(node: fx.Node) -> Linear | None:
     elif node.target in (aten.mm.default, aten.matmul.default):
         x, w, b = args[0], args[1], None
         out = 1
+    elif op_rule(node.target).price == "grouped_matmul" and len(args) >= 2:
+        return _grouped(node)
     else:
         return None
     via = None
@@ -95,6 +99,20 @@ def linear_of(node: fx.Node) -> Linear | None:
     if isinstance(b, fx.Node) and b.op != "get_attr":
         return None
     return Linear(x, w, b, out, via)
+
+
+def _grouped(node: fx.Node) -> Linear | None:
+    """A grouped expert matmul ``x (rows, in) @ W[e] (in, out)`` with ``W`` an ``(experts,
+    in, out)`` parameter, or its ``transpose(-2, -1)`` of ``(experts, out, in)``: each expert
+    is cut like a linear (tensor-parallel experts)."""
+    x, w = node.args[0], node.args[1]
+    via, out, inn = None, 2, 1
+    if isinstance(w, fx.Node) and w.op == "call_function" and len(w.users) == 1 and \
+            w.target == aten.transpose.int and {a % 3 for a in w.args[1:3]} == {1, 2}:
+        via, w, out, inn = w, w.args[0], 1, 2
+    if not (isinstance(w, fx.Node) and w.op == "get_attr" and len(sizes_of(w) or ()) == 3):
+        return None
+    return Linear(x, w, None, out, via, inn)
 
 
 @dataclass
@@ -188,7 +206,8 @@ def _node(node: fx.Node, cuts: dict, out: Sharding, whole: set[str],
                            f"{cut.axis}, not its features")
         out.roles[node] = ShardRole("row", None, cut.segments, "all_reduce")
         return
-    if not any(cuts.get(a) is not None for a in node.all_input_nodes):
+    if not any(cuts.get(a) is not None for a in node.all_input_nodes) or \
+            node.target in _CHECKS:
         return
     if node.target == aten.copy_.default:
         _copy(node, cuts, refined)
@@ -201,6 +220,10 @@ def _node(node: fx.Node, cuts: dict, out: Sharding, whole: set[str],
                 raise Conflict(_all_origins(cut), f"{node.name} reads K/V buffer {arg.name} "
                                "whole beside a cut value")
         out.parts[node] = parts
+
+
+_CHECKS = {aten._assert_tensor_metadata.default, aten._assert_scalar.default}
+"""Ops that check a value and return nothing: a cut value passes them as it is."""
 
 
 def _copy(node: fx.Node, cuts: dict, refined: dict) -> None:

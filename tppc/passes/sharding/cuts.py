@@ -49,7 +49,8 @@ class Cut:
     segments: tuple[int, ...]
     origins: frozenset[str]
     unit: int = 1
-    """Elements of the origin's cut axis per element of this one (a head: its head dim)."""
+    """Elements of the origin's cut axis per element of this one (a head: its head dim;
+    0: a fraction of one, after a merge with inner axes)."""
 
     def moved(self, axis: int, segments: tuple[int, ...] | None = None, unit: int = 1
               ) -> Cut:
@@ -200,9 +201,9 @@ def _view(node: fx.Node, cut: Cut) -> Cut:
                 return cut.moved(outs[0], tuple(s // inner for s in segs), inner)
         elif ins[0] == cut.axis and len(outs) == 1:
             inner = math.prod(src[i] for i in ins[1:])
-            if isinstance(inner, int) and cut.unit % inner == 0:
+            if isinstance(inner, int):  # unit 0: finer than the origin's (no refining)
                 return Cut(outs[0], tuple(s * inner for s in cut.segments), cut.origins,
-                           cut.unit // inner)
+                           cut.unit // inner if cut.unit % inner == 0 else 0)
         raise _conflict(node, [cut], f"a reshape {src} -> {dst} moves the cut axis "
                         f"{cut.axis} where its parts are not contiguous")
     raise _conflict(node, [cut], f"a reshape {src} -> {dst} loses the cut axis")
@@ -251,7 +252,7 @@ def _split(node: fx.Node, cut: Cut, axis: int, pieces: list[int]) -> list[Cut | 
     for s in cut.segments:
         seg_bounds.append(seg_bounds[-1] + s)
     if not set(bounds) <= set(seg_bounds):
-        if len(cut.origins) == 1:
+        if len(cut.origins) == 1 and cut.unit:
             fine = sorted(set(bounds) | set(seg_bounds))
             raise Refine(next(iter(cut.origins)),
                          tuple((b - a) * cut.unit for a, b in itertools.pairwise(fine)))
