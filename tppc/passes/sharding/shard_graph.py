@@ -16,6 +16,8 @@ itself, so a stage shards alone, at its own degree.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import fx
 
@@ -25,7 +27,8 @@ from tppc.passes.sharding.annotate_shards import Sharding, analyse, check_degree
 from tppc.passes.sharding.cuts import Cut
 from tppc.passes.subgraph import copy_graph
 
-__all__ = ["MARKS", "all_gather_mark", "all_reduce_mark", "cuttable", "shard_graph", "take"]
+__all__ = ["MARKS", "PARTS_OF", "PartOf", "all_gather_mark", "all_reduce_mark", "cuttable",
+           "shard_graph", "take"]
 
 aten = torch.ops.aten
 
@@ -42,6 +45,22 @@ def all_gather_mark(x: torch.Tensor, axis: int) -> torch.Tensor:
 
 MARKS = {all_reduce_mark: "all_reduce", all_gather_mark: "all_gather"}
 """Each mark and the collective it stands for."""
+
+PARTS_OF = "tppc.parts_of"
+"""Shard ``GraphModule.meta`` key: ``{attribute name: PartOf}`` of every part it holds (a rank
+that loads only its shard reads the parts from a checkpoint's whole tensors)."""
+
+
+@dataclass(frozen=True)
+class PartOf:
+    """Where a shard's attribute comes from: :func:`take` of the stage graph's tensor
+    ``target`` (its model name) with these arguments."""
+
+    target: str
+    axis: int
+    segments: tuple[int, ...]
+    rank: int
+    degree: int
 
 _SIZED = (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
           aten.expand.default)
@@ -128,6 +147,8 @@ class _Shard:
         if not hasattr(self.gm, name):
             part = take(tensor.detach(), axis, segments, self.rank, self.degree)
             self.gm.register_parameter(name, torch.nn.Parameter(part, requires_grad=False))
+            self.gm.meta.setdefault(PARTS_OF, {})[name] = PartOf(
+                str(param.target), axis, tuple(segments), self.rank, self.degree)
         with self.graph.inserting_before(user):
             got = self.graph.get_attr(name)
         got.meta.update(param.meta)
