@@ -6,14 +6,11 @@ Usage: ``python tp_rank.py OUT_DIR FACTORY STAGES DEGREE GENERATE`` with ``RANK`
 ``FACTORY.safetensors`` and ``ids.pt``; rank 0 writes ``got.pt`` (the logits, and the
 greedy ids when ``GENERATE`` > 0), every rank ``rank<r>.json`` (its stage, its bytes).
 
-The degrees are given to ``build_program`` directly (every stage at ``DEGREE``): plans do
-not carry them yet (``StagePlan.tensor_parallel``, the hybrid planner of issue 28); once
-they do, ``compile_distributed(..., tensor_parallel=DEGREE)`` replaces the patch.
+Every stage at ``tensor_parallel=DEGREE`` (``STAGES`` stages).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 from pathlib import Path
@@ -23,14 +20,13 @@ import torch
 from tppc import examples
 from tppc.distributed.checkpoint import empty_model
 from tppc.distributed.pipeline import compile_distributed
-from tppc.driver import emit
 
 
 def main(out: Path, name: str, stages: int, degree: int, generate: int) -> None:
-    emit.build_program = functools.partial(emit.build_program, degrees=(degree,) * stages)
     model, args, kwargs, buffers = empty_model(getattr(examples, name))
     cp = compile_distributed(model, args, kwargs, checkpoint=str(out / f"{name}.safetensors"),
-                             buffers=buffers, num_stages=stages, cluster=f"{stages}xcpu",
+                             buffers=buffers, num_stages=stages, tensor_parallel=degree,
+                             cluster=f"{stages * degree}xcpu",
                              chunks=2, verify=False, comm_timeout=120.0)
     ids = torch.load(out / "ids.pt")
     got = cp(ids)
