@@ -103,9 +103,25 @@ def shard_graph(gm: fx.GraphModule, rank: int, degree: int, what: str) -> fx.Gra
                         f"workers ({why or 'it has no linear layer'}); each worker would "
                         "compute all of it. fix: tensor_parallel=1 for this stage")
     _Shard(new, result, rank, degree).run()
+    _drop_whole_weights(new)
     new.graph.lint()
     new.recompile()
     return new
+
+
+def _drop_whole_weights(gm: fx.GraphModule) -> None:
+    """Remove the weights no node reads any more (replaced by their parts): a worker holds
+    only its share."""
+    for node in list(gm.graph.find_nodes(op="get_attr")):
+        if node.users:
+            continue
+        gm.graph.erase_node(node)
+        if any(n.target == node.target for n in gm.graph.find_nodes(op="get_attr")):
+            continue
+        owner_path, _, name = node.target.rpartition(".")
+        owner = gm.get_submodule(owner_path) if owner_path else gm
+        owner._parameters.pop(name, None)
+        owner._buffers.pop(name, None)
 
 
 class _Shard:
