@@ -153,6 +153,11 @@ def cached_patch_programs(cache: dict[Any, Any], plan: Any, batch: Any, length: 
     """The :class:`PatchPrograms` of a call, built once per (``batch`` shape, ``length``,
     ``bounds``, ``plan``'s placement) into ``cache``: ``build(graph, chunks)`` for the warm-up
     and patch programs, ``build(rest_graph, chunks)`` for the later patches' (if any)."""
+    degrees = [getattr(st, "tensor_parallel", 1) for st in plan.stages]
+    if any(d > 1 for d in degrees):
+        raise SpecError(f"the denoise plan has tensor-parallel stages {degrees}: PipeFusion's "
+                        "patches run on stages of one worker each. fix: tensor_parallel=1 for "
+                        "cp.denoise / compile_pipeline")
     placement = tuple((st.layer_start, st.layer_end, st.device_index) for st in plan.stages)
     key = (batch, length, bounds, placement)
     if key not in cache:
