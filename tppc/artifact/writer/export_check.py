@@ -90,6 +90,10 @@ class _Recording:
         self.outputs[self.stage.index, start] = out
         return out
 
+    def part(self, index: int) -> _Recording:
+        """What a compute of part ``index`` runs (a stage has one part)."""
+        return self
+
 
 def check_export(compiled: Any, path: str | Path, args: tuple[Any, ...],
                  kwargs: Mapping[str, Any] | None = None) -> ExportCheck:
