@@ -23,8 +23,8 @@ import numpy as np
 
 from tppc.artifact.core.assemble import Assembler, Outputs, unflatten
 from tppc.artifact.core.check import check_finite, check_timeout, check_token_ids
-from tppc.artifact.core.epilogue import OrtTail
 from tppc.artifact.core.check_workers import layout
+from tppc.artifact.core.epilogue import OrtTail
 from tppc.backends.onnxruntime import (
     OrtCall,
     OrtStage,

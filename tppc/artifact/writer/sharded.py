@@ -123,12 +123,12 @@ def _named(part: Any, rank: int, received: list[Any] | None) -> tuple[Any, list[
         inputs.append((name, spec))
         args.append(val)
     _propagate(gm, mode, args)
+    output = next(iter(gm.graph.find_nodes(op="output")))
+    outs = [a.meta.get("val") for a in output.args[0]]
     for node in gm.graph.nodes:  # the translation reads the sizes the capture recorded
         if node not in had:
             node.meta.pop("val", None)
     gm.recompile()
-    output = next(iter(gm.graph.find_nodes(op="output")))
-    outs = [a.meta.get("val") for a in output.args[0]]
     buffers = tuple(dataclasses.replace(b, name=renamed.get(b.name, b.name))
                     for b in part.buffers)
     return dataclasses.replace(part, module=gm, runnable=gm, inputs=tuple(inputs),
