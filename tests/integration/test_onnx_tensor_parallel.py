@@ -60,8 +60,7 @@ def test_each_worker_part_is_its_own_onnx_graph(llama_pp2_tp2) -> None:
     for w, worker in zip(doc["workers"], program.workers, strict=True):
         assert [e["file"] for e in w["parts"]] == [
             f"stage_{w['stage']}.tp{w['rank']}.part{p}.onnx" for p in range(len(w["parts"]))]
-        assert [tuple(j) for j in map(lambda j: (j[0], tuple(j[1])), w["joins"])] == list(
-            worker.joins)
+        assert [(kind, tuple(dims)) for kind, dims in w["joins"]] == list(worker.joins)
     whole = sum(p.numel() for p in llama_pp2_tp2[0].parameters())
     held = [sum(int(np.prod(t.dims)) for e in w["parts"]
                 for t in onnx.load(str(out / e["file"])).graph.initializer)
@@ -89,7 +88,7 @@ def test_pp2_tp2_artifact_generates_like_eager(llama_pp2_tp2) -> None:
 
 
 def test_export_check_runs_the_sharded_artifact(llama_pp2_tp2) -> None:
-    model, ids, cp, out = llama_pp2_tp2
+    _, ids, cp, out = llama_pp2_tp2
     checked = check_export(cp, out, (ids,))
     assert checked.stage_outputs == 1 and checked.max_diff < 1e-4  # the logits
 

@@ -174,8 +174,9 @@ class _Translator:
             return self.constants[node.name]
         spec = node.meta.get("tppc.chunk_input")
         val = node.meta.get("val")
-        if spec is not None and (spec.kind in _INT_KINDS or spec.kind == "boundary"
-                                 and not isinstance(val, torch.Tensor)):
+        carried_int = spec is not None and spec.kind == "boundary" \
+            and not isinstance(val, torch.Tensor)  # a chunk int from a shard's previous part
+        if spec is not None and (spec.kind in _INT_KINDS or carried_int):
             self.inputs.append(helper.make_tensor_value_info(node.name, TensorProto.INT64, []))
             return Int(node.name)
         if spec is not None and spec.kind in ("key", "value"):
