@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from tppc.artifact.core.check import (
-    _check_external,
-    _check_model_outputs,
-    _check_wiring,
-    _record_id_ranges,
-    _refuse,
-    _same_names,
+    check_external,
+    check_model_outputs,
+    check_wiring,
+    record_id_ranges,
+    refuse,
+    same_names,
 )
 from tppc.artifact.core.graph_io import read_graph
 
@@ -51,11 +51,11 @@ def check_workers(doc: dict[str, Any], check_entry: Callable[[Any, int, str], No
     """
     workers = doc["workers"]
     if not isinstance(workers, list):
-        _refuse(f"workers is {str(workers)[:60]}, expected a list")
+        refuse(f"workers is {str(workers)[:60]}, expected a list")
     if not workers:
         return
     if doc["stages"]:
-        _refuse(f"the artifact lists {len(doc['stages'])} stages and tensor-parallel workers; "
+        refuse(f"the artifact lists {len(doc['stages'])} stages and tensor-parallel workers; "
                 "an export writes one or the other")
     ranks: dict[int, list[dict[str, Any]]] = {}
     for w, worker in enumerate(workers):
@@ -69,25 +69,25 @@ def check_workers(doc: dict[str, Any], check_entry: Callable[[Any, int, str], No
                 and isinstance(j[1], list) and all(isinstance(d, int) for d in j[1])
                 for j in worker["joins"])
         if not ok:
-            _refuse(f"{at} is {str(worker)[:80]}, expected {{stage, rank, parts (non-empty), "
+            refuse(f"{at} is {str(worker)[:80]}, expected {{stage, rank, parts (non-empty), "
                     f"joins (one [kind in {_JOINS}, dims] per part but the last)}}")
         for p, entry in enumerate(worker["parts"]):
             check_entry(entry, worker["stage"], f"{at}.parts[{p}]")
-            _check_wiring(entry, f"{at}.parts[{p}]", doc["signature"]["inputs"])
+            check_wiring(entry, f"{at}.parts[{p}]", doc["signature"]["inputs"])
         ranks.setdefault(worker["stage"], []).append(worker)
     if sorted(ranks) != list(range(len(ranks))):
-        _refuse(f"workers belong to stages {sorted(ranks)}, expected 0 .. {len(ranks) - 1}")
+        refuse(f"workers belong to stages {sorted(ranks)}, expected 0 .. {len(ranks) - 1}")
     placement = doc.get("placement")
     if isinstance(placement, list) and len(placement) != len(ranks):
-        _refuse(f"placement lists {len(placement)} stages and workers {len(ranks)}")
+        refuse(f"placement lists {len(placement)} stages and workers {len(ranks)}")
     n_out = len(doc["signature"]["outputs"])
     for s in range(len(ranks)):
         group = ranks[s]
         if [w["rank"] for w in group] != list(range(len(group))):
-            _refuse(f"stage {s} has workers of ranks {[w['rank'] for w in group]}, expected "
+            refuse(f"stage {s} has workers of ranks {[w['rank'] for w in group]}, expected "
                     f"0 .. {len(group) - 1} in order")
         if any(w["joins"] != group[0]["joins"] for w in group):
-            _refuse(f"the workers of stage {s} run different collectives")
+            refuse(f"the workers of stage {s} run different collectives")
         for worker in group:
             _check_chain(worker, s, len(ranks), n_out,
                          ranks[s - 1][0]["parts"][-1]["boundary_out"] if s else [])
@@ -98,12 +98,12 @@ def _check_chain(worker: dict[str, Any], s: int, n_stages: int, n_out: int,
     """One worker's part outputs and what its first part receives (module docstring)."""
     parts, where = worker["parts"], f"stage {s} rank {worker['rank']}"
     if parts[0]["boundary_in"] != before:
-        _refuse(f"{where} part 0 receives {parts[0]['boundary_in']}, but the stage before "
+        refuse(f"{where} part 0 receives {parts[0]['boundary_in']}, but the stage before "
                 f"sends {before} (stages removed or reordered)")
     for p, entry in enumerate(parts):
         received = [i["name"] for i in entry["inputs"] if i["kind"] == "boundary"]
         if received != entry["boundary_in"]:
-            _refuse(f"{where} part {p} has boundary inputs {received}, its boundary_in is "
+            refuse(f"{where} part {p} has boundary inputs {received}, its boundary_in is "
                     f"{entry['boundary_in']}")
         if p < len(parts) - 1:
             ok = bool(entry["outputs"]) and all(o == f"carry.{j}"
@@ -116,7 +116,7 @@ def _check_chain(worker: dict[str, Any], s: int, n_stages: int, n_out: int,
             want = [f"boundary.{n}" for n in entry["boundary_out"]]
             ok = bool(want) and entry["outputs"] == want
         if not ok:
-            _refuse(f"{where} part {p} outputs {entry['outputs']}, expected {want}")
+            refuse(f"{where} part {p} outputs {entry['outputs']}, expected {want}")
 
 
 def check_worker_graphs(doc: dict[str, Any], root: Path) -> None:
@@ -132,19 +132,19 @@ def check_worker_graphs(doc: dict[str, Any], root: Path) -> None:
         for p, entry in enumerate(worker["parts"]):
             graph = read_graph(root / entry["file"])
             where = f"stage {worker['stage']} rank {worker['rank']} part {p} ({entry['file']})"
-            _same_names(where, "inputs", sorted(graph.inputs),
+            same_names(where, "inputs", sorted(graph.inputs),
                         sorted(i["name"] for i in entry["inputs"]))
-            _same_names(where, "outputs", list(graph.outputs),
+            same_names(where, "outputs", list(graph.outputs),
                         [*entry["outputs"], *(f"kv.{b['name']}" for b in entry["buffers"])])
             for b in entry["buffers"]:
                 got = graph.outputs[f"kv.{b['name']}"]
                 if got.dtype != b["dtype"]:
-                    _refuse(f"{where} output 'kv.{b['name']}' is {got.dtype}, its buffer "
+                    refuse(f"{where} output 'kv.{b['name']}' is {got.dtype}, its buffer "
                             f"{b['dtype']}")
             if entry["outputs"] and entry["outputs"][0].startswith("output."):
-                _check_model_outputs(where, entry, sig, graph.outputs)
-            _check_external(graph, entry, doc["files"], where)
-            _record_id_ranges(graph, entry, sig)
+                check_model_outputs(where, entry, sig, graph.outputs)
+            check_external(graph, entry, doc["files"], where)
+            record_id_ranges(graph, entry, sig)
             if entry.get("positional_file"):
                 positional = read_graph(root / entry["positional_file"])
-                _check_external(positional, entry, doc["files"], where)
+                check_external(positional, entry, doc["files"], where)
