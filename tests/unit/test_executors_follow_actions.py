@@ -99,9 +99,9 @@ class _Loopback:
         out = []
         for rank in (0, 1):
             ex = DistributedExecutor(rank, 2)
-            ex._send = lambda _p, _st, values, r=rank: (
+            ex._send = lambda _p, _st, _dst, values, r=rank: (
                 self.log.append((r, "send", -1)), wire.append(values), ([], values))[-1]
-            ex._recv = lambda _p, size, _d, r=rank: (
+            ex._recv = lambda _p, _src, size, _d, r=rank: (
                 self.log.append((r, "recv", size)), wire.pop(0))[-1]
             ex._wait = lambda *_: None
             out = ex.run(program, call, state, sink if rank else None, trace=trace)

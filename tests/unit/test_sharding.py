@@ -192,10 +192,19 @@ class NormedLM(nn.Module):
         return F.log_softmax(self.head(x), dim=-1)
 
 
-def test_a_stage_with_nothing_to_cut_is_refused_with_the_reason() -> None:
-    ids = torch.randint(0, VOCAB, (1, 16))
+def test_a_stage_with_nothing_to_cut_runs_whole_on_every_worker() -> None:
+    model, ids = NormedLM().eval(), torch.randint(0, VOCAB, (1, 16))
+    with torch.no_grad():
+        want = model(ids)
+    cp = tppc.compile(model, (ids,), cluster="1xcpu", verify=False)
+    front = cp._front
+    program = build_program(front.chunk, front.ctx, cp.plan, degrees=(2,))
+    assert [(w.rank, w.parts) for w in program.workers] == [(0, ()), (1, ())]
+    cp.programs.hold(front, program)
+    assert_kernels_close(cp(ids), want)
+    from tppc.passes.sharding.shard_graph import shard_graph
     with pytest.raises(SpecError, match=r"nothing in it can be cut .*normalises over the cut"):
-        _sharded(NormedLM().eval(), ids, (2,))
+        shard_graph(program.stages[0].module, 0, 2, "stage 0")
 
 
 def test_parts_run_in_order() -> None:

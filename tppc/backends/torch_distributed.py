@@ -1,16 +1,20 @@
-"""The ``distributed`` executor: one process per stage, point-to-point over torch.distributed.
+"""The ``distributed`` executor: one process per worker, point-to-point over torch.distributed.
 
-Rank ``r`` runs stage ``r`` only (the other stages of its program are never materialised).
-It runs stage ``r``'s lowered action list (``program.actions`` with their sends and
-receives written out and dry-run, :meth:`tppc.program.program.Program.dry_run`) through THE
+Rank ``r`` runs worker ``r`` only (``program.runners[r]``: stage ``r`` without tensor
+parallelism, else a shard of a stage; the other workers are never materialised). It runs
+worker ``r``'s lowered action list (``program.actions`` with their sends and receives
+written out and dry-run, :meth:`tppc.program.program.Program.dry_run`) through THE
 interpreter over the process-group transport (:mod:`tppc.backends.rank_transport`): a receive
-takes the boundary values from rank ``r - 1``, a compute runs the chunk
-(:func:`tppc.backends.torch_local.run_stage`, the same code every executor runs), a send
-posts an asynchronous send (``isend``) to rank ``r + 1``, which proceeds while it computes
-the next chunk; at most ``queue_depth`` sends are in flight.
+takes the boundary values from the rank the action names (rank ``r - 1`` in a plain
+pipeline), a compute runs the chunk, or one part of a shard
+(:func:`tppc.backends.torch_local.run_stage`, the same code every executor runs), a
+collective runs over the stage's process group, a send posts an asynchronous send
+(``isend``) to the rank the action names, which proceeds while it computes the next chunk;
+at most ``queue_depth`` sends are in flight. Only the leader (the first worker of the last
+stage) hands outputs on; the other shards of the last stage hold the same values.
 
 Terms:
-    handshake: the first chunk of a program carries a small header (dtype, shape and token
+    handshake: the first chunk of a program to or from each peer carries a small header (dtype, shape and token
         axis of every boundary value, in the wire format of :mod:`tppc.backends.wire`);
         later chunks, and the one-token steps of ``generate``, send bare tensors whose
         shapes the receiver derives from the chunk sizes (the token axis holds ``a × chunk size
@@ -23,7 +27,8 @@ Terms:
         names the stage that failed, not the neighbour that stopped answering. A rank killed
         outright writes nothing: its neighbours name it (the peer they lost).
     fault injection: ``TPPC_FAULT=ACTION@STAGE:CHUNK`` (``raise``, ``kill`` = SIGKILL itself,
-        ``hang``) makes that stage fail at that chunk; tests and drills use it.
+        ``hang``) makes that stage (the rank of that number, with tensor parallelism) fail
+        at that chunk; tests and drills use it.
 
 Every blocking operation is bounded by the process group's timeout (gloo raises at once on a
 dead peer; NCCL needs the timeout and ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, set by
@@ -76,8 +81,8 @@ class DistributedExecutor:
     """Runs this rank's stage of each program (see the module docstring).
 
     Args:
-        rank: this process's rank (= its stage).
-        world: number of ranks (= stages).
+        rank: this process's rank (= its worker; its stage without tensor parallelism).
+        world: number of ranks (= workers).
         queue_depth: sends in flight at most.
         timeout: seconds any receive or send may wait (the group's own timeout also holds).
     """
@@ -89,18 +94,28 @@ class DistributedExecutor:
         self.rank, self.world = rank, world
         self.queue_depth, self.timeout = queue_depth, timeout
         self.last_trace: list[tuple[int, int, float, float]] = []
-        self._sent: OrderedDict[int, tuple[Program, tuple[int | None, ...]]] = OrderedDict()
-        self._received: OrderedDict[int, tuple[Program, list[_Template] | None]] = OrderedDict()
+        self._sent: OrderedDict[int, tuple[Program, dict[int, tuple[int | None, ...]]]] = \
+            OrderedDict()
+        self._received: OrderedDict[int, tuple[Program, dict[int, list[_Template]]]] = \
+            OrderedDict()
         self._peer: int | None = None
+        self._stage_of: tuple[int, ...] = ()
         self._fault = _parse_fault(os.environ.get("TPPC_FAULT", ""))
 
     def check(self, program: Program) -> str | None:
-        """None when the program has one stage per rank."""
-        if len(program.stages) != self.world:
-            return (f"the program has {len(program.stages)} stages and the job {self.world} "
-                    f"ranks; launch one process per stage (--nproc-per-node "
-                    f"{len(program.stages)})")
+        """None when the program has one worker per rank."""
+        workers = len(program.runners)
+        if workers != self.world:
+            return (f"the program has {workers} workers ({len(program.stages)} stages) and "
+                    f"the job {self.world} ranks; launch one process per worker "
+                    f"(--nproc-per-node {workers})")
         return None
+
+    def who(self, rank: int | str) -> str:
+        """``stage S (rank R)``: rank ``rank``'s stage in the last program run."""
+        stage = self._stage_of[rank] if isinstance(rank, int) and rank < len(
+            self._stage_of) else rank
+        return f"stage {stage} (rank {rank})"
 
     def run(self, program: Program, call: Call, state: CallState, sink: Sink | None = None,
             timeout: float | None = None, trace: list | None = None) -> list[tuple[Any, ...]]:
@@ -114,13 +129,17 @@ class DistributedExecutor:
             StageTimeout: ``timeout`` seconds (the whole call) passed while this rank waited
                 for a peer (naming it); the failure record names it for the other ranks.
         """
-        stage = program.stages[self.rank]
+        stage = program.runners[self.rank]
+        self._stage_of = tuple(w.index for w in program.runners)
         dry = program.dry_run(call.chunks)
         deadline = rank_deadline(self, timeout)
         results: list[tuple[Any, ...]] = []
         jobs: list[tuple[int, int, float, float]] = []
+        leader = self.rank == program.leader
 
         def output(act: Action, values: tuple[Any, ...]) -> None:
+            if not leader:  # another shard of the last stage: the same values
+                return
             if sink is None:
                 results.append(values)
             else:
@@ -128,10 +147,10 @@ class DistributedExecutor:
 
         transport = RankEnd(
             self, dry, deadline=deadline,
-            recv=lambda act: self._recv(program, act.end - act.start, deadline.at),
-            send=lambda act, values: self._send(program, stage, values))
-        Interpreter(dry, self.rank, lambda act, got: run_stage(stage, call, state, act.start,
-                                                               act.end, got),
+            recv=lambda act: self._recv(program, act.peer, act.end - act.start, deadline.at),
+            send=lambda act, values: self._send(program, stage, act.peer, values))
+        Interpreter(dry, self.rank, lambda act, got: run_stage(
+            stage.part(act.part), call, state, act.start, act.end, got),
                     transport, output, deadline=deadline, trace=jobs,
                     before=self.before).run()
         self.last_trace = jobs
@@ -162,11 +181,10 @@ class DistributedExecutor:
             root = read_failure(wait=3.0)
             if root is None:
                 peer = self._peer if self._peer is not None else "?"
-                root = (f"stage {peer} (rank {peer}) stopped answering {where}: "
-                        f"{_first_line(exc)}")
+                root = f"{self.who(peer)} stopped answering {where}: {_first_line(exc)}"
                 _write_failure(root)
         else:
-            root = f"stage {self.rank} (rank {self.rank}) raised in {where}: " \
+            root = f"{self.who(self.rank)} raised in {where}: " \
                    f"{type(exc).__name__}: {_first_line(exc)}"
             _write_failure(root)
             root = read_failure(wait=0.0) or root
@@ -178,10 +196,10 @@ class DistributedExecutor:
         """A :class:`StageTimeout` naming ``peer`` (default: the peer this rank last waited
         for), recorded first."""
         peer = peer if peer is not None else self._peer if self._peer is not None else "?"
-        _write_failure(f"stage {peer} (rank {peer}) did not answer within the call's timeout "
+        _write_failure(f"{self.who(peer)} did not answer within the call's timeout "
                        f"of {timeout} s (seen by rank {self.rank} in {where})")
         return StageTimeout(f"the distributed call did not finish in {timeout} s: rank "
-                            f"{self.rank} waited for stage {peer} (rank {peer}) in {where}. "
+                            f"{self.rank} waited for {self.who(peer)} in {where}. "
                             f"fix: raise timeout, or see that rank's log{_lines(detail)}")
 
     def check_deadline(self, deadline: float | None, timeout: float | None,
@@ -199,10 +217,10 @@ class DistributedExecutor:
     def late(self, timeout: float | None, chunk: int) -> StageTimeout:
         """The StageTimeout of a compute of ``chunk`` that ended past the call's deadline
         (recorded first, naming this stage)."""
-        _write_failure(f"stage {self.rank} (rank {self.rank}) was still computing (chunk "
+        _write_failure(f"{self.who(self.rank)} was still computing (chunk "
                        f"{chunk}) when the call's timeout of {timeout} s passed")
-        return StageTimeout(f"the distributed call did not finish in {timeout} s: stage "
-                            f"{self.rank} (rank {self.rank}) ended chunk {chunk} after it. "
+        return StageTimeout(f"the distributed call did not finish in {timeout} s: "
+                            f"{self.who(self.rank)} ended chunk {chunk} after it. "
                             "fix: raise timeout, or see why that stage is slow")
 
     def expired(self, deadline: float | None) -> bool:
@@ -232,23 +250,24 @@ class DistributedExecutor:
     def send_chunk(self, program: Program, values: tuple[Any, ...]) -> tuple[Any, Any]:
         """Post the sends of this rank's boundary ``values`` to the next rank; returns
         ``(works, tensors)`` to wait on (the tensors stay alive until then)."""
-        return self._send(program, program.stages[self.rank], values)
+        return self._send(program, program.stages[self.rank], self.rank + 1, values)
 
     def recv_chunk(self, program: Program, size: int, deadline: float | None
                    ) -> tuple[Any, ...]:
         """The previous rank's boundary values of a ``size``-token chunk of ``program``."""
-        return self._recv(program, size, deadline)
+        return self._recv(program, self.rank - 1, size, deadline)
 
     def wait(self, works: Sequence[Any], peer: int, deadline: float | None) -> None:
         """Wait for ``works`` (operations with ``peer``), each bounded by :meth:`span`."""
         self._wait(works, peer, deadline)
 
-    def _send(self, program: Program, stage: StageProgram, values: tuple[Any, ...]
+    def _send(self, program: Program, stage: StageProgram, dst: int, values: tuple[Any, ...]
               ) -> tuple[Any, tuple[Any, ...]]:
-        key = id(program)
-        first = key not in self._sent
-        axes = _remember(self._sent, key, program, lambda: _wire_axes(stage))
-        dst = self.rank + 1
+        per_peer = _remember(self._sent, id(program), program, dict)
+        first = dst not in per_peer
+        if first:
+            per_peer[dst] = _wire_axes(stage)
+        axes = per_peer[dst]
         self._peer = dst
         tensors = tuple(_tensor(v, stage, j).contiguous() for j, v in enumerate(values))
         if first or None in axes:  # the handshake (the wire format's header alone)
@@ -257,18 +276,18 @@ class DistributedExecutor:
         work = [dist.isend(t, dst) for t in tensors]
         return work, tensors  # the tensors stay alive until the send completes
 
-    def _recv(self, program: Program, size: int, deadline: float | None) -> tuple[Any, ...]:
-        key = id(program)
-        src = self.rank - 1
+    def _recv(self, program: Program, src: int, size: int, deadline: float | None
+              ) -> tuple[Any, ...]:
         self._peer = src
-        device = program.stages[self.rank].device
-        templates = _remember(self._received, key, program, lambda: None)
+        device = program.runners[self.rank].device
+        per_peer = _remember(self._received, id(program), program, dict)
+        templates = per_peer.get(src)
         if templates is None or any(t.axis is None for t in templates):
             header = wire.recv_header(src, device, self.span(deadline))
-            rows = boundary_rows(program.stages[src])
+            rows = boundary_rows(program.runners[src])
             templates = [_Template(wire.torch_dtype(v.dtype), v.shape, a, r or (0, 0))
                          for v, a, r in zip(header["values"], header["axes"], rows)]
-            self._received[key] = (program, templates)
+            per_peer[src] = templates
         out = []
         for t in templates:
             shape = list(t.shape)
@@ -286,8 +305,9 @@ class DistributedExecutor:
 
 
 def _remember(table: OrderedDict, key: int, program: Program, make: Any) -> Any:
-    """The entry of ``program`` (created by ``make``); keeps the 32 latest programs alive so
-    that their ids stay unique (both ranks evict in the same order)."""
+    """The entry of ``program`` (created by ``make``: what is known per peer); keeps the 32
+    latest programs alive so that their ids stay unique (both ranks evict in the same
+    order)."""
     if key not in table:
         table[key] = (program, make())
         while len(table) > 32:

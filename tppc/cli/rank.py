@@ -1,6 +1,7 @@
 """``python -m tppc.cli.rank``: one rank of a multi-process pipeline job (start it with torchrun).
 
-Example (two stages on this machine; see README "torch.distributed" for several nodes):
+Example (two stages on this machine; see README "torch.distributed" for several nodes;
+``--tensor-parallel 2`` with 4 processes: two stages of two shards each, one rank per shard):
 
     torchrun --nproc-per-node 2 -m tppc.cli.rank tppc.examples:hf_llama \\
         --checkpoint llama.safetensors --input inputs.npz --output out.npz
@@ -67,7 +68,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mu", type=float, help="set_timesteps' mu (dynamic shifting)")
     p.add_argument("--timestep-scale", type=float, help="the model's timestep is the "
                    "scheduler's times this (Flux, AuraFlow: 0.001)")
-    p.add_argument("--cluster", help="cluster priced by the planner (default: <S>xcpu)")
+    p.add_argument("--cluster", help="cluster priced by the planner (default: <W>xcpu)")
+    p.add_argument("--tensor-parallel", type=_degrees, metavar="T[,T...]",
+                   help="tensor-parallel degree of every stage, or one per stage (the job "
+                   "runs one rank per worker: W = the sum of the degrees)")
     p.add_argument("--chunks", type=int, help="equal chunks per call (default: planned)")
     p.add_argument("--threads", type=int, help="intra-op threads of a CPU stage")
     p.add_argument("--timeout", type=float, default=60.0,
@@ -168,6 +172,8 @@ def _run(ns: argparse.Namespace) -> dict[str, Any]:
         options["cluster"] = ns.cluster
     if ns.chunks:
         options["chunks"] = ns.chunks
+    if ns.tensor_parallel:
+        options["tensor_parallel"] = ns.tensor_parallel
     if ns.threads:
         options["threads_per_stage"] = ns.threads
     if ns.call_timeout is not None:  # 0 is refused by name, not ignored
@@ -193,12 +199,20 @@ def _run(ns: argparse.Namespace) -> dict[str, Any]:
         np.savez(ns.output, **{k: v.detach().cpu().float().numpy() if v.dtype == torch.bfloat16
                                else v.detach().cpu().numpy() for k, v in leaves.items()
                                if isinstance(v, torch.Tensor)})
-    stage = cp.program(cp.plan.seq_len).stages[cp.rank]
-    return {"rank": cp.rank, "world": cp.world, "layers": list(stage.layers),
+    stage = cp.program(cp.plan.seq_len).runners[cp.rank]
+    return {"rank": cp.rank, "world": cp.world, "stage": stage.index,
+            "layers": list(stage.layers),
             "times": times, "compile_s": compile_s, "weights_bytes": cp.weights.nbytes,
             "rss_start_mib": rss_start, "rss_compiled_mib": rss_compiled, "rss_peak_mib": _rss_mib(),
             "threads": torch.get_num_threads(), "chunks": list(cp.plan.chunks),
             "calls": calls, "trace": [list(job) for job in cp.last_trace], "pid": os.getpid()}
+
+
+def _degrees(text: str) -> int | tuple[int, ...]:
+    """``"2"`` → ``2``, ``"2,1"`` → ``(2, 1)`` (argparse names the flag when one does not
+    parse; the degrees themselves are checked by the compile options)."""
+    values = tuple(int(v) for v in text.split(",") if v.strip())
+    return values[0] if len(values) == 1 and "," not in text else values
 
 
 def _floats(text: str) -> list[float]:

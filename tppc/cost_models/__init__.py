@@ -14,6 +14,8 @@ Modules (one concern each):
     layer_costs  per-layer roofline time(c, p) → :class:`CostTable` for the planner
     report       ``report_from_graph``: a per-layer table, formulas and JSON
     table        the CostTable contract read by the planner
+    shard_costs  one worker's share of a node under tensor parallelism (``ShardRole``)
+    group_costs  the cost table whose rows are tensor-parallel groups (shards + collectives)
 """
 
 from __future__ import annotations

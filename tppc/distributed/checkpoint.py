@@ -11,6 +11,10 @@ Terms:
     stage weights: the tensors one stage graph reads (``get_attr`` paths, which keep the
         model's fully qualified names), read from the checkpoint one by one onto the stage's
         device (:class:`StageWeights`); a rank never holds the other stages' weights.
+    shard weights: a worker of a tensor-parallel stage reads parts of tensors
+        (:class:`tppc.passes.sharding.shard_graph.PartOf`): only the part's rows of each
+        segment are read from the checkpoint (``safe_open(...).get_slice``), never the
+        whole tensor; from a real model they are sliced off and copied.
 
 Example:
     >>> model, args, kwargs, buffers = empty_model(tppc.examples.hf_llama)   # doctest: +SKIP
@@ -20,7 +24,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +32,7 @@ import torch
 from torch import fx
 
 from tppc.errors import SpecError
+from tppc.passes.sharding.shard_graph import PartOf, take
 
 __all__ = ["StageWeights", "empty_model", "save_checkpoint"]
 
@@ -133,24 +138,51 @@ class StageWeights:
         """Bytes loaded so far."""
         return sum(t.numel() * t.element_size() for t in self._loaded.values())
 
-    def materialise(self, *modules: fx.GraphModule) -> None:
-        """Replace every parameter and buffer of ``modules`` by its loaded tensor."""
+    def materialise(self, *modules: fx.GraphModule,
+                    parts: Mapping[str, PartOf] | None = None) -> None:
+        """Replace every parameter and buffer of ``modules`` by its loaded tensor; an
+        attribute named in ``parts`` (a shard's) by its part of the source tensor."""
+        parts = parts or {}
         for module in modules:
             for prefix, sub in module.named_modules():
                 for table in (sub._parameters, sub._buffers):
                     for name in list(table):
                         full = f"{prefix}.{name}" if prefix else name
-                        tensor = self.tensor(full)
+                        tensor = self.tensor(full, parts.get(full))
                         table[name] = (torch.nn.Parameter(tensor, requires_grad=False)
                                        if table is sub._parameters else tensor)
 
-    def tensor(self, name: str) -> torch.Tensor:
-        """The tensor named ``name`` (a stage graph path) on the device, loaded once."""
+    def tensor(self, name: str, part: PartOf | None = None) -> torch.Tensor:
+        """The tensor named ``name`` (a stage graph path) on the device, loaded once; with
+        ``part``, that part of its source tensor (only the part is read)."""
         while name.startswith(_POSITIONAL_PREFIX):
             name = name[len(_POSITIONAL_PREFIX):]
         if name not in self._loaded:
-            self._loaded[name] = self._read(name)
+            self._loaded[name] = self._read(name) if part is None else self._read_part(part)
         return self._loaded[name]
+
+    def _read_part(self, part: PartOf) -> torch.Tensor:
+        """Part ``part.rank`` of ``part.degree`` of tensor ``part.target`` (see
+        :func:`tppc.passes.sharding.shard_graph.take`)."""
+        candidates = [part.target, *self._aliases.get(part.target, ())]
+        found = next((c for c in candidates if c in self._keys), None)
+        if self.checkpoint is None or found is None:
+            whole = self._read(part.target)  # a real model's tensor, or a buffer
+            return take(whole, part.axis, part.segments, part.rank, part.degree)
+        from safetensors import safe_open
+
+        with safe_open(str(self.checkpoint), framework="pt", device="cpu") as f:
+            view = f.get_slice(found)
+            rank = len(view.get_shape())
+            pieces, off = [], 0
+            for size in part.segments:
+                step = size // part.degree
+                start = off + part.rank * step
+                index = (slice(None),) * part.axis + (slice(start, start + step),)
+                pieces.append(view[index + (slice(None),) * (rank - part.axis - 1)])
+                off += size
+        got = pieces[0] if len(pieces) == 1 else torch.cat(pieces, part.axis)
+        return got.contiguous().to(self.device)
 
     def _read(self, name: str) -> torch.Tensor:
         candidates = [name, *self._aliases.get(name, ())]

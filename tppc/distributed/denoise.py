@@ -128,6 +128,11 @@ def distributed_denoise(cp: DenoisingRank, latents: torch.Tensor | None, schedul
     front, length, plan, bounds, flats = b.front, b.length, b.plan, b.bounds, b.flats
     programs = _programs(cp, front, plan, length, bounds)
     full, first = programs.full, programs.first
+    if full.workers:  # every rank decides alike
+        raise SpecError(
+            f"{front.ctx.model_name}: distributed denoising runs one rank per stage; the plan "
+            f"has tensor-parallel stages ({len(full.runners)} workers for {len(full.stages)} "
+            "stages). fix: tensor_parallel=1, or the threads or local executor")
     if programs.rest is not None and warmup_steps < len(steps):  # every rank decides alike
         raise SpecError(
             f"{front.ctx.model_name}: stale patches of a joint-attention DiT (text tokens "

@@ -1,10 +1,11 @@
 """Greedy generation through a multi-process pipeline (every rank steps the same loop).
 
 The prefill runs the prompt's chunks through the ranks; each decoding step is a one-token
-chunk through every rank in order. Only the last rank has the logits: it picks the token
-(:func:`tppc.generation.greedy_decode`, HF's ``generate(do_sample=False)`` rule) and
-broadcasts it, so every rank appends the same token, ends the same sequences and stops at
-the same step.
+chunk through every rank in order (the shards of a tensor-parallel stage together, each on
+its K/V heads). Only the leader (the last stage's rank, or its first shard) has the logits:
+it picks the token (:func:`tppc.generation.greedy_decode`, HF's ``generate(do_sample=False)``
+rule) and broadcasts it, so every rank appends the same token, ends the same sequences and
+stops at the same step.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ class GeneratingRank(Generating, Protocol):
 
     def share_generate(self, input_ids: Any, max_new_tokens: int) -> tuple[Any, int]: ...
 
-    def broadcast_token(self, token: torch.Tensor | None, like: torch.Tensor
-                        ) -> torch.Tensor: ...
+    def broadcast_token(self, token: torch.Tensor | None, like: torch.Tensor,
+                        src: int | None = None) -> torch.Tensor: ...
 
 
 def distributed_generate(cp: GeneratingRank, input_ids: torch.Tensor | None,
@@ -58,7 +59,7 @@ def distributed_generate(cp: GeneratingRank, input_ids: torch.Tensor | None,
 
     def step(n: int) -> torch.Tensor | None:
         """This rank's share of the prefill (``n == prompt``) or of one decoding step; the
-        logits on the last rank, None elsewhere."""
+        logits on the leader, None elsewhere."""
         chunks = program.chunks if n == prompt else ((n - 1, n),)
         last: dict[str, Any] = {}
         cp.execute(program, Call(tuple(flat), chunks, total, total, epoch), state,
@@ -66,7 +67,8 @@ def distributed_generate(cp: GeneratingRank, input_ids: torch.Tensor | None,
         return last["values"][logits_at] if "values" in last else None
 
     def share(token: torch.Tensor | None) -> torch.Tensor:
-        return cp.broadcast_token(None if token is None else token.to(ids.dtype), ids[:, 0])
+        return cp.broadcast_token(None if token is None else token.to(ids.dtype), ids[:, 0],
+                                  program.leader)
 
     length = greedy_decode(ids, prompt, step, TORCH_OPS, eos_ids=eos_ids, pad=pad,
                            share=share)

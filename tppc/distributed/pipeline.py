@@ -1,9 +1,14 @@
-"""A pipeline over processes: one rank per stage, each holding only its own stage's weights.
+"""A pipeline over processes: one rank per worker, each holding only its own shard's weights.
 
 Terms:
-    job: ``S`` processes started together (``torchrun --nproc-per-node S``, a multi-node
-        c10d rendezvous, or :func:`tppc.launch`); rank ``r`` runs stage ``r`` on its local
-        device (``cuda:LOCAL_RANK`` with NCCL, else CPU with gloo).
+    job: ``W`` processes started together (``torchrun --nproc-per-node W``, a multi-node
+        c10d rendezvous, or :func:`tppc.launch`); rank ``r`` runs worker ``r`` of the
+        program (:attr:`tppc.program.program.Program.runners`) on its local device
+        (``cuda:LOCAL_RANK`` with NCCL, else CPU with gloo). Without tensor parallelism a
+        worker is a stage (``W = S``); a stage of degree ``t`` has ``t`` workers, in rank
+        order (PP2 × TP2: ranks 0, 1 run stage 0's shards, ranks 2, 3 stage 1's), and its
+        collectives run over a process group of its ranks. ``W`` must be the plan's worker
+        count (the error names both).
     collective call: every rank calls the pipeline together (SPMD, like any torch.distributed
         program). Rank 0's inputs are used: it validates them before any communication and
         broadcasts them (or its error, which every rank then raises); the results come back
@@ -11,10 +16,11 @@ Terms:
     materialised stage: each rank captures the model (built on the meta device: no weights)
         and plans (rank 0 plans, the plan is broadcast as JSON), builds the program on the
         meta device, then loads only its own stage's tensors from a safetensors checkpoint
-        (:class:`tppc.distributed.checkpoint.StageWeights`).
+        (:class:`tppc.distributed.checkpoint.StageWeights`); a shard, only its parts of them.
 
 ``generate`` and ``denoise`` (DiT, :mod:`tppc.distributed.denoise`) step the same
-loop on every rank; the last rank sends what stage 0 needs next (tokens, stepped patches).
+loop on every rank; the leader (the first worker of the last stage) sends what stage 0
+needs next (tokens, stepped patches).
 An ahead-of-time export directory would replace capture and
 planning by reading ``plan.json`` and the stage files: only :meth:`DistributedPipeline.materialise` reads weights.
 """
@@ -42,12 +48,13 @@ from tppc.driver.options import CompileOptions, check_seconds
 from tppc.driver.planning import Planner, example_plan
 from tppc.errors import RuntimeInputError, SpecError, StageFailed, TppcError
 from tppc.frontend.front_end import FrontEnd, capture_front_end
+from tppc.passes.sharding.shard_graph import PARTS_OF
 from tppc.pipeline.compiled import CompiledPipeline
 from tppc.planner.plan import Plan
-from tppc.program.program import Program
+from tppc.program.program import Program, StageProgram
 from tppc.program.state import Call
 
-__all__ = ["DistributedPipeline", "compile_distributed", "init_distributed"]
+__all__ = ["DistributedPipeline", "check_world", "compile_distributed", "init_distributed"]
 
 Results = Literal["rank0", "all"]
 
@@ -104,19 +111,23 @@ def compile_distributed(model: torch.nn.Module, args: tuple[Any, ...],
         device: ``"auto"``, ``"cpu"`` or ``"cuda"``.
         **options: :class:`CompileOptions` fields (``verify``: rank 0 checks the program
             before the stages load, :mod:`tppc.distributed.validate`; ``num_stages``
-            defaults to the job's size, ``cluster`` to ``"<S>xcpu"``; ``devices`` and
-            ``executor`` are set here).
+            defaults to the job's size divided by ``tensor_parallel`` (a tuple: one stage
+            per degree), ``cluster`` to ``"<W>xcpu"``; ``devices`` and ``executor`` are set
+            here).
+
+    Raises:
+        SpecError: the job's size is not the plan's worker count (the message names both).
     """
     if results not in ("rank0", "all"):
         raise SpecError(f"results={results!r}; use 'rank0' or 'all'")
     rank, world, where = init_distributed(comm_timeout, device)
     options.setdefault("cluster", f"{world}xcpu")
-    options.setdefault("num_stages", world)
+    options.setdefault("num_stages", _stages_for(world, options.get("tensor_parallel")))
     options.update(executor="distributed", devices=("meta",) * world)
     opts = CompileOptions.from_kwargs(**options)
     if where.type == "cpu" and opts.threads_per_stage is not None:
         t = opts.threads_per_stage
-        torch.set_num_threads(t if isinstance(t, int) else t[rank])
+        torch.set_num_threads(t if isinstance(t, int) else t[min(rank, len(t) - 1)])
     front = capture_front_end(model, args, kwargs, seq_dims=seq_dims)  # on meta if the model is
     plan, planner = example_plan(front, opts, plan,
                                  share=lambda planner: _shared_planner(planner, rank))
@@ -128,19 +139,53 @@ def compile_distributed(model: torch.nn.Module, args: tuple[Any, ...],
     weights = StageWeights(checkpoint, model, dict(buffers or {}), where)
     emitter = Emitter(opts, planner, None if planner is not None else plan)
     emitter.check(front, plan)
-    cp = DistributedPipeline(model, front, emitter.emit(front, plan), emitter,
+    program = emitter.emit(front, plan)
+    check_world(program, world)
+    t = opts.threads_per_stage
+    if where.type == "cpu" and isinstance(t, tuple) and program.workers:  # per stage
+        torch.set_num_threads(t[program.runners[rank].index])
+    cp = DistributedPipeline(model, front, program, emitter,
                              seq_dims=seq_dims, weights=weights, rank=rank, world=world,
                              results=results, comm_timeout=comm_timeout)
     cp.validation, cp.example = validation, (tuple(args), dict(kwargs or {}))
     return cp
 
 
+def _stages_for(world: int, tensor_parallel: int | tuple[int, ...] | None) -> int:
+    """The stages of a job of ``world`` ranks at ``tensor_parallel`` (None: 1 per stage)."""
+    if isinstance(tensor_parallel, tuple | list):
+        return len(tensor_parallel)
+    t = tensor_parallel or 1
+    if isinstance(t, int) and t >= 1 and world % t:
+        raise SpecError(f"tensor_parallel={t} does not divide the job's {world} ranks into "
+                        f"stages. fix: launch a multiple of {t} ranks, or give num_stages= "
+                        "and a degree per stage")
+    return max(1, world // t) if isinstance(t, int) and t >= 1 else world
+
+
+def check_world(program: Program, world: int) -> None:
+    """Refuse a job whose size is not ``program``'s worker count (one rank per worker).
+
+    Raises:
+        SpecError: naming both numbers and the job size to launch.
+    """
+    workers = len(program.runners)
+    if workers != world:
+        degrees = [sum(w.index == s for w in program.runners)
+                   for s in range(len(program.stages))]
+        raise SpecError(
+            f"the plan needs {workers} ranks ({len(program.stages)} stages at tensor-parallel "
+            f"degrees {degrees}: one rank per worker), the job has {world}. fix: launch "
+            f"{workers} processes (torchrun --nproc-per-node {workers}, or "
+            f"tppc.launch(..., {workers})), or plan for {world} devices")
+
+
 class DistributedPipeline(CompiledPipeline):
     """This rank's share of a pipeline; call it on every rank together (module docstring).
 
     Attributes:
-        rank: this process's rank (= its stage).
-        world: number of ranks.
+        rank: this process's rank (= its worker; its stage without tensor parallelism).
+        world: number of ranks (= workers).
         device: this rank's device.
         weights: this rank's loaded tensors (``weights.nbytes``).
         comm: this rank's :class:`tppc.backends.torch_distributed.DistributedExecutor`.
@@ -219,10 +264,13 @@ class DistributedPipeline(CompiledPipeline):
 
         return self.share_inputs("generate", (input_ids, max_new_tokens), check)
 
-    def broadcast_token(self, token: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-        """The last rank's ``token`` (shaped like ``like``) on every rank."""
+    def broadcast_token(self, token: torch.Tensor | None, like: torch.Tensor,
+                        src: int | None = None) -> torch.Tensor:
+        """Rank ``src``'s ``token`` (shaped like ``like``) on every rank (default: the last
+        rank; the program's leader with tensor-parallel stages)."""
+        src = self.world - 1 if src is None else src
         buf = (token if token is not None else torch.empty_like(like)).to(self.device)
-        self.collective(lambda: dist.broadcast(buf, src=self.world - 1), "token broadcast")
+        self.collective(lambda: dist.broadcast(buf, src=src), "token broadcast")
         return buf.to(like.device)
 
     def share_inputs(self, what: str, value: Any, check: Any = None) -> Any:
@@ -263,25 +311,46 @@ class DistributedPipeline(CompiledPipeline):
         return self.materialise(super()._admit(program))
 
     def materialise(self, program: Program) -> Program:
-        """The meta program with this rank's stage (and tail, on the last rank) loaded."""
-        stage = program.stages[self.rank]
+        """The meta program with this rank's worker (and tail, on the leader) loaded."""
+        mine = self._load(program.runners[self.rank])
+        tail = program.tail
+        if tail is not None and self.rank == program.leader:
+            self.weights.materialise(tail)
+            retarget(tail, self.device)
+        if not program.workers:
+            stages = list(program.stages)
+            stages[self.rank] = mine
+            return dataclasses.replace(program, stages=tuple(stages), tail=tail)
+        workers = list(program.workers)
+        workers[self.rank] = mine
+        stages = tuple(next(w for w in workers if w.index == s)
+                       for s in range(len(program.stages)))
+        return dataclasses.replace(program, stages=stages, workers=tuple(workers), tail=tail)
+
+    def _load(self, stage: StageProgram) -> StageProgram:
+        """``stage`` (a stage, or a shard: its parts) with its tensors loaded on this device."""
+        if not stage.parts:
+            return self._load_graph(stage)
+        parts = tuple(self._load_graph(p, stage.module.meta.get(PARTS_OF, {}))
+                      for p in stage.parts)
+        params = {id(t): t for p in parts for t in p.module.parameters()}
+        tensors = {**params, **{id(t): t for p in parts for t in p.module.buffers()}}
+        return dataclasses.replace(
+            stage, device=self.device, parts=parts, positional=parts[0].positional,
+            param_count=sum(t.numel() for t in params.values()),
+            param_bytes=sum(t.numel() * t.element_size() for t in tensors.values()))
+
+    def _load_graph(self, stage: StageProgram, parts: Any = None) -> StageProgram:
         modules = [stage.module] + ([stage.runnable] if stage.runnable is not stage.module
                                     else [])
-        self.weights.materialise(*modules)
+        self.weights.materialise(*modules, parts=parts)
         for module in modules:
             retarget(module, self.device)
         tensors = [*stage.module.parameters(), *stage.module.buffers()]
-        mine = dataclasses.replace(
+        return dataclasses.replace(
             stage, device=self.device, positional=stage.module.tppc_positional,
             param_count=sum(p.numel() for p in stage.module.parameters()),
             param_bytes=sum(t.numel() * t.element_size() for t in tensors))
-        stages = list(program.stages)
-        stages[self.rank] = mine
-        tail = program.tail
-        if tail is not None and self.rank == self.world - 1:
-            self.weights.materialise(tail)
-            retarget(tail, self.device)
-        return dataclasses.replace(program, stages=tuple(stages), tail=tail)
 
 
 def _shared_planner(planner: Planner, rank: int) -> Planner:

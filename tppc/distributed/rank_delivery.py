@@ -1,5 +1,9 @@
 """How a call's outputs leave the last rank of a job: the distributed pipeline's delivery.
 
+The last rank is the program's leader (:attr:`tppc.program.program.Program.leader`): the
+last stage's rank, or the first worker of a tensor-parallel last stage (the others hold the
+same outputs and deliver nothing).
+
 Terms:
     shared: rank 0 and the last rank share a machine: the last stage writes the outputs into
         one shared-memory file that rank 0 maps (:mod:`tppc.distributed.shared_results`).
@@ -86,13 +90,13 @@ class RankDelivery:
 
     def outputs(self, program: Program, length: int) -> tuple[Any, ...]:
         axes = program.signature.output_axes
-        self.chunks = program.chunks
-        self.stream = (self.world > 1 and self.results == "rank0"
+        self.chunks, self.last = program.chunks, program.leader
+        self.stream = (self.last != 0 and self.results == "rank0"
                        and self.device.type == "cpu"
                        and streamable(axes, program.tail is not None))
         if self.rank != self.last:
             return ()
-        stage = program.stages[self.rank]
+        stage = program.runners[self.rank]
         slots: list[Any] = [None] * len(axes)
         for slot in stage.out_slots:
             slots[slot.index] = slot
@@ -140,7 +144,7 @@ class RankDelivery:
             got = self.collective(lambda: wire.broadcast(leaves, last, self.device), "results")
             return [x.to(self.device) if isinstance(x, torch.Tensor) else x for x in got]
         if last == 0:
-            return leaves
+            return leaves if self.rank == 0 else None
         if self.rank == last:
             self.collective(lambda: wire.send(leaves, 0, self.device), "results")
         elif self.rank == 0:

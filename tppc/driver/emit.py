@@ -25,7 +25,7 @@ from tppc.errors import RuntimeInputError, SpecError
 from tppc.ir.context import CompileContext
 from tppc.ir.records import CHUNK_INPUT, CHUNK_SIGNATURE, STAGE_INFO, ChunkSignature, StageInfo
 from tppc.passes.runner import run_passes
-from tppc.passes.sharding.shard_graph import shard_graph
+from tppc.passes.sharding.shard_graph import cuttable, shard_graph
 from tppc.passes.sharding.split_parts import split_parts
 from tppc.passes.stages.direct_output import write_outputs_in_place
 from tppc.passes.stages.partition_stages import partition_stages
@@ -149,12 +149,16 @@ def build_program(chunk: fx.GraphModule, ctx: CompileContext, plan: Plan,
 def sharded_stage(module: fx.GraphModule, device: torch.device, signature: ChunkSignature,
                   degree: int, s: int) -> list[StageProgram]:
     """Stage ``s``'s ``degree`` workers: each its shard (:func:`shard_graph`) cut into parts
-    at its collectives (:func:`split_parts`); each K/V buffer named per worker.
+    at its collectives (:func:`split_parts`); each K/V buffer named per worker. A stage in
+    which nothing can be cut runs whole on every worker (exact, and priced so).
 
     Raises:
         SpecError: the stage's cut axes do not divide into ``degree`` parts.
     """
     info = module.meta[STAGE_INFO]
+    if not cuttable(module):  # e.g. an embedding alone: every worker computes all of it
+        whole = _stage(module, device, signature)
+        return [_rank_buffers(dataclasses.replace(whole, rank=r), r) for r in range(degree)]
     workers = []
     for r in range(degree):
         shard = shard_graph(module, r, degree, f"stage {s} ({info.layers[0]}..)")

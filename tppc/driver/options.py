@@ -51,6 +51,14 @@ class CompileOptions:
     """Longest sequence (prompt + generated tokens) accepted; None: no limit."""
     num_stages: int | None = None
     """Stages to plan for (default: the planner's choice)."""
+    tensor_parallel: int | tuple[int, ...] | None = None
+    """Devices per stage, each a shard of the stage's heads and MLP columns (tensor
+    parallelism): one degree for every stage, or a tuple, one per stage (its length fixes
+    the stage count); None: the planner chooses, by price, among the degrees the model's
+    shard sizes and the cluster's nodes allow (:mod:`tppc.planner.hybrid`)."""
+    objective: Literal["latency", "throughput_per_device"] = "latency"
+    """What the planner minimises across degrees: one call's latency, or latency × the
+    devices of one pipeline (:attr:`tppc.planner.plan.Workload.objective`)."""
     granularity: int | None = None
     """Chunk sizes are multiples of this many units of the sequence axis (the last chunk may
     be shorter); None: automatic (one patch row for a DiT)."""
@@ -82,6 +90,10 @@ class CompileOptions:
                             "check at the example's own length) or False (skip)")
         _positive("max_seq", self.max_seq)
         _positive("num_stages", self.num_stages)
+        _check_tensor_parallel(self.tensor_parallel, self.num_stages)
+        if self.objective not in ("latency", "throughput_per_device"):
+            raise SpecError(f"objective={self.objective!r}; use 'latency' (one call) or "
+                            "'throughput_per_device' (calls per second per device)")
         _positive("granularity", self.granularity)
         _positive("queue_depth", self.queue_depth, optional=False)
         _positive("program_cache", self.program_cache, optional=False)
@@ -104,7 +116,7 @@ class CompileOptions:
         if unknown:
             raise SpecError(f"unknown compile option(s) {unknown}; the options are "
                             f"{sorted(cls.__dataclass_fields__)}")
-        for name in ("chunks", "devices", "threads_per_stage"):
+        for name in ("chunks", "devices", "threads_per_stage", "tensor_parallel"):
             value = kwargs.get(name)
             if isinstance(value, Sequence) and not isinstance(value, str):
                 kwargs[name] = tuple(value)
@@ -161,6 +173,20 @@ def _positive(name: str, value: Any, *, optional: bool = True, minimum: int = 1)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise SpecError(f"{name}={value!r} must be an integer ≥ {minimum}"
                         + (" or None" if optional else ""))
+
+
+def _check_tensor_parallel(value: Any, num_stages: int | None) -> None:
+    if value is None:
+        return
+    degrees = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
+    if not isinstance(degrees, tuple) or not degrees or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 1 for t in degrees):
+        raise SpecError(f"tensor_parallel={value!r} must be an integer ≥ 1 (devices per "
+                        "stage) or a tuple of them, one per stage. fix: e.g. "
+                        "tensor_parallel=2 or tensor_parallel=(4, 2)")
+    if isinstance(value, tuple) and num_stages is not None and num_stages != len(value):
+        raise SpecError(f"tensor_parallel={value} names {len(value)} stages, num_stages="
+                        f"{num_stages}. fix: one degree per stage, or num_stages=None")
 
 
 def _check_chunks(chunks: Any) -> None:

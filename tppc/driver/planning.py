@@ -29,6 +29,7 @@ import torch
 from tppc.cost_models.cluster import Cluster
 from tppc.cost_models.layer_costs import build_cost_table
 from tppc.cost_models.table import CostTable
+from tppc.driver.hybrid_planning import plan_groups_table, tensor_parallel_plan, wants_hybrid
 from tppc.driver.options import CompileOptions, chunk_bounds
 from tppc.errors import PlanError, SpecError
 from tppc.frontend.front_end import FrontEnd, capture_front_end
@@ -55,6 +56,7 @@ def plan(
     workload: Workload | None = None,
     granularity: int | None = None,
     num_stages: int | None = None,
+    tensor_parallel: int | tuple[int, ...] | None = None,
     time_limit: float = 10.0,
     seq_dims: Mapping[str, int | tuple[int, ...]] | None = None,
     verbose: bool = False,
@@ -80,6 +82,9 @@ def plan(
             patch row).
         num_stages: number of stages (default: the planner chooses how many devices, and
             which, to use; see :mod:`tppc.planner.devices`).
+        tensor_parallel: devices per stage (tensor parallelism), one int for every stage or
+            a tuple per stage; default: the planner chooses by price among the degrees the
+            model and the cluster's nodes allow (:mod:`tppc.planner.hybrid`); 1: none.
         time_limit: seconds for the solver; on expiry the best plan found so far is
             returned, its ``solver.status`` says ``"time_limit"``. Limits: at most
             :data:`tppc.cost_models.cluster.MAX_DEVICES` devices and
@@ -98,7 +103,8 @@ def plan(
     """
     opts = CompileOptions.from_kwargs(cluster=cluster, granularity=granularity,
                                       num_stages=num_stages, time_limit=time_limit,
-                                      verbose=verbose, **options)
+                                      tensor_parallel=tensor_parallel, verbose=verbose,
+                                      **options)
     front = capture_front_end(model, args, kwargs, seq_dims=seq_dims, plan_only=True)
     length = front.ctx.example_seq if seq_len is None else seq_len
     return length_planner(opts)(front, length, workload=workload)
@@ -208,19 +214,26 @@ def price_plan(front: FrontEnd, opts: CompileOptions, plan: Plan,
     """``plan``'s placement and split simulated again on the cost table scaled by ``rates``
     (the prediction of a plan made before the rates changed)."""
     per = plan.tokens_per_unit
-    table = _table_at(front, opts, rates, [])(plan.seq_len * per)
-    chosen = tuple(st.device_index for st in plan.stages)
+    if any(st.tensor_parallel > 1 for st in plan.stages):  # rows: the stages' groups
+        table = plan_groups_table(front, opts, plan, rates)
+        chosen = tuple(range(plan.num_stages))
+    else:
+        table = _table_at(front, opts, rates, [])(plan.seq_len * per)
+        chosen = tuple(st.device_index for st in plan.stages)
     names = [name for st in plan.stages for name in st.layer_names]
     cuts = (0, *(st.layer_end for st in plan.stages))
     priced = plan_for(sub_table(table, chosen).with_layers(names), cuts,
                       tuple(b * per for b in plan.boundaries), plan.workload,
                       granularity=plan.granularity * per, ranged=False)
-    stages = tuple(dataclasses.replace(st, device_index=old.device_index)
+    stages = tuple(dataclasses.replace(st, device_index=old.device_index,
+                                       device_indices=old.device_indices,
+                                       tensor_parallel=old.tensor_parallel)
                    for st, old in zip(priced.stages, plan.stages, strict=True))
     return dataclasses.replace(priced, stages=stages, seq_len=plan.seq_len,
                                granularity=plan.granularity,
                                tokens_per_unit=plan.tokens_per_unit,
-                               boundaries=plan.boundaries)
+                               boundaries=plan.boundaries, replicas=plan.replicas,
+                               choice=plan.choice)
 
 
 def _table_at(front: FrontEnd, opts: CompileOptions, rates: tuple[float, ...] | None,
@@ -251,21 +264,33 @@ def _plan_length(front: FrontEnd, opts: CompileOptions, length: int,
     table_at = _table_at(front, opts, rates, costing)
     bounds = None
     diffusion = workload is not None and workload.kind == "diffusion"
+    objective = opts.objective if opts.objective != "latency" or workload is None \
+        else workload.objective
     if not diffusion:  # one pass, named after the model's attention (planned alike)
         workload = Workload(kind="bidirectional_pass" if front.bidirectional
-                            else "causal_prefill")
+                            else "causal_prefill", objective=objective)
     if opts.chunks is not None:
         bounds = chunk_bounds(opts.chunks, length)
     elif front.bidirectional and not diffusion:
         bounds = (0, length)
     per = tokens_per_unit(ctx, length)
+    tp = opts.tensor_parallel
+    stages = opts.num_stages or (len(tp) if isinstance(tp, tuple) else None)
+    hybrid = wants_hybrid(front, opts)
+
+    def search(tokens: int, g: int | None, cuts: tuple[int, ...] | None) -> Plan:
+        def plan_length(at: Callable[[int], CostTable], k: int | None, seconds: float) -> Plan:
+            return plan_any_length(at, tokens, granularity=g, num_stages=k,
+                                   time_limit=seconds, workload=workload, bounds=cuts)
+
+        if not hybrid:
+            return plan_length(table_at, stages, opts.time_limit)
+        return tensor_parallel_plan(front, opts, tokens, table_at, plan_length,
+                                    g or default_granularity(tokens), objective, rates)
+
     if per == 1:
-        return plan_any_length(table_at, length, granularity=opts.granularity,
-                               num_stages=opts.num_stages, time_limit=opts.time_limit,
-                               workload=workload, bounds=bounds)
+        return search(length, opts.granularity, bounds)
     g = per * (opts.granularity or 1)
-    plan = plan_any_length(table_at, length * per, granularity=g, num_stages=opts.num_stages,
-                           time_limit=opts.time_limit, workload=workload,
-                           bounds=None if bounds is None else tuple(b * per for b in bounds))
+    plan = search(length * per, g, None if bounds is None else tuple(b * per for b in bounds))
     return dataclasses.replace(plan, seq_len=length, granularity=g // per, tokens_per_unit=per,
                                boundaries=tuple(b // per for b in plan.boundaries))

@@ -6,6 +6,8 @@ Entry points:
         jointly, from a :class:`tppc.cost_models.table.CostTable`; returns a :class:`Plan`.
     :func:`plan_for`: simulate and package a given placement and split (baselines).
     :func:`simulate`: the flow-shop schedule behind every predicted latency.
+    :func:`tppc.planner.hybrid.plan_hybrid`: tensor-parallel groups x the pipeline x
+        replicas, searched by price over :mod:`tppc.planner.configurations`.
 """
 
 from __future__ import annotations

@@ -22,15 +22,18 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from tppc.errors import PlanError
+from tppc.planner.choice import HybridChoice
+from tppc.planner.summary import plan_summary
 
 __all__ = ["PLAN_SCHEMA", "Plan", "SolverInfo", "SplitSearch", "StagePlan", "Workload",
            "say_expired"]
 
-PLAN_SCHEMA = "tppc.plan/2"
+PLAN_SCHEMA = "tppc.plan/3"
 """Schema tag written by :meth:`Plan.to_json`; bumped on incompatible changes (2: the unit,
-``tokens_per_unit``). :meth:`Plan.from_json` also reads schema 1, whose plans count tokens."""
+``tokens_per_unit``; 3: tensor-parallel groups, ``replicas``, ``degrees``, ``choice``).
+:meth:`Plan.from_json` also reads schemas 1 (plans count tokens) and 2 (one device a stage)."""
 
-_READS = ("tppc.plan/1", PLAN_SCHEMA)
+_READS = ("tppc.plan/1", "tppc.plan/2", PLAN_SCHEMA)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,14 +50,21 @@ class Workload:
         warmup_steps: leading steps that run the full sequence synchronously (diffusion).
         max_patches: at most this many patches per step (diffusion; ``None``: any). More
             patches make more of the K/V stale (a quality limit, ``cp.denoise(quality=...)``).
+        objective: what the hybrid search (:mod:`tppc.planner.hybrid`) minimises:
+            ``"latency"`` (one call) or ``"throughput_per_device"`` (latency × the devices of
+            one pipeline).
     """
 
     kind: Literal["causal_prefill", "bidirectional_pass", "diffusion"] = "causal_prefill"
     steps: int = 1
     warmup_steps: int = 0
     max_patches: int | None = None
+    objective: Literal["latency", "throughput_per_device"] = "latency"
 
     def __post_init__(self) -> None:
+        if self.objective not in ("latency", "throughput_per_device"):
+            raise PlanError(f"Workload.objective={self.objective!r}; use 'latency' (one call) "
+                            "or 'throughput_per_device' (calls per second per device)")
         if self.kind not in ("causal_prefill", "bidirectional_pass", "diffusion"):
             raise PlanError(f"Workload.kind={self.kind!r}; use 'causal_prefill', "
                             "'bidirectional_pass' or 'diffusion'")
@@ -138,9 +148,14 @@ class StagePlan:
         layer_end: last layer (exclusive).
         device_index: position of the device in the cluster chain.
         device_name: the device's preset name.
-        memory_bytes: predicted peak memory (weights + K/V buffers + in-flight activations).
+        memory_bytes: predicted peak memory of one device of the stage (weights + K/V
+            buffers + in-flight activations; its shard under tensor parallelism).
         capacity_bytes: the device's usable memory.
         layer_names: names of the layers ``layer_start .. layer_end - 1``.
+        tensor_parallel: devices that run the stage together, each a ``1/t`` shard of its
+            cut nodes (1: the whole stage on one device).
+        device_indices: those devices (cluster positions), ``device_index`` first; with one
+            device always ``(device_index,)``.
     """
 
     index: int
@@ -151,6 +166,32 @@ class StagePlan:
     memory_bytes: int
     capacity_bytes: int
     layer_names: tuple[str, ...] = ()
+    tensor_parallel: int = 1
+    device_indices: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        t = self.tensor_parallel
+        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+            raise PlanError(f"StagePlan {self.index}: tensor_parallel={t!r} must be an integer "
+                            ">= 1 (devices that run the stage together)")
+        if t == 1:  # one device: always the stage's own (a replaced device_index moves it)
+            object.__setattr__(self, "device_indices", (self.device_index,))
+            return
+        indices = tuple(self.device_indices)
+        object.__setattr__(self, "device_indices", indices)
+        if len(indices) != t or len(set(indices)) != t or indices[0] != self.device_index:
+            raise PlanError(
+                f"StagePlan {self.index}: device_indices={indices} must name "
+                f"tensor_parallel={t} distinct devices, device_index={self.device_index} "
+                "first. fix: replace device_index and device_indices together")
+
+    @property
+    def devices_label(self) -> str:
+        """``"h100-sxm"``, or for a group ``"h100-sxm TP4 (devices 0-3)"`` (charts, traces)."""
+        if self.tensor_parallel == 1:
+            return self.device_name
+        ids = self.device_indices
+        return f"{self.device_name} TP{self.tensor_parallel} (devices {ids[0]}-{ids[-1]})"
 
     @property
     def num_layers(self) -> int:
@@ -188,6 +229,10 @@ class Plan:
         tokens_per_unit: tokens in one unit of the sequence axis (1: the unit is a token; a
             DiT's patch columns: the unit is a patch row). Every time in the plan is priced
             on tokens.
+        replicas: copies of the whole pipeline the cluster runs side by side (devices left
+            over by one pipeline); ``latency`` is one call on one of them.
+        choice: the hybrid search behind the degrees (:class:`HybridChoice`; ``None`` for a
+            plan of one device per stage planned without it).
     """
 
     workload: Workload
@@ -206,8 +251,13 @@ class Plan:
     notes: tuple[str, ...] = field(default=())
     split: SplitSearch | None = None
     tokens_per_unit: int = 1
+    replicas: int = 1
+    choice: HybridChoice | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) \
+                or self.replicas < 1:
+            raise PlanError(f"Plan.replicas={self.replicas!r} must be an integer >= 1")
         if isinstance(self.tokens_per_unit, bool) or not isinstance(self.tokens_per_unit, int) \
                 or self.tokens_per_unit < 1:
             raise PlanError(f"Plan.tokens_per_unit={self.tokens_per_unit!r} must be an integer "
@@ -241,34 +291,52 @@ class Plan:
         return len(self.stages)
 
     @property
+    def degrees(self) -> dict[str, Any]:
+        """The chosen degrees by keyword: ``{"num_stages": n, "tensor_parallel": t (or a
+        tuple per stage when they differ), "replicas": r}``."""
+        tps = tuple(st.tensor_parallel for st in self.stages)
+        tp: int | tuple[int, ...] = tps[0] if tps and len(set(tps)) == 1 else tps
+        return {"num_stages": self.num_stages, "tensor_parallel": tp, "replicas": self.replicas}
+
+    @property
+    def num_devices(self) -> int:
+        """Devices the plan runs on: every stage's group, times the replicas."""
+        return self.replicas * sum(st.tensor_parallel for st in self.stages)
+
+    @property
     def ratio_to_bound(self) -> float:
         """``latency / lower_bound`` (1.0 would be perfect)."""
         return self.latency / self.lower_bound if self.lower_bound > 0 else float("inf")
 
     def to_json(self) -> str:
         """Serialise to JSON (with ``"schema": PLAN_SCHEMA``)."""
-        data: dict[str, Any] = {"schema": PLAN_SCHEMA, **asdict(self)}
+        data: dict[str, Any] = {"schema": PLAN_SCHEMA, **asdict(self), "degrees": self.degrees}
         return json.dumps(data, indent=1, allow_nan=True)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
         """Inverse of :meth:`to_json`.
 
-        Schema 1 (no ``tokens_per_unit``) is read with ``tokens_per_unit=1``.
+        Schema 1 (no ``tokens_per_unit``) is read with ``tokens_per_unit=1``; schemas 1 and 2
+        (no groups) with one device a stage and one replica. ``degrees`` is derived, not read.
 
         Raises:
             PlanError: when the schema tag is missing or neither :data:`PLAN_SCHEMA` nor 1.
         """
         data = json.loads(text)
         schema = data.pop("schema", None)
+        data.pop("degrees", None)
         if schema not in _READS:
             raise PlanError(
                 f"plan.json has schema {schema!r}, this tppc reads {list(_READS)}; "
                 "re-plan with this version"
             )
         stages = tuple(
-            StagePlan(**{**s, "layer_names": tuple(s["layer_names"])}) for s in data["stages"]
+            StagePlan(**{**s, "layer_names": tuple(s["layer_names"]),
+                         "device_indices": tuple(s.get("device_indices", ()))})
+            for s in data["stages"]
         )
+        choice = data.get("choice")
         return cls(
             **{
                 **data,
@@ -280,54 +348,17 @@ class Plan:
                 "solver": SolverInfo(**data["solver"]),
                 "notes": tuple(data["notes"]),
                 "split": SplitSearch(**data["split"]) if data.get("split") else None,
+                "choice": None if choice is None else HybridChoice(**{
+                    **choice, "infeasible": tuple(choice["infeasible"]),
+                    "collectives": tuple(choice["collectives"])}),
             }
         )
 
     def summary(self) -> str:
-        """A readable table of the plan (stages, memory, busy time, chunks, solver)."""
-        w = self.workload
-        steps = (
-            "" if w.kind != "diffusion" else f", {w.steps} steps ({w.warmup_steps} warm-up)"
-        )
-        s = self.solver
-        lines = [
-            f"tppc plan: {w.kind}{steps}, seq_len={self.seq_len} {self._in_units()}, "
-            f"granularity {self.granularity}, {self.num_stages} stages, "
-            f"{len(self.boundaries) - 1} chunks",
-            f"predicted latency {_ms(self.latency)}   lower bound {_ms(self.lower_bound)} "
-            f"(work {_ms(self.lower_bound_work)}, path {_ms(self.lower_bound_path)})   "
-            f"ratio {self.ratio_to_bound:.3f}",
-            f"solver {s.solver}: {s.status}, objective {_ms(s.objective)}, gap "
-            f"{100 * s.gap:.2f}%, {s.seconds:.2f} s" + (f"  [{s.detail}]" if s.detail else ""),
-            *([f"split {self.split.method}: {self.split.status}, bound for this placement "
-               f"{_ms(self.split.bound)}, gap {100 * self.split.gap:.2f}%, "
-               f"{self.split.seconds:.2f} s"] if self.split else []),
-            "",
-            f"{'stage':>5}  {'device':<12} {'layers':<12} {'memory used / capacity':<24} "
-            f"{'busy':>10}",
-        ]
-        for st in self.stages:
-            busy = sum(e - b for b, e in zip(self.start[st.index], self.end[st.index]))
-            mem = f"{st.memory_bytes / 1e9:.2f} / {st.capacity_bytes / 1e9:.2f} GB"
-            rng = f"[{st.layer_start}, {st.layer_end})"
-            lines.append(f"{st.index:>5}  {st.device_name:<12} {rng:<12} {mem:<24} {_ms(busy):>10}")
-        lines += ["", f"chunks ({self.unit}): " + " ".join(str(c) for c in self.chunk_sizes)]
-        inside = [st.layer_names[0] for st in self.stages[1:]
-                  if st.layer_names and st.layer_names[0].endswith((".mlp", ".attn", ".part1"))]
-        if inside:  # layer indices count the parts of the blocks cut at their waist
-            lines.append("stage boundaries inside a block: " + ", ".join(
-                f"before {name}" for name in inside))
-        lines += [f"note: {n}" for n in self.notes]
-        return "\n".join(lines)
-
-    def _in_units(self) -> str:
-        if self.tokens_per_unit == 1:
-            return "tokens"
-        return f"{self.unit} ({self.seq_tokens} tokens)"
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3f} ms"
+        """A readable table of the plan: stages with their devices and degree, memory, busy
+        time, chunks, solver; with tensor parallelism the collectives per layer and why this
+        configuration beat the runner-up (:func:`tppc.planner.summary.plan_summary`)."""
+        return plan_summary(self)
 
 
 def say_expired(plan: Plan, deadline: float) -> Plan:

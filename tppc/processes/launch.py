@@ -1,4 +1,4 @@
-"""``tppc.launch``: run a multi-process pipeline job on this machine (one process per stage).
+"""``tppc.launch``: run a multi-process pipeline job on this machine (one process per worker).
 
 It does what ``torchrun --nproc-per-node S -m tppc.cli.rank ...`` does, minus the elastic
 agent: it hosts the job's c10d store itself (so the store outlives any rank, and a killed
@@ -82,13 +82,15 @@ def launch(factory: str | Path, nprocs: int, *, checkpoint: str | Path | None = 
            factory_kwargs: str = "{}", chunks: int | None = None, cluster: str | None = None,
            threads: int = 1, comm_timeout: float = 30.0, timeout: float | None = 300.0,
            repeat: int = 1, env: Mapping[str, str] | None = None,
-           extra_args: Sequence[str] = ()) -> LaunchResult:
+           extra_args: Sequence[str] = (),
+           tensor_parallel: int | Sequence[int] | None = None) -> LaunchResult:
     """Run ``python -m tppc.cli.rank FACTORY ...`` as ``nprocs`` local ranks; see the module doc.
 
     Args:
         factory: ``MODULE:FACTORY``, or a directory written by :func:`tppc.export` (each
             rank loads its stage's ONNX file; ``inputs`` named as in its ``plan.json``).
-        nprocs: ranks (= stages).
+        nprocs: ranks (= workers: the stages, or with ``tensor_parallel`` the sum of their
+            degrees; a job of another size is refused, naming both numbers).
         checkpoint: safetensors file of the weights.
         inputs: ``args.0``, ``kwargs.NAME``... tensors (default: the factory's examples).
         generate: greedy-generate this many tokens instead of one call.
@@ -101,6 +103,8 @@ def launch(factory: str | Path, nprocs: int, *, checkpoint: str | Path | None = 
         repeat: calls per job (for timing).
         env: extra environment of the ranks (e.g. ``TPPC_FAULT``).
         extra_args: more ``tppc.run`` arguments.
+        tensor_parallel: each stage's tensor-parallel degree (one int for every stage, or
+            one per stage; ``--tensor-parallel``); None: the plan's.
 
     Raises:
         StageFailed: a rank exited non-zero (the message holds every rank's error line;
@@ -109,9 +113,12 @@ def launch(factory: str | Path, nprocs: int, *, checkpoint: str | Path | None = 
     However it ends, no rank, shared-output file or job directory is left (module doc).
     """
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
-        raise SpecError(f"nprocs={nprocs!r} must be an integer ≥ 1 (one process per stage)")
+        raise SpecError(f"nprocs={nprocs!r} must be an integer ≥ 1 (one process per worker)")
     check_seconds("comm_timeout", comm_timeout)
     check_seconds("timeout", timeout)
+    if tensor_parallel is not None:
+        degrees = [tensor_parallel] if isinstance(tensor_parallel, int) else tensor_parallel
+        extra_args = (*extra_args, "--tensor-parallel", ",".join(map(str, degrees)))
     owned_files.sweep_all()  # what launches and ranks killed outright left behind
     work = owned_files.create_dir(owned_files.LAUNCH_PREFIX)
     procs: list[subprocess.Popen] = []

@@ -67,7 +67,7 @@ def draw_timeline(plan: Plan, path: str | Path, *, measured: Any = None) -> Path
     if plan.lower_bound > 0:
         ax.axvline(plan.lower_bound * 1e3, linestyle="--", color="red",
                    label=f"lower bound {plan.lower_bound * 1e3:.2f} ms")
-    ax.set_yticks(range(stages), [f"stage {st.index}\n{st.device_name}" for st in plan.stages])
+    ax.set_yticks(range(stages), [f"stage {st.index}\n{st.devices_label}" for st in plan.stages])
     ax.invert_yaxis()
     ax.set_xlabel("ms" + (" (outlined: measured)" if measured is not None else ""))
     ax.set_xlim(0, end * 1e3 * 1.02 if end > 0 else 1)

@@ -26,7 +26,7 @@ def plan_trace(plan: Plan) -> dict[str, Any]:
     for stage in plan.stages:
         s = stage.index
         events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": s,
-                       "args": {"name": f"stage {s} ({stage.device_name}, layers "
+                       "args": {"name": f"stage {s} ({stage.devices_label}, layers "
                                         f"[{stage.layer_start}, {stage.layer_end}))"}})
         if plan.warmup_seconds > 0:
             events.append(_slice(s, "warm-up", 0.0, plan.warmup_seconds, {}))

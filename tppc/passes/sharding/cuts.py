@@ -35,6 +35,7 @@ from torch import fx
 import tppc.ir.ops  # noqa: F401  (registers torch.ops.tppc)
 from tppc.ir.records import CHUNK_INPUT
 from tppc.passes.shapes import tensor_val
+from tppc.passes.sharding.reshapes import reshape_groups
 
 __all__ = ["ELEMENTWISE", "Conflict", "Cut", "Refine", "flow", "sizes_of"]
 
@@ -187,7 +188,7 @@ def _view(node: fx.Node, cut: Cut) -> Cut:
     """A reshape: the cut axis maps to one output axis, splits (its outer factor is cut; a
     fused ``(3, heads, hd)`` split cuts the heads) or merges (the cut axis outermost)."""
     src, dst = sizes_of(node.args[0]), sizes_of(node)
-    for ins, outs in _reshape_groups(src, dst):
+    for ins, outs in reshape_groups(src, dst):
         if cut.axis not in ins:
             continue
         if ins == [cut.axis]:
@@ -207,38 +208,6 @@ def _view(node: fx.Node, cut: Cut) -> Cut:
         raise _conflict(node, [cut], f"a reshape {src} -> {dst} moves the cut axis "
                         f"{cut.axis} where its parts are not contiguous")
     raise _conflict(node, [cut], f"a reshape {src} -> {dst} loses the cut axis")
-
-
-def _reshape_groups(src: tuple, dst: tuple) -> list[tuple[list[int], list[int]]]:
-    """Input and output axes that cover the same elements, in order; axes of size 1 belong
-    to no group (they hold no part of a cut)."""
-    a_axes = [i for i, s in enumerate(src) if s != 1]
-    b_axes = [j for j, s in enumerate(dst) if s != 1]
-    groups: list[tuple[list[int], list[int]]] = []
-    i = j = 0
-    while i < len(a_axes) and j < len(b_axes):
-        ins, outs = [a_axes[i]], [b_axes[j]]
-        a, b = src[a_axes[i]], dst[b_axes[j]]
-        i, j = i + 1, j + 1
-        while a != b:
-            if _divides(a, b) and i < len(a_axes):
-                a, i = a * src[a_axes[i]], i + 1
-                ins.append(a_axes[i - 1])
-            elif _divides(b, a) and j < len(b_axes):
-                b, j = b * dst[b_axes[j]], j + 1
-                outs.append(b_axes[j - 1])
-            else:
-                return groups
-        groups.append((ins, outs))
-    return groups
-
-
-def _divides(a: Any, b: Any) -> bool:
-    """Whether ``a`` is a proper factor of ``b`` (sizes: ints or sympy expressions)."""
-    ratio = sympy.sympify(b) / sympy.sympify(a)
-    if ratio.is_Integer:
-        return int(ratio) > 1
-    return bool(ratio.free_symbols) and sympy.denom(ratio) == 1
 
 
 def _split(node: fx.Node, cut: Cut, axis: int, pieces: list[int]) -> list[Cut | None]:

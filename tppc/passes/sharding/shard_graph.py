@@ -16,6 +16,8 @@ itself, so a stage shards alone, at its own degree.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import fx
 
@@ -25,7 +27,8 @@ from tppc.passes.sharding.annotate_shards import Sharding, analyse, check_degree
 from tppc.passes.sharding.cuts import Cut
 from tppc.passes.subgraph import copy_graph
 
-__all__ = ["MARKS", "all_gather_mark", "all_reduce_mark", "shard_graph", "take"]
+__all__ = ["MARKS", "PARTS_OF", "PartOf", "all_gather_mark", "all_reduce_mark", "cuttable",
+           "shard_graph", "take"]
 
 aten = torch.ops.aten
 
@@ -43,6 +46,22 @@ def all_gather_mark(x: torch.Tensor, axis: int) -> torch.Tensor:
 MARKS = {all_reduce_mark: "all_reduce", all_gather_mark: "all_gather"}
 """Each mark and the collective it stands for."""
 
+PARTS_OF = "tppc.parts_of"
+"""Shard ``GraphModule.meta`` key: ``{attribute name: PartOf}`` of every part it holds (a rank
+that loads only its shard reads the parts from a checkpoint's whole tensors)."""
+
+
+@dataclass(frozen=True)
+class PartOf:
+    """Where a shard's attribute comes from: :func:`take` of the stage graph's tensor
+    ``target`` (its model name) with these arguments."""
+
+    target: str
+    axis: int
+    segments: tuple[int, ...]
+    rank: int
+    degree: int
+
 _SIZED = (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
           aten.expand.default)
 
@@ -56,6 +75,12 @@ def take(tensor: torch.Tensor, axis: int, segments: tuple[int, ...], rank: int,
         pieces.append(tensor.narrow(axis, off + rank * step, step))
         off += size
     return torch.cat(pieces, axis).contiguous() if len(pieces) > 1 else pieces[0].clone()
+
+
+def cuttable(gm: fx.GraphModule) -> bool:
+    """Whether anything in ``gm`` is cut over a group (a row-parallel linear or a gather)."""
+    result = analyse(gm)
+    return any(role.kind == "row" for role in result.roles.values()) or bool(result.gathered)
 
 
 def shard_graph(gm: fx.GraphModule, rank: int, degree: int, what: str) -> fx.GraphModule:
@@ -78,9 +103,25 @@ def shard_graph(gm: fx.GraphModule, rank: int, degree: int, what: str) -> fx.Gra
                         f"workers ({why or 'it has no linear layer'}); each worker would "
                         "compute all of it. fix: tensor_parallel=1 for this stage")
     _Shard(new, result, rank, degree).run()
+    _drop_whole_weights(new)
     new.graph.lint()
     new.recompile()
     return new
+
+
+def _drop_whole_weights(gm: fx.GraphModule) -> None:
+    """Remove the weights no node reads any more (replaced by their parts): a worker holds
+    only its share."""
+    for node in list(gm.graph.find_nodes(op="get_attr")):
+        if node.users:
+            continue
+        gm.graph.erase_node(node)
+        if any(n.target == node.target for n in gm.graph.find_nodes(op="get_attr")):
+            continue
+        owner_path, _, name = node.target.rpartition(".")
+        owner = gm.get_submodule(owner_path) if owner_path else gm
+        owner._parameters.pop(name, None)
+        owner._buffers.pop(name, None)
 
 
 class _Shard:
@@ -122,6 +163,8 @@ class _Shard:
         if not hasattr(self.gm, name):
             part = take(tensor.detach(), axis, segments, self.rank, self.degree)
             self.gm.register_parameter(name, torch.nn.Parameter(part, requires_grad=False))
+            self.gm.meta.setdefault(PARTS_OF, {})[name] = PartOf(
+                str(param.target), axis, tuple(segments), self.rank, self.degree)
         with self.graph.inserting_before(user):
             got = self.graph.get_attr(name)
         got.meta.update(param.meta)

@@ -1,0 +1,229 @@
+"""Per-layer prices of tensor-parallel groups: the cost table whose "devices" are groups.
+
+Terms:
+    group: the devices (indices into the cluster) that run one stage together, each with a
+        ``1/t`` shard of the stage's ``column``/``row``/``sharded`` nodes
+        (:mod:`.shard_costs`); ``t = len(group)``.
+    group table: a :class:`CostTable` with one row per group, read by the planner exactly as
+        a chain of devices: the link between two groups is the cluster's link from the last
+        device of one to the first of the next; a group's capacity is its smallest member's.
+    layer time at degree t: ``Σ_nodes roofline(shard of the node)`` on the member's spec (the
+        slowest member's, on a mixed group) ``+ Σ_collectives collective_cost(kind, bytes per
+        token · c, group)``. The collectives are added, not overlapped: the threads executor
+        runs a stage's collectives between its own compute actions, and nothing else of that
+        stage runs meanwhile (the next chunk's compute waits for them).
+    memory per device: the layer's weights less ``(1 - 1/t)`` of its cut weights; its K/V
+        ``/ t`` when the K/V written into its buffers is cut by heads (else whole: K/V heads
+        replicated); activations, positional tables and workspaces whole (conservative).
+
+A block cut at its waist (``LayerCost.parts``) is priced whole here: stages of a group end
+at block boundaries. A degree of 1 is the plain cost table, so a plan without tensor
+parallelism is priced as it always was.
+
+Example:
+    >>> table = group_cost_table(front.chunk, ctx.layers, "8xh100-sxm", 4096,
+    ...                          groups=((0, 1, 2, 3), (4, 5, 6, 7)))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import sympy
+from torch import fx
+
+from tppc.cost_models.cluster import Cluster
+from tppc.cost_models.collective_costs import collective_cost
+from tppc.cost_models.lambdify import to_numpy
+from tppc.cost_models.layer_costs import LayerExpr, layer_expressions
+from tppc.cost_models.node_costs import C, L, P, Shapes, TokenSubstitution, find_seq_symbol
+from tppc.cost_models.roofline import node_time_terms
+from tppc.cost_models.shard_costs import (
+    LayerShards,
+    effective_roles,
+    layer_shards,
+    shard_node_cost,
+)
+from tppc.cost_models.specs import DeviceSpec
+from tppc.cost_models.table import CostTable, LayerCost, LinkCost, TimeFn
+from tppc.errors import CostModelError
+from tppc.ir.records import LayerInfo, ShardRole
+
+__all__ = ["CollectiveTime", "GroupTime", "group_cost_table", "layer_collectives"]
+
+
+@dataclass(frozen=True, eq=False)
+class CollectiveTime:
+    """Seconds of a layer's collectives for a chunk of ``c`` tokens on one group.
+
+    Attributes:
+        cluster: the cluster.
+        group: the device indices.
+        collectives: ``(kind, bytes per chunk token)`` of each collective.
+    """
+
+    cluster: Cluster
+    group: tuple[int, ...]
+    collectives: tuple[tuple[str, int], ...]
+    _seen: dict[float, float] = field(default_factory=dict, repr=False)
+
+    def seconds(self, c: float) -> float:
+        """Seconds at ``c`` tokens (memoised: the planner asks for few distinct sizes)."""
+        if c not in self._seen:
+            self._seen[c] = sum(collective_cost(self.cluster, kind, float(per * c),
+                                                self.group).seconds  # type: ignore[arg-type]
+                                for kind, per in self.collectives)
+        return self._seen[c]
+
+    def __call__(self, c: np.ndarray) -> np.ndarray:
+        c = np.asarray(c, dtype=float)
+        values, inverse = np.unique(c, return_inverse=True)
+        return np.array([self.seconds(float(v)) for v in values])[inverse].reshape(c.shape)
+
+
+@dataclass(frozen=True, eq=False)
+class GroupTime:
+    """``time(c, p)`` of one layer on one group: the slowest member's shard + collectives."""
+
+    compute: tuple[TimeFn, ...]
+    collectives: CollectiveTime | None
+
+    def __call__(self, c: np.ndarray, p: np.ndarray) -> np.ndarray:
+        out = self.compute[0](c, p)
+        for fn in self.compute[1:]:
+            out = np.maximum(out, fn(c, p))
+        if self.collectives is not None and self.collectives.collectives:
+            out = out + self.collectives(np.broadcast_to(np.asarray(c, dtype=float), out.shape))
+        return out
+
+
+def _bind(expr: sympy.Expr, seq_len: int) -> TimeFn:
+    raw = to_numpy(expr, (C, P, L))
+    length = float(seq_len)
+
+    def time(c: np.ndarray, p: np.ndarray) -> np.ndarray:
+        c = np.asarray(c, dtype=float)
+        p = np.asarray(p, dtype=float)
+        shape = np.broadcast_shapes(c.shape, p.shape)
+        return np.broadcast_to(np.asarray(raw(c, p, length), dtype=float), shape).copy()
+
+    return time
+
+
+class _GroupPricer:
+    """Shard times per (layer, degree, device), memoised across identical blocks."""
+
+    def __init__(self, gm: fx.GraphModule, layers: Sequence[LayerInfo], seq_len: int,
+                 roles: Mapping[str, ShardRole], kwargs: dict) -> None:
+        self.gm, self.layers, self.seq_len, self.kwargs = gm, layers, seq_len, kwargs
+        self.nodes = {n.name: n for n in gm.graph.nodes}
+        self.roles = roles
+        sym = kwargs.get("seq_symbol") or find_seq_symbol(gm)
+        self.shapes = Shapes(TokenSubstitution.build(sym, kwargs.get("token_count")),
+                             kwargs.get("default_attention", "causal"))
+        self._exprs: dict[DeviceSpec, list[LayerExpr]] = {}
+        self._shards: dict[str, LayerShards] = {}
+        self._times: dict[tuple, TimeFn] = {}
+
+    def exprs(self, device: DeviceSpec) -> list[LayerExpr]:
+        if device not in self._exprs:
+            self._exprs[device] = layer_expressions(self.gm, self.layers, device, self.seq_len,
+                                                    **self.kwargs)
+        return self._exprs[device]
+
+    def shards(self, expr: LayerExpr) -> LayerShards:
+        name = expr.info.name
+        if name not in self._shards:
+            self._shards[name] = layer_shards(self.nodes, [c.name for c in expr.nodes],
+                                              self.roles, self.shapes, self.seq_len)
+        return self._shards[name]
+
+    def time(self, expr: LayerExpr, device: DeviceSpec, t: int) -> TimeFn:
+        shards = self.shards(expr)
+        key = (id(expr.fn), shards.roles, device, t)
+        if key not in self._times:
+            fuse = device.name.startswith("tpu")
+            total = sympy.Add(*[node_time_terms(shard_node_cost(cost, role, t, a, b), device,
+                                                fuse_elementwise=fuse).total()
+                                for cost, role, a, b in zip(expr.nodes, shards.roles,
+                                                            shards.in_bytes, shards.out_bytes,
+                                                            strict=True)])
+            self._times[key] = _bind(total, self.seq_len)
+        return self._times[key]
+
+
+def layer_collectives(shards: LayerShards) -> str:
+    """``"2 all_reduce of 16384 B/token"``: a layer's collectives in words ("" if none)."""
+    counts: dict[tuple[str, int], int] = {}
+    for kind, per in shards.collectives:
+        counts[(kind, per)] = counts.get((kind, per), 0) + 1
+    return ", ".join(f"{n} {kind} of {per} B/token" for (kind, per), n in counts.items())
+
+
+def group_cost_table(gm: fx.GraphModule, layers: Sequence[LayerInfo], cluster: Cluster | str,
+                     seq_len: int, groups: Sequence[Sequence[int]], *,
+                     roles: Mapping[str, ShardRole] | None = None, queue_depth: int = 2,
+                     **kwargs) -> tuple[CostTable, tuple[str, ...]]:
+    """The group table (module docstring) and each layer's collectives in words.
+
+    Args:
+        gm: the chunk-step graph (its nodes' ``SHARD`` roles, or ``roles``).
+        layers: ``ctx.layers``.
+        cluster: the cluster.
+        seq_len: the full sequence length L.
+        groups: device indices of each group, in chain order.
+        roles: effective roles by node name (default: :func:`.shard_costs.effective_roles`).
+        queue_depth: as :func:`.layer_costs.build_cost_table`'s.
+        **kwargs: ``seq_symbol``, ``token_count``, ``default_attention``, ``compute_dtype``
+            (as :func:`.layer_costs.build_cost_table`'s).
+
+    Raises:
+        CostModelError: an empty or repeated group member.
+    """
+    cluster = Cluster.parse(cluster)
+    groups = tuple(tuple(g) for g in groups)
+    flat = [d for g in groups for d in g]
+    if not groups or not all(groups) or len(set(flat)) != len(flat):
+        raise CostModelError(f"groups {groups} must be non-empty and name each device once")
+    pricer = _GroupPricer(gm, layers, seq_len,
+                          effective_roles(gm) if roles is None else roles, kwargs)
+    rows: list[tuple[LayerCost, ...]] = []
+    words: tuple[str, ...] = ()
+    for group in groups:
+        t = len(group)
+        specs = list(dict.fromkeys(cluster.devices[d] for d in group))
+        per_spec = [pricer.exprs(spec) for spec in specs]
+        row = []
+        for i, expr in enumerate(per_spec[0]):
+            shards = pricer.shards(expr)
+            moves = CollectiveTime(cluster, group, shards.collectives) if t > 1 else None
+            fns = tuple(pricer.time(exprs[i], spec, t) for exprs, spec in zip(per_spec, specs))
+            kv = expr.kv_bytes_per_token
+            row.append(LayerCost(
+                name=expr.info.name, time=GroupTime(fns, moves),
+                weight_bytes=expr.weight_bytes - shards.sharded_weight_bytes
+                + math.ceil(shards.sharded_weight_bytes / t),
+                kv_bytes_per_token=kv // t if shards.kv_sharded else kv,
+                act_bytes_per_token=expr.act_bytes_per_token,
+                peak_bytes_per_token=expr.peak_bytes_per_token,
+                positional_bytes_per_token=expr.positional_bytes_per_token,
+                workspace_bytes_per_key=expr.workspace_bytes_per_key))
+        rows.append(tuple(row))
+        if not words:
+            words = tuple(layer_collectives(pricer.shards(e)) for e in per_spec[0])
+    links = tuple(LinkCost(latency=(lk := cluster.link(a[-1], b[0])).latency,
+                           bandwidth=lk.bandwidth) for a, b in itertools.pairwise(groups))
+    first = pricer.exprs(cluster.devices[groups[0][0]])
+    causal = any(c.kind == "attention" and (c.bytes.has(P) or c.matrix_flops.has(P))
+                 for e in first for c in e.nodes)
+    return CostTable(
+        device_names=tuple(cluster.devices[g[0]].name for g in groups),
+        capacities=tuple(min(int(cluster.devices[d].memory.capacity) for d in g)
+                         for g in groups),
+        layers=tuple(rows), links=links, seq_len=seq_len, causal=causal,
+        unpriced_ops=tuple(sorted({op for e in first for op in e.unpriced})),
+        queue_depth=queue_depth), words

@@ -1,0 +1,160 @@
+"""The hybrid configurations a cluster and a model allow: tensor-parallel groups per stage.
+
+Terms:
+    shard sizes: the sizes every tensor-parallel degree must divide (head counts, the
+        segments of cut axes: ``gm.meta[SHARD_SIZES]``); a model without them (nothing
+        sharded) allows degree 1 only.
+    node kind: nodes with the same chain of devices; every node of a kind gets the same
+        degree (degrees differ per stage only where node kinds differ: a heterogeneous
+        cluster).
+    configuration: a degree per node; each node is cut into ``size / t`` groups of ``t``
+        consecutive devices; the groups, in chain order, are the "devices" the placement
+        planner chooses stages from (a stage = a group). A degree larger than a node
+        (a multiple of it) makes groups of whole nodes: they span the inter-node link and are
+        searched only when no configuration inside nodes fits, or when asked for.
+    fixed degrees: ``tensor_parallel=t`` gives every stage ``t`` devices; a tuple gives stage
+        ``i`` its own ``t_i``: groups are packed in chain order, a group that would cross a
+        node boundary starting at the next node instead.
+
+Example:
+    >>> from tppc.cost_models.cluster import Cluster
+    >>> [c.label for c in tp_configurations(Cluster.parse("2xcpu"), (4, 4))]
+    ['TP1', 'TP2']
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tppc.cost_models.cluster import Cluster
+from tppc.errors import PlanError
+
+__all__ = ["Configuration", "check_degree", "fixed_configuration", "tp_configurations"]
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """One point of the hybrid space (module docstring).
+
+    Attributes:
+        groups: device indices of each group, in chain order.
+        spans_nodes: some group crosses the inter-node link.
+        fixed_stages: the stage count the degrees fix (a tuple of degrees: its length).
+    """
+
+    groups: tuple[tuple[int, ...], ...]
+    spans_nodes: bool = False
+    fixed_stages: int | None = None
+
+    @property
+    def degrees(self) -> tuple[int, ...]:
+        """The degree of each group."""
+        return tuple(len(g) for g in self.groups)
+
+    @property
+    def label(self) -> str:
+        """``"TP8"`` (one degree) or ``"TP(8,4)"`` (degrees that differ between groups)."""
+        kinds = list(dict.fromkeys(self.degrees))
+        return f"TP{kinds[0]}" if len(kinds) == 1 else "TP(" + ",".join(map(str, kinds)) + ")"
+
+
+def _divides(t: int, sizes: Sequence[int]) -> bool:
+    """``t`` cuts every size (nothing to cut: only ``t = 1``)."""
+    return t == 1 or (bool(sizes) and all(s % t == 0 for s in sizes))
+
+
+def check_degree(t: int, sizes: Sequence[int]) -> None:
+    """Refuse a degree the model cannot be cut into (named sizes, the degrees that work).
+
+    Raises:
+        PlanError: ``t`` does not divide every shard size.
+    """
+    if t == 1 or _divides(t, sizes):
+        return
+    if not sizes:
+        raise PlanError(f"tensor_parallel={t}: nothing in this model was sharded (no "
+                        "column/row pairs found: see the sharding pass's refusals). fix: "
+                        "tensor_parallel=1, or leave it to the planner")
+    bad = sorted({s for s in sizes if s % t})
+    good = [d for d in range(1, max(sizes) + 1) if _divides(d, sizes)]
+    raise PlanError(f"tensor_parallel={t} does not divide the model's shard sizes {bad} (head "
+                    f"counts, cut axes), so a shard cannot hold a whole head. fix: one of "
+                    f"{good}")
+
+
+def _node_groups(devices: Sequence[int], t: int) -> list[tuple[int, ...]]:
+    return [tuple(devices[i:i + t]) for i in range(0, len(devices), t)]
+
+
+def tp_configurations(cluster: Cluster, sizes: Sequence[int], *, across_nodes: bool = False
+                      ) -> list[Configuration]:
+    """Every configuration of one degree per node kind (inside nodes), or with
+    ``across_nodes`` the degrees that are whole multiples of a (homogeneous) node size."""
+    nodes = [cluster.node_devices(n) for n in range(cluster.num_nodes)]
+    if across_nodes:
+        size = len(nodes[0])
+        if any(len(n) != size for n in nodes) or len(set(cluster.device_names)) != 1:
+            return []
+        out = []
+        for k in range(2, len(nodes) + 1):
+            t = k * size
+            if len(nodes) % k == 0 and _divides(t, sizes):
+                flat = [d for n in nodes for d in n]
+                out.append(Configuration(tuple(_node_groups(flat, t)), spans_nodes=True))
+        return out
+    kinds = list(dict.fromkeys(tuple(cluster.device_names[d] for d in n) for n in nodes))
+    options = [[t for t in range(1, len(kind) + 1) if len(kind) % t == 0 and _divides(t, sizes)]
+               for kind in kinds]
+    out = []
+    for choice in itertools.product(*options):
+        by_kind = dict(zip(kinds, choice, strict=True))
+        groups = [g for n in nodes
+                  for g in _node_groups(n, by_kind[tuple(cluster.device_names[d] for d in n)])]
+        out.append(Configuration(tuple(groups)))
+    return out
+
+
+def fixed_configuration(cluster: Cluster, sizes: Sequence[int], tensor_parallel: int |
+                        tuple[int, ...], num_stages: int | None) -> Configuration:
+    """The configuration the user's degrees fix (module docstring).
+
+    Raises:
+        PlanError: a degree that does not divide the shard sizes, more devices than the
+            cluster has, or a tuple whose length is not ``num_stages``.
+    """
+    per_stage = isinstance(tensor_parallel, tuple)
+    degrees = tensor_parallel if per_stage else (tensor_parallel,)
+    for t in dict.fromkeys(degrees):
+        check_degree(t, sizes)
+    if per_stage and num_stages is not None and num_stages != len(degrees):
+        raise PlanError(f"tensor_parallel={tensor_parallel} gives {len(degrees)} stages, "
+                        f"num_stages={num_stages}. fix: one degree per stage, or an int")
+    n = cluster.num_devices
+    wanted = degrees if per_stage else (degrees[0],) * (n // degrees[0])
+    if not wanted or sum(degrees if per_stage else wanted) > n or (
+            num_stages is not None and not per_stage and num_stages * degrees[0] > n):
+        need = sum(degrees) if per_stage else degrees[0] * (num_stages or 1)
+        raise PlanError(f"tensor_parallel={tensor_parallel} (num_stages={num_stages}) needs "
+                        f"{need} devices, the cluster {str(cluster)!r} has {n}. fix: smaller "
+                        "degrees or fewer stages")
+    groups, at, spans = [], 0, False
+    for t in wanted:
+        if at + t > n:
+            break
+        node = cluster.nodes[at]
+        inside = cluster.nodes[at + t - 1] == node
+        if not inside and t <= len(cluster.node_devices(node)):
+            nxt = next((d for d in range(at, n) if cluster.nodes[d] != node), n)
+            if nxt + t <= n and cluster.nodes[nxt + t - 1] == cluster.nodes[nxt]:
+                at, inside = nxt, True
+        spans = spans or not inside
+        groups.append(tuple(range(at, at + t)))
+        at += t
+    if per_stage and len(groups) < len(degrees):
+        raise PlanError(f"tensor_parallel={tensor_parallel}: the groups do not fit the nodes "
+                        f"of {str(cluster)!r} in chain order. fix: order the degrees so that "
+                        "each group fits in a node, or use fewer devices")
+    return Configuration(tuple(groups), spans_nodes=spans,
+                         fixed_stages=len(degrees) if per_stage else None)
