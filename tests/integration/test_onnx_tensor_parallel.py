@@ -44,7 +44,9 @@ def _sharded(model, ids, degrees: tuple[int, ...]):
 @pytest.fixture(scope="module")
 def llama_pp2_tp2(tmp_path_factory):
     model, (ids,), _ = hf.hf_llama(seq_len=32)
-    cp = _sharded(model, ids, (2, 2))
+    cp = tppc.compile(model, (ids,), cluster="4xcpu", num_stages=2, tensor_parallel=2,
+                      chunks=2, verify=False)
+    assert [st.tensor_parallel for st in cp.plan.stages] == [2, 2]
     out = tmp_path_factory.mktemp("llama_tp") / "art"
     tppc.export(cp, out, verify=False)
     return model, ids, cp, out
@@ -93,16 +95,34 @@ def test_export_check_runs_the_sharded_artifact(llama_pp2_tp2) -> None:
     assert checked.stage_outputs == 1 and checked.max_diff < 1e-4  # the logits
 
 
-def test_tp2_gpt_artifact_equals_eager(tmp_path: Path) -> None:
-    model, (ids,), _ = hf.gpt(seq_len=32, n_layer=2)
-    cp = _sharded(model, ids, (2,))
+@pytest.mark.parametrize(("family", "degrees"), [("gpt", (2,)), ("gpt", (2, 2)),
+                                                 ("llama", (2,))])
+def test_artifact_equals_eager_and_generates(family: str, degrees: tuple[int, ...],
+                                             tmp_path: Path) -> None:
+    make = {"gpt": lambda: hf.gpt(seq_len=32, n_layer=2), "llama": lambda: hf.hf_llama(
+        seq_len=32)}[family]
+    model, (ids,), _ = make()
+    cp = tppc.compile(model, (ids,), cluster=f"{2 * len(degrees)}xcpu",
+                      num_stages=len(degrees), tensor_parallel=2, chunks=2, verify=False)
     tppc.export(cp, tmp_path, verify=False)
     runner = tppc.load(tmp_path, threads_per_stage=1)
+    assert len(runner.stages) == 2 * len(degrees)
     with torch.no_grad():
         want = _logits(model(ids))
     assert_kernels_close(torch.from_numpy(_logits(runner(ids.numpy()))), want)
     new = runner.generate(ids.numpy(), max_new_tokens=3, eos_token_id=None)
-    assert np.array_equal(new, greedy_reference(model, ids, 3).numpy())
+    assert np.array_equal(new, greedy_reference(lambda x: _logits(model(x)), ids, 3).numpy())
+
+
+def test_a_stage_of_one_worker_beside_a_sharded_one(tmp_path: Path) -> None:
+    model, (ids,), _ = hf.gpt(seq_len=16, n_layer=2)
+    cp = _sharded(model, ids, (2, 1))
+    tppc.export(cp, tmp_path, verify=False)
+    runner = tppc.load(tmp_path, threads_per_stage=1)
+    assert runner.stage_of == (0, 0, 1)
+    with torch.no_grad():
+        want = model(ids)
+    assert_kernels_close(torch.from_numpy(runner(ids.numpy())), want)
 
 
 def test_a_distributed_job_refuses_a_sharded_artifact(llama_pp2_tp2) -> None:

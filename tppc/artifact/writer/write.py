@@ -123,12 +123,6 @@ def export(compiled: Any, path: str | os.PathLike[str], *, format: str = "onnx",
 def _export(compiled: Any, out: Path, wanted_lengths: list[int], external_data: bool | None,
             progress: Progress | None) -> None:
     program = compiled.program(compiled.plan.seq_len)
-    if program.workers:  # (degrees the plan does not carry) one file per stage: shard 0 only
-        raise ExportError(
-            f"the program has tensor-parallel stages ({len(program.runners)} workers for "
-            f"{len(program.stages)} stages): an artifact holds one ONNX graph per stage, not "
-            "one per shard yet. fix: export a plan with tensor_parallel=1, or run the "
-            "sharded pipeline with backend='distributed'")
     wanted = sorted({*wanted_lengths, program.seq_len})
     chunks = {str(n): [list(c) for c in compiled.program(n).chunks] for n in wanted}
     files: dict[str, dict[str, Any]] = {}
