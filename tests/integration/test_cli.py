@@ -34,6 +34,13 @@ def test_plan_prints_json(capsys) -> None:
     assert data["seq_len"] == 64
 
 
+def test_plan_takes_fixed_degrees(capsys) -> None:
+    assert main(["plan", "tppc.examples:gpt", "--cluster", "4xcpu", "--stages", "2",
+                 "--tensor-parallel", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [st["tensor_parallel"] for st in data["stages"]] == [2, 2]
+
+
 def test_plan_writes_a_chrome_trace(tmp_path, capsys) -> None:
     out = tmp_path / "plan.json"
     assert main(["plan", "tppc.examples:gpt", "--cluster", "2xh100-sxm", "--trace", str(out)]) == 0

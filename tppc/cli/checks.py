@@ -32,17 +32,25 @@ from pathlib import Path
 from tppc.errors import SpecError
 
 __all__ = ["check_arguments", "check_count", "check_output_dir", "check_output_file",
-           "check_rank_arguments", "lengths_arg", "npz_path"]
+           "check_rank_arguments", "degrees_arg", "lengths_arg", "npz_path"]
 
 #: Per subcommand: the integer options (attribute, flag, least value).
 COUNTS: dict[str, tuple[tuple[str, str, int], ...]] = {
     "plan": (("seq_len", "--seq-len", 1), ("granularity", "--granularity", 1),
-             ("steps", "--steps", 1)),
+             ("steps", "--steps", 1), ("stages", "--stages", 1)),
     "export": (("stages", "--stages", 1), ("chunks", "--chunks", 1)),
     "run": (("threads", "--threads", 1), ("generate", "--generate", 1)),
     "cost": (("chunk", "--chunk", 1), ("prefix", "--prefix", 0), ("seq_len", "--seq-len", 1),
              ("device_index", "--device-index", 0)),
 }
+
+
+def degrees_arg(text: str) -> int | tuple[int, ...]:
+    """``--tensor-parallel``: ``"2"`` → ``2``, ``"2,1"`` → ``(2, 1)`` (argparse names the
+    flag when one does not parse; the degrees themselves are checked by the compile
+    options)."""
+    values = tuple(int(v) for v in text.split(",") if v.strip())
+    return values[0] if len(values) == 1 and "," not in text else values
 
 
 def check_arguments(ns: argparse.Namespace) -> None:

@@ -8,7 +8,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from tppc.cli.checks import check_arguments, lengths_arg
+from tppc.cli.checks import check_arguments, degrees_arg, lengths_arg
 from tppc.errors import TppcError
 from tppc.examples.factory import load_factory
 
@@ -33,7 +33,7 @@ def _plan(ns: argparse.Namespace) -> int:
     workload = Workload(kind="diffusion", steps=ns.steps) if ns.steps else None
     result = plan(model, args, kwargs, cluster=ns.cluster, seq_len=ns.seq_len,
                   granularity=ns.granularity, workload=workload, time_limit=ns.time_limit,
-                  verbose=True)
+                  num_stages=ns.stages, tensor_parallel=ns.tensor_parallel, verbose=True)
     print(result.to_json() if ns.json else result.summary())
     if ns.png:
         from tppc.report.timeline import draw_timeline
@@ -111,6 +111,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     pl.add_argument("--steps", type=int, default=None,
                     help="diffusion steps (DiT workloads; default: one pass)")
     pl.add_argument("--time-limit", type=float, default=10.0, help="solver seconds")
+    pl.add_argument("--stages", type=int, default=None, help="number of stages (default: planned)")
+    pl.add_argument("--tensor-parallel", type=degrees_arg, default=None, metavar="T[,T...]",
+                    help="tensor-parallel degree of every stage, or one per stage "
+                         "(default: planned)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.add_argument("--png", default=None, metavar="FILE",
                     help="draw the predicted schedule as a Gantt chart (needs matplotlib)")

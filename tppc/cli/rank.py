@@ -40,6 +40,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from tppc.cli.checks import degrees_arg
+
 __all__ = ["main"]
 
 
@@ -69,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timestep-scale", type=float, help="the model's timestep is the "
                    "scheduler's times this (Flux, AuraFlow: 0.001)")
     p.add_argument("--cluster", help="cluster priced by the planner (default: <W>xcpu)")
-    p.add_argument("--tensor-parallel", type=_degrees, metavar="T[,T...]",
+    p.add_argument("--tensor-parallel", type=degrees_arg, metavar="T[,T...]",
                    help="tensor-parallel degree of every stage, or one per stage (the job "
                    "runs one rank per worker: W = the sum of the degrees)")
     p.add_argument("--chunks", type=int, help="equal chunks per call (default: planned)")
@@ -206,13 +208,6 @@ def _run(ns: argparse.Namespace) -> dict[str, Any]:
             "rss_start_mib": rss_start, "rss_compiled_mib": rss_compiled, "rss_peak_mib": _rss_mib(),
             "threads": torch.get_num_threads(), "chunks": list(cp.plan.chunks),
             "calls": calls, "trace": [list(job) for job in cp.last_trace], "pid": os.getpid()}
-
-
-def _degrees(text: str) -> int | tuple[int, ...]:
-    """``"2"`` → ``2``, ``"2,1"`` → ``(2, 1)`` (argparse names the flag when one does not
-    parse; the degrees themselves are checked by the compile options)."""
-    values = tuple(int(v) for v in text.split(",") if v.strip())
-    return values[0] if len(values) == 1 and "," not in text else values
 
 
 def _floats(text: str) -> list[float]:
