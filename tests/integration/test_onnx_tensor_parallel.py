@@ -158,3 +158,19 @@ def test_an_artifact_of_schema_1_still_loads(tmp_path: Path) -> None:
     with torch.no_grad():
         want = model(ids)
     assert_kernels_close(torch.from_numpy(tppc.load(tmp_path)(ids.numpy())), want)
+
+
+def test_the_cli_exports_and_runs_tensor_parallel_stages(tmp_path: Path) -> None:
+    from tppc.cli import main
+
+    out = tmp_path / "art"
+    assert main(["export", "tppc.examples:gpt", "--cluster", "2xcpu", "--stages", "1",
+                 "--tensor-parallel", "2", "--out", str(out)]) == 0
+    assert (out / "stage_0.tp1.part0.onnx").is_file()
+    model, (ids,), _ = hf.gpt()
+    np.savez(tmp_path / "in.npz", input_ids=ids.numpy())
+    assert main(["run", str(out), "--input", str(tmp_path / "in.npz"),
+                 "--output", str(tmp_path / "out.npz")]) == 0
+    with torch.no_grad():
+        want = model(ids)
+    assert_kernels_close(torch.from_numpy(np.load(tmp_path / "out.npz")["output"]), want)
