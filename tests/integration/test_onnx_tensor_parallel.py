@@ -96,11 +96,12 @@ def test_export_check_runs_the_sharded_artifact(llama_pp2_tp2) -> None:
 
 
 @pytest.mark.parametrize(("family", "degrees"), [("gpt", (2,)), ("gpt", (2, 2)),
-                                                 ("llama", (2,))])
+                                                 ("llama", (2,)), ("gpt2", (2, 2))])
 def test_artifact_equals_eager_and_generates(family: str, degrees: tuple[int, ...],
                                              tmp_path: Path) -> None:
-    make = {"gpt": lambda: hf.gpt(seq_len=32, n_layer=2), "llama": lambda: hf.hf_llama(
-        seq_len=32)}[family]
+    make = {"gpt": lambda: hf.gpt(seq_len=32, n_layer=2),
+            "llama": lambda: hf.hf_llama(seq_len=32),
+            "gpt2": lambda: hf.hf_gpt2(seq_len=32)}[family]  # gpt2: Conv1D, a row-parallel mm
     model, (ids,), _ = make()
     cp = tppc.compile(model, (ids,), cluster=f"{2 * len(degrees)}xcpu",
                       num_stages=len(degrees), tensor_parallel=2, chunks=2, verify=False)

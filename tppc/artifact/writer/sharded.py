@@ -120,9 +120,17 @@ def _named(part: Any, rank: int, received: list[Any] | None) -> tuple[Any, list[
             val = start
         elif spec.kind == "chunk_size":
             val = chunk
+        elif spec.kind == "seq_len":
+            val = _symbol(mode, "seq_len", 4096)
         inputs.append((name, spec))
         args.append(val)
-    _propagate(gm, mode, args)
+    try:
+        _propagate(gm, mode, args)
+    except Exception as exc:
+        raise ExportError(f"stage {part.index} rank {rank}: the sizes of its shard could not "
+                          f"be propagated through its graph ({type(exc).__name__}: "
+                          f"{str(exc)[:200]}). fix: report the model, or export with "
+                          "tensor_parallel=1") from exc
     output = next(iter(gm.graph.find_nodes(op="output")))
     outs = [a.meta.get("val") for a in output.args[0]]
     for node in gm.graph.nodes:  # the translation reads the sizes the capture recorded
