@@ -107,14 +107,3 @@ def test_a_shard_reads_only_its_part_of_each_checkpoint_tensor(tmp_path: Path) -
                                             (128,), 0, 2))
     assert torch.equal(cols, model.model.layers[0].mlp.down_proj.weight.detach()[:, :64])
     assert weights.nbytes == (part.numel() + cols.numel()) * 4  # never the whole tensors
-
-
-def test_exporting_tensor_parallel_stages_is_refused(tmp_path: Path) -> None:
-    model, args, _ = gpt(seq_len=16, n_layer=2)
-    cp = tppc.compile(model, args, cluster="2xcpu", num_stages=2, chunks=2, verify=False)
-    front = cp._front
-    cp.programs.hold(front, build_program(front.chunk, front.ctx, cp.plan, degrees=(2, 1)))
-    with pytest.raises(tppc.ExportError, match=r"tensor-parallel stages \(3 workers for 2 "
-                       r"stages\).*tensor_parallel=1"):
-        tppc.export(cp, tmp_path / "artifact")
-    assert not (tmp_path / "artifact").exists()

@@ -68,7 +68,7 @@ def test_damaged_files_are_refused_before_any_session(artifact, monkeypatch, dam
 
 
 @pytest.mark.parametrize("edit,message", [
-    (lambda d: d.update(schema="tppc.export/2"), "schema 'tppc.export/2'"),
+    (lambda d: d.update(schema="tppc.export/9"), "schema 'tppc.export/9'"),
     (lambda d: d["stages"][0].update(index=5), r"stages\[0\].index"),
     (lambda d: d["stages"][1]["inputs"][0].update(kind="telepathy"), r"inputs\[0\]"),
     (lambda d: d["stages"][0]["buffers"][0].update(shape=[1, 4, 7, 16]), r"buffers\[0\]"),

@@ -39,10 +39,11 @@ from tppc.program.actions import Actions, flow_shop
 from tppc.program.collectives import NUMPY
 from tppc.program.dry_run import DryRun, check_actions
 from tppc.program.interpreter import Deadline, Interpreter, run_in_order
+from tppc.program.sharded import sharded_groups
 from tppc.program.threads import ThreadWorld
 
-__all__ = ["OrtCall", "OrtStage", "default_threads", "run_pipeline", "run_serial",
-           "session_options", "span"]
+__all__ = ["OrtCall", "OrtStage", "OrtWorker", "default_threads", "run_pipeline",
+           "run_serial", "session_options", "span"]
 
 Sink = Callable[[int, list[np.ndarray]], None]
 """Receives ``(chunk index, last stage's outputs)``."""
@@ -169,6 +170,36 @@ class OrtStage:
         return list(outs[: self.n_main])
 
 
+    def part(self, index: int) -> OrtStage:
+        """What a compute of part ``index`` runs: the stage itself (it has one part)."""
+        return self
+
+
+class OrtWorker:
+    """One worker of a tensor-parallel stage: an :class:`OrtStage` per part of its shard.
+
+    Args:
+        entry: its entry of ``plan.json["workers"]`` (already validated).
+        root, signature, threads, providers: as :class:`OrtStage`'s.
+    """
+
+    def __init__(self, entry: dict[str, Any], root: Path, signature: dict[str, Any],
+                 threads: int, providers: Sequence[Any] | None = None) -> None:
+        self.index, self.rank = int(entry["stage"]), int(entry["rank"])
+        self.parts = tuple(OrtStage(e, root, signature, threads, providers,
+                                    f"tp{self.rank}.part{p}")
+                           for p, e in enumerate(entry["parts"]))
+
+    def allocate(self, call: OrtCall, capacity: int) -> None:
+        """Zero K/V buffers of every part (see :meth:`OrtStage.allocate`)."""
+        for part in self.parts:
+            part.allocate(call, capacity)
+
+    def part(self, index: int) -> OrtStage:
+        """What a compute of part ``index`` runs."""
+        return self.parts[index]
+
+
 def span(spec: dict[str, Any], start: int, end: int) -> tuple[int, int]:
     """``(offset, count)`` of chunk ``[start, end)`` on an input's or buffer's token axis:
     ``scale`` positions per unit (a DiT's patch columns, a latent's patch size), and the
@@ -185,27 +216,35 @@ def _rows(value: np.ndarray, axis: int, start: int, size: int) -> np.ndarray:
     return np.ascontiguousarray(value[tuple(index)])
 
 
-def run_serial(stages: Sequence[OrtStage], call: OrtCall, sink: Sink,
-               actions: Actions | None = None, timeout: float | None = None) -> None:
+def run_serial(stages: Sequence[OrtStage | OrtWorker], call: OrtCall, sink: Sink,
+               actions: Actions | None = None, timeout: float | None = None,
+               stage_of: Sequence[int] = ()) -> None:
     """The stages' lists of ``actions`` (default: every chunk through every stage in order)
     in the dry run's order, in the calling thread (decoding steps, one-stage pipelines).
+    ``stage_of``: the stage of each worker when ``stages`` are the workers of
+    tensor-parallel stages (their lowered lists in ``actions``; the first worker of the
+    last stage feeds ``sink``).
 
     Raises:
         StageTimeout: ``timeout`` seconds passed (checked after every compute: at most one
             chunk's time late).
     """
-    run_in_order(_dry_run(stages, call, actions),
-                 lambda s, act, got: stages[s].step(call, act.start, act.end, list(got)),
-                 output=lambda s, act, values: sink(act.chunk, values), ops=NUMPY,
-                 who=lambda s: f"ORT stage {s}", deadline=_deadline(timeout))
+    leader = _leader(stages, stage_of)
+    run_in_order(_dry_run(stages, call, actions, stage_of),
+                 lambda s, act, got: stages[s].part(act.part).step(call, act.start, act.end,
+                                                                   list(got)),
+                 output=lambda s, act, values: sink(act.chunk, values) if s == leader else None,
+                 ops=NUMPY, who=lambda s: _who(stages[s], s), deadline=_deadline(timeout))
 
 
-def run_pipeline(stages: Sequence[OrtStage], call: OrtCall, sink: Sink, *,
+def run_pipeline(stages: Sequence[OrtStage | OrtWorker], call: OrtCall, sink: Sink, *,
                  actions: Actions | None = None, timeout: float | None = None,
-                 trace: list[tuple[int, int, float, float]] | None = None) -> None:
+                 trace: list[tuple[int, int, float, float]] | None = None,
+                 stage_of: Sequence[int] = ()) -> None:
     """The stages' lowered lists of ``actions`` (default: every chunk through every stage
-    in order), one thread per stage (chunk i on stage s+1 while chunk i+1 runs on stage s)
-    through THE interpreter over the thread transport; ``sink`` runs in the last stage's
+    in order), one thread per stage (chunk i on stage s+1 while chunk i+1 runs on stage s;
+    one per worker with ``stage_of``, as :func:`run_serial`) through THE interpreter over
+    the thread transport, collectives over numpy; ``sink`` runs in the last stage's
     thread, in chunk order.
 
     Raises:
@@ -214,15 +253,17 @@ def run_pipeline(stages: Sequence[OrtStage], call: OrtCall, sink: Sink, *,
         Exception: the first stage's error, with a note naming the stage and the action.
     """
     if len(stages) == 1:
-        run_serial(stages, call, sink, actions, timeout)
+        run_serial(stages, call, sink, actions, timeout, stage_of)
         return
-    world = ThreadWorld(_dry_run(stages, call, actions), 0, NUMPY)
+    world = ThreadWorld(_dry_run(stages, call, actions, stage_of), 0, NUMPY)
+    leader = _leader(stages, stage_of)
 
     def work(s: int) -> None:
         world.work(Interpreter(
-            world.dry, s, lambda act, got: stages[s].step(call, act.start, act.end, list(got)),
-            world.end(s), lambda act, values: sink(act.chunk, values),
-            who=f"ORT stage {s}", trace=trace))
+            world.dry, s, lambda act, got: stages[s].part(act.part).step(
+                call, act.start, act.end, list(got)),
+            world.end(s), lambda act, values: sink(act.chunk, values) if s == leader else None,
+            who=_who(stages[s], s), trace=trace))
 
     threads = world.threads(work, "tppc-ort-stage")
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -233,9 +274,21 @@ def run_pipeline(stages: Sequence[OrtStage], call: OrtCall, sink: Sink, *,
             world.stop.set()
             state = "still running" if t.is_alive() else "finished after it"
             raise StageTimeout(f"the ONNX Runtime pipeline did not finish in {timeout} s "
-                               f"(stage {s} {state}). fix: raise timeout")
+                               f"({_who(stages[s], s)} {state}). fix: raise timeout")
     if world.errors:
         raise world.errors[0]
+
+
+def _leader(stages: Sequence[Any], stage_of: Sequence[int]) -> int:
+    """The worker whose outputs are the model's: the first of the last stage."""
+    return list(stage_of).index(max(stage_of)) if stage_of else len(stages) - 1
+
+
+def _who(stage: Any, s: int) -> str:
+    """``ORT stage 1``, or ``ORT stage 1 rank 0`` for a worker of a tensor-parallel stage."""
+    if isinstance(stage, OrtWorker):
+        return f"ORT stage {stage.index} rank {stage.rank}"
+    return f"ORT stage {s}"
 
 
 def _deadline(timeout: float | None) -> Deadline | None:
@@ -247,8 +300,12 @@ def _deadline(timeout: float | None) -> Deadline | None:
         f"chunk {act.chunk} after it). fix: raise timeout"))
 
 
-def _dry_run(stages: Sequence[OrtStage], call: OrtCall, actions: Actions | None) -> DryRun:
-    """The dry run of the call's actions (the flow shop of its chunks when None)."""
+def _dry_run(stages: Sequence[Any], call: OrtCall, actions: Actions | None,
+             stage_of: Sequence[int] = ()) -> DryRun:
+    """The dry run of the call's actions (the flow shop of its chunks when None; the
+    workers' lowered lists with their groups under ``stage_of``)."""
+    if stage_of:
+        return check_actions(actions, groups=sharded_groups(stage_of), stages=tuple(stage_of))
     return check_actions(flow_shop(call.chunks, len(stages)) if actions is None else actions)
 
 

@@ -7,6 +7,7 @@ import argparse
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from tppc.cli.checks import check_arguments, degrees_arg, lengths_arg
 from tppc.errors import TppcError
@@ -55,9 +56,11 @@ def _export(ns: argparse.Namespace) -> int:
 
     lengths = lengths_arg(ns.lengths)  # refused before the model is compiled
     model, args, kwargs = load_factory(ns.factory)
-    options = {"num_stages": ns.stages} if ns.stages else {}
+    options: dict[str, Any] = {"num_stages": ns.stages} if ns.stages else {}
     if ns.chunks:
         options["chunks"] = ns.chunks
+    if ns.tensor_parallel:
+        options["tensor_parallel"] = ns.tensor_parallel
     compiled = compile_pipeline(model, args, kwargs, cluster=ns.cluster, **options)
     out = export(compiled, ns.out, lengths=lengths,
                  progress=lambda line: print(line, file=sys.stderr))
@@ -129,6 +132,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="sequence lengths to record chunks for (default: the example's)")
     ex.add_argument("--stages", type=int, default=None, help="number of stages")
     ex.add_argument("--chunks", type=int, default=None, help="equal chunks (default: planned)")
+    ex.add_argument("--tensor-parallel", type=degrees_arg, default=None, metavar="T[,T...]",
+                    help="tensor-parallel degree of every stage, or one per stage (one ONNX "
+                    "graph per part of every shard)")
     ex.set_defaults(fn=_export)
     rn = sub.add_parser("run", help="run an exported artifact on ONNX Runtime")
     rn.add_argument("artifact", help="directory written by tppc export")

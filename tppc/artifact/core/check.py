@@ -38,7 +38,9 @@ import numpy as np
 from tppc.artifact.core.graph_io import Graph, GraphIO, read_graph
 from tppc.errors import ArtifactError, RuntimeInputError, SpecError
 
-__all__ = ["check_finite", "check_graphs", "check_plan", "check_timeout", "check_token_ids"]
+__all__ = ["check_external", "check_finite", "check_graphs", "check_model_outputs",
+           "check_plan", "check_timeout", "check_token_ids", "check_wiring",
+           "record_id_ranges", "refuse", "same_names"]
 
 _FIX = "fix: re-export the artifact (plan.json and the stage files must come from one export)"
 #: ONNX ops that pass token ids through unchanged on their way to the embedding's Gather.
@@ -55,45 +57,48 @@ def check_plan(doc: dict[str, Any]) -> None:
     """
     stages, sig = doc["stages"], doc["signature"]
     placement = doc.get("placement")
-    if isinstance(placement, list) and len(placement) != len(stages):
-        _refuse(f"placement lists {len(placement)} stages and stages {len(stages)} (a stage "
+    if doc.get("workers"):  # tensor-parallel stages: checked by check_workers
+        stages = []
+    elif isinstance(placement, list) and len(placement) != len(stages):
+        refuse(f"placement lists {len(placement)} stages and stages {len(stages)} (a stage "
                 "was removed or added)")
     n_out = len(sig["outputs"])
     for s, entry in enumerate(stages):
         where = f"stages[{s}]"
         before = stages[s - 1]["boundary_out"] if s else []
         if entry["boundary_in"] != before:
-            _refuse(f"{where}.boundary_in is {entry['boundary_in']}, but "
+            refuse(f"{where}.boundary_in is {entry['boundary_in']}, but "
                     + (f"stages[{s - 1}] returns {before}" if s else
                        "the first stage takes no boundary values")
                     + " (stages removed or reordered)")
         received = [i["name"] for i in entry["inputs"] if i["kind"] == "boundary"]
         if received != entry["boundary_in"]:
-            _refuse(f"{where} has boundary inputs {received}, its boundary_in is "
+            refuse(f"{where} has boundary inputs {received}, its boundary_in is "
                     f"{entry['boundary_in']}")
         last = s == len(stages) - 1
         want = [f"output.{j}" for j in range(n_out)] if last else \
             [f"boundary.{n}" for n in entry["boundary_out"]]
         if last and entry["boundary_out"]:
-            _refuse(f"{where} is the last stage but returns boundary values "
+            refuse(f"{where} is the last stage but returns boundary values "
                     f"{entry['boundary_out']} (a stage after it was removed)")
         if not last and not entry["boundary_out"]:
-            _refuse(f"{where} returns the model's outputs but is followed by {len(stages) - 1 - s}"
+            refuse(f"{where} returns the model's outputs but is followed by {len(stages) - 1 - s}"
                     " more stage(s) (stages reordered)")
         if entry["outputs"] != want:
-            _refuse(f"{where}.outputs is {entry['outputs']}, expected {want}"
+            refuse(f"{where}.outputs is {entry['outputs']}, expected {want}"
                     + (f" (the signature has {n_out} outputs)" if last else ""))
-        _check_wiring(entry, where, sig["inputs"])
+        check_wiring(entry, where, sig["inputs"])
     _check_generate(sig)
     leaves = _leaves(sig["out_spec"])
     tail = doc.get("tail")
     n_model = tail["outputs"] if tail else n_out  # an epilogue maps the stages' outputs
     if leaves != n_model:
-        _refuse(f"signature.out_spec has {leaves} leaves, " + (
+        refuse(f"signature.out_spec has {leaves} leaves, " + (
             f"the epilogue returns {n_model}" if tail else f"signature.outputs {n_out}"))
 
 
-def _check_wiring(entry: dict[str, Any], where: str, sig_inputs: list[dict[str, Any]]) -> None:
+def check_wiring(entry: dict[str, Any], where: str, sig_inputs: list[dict[str, Any]]) -> None:
+    """Every input of a stage entry reads a signature input or a buffer spec it declares."""
     buffers = {b["name"]: b for b in entry["buffers"]}
     fed = set()
     for i, spec in enumerate(entry["inputs"]):
@@ -102,23 +107,23 @@ def _check_wiring(entry: dict[str, Any], where: str, sig_inputs: list[dict[str, 
             index = spec["index"]
             if index is None or not 0 <= index < len(sig_inputs) \
                     or "value" in sig_inputs[index]:
-                _refuse(f"{at} reads signature input {index}, which is not a tensor input of "
+                refuse(f"{at} reads signature input {index}, which is not a tensor input of "
                         f"the {len(sig_inputs)} in the signature")
             axes = sig_inputs[index]["seq_axes"]
             if kind == "token" and spec["axis"] not in axes:
-                _refuse(f"{at} is sliced on axis {spec['axis']}, the signature's "
+                refuse(f"{at} is sliced on axis {spec['axis']}, the signature's "
                         f"{sig_inputs[index]['name']!r} has sequence axes {axes}")
         elif kind in ("key", "value"):
             b = buffers.get(spec["name"])
             if b is None or b.get("kind") != kind or b["axis"] != spec["axis"]:
-                _refuse(f"{at} has no matching buffer spec (kind {kind}, axis {spec['axis']});"
+                refuse(f"{at} has no matching buffer spec (kind {kind}, axis {spec['axis']});"
                         f" buffers: {sorted(buffers)}")
             fed.add(spec["name"])
     for name, b in buffers.items():
         if name not in fed:
-            _refuse(f"{where}.buffers names {name!r}, which no input of the stage reads")
+            refuse(f"{where}.buffers names {name!r}, which no input of the stage reads")
         if b.get("output", f"kv.{name}") != f"kv.{name}":
-            _refuse(f"{where}.buffers[{name!r}].output is {b['output']!r}, expected 'kv.{name}'")
+            refuse(f"{where}.buffers[{name!r}].output is {b['output']!r}, expected 'kv.{name}'")
 
 
 def _check_generate(sig: dict[str, Any]) -> None:
@@ -126,11 +131,11 @@ def _check_generate(sig: dict[str, Any]) -> None:
     token, logits = gen.get("token_input"), gen.get("logits_output")
     if token is not None and not (isinstance(token, int) and 0 <= token < len(inputs)
                                   and inputs[token].get("seq_axes")):
-        _refuse(f"signature.generate.token_input is {token!r}, not the index of a sequence "
+        refuse(f"signature.generate.token_input is {token!r}, not the index of a sequence "
                 f"input (the signature has {len(inputs)} inputs)")
     if logits is not None and not (isinstance(logits, int) and 0 <= logits < len(outputs)
                                    and outputs[logits]["axis"] is not None):
-        _refuse(f"signature.generate.logits_output is {logits!r}, not the index of a "
+        refuse(f"signature.generate.logits_output is {logits!r}, not the index of a "
                 f"per-token output (the signature has {len(outputs)} outputs)")
 
 
@@ -138,14 +143,14 @@ def _leaves(tree: Any) -> int:
     """Leaves of an output tree (its depth is bounded by load's parser)."""
     if not isinstance(tree, dict) or tree.get("type") not in ("leaf", "tuple", "list", "dict",
                                                               "mapping"):
-        _refuse(f"signature.out_spec has a node {str(tree)[:60]}, not a tree node")
+        refuse(f"signature.out_spec has a node {str(tree)[:60]}, not a tree node")
     if tree["type"] == "leaf":
         return 1
     children = tree.get("children")
     keys = tree.get("keys", children)
     if not isinstance(children, list) or not isinstance(keys, list) \
             or len(keys) != len(children):
-        _refuse(f"signature.out_spec node {str(tree)[:60]} needs children (and keys of the "
+        refuse(f"signature.out_spec node {str(tree)[:60]} needs children (and keys of the "
                 "same count)")
     return sum(_leaves(c) for c in children)
 
@@ -169,8 +174,8 @@ def check_graphs(doc: dict[str, Any], root: Path, stages: Sequence[int]) -> None
         graph = read_graph(root / entry["file"])
         inputs, outputs = graph.inputs, graph.outputs
         where = f"stage {s} ({entry['file']})"
-        _same_names(where, "inputs", sorted(inputs), sorted(i["name"] for i in entry["inputs"]))
-        _same_names(where, "outputs", list(outputs),
+        same_names(where, "inputs", sorted(inputs), sorted(i["name"] for i in entry["inputs"]))
+        same_names(where, "outputs", list(outputs),
                     [*entry["outputs"], *(f"kv.{b['name']}" for b in entry["buffers"])])
         positional = _positional(doc, root, s)
         boundary = previous if s - 1 in stages else None
@@ -183,19 +188,20 @@ def check_graphs(doc: dict[str, Any], root: Path, stages: Sequence[int]) -> None
             _agree(f"{where} output 'kv.{b['name']}'", outputs[f"kv.{b['name']}"],
                    GraphIO(b["dtype"], tuple(b["shape"])), f"buffers[{b['name']!r}]", b["axis"])
         if not entry["boundary_out"]:
-            _check_model_outputs(where, entry, sig, outputs)
-        _check_external(graph, entry, doc["files"], where)
-        _record_id_ranges(graph, entry, sig)
+            check_model_outputs(where, entry, sig, outputs)
+        check_external(graph, entry, doc["files"], where)
+        record_id_ranges(graph, entry, sig)
         previous = {n.removeprefix("boundary."): (outputs[n], f"stage {s}'s output {n!r}")
                     for n in entry["outputs"]}
 
 
-def _same_names(where: str, what: str, got: list[str], want: list[str]) -> None:
+def same_names(where: str, what: str, got: list[str], want: list[str]) -> None:
+    """A graph's ``got`` input or output names are ``want``, in order."""
     if got != want:
         missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
         detail = f"missing {missing}, unexpected {extra}" if missing or extra else \
             f"in the order {got}, plan.json says {want}"
-        _refuse(f"{where} declares graph {what} that do not match plan.json: {detail}")
+        refuse(f"{where} declares graph {what} that do not match plan.json: {detail}")
 
 
 def _positional(doc: dict[str, Any], root: Path, s: int) -> list[GraphIO]:
@@ -204,22 +210,22 @@ def _positional(doc: dict[str, Any], root: Path, s: int) -> list[GraphIO]:
     uses = [i for i in entry["inputs"] if i["kind"] == "positional"]
     if name is None:
         if uses:
-            _refuse(f"stage {s} reads positional values {[i['name'] for i in uses]} but has no "
+            refuse(f"stage {s} reads positional values {[i['name'] for i in uses]} but has no "
                     "positional_file")
         return []
     graph = read_graph(root / name)
     inputs, outputs = graph.inputs, graph.outputs
-    _same_names(f"stage {s} ({name})", "inputs", sorted(inputs),
+    same_names(f"stage {s} ({name})", "inputs", sorted(inputs),
                 sorted(entry["positional_inputs"]))
     by_name = {e["name"]: e for e in sig["inputs"]}
     for n in entry["positional_inputs"]:
         e = by_name.get(n)
         if e is None or "value" in e:
-            _refuse(f"stage {s}.positional_inputs names {n!r}, not a tensor input of the "
+            refuse(f"stage {s}.positional_inputs names {n!r}, not a tensor input of the "
                     "signature")
         _agree(f"stage {s} ({name}) input {n!r}", inputs[n], _sig_io(e), f"signature input {n!r}",
                None, seq=e["seq_axes"])
-    _check_external(graph, entry, doc["files"], f"stage {s} ({name})")
+    check_external(graph, entry, doc["files"], f"stage {s} ({name})")
     return list(outputs.values())
 
 
@@ -243,7 +249,7 @@ def _expected(spec: dict[str, Any], sig: dict[str, Any], entry: dict[str, Any],
     if kind == "positional":
         index = spec["index"]
         if index is None or not 0 <= index < len(positional):
-            _refuse(f"stage {entry['index']} input {spec['name']!r} reads positional value "
+            refuse(f"stage {entry['index']} input {spec['name']!r} reads positional value "
                     f"{index}; the positional program returns {len(positional)}")
         return positional[index], f"positional output {index}"
     if kind == "boundary" and boundary is not None:
@@ -256,17 +262,17 @@ def _agree(where: str, got: GraphIO, want: GraphIO, source: str, axis: int | Non
     """``got`` (the graph) has the element type, rank and static sizes of ``want`` (what
     ``source`` says); ``axis`` and ``seq`` are token axes, whose size varies."""
     if got.dtype != want.dtype:
-        _refuse(f"{where} is {got.dtype} in the graph, {source} is {want.dtype}")
+        refuse(f"{where} is {got.dtype} in the graph, {source} is {want.dtype}")
     if got.dims is None or want.dims is None:
         return
     if len(got.dims) != len(want.dims):
-        _refuse(f"{where} has shape {_shape(got.dims)} (rank {len(got.dims)}) in the graph, "
+        refuse(f"{where} has shape {_shape(got.dims)} (rank {len(got.dims)}) in the graph, "
                 f"{source} {_shape(want.dims)} (rank {len(want.dims)})")
     for a, (g, w) in enumerate(zip(got.dims, want.dims)):
         if a == axis or a in seq:
             continue
         if isinstance(g, int) and isinstance(w, int) and g != w:
-            _refuse(f"{where} has size {g} on axis {a} (shape {_shape(got.dims)}) in the graph, "
+            refuse(f"{where} has size {g} on axis {a} (shape {_shape(got.dims)}) in the graph, "
                     f"{source} {w} (shape {_shape(want.dims)})")
 
 
@@ -274,16 +280,17 @@ def _shape(dims: tuple[int | str | None, ...]) -> str:
     return "(" + ", ".join("?" if d is None else str(d) for d in dims) + ")"
 
 
-def _check_model_outputs(where: str, entry: dict[str, Any], sig: dict[str, Any],
+def check_model_outputs(where: str, entry: dict[str, Any], sig: dict[str, Any],
                          outputs: dict[str, GraphIO]) -> None:
+    """The last stage's model outputs have a rank that holds the signature's token axis."""
     for j, o in enumerate(sig["outputs"]):
         got = outputs[entry["outputs"][j]]
         if o["axis"] is not None and got.dims is not None and o["axis"] >= len(got.dims):
-            _refuse(f"{where} output 'output.{j}' has rank {len(got.dims)}; the signature "
+            refuse(f"{where} output 'output.{j}' has rank {len(got.dims)}; the signature "
                     f"assembles it along axis {o['axis']}")
 
 
-def _check_external(graph: Graph, entry: dict[str, Any], files: dict[str, Any],
+def check_external(graph: Graph, entry: dict[str, Any], files: dict[str, Any],
                     where: str) -> None:
     """Weights in external files: a file of this stage, and inside it."""
     mine = {*entry["files"], entry["file"], entry.get("positional_file")} - {None}
@@ -294,11 +301,11 @@ def _check_external(graph: Graph, entry: dict[str, Any], files: dict[str, Any],
                 f"this stage's files {sorted(mine)} (a path outside the artifact or another "
                 f"stage's file). {_FIX}")
         if w.end > files[w.location]["size"]:
-            _refuse(f"{where}: weight {w.name!r} reads bytes up to {w.end} of {w.location}, "
+            refuse(f"{where}: weight {w.name!r} reads bytes up to {w.end} of {w.location}, "
                     f"which has {files[w.location]['size']}")
 
 
-def _record_id_ranges(graph: Graph, entry: dict[str, Any], sig: dict[str, Any]) -> None:
+def record_id_ranges(graph: Graph, entry: dict[str, Any], sig: dict[str, Any]) -> None:
     """``ids_below`` of each token input that an embedding ``Gather`` reads."""
     users: dict[str, list[tuple[Any, int]]] = {}
     for node in graph.nodes:
@@ -377,5 +384,6 @@ def check_timeout(timeout: Any) -> None:
                         "timeout=30, or timeout=None for no limit")
 
 
-def _refuse(what: str) -> NoReturn:
+def refuse(what: str) -> NoReturn:
+    """Raise the ArtifactError of a ``plan.json`` that disagrees with itself or its graphs."""
     raise ArtifactError(f"plan.json disagrees with itself or its stage graphs: {what}. {_FIX}")

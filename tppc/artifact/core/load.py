@@ -34,14 +34,17 @@ from pathlib import Path
 from typing import Any
 
 from tppc.artifact.core.check import check_graphs, check_plan
+from tppc.artifact.core.check_workers import check_worker_graphs, check_workers
 from tppc.artifact.core.epilogue import check_tail
 from tppc.errors import ArtifactError
 
-__all__ = ["MAX_DEPTH", "MAX_PLAN_BYTES", "SCHEMA", "ArtifactError", "load", "plan_digest",
+__all__ = ["MAX_DEPTH", "MAX_PLAN_BYTES", "READS", "SCHEMA", "ArtifactError", "load", "plan_digest",
            "sha256_file", "verify"]
 
-SCHEMA = "tppc.export/1"
-"""The ``plan.json`` schema this tppc writes and reads."""
+SCHEMA = "tppc.export/2"
+"""The ``plan.json`` schema this tppc writes (``/2``: tensor-parallel ``workers``)."""
+READS = ("tppc.export/1", SCHEMA)
+"""The schemas this tppc reads (``/1``: no ``workers``, one graph per stage)."""
 MAX_PLAN_BYTES = 64 << 20
 """The largest ``plan.json`` read (an export of hundreds of stages takes well under 1 MiB)."""
 MAX_DEPTH = 64
@@ -84,9 +87,9 @@ def verify(path: str | os.PathLike[str], stage: int | None = None, *,
                             "tppc.export wrote")
     doc = _read_plan(plan_file, expected_sha256)
     schema = doc.get("schema")
-    if schema != SCHEMA:
-        raise ArtifactError(f"{plan_file}: schema {schema!r} is not {SCHEMA!r}, the one this "
-                            "tppc reads. fix: export again with this tppc version (or load "
+    if schema not in READS:
+        raise ArtifactError(f"{plan_file}: schema {schema!r} is not one of {READS}, the ones "
+                            "this tppc reads. fix: export again with this tppc version (or load "
                             "with the version that wrote it)")
     files = _field(doc, "files", dict)
     for name, meta in files.items():
@@ -97,7 +100,9 @@ def verify(path: str | os.PathLike[str], stage: int | None = None, *,
     _check_lengths(_field(doc, "lengths", dict))
     _check_signature(_field(doc, "signature", dict))
     stages = _field(doc, "stages", list)
-    _check(len(stages) > 0, "stages", stages, "a non-empty list")
+    workers = doc.setdefault("workers", [])
+    _check(len(stages) > 0 or bool(workers), "stages", stages, "a non-empty list")
+    check_workers(doc, lambda entry, s, where: _check_stage(entry, s, files, where))
     for s, entry in enumerate(stages):
         _check_stage(entry, s, files)
         if entry.get("rest") is not None:  # joint attention: a step's later chunks
@@ -105,6 +110,11 @@ def verify(path: str | os.PathLike[str], stage: int | None = None, *,
     check_tail(doc.get("tail"), files, len(doc["signature"]["inputs"]),
                len(doc["signature"]["outputs"]))
     check_plan(doc)
+    if stage is not None and workers:
+        raise ArtifactError("this artifact has tensor-parallel stages (plan.json 'workers'); "
+                            "a distributed job runs one rank per stage and has no "
+                            "collectives for them yet. fix: tppc.load(path) runs it in one "
+                            "process (threads), or export with tensor_parallel=1")
     if stage is not None:
         _check(_is_int(stage) and 0 <= stage < len(stages), "stage", stage,
                f"a stage index below {len(stages)} (one rank per stage)")
@@ -130,6 +140,8 @@ def verify(path: str | os.PathLike[str], stage: int | None = None, *,
                                 f"plan.json's {meta['sha256'][:16]}… (altered). fix: copy it "
                                 "again, or re-export")
     check_graphs(doc, root, range(len(stages)) if stage is None else [stage])
+    if workers:
+        check_worker_graphs(doc, root)
     return doc
 
 
@@ -287,9 +299,10 @@ def _check_signature(sig: dict[str, Any]) -> None:
     _field(sig, "generate", dict, "signature.")
 
 
-def _check_stage(entry: Any, s: int, files: dict[str, Any]) -> None:
-    where = f"stages[{s}]."
-    _check(isinstance(entry, dict), f"stages[{s}]", entry, "an object")
+def _check_stage(entry: Any, s: int, files: dict[str, Any], at: str | None = None) -> None:
+    at = at or f"stages[{s}]"
+    where = f"{at}."
+    _check(isinstance(entry, dict), at, entry, "an object")
     _check(entry.get("index") == s, f"{where}index", entry.get("index"), str(s))
     for key in ("file", "positional_file"):
         name = entry.get(key)

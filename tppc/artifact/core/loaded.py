@@ -23,10 +23,12 @@ import numpy as np
 
 from tppc.artifact.core.assemble import Assembler, Outputs, unflatten
 from tppc.artifact.core.check import check_finite, check_timeout, check_token_ids
+from tppc.artifact.core.check_workers import layout
 from tppc.artifact.core.epilogue import OrtTail
 from tppc.backends.onnxruntime import (
     OrtCall,
     OrtStage,
+    OrtWorker,
     default_threads,
     run_pipeline,
     run_serial,
@@ -34,6 +36,7 @@ from tppc.backends.onnxruntime import (
 from tppc.errors import RuntimeInputError
 from tppc.generation import DEFAULT, ArrayOps, check_max_new_tokens, greedy_decode, stop_tokens
 from tppc.program.actions import Actions, flow_shop
+from tppc.program.sharded import sharded_lists
 
 __all__ = ["NUMPY_OPS", "LoadedPipeline", "Outputs"]
 
@@ -51,7 +54,9 @@ class LoadedPipeline:
         plan: the ``plan.json`` document.
         lengths: the exported sequence lengths.
         stages: one :class:`tppc.backends.onnxruntime.OrtStage` per stage (only stage
-            ``only`` when given: a rank of a distributed job).
+            ``only`` when given: a rank of a distributed job); with tensor-parallel stages
+            one :class:`tppc.backends.onnxruntime.OrtWorker` per worker (its parts' sessions).
+        stage_of: the stage of each worker (empty: one worker per stage).
         last_trace: ``(stage, chunk, start, end)`` of every job of the last pipelined run (a
             call, or the prefill of ``generate``).
     """
@@ -61,10 +66,15 @@ class LoadedPipeline:
         self.plan = doc
         self.signature = doc["signature"]
         self.lengths = tuple(sorted(int(n) for n in doc["lengths"]))
-        threads = threads or default_threads(len(doc["stages"]))
+        workers = doc.get("workers") or []
+        threads = threads or default_threads(len(doc["stages"]) or len(workers))
         entries = doc["stages"] if only is None else [doc["stages"][only]]
-        self.stages = tuple(OrtStage(e, root, self.signature, threads, providers)
-                            for e in entries)  # sessions are created one at a time
+        self.stages: tuple[Any, ...] = tuple(
+            OrtStage(e, root, self.signature, threads, providers) for e in entries) or tuple(
+            OrtWorker(w, root, self.signature, threads, providers) for w in workers)
+        """(sessions are created one at a time)"""
+        self._layout = layout(doc) if workers else None
+        self.stage_of: tuple[int, ...] = self._layout[0] if self._layout else ()
         rest = [e.get("rest") for e in entries]
         self.rest_stages = tuple(OrtStage(e, root, self.signature, threads, providers, "rest")
                                  for e in rest) if rest and all(rest) else None
@@ -73,8 +83,7 @@ class LoadedPipeline:
         self.tail = OrtTail(tail, root, threads, providers) if tail else None
         """The epilogue run after the stages (:mod:`tppc.artifact.core.epilogue`), or None."""
         self.threads_per_stage = threads
-        self.actions = {c: flow_shop(c, len(doc["stages"]))
-                        for c in (self.chunks(n) for n in self.lengths)}
+        self.actions = {c: self._lists(c) for c in (self.chunks(n) for n in self.lengths)}
         """The compute lists of each exported length's chunks (from ``plan.json``)."""
         self.last_trace: list[tuple[int, int, float, float]] = []
         gen = self.signature["generate"]
@@ -84,7 +93,15 @@ class LoadedPipeline:
         """The compute lists of a call with ``chunks``: an exported length's own, or (a
         decoding step) every chunk through every stage in order."""
         own = self.actions.get(chunks)
-        return own if own is not None else flow_shop(chunks, len(self.plan["stages"]))
+        return own if own is not None else self._lists(chunks)
+
+    def _lists(self, chunks: tuple[tuple[int, int], ...]) -> Actions:
+        """Every chunk through every stage in order (the workers of tensor-parallel stages:
+        their parts and collectives, :func:`tppc.program.sharded.sharded_lists`)."""
+        if self._layout is None:
+            return flow_shop(chunks, len(self.plan["stages"]))
+        stage_of, parts, joins = self._layout
+        return sharded_lists(chunks, 1, stage_of, parts, joins)
 
     def chunks(self, length: int) -> tuple[tuple[int, int], ...]:
         """The chunks of an exported length."""
@@ -171,6 +188,10 @@ class LoadedPipeline:
         (same arguments and result; ``patches=None``: the exported length's chunks):
         ``latents`` a torch tensor, ``scheduler`` a diffusers scheduler. Imports torch
         (:mod:`tppc.artifact.torch_runners.denoise`): diffusers' schedulers run on torch tensors."""
+        if self.stage_of:
+            raise RuntimeInputError("denoise on an artifact with tensor-parallel stages: its "
+                                    "patches run unsharded stages only. fix: export the "
+                                    "pipeline with tensor_parallel=1 to denoise it")
         from tppc.artifact.torch_runners.denoise import denoise_loaded
         from tppc.pipefusion.denoise import TimestepSchedule
 
@@ -235,11 +256,11 @@ class LoadedPipeline:
         :attr:`last_trace`), or in order in this thread for a decoding ``step``."""
         actions = self.actions_for(call.chunks)
         if step:
-            run_serial(self.stages, call, sink, actions, timeout)
+            run_serial(self.stages, call, sink, actions, timeout, self.stage_of)
             return
         self.last_trace = []
         run_pipeline(self.stages, call, sink, actions=actions, timeout=timeout,
-                     trace=self.last_trace)
+                     trace=self.last_trace, stage_of=self.stage_of)
 
     def _gather(self, leaves: list[Any]) -> list[Any] | None:
         """The output leaves this process returns (a job: the last rank's, on rank 0)."""

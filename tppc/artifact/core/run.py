@@ -39,7 +39,9 @@ def run_artifact(artifact: str, inputs: str, output: str, *, threads: int | None
         result: dict[str, Any] = {"ids": runner.generate(arrays[names[0]], generate)}
     else:
         result = flat_outputs(runner(**arrays))
-    print(f"ran {len(runner.stages)} stage(s) in {time.perf_counter() - t0:.3f} s",
+    workers = f" ({len(runner.stages)} workers)" if runner.stage_of else ""
+    stages = len(set(runner.stage_of)) if runner.stage_of else len(runner.stages)
+    print(f"ran {stages} stage(s){workers} in {time.perf_counter() - t0:.3f} s",
           file=sys.stderr)
     np.savez(output, **result)
     return 0

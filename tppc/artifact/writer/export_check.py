@@ -10,7 +10,8 @@ Terms:
 
 What runs (:func:`check_export`): the torch program (each stage's outputs of each chunk kept),
 the ONNX Runtime stages of the artifact on the same inputs and chunks (each stage's outputs
-kept), and the unsplit captured graph; at the example length also the eager model. Every
+kept; with tensor-parallel stages only the model's outputs), and the unsplit captured graph;
+at the example length also the eager model. Every
 stage's outputs are compared chunk by chunk, stage by stage: since each ONNX stage receives
 the previous ONNX stage's outputs, the first stage whose outputs differ is the one that
 computes something else, and :class:`tppc.errors.SoundnessError` names it, the output and the
@@ -90,6 +91,10 @@ class _Recording:
         self.outputs[self.stage.index, start] = out
         return out
 
+    def part(self, index: int) -> _Recording:
+        """What a compute of part ``index`` runs (a stage has one part)."""
+        return self
+
 
 def check_export(compiled: Any, path: str | Path, args: tuple[Any, ...],
                  kwargs: Mapping[str, Any] | None = None) -> ExportCheck:
@@ -118,7 +123,7 @@ def check_export(compiled: Any, path: str | Path, args: tuple[Any, ...],
     ort_leaves = _run_ort(runner, flat, length, chunks, got)
     names = list(flat_outputs(unflatten(runner.signature["out_spec"], iter(ort_leaves))))
     worst, count = 0.0, 0
-    for s, stage in enumerate(runner.stages[:-1]):
+    for s, stage in enumerate(() if runner.stage_of else runner.stages[:-1]):
         for start, end in chunks:
             for k, name in enumerate(stage.entry["outputs"]):
                 diff = compare(torch.from_numpy(np.asarray(got[s, start][k])),
@@ -153,7 +158,11 @@ def _run_ort(runner: Any, flat: Sequence[Any], length: int,
     for stage in runner.stages:
         stage.allocate(call, length)
     sink = Assembler(runner.signature["outputs"], length)
-    run_serial([_Recording(st, got) for st in runner.stages], call, sink)
+    if runner.stage_of:  # tensor-parallel workers: the model's outputs only
+        run_serial(runner.stages, call, sink, runner.actions_for(chunks),
+                   stage_of=runner.stage_of)
+    else:
+        run_serial([_Recording(st, got) for st in runner.stages], call, sink)
     return sink.leaves if runner.tail is None else runner.tail(arrays, sink.leaves)
 
 

@@ -95,6 +95,12 @@ def _addmm(t: Any, node: fx.Node, b: Tensor, x: Tensor, w: Tensor, *,
     return t.tensor(node, t.op("Add", [t.op("MatMul", [x.name, w.name]), b.name]))
 
 
+def _mm(t: Any, node: fx.Node, x: Tensor, w: Tensor) -> Tensor:
+    """A matmul without bias (a row-parallel ``addmm``'s shard: the bias is added once,
+    after the group's sum)."""
+    return t.tensor(node, t.op("MatMul", [x.name, w.name]))
+
+
 def _pow(t: Any, node: fx.Node, x: Tensor, exponent: Any) -> Tensor:
     if exponent == 2:
         return t.tensor(node, t.op("Mul", [x.name, x.name]))
@@ -368,7 +374,7 @@ OPS: dict[Any, Fn] = {
     _aten.pow.Tensor_Scalar: _pow, _aten.pow.Scalar: _pow_scalar, _aten.mean.dim: _mean,
     _aten.to.dtype: _cast, _aten.to.device: _cast, _aten.to.dtype_layout: _cast,
     _aten._to_copy.default: _cast,
-    _aten.linear.default: _linear, _aten.addmm.default: _addmm,
+    _aten.linear.default: _linear, _aten.addmm.default: _addmm, _aten.mm.default: _mm,
     _aten.layer_norm.default: _layer_norm, _aten.embedding.default: _embedding,
     _aten.view.default: _view, _aten.reshape.default: _view,
     _aten.transpose.int: _transpose, _aten.unsqueeze.default: _unsqueeze,

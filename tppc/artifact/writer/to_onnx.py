@@ -145,6 +145,10 @@ class _Translator:
         names = output_names or tuple(f"out_{i}" for i in range(len(outputs)))
         infos = []
         for out_name, value, shape in zip(names, outputs, shapes):
+            if isinstance(value, Int):  # a chunk int one part of a shard hands the next
+                self.nodes.append(helper.make_node("Identity", [value.name], [out_name]))
+                infos.append(helper.make_tensor_value_info(out_name, TensorProto.INT64, []))
+                continue
             if not isinstance(value, Tensor):
                 raise ExportError(f"output {out_name!r} is not a tensor ({value!r})")
             self.nodes.append(helper.make_node("Identity", [value.name], [out_name]))
@@ -170,7 +174,9 @@ class _Translator:
             return self.constants[node.name]
         spec = node.meta.get("tppc.chunk_input")
         val = node.meta.get("val")
-        if spec is not None and spec.kind in _INT_KINDS:
+        carried_int = spec is not None and spec.kind == "boundary" \
+            and not isinstance(val, torch.Tensor)  # a chunk int from a shard's previous part
+        if spec is not None and (spec.kind in _INT_KINDS or carried_int):
             self.inputs.append(helper.make_tensor_value_info(node.name, TensorProto.INT64, []))
             return Int(node.name)
         if spec is not None and spec.kind in ("key", "value"):

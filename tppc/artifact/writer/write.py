@@ -41,6 +41,7 @@ import torch
 from tppc.artifact.core.load import SCHEMA, plan_digest, sha256_file
 from tppc.artifact.writer.export_check import check_export
 from tppc.artifact.writer.graphs import ExportError, export_stage_graph
+from tppc.artifact.writer.sharded import write_workers
 from tppc.artifact.writer.signature import model_signature
 from tppc.artifact.writer.to_onnx import OPSET, to_onnx
 from tppc.backends.torch_distributed import token_axes as _token_axes
@@ -79,9 +80,8 @@ def export(compiled: Any, path: str | os.PathLike[str], *, format: str = "onnx",
             ``compiled.example``; none: not checked).
 
     Raises:
-        ExportError: an unknown format, a length that is not an int ≥ 1, a plan with
-            tensor-parallel stages, or an op the ONNX translation does not support (naming
-            the node).
+        ExportError: an unknown format, a length that is not an int ≥ 1, or an op the
+            ONNX translation does not support (naming the node).
         SoundnessError: the artifact's output differs (the files stay written); the message
             names the ONNX stage and the output.
 
@@ -92,12 +92,6 @@ def export(compiled: Any, path: str | os.PathLike[str], *, format: str = "onnx",
     wanted_lengths = _check_lengths(lengths)
     if format != "onnx":
         raise ExportError(f"format={format!r}: tppc exports 'onnx' only. fix: format='onnx'")
-    degrees = [getattr(st, "tensor_parallel", 1) for st in compiled.plan.stages]
-    if any(d > 1 for d in degrees):
-        raise ExportError(
-            f"the plan's stages have tensor_parallel={degrees}: an artifact holds one ONNX "
-            "graph per stage and its runner has no collectives yet. fix: compile with "
-            "tensor_parallel=1 to export (or run the sharded pipeline in torch)")
     out = Path(path)
     made = [p for p in (out, *out.parents) if not p.exists()]
     out.mkdir(parents=True, exist_ok=True)
@@ -129,17 +123,13 @@ def export(compiled: Any, path: str | os.PathLike[str], *, format: str = "onnx",
 def _export(compiled: Any, out: Path, wanted_lengths: list[int], external_data: bool | None,
             progress: Progress | None) -> None:
     program = compiled.program(compiled.plan.seq_len)
-    if program.workers:  # (degrees the plan does not carry) one file per stage: shard 0 only
-        raise ExportError(
-            f"the program has tensor-parallel stages ({len(program.runners)} workers for "
-            f"{len(program.stages)} stages): an artifact holds one ONNX graph per stage, not "
-            "one per shard yet. fix: export a plan with tensor_parallel=1, or run the "
-            "sharded pipeline with backend='distributed'")
     wanted = sorted({*wanted_lengths, program.seq_len})
     chunks = {str(n): [list(c) for c in compiled.program(n).chunks] for n in wanted}
     files: dict[str, dict[str, Any]] = {}
-    stages = []
-    for stage in program.stages:
+    stages: list[dict[str, Any]] = []
+    workers = write_workers(program, out, files, progress, _write_stage, external_data) \
+        if program.workers else []
+    for stage in () if workers else program.stages:
         t0 = time.perf_counter()
         entry = _write_stage(stage, program, out, external_data, files)
         stages.append(entry)
@@ -149,6 +139,11 @@ def _export(compiled: Any, out: Path, wanted_lengths: list[int], external_data: 
                      f"({stage.layers[0]} .. {stage.layers[-1]}), {stage.param_count:,} "
                      f"parameters, {size / 2**20:.1f} MiB, {time.perf_counter() - t0:.1f} s")
     rest = rest_program(compiled, program)
+    if rest is not None and workers:
+        raise ExportError("a joint-attention model (a step's later chunks without the text "
+                          "tokens) with tensor-parallel stages: tppc exports its later "
+                          "chunks unsharded only. fix: compile with tensor_parallel=1 to "
+                          "export it")
     for entry, stage in zip(stages, rest.stages if rest is not None else ()):
         entry["rest"] = _write_stage(stage, rest, out, external_data, files, ".rest")
     tail = _write_tail(program, out, files)
@@ -167,6 +162,8 @@ def _export(compiled: Any, out: Path, wanted_lengths: list[int], external_data: 
         "lengths": chunks,
         "signature": model_signature(compiled, program),
         "stages": stages,
+        "workers": workers,
+        "groups": [[name, list(members)] for name, members in program.groups],
         "tail": tail,
         "files": files,
     }
@@ -189,11 +186,15 @@ def rest_program(compiled: Any, program: Any) -> Any:
 
 
 def _write_stage(stage: Any, program: Any, out: Path, external: bool | None,
-                 files: dict[str, dict[str, Any]], variant: str = "") -> dict[str, Any]:
+                 files: dict[str, dict[str, Any]], variant: str = "",
+                 outputs: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """Write one stage (or one part of a worker's shard, with its ``outputs`` named);
+    returns its ``plan.json`` entry."""
     gm, kv_names = export_stage_graph(stage)
     last = not stage.boundary_out
-    outputs = tuple(f"output.{j}" for j in range(len(program.signature.output_axes))) \
-        if last else tuple(f"boundary.{n}" for n in stage.boundary_out)
+    if outputs is None:
+        outputs = tuple(f"output.{j}" for j in range(len(program.signature.output_axes))) \
+            if last else tuple(f"boundary.{n}" for n in stage.boundary_out)
     model = to_onnx(gm, sym_name="chunk", name=f"stage_{stage.index}",
                     output_names=(*outputs, *kv_names))
     name = f"stage_{stage.index}{variant}.onnx"
