@@ -7,7 +7,9 @@ K/V buffers, not the weights, dominate, so an ``L × L`` tensor anywhere shows a
 Each measurement runs in a fresh process and reports the peak resident set size
 (``VmHWM``) minus the resident size after building the model (the baseline):
     eager:    ``model(ids)`` under ``torch.no_grad``.
-    compile:  ``tppc.compile(model, (ids,), cluster="2xcpu", executor="threads")``.
+    compile:  ``tppc.compile(model, (ids,), cluster="2xcpu", executor="threads",
+              tensor_parallel=1)``: two pipeline stages (a tensor-parallel call keeps a
+              whole residual stream per worker: not measured here).
     call:     compile, then one call ``cp(ids)`` (the peak of both).
     call-only: compile, reset the peak, then one call: what a call adds over the compiled
               pipeline (the peak is reset through ``/proc/self/clear_refs``).
@@ -72,7 +74,8 @@ def measure(mode: str, length: int) -> dict[str, float]:
         if mode == "eager":
             model(ids)
         else:
-            cp = tppc.compile(model, (ids,), cluster="2xcpu", executor="threads")
+            cp = tppc.compile(model, (ids,), cluster="2xcpu", executor="threads",
+                              tensor_parallel=1)
             if mode == "call-only":
                 _reset_peak()
                 base = _rss_mb()

@@ -23,7 +23,8 @@ def _meta_llama(layers: int = 6):
 
 def test_plan_a_meta_model_without_weights() -> None:
     model, args = _meta_llama()
-    p = plan(model, args, cluster="4xh100-sxm", seq_len=4096, granularity=256)
+    p = plan(model, args, cluster="4xh100-sxm", seq_len=4096, granularity=256,
+             tensor_parallel=1)
     assert p.num_stages == 4
     assert sum(b - a for a, b in p.chunks) == 4096
     assert p.latency >= p.lower_bound > 0

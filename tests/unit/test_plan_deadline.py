@@ -1,5 +1,8 @@
 """``time_limit`` of ``tppc.plan`` covers pricing: the solver gets what pricing left.
 
+These run one configuration (``tensor_parallel=1``); the hybrid search shares the limit among
+its configurations (:mod:`tppc.planner.hybrid`).
+
 Pricing is made to look slow with a clock that only the planning grid reads (pricing
 advances it), so the tests do not depend on how fast this machine prices or solves.
 """
@@ -61,7 +64,7 @@ def _valid(plan, num_layers: int, seq_len: int) -> None:
 def test_the_solver_gets_what_pricing_left_of_the_time_limit(slow_pricing):
     limits = slow_pricing(0.6)
     model, args, _ = examples.gpt(seq_len=64, n_layer=2)
-    tppc.plan(model, args, cluster="2xcpu", time_limit=1.0)
+    tppc.plan(model, args, cluster="2xcpu", time_limit=1.0, tensor_parallel=1)
     assert len(limits) == 1
     assert MIN_SOLVE_SECONDS <= limits[0] <= 0.4
 
@@ -71,7 +74,7 @@ def test_pricing_past_the_time_limit_gives_a_valid_plan_that_says_time_limit(slo
     plan is the incumbent and its status says ``time_limit``."""
     limits = slow_pricing(5.0)
     model, args, _ = examples.gpt(seq_len=1024, n_layer=12)
-    plan = tppc.plan(model, args, cluster="4xh100-sxm", time_limit=1.0)
+    plan = tppc.plan(model, args, cluster="4xh100-sxm", time_limit=1.0, tensor_parallel=1)
     assert limits == [MIN_SOLVE_SECONDS]
     assert plan.solver.status == "time_limit", plan.solver
     _valid(plan, plan.stages[-1].layer_end, 1024)
@@ -80,6 +83,6 @@ def test_pricing_past_the_time_limit_gives_a_valid_plan_that_says_time_limit(slo
 def test_a_plan_within_its_time_limit_keeps_its_status(slow_pricing):
     limits = slow_pricing(0.0)
     model, args, _ = examples.gpt(seq_len=64, n_layer=2)
-    plan = tppc.plan(model, args, cluster="2xcpu", time_limit=30.0)
+    plan = tppc.plan(model, args, cluster="2xcpu", time_limit=30.0, tensor_parallel=1)
     assert limits[0] > 29.0
     assert plan.solver.status == "optimal"
