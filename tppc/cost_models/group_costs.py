@@ -38,9 +38,8 @@ from torch import fx
 
 from tppc.cost_models.cluster import Cluster
 from tppc.cost_models.collective_costs import collective_cost
-from tppc.cost_models.lambdify import to_numpy
-from tppc.cost_models.layer_costs import LayerExpr, layer_expressions
-from tppc.cost_models.node_costs import C, L, P, Shapes, TokenSubstitution, find_seq_symbol
+from tppc.cost_models.layer_costs import LayerExpr, layer_expressions, vectorise
+from tppc.cost_models.node_costs import P, Shapes, TokenSubstitution, find_seq_symbol
 from tppc.cost_models.roofline import node_time_terms
 from tppc.cost_models.shard_costs import (
     LayerShards,
@@ -101,19 +100,6 @@ class GroupTime:
         return out
 
 
-def _bind(expr: sympy.Expr, seq_len: int) -> TimeFn:
-    raw = to_numpy(expr, (C, P, L))
-    length = float(seq_len)
-
-    def time(c: np.ndarray, p: np.ndarray) -> np.ndarray:
-        c = np.asarray(c, dtype=float)
-        p = np.asarray(p, dtype=float)
-        shape = np.broadcast_shapes(c.shape, p.shape)
-        return np.broadcast_to(np.asarray(raw(c, p, length), dtype=float), shape).copy()
-
-    return time
-
-
 class _GroupPricer:
     """Shard times per (layer, degree, device), memoised across identical blocks."""
 
@@ -152,7 +138,7 @@ class _GroupPricer:
                                 for cost, role, a, b in zip(expr.nodes, shards.roles,
                                                             shards.in_bytes, shards.out_bytes,
                                                             strict=True)])
-            self._times[key] = _bind(total, self.seq_len)
+            self._times[key] = vectorise(total, self.seq_len)
         return self._times[key]
 
 

@@ -53,7 +53,7 @@ from tppc.cost_models.table import CostTable, LayerCost, LinkCost, TimeFn
 from tppc.errors import CostModelError
 from tppc.ir.records import TOKEN, LayerInfo, TokenInfo
 
-__all__ = ["COMPILED_TIMES", "LayerExpr", "build_cost_table", "layer_expressions"]
+__all__ = ["COMPILED_TIMES", "LayerExpr", "build_cost_table", "layer_expressions", "vectorise"]
 
 COMPILED_TIMES = 4096
 """Distinct layer-time expressions whose compiled numpy function is kept (least recently
@@ -107,7 +107,7 @@ def _compiled(expr: sympy.Expr) -> Callable[..., np.ndarray]:
     return to_numpy(expr, (C, P, L))
 
 
-def _vectorise(expr: sympy.Expr, seq_len: int) -> TimeFn:
+def vectorise(expr: sympy.Expr, seq_len: int) -> TimeFn:
     """``expr`` at ``L = seq_len`` as a numpy function of ``(c, p)``."""
     raw = _compiled(expr)
     length = float(seq_len)
@@ -255,7 +255,7 @@ class _Pricer:
                 f"layer time depends on symbols {sorted(map(str, bad))} besides c and p; make "
                 "those dimensions static (only the sequence may be dynamic)"
             )
-        return time, matrix, vector, nbytes, _vectorise(symbolic, self.seq_len)
+        return time, matrix, vector, nbytes, vectorise(symbolic, self.seq_len)
 
     def _act_bytes(self, info: LayerInfo) -> int:
         if info.name not in self._acts:
