@@ -28,12 +28,13 @@ from tppc.planner.summary import plan_summary
 __all__ = ["PLAN_SCHEMA", "Plan", "SolverInfo", "SplitSearch", "StagePlan", "Workload",
            "say_expired"]
 
-PLAN_SCHEMA = "tppc.plan/3"
+PLAN_SCHEMA = "tppc.plan/4"
 """Schema tag written by :meth:`Plan.to_json`; bumped on incompatible changes (2: the unit,
-``tokens_per_unit``; 3: tensor-parallel groups, ``replicas``, ``degrees``, ``choice``).
-:meth:`Plan.from_json` also reads schemas 1 (plans count tokens) and 2 (one device a stage)."""
+``tokens_per_unit``; 3: tensor-parallel groups, ``replicas``, ``degrees``, ``choice``; 4: the
+stages' ``cfg_parallel``, ``ulysses`` and ``ring``). :meth:`Plan.from_json` also reads schemas
+1 (plans count tokens), 2 (one device a stage) and 3 (tensor parallelism only)."""
 
-_READS = ("tppc.plan/1", "tppc.plan/2", PLAN_SCHEMA)
+_READS = ("tppc.plan/1", "tppc.plan/2", "tppc.plan/3", PLAN_SCHEMA)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,8 +155,14 @@ class StagePlan:
         layer_names: names of the layers ``layer_start .. layer_end - 1``.
         tensor_parallel: devices that run the stage together, each a ``1/t`` shard of its
             cut nodes (1: the whole stage on one device).
-        device_indices: those devices (cluster positions), ``device_index`` first; with one
-            device always ``(device_index,)``.
+        cfg_parallel: copies of the stage group that each run ``1/c`` of the call's batch
+            (classifier-free guidance: the two halves of a guided batch).
+        ulysses: devices that each hold ``1/u`` of the tokens, exchanging tokens for heads
+            around each attention (all-to-all).
+        ring: devices that each hold ``1/r`` of the tokens, passing K/V around the group.
+        device_indices: the stage's devices (cluster positions), ``device_index`` first, in
+            worker order (:class:`tppc.program.mesh.Mesh`: cfg, ring, ulysses, tensor, the
+            last fastest): :attr:`group_size` of them; with one always ``(device_index,)``.
     """
 
     index: int
@@ -168,30 +175,49 @@ class StagePlan:
     layer_names: tuple[str, ...] = ()
     tensor_parallel: int = 1
     device_indices: tuple[int, ...] = ()
+    cfg_parallel: int = 1
+    ulysses: int = 1
+    ring: int = 1
 
     def __post_init__(self) -> None:
-        t = self.tensor_parallel
-        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
-            raise PlanError(f"StagePlan {self.index}: tensor_parallel={t!r} must be an integer "
-                            ">= 1 (devices that run the stage together)")
-        if t == 1:  # one device: always the stage's own (a replaced device_index moves it)
+        for name in ("tensor_parallel", "cfg_parallel", "ulysses", "ring"):
+            d = getattr(self, name)
+            if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+                raise PlanError(f"StagePlan {self.index}: {name}={d!r} must be an integer "
+                                ">= 1 (devices that run the stage together)")
+        n = self.group_size
+        if n == 1:  # one device: always the stage's own (a replaced device_index moves it)
             object.__setattr__(self, "device_indices", (self.device_index,))
             return
         indices = tuple(self.device_indices)
         object.__setattr__(self, "device_indices", indices)
-        if len(indices) != t or len(set(indices)) != t or indices[0] != self.device_index:
+        if len(indices) != n or len(set(indices)) != n or indices[0] != self.device_index:
             raise PlanError(
                 f"StagePlan {self.index}: device_indices={indices} must name "
-                f"tensor_parallel={t} distinct devices, device_index={self.device_index} "
+                f"{n} distinct devices ({self.mesh_label}), device_index={self.device_index} "
                 "first. fix: replace device_index and device_indices together")
+
+    @property
+    def group_size(self) -> int:
+        """Devices that run the stage: ``cfg_parallel * ring * ulysses * tensor_parallel``."""
+        return self.cfg_parallel * self.ring * self.ulysses * self.tensor_parallel
+
+    @property
+    def mesh_label(self) -> str:
+        """The degrees above 1, e.g. ``"CFG2 x Ulysses2 x TP2"`` (``"1 device"`` for one)."""
+        parts = [f"{label}{d}" for label, d in (("CFG", self.cfg_parallel), ("Ring", self.ring),
+                                                ("Ulysses", self.ulysses),
+                                                ("TP", self.tensor_parallel)) if d > 1]
+        return " x ".join(parts) or "1 device"
 
     @property
     def devices_label(self) -> str:
         """``"h100-sxm"``, or for a group ``"h100-sxm TP4 (devices 0-3)"`` (charts, traces)."""
-        if self.tensor_parallel == 1:
+        if self.group_size == 1:
             return self.device_name
         ids = self.device_indices
-        return f"{self.device_name} TP{self.tensor_parallel} (devices {ids[0]}-{ids[-1]})"
+        return f"{self.device_name} {self.mesh_label.replace(' x ', 'x')} " \
+               f"(devices {ids[0]}-{ids[-1]})"
 
     @property
     def num_layers(self) -> int:
@@ -255,6 +281,12 @@ class Plan:
     choice: HybridChoice | None = None
 
     def __post_init__(self) -> None:
+        for name in ("cfg_parallel", "ulysses", "ring"):
+            seen = {getattr(st, name) for st in self.stages}
+            if len(seen) > 1:
+                raise PlanError(f"Plan: the stages' {name} degrees differ ({sorted(seen)}); "
+                                "every stage must cut the batch and the tokens alike. fix: "
+                                f"one {name} for every stage")
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) \
                 or self.replicas < 1:
             raise PlanError(f"Plan.replicas={self.replicas!r} must be an integer >= 1")
@@ -293,15 +325,21 @@ class Plan:
     @property
     def degrees(self) -> dict[str, Any]:
         """The chosen degrees by keyword: ``{"num_stages": n, "tensor_parallel": t (or a
-        tuple per stage when they differ), "replicas": r}``."""
+        tuple per stage when they differ), "cfg_parallel": c, "ulysses": u, "ring": r,
+        "replicas": k}``."""
         tps = tuple(st.tensor_parallel for st in self.stages)
         tp: int | tuple[int, ...] = tps[0] if tps and len(set(tps)) == 1 else tps
-        return {"num_stages": self.num_stages, "tensor_parallel": tp, "replicas": self.replicas}
+        first = self.stages[0] if self.stages else StagePlan(
+            index=0, layer_start=0, layer_end=0, device_index=0, device_name="",
+            memory_bytes=0, capacity_bytes=0)
+        return {"num_stages": self.num_stages, "tensor_parallel": tp,
+                "cfg_parallel": first.cfg_parallel, "ulysses": first.ulysses,
+                "ring": first.ring, "replicas": self.replicas}
 
     @property
     def num_devices(self) -> int:
         """Devices the plan runs on: every stage's group, times the replicas."""
-        return self.replicas * sum(st.tensor_parallel for st in self.stages)
+        return self.replicas * sum(st.group_size for st in self.stages)
 
     @property
     def ratio_to_bound(self) -> float:
