@@ -27,24 +27,46 @@ from tppc.passes.sharding.annotate_shards import Sharding, analyse, check_degree
 from tppc.passes.sharding.cuts import Cut
 from tppc.passes.subgraph import copy_graph
 
-__all__ = ["MARKS", "PARTS_OF", "PartOf", "all_gather_mark", "all_reduce_mark", "cuttable",
+__all__ = ["MARKS", "PARTS_OF", "PartOf", "all_gather_mark", "all_reduce_mark", "all_to_all_mark",
+           "cuttable", "mark_dims",
            "shard_graph", "take"]
 
 aten = torch.ops.aten
 
 
-def all_reduce_mark(x: torch.Tensor) -> torch.Tensor:
-    """Marks an all-reduce of ``x`` over the stage's group (never runs)."""
+def all_reduce_mark(x: torch.Tensor, group: str = "tp") -> torch.Tensor:
+    """Marks an all-reduce of ``x`` over the worker's group of mesh axis ``group``
+    (:mod:`tppc.program.mesh`; never runs)."""
     raise RuntimeError("a collective mark runs only once its graph is split into parts")
 
 
-def all_gather_mark(x: torch.Tensor, axis: int) -> torch.Tensor:
-    """Marks an all-gather of ``x`` on ``axis`` over the stage's group (never runs)."""
+def all_gather_mark(x: torch.Tensor, axis: int, group: str = "tp") -> torch.Tensor:
+    """Marks an all-gather of ``x`` on ``axis`` over the worker's group of mesh axis
+    ``group`` (never runs)."""
     raise RuntimeError("a collective mark runs only once its graph is split into parts")
 
 
-MARKS = {all_reduce_mark: "all_reduce", all_gather_mark: "all_gather"}
+def all_to_all_mark(x: torch.Tensor, split_axis: int, cat_axis: int,
+                    group: str = "ulysses") -> torch.Tensor:
+    """Marks an all-to-all of ``x`` over the worker's group of mesh axis ``group``: cut into
+    equal parts on ``split_axis``, part ``r`` to member ``r``, the parts received joined on
+    ``cat_axis`` (never runs)."""
+    raise RuntimeError("a collective mark runs only once its graph is split into parts")
+
+
+MARKS = {all_reduce_mark: "all_reduce", all_gather_mark: "all_gather",
+         all_to_all_mark: "all_to_all"}
 """Each mark and the collective it stands for."""
+
+
+def mark_dims(mark: fx.Node) -> tuple[tuple[int, ...], str]:
+    """A mark node's collective axes (``Action.dims``) and its group's mesh axis."""
+    kind = MARKS[mark.target]
+    n = {"all_reduce": 0, "all_gather": 1, "all_to_all": 2}[kind]
+    args = list(mark.args[1:])
+    dims = tuple(int(a) for a in args[:n])
+    group = mark.kwargs.get("group", args[n] if len(args) > n else "tp")
+    return dims, str(group)
 
 PARTS_OF = "tppc.parts_of"
 """Shard ``GraphModule.meta`` key: ``{attribute name: PartOf}`` of every part it holds (a rank

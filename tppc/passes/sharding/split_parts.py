@@ -8,7 +8,8 @@ Terms:
         the inputs a call feeds (a chunk of the tokens, positional values, K/V buffers) enter
         every part that reads them. The last part returns what the stage returns.
     join: the collective between part ``q`` and ``q + 1`` (:class:`Join`): its kind, axes,
-        and how many leading values of the slot it takes (``first``; the rest pass through).
+        how many leading values of the slot it takes (``first``; the rest pass through), and
+        the mesh axis whose group runs it (``group``, :mod:`tppc.program.mesh`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from torch import fx
 
 from tppc.ir.records import CHUNK_INPUT, ChunkInput
-from tppc.passes.sharding.shard_graph import MARKS
+from tppc.passes.sharding.shard_graph import MARKS, mark_dims
 from tppc.passes.subgraph import copy_subgraph
 
 __all__ = ["Join", "split_parts"]
@@ -31,6 +32,7 @@ class Join:
     kind: str
     dims: tuple[int, ...] = ()
     first: int = 1
+    group: str = "tp"
 
 
 def split_parts(gm: fx.GraphModule) -> tuple[tuple[fx.GraphModule, ...], tuple[Join, ...]]:
@@ -79,9 +81,8 @@ def split_parts(gm: fx.GraphModule) -> tuple[tuple[fx.GraphModule, ...], tuple[J
         part.recompile()
         parts.append(part)
         if q < last:
-            mark = marks[q]
-            dims = tuple(mark.args[1:2]) if MARKS[mark.target] == "all_gather" else ()
-            joins.append(Join(MARKS[mark.target], dims))
+            dims, group = mark_dims(marks[q])
+            joins.append(Join(MARKS[marks[q].target], dims, group=group))
     return tuple(parts), tuple(joins)
 
 
