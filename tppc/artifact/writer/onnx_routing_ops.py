@@ -1,0 +1,210 @@
+"""ONNX translations of indexing and mixture-of-experts routing (the table :data:`ROUTING_OPS`).
+
+Terms:
+    routing: a router's ``softmax``/``topk`` picks ``k`` experts per token; transformers'
+        ``grouped_mm`` experts then ``sort`` the (token, expert) pairs by expert, count them
+        per expert (``histc``, ``cumsum``: the offsets), gather the tokens (``index``), run
+        each expert's matmul on its rows (``transformers::grouped_mm_fallback``) and undo
+        the sort (``index_put`` of an ``arange`` into ``empty_like``).
+    grouped matmul: rows sorted by expert, expert ``i`` owning rows
+        ``[offsets[i - 1], offsets[i])``. ONNX has no such op: every expert's weight
+        multiplies every row (``E / k`` times the work of the grouped kernel, ``E · rows ·
+        out`` floats) and ``GatherElements`` keeps each row's own product, so the result
+        is the grouped kernel's (each row the same dot products).
+
+An ``index``/``index_put`` with one index tensor (the other axes whole) is a
+``Gather``/``ScatterND``; several index tensors or a boolean mask are refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from onnx import helper
+from torch import fx
+
+from tppc.artifact.writer.graphs import ExportError
+from tppc.artifact.writer.onnx_ops import Fn, Tensor, onnx_dtype
+
+__all__ = ["ROUTING_OPS", "routing_op"]
+
+_aten = torch.ops.aten
+
+
+def _outputs(t: Any, op_type: str, inputs: list[str], count: int, **attrs: Any) -> list[str]:
+    """An ONNX node with ``count`` outputs."""
+    outs = [t.fresh(op_type.lower()) for _ in range(count)]
+    t.nodes.append(helper.make_node(op_type, inputs, outs, **attrs))
+    return outs
+
+
+def _dim(dim: int, rank: int) -> int:
+    return dim + rank if dim < 0 else dim
+
+
+def _length(t: Any, x: Tensor, dim: int) -> str:
+    """``x.shape[dim]`` as a 1-D int64 tensor."""
+    d = _dim(dim, x.rank)
+    return t.op("Shape", [x.name], start=d, end=d + 1)
+
+
+def _cast_to(t: Any, x: Tensor, dtype: torch.dtype | None) -> Tensor:
+    if dtype is None or dtype == x.dtype:
+        return x
+    return Tensor(t.op("Cast", [x.name], to=onnx_dtype(dtype)), dtype, x.rank)
+
+
+def _softmax(t: Any, node: fx.Node, x: Tensor, dim: int, *_: Any) -> Tensor:
+    """``softmax(x, dim)`` in the result's dtype (``softmax.int``'s ``dtype``,
+    ``_softmax``'s ``half_to_float``: cast first)."""
+    x = _cast_to(t, x, node.meta["val"].dtype)
+    return t.tensor(node, t.op("Softmax", [x.name], axis=_dim(dim, x.rank)))
+
+
+def _sum(t: Any, node: fx.Node, x: Tensor, dims: Any = None, keepdim: bool = False, *,
+         dtype: torch.dtype | None = None) -> Tensor:
+    x = _cast_to(t, x, dtype)
+    axes = list(range(x.rank)) if not dims else [_dim(d, x.rank) for d in dims]
+    return t.tensor(node, t.op("ReduceSum", [x.name, t.i64(axes)], keepdims=int(keepdim)))
+
+
+def _topk(t: Any, node: fx.Node, x: Tensor, k: Any, dim: int = -1, largest: bool = True,
+          sorted: bool = True) -> list[Tensor]:
+    values, indices = _outputs(t, "TopK", [x.name, t.i64([k])], 2, axis=_dim(dim, x.rank),
+                               largest=int(largest), sorted=1)
+    return [Tensor(values, x.dtype, x.rank), Tensor(indices, torch.int64, x.rank)]
+
+
+def _sort(t: Any, node: fx.Node, x: Tensor, dim: int = -1, descending: bool = False
+          ) -> list[Tensor]:
+    """A full ``TopK``; equal values keep their order (ONNX's rule): one permutation of
+    the ones ``torch.sort`` may return."""
+    values, indices = _outputs(t, "TopK", [x.name, _length(t, x, dim)], 2,
+                               axis=_dim(dim, x.rank), largest=int(descending), sorted=1)
+    return [Tensor(values, x.dtype, x.rank), Tensor(indices, torch.int64, x.rank)]
+
+
+def _floor_divide(t: Any, node: fx.Node, a: Tensor, b: Any) -> Tensor:
+    """Python's ``//``: ``(a - a mod b) / b`` on ints (``Mod`` takes the divisor's sign),
+    ``Floor(a / b)`` on floats."""
+    out = t.tensor(node, "")
+    a_name, b_name = t.like(a, out), t.like(b, out)
+    if out.dtype.is_floating_point:
+        return t.tensor(node, t.op("Floor", [t.op("Div", [a_name, b_name])]))
+    rest = t.op("Mod", [a_name, b_name], fmod=0)
+    return t.tensor(node, t.op("Div", [t.op("Sub", [a_name, rest]), b_name]))
+
+
+def _one_index(node: fx.Node, indices: Any) -> tuple[int, Tensor]:
+    """The axis and tensor of the only index of ``x[..., idx, ...]``; refuses others."""
+    given = [(d, i) for d, i in enumerate(indices) if i is not None]
+    if len(given) != 1 or not isinstance(given[0][1], Tensor) \
+            or given[0][1].dtype == torch.bool:
+        raise ExportError(f"node {node.name!r} ({node.target}) indexes with {len(given)} "
+                          "index tensors or a boolean mask; tppc's ONNX export translates one "
+                          "integer index tensor (the other axes whole). fix: run the torch "
+                          "backend, or report the model")
+    return given[0]
+
+
+def _index(t: Any, node: fx.Node, x: Tensor, indices: Any) -> Tensor:
+    axis, idx = _one_index(node, indices)
+    return t.tensor(node, t.op("Gather", [x.name, idx.name], axis=axis))
+
+
+def _index_put(t: Any, node: fx.Node, x: Tensor, indices: Any, values: Any,
+               accumulate: bool = False) -> Tensor:
+    axis, idx = _one_index(node, indices)
+    if axis != 0:
+        raise ExportError(f"node {node.name!r}: index_put on axis {axis}; tppc's ONNX export "
+                          "writes rows of the first axis only. fix: run the torch backend")
+    rows = t.op("Unsqueeze", [t.op("Cast", [idx.name], to=onnx_dtype(torch.int64)),
+                              t.i64([-1])])
+    shape = t.op("Concat", [t.op("Shape", [idx.name]), t.op("Shape", [x.name], start=1)],
+                 axis=0)
+    update = t.op("Expand", [t.like(values, x), shape])
+    attrs = {"reduction": "add"} if accumulate else {}
+    return t.tensor(node, t.op("ScatterND", [x.name, rows, update], **attrs))
+
+
+def _empty_like(t: Any, node: fx.Node, x: Tensor, **_: Any) -> Tensor:
+    """Zeros (every element an ``empty_like`` result is read at is written first)."""
+    out = t.tensor(node, "")
+    value = helper.make_tensor("value", onnx_dtype(out.dtype), [1], [0])
+    return t.tensor(node, t.op("ConstantOfShape", [t.op("Shape", [x.name])], value=value))
+
+
+def _histc(t: Any, node: fx.Node, x: Tensor, bins: int = 100, min: Any = 0,
+           max: Any = 0) -> Tensor:
+    """``torch.histc`` with fixed bounds: bin ``floor((v - min) · bins / (max - min))``,
+    ``v = max`` in the last bin, values outside ``[min, max]`` not counted."""
+    if not (isinstance(min, int | float) and isinstance(max, int | float)) or min >= max:
+        raise ExportError(f"node {node.name!r}: histc with bounds [{min!r}, {max!r}]; tppc's "
+                          "ONNX export needs fixed bounds min < max. fix: run the torch "
+                          "backend")
+    bins = int(bins)
+
+    def c(v: float) -> str:
+        return t.const(v, x.dtype)
+
+    scaled = t.op("Div", [t.op("Mul", [t.op("Sub", [x.name, c(min)]), c(bins)]),
+                          c(max - min)])
+    slot = t.op("Min", [t.op("Cast", [t.op("Floor", [scaled])], to=onnx_dtype(torch.int64)),
+                        t.const(bins - 1)])
+    inside = t.op("And", [t.op("GreaterOrEqual", [x.name, c(min)]),
+                          t.op("LessOrEqual", [x.name, c(max)])])
+    hits = t.op("And", [t.op("Equal", [t.op("Unsqueeze", [slot, t.i64([-1])]),
+                                       t.op("Range", [t.const(0), t.const(bins),
+                                                      t.const(1)])]),
+                        t.op("Unsqueeze", [inside, t.i64([-1])])])
+    flat = t.op("Reshape", [hits, t.i64([-1, bins])])
+    counts = t.op("ReduceSum", [t.op("Cast", [flat], to=onnx_dtype(x.dtype)), t.i64([0])],
+                  keepdims=0)
+    return t.tensor(node, counts)
+
+
+def _cumsum(t: Any, node: fx.Node, x: Tensor, dim: int, *, dtype: Any = None) -> Tensor:
+    x = _cast_to(t, x, dtype)
+    return t.tensor(node, t.op("CumSum", [x.name, t.const(_dim(dim, x.rank))]))
+
+
+def _grouped_mm(t: Any, node: fx.Node, rows: Tensor, weight: Tensor, offs: Tensor) -> Tensor:
+    """``transformers::grouped_mm_fallback(rows, weight, offs)`` (module docstring): row
+    ``r`` times ``weight[e]`` for the expert ``e`` whose range holds it (rows past the last
+    offset: 0, as the fallback leaves them)."""
+    experts = int(node.args[1].meta["val"].shape[0])
+    out_dim = int(node.args[1].meta["val"].shape[2])
+    count = t.op("Shape", [rows.name], start=0, end=1)
+    positions = t.op("Range", [t.const(0), t.op("Squeeze", [count, t.i64([0])]), t.const(1)])
+    offsets = t.op("Cast", [offs.name], to=onnx_dtype(torch.int64))
+    passed = t.op("LessOrEqual", [t.op("Unsqueeze", [offsets, t.i64([0])]),
+                                  t.op("Unsqueeze", [positions, t.i64([1])])])
+    owner = t.op("ReduceSum", [t.op("Cast", [passed], to=onnx_dtype(torch.int64)),
+                               t.i64([1])], keepdims=0)  # offsets ≤ r: the expert of row r
+    kept = t.op("Less", [owner, t.const(experts)])
+    owner = t.op("Min", [owner, t.const(experts - 1)])
+    every = t.op("MatMul", [t.op("Unsqueeze", [rows.name, t.i64([0])]), weight.name])
+    shape = t.op("Concat", [t.const([1]), count, t.const([out_dim])], axis=0)
+    index = t.op("Expand", [t.op("Reshape", [owner, t.i64([1, -1, 1])]), shape])
+    own = t.op("Squeeze", [t.op("GatherElements", [every, index], axis=0), t.i64([0])])
+    zero = t.const(0, rows.dtype)
+    return t.tensor(node, t.op("Where", [t.op("Unsqueeze", [kept, t.i64([1])]), own, zero]))
+
+
+ROUTING_OPS: dict[Any, Fn] = {
+    _aten.softmax.int: _softmax, _aten._softmax.default: _softmax,
+    _aten.sum.dim_IntList: _sum, _aten.topk.default: _topk, _aten.sort.default: _sort,
+    _aten.floor_divide.default: _floor_divide, _aten.index.Tensor: _index,
+    _aten.index_put.default: _index_put, _aten.empty_like.default: _empty_like,
+    _aten.histc.default: _histc, _aten.cumsum.default: _cumsum,
+}
+"""ATen op → translation (``fn(translator, node, *args, **kwargs)``), as in ``OPS``."""
+
+_BY_NAME: dict[str, Fn] = {"transformers.grouped_mm_fallback.default": _grouped_mm}
+
+
+def routing_op(target: Any) -> Fn | None:
+    """The translation of another library's op (registered when that library is imported,
+    so named here, not held): transformers' grouped expert matmul; None for any other."""
+    return _BY_NAME.get(str(target))
