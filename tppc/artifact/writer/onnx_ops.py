@@ -56,12 +56,17 @@ def _unary(op_type: str) -> Fn:
 
 
 def _binary(op_type: str) -> Fn:
+    """An elementwise op in the result's dtype; bfloat16 (which ONNX Runtime's CPU kernels
+    lack) in float32, rounded back: what torch's CPU kernels compute."""
     def fn(t: Any, node: fx.Node, a: Any, b: Any, *, alpha: Any = 1) -> Tensor:
-        ref = t.tensor(node, "")
+        out = t.tensor(node, "")
+        ref = Tensor("", torch.float32, out.rank) if out.dtype == torch.bfloat16 else out
         if alpha != 1:
             b = Tensor(t.op("Mul", [t.like(b, ref), t.const(alpha, ref.dtype)]), ref.dtype,
                         ref.rank)
-        return t.tensor(node, t.op(op_type, [t.like(a, ref), t.like(b, ref)]))
+        y = t.op(op_type, [t.like(a, ref), t.like(b, ref)])
+        return t.tensor(node, y if ref is out else
+                        t.op("Cast", [y], to=onnx_dtype(torch.bfloat16)))
     return fn
 
 
@@ -294,7 +299,11 @@ OPS: dict[Any, Fn] = {
     _aten.rsqrt.default: _rsqrt, _aten.silu.default: _silu, _aten.gelu.default: _gelu,
     _aten.pow.Tensor_Scalar: _pow, _aten.pow.Scalar: _pow_scalar, _aten.mean.dim: _mean,
     _aten.pow.Tensor_Tensor: _binary("Pow"), _aten.full.default: _full,
-    _aten.matmul.default: _binary("MatMul"),
+    _aten.ones.default: lambda t, node, size, **kw: _full(t, node, size, 1),
+    _aten.zeros.default: lambda t, node, size, **kw: _full(t, node, size, 0),
+    _aten.new_ones.default: lambda t, node, x, size, **kw: _full(t, node, size, 1),
+    _aten.new_zeros.default: lambda t, node, x, size, **kw: _full(t, node, size, 0),
+    _aten.matmul.default: _binary("MatMul"), _aten.bmm.default: _binary("MatMul"),
     _aten.to.dtype: _cast, _aten.to.device: _cast, _aten.to.dtype_layout: _cast,
     _aten._to_copy.default: _cast, _aten.type_as.default: _cast,
     _aten.linear.default: _linear, _aten.addmm.default: _addmm, _aten.mm.default: _mm,

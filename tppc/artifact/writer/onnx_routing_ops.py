@@ -13,7 +13,9 @@ Terms:
         is the grouped kernel's (each row the same dot products).
 
 An ``index``/``index_put`` with one index tensor (the other axes whole) is a
-``Gather``/``ScatterND``; several index tensors or a boolean mask are refused by name.
+``Gather``/``ScatterND``; ``index`` with index tensors on every leading axis (transformers'
+mask functions: ``mask[batch_idx, head_idx, q_idx, kv_idx]``) a ``GatherND``; other index
+forms and boolean masks are refused by name.
 """
 
 from __future__ import annotations
@@ -96,19 +98,60 @@ def _floor_divide(t: Any, node: fx.Node, a: Tensor, b: Any) -> Tensor:
     return t.tensor(node, t.op("Div", [t.op("Sub", [a_name, rest]), b_name]))
 
 
+def _leading_indices(t: Any, node: fx.Node, x: Tensor, indices: list[Any]) -> Tensor:
+    """``x[i0, i1, ...]`` with integer index tensors on the leading axes (broadcast
+    together, as torch does): one ``GatherND`` over their stacked positions."""
+    if not all(isinstance(i, Tensor) and i.dtype != torch.bool for i in indices):
+        raise _index_error(node, len(indices))
+    shape = None
+    for i in indices:  # the broadcast shape: Max of the shapes, padded to one rank
+        rank = max(j.rank for j in indices)
+        dims = t.op("Shape", [i.name])
+        if i.rank < rank:
+            dims = t.op("Concat", [t.const([1] * (rank - i.rank)), dims], axis=0)
+        shape = dims if shape is None else t.op("Max", [shape, dims])
+    stacked = [t.op("Unsqueeze", [t.op("Expand", [t.op("Cast", [i.name],
+                                                          to=onnx_dtype(torch.int64)), shape]),
+                                  t.i64([-1])]) for i in indices]
+    positions = t.op("Concat", stacked, axis=-1)
+    return t.tensor(node, t.op("GatherND", [x.name, positions]))
+
+
+def _index_error(node: fx.Node, count: int) -> ExportError:
+    return ExportError(f"node {node.name!r} ({node.target}) indexes with {count} index "
+                       "tensors not all on the leading axes, or a boolean mask; tppc's ONNX "
+                       "export translates integer index tensors on the leading axes, or one "
+                       "on any axis (the others whole). fix: run the torch backend, or "
+                       "report the model")
+
+
+def _diff(t: Any, node: fx.Node, x: Tensor, n: int = 1, dim: int = -1, prepend: Any = None,
+          append: Any = None) -> Tensor:
+    """``torch.diff`` (``n = 1``): ``y[k + 1] - y[k]`` of ``prepend ∥ x ∥ append``."""
+    if n != 1:
+        raise ExportError(f"node {node.name!r}: diff with n={n}; tppc's ONNX export "
+                          "translates n=1. fix: run the torch backend")
+    d = _dim(dim, x.rank)
+    parts = [p.name for p in (prepend, x, append) if isinstance(p, Tensor)]
+    y = t.op("Concat", parts, axis=d) if len(parts) > 1 else x.name
+    big = 2**62
+    later = t.op("Slice", [y, t.i64([1]), t.i64([big]), t.i64([d])])
+    earlier = t.op("Slice", [y, t.i64([0]), t.i64([-1]), t.i64([d])])
+    return t.tensor(node, t.op("Sub", [later, earlier]))
+
+
 def _one_index(node: fx.Node, indices: Any) -> tuple[int, Tensor]:
     """The axis and tensor of the only index of ``x[..., idx, ...]``; refuses others."""
     given = [(d, i) for d, i in enumerate(indices) if i is not None]
     if len(given) != 1 or not isinstance(given[0][1], Tensor) \
             or given[0][1].dtype == torch.bool:
-        raise ExportError(f"node {node.name!r} ({node.target}) indexes with {len(given)} "
-                          "index tensors or a boolean mask; tppc's ONNX export translates one "
-                          "integer index tensor (the other axes whole). fix: run the torch "
-                          "backend, or report the model")
+        raise _index_error(node, len(given))
     return given[0]
 
 
 def _index(t: Any, node: fx.Node, x: Tensor, indices: Any) -> Tensor:
+    if len(indices) > 1 and all(i is not None for i in indices):
+        return _leading_indices(t, node, x, list(indices))
     axis, idx = _one_index(node, indices)
     return t.tensor(node, t.op("Gather", [x.name, idx.name], axis=axis))
 
@@ -165,7 +208,8 @@ def _histc(t: Any, node: fx.Node, x: Tensor, bins: int = 100, min: Any = 0,
 
 
 def _cumsum(t: Any, node: fx.Node, x: Tensor, dim: int, *, dtype: Any = None) -> Tensor:
-    x = _cast_to(t, x, dtype)
+    """``torch.cumsum`` in its result's dtype (booleans count as int64)."""
+    x = _cast_to(t, x, node.meta["val"].dtype)
     return t.tensor(node, t.op("CumSum", [x.name, t.const(_dim(dim, x.rank))]))
 
 
@@ -197,7 +241,7 @@ ROUTING_OPS: dict[Any, Fn] = {
     _aten.sum.dim_IntList: _sum, _aten.topk.default: _topk, _aten.sort.default: _sort,
     _aten.floor_divide.default: _floor_divide, _aten.index.Tensor: _index,
     _aten.index_put.default: _index_put, _aten.empty_like.default: _empty_like,
-    _aten.histc.default: _histc, _aten.cumsum.default: _cumsum,
+    _aten.histc.default: _histc, _aten.cumsum.default: _cumsum, _aten.diff.default: _diff,
 }
 """ATen op → translation (``fn(translator, node, *args, **kwargs)``), as in ``OPS``."""
 
