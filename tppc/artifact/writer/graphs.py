@@ -43,7 +43,8 @@ def split_attention(query: torch.Tensor, key_buffer: torch.Tensor, value_buffer:
                     causal: bool, scale: float | None = None, enable_gqa: bool = False,
                     attn_mask: torch.Tensor | None = None, key_valid: torch.Tensor | None = None,
                     window: int | None = None, softcap: float | None = None,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, block: int | None = None
+                    ) -> torch.Tensor:
     """Attention of a chunk over ``buffer[lo:chunk_start]``, its own K/V, ``buffer[end:kv_len]``.
 
     The torch reference of what the ONNX translation computes: one softmax over the scores
@@ -54,11 +55,14 @@ def split_attention(query: torch.Tensor, key_buffer: torch.Tensor, value_buffer:
     a row that sees no key gives 0 (as ``tppc::chunk_attention``). ``softcap`` and ``sinks``
     as :func:`tppc.ir.softmax_attention.softmax_attention_math` (the cap on the scaled
     scores before the masks; one logit per head appended to each row, dropped after the
-    softmax). Buffers and K/V are ``(..., heads_kv, tokens, d)``.
+    softmax). ``block`` (chunked attention, causal): the keys ``[start // block · block,
+    chunk_start + c)``, each row seeing its own block's. Buffers and K/V are ``(..., heads_kv, tokens, d)``.
     """
     c = query.shape[-2]
     end = chunk_start + c
     lo = 0 if window is None else max(0, chunk_start - window + 1)
+    if block is not None and causal:
+        lo = max(lo, chunk_start // block * block)
     keys = [key_buffer[..., lo:chunk_start, :], key]
     values = [value_buffer[..., lo:chunk_start, :], value]
     if not causal:
@@ -80,6 +84,8 @@ def split_attention(query: torch.Tensor, key_buffer: torch.Tensor, value_buffer:
         rows = torch.arange(chunk_start, end, device=query.device)[:, None]
         cols = torch.arange(lo, hi, device=query.device)
         visible = cols <= rows if window is None else (cols <= rows) & (cols > rows - window)
+        if block is not None:
+            visible = visible & (cols // block == rows // block)
     if key_valid is not None:
         valid = key_valid[:, lo:hi].bool().reshape(
             key_valid.shape[0], *[1] * (full.dim() - 2), hi - lo)
@@ -148,9 +154,10 @@ def export_stage_graph(stage: Any) -> tuple[fx.GraphModule, tuple[str, ...]]:
 
 
 _ATTENTION_ARGS = ("query", "key", "value", "chunk_start", "causal", "scale", "enable_gqa",
-                   "attn_mask", "key_valid", "window", "softcap", "sinks")
+                   "attn_mask", "key_valid", "window", "softcap", "sinks", "block")
 _ATTENTION_DEFAULTS = {"scale": None, "enable_gqa": False, "attn_mask": None,
-                       "key_valid": None, "window": None, "softcap": None, "sinks": None}
+                       "key_valid": None, "window": None, "softcap": None, "sinks": None,
+                       "block": None}
 
 
 def attention_args(node: fx.Node) -> dict[str, Any]:
@@ -172,11 +179,13 @@ def _rewrite_attention(graph: fx.Graph, node: fx.Node, buffers: set[str],
     after a text prefix: the chunk's start is in units, its K/V rows are not)."""
     a = attention_args(node)
     views, gqa = _buffer_reads(node, a, buffers)
-    window = a["window"]
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
-        raise ExportError(f"attention {node.name!r} has a sliding window of {window!r} keys "
-                          "that is not a constant int; tppc exports windows fixed at compile "
-                          "time only. fix: a model config with an int sliding_window")
+    window, block = a["window"], a["block"]
+    for what, size in (("sliding window", window), ("block (chunked attention)", block)):
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int)):
+            raise ExportError(f"attention {node.name!r} has a {what} of {size!r} keys "
+                              "that is not a constant int; tppc exports windows and blocks "
+                              "fixed at compile time only. fix: a model config with an int "
+                              "sliding_window (attention_chunk_size)")
     valid = a["key_valid"]
     if valid is not None and not (isinstance(valid, fx.Node) and valid.op == "placeholder"):
         raise ExportError(f"attention {node.name!r} reads a padding mask computed inside the "
@@ -192,7 +201,7 @@ def _rewrite_attention(graph: fx.Graph, node: fx.Node, buffers: set[str],
         new = graph.call_function(split_attention, (
             a["query"], key_buffer, value_buffer, rows[0], rows[1], start,
             views[0].args[3], a["causal"], a["scale"], gqa, a["attn_mask"],
-            valid, window, _number(node, "softcap", a["softcap"]), a["sinks"]))
+            valid, window, _number(node, "softcap", a["softcap"]), a["sinks"], block))
     new.meta = dict(node.meta)
     node.replace_all_uses_with(new)
     graph.erase_node(node)  # the views it read: removed with the dead code

@@ -3,7 +3,7 @@
 The scores of the key segments (the buffer's prefix, the chunk's own K/V, a bidirectional
 suffix) are concatenated, soft-capped (``cap · tanh(s / cap)``), masked (an offset-causal
 mask built from ``Range``/``Greater`` on the chunk's rows only, a sliding window's last
-keys, a padding mask, an additive bias), extended by the sinks column, and one ``Softmax``
+keys or a chunked attention's own block, a padding mask, an additive bias), extended by the sinks column, and one ``Softmax``
 weighs the segments' values. Grouped-query heads are regrouped ``(kv_heads, group)``
 rather than repeated. The table :data:`ATTENTION_OPS` joins the other tables in
 :func:`tppc.artifact.writer.to_onnx.to_onnx`.
@@ -28,7 +28,7 @@ def _attention(t: Any, node: fx.Node, q: Tensor, kb: Tensor, vb: Tensor,
                k: Tensor, v: Tensor, start: Any, kv_len: Any, causal: bool,
                scale: float | None, gqa: bool, mask: Any, key_valid: Any = None,
                window: int | None = None, softcap: float | None = None,
-               sinks: Any = None) -> Tensor:
+               sinks: Any = None, block: int | None = None) -> Tensor:
     """:func:`split_attention` in ONNX ops (see its docstring)."""
     val = node.meta["val"]
     heads, kv_heads, d = int(_q_shape(node)[-3]), int(node.args[3].meta["val"].shape[-3]), \
@@ -38,6 +38,10 @@ def _attention(t: Any, node: fx.Node, q: Tensor, kb: Tensor, vb: Tensor,
     end = Int(t.op("Add", [t.scalar(start), c]))
     lo: Any = 0 if window is None else Int(t.op("Max", [t.const(0), t.op(
         "Sub", [t.scalar(start), t.const(int(window) - 1)])]))
+    if block is not None and causal:  # the chunk's first block start (int64 Div: floor)
+        first = t.op("Mul", [t.op("Div", [t.scalar(start), t.const(int(block))]),
+                             t.const(int(block))])
+        lo = Int(first if lo == 0 else t.op("Max", [t.scalar(lo), first]))
     keys = [t.op("Slice", [kb.name, t.i64([lo]), t.i64([start]), t.i64([axis])]), k.name]
     vals = [t.op("Slice", [vb.name, t.i64([lo]), t.i64([start]), t.i64([axis])]), v.name]
     if not causal:
@@ -60,7 +64,7 @@ def _attention(t: Any, node: fx.Node, q: Tensor, kb: Tensor, vb: Tensor,
         cap = t.const(float(softcap), val.dtype)
         full = t.op("Mul", [t.op("Tanh", [t.op("Div", [full, cap])]), cap])
     hi = end if causal else kv_len
-    visible = _visible(t, start, end, lo, hi, window) if causal else None
+    visible = _visible(t, start, end, lo, hi, window, block) if causal else None
     if key_valid is not None:  # (B, ≥ kv_len) → (B, 1, .., 1, keys)
         rows = t.op("Slice", [key_valid.name, t.i64([lo]), t.i64([hi]), t.i64([1])])
         valid = t.op("Unsqueeze", [t.op("Cast", [rows], to=TensorProto.BOOL),
@@ -114,18 +118,24 @@ def _minus(t: Any, a: Any, b: Any) -> Any:
     return Int(t.op("Sub", [t.scalar(a), t.scalar(b)]))
 
 
-def _visible(t: Any, start: Any, end: Any, lo: Any, hi: Any, window: int | None) -> str:
+def _visible(t: Any, start: Any, end: Any, lo: Any, hi: Any, window: int | None,
+             block: int | None = None) -> str:
     """``(c, keys)`` bool: key ``j`` (positions ``[lo, hi)``) visible from query ``i``
-    (positions ``[start, end)``) when ``j ≤ i`` and, with a window, ``j > i - window``."""
+    (positions ``[start, end)``) when ``j ≤ i`` and, with a window, ``j > i - window``, with
+    a block, ``j // block == i // block``."""
     rows = t.op("Unsqueeze", [t.op("Range", [t.scalar(start), t.scalar(end), t.const(1)]),
                               t.const([1])])
     cols = t.op("Unsqueeze", [t.op("Range", [t.scalar(lo), t.scalar(hi), t.const(1)]),
                               t.const([0])])
     seen = t.op("Not", [t.op("Greater", [cols, rows])])
-    if window is None:
-        return seen
-    near = t.op("Greater", [cols, t.op("Sub", [rows, t.const(int(window))])])
-    return t.op("And", [seen, near])
+    if window is not None:
+        near = t.op("Greater", [cols, t.op("Sub", [rows, t.const(int(window))])])
+        seen = t.op("And", [seen, near])
+    if block is not None:
+        size = t.const(int(block))
+        same = t.op("Equal", [t.op("Div", [cols, size]), t.op("Div", [rows, size])])
+        seen = t.op("And", [seen, same])
+    return seen
 
 
 def _q_shape(node: fx.Node) -> tuple[Any, ...]:
