@@ -143,13 +143,12 @@ def test_mixtral_expert_implementations_pipeline_exactly(experts: str) -> None:
                          model(ids, attention_mask=mask).logits)
 
 
-@pytest.mark.parametrize("experts", ["grouped_mm", "batched_mm"])
-def test_mixtral_export_equals_eager_on_a_padded_batch(experts: str, tmp_path) -> None:
+def test_mixtral_export_equals_eager_on_a_padded_batch(tmp_path) -> None:
     """Issue 31: K/V heads repeated after the buffer read (``repeat_kv``: read as grouped
     heads), the router (``topk``, ``sort``, ``histc``, ``cumsum``) and the experts
-    (``grouped_mm``: every expert on every routed row, each row's own kept; ``batched_mm``:
-    gathered weights) through ONNX Runtime, at two lengths."""
-    _exported_equals_eager(*_mixtral(experts), tmp_path)
+    (``grouped_mm``: every expert on every routed row, each row's own kept) through ONNX
+    Runtime, at two lengths (``batched_mm`` exports too: measured, not a test)."""
+    _exported_equals_eager(*_mixtral("grouped_mm"), tmp_path)
 
 
 def test_mixtral_eager_experts_are_refused_by_capture() -> None:
