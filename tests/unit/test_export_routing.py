@@ -60,11 +60,19 @@ def test_grouped_experts_routing_translates_and_matches_torch() -> None:
     assert want[1].sum() == 14 and (want[1] > 0).sum() > 1  # every pair counted, experts vary
 
 
-def test_indexing_with_two_index_tensors_is_refused_by_name() -> None:
-    class _Two(torch.nn.Module):
+def test_index_tensors_on_the_leading_axes_translate_and_others_are_refused() -> None:
+    """``x[i, j]`` (transformers' mask functions) is a GatherND; ``x[:, i, j]`` is refused."""
+    class _Leading(torch.nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             i = torch.arange(x.shape[0])
-            return x[i, i]
+            return x[i[:, None], i[None, :]]
 
-    with pytest.raises(ExportError, match=r"2 index tensors.*fix:"):
-        _onnx_and_torch(_Two(), torch.randn(3, 4))
+    class _Inner(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            i = torch.arange(x.shape[1])
+            return x[:, i, i]
+
+    (got,), want = _onnx_and_torch(_Leading(), torch.randn(3, 4, 2))
+    assert (got == want.numpy()).all()
+    with pytest.raises(ExportError, match=r"2 index tensors not all on the leading axes.*fix:"):
+        _onnx_and_torch(_Inner(), torch.randn(2, 3, 3))
