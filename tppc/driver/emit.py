@@ -31,9 +31,9 @@ from tppc.passes.stages.direct_output import write_outputs_in_place
 from tppc.passes.stages.partition_stages import partition_stages
 from tppc.passes.subgraph import copy_graph
 from tppc.planner.plan import Plan, StagePlan
+from tppc.program.mesh import Mesh
 from tppc.program.program import BufferSpec, Program, StageProgram
 from tppc.program.schedule import flow_shop
-from tppc.program.mesh import Mesh
 from tppc.program.sharded import mesh_groups
 
 if TYPE_CHECKING:
