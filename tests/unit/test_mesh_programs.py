@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import tppc
-from tests.oracles import assert_kernels_close
+from tests.oracles import assert_kernels_close, serial_denoise
 from tests.unit.mesh_cuts import replicated_cut
 from tppc.driver.emit import build_program
 from tppc.errors import PlanError, SpecError
@@ -132,3 +132,19 @@ def test_a_degree_the_batch_does_not_take_is_refused_by_name(guided) -> None:
     cp, _, _ = guided
     with pytest.raises(SpecError, match=r"stage 0"):
         build_program(cp._front.chunk, cp._front.ctx, _mesh_plan(cp.plan, cfg_parallel=4))
+
+
+def test_denoise_on_a_mesh_runs_every_step_warm_or_is_refused_by_name() -> None:
+    diffusers = pytest.importorskip("diffusers")
+    model, (x, _, y) = _guided_dit()
+    cp = tppc.compile(model, (x, torch.tensor([10, 10]), y), cluster="2xcpu", num_stages=1,
+                      executor="threads", verify=False, cfg_parallel=2, ulysses=1, ring=1,
+                      tensor_parallel=1)
+    want = serial_denoise(model, x, diffusers.DDIMScheduler(), 3, timestep_arg="t",
+                          model_kwargs={"y": y})
+    got = cp.denoise(x, diffusers.DDIMScheduler(), 3, warmup_steps=None, patches=2,
+                     timestep_arg="t", model_kwargs={"y": y})
+    assert_kernels_close(got, want, depth=3)
+    with pytest.raises(SpecError, match=r"stale patches .*fix: warmup_steps=None"):
+        cp.denoise(x, diffusers.DDIMScheduler(), 3, warmup_steps=1, patches=2,
+                   timestep_arg="t", model_kwargs={"y": y})
