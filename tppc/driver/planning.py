@@ -278,15 +278,7 @@ def _plan_length(front: FrontEnd, opts: CompileOptions, length: int,
     stages = opts.num_stages or (len(tp) if isinstance(tp, tuple) else None)
     hybrid = wants_hybrid(front, opts)
     if hybrid and opts.tensor_parallel is None and front.bidirectional:
-        hybrid = False  # a DiT's plan is also its denoise plan: PipeFusion runs no groups yet
-    if hybrid and diffusion:  # PipeFusion's patches run one worker per stage (issue 29)
-        if opts.tensor_parallel is not None:
-            raise PlanError(
-                f"tensor_parallel={opts.tensor_parallel} with denoising: PipeFusion's patches "
-                "run on stages of one worker each; tensor-parallel stages denoise only "
-                "through the model's own calls. fix: tensor_parallel=1 for cp.denoise / "
-                "compile_pipeline, or call the compiled model step by step")
-        hybrid = False
+        hybrid = False  # a DiT's degrees are given (tensor_parallel=); the planner's choice: dplan
 
     def search(tokens: int, g: int | None, cuts: tuple[int, ...] | None) -> Plan:
         def plan_length(at: Callable[[int], CostTable], k: int | None, seconds: float) -> Plan:
