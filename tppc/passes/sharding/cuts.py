@@ -180,8 +180,27 @@ def _elementwise(node: fx.Node, cuts: dict[fx.Node, Any], parts: list) -> Cut | 
             shape = sizes_of(arg)
             at = found.axis - (out - len(shape))
             if at >= 0 and shape[at] != 1:
+                _no_modulation(node, arg, cuts, out)
                 parts.append((arg, at, found.segments))
     return found
+
+
+def _no_modulation(node: fx.Node, whole: fx.Node, cuts: dict[fx.Node, Any], out: int) -> None:
+    """Refuse to narrow whole operand ``whole`` to a cut operand that broadcasts over one of
+    its axes (an adaLN modulation ``norm(x) * (1 + scale) + shift``: a per-call vector cut
+    beside the activations): the cut would spread into the whole activations. The smaller
+    value stays whole instead (:class:`Conflict` names its origins)."""
+    big = (1,) * (out - _ndim(whole)) + tuple(sizes_of(whole))
+    for arg in node.all_input_nodes:
+        cut = cuts.get(arg)
+        if cut is None:
+            continue
+        small = (1,) * (out - _ndim(arg)) + tuple(sizes_of(arg))
+        for axis, (a, b) in enumerate(zip(small, big, strict=True)):
+            if a == 1 and b != 1:
+                raise _conflict(node, [cut], f"a cut value broadcast over axis {axis} of "
+                                f"whole {whole.name} (a modulation: narrowing {whole.name} "
+                                "would spread the cut into the activations)")
 
 
 def _view(node: fx.Node, cut: Cut) -> Cut:
@@ -320,14 +339,51 @@ def _getitem(node, cuts, cut, args, parts):
 
 
 def _cat(node, cuts, cut, args, parts):
+    """Along another axis: every piece cut alike. Along the cut axis: every piece cut there,
+    the pieces' segments one after the other (a Flux single block's attention beside its MLP
+    columns, read by one row-parallel projection)."""
     tensors = args[0]
     nd = _ndim(node)
     dim = _axis(args[1] if len(args) > 1 else 0, nd)
     got = [cuts.get(t) for t in tensors]
-    if dim == cut.axis or any(g is None or (g.axis, g.segments) != (cut.axis, cut.segments)
-                              for g in got):
-        raise _conflict(node, got, "concatenates cut and whole values or along the cut axis")
+    if any(g is None for g in got):
+        raise _conflict(node, got, "concatenates cut and whole values")
+    if dim == cut.axis and all(g.axis == dim for g in got):
+        units = {g.unit for g in got}
+        return Cut(dim, tuple(s for g in got for s in g.segments), _origins(got),
+                   units.pop() if len(units) == 1 else 0)
+    if dim == cut.axis or any((g.axis, g.segments) != (cut.axis, cut.segments) for g in got):
+        raise _conflict(node, got, "concatenates values cut on different axes or into "
+                        "different segments")
     return Cut(cut.axis, cut.segments, _origins(got), cut.unit)
+
+
+def _stack(node, cuts, cut, args, parts):
+    """Every piece cut alike; the new axis shifts the cut one on when it comes first."""
+    got = [cuts.get(t) for t in args[0]]
+    if any(g is None or (g.axis, g.segments) != (cut.axis, cut.segments) for g in got):
+        raise _conflict(node, got, "stacks whole values, or values cut differently")
+    dim = _axis(args[1] if len(args) > 1 else node.kwargs.get("dim", 0), _ndim(node))
+    return Cut(cut.axis + (dim <= cut.axis), cut.segments, _origins(got), cut.unit)
+
+
+def _unbind(node, cuts, cut, args, parts):
+    nd = _ndim(args[0])
+    dim = _axis(args[1] if len(args) > 1 else node.kwargs.get("dim", 0), nd)
+    if dim == cut.axis:
+        raise _conflict(node, [cut], "unbinds the cut axis")
+    return [cut.moved(cut.axis - (dim < cut.axis))] * sizes_of(args[0])[dim]
+
+
+def _unflatten(node, cuts, cut, args, parts):
+    return _view(node, cut)
+
+
+def _sym_size(node, cuts, cut, args, parts):
+    """The size of an axis: a whole number, unless it is the cut axis (a part's size)."""
+    if _axis(args[1], _ndim(args[0])) == cut.axis:
+        raise _conflict(node, [cut], "reads the size of the cut axis")
+    return None
 
 
 def _reduce(node, cuts, cut, args, parts):
@@ -416,5 +472,7 @@ _RULES: dict[Any, _Rule] = {
     aten.bmm.default: _matmul, aten.expand.default: _expand, aten.view.default: _view_rule,
     aten.reshape.default: _view_rule, aten._unsafe_view.default: _view_rule,
     torch.ops.tppc.chunk_attention.default: _attention, operator.getitem: _getitem,
-    torch.ops.tppc.softmax_attention.default: _attention,
+    torch.ops.tppc.softmax_attention.default: _attention, aten.unbind.int: _unbind,
+    aten.unflatten.int: _unflatten, aten.stack.default: _stack,
+    aten.flatten.using_ints: _unflatten, aten.sym_size.int: _sym_size,
 }
