@@ -19,6 +19,10 @@ Terms:
         leave. The fill and the drain run on the idle stages' intra-op threads too
         (:func:`tppc.pipefusion.jobs.idle_threads`), which shortens them.
 
+Stages on a mesh of workers (cfg, ring or ulysses above 1, :mod:`tppc.program.mesh`) run
+every call warm, the workers as threads of their own (:class:`ThreadsExecutor`): PipeFusion's
+stale patches need one worker per stage, so such a loop is exact (a warning says so once).
+
 :meth:`StepCalls.reset` starts a new loop (a diffusers pipeline call): the states go back,
 and the next call of every stream is warm again.
 """
@@ -27,10 +31,12 @@ from __future__ import annotations
 
 import itertools
 import threading
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 from tppc.backends.torch_local import LocalExecutor
+from tppc.backends.torch_threads import ThreadsExecutor
 from tppc.calls.call import with_tail
 from tppc.calls.io import OutputAssembler, output_structure
 from tppc.pipefusion.denoise import all_threads, choose_patches, intra_op_threads, patch_programs
@@ -67,6 +73,7 @@ class StepCalls:
         self._lock = threading.Lock()
         self._streams: dict[Any, tuple[Any, CallState, int]] = {}  # key -> front, state, calls
         self._epoch = next_epoch()
+        self._warned = False
 
     def reset(self) -> None:
         """Start a new loop: give the states back; every stream's next call is warm."""
@@ -100,15 +107,20 @@ class StepCalls:
                                       else min(self.warmup_steps, steps), self.patches)
         programs = patch_programs(cp, front, plan, length, bounds)
         full, first = programs.full, programs.first
+        warm = warm or self._on_mesh(full)
         threaded = (self.executor or cp.executor) == "threads" and len(first.stages) > 1
         if warm or len(bounds) == 2:
             call = Call(tuple(bound.flat), ((0, length),), length, length, self._epoch)
             sink = OutputAssembler(full.signature.output_axes, call, full.signature.output_rows)
-            with intra_op_threads(all_threads(cp, len(full.stages)) if threaded else None):
-                (values,) = LocalExecutor().run(full, call, state)
+            if full.meshes and (self.executor or cp.executor) == "threads":
+                (values,) = ThreadsExecutor(cp.options.threads_per_stage).run(full, call,
+                                                                              state)
+            else:
+                with intra_op_threads(all_threads(cp, len(full.stages)) if threaded else None):
+                    (values,) = LocalExecutor().run(full, call, state)
             sink(0, values)
             return output_structure(full, with_tail(full, call.flat_inputs, sink.leaves))
-        chunks = tuple(itertools.pairwise(bounds))
+        chunks = tuple(itertools.pairwise(bounds))  # one worker per stage from here
         call = Call(tuple(bound.flat), chunks, length, length, self._epoch)
         sink = OutputAssembler(first.signature.output_axes, call, first.signature.output_rows)
 
@@ -125,3 +137,15 @@ class StepCalls:
         else:
             run_serial(jobs)
         return output_structure(first, with_tail(first, call.flat_inputs, sink.leaves))
+
+    def _on_mesh(self, program: Any) -> bool:
+        """Whether ``program``'s stages run on meshes (then every call is warm; warned once)."""
+        if not program.meshes:
+            return False
+        if self.warmup_steps is not None and not self._warned:
+            self._warned = True
+            warnings.warn(f"the stages run on meshes {list(program.meshes)}: every call of "
+                          f"the loop is warm (exact), not warmup_steps={self.warmup_steps} "
+                          "then PipeFusion's stale patches (they need one worker per stage)",
+                          stacklevel=3)
+        return True
