@@ -191,6 +191,15 @@ def _unflatten(node, cuts, cut, args, parts):
     return _view(node, cut)
 
 
+def _pad(node, cuts, cut, args, parts):
+    """Padding of the last ``len(pad) / 2`` axes: the cut passes unless its axis is padded."""
+    pad, nd = list(args[1]), ndim_of(args[0])
+    padded = {nd - 1 - k // 2 for k, p in enumerate(pad) if p}
+    if cut.axis in padded:
+        raise conflict(node, [cut], "pads the cut axis")
+    return cut
+
+
 def _sym_size(node, cuts, cut, args, parts):
     """The size of an axis: a whole number, unless it is the cut axis (a part's size)."""
     if axis_at(args[1], ndim_of(args[0])) == cut.axis:
@@ -216,6 +225,7 @@ MOVES: dict[Any, Callable[..., Any]] = {
     aten.expand.default: _expand, aten.view.default: _view_rule,
     aten.reshape.default: _view_rule, aten._unsafe_view.default: _view_rule,
     aten.unflatten.int: _unflatten, aten.flatten.using_ints: _unflatten,
-    operator.getitem: _getitem, aten.sym_size.int: _sym_size,
+    operator.getitem: _getitem, aten.sym_size.int: _sym_size, aten.pad.default: _pad,
+    aten.constant_pad_nd.default: _pad,
 }
 """The rule of every rearranging op."""
