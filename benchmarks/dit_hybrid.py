@@ -29,14 +29,16 @@ from tppc.errors import TppcError
 
 __all__: list[str] = []
 
+_ONE = {"cfg_parallel": 1, "ulysses": 1, "ring": 1, "tensor_parallel": 1}
 FORMS: dict[str, dict[str, object]] = {
     "drop-in PipeFusion (2 stages x 1 thread, 1 warm-up)": {
-        "num_stages": 2, "threads_per_stage": 1, "executor": "threads", "warmup_steps": 1},
+        **_ONE, "num_stages": 2, "threads_per_stage": 1, "executor": "threads",
+        "warmup_steps": 1},
     "CFG-parallel 2 (every step warm)": {
-        "cfg_parallel": 2, "num_stages": 1, "threads_per_stage": 1, "executor": "threads",
-        "warmup_steps": None},
+        **_ONE, "cfg_parallel": 2, "num_stages": 1, "threads_per_stage": 1,
+        "executor": "threads", "warmup_steps": None},
     "Ulysses-2 (every step warm)": {
-        "ulysses": 2, "num_stages": 1, "threads_per_stage": 1, "executor": "threads",
+        **_ONE, "ulysses": 2, "num_stages": 1, "threads_per_stage": 1, "executor": "threads",
         "warmup_steps": None},
     "drop-in, no degrees given": {},
 }

@@ -29,6 +29,8 @@ class Staged:
     rows: list[int]
     output_rows: tuple
     want: Any
+    tail: Any = None
+    flat: tuple = ()
 
 
 def staged(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
@@ -54,12 +56,20 @@ def staged(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
 
     stages = tuple(dataclasses.replace(st, runnable=recorder(s, st))
                    for s, st in enumerate(program.stages))
-    cp.programs.hold(front, dataclasses.replace(program, stages=stages))
+    flat: list[tuple] = []
+    leaves = len(program.signature.output_axes)
+
+    def tail(*values: Any) -> Any:  # the epilogue after the last stage: record its inputs
+        flat.append(values[:len(values) - leaves])
+        return program.tail(*values)
+
+    cp.programs.hold(front, dataclasses.replace(
+        program, stages=stages, tail=tail if program.tail is not None else None))
     with torch.no_grad():
         cp(*args, **kwargs)
         want = model(*args, **kwargs)
     return Staged([st.module for st in program.stages], feeds, rows,
-                  program.signature.output_rows, want)
+                  program.signature.output_rows, want, program.tail, flat[0] if flat else ())
 
 
 def run_mesh(st: Staged, mesh: Mesh) -> tuple[Any, ...]:
@@ -76,4 +86,7 @@ def run_mesh(st: Staged, mesh: Mesh) -> tuple[Any, ...]:
                            [{} for _ in range(mesh.size)], st.rows[s])
         if stage.meta[STAGE_INFO].outputs:
             boundary = outs
+    if st.tail is not None:
+        with torch.no_grad():
+            return tuple(st.tail(*st.flat, *outs[0]))
     return outs[0]

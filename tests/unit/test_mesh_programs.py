@@ -10,12 +10,13 @@ what the runtime owns, apart from the graph side's cuts.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
 
 import tppc
-from tests.oracles import assert_kernels_close
+from tests.oracles import assert_kernels_close, serial_denoise
 from tests.unit.mesh_cuts import replicated_cut
 from tppc.driver.emit import build_program
 from tppc.errors import PlanError, SpecError
@@ -74,36 +75,77 @@ def _guided_dit() -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
     return model, (torch.randn(2, 4, 8, 8), torch.tensor([10, 10]), torch.tensor([3, 0]))
 
 
-def _cfg_plan(plan: tppc.Plan, cfg: int = 2) -> tppc.Plan:
+def _mesh_plan(plan: tppc.Plan, **degrees: int) -> tppc.Plan:
+    """``plan`` with every stage on a mesh of ``degrees`` (``cfg_parallel=2``, ...)."""
+    degrees = {"cfg_parallel": 1, "ulysses": 1, "ring": 1, "tensor_parallel": 1, **degrees}
+    n = math.prod(degrees.values())
     stages = tuple(dataclasses.replace(
-        st, cfg_parallel=cfg, device_index=cfg * s,
-        device_indices=tuple(range(cfg * s, cfg * s + cfg))) for s, st in enumerate(plan.stages))
+        st, **degrees, device_index=n * s, device_indices=tuple(range(n * s, n * s + n)))
+        for s, st in enumerate(plan.stages))
     return dataclasses.replace(plan, stages=stages)
 
 
-@pytest.mark.parametrize("executor", ["local", "threads"])
-def test_a_cfg_parallel_program_equals_eager(executor: str) -> None:
+@pytest.fixture(scope="module")
+def guided() -> tuple:
     model, args = _guided_dit()
-    cp = tppc.compile(model, args, cluster="4xcpu", num_stages=2, executor=executor,
-                      verify=False)
+    cp = tppc.compile(model, args, cluster="8xcpu", num_stages=2, executor="threads",
+                      verify=False, cfg_parallel=1, ulysses=1, ring=1, tensor_parallel=1)
+    with torch.no_grad():
+        want = model(*args)
+    return cp, args, want
+
+
+def test_a_cfg_parallel_program_equals_eager_on_every_executor_and_the_replay(guided) -> None:
+    cp, args, want = guided
     front = cp._front
-    program = build_program(front.chunk, front.ctx, _cfg_plan(cp.plan), cut=replicated_cut)
+    program = build_program(front.chunk, front.ctx, _mesh_plan(cp.plan, cfg_parallel=2),
+                            cut=replicated_cut)  # the runtime alone: see mesh_cuts.py
     assert [(w.index, w.rank) for w in program.workers] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert len({b.name for w in program.workers for b in w.buffers}) == \
         sum(len(w.buffers) for w in program.workers)  # every worker its own K/V
     cp.programs.hold(front, program)
-    with torch.no_grad():
-        want = model(*args)
-    assert_kernels_close(cp(*args), want)
-    if executor == "local":  # translation validation replays the same program
-        bound = cp.bind(args, {})[1]
-        run = check_replay(front, "compiled program", program, None, bound.flat,
-                           bound.length, program.chunks, warmup=False)
-        assert run.max_diff < 1e-4  # check_replay also raises past its own tolerance
+    for executor in ("local", "threads"):
+        assert_kernels_close(cp.run(args, executor=executor), want)
+    bound = cp.bind(args, {})[1]
+    run = check_replay(front, "compiled program", program, None, bound.flat, bound.length,
+                       program.chunks, warmup=False)  # raises past its tolerance
+    assert run.max_diff < 1e-4
 
 
-def test_a_mesh_without_a_cut_is_refused_by_name() -> None:
-    model, args = _guided_dit()
-    cp = tppc.compile(model, args, cluster="4xcpu", num_stages=2, verify=False)
-    with pytest.raises(SpecError, match=r"stage 0 .*no pass cuts a stage graph"):
-        build_program(cp._front.chunk, cp._front.ctx, _cfg_plan(cp.plan))
+@pytest.mark.parametrize("degrees", [{"cfg_parallel": 2}, {"ulysses": 2}, {"ring": 2},
+                                     {"cfg_parallel": 2, "ulysses": 2},
+                                     {"ring": 2, "tensor_parallel": 2}],
+                         ids=["cfg2", "ulysses2", "ring2", "cfg2xulysses2", "ring2xtp2"])
+def test_the_mesh_cut_runs_exactly_in_threads(guided, degrees: dict[str, int]) -> None:
+    cp, args, want = guided
+    front = cp._front
+    program = build_program(front.chunk, front.ctx, _mesh_plan(cp.plan, **degrees))
+    n = len(program.workers) // 2
+    assert {g for g, _ in program.groups} >= {f"{a}0.0" for a, d in (
+        ("cfg", degrees.get("cfg_parallel", 1)), ("ulysses", degrees.get("ulysses", 1)),
+        ("ring", degrees.get("ring", 1))) if d > 1} and n == math.prod(degrees.values())
+    cp.programs.hold(front, program)
+    assert_kernels_close(cp.run(args, executor="threads"), want)
+
+
+def test_a_degree_the_batch_does_not_take_is_refused_by_name(guided) -> None:
+    cp, _, _ = guided
+    with pytest.raises(SpecError, match=r"stage 0"):
+        build_program(cp._front.chunk, cp._front.ctx, _mesh_plan(cp.plan, cfg_parallel=4))
+
+
+def test_denoise_on_a_mesh_runs_every_step_warm_or_is_refused_by_name(guided) -> None:
+    diffusers = pytest.importorskip("diffusers")
+    cp, (x, _, y), _ = guided
+    model = cp.model
+    front = cp._front
+    cp.programs.hold(front, build_program(front.chunk, front.ctx,
+                                          _mesh_plan(cp.plan, cfg_parallel=2)))
+    want = serial_denoise(model, x, diffusers.DDIMScheduler(), 3, timestep_arg="t",
+                          model_kwargs={"y": y})
+    got = cp.denoise(x, diffusers.DDIMScheduler(), 3, warmup_steps=None, patches=2,
+                     timestep_arg="t", model_kwargs={"y": y})
+    assert_kernels_close(got, want, depth=3)
+    with pytest.raises(SpecError, match=r"stale patches .*fix: warmup_steps=None"):
+        cp.denoise(x, diffusers.DDIMScheduler(), 3, warmup_steps=1, patches=2,
+                   timestep_arg="t", model_kwargs={"y": y})

@@ -48,7 +48,7 @@ import sympy
 
 from tppc.cost_models.cluster import Cluster
 from tppc.cost_models.collective_costs import collective_cost
-from tppc.cost_models.node_costs import C, L, P, NodeCost
+from tppc.cost_models.node_costs import C, L, NodeCost, P
 from tppc.cost_models.shard_costs import LayerShards
 from tppc.program.mesh import Mesh
 

@@ -24,6 +24,7 @@ from tppc.driver.options import CompileOptions, chunk_bounds
 from tppc.errors import RuntimeInputError, SpecError
 from tppc.ir.context import CompileContext
 from tppc.ir.records import CHUNK_INPUT, CHUNK_SIGNATURE, STAGE_INFO, ChunkSignature, StageInfo
+from tppc.passes.meshcut.worker_graph import worker_graph
 from tppc.passes.runner import run_passes
 from tppc.passes.sharding.shard_graph import cuttable, shard_graph
 from tppc.passes.sharding.split_parts import split_parts
@@ -32,7 +33,7 @@ from tppc.passes.stages.partition_stages import partition_stages
 from tppc.passes.stages.place_constructors import place_constructors
 from tppc.passes.subgraph import copy_graph
 from tppc.planner.plan import Plan, StagePlan
-from tppc.program.mesh import Mesh
+from tppc.program.mesh import AXES, Mesh
 from tppc.program.program import BufferSpec, Program, StageProgram
 from tppc.program.schedule import flow_shop
 from tppc.program.sharded import mesh_groups
@@ -133,7 +134,7 @@ def build_program(chunk: fx.GraphModule, ctx: CompileContext, plan: Plan,
         devices: one torch device per stage (default: see :func:`device_for`).
         degrees: each stage's tensor-parallel degree (default: the plan's).
         cut: a stage graph's worker graph on a mesh with cfg, ring or ulysses above 1
-            (:data:`WorkerCut`).
+            (:data:`WorkerCut`; default: :func:`worker_graph`).
     """
     ranges = [(st.layer_start, st.layer_end) for st in plan.stages]
     names = [name for st in plan.stages for name in st.layer_names]
@@ -173,7 +174,7 @@ def sharded_stage(module: fx.GraphModule, device: torch.device, signature: Chunk
 def mesh_stage(module: fx.GraphModule, device: torch.device, signature: ChunkSignature,
                mesh: Mesh, s: int, cut: WorkerCut | None = None) -> list[StageProgram]:
     """Stage ``s``'s workers on ``mesh``: each its worker graph (tensor parallelism alone:
-    its shard, :func:`shard_graph`; else ``cut``) cut into
+    its shard, :func:`shard_graph`; else ``cut``, default :func:`worker_graph`) cut into
     parts at its collectives (:func:`split_parts`); each K/V buffer named per worker. A
     tensor-parallel stage in which nothing can be cut runs whole on every worker (exact,
     and priced so).
@@ -183,7 +184,8 @@ def mesh_stage(module: fx.GraphModule, device: torch.device, signature: ChunkSig
     """
     info = module.meta[STAGE_INFO]
     what = f"stage {s} ({info.layers[0]}..)"
-    label = "tp" if mesh.size == mesh.tp else "w"
+    label = "tp" if mesh.size == mesh.tp else "".join(
+        f"{a}{getattr(mesh, a)}." for a in AXES if getattr(mesh, a) > 1) + "w"
     if mesh.size == mesh.tp and not cuttable(module):  # e.g. an embedding alone
         whole = _stage(module, device, signature)
         return [_rank_buffers(dataclasses.replace(whole, rank=r), r, label)
@@ -193,15 +195,10 @@ def mesh_stage(module: fx.GraphModule, device: torch.device, signature: ChunkSig
         if mesh.size == mesh.tp:
             graph = shard_graph(module, r, mesh.tp, what)
         else:
-            graph = (cut or _no_cut)(module, mesh, r, what)
+            graph = cut(module, mesh, r, what) if cut is not None else worker_graph(
+                module, mesh, r, output_rows=signature.output_rows, what=what)
         workers.append(_worker(graph, info, module, device, signature, r, label))
     return workers
-
-
-def _no_cut(module: fx.GraphModule, mesh: Mesh, rank: int, what: str) -> fx.GraphModule:
-    raise SpecError(f"{what}: no pass cuts a stage graph for the mesh {mesh} (cfg, ring or "
-                    "ulysses above 1) in this build. fix: tensor_parallel alone, or pass "
-                    "build_program a cut")
 
 
 def _worker(shard: fx.GraphModule, info: StageInfo, module: fx.GraphModule,
@@ -231,7 +228,9 @@ def _worker(shard: fx.GraphModule, info: StageInfo, module: fx.GraphModule,
 
 
 def _rank_buffers(stage: StageProgram, rank: int, label: str = "tp") -> StageProgram:
-    """The stage's K/V buffers named for worker ``rank`` (a call state holds one per name)."""
+    """The stage's K/V buffers named for worker ``rank`` (a call state holds one per name):
+    ``<name>@tp<r>`` on a tensor-parallel stage, ``<name>@cfg2.ulysses2.w<r>`` on a mesh (the
+    degrees in the name: another mesh's worker holds buffers of another shape)."""
     def named(name: str) -> str:
         return f"{name}@{label}{rank}"
     return dataclasses.replace(

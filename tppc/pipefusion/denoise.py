@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 import torch
 
 from tppc.backends.torch_local import LocalExecutor
+from tppc.backends.torch_threads import ThreadsExecutor
 from tppc.calls.io import OutputAssembler, output_structure
 from tppc.driver.emit import build_program
 from tppc.errors import SpecError
@@ -144,6 +145,13 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any,
     front, length, plan, bounds, flats = b.front, b.length, b.plan, b.bounds, b.flats
     programs = patch_programs(cp, front, plan, length, bounds)
     full, first = programs.full, programs.first
+    if full.meshes and warm < len(steps):
+        raise SpecError(
+            f"{front.ctx.model_name}: the plan's stages run on meshes {list(full.meshes)} "
+            f"(cfg, ring or ulysses above 1); PipeFusion's stale patches after "
+            f"{warm} warm-up step(s) run one worker per stage. fix: warmup_steps=None (every "
+            "step warm: exact, the mesh's workers in parallel), or cfg_parallel=1, ring=1 "
+            "and ulysses=1")
     if warm < len(steps):  # the patches against one chunk, once per shape
         check_patches(cp, front, flats[0], length, bounds, programs)
     axis, scale = b.axis, b.scale
@@ -161,7 +169,11 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any,
         for i in range(warm):  # synchronous: the stages' cores share each op instead
             whole.model_input(steps[i])
             call = Call(tuple(flats[i]), ((0, length),), length, length, epoch)
-            (values,) = LocalExecutor().run(full, call, state)
+            if full.meshes and (executor or cp.executor) == "threads":  # a thread a worker
+                (values,) = ThreadsExecutor(cp.options.threads_per_stage).run(full, call,
+                                                                              state)
+            else:
+                (values,) = LocalExecutor().run(full, call, state)
             out = run.model_output(full, call, 0, values)
             whole.step(out, steps[i])
     pipelined = len(steps) - warm

@@ -86,10 +86,13 @@ def batch_cut(gm: fx.GraphModule, part: int, parts: int, what: str) -> dict[fx.N
 
 def _batch(placeholders: list[fx.Node], what: str) -> int:
     sizes = {}
-    for ph in placeholders:
-        spec, shape = ph.meta.get(CHUNK_INPUT), sizes_of(ph)
-        if spec is not None and spec.kind == "token" and spec.axis not in (None, 0) and shape:
-            sizes[ph.name] = shape[0]
+    for kind in ("token", "boundary"):  # a later stage: its boundary values
+        for ph in placeholders:
+            spec, shape = ph.meta.get(CHUNK_INPUT), sizes_of(ph)
+            if spec is not None and spec.kind == kind and spec.axis not in (None, 0) and shape:
+                sizes[ph.name] = shape[0]
+        if sizes:
+            break
     if not sizes:
         raise SpecError(f"{what}: no token input with a batch axis (axis 0 beside its token "
                         "axis); tppc cannot find the batch to cut. fix: cfg_parallel=1")
@@ -137,6 +140,14 @@ def _flow(node: fx.Node, cuts: dict, batch: int) -> tuple[Any, list]:
         if lo < cut.axis <= hi:
             raise Conflict(cut.origins, "flattens the batch axis into an outer one")
         return cut.moved(cut.axis - (hi - lo) if cut.axis > hi else cut.axis), []
+    if target == aten.unbind.int:
+        dim = args[1] if len(args) > 1 else 0
+        dim = dim + len(sizes_of(args[0])) if dim < 0 else dim
+        if dim == cut.axis:
+            raise Conflict(cut.origins, "unbinds the batch axis")
+        return [cut.moved(cut.axis - (dim < cut.axis))] * sizes_of(args[0])[dim], []
+    if target == aten.einsum.default:
+        return _einsum(node, cuts, cut, batch)
     if target == aten.embedding.default:
         return cuts[args[1]], []
     if target == aten.copy_.default:
@@ -144,6 +155,8 @@ def _flow(node: fx.Node, cuts: dict, batch: int) -> tuple[Any, list]:
         if have is None or want is None or have.axis != want.axis:
             raise Conflict(cut.origins, "a copy between a cut and a whole value")
         return have, []
+    if target == aten.stack.default:
+        return _stack(node, cuts, cut, batch)
     if target in _ATTENTION or target in (aten.cat.default, aten.matmul.default,
                                           aten.bmm.default, aten.baddbmm.default):
         return _batched(node, cuts, cut, batch)
@@ -180,6 +193,44 @@ def _batched(node: fx.Node, cuts: dict, cut: Cut, batch: int) -> tuple[Cut, list
             raise Conflict(cut.origins, f"a whole operand {arg.name} of size {shape[at]} on "
                            "the batch axis")
     return cut.moved(cut_at), found
+
+
+def _stack(node: fx.Node, cuts: dict, cut: Cut, batch: int) -> tuple[Cut, list]:
+    """``stack`` along a new axis: every operand cut on the same axis, or narrowed."""
+    tensors = list(node.args[0])
+    nd = len(sizes_of(tensors[0]))
+    dim = node.args[1] if len(node.args) > 1 else 0
+    dim = dim + nd + 1 if dim < 0 else dim
+    found = []
+    for arg in tensors:
+        got = cuts.get(arg)
+        if got is not None and got.axis != cut.axis:
+            raise Conflict(cut.origins, "stacks operands cut on different axes")
+        if got is None:
+            if sizes_of(arg)[cut.axis] != batch:
+                raise Conflict(cut.origins, f"stacks a whole operand {arg.name} beside cut ones")
+            found.append((arg, cut.axis, (batch,)))
+    return cut.moved(cut.axis + (dim <= cut.axis)), found
+
+
+def _einsum(node: fx.Node, cuts: dict, cut: Cut, batch: int) -> tuple[Cut, list]:
+    """An einsum whose batch letter stays in the output (no sum over it): every operand that
+    holds the letter is cut there or narrowed."""
+    ins, _, out = node.args[0].replace(" ", "").partition("->")
+    specs, tensors = ins.split(","), list(node.args[1])
+    first = _first_cut(tensors, cuts)
+    letter = specs[tensors.index(first)][cuts[first].axis]
+    if not out or letter not in out or "." in ins:
+        raise Conflict(cut.origins, f"einsum {node.args[0]!r} sums over the batch letter")
+    found = []
+    for spec, arg in zip(specs, tensors, strict=True):
+        got = cuts.get(arg)
+        at = spec.find(letter)
+        if got is not None and got.axis != at:
+            raise Conflict(cut.origins, f"einsum {node.args[0]!r}: operands cut on other letters")
+        if got is None and at >= 0 and sizes_of(arg)[at] == batch:
+            found.append((arg, at, (batch,)))
+    return cut.moved(out.index(letter)), found
 
 
 def _first_cut(tensors: list, cuts: dict) -> fx.Node:

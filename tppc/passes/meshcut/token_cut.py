@@ -55,6 +55,9 @@ class _Write:
     view: fx.Node
     copy: fx.Node
     read: fx.Node
+    heads: fx.Node | None = None
+    """A tensor-parallel shard's part of the heads taken after the read (K/V it left whole:
+    ``narrow(read, heads axis, offset, count)``), or None."""
 
     @property
     def source(self) -> fx.Node:
@@ -78,31 +81,72 @@ def token_cut(gm: fx.GraphModule, ring: int, ulysses: int, ring_coord: int,
     _refuse_segments(placeholders, what)
     attentions = _attentions(graph, placeholders, what)
     kinds = {p.meta[CHUNK_INPUT].kind: p for p in placeholders if CHUNK_INPUT in p.meta}
-    start, size = kinds.get("chunk_start"), kinds.get("chunk_size")
+    start = kinds.get("chunk_start")
     part = ring_coord * ulysses + ulysses_coord
-    sub = first = q_start = None
-    if size is not None and start is not None:
-        with graph.inserting_after(placeholders[-1]):
-            sub = graph.call_function(sub_size, (size, parts, what))
+    with graph.inserting_before(placeholders[-1].next):
+        sub = _sub_units(graph, placeholders, kinds.get("chunk_size"), parts, what)
+    keep = _int_ancestors(sub)  # they read the whole inputs
+    first = q_start = None
+    if sub is not None and start is not None:
         with graph.inserting_after(sub):
             first = graph.call_function(sub_start, (start, sub, part))
         with graph.inserting_after(first):  # the first query row after the ulysses exchange
             q_start = graph.call_function(sub_start, (start, sub, ring_coord * ulysses))
         start.replace_all_uses_with(first, delete_user_cb=lambda u: u not in (first, q_start))
-        size.replace_all_uses_with(sub, delete_user_cb=lambda u: u is not sub)
+        if "chunk_size" in kinds:
+            kinds["chunk_size"].replace_all_uses_with(
+                sub, delete_user_cb=lambda u: u not in keep)
     elif attentions:
-        raise SpecError(f"{what}: attention over K/V buffers without chunk_start/chunk_size "
-                        "inputs; tppc cannot place the exchanged keys. fix: ring=ulysses=1")
+        raise SpecError(f"{what}: attention over K/V buffers, but tppc finds neither the "
+                        "chunk's start nor its size among the stage's inputs to place the "
+                        "exchanged keys. fix: ring=1 and ulysses=1")
     for ph in placeholders:
         spec = ph.meta.get(CHUNK_INPUT)
         if spec is None or spec.kind not in ("token", "positional") or spec.axis is None:
             continue
         with graph.inserting_after(sub or placeholders[-1]):
             rows = graph.call_function(part_rows, (ph, spec.axis, part, parts, spec.frames))
-        ph.replace_all_uses_with(rows, delete_user_cb=lambda u: u is not rows)
+        ph.replace_all_uses_with(rows, delete_user_cb=lambda u, r=rows: u is not r
+                                 and u not in keep)
     for node, (key, value) in attentions.items():
         _exchange(graph, node, key, value, ring, ulysses, {first: start}, {first: q_start},
                   what)
+
+
+def _sub_units(graph: fx.Graph, placeholders: list[fx.Node], size: fx.Node | None,
+               parts: int, what: str) -> fx.Node | None:
+    """A node of the sub-chunk's size in sequence units: the chunk's size cut into
+    ``parts`` (``chunk_size``, or a token input's rows over its scale), or a boundary
+    input's rows over its positions per unit (it arrives cut)."""
+    if size is not None:
+        return graph.call_function(sub_size, (size, parts, what))
+    for ph in placeholders:
+        spec = ph.meta.get(CHUNK_INPUT)
+        if spec is not None and spec.kind in ("token", "positional") and spec.axis is not None:
+            rows = graph.call_function(aten.sym_size.int, (ph, spec.axis))
+            units = graph.call_function(operator.floordiv, (rows, spec.scale))
+            return graph.call_function(sub_size, (units, parts, what))
+    for ph in placeholders:
+        spec, info = ph.meta.get(CHUNK_INPUT), ph.meta.get(TOKEN)
+        if spec is None or spec.kind != "boundary" or info is None or info.axis is None \
+                or info.axis_size is None:
+            continue
+        per_unit = info.axis_size.as_coeff_Mul()[0]
+        if per_unit.is_Integer and len(info.axis_size.free_symbols) == 1:
+            rows = graph.call_function(aten.sym_size.int, (ph, info.axis))
+            return graph.call_function(operator.floordiv, (rows, int(per_unit)))
+    return None
+
+
+def _int_ancestors(node: fx.Node | None) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    todo = [node] if node is not None else []
+    while todo:
+        n = todo.pop()
+        if n not in seen and n.op == "call_function":
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    return seen
 
 
 def _refuse_segments(placeholders: list[fx.Node], what: str) -> None:
@@ -131,7 +175,12 @@ def _attentions(graph: fx.Graph, placeholders: list[fx.Node], what: str
             raise SpecError(f"{what}: K/V buffer {ph.name} is not written and read as one "
                             "chunk's rows (a video's frame blocks?); tppc cannot exchange its "
                             "rows. fix: ring=1 and ulysses=1 for this model")
-        readers = [u for u in write.read.users if u.op == "call_function"
+        heads = len(spec.shape) - 3
+        part = next((u for u in write.read.users if u.target == aten.narrow.default
+                     and u.args[1] == heads and len(write.read.users) == 1), None)
+        if part is not None:
+            write = _Write(write.buffer, write.view, write.copy, write.read, part)
+        readers = [u for u in (part or write.read).users if u.op == "call_function"
                    and u.target == _ATTENTION]
         if len(readers) != 1:
             raise SpecError(f"{what}: K/V buffer {ph.name} is read by {len(readers)} "
@@ -179,6 +228,11 @@ def _exchange(graph: fx.Graph, node: fx.Node, key: _Write, value: _Write, ring: 
     for w in (key, value):
         src = w.source
         with graph.inserting_before(w.view):
+            if w.heads is not None:  # the shard's heads, before the exchange
+                src = graph.call_function(aten.narrow.default, (src, *w.heads.args[1:]))
+                _set_heads(w.buffer, h_kv, w.heads.args[3])
+                w.heads.replace_all_uses_with(w.read)
+                graph.erase_node(w.heads)
             if ulysses > 1:
                 src = _mark(graph, all_to_all_mark, (src, h_kv, t_kv, "ulysses"), node)
             if ring > 1:
@@ -191,9 +245,7 @@ def _exchange(graph: fx.Graph, node: fx.Node, key: _Write, value: _Write, ring: 
         if isinstance(old, fx.Node) and not old.users:
             graph.erase_node(old)
         if ulysses > 1:
-            shape = list(w.buffer.meta[CHUNK_INPUT].shape)
-            shape[h_kv] //= ulysses
-            w.buffer.meta[CHUNK_INPUT] = _with_shape(w.buffer.meta[CHUNK_INPUT], shape)
+            _set_heads(w.buffer, h_kv, w.buffer.meta[CHUNK_INPUT].shape[h_kv] // ulysses)
         sources.append(src)
     with graph.inserting_before(node):
         args = list(node.args)
@@ -210,7 +262,8 @@ def _exchange(graph: fx.Graph, node: fx.Node, key: _Write, value: _Write, ring: 
 def _check_heads(node: fx.Node, key: _Write, h_kv: int, ulysses: int, what: str) -> None:
     """Refuse a head count ``ulysses`` does not divide (this worker's heads: the buffers'
     shape, which a tensor-parallel shard has already divided)."""
-    kv_heads = key.buffer.meta[CHUNK_INPUT].shape[h_kv]
+    kv_heads = key.heads.args[3] if key.heads is not None else \
+        key.buffer.meta[CHUNK_INPUT].shape[h_kv]
     whole_kv = key.source.meta["val"].shape[h_kv] if "val" in key.source.meta else kv_heads
     q_heads = node.meta["val"].shape[-3] * kv_heads // max(1, int(whole_kv))
     for heads, which in ((q_heads, "query"), (kv_heads, "key/value")):
@@ -265,5 +318,8 @@ def _mark(graph: fx.Graph, mark: object, args: tuple, like: fx.Node) -> fx.Node:
     return made
 
 
-def _with_shape(spec: object, shape: list) -> object:
-    return type(spec)(**{**spec.__dict__, "shape": tuple(shape)})
+def _set_heads(buffer: fx.Node, axis: int, heads: int) -> None:
+    spec = buffer.meta[CHUNK_INPUT]
+    shape = list(spec.shape)
+    shape[axis] = heads
+    buffer.meta[CHUNK_INPUT] = type(spec)(**{**spec.__dict__, "shape": tuple(shape)})
