@@ -169,7 +169,7 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any,
         for i in range(warm):  # synchronous: the stages' cores share each op instead
             whole.model_input(steps[i])
             call = Call(tuple(flats[i]), ((0, length),), length, length, epoch)
-            if full.meshes and (executor or cp.executor) == "threads":  # a thread a worker
+            if full.workers and (executor or cp.executor) == "threads":  # a thread a worker
                 (values,) = ThreadsExecutor(cp.options.threads_per_stage).run(full, call,
                                                                               state)
             else:

@@ -111,7 +111,7 @@ class StepCalls:
         if warm or len(bounds) == 2:
             call = Call(tuple(bound.flat), ((0, length),), length, length, self._epoch)
             sink = OutputAssembler(full.signature.output_axes, call, full.signature.output_rows)
-            if full.meshes and (self.executor or cp.executor) == "threads":
+            if full.workers and (self.executor or cp.executor) == "threads":
                 (values,) = ThreadsExecutor(cp.options.threads_per_stage).run(full, call,
                                                                               state)
             else:
