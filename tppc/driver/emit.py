@@ -213,7 +213,8 @@ def _worker(shard: fx.GraphModule, info: StageInfo, module: fx.GraphModule,
         outs = info.outputs if q == len(pieces) - 1 else ("carried",)
         part.meta[STAGE_INFO] = StageInfo(info.index, info.layers, ins, outs, info.buffers)
         part.tppc_positional = module.tppc_positional
-        parts.append(_rank_buffers(_stage(part, device, signature), r, label))
+        parts.append(_rank_buffers(dataclasses.replace(_stage(part, device, signature), rank=r),
+                                   r, label))  # a part knows its worker (hoisted consts)
     shard.meta[STAGE_INFO] = info
     tensors = [*shard.parameters(), *shard.buffers()]
     return dataclasses.replace(

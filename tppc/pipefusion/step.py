@@ -42,7 +42,6 @@ from tppc.calls.io import OutputAssembler, output_structure
 from tppc.pipefusion.denoise import all_threads, choose_patches, intra_op_threads, patch_programs
 from tppc.pipefusion.jobs import Jobs, run_pipelined, run_serial
 from tppc.program.program import StageProgram
-from tppc.program.schedule import check_actions
 from tppc.program.state import Call, CallState, next_epoch
 
 __all__ = ["StepCalls"]
@@ -108,11 +107,11 @@ class StepCalls:
         programs = patch_programs(cp, front, plan, length, bounds)
         full, first = programs.full, programs.first
         warm = warm or self._on_mesh(full)
-        threaded = (self.executor or cp.executor) == "threads" and len(first.stages) > 1
+        threaded = (self.executor or cp.executor) == "threads" and len(first.runners) > 1
         if warm or len(bounds) == 2:
             call = Call(tuple(bound.flat), ((0, length),), length, length, self._epoch)
             sink = OutputAssembler(full.signature.output_axes, call, full.signature.output_rows)
-            if full.meshes and (self.executor or cp.executor) == "threads":
+            if full.workers and (self.executor or cp.executor) == "threads":
                 (values,) = ThreadsExecutor(cp.options.threads_per_stage).run(full, call,
                                                                               state)
             else:
@@ -120,18 +119,18 @@ class StepCalls:
                     (values,) = LocalExecutor().run(full, call, state)
             sink(0, values)
             return output_structure(full, with_tail(full, call.flat_inputs, sink.leaves))
-        chunks = tuple(itertools.pairwise(bounds))  # one worker per stage from here
+        chunks = tuple(itertools.pairwise(bounds))
         call = Call(tuple(bound.flat), chunks, length, length, self._epoch)
         sink = OutputAssembler(first.signature.output_axes, call, first.signature.output_rows)
 
-        def stage_of(m: int, s: int) -> StageProgram:
-            return programs.of_patch(m).stages[s]
+        def stage_of(m: int, w: int) -> StageProgram:
+            return programs.of_patch(m).runners[w]
 
         def finish(_t: int, m: int, values: tuple[Any, ...]) -> None:
             sink(m, values)
 
-        jobs = Jobs(check_actions(first.actions_for(chunks, 1)), [call], state, stage_of,
-                    finish, done)
+        jobs = Jobs(first.dry_run(chunks, 1, rest=programs.rest), [call], state, stage_of,
+                    finish, done, first.leader)
         if threaded:
             run_pipelined(cp, jobs)
         else:

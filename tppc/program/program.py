@@ -204,24 +204,29 @@ class Program:
         return len(self.runners) - sum(w.index == len(self.stages) - 1 for w in self.runners)
 
     def dry_run(self, chunks: tuple[tuple[int, int], ...], steps: int = 1,
-                feedback: tuple[int, ...] = (0,)) -> DryRun:
+                feedback: tuple[int, ...] = (0,), rest: Program | None = None) -> DryRun:
         """The checked, lowered lists of a call (:meth:`actions_for`, with :attr:`groups`).
 
         Raises:
             ScheduleError: the lists cannot run (the message prints the action grid).
         """
-        return check_actions(self.actions_for(chunks, steps), feedback, groups=self.groups,
-                             stages=self.stage_of)
+        return check_actions(self.actions_for(chunks, steps, rest), feedback,
+                             groups=self.groups, stages=self.stage_of)
 
-    def actions_for(self, chunks: tuple[tuple[int, int], ...], steps: int = 1) -> Actions:
+    def actions_for(self, chunks: tuple[tuple[int, int], ...], steps: int = 1,
+                    rest: Program | None = None) -> Actions:
         """The compute lists of a call with ``chunks`` and ``steps`` pipelined steps: the
         program's own when they are for those chunks and steps; otherwise (a decoding step,
         a denoising call) every stage runs every chunk of every step in order; the workers
-        of sharded stages run their parts and collectives (:func:`sharded_lists`)."""
+        of sharded stages run their parts and collectives (:func:`sharded_lists`), those of
+        ``rest`` for every chunk after the first (the later patches of a step with joint
+        attention run a program of their own, whose workers may have other parts)."""
         if self.workers:
-            return sharded_lists(chunks, steps, self.stage_of,
-                                 tuple(max(1, len(w.parts)) for w in self.workers),
-                                 tuple(_joins(w) for w in self.workers), self.meshes)
+            later = None if rest is None or rest is self else (
+                _parts(rest), tuple(_joins(w) for w in rest.workers))
+            return sharded_lists(chunks, steps, self.stage_of, _parts(self),
+                                 tuple(_joins(w) for w in self.workers), self.meshes,
+                                 later=later)
         if chunks == self.chunks and self.actions and job_count(self.actions)[0] == steps:
             return self.actions
         return flow_shop(chunks, len(self.stages), steps)
@@ -229,6 +234,11 @@ class Program:
     def buffer_specs(self) -> tuple[BufferSpec, ...]:
         """Every K/V buffer of the program, worker by worker."""
         return tuple(b for st in self.runners for b in st.buffers)
+
+
+def _parts(program: Program) -> tuple[int, ...]:
+    """The parts of every worker."""
+    return tuple(max(1, len(w.parts)) for w in program.workers)
 
 
 def _joins(worker: StageProgram) -> tuple[JoinSpec, ...]:

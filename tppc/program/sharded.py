@@ -17,6 +17,9 @@ Terms:
         coordinate ``tp mod t(s-1)``; so a worker sends to every worker of stage ``s + 1``
         with its coordinates whose tp coordinate ``i`` has ``i mod t(s) = tp`` (none when its
         tp coordinate is past stage ``s + 1``'s degree).
+    feedback (several steps, denoising): the first worker of the last stage sends every job
+        of a step but the last back to every worker of stage 0, which receives it before it
+        starts that chunk of the next step (as :func:`tppc.program.actions.lower` does).
 
 Example:
     >>> rows = sharded_lists(((0, 2),), 1, (0, 1, 1), (1, 2, 2), ((), (("all_reduce", ()),),
@@ -88,7 +91,9 @@ def sharded_groups(stage_of: Sequence[int]) -> Groups:
 
 def sharded_lists(chunks: tuple[tuple[int, int], ...], steps: int, stage_of: Sequence[int],
                   parts: Sequence[int], joins: Sequence[Sequence[JoinSpec]],
-                  meshes: Sequence[Mesh] = ()) -> Actions:
+                  meshes: Sequence[Mesh] = (), feedback: Sequence[int] = (0,),
+                  later: tuple[Sequence[int], Sequence[Sequence[JoinSpec]]] | None = None
+                  ) -> Actions:
     """Every worker's lowered list (see the module docstring).
 
     Args:
@@ -98,11 +103,20 @@ def sharded_lists(chunks: tuple[tuple[int, int], ...], steps: int, stage_of: Seq
         parts: parts per worker.
         joins: the collective after each part but the last, per worker.
         meshes: every stage's mesh (empty: one tp group per stage).
+        feedback: the stages whose workers get every job back before the next step's
+            (several steps: denoising's stepped patches, :func:`tppc.program.actions.lower`);
+            the first worker of the last stage (whose outputs are the model's) sends them.
+        later: ``(parts, joins)`` of every worker for the chunks after the first (None:
+            ``parts`` and ``joins``): joint attention's later patches.
     """
     meshes = stage_meshes(stage_of, meshes)
     workers: dict[int, list[int]] = {}
     for w, s in enumerate(stage_of):
         workers.setdefault(s, []).append(w)
+    last = max(workers, default=0)
+    leader = workers[last][0] if workers else 0
+    back = [v for s in sorted({f for f in feedback if 0 <= f < last}) for v in workers[s]] \
+        if steps > 1 else []
     rows = []
     for w, s in enumerate(stage_of):
         r = workers[s].index(w)
@@ -110,16 +124,22 @@ def sharded_lists(chunks: tuple[tuple[int, int], ...], steps: int, stage_of: Seq
         row: list[Action] = []
         for t in range(steps):
             for i, (a, b) in enumerate(chunks):
+                if t and w in back:
+                    row.append(Action(t - 1, i, a, b, "recv", peer=leader))
                 if src is not None:
                     row.append(Action(t, i, a, b, "recv", peer=src))
-                for p in range(parts[w]):
+                n, mine = (parts[w], joins[w]) if i == 0 or later is None else (
+                    later[0][w], later[1][w])
+                for p in range(n):
                     row.append(Action(t, i, a, b, part=p))
-                    if p < len(joins[w]):
-                        kind, dims, *axis = joins[w][p]
+                    if p < len(mine):
+                        kind, dims, *axis = mine[p]
                         group = group_name(s, axis[0] if axis else "tp", meshes[s], r)
                         row.append(Action(t, i, a, b, kind, group=group,  # type: ignore[arg-type]
                                           dims=dims, first=1))
                 row.extend(Action(t, i, a, b, "send", peer=d) for d in dsts)
+                if w == leader and t + 1 < steps:
+                    row.extend(Action(t, i, a, b, "send", peer=v) for v in back)
         rows.append(tuple(row))
     return tuple(rows)
 
