@@ -18,6 +18,7 @@ import torch
 import tppc
 from tests.oracles import assert_kernels_close, serial_denoise
 from tests.unit.mesh_cuts import replicated_cut
+from tppc.distributed.pipeline import check_world
 from tppc.driver.emit import build_program
 from tppc.errors import PlanError, SpecError
 from tppc.examples.hf import dit
@@ -156,3 +157,15 @@ def test_denoise_on_a_mesh_equals_the_serial_loop_warm_and_one_worker_per_stage_
     assert not torch.equal(stale, want)
     for degrees in ({"cfg_parallel": 2}, {"ulysses": 2}):
         assert_kernels_close(denoise(1, **degrees), stale, depth=3)
+
+
+def test_a_job_of_another_size_is_refused_naming_the_meshes(guided) -> None:
+    cp, _, _ = guided
+    front = cp._front
+    program = build_program(front.chunk, front.ctx, _mesh_plan(cp.plan, cfg_parallel=2,
+                                                               ulysses=2),
+                            devices=("meta",) * 2)
+    check_world(program, 8)
+    with pytest.raises(SpecError, match=r"needs 8 ranks \(2 stages at groups 4 \(cfg2 x "
+                       r"ulysses2\), 4 \(cfg2 x ulysses2\).*the job has 4.*--nproc-per-node 8"):
+        check_world(program, 4)
