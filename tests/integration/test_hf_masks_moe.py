@@ -146,8 +146,8 @@ def test_mixtral_expert_implementations_pipeline_exactly(experts: str) -> None:
 def test_mixtral_export_equals_eager_on_a_padded_batch(tmp_path) -> None:
     """Issue 31: K/V heads repeated after the buffer read (``repeat_kv``: read as grouped
     heads), the router (``topk``, ``sort``, ``histc``, ``cumsum``) and the experts
-    (``grouped_mm``: every expert on every routed row, each row's own kept) through ONNX
-    Runtime, at two lengths (``batched_mm`` exports too: measured, not a test)."""
+    (``grouped_mm``: an ONNX ``Loop`` over the experts) through ONNX Runtime, at two
+    lengths (``batched_mm`` exports too: measured, not a test)."""
     _exported_equals_eager(*_mixtral("grouped_mm"), tmp_path)
 
 

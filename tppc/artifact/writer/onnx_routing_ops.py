@@ -7,10 +7,10 @@ Terms:
         each expert's matmul on its rows (``transformers::grouped_mm_fallback``) and undo
         the sort (``index_put`` of an ``arange`` into ``empty_like``).
     grouped matmul: rows sorted by expert, expert ``i`` owning rows
-        ``[offsets[i - 1], offsets[i])``. ONNX has no such op: every expert's weight
-        multiplies every row (``E / k`` times the work of the grouped kernel, ``E · rows ·
-        out`` floats) and ``GatherElements`` keeps each row's own product, so the result
-        is the grouped kernel's (each row the same dot products).
+        ``[offsets[i - 1], offsets[i])``. ONNX has no such op: a ``Loop`` over the experts
+        slices each expert's rows, multiplies them by its weight and scatters them into the
+        result, the grouped kernel's work (and a copy of the result per expert, which
+        ``ScatterND`` makes).
 
 An ``index``/``index_put`` with one index tensor (the other axes whole) is a
 ``Gather``/``ScatterND``; ``index`` with index tensors on every leading axis (transformers'
@@ -214,26 +214,40 @@ def _cumsum(t: Any, node: fx.Node, x: Tensor, dim: int, *, dtype: Any = None) ->
 
 
 def _grouped_mm(t: Any, node: fx.Node, rows: Tensor, weight: Tensor, offs: Tensor) -> Tensor:
-    """``transformers::grouped_mm_fallback(rows, weight, offs)`` (module docstring): row
-    ``r`` times ``weight[e]`` for the expert ``e`` whose range holds it (rows past the last
-    offset: 0, as the fallback leaves them)."""
+    """``transformers::grouped_mm_fallback(rows, weight, offs)`` (module docstring): an ONNX
+    ``Loop`` over the experts, expert ``i`` multiplying its rows ``[offsets[i - 1],
+    offsets[i])`` by ``weight[i]`` and scattering them into the result (rows past the last
+    offset stay 0, as the fallback leaves them)."""
     experts = int(node.args[1].meta["val"].shape[0])
     out_dim = int(node.args[1].meta["val"].shape[2])
-    count = t.op("Shape", [rows.name], start=0, end=1)
-    positions = t.op("Range", [t.const(0), t.op("Squeeze", [count, t.i64([0])]), t.const(1)])
-    offsets = t.op("Cast", [offs.name], to=onnx_dtype(torch.int64))
-    passed = t.op("LessOrEqual", [t.op("Unsqueeze", [offsets, t.i64([0])]),
-                                  t.op("Unsqueeze", [positions, t.i64([1])])])
-    owner = t.op("ReduceSum", [t.op("Cast", [passed], to=onnx_dtype(torch.int64)),
-                               t.i64([1])], keepdims=0)  # offsets ≤ r: the expert of row r
-    kept = t.op("Less", [owner, t.const(experts)])
-    owner = t.op("Min", [owner, t.const(experts - 1)])
-    every = t.op("MatMul", [t.op("Unsqueeze", [rows.name, t.i64([0])]), weight.name])
-    shape = t.op("Concat", [t.const([1]), count, t.const([out_dim])], axis=0)
-    index = t.op("Expand", [t.op("Reshape", [owner, t.i64([1, -1, 1])]), shape])
-    own = t.op("Squeeze", [t.op("GatherElements", [every, index], axis=0), t.i64([0])])
-    zero = t.const(0, rows.dtype)
-    return t.tensor(node, t.op("Where", [t.op("Unsqueeze", [kept, t.i64([1])]), own, zero]))
+    bounds = t.op("Concat", [t.const([0]), t.op("Cast", [offs.name],
+                                                 to=onnx_dtype(torch.int64))], axis=0)
+    shape = t.op("Concat", [t.op("Shape", [rows.name], start=0, end=1), t.const([out_dim])],
+                 axis=0)
+    value = helper.make_tensor("value", onnx_dtype(rows.dtype), [1], [0])
+    zeros = t.op("ConstantOfShape", [shape], value=value)
+    step, cond, before = t.fresh("expert"), t.fresh("cond"), t.fresh("before")
+    outer, t.nodes = t.nodes, []
+    start = t.op("Gather", [bounds, step], axis=0)
+    end = t.op("Gather", [bounds, t.op("Add", [step, t.const(1)])], axis=0)
+    own = t.op("Slice", [rows.name, t.op("Unsqueeze", [start, t.i64([0])]),
+                         t.op("Unsqueeze", [end, t.i64([0])]), t.i64([0])])
+    product = t.op("MatMul", [own, t.op("Gather", [weight.name, step], axis=0)])
+    where = t.op("Unsqueeze", [t.op("Range", [start, end, t.const(1)]), t.i64([-1])])
+    after = t.op("ScatterND", [before, where, product])
+    cond_out = t.op("Identity", [cond])
+    body_nodes, t.nodes = t.nodes, outer
+    dtype = onnx_dtype(rows.dtype)
+    body = helper.make_graph(
+        body_nodes, t.fresh("experts"),
+        [helper.make_tensor_value_info(step, onnx_dtype(torch.int64), []),
+         helper.make_tensor_value_info(cond, onnx_dtype(torch.bool), []),
+         helper.make_tensor_value_info(before, dtype, [None, out_dim])],
+        [helper.make_tensor_value_info(cond_out, onnx_dtype(torch.bool), []),
+         helper.make_tensor_value_info(after, dtype, [None, out_dim])])
+    out = t.fresh("grouped_mm")
+    t.nodes.append(helper.make_node("Loop", [t.const(experts), "", zeros], [out], body=body))
+    return t.tensor(node, out)
 
 
 ROUTING_OPS: dict[Any, Fn] = {
