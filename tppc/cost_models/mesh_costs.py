@@ -48,12 +48,12 @@ import sympy
 
 from tppc.cost_models.cluster import Cluster
 from tppc.cost_models.collective_costs import collective_cost
-from tppc.cost_models.node_costs import C, L, P, NodeCost
+from tppc.cost_models.node_costs import C, L, NodeCost, P
 from tppc.cost_models.shard_costs import LayerShards
 from tppc.program.mesh import Mesh
 
-__all__ = ["SELF_ATTENTION", "LayerTraffic", "MeshExchanges", "axis_groups", "ceil_share", "layer_traffic",
-           "mesh_node_cost", "mesh_words", "token_workers"]
+__all__ = ["SELF_ATTENTION", "LayerTraffic", "MeshExchanges", "axis_groups", "ceil_share",
+           "layer_traffic", "mesh_node_cost", "mesh_words", "token_workers"]
 
 
 SELF_ATTENTION = "chunk_attention"

@@ -136,6 +136,8 @@ def plan_hybrid(configs: Sequence[Configuration], price: PriceGroups, plan_table
         if not pool:
             continue
         candidates = _candidates(pool, price, num_stages, objective, granularity, steps)
+        if not spans:  # the solver's seconds start once the candidates are priced
+            deadline = max(deadline, time.perf_counter() + time_limit)
         best, error = _search(candidates, plan_table, objective, deadline, refused)
         first_error = first_error or error
         if best is not None:
