@@ -193,8 +193,11 @@ def flux() -> None:
     free = Workload(kind="diffusion", steps=FLUX_STEPS, warmup_steps=1)
     print("| configuration | PyTorch: published | tppc eager | error | torch.compile: "
           "published | tppc compiled | error |\n|---|---|---|---|---|---|---|")
-    eager = Predictor(front, "4xh100-sxm", 4096, 64, fuse=False)
-    compiled = Predictor(front, "4xh100-sxm", 4096, 64, fuse=True)
+    # FLUX's memory is not in the published rows, and the memory rule over-counts it (the
+    # 512 text tokens carried with every chunk of a joint-attention model are counted per
+    # image token at the block boundaries: ~19 MB a token): planned without a memory cap.
+    eager = Predictor(front, "4xh100-sxm", 4096, 64, fuse=False, unlimited=True)
+    compiled = Predictor(front, "4xh100-sxm", 4096, 64, fuse=True, unlimited=True)
     base = {}
     for name, degrees, pub_e, pub_c in FLUX_ROWS:
         cells = []
@@ -233,7 +236,7 @@ def step_front() -> FrontEnd:
         model = WanTransformer3DModel(
             patch_size=(1, 1, 1), num_attention_heads=48, attention_head_dim=128,
             in_channels=64, out_channels=64, text_dim=4096, freq_dim=256, ffn_dim=24576,
-            num_layers=48, rope_max_seq_len=1024).eval().to(torch.bfloat16)
+            num_layers=48, rope_max_seq_len=8192).eval().to(torch.bfloat16)
         kwargs = {"encoder_hidden_states": torch.randn(2, 64, 4096, dtype=torch.bfloat16),
                   "timestep": torch.tensor([10.0, 10.0]), "return_dict": False}
         args = (torch.randn(2, 64, 2, 2, 4, dtype=torch.bfloat16),)

@@ -46,6 +46,7 @@ from tppc.cost_models.mesh_costs import (
     layer_traffic,
     mesh_node_cost,
     mesh_words,
+    ring_blocks,
     token_workers,
 )
 from tppc.cost_models.node_costs import P, Shapes, TokenSubstitution, find_seq_symbol
@@ -158,12 +159,13 @@ class _GroupPricer:
             fuse = device.name.startswith("tpu") if self.fuse is None else self.fuse
             costs = [shard_node_cost(cost, role, t, a, b) for cost, role, a, b in zip(
                 expr.nodes, shards.roles, shards.in_bytes, shards.out_bytes, strict=True)]
+            blocks = [(cost, 1) for cost in costs]
             if mesh is not None:
-                costs = [mesh_node_cost(cost, mesh) for cost in costs]
+                blocks = [ring_blocks(mesh_node_cost(cost, mesh), mesh) for cost in costs]
             if attention_only:
-                costs = [cost for cost in costs if cost.op == SELF_ATTENTION]
-            total = sympy.Add(*[node_time_terms(cost, device, fuse_elementwise=fuse).total()
-                                for cost in costs])
+                blocks = [(cost, k) for cost, k in blocks if cost.op == SELF_ATTENTION]
+            total = sympy.Add(*[k * node_time_terms(cost, device, fuse_elementwise=fuse).total()
+                                for cost, k in blocks])
             self._times[key] = vectorise(total, self.seq_len)
         return self._times[key]
 

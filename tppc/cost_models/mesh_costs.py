@@ -14,8 +14,8 @@ Terms:
 One worker's compute (:func:`mesh_node_cost`): every token-dependent node's work cut ``n``
 ways. A linear's rows (``m``: batch × tokens) are cut and its weight is read whole; an
 attention's batch × heads are cut by ``cfg · ulysses`` (Ulysses trades tokens for heads),
-its queries by ``ring``, and a ring-cut self-attention runs ``ring`` kernels (one per K/V
-block). Const nodes (timestep embeddings) run whole on every worker.
+its queries by ``ring``, and a ring-cut self-attention runs ``ring`` kernels, one per K/V
+block of ``1/ring`` of the keys, each paying its launch and fixed cost (:func:`ring_blocks`). Const nodes (timestep embeddings) run whole on every worker.
 
 Exchanges of a layer for a chunk of ``c`` tokens (:class:`MeshExchanges`; each priced by
 :func:`.collective_costs.collective_cost` on the members' own links, the slowest group of an
@@ -39,6 +39,7 @@ activations ``/ n``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -53,7 +54,7 @@ from tppc.cost_models.shard_costs import LayerShards
 from tppc.program.mesh import Mesh
 
 __all__ = ["SELF_ATTENTION", "LayerTraffic", "MeshExchanges", "axis_groups", "ceil_share",
-           "layer_traffic", "mesh_node_cost", "mesh_words", "token_workers"]
+           "layer_traffic", "mesh_node_cost", "mesh_words", "ring_blocks", "token_workers"]
 
 
 SELF_ATTENTION = "chunk_attention"
@@ -84,7 +85,7 @@ def _cut_matmul(mm: tuple, mesh: Mesh, attention: bool) -> tuple:
 
 def mesh_node_cost(cost: NodeCost, mesh: Mesh) -> NodeCost:
     """One worker's share of ``cost`` (already a tensor-parallel shard) on ``mesh`` (module
-    docstring); a self-attention (reads the K/V buffer) runs one kernel per ring block."""
+    docstring); a ring's self-attention as one kernel (:func:`ring_blocks` cuts it in blocks)."""
     n = token_workers(mesh)
     if n == 1 or cost.kind in ("const", "view"):
         return cost
@@ -95,14 +96,29 @@ def mesh_node_cost(cost: NodeCost, mesh: Mesh) -> NodeCost:
     else:
         nbytes = cost.bytes * share
     attention = cost.kind == "attention"
-    launches = cost.launches * mesh.ring if cost.op == SELF_ATTENTION else cost.launches
     return NodeCost(
         name=cost.name, op=cost.op, kind=cost.kind, matrix_flops=cost.matrix_flops * share,
         matmuls=tuple(_cut_matmul(mm, mesh, attention) for mm in cost.matmuls),
         vector_flops=cost.vector_flops * share, bytes=nbytes, dtype=cost.dtype,
         kv_bytes_per_key=cost.kv_bytes_per_key, unpriced=cost.unpriced,
         serial_bytes=cost.serial_bytes * share, causal_keys=cost.causal_keys,
-        launches=launches)
+        launches=cost.launches)
+
+
+def ring_blocks(cost: NodeCost, mesh: Mesh) -> tuple[NodeCost, int]:
+    """A worker's self-attention under a ring as ``(one kernel, kernels)``: ``ring`` kernels,
+    each over one K/V block (``1/ring`` of the keys, FLOPs and bytes), so each pays its own
+    launch and its kernel's fixed cost per query tile; any other node: ``(cost, 1)``."""
+    r = mesh.ring
+    if r == 1 or cost.op != SELF_ATTENTION or len(cost.matmuls) != 2:
+        return cost, 1
+    (b, m, keys, d), (b2, m2, dv, keys2) = cost.matmuls
+    share = sympy.Rational(1, r)
+    block = dataclasses.replace(
+        cost, matmuls=((b, m, keys * share, d), (b2, m2, dv, keys2 * share)),
+        matrix_flops=cost.matrix_flops * share, vector_flops=cost.vector_flops * share,
+        bytes=cost.bytes * share, serial_bytes=cost.serial_bytes * share)
+    return block, r
 
 
 @dataclass(frozen=True)

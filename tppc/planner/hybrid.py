@@ -217,8 +217,10 @@ def _package(best: _Candidate, candidates: list[_Candidate], cluster: Cluster, o
         why = (f"{_label(best, plan)} predicts {mine:.3f} {unit}, {100 * (1 - mine / theirs):.1f}"
                f"% less than the runner-up {_label(runner, runner.plan)} ({theirs:.3f} {unit})")
     skipped = sorted((c for c in candidates if c.plan is None and not c.refused),
-                     key=lambda c: c.bound)
-    if runner is None and skipped:
+                     key=lambda c: c.bound * (1 if objective == "latency" else c.devices()))
+    closer = skipped and runner is not None and objective == "latency" \
+        and skipped[0].bound < _value(runner, runner.plan, objective)
+    if (runner is None or closer) and skipped:  # an unplanned one may be the runner-up
         low = skipped[0].bound * (1 if objective == "latency" else skipped[0].devices()) * 1e3
         runner_text = f"{_label(skipped[0], None)}: at least {low:.3f} {unit} (its bound)"
         why = (f"{_label(best, plan)} predicts {mine:.3f} {unit}; no plan of "
