@@ -70,8 +70,9 @@ class Predictor:
     """Plans of one model on one cluster at one length, any mesh, one efficiency model."""
 
     def __init__(self, front: FrontEnd, cluster: str, tokens: int, per_row: int,
-                 fuse: bool, unlimited: bool = False) -> None:
+                 fuse: bool, unlimited: bool = False, xdit: bool = True) -> None:
         self.front, self.cluster, self.tokens = front, Cluster.parse(cluster), tokens
+        self.xdit = xdit  # Ring attention as xDiT runs it; False: as tppc's workers do
         self.per_row, self.fuse, self.unlimited = per_row, fuse, unlimited
         self.limits = mesh_limits(front, tokens)
         self._tables: dict[Configuration, tuple[CostTable, tuple[str, ...]]] = {}
@@ -89,7 +90,7 @@ class Predictor:
                 table, words = group_cost_table(
                     self.front.chunk, ctx.layers, self.cluster, self.tokens, config.groups,
                     mesh=Mesh(cfg=config.cfg_parallel, ring=config.ring,
-                              ulysses=config.ulysses), **kw)
+                              ulysses=config.ulysses), ring_overlap=self.xdit, **kw)
             if self.unlimited:
                 table = dataclasses.replace(table, capacities=(UNLIMITED,) * table.num_devices)
             self._tables[config] = (table, words)
@@ -303,7 +304,7 @@ def cpu() -> None:
                   "return_dict": False}
         args = (torch.randn(2, 4, 64, 64),)
     front = capture_front_end(model, args, kwargs, seq_dims=None, plan_only=True)
-    model_ = Predictor(front, "2xcpu", 1024, 32, fuse=False)
+    model_ = Predictor(front, "2xcpu", 1024, 32, fuse=False, xdit=False)
     wl = Workload(kind="diffusion", steps=20, warmup_steps=1)
     serial = model_.plan(wl, **_one_device()).latency
     print("| configuration | predicted (20 steps) | vs one thread |\n|---|---|---|")

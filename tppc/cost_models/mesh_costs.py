@@ -23,9 +23,12 @@ axis counting)::
 
     Ulysses   each self-attention: 4 all-to-alls (q, k, v in; out back), each member's send
               buffer bytes_per_token(out) · c / (n · tp); each cross-attention: 2 (q, out)
-    Ring      each self-attention: the chunk's K and V passed around the ring, r - 1 blocks
-              of 2 · bytes_per_token(out) · c / (n · tp) (a ring all-gather), overlapped with
-              the attention's compute: exposed max(0, passes - attention)
+    Ring      each self-attention: the chunk's K and V gathered around the ring (r - 1
+              blocks of 2 · bytes_per_token(out) · c / (n · tp): a ring all-gather). As
+              tppc's workers run it (the default) the gather blocks the stage, then one
+              attention kernel reads the whole buffer; as xDiT runs it (``overlap``) each
+              block is passed while the previous one is attended: r kernels, exposed
+              max(0, passes - attention)
     TP        its all-reduces / all-gathers of bytes_per_token · c / n over the tp group
     gather    the model's last layer: its output gathered once per chunk over the
               cfg × ring × ulysses workers (all-gather of bytes_per_token · c): for CFG the
@@ -172,8 +175,9 @@ def _gather_group(group: Sequence[int], mesh: Mesh) -> tuple[int, ...]:
 class MeshExchanges:
     """Seconds of one layer's exchanges on one group for a chunk of ``c`` tokens.
 
-    ``serial(c)`` blocks the stage (all-to-alls, all-reduces, the output gather);
-    ``passes(c)`` is the ring's K/V passing, overlapped with the self-attention.
+    ``serial(c)`` blocks the stage (all-to-alls, all-reduces, the output gather, the ring's
+    K/V gather unless ``overlap``); ``passes(c)``: the ring's K/V passing when ``overlap``,
+    hidden behind the self-attention where it fits.
 
     Attributes:
         cluster: the cluster.
@@ -181,6 +185,7 @@ class MeshExchanges:
         mesh: the group's mesh.
         traffic: the layer's :class:`LayerTraffic`.
         last: the model's last layer (its output is gathered).
+        overlap: the ring's passes overlap the attention (xDiT's ring attention).
     """
 
     cluster: Cluster
@@ -188,6 +193,7 @@ class MeshExchanges:
     mesh: Mesh
     traffic: LayerTraffic
     last: bool = False
+    overlap: bool = False
     _seen: dict[float, tuple[float, float]] = field(default_factory=dict, repr=False)
 
     def _worst(self, axis: str, kind: str, nbytes: float) -> float:
@@ -210,8 +216,9 @@ class MeshExchanges:
                           for per in t.cross_attention)
         if m.ring > 1:
             block = c / (m.cfg * m.ulysses * m.tp)
-            passes = sum(self._worst("ring", "all_gather", 2 * per * block)
-                         for per in t.self_attention)
+            ring = sum(self._worst("ring", "all_gather", 2 * per * block)
+                       for per in t.self_attention)
+            passes, serial = (ring, serial) if self.overlap else (0.0, serial + ring)
         if self.last and n > 1:
             serial += collective_cost(self.cluster, "all_gather", t.output * c,
                                       _gather_group(self.group, m)).seconds
