@@ -209,7 +209,9 @@ def flux() -> None:
             cells.append(f"{pub:.2f} s | {seconds:.2f} s ({base[model.fuse] / seconds:.2f}x) "
                          f"| {seconds / pub - 1:+.0%}")
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
-    for model, label in ((eager, "eager"), (compiled, "compiled")):
+    own = Predictor(front, "4xh100-sxm", 4096, 64, fuse=True, unlimited=True, xdit=False)
+    for model, label in ((eager, "eager"), (compiled, "compiled"),
+                         (own, "compiled, Ring as tppc's workers run it")):
         t1 = time.perf_counter()
         for wl in (warm, free):
             plan = model.plan(wl, time_limit=20.0)

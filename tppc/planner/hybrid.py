@@ -226,6 +226,11 @@ def _package(best: _Candidate, candidates: list[_Candidate], cluster: Cluster, o
         why = (f"{_label(best, plan)} predicts {mine:.3f} {unit}; no plan of "
                f"{_label(skipped[0], None)} can take less than {low:.3f} {unit} (its lower "
                "bound), so it was not planned")
+        if low < mine:  # skipped by the deadline, not by its bound
+            why = (f"{_label(best, plan)} predicts {mine:.3f} {unit}; "
+                   f"{_label(skipped[0], None)} (bound {low:.3f} {unit}) and others were not "
+                   "planned within the time limit, so the choice is not proven best: give "
+                   "more time_limit, or fix the degrees")
     bounds = [(min(c.plan.lower_bound, c.bound) if c.plan.lower_bound > 0 else c.bound, c)
               if c.plan is not None else (c.bound, c) for c in candidates]
     low, low_c = min(bounds, key=lambda item: item[0])
