@@ -11,7 +11,8 @@ by the placement + split planner (stages among the groups, patches);
 configuration searched.
 
 The configuration of one device a group (no degree above 1) is priced by the plain cost
-table, so its plan is the PipeFusion plan tppc made before, bit for bit.
+table; when it is the only one (e.g. ``num_stages`` = the cluster's devices) it is planned
+alone, so the plan is the PipeFusion plan tppc made before, bit for bit.
 """
 
 from __future__ import annotations
@@ -119,6 +120,8 @@ def mesh_plan(front: FrontEnd, opts: CompileOptions, tokens: int,
     cluster = Cluster.parse(opts.cluster)
     limits = mesh_limits(front, tokens)
     configs, refused = mesh_configurations(cluster, limits, _fixed(opts))
+    if len(configs) == 1 and all(len(g) == 1 for g in configs[0].groups):
+        return plan_length(table_at, opts.num_stages, opts.time_limit)  # PipeFusion alone
     roles: dict[str, ShardRole] = {}
     base: list[CostTable] = []
     ctx = front.ctx
