@@ -46,11 +46,6 @@ def guided():
 
 
 @pytest.fixture(scope="module")
-def single():
-    return _front(1)
-
-
-@pytest.fixture(scope="module")
 def wide():
     """PixArt-XL's width (16 heads x 72), batch 1: enough work per layer for a GPU."""
     return _front(1, heads=16, head_dim=72)
@@ -91,6 +86,8 @@ def test_fixed_degrees_are_kept_and_recorded(guided) -> None:
     st = plan.stages[0]
     assert st.group_size == 4 and len(set(st.device_indices)) == 4
     assert "CFG2" in plan.summary() and "runner-up" not in plan.summary()
+    patched = _plan(guided, "2xh100-sxm", num_stages=2, patches=4)
+    assert len(patched.chunks) == 4 and patched.num_stages == 2
 
 
 def test_a_memory_limit_makes_replicated_weights_infeasible(guided) -> None:
@@ -122,11 +119,11 @@ def test_bad_options_are_named(options, error, words) -> None:
         CompileOptions.from_kwargs(**options)
 
 
-def test_refusals_name_the_model_limit(guided, single) -> None:
+def test_refusals_name_the_model_limit(guided, wide) -> None:
     with pytest.raises(PlanError, match="head count"):
         _plan(guided, "4xh100-sxm", ulysses=4)
     with pytest.raises(PlanError, match="batch of 1"):
-        _plan(single, "2xh100-sxm", cfg_parallel=2)
+        _plan(wide, "2xh100-sxm", cfg_parallel=2)
     with pytest.raises(PlanError, match="need 8 devices"):
         _plan(guided, "4xh100-sxm", cfg_parallel=2, ulysses=2, num_stages=2)
 
