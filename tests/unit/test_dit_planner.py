@@ -160,3 +160,26 @@ def test_the_ring_gathers_k_and_v_serially_unless_overlapped() -> None:
     xdit = MeshExchanges(cluster, (0, 1, 2, 3), Mesh(ring=4), traffic,
                          overlap=True).seconds(4096.0)
     assert ours == pytest.approx((gather, 0.0)) and xdit == pytest.approx((0.0, gather))
+
+
+def test_meshes_the_graph_cannot_cut_are_refused_by_the_planner() -> None:
+    from diffusers import WanTransformer3DModel
+
+    from tppc.frontend.front_end import capture_front_end
+
+    with torch.device("meta"):
+        wan = WanTransformer3DModel(
+            patch_size=(1, 1, 1), num_attention_heads=4, attention_head_dim=16, in_channels=8,
+            out_channels=8, text_dim=32, freq_dim=16, ffn_dim=128, num_layers=2,
+            rope_max_seq_len=8192).eval()
+        kwargs = {"encoder_hidden_states": torch.randn(1, 8, 32),
+                  "timestep": torch.tensor([10.0]), "return_dict": False}
+        front = capture_front_end(wan, (torch.randn(1, 8, 2, 2, 4),), kwargs, seq_dims=None,
+                                  plan_only=True)
+    opts = CompileOptions.from_kwargs(cluster="2xh100-sxm", time_limit=2.0, ulysses=2)
+    with pytest.raises(PlanError, match="frame blocks"):  # the token cut's own reason
+        length_planner(opts)(front, 2, workload=WORKLOAD)
+    free = length_planner(CompileOptions(cluster="2xh100-sxm", time_limit=2.0))(
+        front, 2, workload=WORKLOAD)
+    assert free.degrees["ulysses"] == free.degrees["ring"] == 1
+    assert any("frame blocks" in line for line in free.choice.infeasible)
