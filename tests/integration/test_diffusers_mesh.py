@@ -1,7 +1,6 @@
 """The drop-in with the transformer's stages on a mesh of workers: an unchanged guided
-``PixArtAlphaPipeline`` call (a batch of two) with ``cfg_parallel=2`` equals the eager call;
-a loop on a mesh runs every step warm (exact) and says so once when ``warmup_steps`` asked for
-stale patches."""
+``PixArtAlphaPipeline`` call (a batch of two) with ``cfg_parallel=2`` equals the eager call
+when every step is warm (stale patches on a mesh: ``tests/unit/test_mesh_programs.py``)."""
 
 from __future__ import annotations
 
@@ -24,14 +23,9 @@ def pixart() -> tuple:
 
 def test_a_guided_pipeline_call_with_cfg_parallel_equals_eager_every_step_warm(pixart
                                                                              ) -> None:
-    """``warmup_steps=1`` asks for stale patches after one step: a mesh runs them warm, and a
-    warning says so (``ulysses=2`` runs the same way: ``tests/integration/test_hf_mesh.py``
-    checks its worker graphs)."""
     pipe, call, want = pixart
-    tppc.diffusers.compile_pipeline(pipe, warmup_steps=1, patches=2, num_stages=1,
-                                    executor="threads", threads_per_stage=1, cfg_parallel=2)
-    with pytest.warns(UserWarning, match="every call of the loop is warm"):
-        got = _call(pipe, call)
-    assert_kernels_close(got, want, depth=3)
+    tppc.diffusers.compile_pipeline(pipe, warmup_steps=None, num_stages=1, executor="threads",
+                                    threads_per_stage=1, cfg_parallel=2)
+    assert_kernels_close(_call(pipe, call), want, depth=3)
     (cp,) = pipe.transformer.compiled.values()
     assert [w.rank for w in cp.program(cp.plan.seq_len).workers] == [0, 1]

@@ -18,6 +18,7 @@ import torch
 import tppc
 from tests.oracles import assert_kernels_close, serial_denoise
 from tests.unit.mesh_cuts import replicated_cut
+from tppc.distributed.pipeline import check_world
 from tppc.driver.emit import build_program
 from tppc.errors import PlanError, SpecError
 from tppc.examples.hf import dit
@@ -134,18 +135,37 @@ def test_a_degree_the_batch_does_not_take_is_refused_by_name(guided) -> None:
         build_program(cp._front.chunk, cp._front.ctx, _mesh_plan(cp.plan, cfg_parallel=4))
 
 
-def test_denoise_on_a_mesh_runs_every_step_warm_or_is_refused_by_name(guided) -> None:
+def test_denoise_on_a_mesh_equals_the_serial_loop_warm_and_one_worker_per_stage_stale(
+        guided) -> None:
+    """Stale patches on a mesh: each worker keeps the stale K/V of its part (a CFG group its
+    half of the batch, a Ulysses worker its heads), so the loop equals the same loop on one
+    worker per stage; every step warm, it equals the eager loop."""
     diffusers = pytest.importorskip("diffusers")
     cp, (x, _, y), _ = guided
-    model = cp.model
     front = cp._front
-    cp.programs.hold(front, build_program(front.chunk, front.ctx,
-                                          _mesh_plan(cp.plan, cfg_parallel=2)))
-    want = serial_denoise(model, x, diffusers.DDIMScheduler(), 3, timestep_arg="t",
+
+    def denoise(warmup: int | None, **degrees: int) -> torch.Tensor:
+        cp.programs.hold(front, build_program(front.chunk, front.ctx,
+                                              _mesh_plan(cp.plan, **degrees)))
+        return cp.denoise(x, diffusers.DDIMScheduler(), 3, warmup_steps=warmup, patches=2,
+                          timestep_arg="t", model_kwargs={"y": y})
+
+    want = serial_denoise(cp.model, x, diffusers.DDIMScheduler(), 3, timestep_arg="t",
                           model_kwargs={"y": y})
-    got = cp.denoise(x, diffusers.DDIMScheduler(), 3, warmup_steps=None, patches=2,
-                     timestep_arg="t", model_kwargs={"y": y})
-    assert_kernels_close(got, want, depth=3)
-    with pytest.raises(SpecError, match=r"stale patches .*fix: warmup_steps=None"):
-        cp.denoise(x, diffusers.DDIMScheduler(), 3, warmup_steps=1, patches=2,
-                   timestep_arg="t", model_kwargs={"y": y})
+    assert_kernels_close(denoise(None, cfg_parallel=2), want, depth=3)
+    stale = denoise(1)
+    assert not torch.equal(stale, want)
+    for degrees in ({"cfg_parallel": 2}, {"ulysses": 2}):
+        assert_kernels_close(denoise(1, **degrees), stale, depth=3)
+
+
+def test_a_job_of_another_size_is_refused_naming_the_meshes(guided) -> None:
+    cp, _, _ = guided
+    front = cp._front
+    program = build_program(front.chunk, front.ctx, _mesh_plan(cp.plan, cfg_parallel=2,
+                                                               ulysses=2),
+                            devices=("meta",) * 2)
+    check_world(program, 8)
+    with pytest.raises(SpecError, match=r"needs 8 ranks \(2 stages at groups 4 \(cfg2 x "
+                       r"ulysses2\), 4 \(cfg2 x ulysses2\).*the job has 4.*--nproc-per-node 8"):
+        check_world(program, 4)

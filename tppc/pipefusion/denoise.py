@@ -145,13 +145,6 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any,
     front, length, plan, bounds, flats = b.front, b.length, b.plan, b.bounds, b.flats
     programs = patch_programs(cp, front, plan, length, bounds)
     full, first = programs.full, programs.first
-    if full.meshes and warm < len(steps):
-        raise SpecError(
-            f"{front.ctx.model_name}: the plan's stages run on meshes {list(full.meshes)} "
-            f"(cfg, ring or ulysses above 1); PipeFusion's stale patches after "
-            f"{warm} warm-up step(s) run one worker per stage. fix: warmup_steps=None (every "
-            "step warm: exact, the mesh's workers in parallel), or cfg_parallel=1, ring=1 "
-            "and ulysses=1")
     if warm < len(steps):  # the patches against one chunk, once per shape
         check_patches(cp, front, flats[0], length, bounds, programs)
     axis, scale = b.axis, b.scale

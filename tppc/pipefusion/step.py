@@ -19,9 +19,10 @@ Terms:
         leave. The fill and the drain run on the idle stages' intra-op threads too
         (:func:`tppc.pipefusion.jobs.idle_threads`), which shortens them.
 
-Stages on a mesh of workers (cfg, ring or ulysses above 1, :mod:`tppc.program.mesh`) run
-every call warm, the workers as threads of their own (:class:`ThreadsExecutor`): PipeFusion's
-stale patches need one worker per stage, so such a loop is exact (a warning says so once).
+Stages of several workers (tensor parallelism, or a mesh: cfg, ring, ulysses,
+:mod:`tppc.program.mesh`) run a warm call with a thread per worker (:class:`ThreadsExecutor`),
+and a stale call's patches through every worker of every stage (each worker its own K/V: a
+CFG group keeps the stale K/V of its half of the batch).
 
 :meth:`StepCalls.reset` starts a new loop (a diffusers pipeline call): the states go back,
 and the next call of every stream is warm again.
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -72,7 +72,6 @@ class StepCalls:
         self._lock = threading.Lock()
         self._streams: dict[Any, tuple[Any, CallState, int]] = {}  # key -> front, state, calls
         self._epoch = next_epoch()
-        self._warned = False
 
     def reset(self) -> None:
         """Start a new loop: give the states back; every stream's next call is warm."""
@@ -106,7 +105,6 @@ class StepCalls:
                                       else min(self.warmup_steps, steps), self.patches)
         programs = patch_programs(cp, front, plan, length, bounds)
         full, first = programs.full, programs.first
-        warm = warm or self._on_mesh(full)
         threaded = (self.executor or cp.executor) == "threads" and len(first.runners) > 1
         if warm or len(bounds) == 2:
             call = Call(tuple(bound.flat), ((0, length),), length, length, self._epoch)
@@ -136,15 +134,3 @@ class StepCalls:
         else:
             run_serial(jobs)
         return output_structure(first, with_tail(first, call.flat_inputs, sink.leaves))
-
-    def _on_mesh(self, program: Any) -> bool:
-        """Whether ``program``'s stages run on meshes (then every call is warm; warned once)."""
-        if not program.meshes:
-            return False
-        if self.warmup_steps is not None and not self._warned:
-            self._warned = True
-            warnings.warn(f"the stages run on meshes {list(program.meshes)}: every call of "
-                          f"the loop is warm (exact), not warmup_steps={self.warmup_steps} "
-                          "then PipeFusion's stale patches (they need one worker per stage)",
-                          stacklevel=3)
-        return True

@@ -92,7 +92,8 @@ def launch(factory: str | Path, nprocs: int, *, checkpoint: str | Path | None = 
         factory: ``MODULE:FACTORY``, or a directory written by :func:`tppc.export` (each
             rank loads its stage's ONNX file; ``inputs`` named as in its ``plan.json``).
         nprocs: ranks (= workers: the stages, or with ``tensor_parallel`` the sum of their
-            degrees; a job of another size is refused, naming both numbers).
+            degrees, times ``cfg_parallel x ulysses x ring``; a job of another size is
+            refused, naming both numbers).
         checkpoint: safetensors file of the weights.
         inputs: ``args.0``, ``kwargs.NAME``... tensors (default: the factory's examples).
         generate: greedy-generate this many tokens instead of one call.

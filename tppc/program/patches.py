@@ -154,8 +154,10 @@ def cached_patch_programs(cache: dict[Any, Any], plan: Any, batch: Any, length: 
     ``bounds``, ``plan``'s placement) into ``cache``: ``build(graph, chunks)`` for the warm-up
     and patch programs, ``build(rest_graph, chunks)`` for the later patches' (if any)."""
     placement = tuple((st.layer_start, st.layer_end, st.device_index,
-                       getattr(st, "device_indices", ()), getattr(st, "tensor_parallel", 1))
-                      for st in plan.stages)
+                       getattr(st, "device_indices", ()),
+                       *(getattr(st, d, 1) for d in ("tensor_parallel", "cfg_parallel",
+                                                     "ring", "ulysses")))
+                      for st in plan.stages)  # the placement and every stage's mesh
     key = (batch, length, bounds, placement)
     if key not in cache:
         chunks = tuple(itertools.pairwise(bounds))
