@@ -122,12 +122,11 @@ FLUX_CUT = ("attn.to_q", "attn.add_q_proj", "single_transformer_blocks.0.proj_ml
 def test_stale_patches_on_tensor_parallel_stages_equal_the_single_worker_run() -> None:
     """Flux (joint attention: the later patches run a program of their own) on 2 stages of 2
     workers: a warm call equals eager; after one warm step the stale patches (K/V cut by
-    heads; the patch program checked against one chunk on the first call) equal the
-    one-worker stale run, which differs from the warm loop."""
+    heads) equal the one-worker stale run, which differs from the warm loop."""
     model, (x,), kwargs = examples.hf_flux(single_layers=1)
     kw = {k: v for k, v in kwargs.items() if k != "timestep"}
     compiled = {tp: tppc.compile(model, (x,), kwargs, cluster=f"{2 * tp}xcpu", num_stages=2,
-                                 tensor_parallel=tp, executor="threads", verify=tp > 1)
+                                 tensor_parallel=tp, executor="threads", verify=False)
                 for tp in (1, 2)}
     cp = compiled[2]
     assert len(cp.program(cp.plan.seq_len).workers) == 4
