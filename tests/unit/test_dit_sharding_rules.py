@@ -139,3 +139,28 @@ def test_token_axis_sizes_that_differ_by_a_constant_are_one_axis() -> None:
     assert reshape_groups((1, s, 2, 8), (1, s + 6, 2, 4, 2)) == [
         ([1], [1]), ([2], [2]), ([3], [3, 4])]
     assert reshape_groups((1, s, 8), (1, 2 * s + 1, 4)) == []  # not one axis: no group
+
+
+class _NormAcrossHeads(nn.Module):
+    """A q norm over every head (Wan's ``rms_norm_across_heads``) written into ``empty_like``
+    by an interleaved rotary embedding, ``type_as`` the query."""
+
+    def __init__(self, fused: bool = False) -> None:
+        super().__init__()
+        self.q, self.out = nn.Linear(D, 2 * D if fused else D), nn.Linear(D, D)
+        self.norm, self.fused = nn.RMSNorm(D), fused
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q(x)
+        q = self.norm(q.split(D, -1)[0] if self.fused else q).unflatten(-1, (HEADS, HD))
+        rotated = torch.empty_like(q)
+        rotated[..., 0::2] = -q[..., 1::2]
+        rotated[..., 1::2] = q[..., 0::2]
+        return self.out((q + rotated).flatten(2).type_as(x))
+
+
+def test_a_norm_over_every_head_of_one_projection_sums_its_statistics_over_the_group() -> None:
+    roles, notes = _roles(_NormAcrossHeads(), torch.randn(1, 5, D))
+    assert roles == {"q": ("column", (D,)), "out": ("row", (D,))} and not notes
+    roles, notes = _roles(_NormAcrossHeads(fused=True), torch.randn(1, 5, D))
+    assert roles["q"][0] == "replicated" and "normalises over the cut axis" in notes["q"]
