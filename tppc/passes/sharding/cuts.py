@@ -18,6 +18,7 @@ import torch
 from torch import fx
 
 import tppc.ir.ops  # noqa: F401  (registers torch.ops.tppc)
+from tppc.ir.records import TOKEN
 from tppc.passes.sharding.cut import (
     Conflict,
     Cut,
@@ -79,6 +80,11 @@ def _elementwise(node: fx.Node, cuts: dict[fx.Node, Any], parts: list) -> Cut | 
             at = found.axis - (out - len(shape))
             if at >= 0 and shape[at] != 1:
                 _no_modulation(node, arg, cuts, out)
+                info = arg.meta.get(TOKEN) if isinstance(arg, fx.Node) else None
+                if info is not None and info.role in ("token", "mixing"):
+                    raise conflict(node, [found], f"a cut value beside whole activations "
+                                   f"{arg.name}: narrowing them would spread the cut into "
+                                   "the residual stream")
                 parts.append((arg, at, found.segments))
     return found
 
