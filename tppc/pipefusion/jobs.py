@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import torch
 
 from tppc.backends.torch_local import TORCH_OPS, run_stage
+from tppc.backends.torch_threads import thread_share
 from tppc.program.interpreter import Interpreter, Stopped, run_in_order
 from tppc.program.program import StageProgram
 from tppc.program.schedule import Action, DryRun
@@ -75,6 +76,8 @@ def run_pipelined(cp: Any, jobs: Jobs) -> None:
     done: dict[int, int] = {}  # patch -> the last step the calling thread stepped it for
     cond = threading.Condition()
     threads = cp.options.threads_per_stage
+    if threads is None:
+        threads = thread_share(len(dry.actions))
 
     def back(act: Action) -> None:
         t, m = act.job
