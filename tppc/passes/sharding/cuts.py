@@ -18,6 +18,7 @@ import torch
 from torch import fx
 
 import tppc.ir.ops  # noqa: F401  (registers torch.ops.tppc)
+from tppc.ir.records import TOKEN
 from tppc.passes.sharding.cut import (
     Conflict,
     Cut,
@@ -40,7 +41,7 @@ ELEMENTWISE = {
     aten.sub.Scalar, aten.mul.Scalar, aten.div.Scalar, aten.neg.default, aten.silu.default,
     aten.gelu.default, aten.relu.default, aten.tanh.default, aten.sigmoid.default,
     aten.exp.default, aten.pow.Tensor_Scalar, aten.to.dtype, aten._to_copy.default,
-    aten.to.dtype_layout, aten.type_as.default, aten.clone.default, aten.contiguous.default,
+    aten.to.dtype_layout, aten.clone.default, aten.contiguous.default,
     aten.dropout.default, aten.alias.default, aten.detach.default, aten.where.self,
     aten.maximum.default, aten.minimum.default, aten.erf.default, aten.sin.default,
     aten.cos.default, aten.abs.default, aten.softplus.default, aten.masked_fill.Scalar,
@@ -49,6 +50,8 @@ ELEMENTWISE = {
     aten.silu_.default, aten.mul_.Tensor, aten.add_.Tensor, aten.div_.Tensor,
     aten.sub_.Tensor, aten.tanh_.default, aten.pow.Tensor_Tensor, aten.rsub.Scalar,
     aten.hardtanh.default, aten.leaky_relu.default, aten.elu.default, aten.mish.default,
+    aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default,
+    aten.full_like.default, aten.copy.default,
 }
 """Ops that compute each element from the elements at the same index (after broadcasting)."""
 
@@ -77,6 +80,11 @@ def _elementwise(node: fx.Node, cuts: dict[fx.Node, Any], parts: list) -> Cut | 
             at = found.axis - (out - len(shape))
             if at >= 0 and shape[at] != 1:
                 _no_modulation(node, arg, cuts, out)
+                info = arg.meta.get(TOKEN) if isinstance(arg, fx.Node) else None
+                if info is not None and info.role in ("token", "mixing"):
+                    raise conflict(node, [found], f"a cut value beside whole activations "
+                                   f"{arg.name}: narrowing them would spread the cut into "
+                                   "the residual stream")
                 parts.append((arg, at, found.segments))
     return found
 
@@ -133,12 +141,37 @@ def _reduce(node, cuts, cut, args, parts):
 
 
 def _norm(node, cuts, cut, args, parts):
-    shape = args[1]
+    """A norm over other axes keeps the cut. Over the cut (last) axis, it takes the cut only
+    where it reads one column-parallel projection and nothing else does (a q/k norm over
+    every head, Wan's ``rms_norm_across_heads``): each worker sums its part's statistics, an
+    all-reduce makes them whole (:func:`tppc.passes.sharding.shard_graph.shard_graph`), and
+    the weight and bias are narrowed to the part. Any other norm over the cut axis refuses."""
+    shape, src = args[1], args[0]
+    nd = ndim_of(src)
+    if any(cuts.get(a) for a in args[2:4] if isinstance(a, fx.Node)):
+        raise conflict(node, [cut], "normalises with a cut weight")
+    if cut.axis < nd - len(shape):
+        return cut
+    if len(shape) == 1 and cut.axis == nd - 1 and cut.origins == {src.name} \
+            and len(src.users) == 1 and len(cut.segments) == 1:
+        parts.extend((a, 0, cut.segments) for a in args[2:4] if isinstance(a, fx.Node))
+        return cut
+    raise conflict(node, [cut], "normalises over the cut axis")
+
+
+def _scatter(node, cuts, cut, args, parts):
+    """``slice_scatter(base, src, dim, ...)`` along another axis than the cut one: the base
+    and the source line up element by element there (an interleaved rotary embedding
+    written into ``empty_like``)."""
     nd = ndim_of(args[0])
-    if cut.axis >= nd - len(shape) or any(cuts.get(a) for a in args[2:4]
-                                          if isinstance(a, fx.Node)):
-        raise conflict(node, [cut], "normalises over the cut axis")
-    return cut
+    if axis_at(args[2] if len(args) > 2 else 0, nd) == cut.axis:
+        raise conflict(node, [cut], "scatters along the cut axis")
+    return _elementwise(node, cuts, parts)
+
+
+def _type_as(node, cuts, cut, args, parts):
+    """``type_as(x, other)``: ``x``'s values (and cut) in ``other``'s dtype."""
+    return cuts.get(args[0])
 
 
 def _attention(node, cuts, cut, args, parts):
@@ -190,4 +223,5 @@ _RULES: dict[Any, _Rule] = {
     aten.scaled_dot_product_attention.default: _attention, aten.matmul.default: _matmul,
     aten.bmm.default: _matmul, torch.ops.tppc.chunk_attention.default: _attention,
     torch.ops.tppc.softmax_attention.default: _attention,
+    aten.slice_scatter.default: _scatter, aten.type_as.default: _type_as,
 }

@@ -182,7 +182,8 @@ def _stack(node, cuts, cut, args, parts):
 def _unbind(node, cuts, cut, args, parts):
     nd = ndim_of(args[0])
     dim = axis_at(args[1] if len(args) > 1 else node.kwargs.get("dim", 0), nd)
-    if dim == cut.axis:
+    if dim == cut.axis:  # a fused (3, heads, hd) unbound: refine the origin by pieces
+        _split(node, cut, dim, [1] * sizes_of(args[0])[dim])
         raise conflict(node, [cut], "unbinds the cut axis")
     return [cut.moved(cut.axis - (dim < cut.axis))] * sizes_of(args[0])[dim]
 

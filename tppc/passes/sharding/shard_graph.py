@@ -175,6 +175,9 @@ class _Shard:
                 self._sizes(node)
             for arg, axis, segments in self.result.parts.get(node, ()):
                 self._part(node, arg, axis, segments)
+            if node.target in _NORMS and _cut_last(self.result.cuts.get(node.args[0])
+                                                   , node.args[0]):
+                self._norm(node)
             if node.op == "placeholder" and node in self.result.cuts:
                 self._buffer(node)
         for node in self.result.gathered:
@@ -263,6 +266,48 @@ class _Shard:
                 aten.cat.default, (pieces, axis), user)
         user.replace_input_with(arg, got)
 
+    def _norm(self, node: fx.Node) -> None:
+        """A norm over the cut axis: the part's sums, all-reduced, then the norm (see
+        :func:`tppc.passes.sharding.cuts.flow`'s norm rule)."""
+        x, rms = node.args[0], node.target == aten.rms_norm.default
+        size = sum(self.result.cuts[x].segments)
+        args = list(node.args) + [None] * 5
+        weight, bias = args[2], None if rms else args[3]
+        eps = args[3] if rms else (1e-5 if args[4] is None else args[4])
+        dtype = x.meta["val"].dtype
+        eps = torch.finfo(dtype).eps if eps is None else eps
+
+        def call(target, *a):
+            return self._new(target, a, node)
+
+        with self.graph.inserting_before(node):
+            xf = call(aten.to.dtype, x, torch.float32)
+            square = call(aten.mul.Tensor, xf, xf)
+            stats = call(aten.sum.dim_IntList, square, [-1], True)
+            if not rms:
+                stats = call(aten.cat.default, [call(aten.sum.dim_IntList, xf, [-1], True),
+                                                stats], -1)
+            mark = call(all_reduce_mark, stats)
+            mark.meta.pop("val", None)  # the sums' shape, not the norm's
+            whole = call(aten.div.Scalar, mark, size)
+            if rms:
+                centred, var = xf, whole
+            else:
+                mean = call(aten.narrow.default, whole, -1, 0, 1)
+                centred = call(aten.sub.Tensor, xf, mean)
+                var = call(aten.sub.Tensor, call(aten.narrow.default, whole, -1, 1, 1),
+                           call(aten.mul.Tensor, mean, mean))
+            out = call(aten.mul.Tensor, centred,
+                       call(aten.rsqrt.default, call(aten.add.Scalar, var, eps)))
+            out = call(aten.to.dtype, out, dtype)
+            if isinstance(weight, fx.Node):
+                out = call(aten.mul.Tensor, out, weight)
+            if isinstance(bias, fx.Node):
+                out = call(aten.add.Tensor, out, bias)
+        out.meta["val"] = node.meta.get("val")
+        node.replace_all_uses_with(out)
+        self.graph.erase_node(node)
+
     def _buffer(self, node: fx.Node) -> None:
         """A K/V buffer placeholder cut on its heads axis: its shape per worker."""
         spec, cut = node.meta[CHUNK_INPUT], self.result.cuts[node]
@@ -286,6 +331,15 @@ class _Shard:
         if "val" in like.meta and target in (all_reduce_mark, aten.add.Tensor):
             made.meta["val"] = like.meta["val"]
         return made
+
+
+_NORMS = (aten.rms_norm.default, aten.layer_norm.default)
+
+
+def _cut_last(cut: object, x: object) -> bool:
+    """Whether value ``x`` is cut on its last axis (a norm over it sums per worker)."""
+    val = x.meta.get("val") if isinstance(x, fx.Node) else None
+    return isinstance(cut, Cut) and val is not None and cut.axis == val.dim() - 1
 
 
 def _dim(node: fx.Node, k: int) -> int:
