@@ -26,7 +26,7 @@ class Staged:
 
     graphs: list[Any]
     feeds: list[dict[str, Any]]
-    rows: list[int]
+    rows: list[dict[str, int]]
     output_rows: tuple
     want: Any
     tail: Any = None
@@ -42,13 +42,13 @@ def staged(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     front = cp._front
     program = build_program(front.chunk, front.ctx, cp.plan, degrees=(1,) * num_stages)
     feeds: list[dict[str, Any]] = [{} for _ in program.stages]
-    rows: list[int] = [0 for _ in program.stages]
+    rows: list[dict[str, int]] = [{} for _ in program.stages]
 
     def recorder(s: int, stage: Any) -> Any:
         def run(*values: Any) -> Any:
             for (name, spec), value in zip(stage.inputs, values, strict=False):
                 if spec.kind in ("key", "value"):
-                    rows[s] = value.shape[spec.axis]
+                    rows[s][name] = value.shape[spec.axis]
                 elif spec.kind != "boundary":
                     feeds[s][name] = value
             return stage.runnable(*values)

@@ -65,7 +65,8 @@ def batch_cut(gm: fx.GraphModule, part: int, parts: int, what: str) -> dict[fx.N
     narrow: dict[fx.Node, list] = {}
     for ph in placeholders:
         if _origin(ph, batch):
-            cuts[ph] = Cut(0, (batch,), frozenset({ph.name}))
+            cuts[ph] = Cut(0, (sizes_of(ph)[0] if ph.meta[CHUNK_INPUT].kind not in (
+                "key", "value") else batch,), frozenset({ph.name}))
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target in _NO_VALUE or \
                 not any(cuts.get(a) is not None for a in node.all_input_nodes):
@@ -96,10 +97,11 @@ def _batch(placeholders: list[fx.Node], what: str) -> int:
     if not sizes:
         raise SpecError(f"{what}: no token input with a batch axis (axis 0 beside its token "
                         "axis); tppc cannot find the batch to cut. fix: cfg_parallel=1")
-    if len(set(sizes.values())) > 1 or not isinstance(next(iter(sizes.values())), int):
+    batch = min(sizes.values()) if all(isinstance(v, int) for v in sizes.values()) else 0
+    if not batch or any(v % batch for v in sizes.values()):
         raise SpecError(f"{what}: the token inputs disagree on the batch (axis 0: {sizes}). "
                         "fix: cfg_parallel=1")
-    return int(next(iter(sizes.values())))
+    return batch
 
 
 def _origin(ph: fx.Node, batch: int) -> bool:
@@ -108,9 +110,9 @@ def _origin(ph: fx.Node, batch: int) -> bool:
         return False
     if spec.kind in ("key", "value"):
         return bool(spec.shape) and spec.shape[0] == batch
-    shape = sizes_of(ph)
+    shape = sizes_of(ph)  # (B·F, ...): frames folded into the batch, batch-major
     return spec.kind in ("token", "boundary") and spec.axis not in (None, 0) and \
-        bool(shape) and shape[0] == batch
+        bool(shape) and isinstance(shape[0], int) and shape[0] % batch == 0
 
 
 def _flow(node: fx.Node, cuts: dict, batch: int) -> tuple[Any, list]:
@@ -140,6 +142,22 @@ def _flow(node: fx.Node, cuts: dict, batch: int) -> tuple[Any, list]:
         if lo < cut.axis <= hi:
             raise Conflict(cut.origins, "flattens the batch axis into an outer one")
         return cut.moved(cut.axis - (hi - lo) if cut.axis > hi else cut.axis), []
+    if target == aten.unflatten.int:
+        nd = len(sizes_of(args[0]))
+        dim, sizes = args[1] % nd, list(args[2])
+        if dim == cut.axis and not (isinstance(sizes[0], int) and sizes[0] % batch == 0):
+            raise Conflict(cut.origins, f"unflattens the batch axis into {sizes}")
+        return cut.moved(cut.axis + (len(sizes) - 1) * (dim < cut.axis)), []
+    if target in (aten.copy.default, aten.slice_scatter.default):
+        nd = len(sizes_of(node))
+        if target == aten.slice_scatter.default and (args[2] if len(args) > 2 else 0) % nd \
+                == cuts[_first_cut(list(args[:2]), cuts)].axis:
+            raise Conflict(cut.origins, "scatters along the batch axis")
+        return _batched(node, cuts, cut, batch, contracts=False)
+    if target in (aten.pad.default, aten.constant_pad_nd.default):
+        if cut.axis >= len(sizes_of(args[0])) - len(args[1]) // 2:
+            raise Conflict(cut.origins, "pads the batch axis")
+        return cut, []
     if target == aten.unbind.int:
         dim = args[1] if len(args) > 1 else 0
         dim = dim + len(sizes_of(args[0])) if dim < 0 else dim
@@ -155,6 +173,8 @@ def _flow(node: fx.Node, cuts: dict, batch: int) -> tuple[Any, list]:
         if have is None or want is None or have.axis != want.axis:
             raise Conflict(cut.origins, "a copy between a cut and a whole value")
         return have, []
+    if target == aten.type_as.default:  # the second operand gives only its dtype
+        return cuts.get(args[0]), []
     if target == aten.stack.default:
         return _stack(node, cuts, cut, batch)
     if target in _ATTENTION or target in (aten.cat.default, aten.matmul.default,
@@ -163,7 +183,8 @@ def _flow(node: fx.Node, cuts: dict, batch: int) -> tuple[Any, list]:
     return flow(node, cuts)
 
 
-def _batched(node: fx.Node, cuts: dict, cut: Cut, batch: int) -> tuple[Cut, list]:
+def _batched(node: fx.Node, cuts: dict, cut: Cut, batch: int, contracts: bool = True
+             ) -> tuple[Cut, list]:
     """Attention, cat and matmul over a batch cut: every tensor operand cut on the same
     (right-aligned) axis, or whole with the full batch there (narrowed) or 1 (broadcast).
     ``cat`` aligns left, along another axis than the cut one."""
@@ -177,7 +198,7 @@ def _batched(node: fx.Node, cuts: dict, cut: Cut, batch: int) -> tuple[Cut, list
         out, left = len(sizes_of(node)), False
     first = _first_cut(tensors, cuts)
     at = cut_at = cuts[first].axis + (0 if left else out - len(sizes_of(first)))
-    if cut_at >= out - 2 and node.target != aten.cat.default:
+    if contracts and cut_at >= out - 2 and node.target != aten.cat.default:
         raise Conflict(cut.origins, "contracts or attends over the batch axis")
     found = []
     for arg in tensors:
@@ -239,7 +260,7 @@ def _first_cut(tensors: list, cuts: dict) -> fx.Node:
 
 def _rewrite(gm: fx.GraphModule, cuts: dict, narrow: dict, part: int, parts: int,
              batch: int) -> None:
-    graph, step = gm.graph, batch // parts
+    graph = gm.graph
     last = list(graph.find_nodes(op="placeholder"))[-1]
     for node in list(graph.nodes):
         cut = cuts.get(node)
@@ -250,6 +271,7 @@ def _rewrite(gm: fx.GraphModule, cuts: dict, narrow: dict, part: int, parts: int
                 shape[0] //= parts
                 node.meta[CHUNK_INPUT] = type(spec)(**{**spec.__dict__, "shape": tuple(shape)})
             elif spec.kind == "token":
+                step = cut.segments[0] // parts
                 with graph.inserting_after(last):
                     got = _new(graph, aten.narrow.default, (node, 0, part * step, step), node)
                 node.replace_all_uses_with(got, delete_user_cb=lambda u, g=got: u is not g)
@@ -264,7 +286,13 @@ def _rewrite(gm: fx.GraphModule, cuts: dict, narrow: dict, part: int, parts: int
             args = list(node.args)
             args[3] = args[3] // parts if isinstance(args[3], int) else args[3]
             node.args = tuple(args)
-        for arg, axis, _segments in narrow.get(node, ()):
+        if node.target == aten.unflatten.int and cut is not None and \
+                node.args[1] % len(sizes_of(node.args[0])) == cut.axis:
+            sizes = list(node.args[2])
+            sizes[0] = sizes[0] // parts if sizes[0] != -1 else -1
+            node.args = (node.args[0], node.args[1], sizes)
+        for arg, axis, segments in narrow.get(node, ()):
+            step = segments[0] // parts
             with graph.inserting_before(node):
                 got = _new(graph, aten.narrow.default, (arg, axis, part * step, step), node)
             node.replace_input_with(arg, got)

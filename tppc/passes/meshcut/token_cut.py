@@ -183,8 +183,11 @@ def _attentions(graph: fx.Graph, placeholders: list[fx.Node], what: str
         readers = [u for u in (part or write.read).users if u.op == "call_function"
                    and u.target == _ATTENTION]
         if len(readers) != 1:
-            raise SpecError(f"{what}: K/V buffer {ph.name} is read by {len(readers)} "
-                            "attention nodes; expected one. fix: ring=1 and ulysses=1")
+            raise SpecError(f"{what}: K/V buffer {ph.name} (of {spec.source}) feeds "
+                            f"{len(readers)} tppc.chunk_attention nodes: it holds another "
+                            "kind of token mixing (linear attention's sums, a convolution "
+                            "over tokens); sequence parallelism cannot cut it. fix: ring=1 "
+                            "and ulysses=1 for this model")
         found.setdefault(readers[0], {})[spec.kind] = write
     for node in graph.nodes:
         info = node.meta.get(TOKEN)
