@@ -86,13 +86,16 @@ def token_cut(gm: fx.GraphModule, ring: int, ulysses: int, ring_coord: int,
     with graph.inserting_before(placeholders[-1].next):
         sub = _sub_units(graph, placeholders, kinds.get("chunk_size"), parts, what)
     keep = _int_ancestors(sub)  # they read the whole inputs
-    first = q_start = None
+    first = q_start = q_size = None
     if sub is not None and start is not None:
         with graph.inserting_after(sub):
             first = graph.call_function(sub_start, (start, sub, part))
         with graph.inserting_after(first):  # the first query row after the ulysses exchange
             q_start = graph.call_function(sub_start, (start, sub, ring_coord * ulysses))
+        with graph.inserting_after(q_start):  # the queries' rows after the exchange
+            q_size = graph.call_function(operator.mul, (sub, ulysses))
         start.replace_all_uses_with(first, delete_user_cb=lambda u: u not in (first, q_start))
+        keep |= {q_start, q_size}
         if "chunk_size" in kinds:
             kinds["chunk_size"].replace_all_uses_with(
                 sub, delete_user_cb=lambda u: u not in keep)
@@ -109,7 +112,8 @@ def token_cut(gm: fx.GraphModule, ring: int, ulysses: int, ring_coord: int,
         ph.replace_all_uses_with(rows, delete_user_cb=lambda u, r=rows: u is not r
                                  and u not in keep)
     for node, (key, value) in attentions.items():
-        _exchange(graph, node, key, value, ring, ulysses, {first: start}, {first: q_start},
+        _exchange(graph, node, key, value, ring, ulysses, {first: start},
+                  {first: q_start, sub: q_size},
                   what)
 
 
@@ -242,6 +246,9 @@ def _exchange(graph: fx.Graph, node: fx.Node, key: _Write, value: _Write, ring: 
                 src = _mark(graph, all_gather_mark, (src, t_kv, "ring"), node)
             offset = _clone(graph, w.view.args[2], write_subst)
             rows = graph.call_function(aten.sym_size.int, (src, t_kv))
+        with graph.inserting_before(w.read):  # keys up to the queries' end (causal)
+            w.read.args = (w.read.args[0], w.read.args[1],
+                           *(_clone(graph, a, query_subst) for a in w.read.args[2:]))
         old = w.view.args[3]
         w.view.args = (w.buffer, w.view.args[1], offset, rows)
         w.copy.args = (w.view, src, *w.copy.args[2:])
