@@ -211,3 +211,19 @@ def test_parts_run_in_order() -> None:
     stage = (Action(0, 0, 0, 2, part=1), Action(0, 0, 0, 2))
     with pytest.raises(ScheduleError, match="after part -1"):
         check_actions((stage,), stages=(0,))
+
+
+def test_a_part_of_one_block_of_rows_is_a_view_and_other_parts_are_contiguous_copies() -> None:
+    """``take``: rows of one segment share the model's storage (no second copy of the
+    weights in process); columns, and pieces of several segments, are contiguous copies."""
+    from tppc.passes.sharding.shard_graph import take
+
+    w = torch.arange(48.0).reshape(8, 6)
+    rows = take(w, 0, (8,), 1, 2)
+    assert rows.untyped_storage().data_ptr() == w.untyped_storage().data_ptr()
+    torch.testing.assert_close(rows, w[4:], rtol=0, atol=0)
+    cols = take(w, 1, (6,), 1, 2)
+    assert cols.is_contiguous() and cols.untyped_storage().data_ptr() != w.untyped_storage().data_ptr()
+    torch.testing.assert_close(cols, w[:, 3:], rtol=0, atol=0)
+    fused = take(w, 0, (4, 4), 1, 2)  # e.g. gate and up: rows 2-3 of each
+    torch.testing.assert_close(fused, torch.cat([w[2:4], w[6:8]]), rtol=0, atol=0)

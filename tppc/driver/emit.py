@@ -29,6 +29,7 @@ from tppc.passes.sharding.shard_graph import cuttable, shard_graph
 from tppc.passes.sharding.split_parts import split_parts
 from tppc.passes.stages.direct_output import write_outputs_in_place
 from tppc.passes.stages.partition_stages import partition_stages
+from tppc.passes.stages.place_constructors import place_constructors
 from tppc.passes.subgraph import copy_graph
 from tppc.planner.plan import Plan, StagePlan
 from tppc.program.program import BufferSpec, Program, StageProgram
@@ -216,7 +217,9 @@ def _stage(module: fx.GraphModule, device: torch.device, signature: ChunkSignatu
 
 
 def _own_tensors(module: fx.GraphModule, device: torch.device) -> fx.GraphModule:
-    """Give ``module`` (and its submodules) new tensor objects on ``device``."""
+    """Give ``module`` (and its submodules) new tensor objects on ``device``, and make the
+    tensors its nodes create there (:func:`place_constructors`)."""
+    place_constructors(module, device)
     for sub in module.modules():
         for name, param in list(sub.named_parameters(recurse=False)):
             sub._parameters[name] = torch.nn.Parameter(_on(param, device), requires_grad=False)

@@ -90,13 +90,17 @@ _SIZED = (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
 
 def take(tensor: torch.Tensor, axis: int, segments: tuple[int, ...], rank: int,
          degree: int) -> torch.Tensor:
-    """Part ``rank`` of ``degree`` of ``tensor``'s ``axis`` cut into ``segments`` (a copy)."""
+    """Part ``rank`` of ``degree`` of ``tensor``'s ``axis`` cut into ``segments``: a view of
+    ``tensor`` when the part is one contiguous block (rows of one segment: the shard shares
+    the model's storage, as an unsharded stage does), else a contiguous copy."""
     pieces, off = [], 0
     for size in segments:
         step = size // degree
         pieces.append(tensor.narrow(axis, off + rank * step, step))
         off += size
-    return torch.cat(pieces, axis).contiguous() if len(pieces) > 1 else pieces[0].clone()
+    if len(pieces) > 1:
+        return torch.cat(pieces, axis).contiguous()
+    return pieces[0] if pieces[0].is_contiguous() else pieces[0].contiguous()
 
 
 def cuttable(gm: fx.GraphModule) -> bool:
