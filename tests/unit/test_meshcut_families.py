@@ -1,7 +1,8 @@
 """Worker graphs of diffusers DiTs from tiny configs on stage meshes: a guided batch of 2
-cut by CFG parallelism, sequence parallelism where the family's attention allows it, and
-the refusals by name where it does not (joint text + image tokens, linear attention, video
-frame blocks). Compared with the eager model (nothing is downloaded).
+cut by CFG parallelism, sequence parallelism (joint text + image attention included: the
+text whole on every worker, its heads under Ulysses), tensor parallelism, and the refusals
+by name where the form does not apply (linear attention, video frame blocks). Compared with
+the eager model (nothing is downloaded).
 """
 
 from __future__ import annotations
@@ -63,20 +64,21 @@ def _wan():
         "return_dict": False}
 
 
-JOINT = r"unsplit text segment of 6 tokens .*joint attention.* fix: ring=1 and ulysses=1"
+FRAMES = r"not written and read as one chunk's rows \(a video's frame blocks\?\).* fix: ring=1"
 FAMILIES = {
     # family: (factory, exact meshes, refused mesh and message)
     "pixart": (_pixart4, [Mesh(cfg=2), Mesh(ring=2, ulysses=2), Mesh(ulysses=2, tp=2)], None),
     "hunyuan_dit": (lambda: examples.hf_hunyuan_dit(layers=2), [Mesh(cfg=2, ulysses=2)],
                     None),
-    "sd3": (lambda: examples.hf_sd3(layers=1), [Mesh(cfg=2), Mesh(cfg=2, tp=2)],
-            (Mesh(ulysses=2), JOINT)),
-    "flux": (lambda: examples.hf_flux(single_layers=1), [Mesh(cfg=2)], (Mesh(ring=2), JOINT)),
+    "sd3": (lambda: examples.hf_sd3(layers=1),  # text after the image, written apart
+            [Mesh(cfg=2, tp=2), Mesh(ulysses=2), Mesh(ring=2)], None),
+    "flux": (lambda: examples.hf_flux(single_layers=1),  # text before the image
+             [Mesh(cfg=2), Mesh(ring=2, ulysses=2)], None),
     "cogvideox": (lambda: examples.hf_cogvideox(layers=1), [Mesh(cfg=2)],
-                  (Mesh(ulysses=2), JOINT)),
+                  (Mesh(ulysses=2), FRAMES)),
     "sana": (_sana, [Mesh(cfg=2), Mesh(tp=2)],
              (Mesh(ring=2), r"matmul_key_buffer .* another kind of token mixing .* fix")),
-    "wan": (_wan, [Mesh(cfg=2)], (Mesh(ulysses=2), r"frame blocks.* fix: ring=1")),
+    "wan": (_wan, [Mesh(cfg=2)], (Mesh(ulysses=2), FRAMES)),
 }
 
 
