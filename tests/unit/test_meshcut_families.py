@@ -1,7 +1,8 @@
 """Worker graphs of diffusers DiTs from tiny configs on stage meshes: a guided batch of 2
 cut by CFG parallelism, sequence parallelism (joint text + image attention included: the
 text whole on every worker, its heads under Ulysses), tensor parallelism, and the refusals
-by name where the form does not apply (linear attention, video frame blocks). Compared with
+by name where the form does not apply (linear attention). Videos: each worker takes its band
+of rows in every frame. Compared with
 the eager model (nothing is downloaded).
 """
 
@@ -64,7 +65,6 @@ def _wan():
         "return_dict": False}
 
 
-FRAMES = r"not written and read as one chunk's rows \(a video's frame blocks\?\).* fix: ring=1"
 FAMILIES = {
     # family: (factory, exact meshes, refused mesh and message)
     "pixart": (_pixart4, [Mesh(cfg=2), Mesh(ring=2, ulysses=2), Mesh(ulysses=2, tp=2)], None),
@@ -74,11 +74,11 @@ FAMILIES = {
             [Mesh(cfg=2, tp=2), Mesh(ulysses=2), Mesh(ring=2)], None),
     "flux": (lambda: examples.hf_flux(single_layers=1),  # text before the image
              [Mesh(cfg=2), Mesh(ring=2, ulysses=2)], None),
-    "cogvideox": (lambda: examples.hf_cogvideox(layers=1), [Mesh(cfg=2)],
-                  (Mesh(ulysses=2), FRAMES)),
+    "cogvideox": (lambda: examples.hf_cogvideox(layers=1),  # text, then 2 frames
+                  [Mesh(cfg=2), Mesh(ring=2, ulysses=2)], None),
     "sana": (_sana, [Mesh(cfg=2), Mesh(tp=2)],
              (Mesh(ring=2), r"matmul_key_buffer .* another kind of token mixing .* fix")),
-    "wan": (_wan, [Mesh(cfg=2)], (Mesh(ulysses=2), FRAMES)),
+    "wan": (_wan, [Mesh(cfg=2, ulysses=2), Mesh(ring=2)], None),  # 2 frames
 }
 
 

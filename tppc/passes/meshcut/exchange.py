@@ -24,7 +24,7 @@ from torch import fx
 
 from tppc.errors import SpecError
 from tppc.ir.records import CHUNK_INPUT, LAYER, TOKEN
-from tppc.passes.meshcut.rows import part_rows, sub_size, sub_start
+from tppc.passes.meshcut.rows import interleave_parts, part_rows, sub_size, sub_start
 from tppc.passes.sharding.shard_graph import all_gather_mark, all_to_all_mark
 
 __all__ = ["BufferWrite", "exchange_attention"]
@@ -47,10 +47,14 @@ class BufferWrite:
     """Separate writes ``(view, copy_)`` of text rows (SD3's suffix after the last image
     row); then ``copy`` writes image rows only."""
 
+    blocks: tuple[tuple[fx.Node, fx.Node], ...] = ()
+    """The writes ``(view, copy_)`` of the other video frames' rows (each copies a narrow of
+    one value, :attr:`source`); empty: ``copy`` writes all the chunk's rows."""
+
     @property
     def source(self) -> fx.Node:
         """The keys (values) the stage graph writes."""
-        return self.copy.args[1]
+        return self.copy.args[1].args[0] if self.blocks else self.copy.args[1]
 
 
 @dataclass(frozen=True)
@@ -161,17 +165,16 @@ def _write(ex: _Exchange, w: BufferWrite, t_kv: int, h_kv: int, write_subst: dic
                 x = ex.mark(all_gather_mark, x, t_kv, group="ring")
             return x
 
+        if w.blocks:
+            _frames(ex, w, src, t_kv, h_kv, write_subst)
+            _text_writes(ex, w, h_kv, heads_part)
+            return
         spec = w.buffer.meta[CHUNK_INPUT]
         segments = (0, 0) if w.text else (spec.prefix, spec.suffix)
         src = ex.segmented(src, t_kv, tokens, lambda x: ex.heads(x, h_kv), segments)
         offset = clone_ints(graph, w.view.args[2], write_subst)
         rows = graph.call_function(aten.sym_size.int, (src, t_kv))
-    for view, copy in w.text:  # text rows: whole on every worker; its heads
-        with graph.inserting_before(view):
-            text = copy.args[1]
-            if w.heads is not None:
-                text = graph.call_function(aten.narrow.default, (text, *heads_part))
-            copy.args = (view, ex.heads(text, h_kv), *copy.args[2:])
+    _text_writes(ex, w, h_kv, heads_part)
     with graph.inserting_before(w.read):  # keys up to the queries' end (causal)
         w.read.args = (w.read.args[0], w.read.args[1],
                        *(clone_ints(graph, a, query_subst) for a in w.read.args[2:]))
@@ -180,6 +183,48 @@ def _write(ex: _Exchange, w: BufferWrite, t_kv: int, h_kv: int, write_subst: dic
     w.copy.args = (w.view, src, *w.copy.args[2:])
     if isinstance(old, fx.Node) and not old.users:
         graph.erase_node(old)
+    if ex.ulysses > 1:
+        _set_heads(w.buffer, h_kv, w.buffer.meta[CHUNK_INPUT].shape[h_kv] // ex.ulysses)
+
+
+def _text_writes(ex: _Exchange, w: BufferWrite, h_kv: int, heads_part: tuple) -> None:
+    """The separate writes of text rows: whole on every worker; the worker's heads."""
+    for view, copy in w.text:
+        with ex.graph.inserting_before(copy):
+            text = copy.args[1]
+            if heads_part:
+                text = ex.graph.call_function(aten.narrow.default, (text, *heads_part))
+            copy.args = (view, ex.heads(text, h_kv), *copy.args[2:])
+
+
+def _frames(ex: _Exchange, w: BufferWrite, src: fx.Node, t_kv: int, h_kv: int,
+            write_subst: dict) -> None:
+    """The writes of a video chunk (one block of rows per frame): the exchanged keys put
+    back in the chunk's frame-major order (:func:`interleave_parts`), then each frame's
+    block written where the stage graph writes it."""
+    graph, frames = ex.graph, 1 + len(w.blocks)
+
+    def tokens(x: fx.Node) -> fx.Node:
+        if ex.ulysses > 1:
+            x = ex.mark(all_to_all_mark, x, h_kv, t_kv, group="ulysses")
+            x = graph.call_function(interleave_parts, (x, t_kv, ex.ulysses, frames))
+        if ex.ring > 1:
+            x = ex.mark(all_gather_mark, x, t_kv, group="ring")
+            x = graph.call_function(interleave_parts, (x, t_kv, ex.ring, frames))
+        return x
+
+    spec = w.buffer.meta[CHUNK_INPUT]  # CogVideoX: the text rows before the frames
+    src = ex.segmented(src, t_kv, tokens, lambda x: ex.heads(x, h_kv),
+                       (spec.prefix, spec.suffix))
+    subst = {**write_subst, w.source: src}
+    for view, copy in ((w.view, w.copy), *w.blocks):
+        rows = copy.args[1]
+        with graph.inserting_before(view):
+            at, count = (clone_ints(graph, a, subst) for a in rows.args[2:4])
+            got = graph.call_function(aten.narrow.default, (src, rows.args[1], at, count))
+            view.args = (view.args[0], view.args[1],
+                         *(clone_ints(graph, a, subst) for a in view.args[2:4]))
+        copy.args = (view, got, *copy.args[2:])
     if ex.ulysses > 1:
         _set_heads(w.buffer, h_kv, w.buffer.meta[CHUNK_INPUT].shape[h_kv] // ex.ulysses)
 
@@ -242,7 +287,7 @@ def _reads(node: fx.Node, subst: dict) -> bool:
 
 
 _INT_OPS = {operator.add, operator.sub, operator.mul, operator.floordiv, operator.neg,
-            sub_start, sub_size}
+            sub_start, sub_size, aten.sym_size.int}
 """The int arithmetic an offset is made of."""
 
 

@@ -24,8 +24,9 @@ Terms:
         the exchanged keys (the whole chunk's) at the chunk's own offset.
 
 Both together: Ulysses inside, Ring outside (xDiT's USP). Joint attention (a text prefix or
-suffix on the token axis), attention not read from K/V buffers, and other mixing ops are
-refused by name.
+suffix on the token axis) and video chunks (a band of rows in every frame) are exchanged by
+:mod:`tppc.passes.meshcut.exchange`; attention not read from K/V buffers and other mixing ops
+(linear attention's sums, token convolutions) are refused by name.
 """
 
 from __future__ import annotations
@@ -61,7 +62,6 @@ def token_cut(gm: fx.GraphModule, ring: int, ulysses: int, ring_coord: int,
         return
     graph = gm.graph
     placeholders = list(graph.find_nodes(op="placeholder"))
-    _refuse_segments(placeholders, what)
     attentions = _attentions(graph, placeholders, what)
     kinds = {p.meta[CHUNK_INPUT].kind: p for p in placeholders if CHUNK_INPUT in p.meta}
     start = kinds.get("chunk_start")
@@ -138,19 +138,6 @@ def _int_ancestors(node: fx.Node | None) -> set[fx.Node]:
     return seen
 
 
-def _refuse_segments(placeholders: list[fx.Node], what: str) -> None:
-    """Text segments beside video frame blocks are not cut (yet)."""
-    specs = [(ph, ph.meta[CHUNK_INPUT]) for ph in placeholders if CHUNK_INPUT in ph.meta]
-    if any(spec.frames > 1 for _, spec in specs):
-        for ph, spec in specs:
-            if spec.prefix or spec.suffix:
-                raise SpecError(
-                    f"{what}: input {ph.name} carries an unsplit text segment of "
-                    f"{spec.prefix or spec.suffix} tokens beside video frame blocks; sequence "
-                    "parallelism does not cut that layout. fix: ring=1 and ulysses=1 for "
-                    "this model (cfg_parallel and tensor_parallel apply)")
-
-
 def _attentions(graph: fx.Graph, placeholders: list[fx.Node], what: str
                 ) -> dict[fx.Node, tuple[BufferWrite, BufferWrite]]:
     """Every attention over K/V buffers and its two writes; anything else that mixes
@@ -204,7 +191,12 @@ def _write_of(buffer: fx.Node) -> BufferWrite | None:
         else:
             reads.append(view)
     rows = [w for w in writes if not isinstance(w[0].args[3], int)]
-    if len(reads) != 1 or len(rows) != 1:
+    if len(reads) != 1 or not rows:
         return None
-    text = tuple(w for w in writes if w is not rows[0])
-    return BufferWrite(buffer, *rows[0], reads[0], text=text)
+    text = tuple(w for w in writes if w not in rows)
+    if len(rows) > 1:  # one write per video frame: narrows of one value on the buffer's axis
+        sources = {c.args[1].args[0] if c.args[1].target == aten.narrow.default
+                   and c.args[1].args[1] == v.args[1] else None for v, c in rows}
+        if len(sources) != 1 or None in sources:
+            return None
+    return BufferWrite(buffer, *rows[0], reads[0], text=text, blocks=tuple(rows[1:]))
