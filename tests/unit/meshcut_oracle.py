@@ -7,18 +7,20 @@ joined along their token axes (then the epilogue), for comparison with the eager
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import torch
 
 import tppc
+from tppc.backends.torch_local import chunk_rows
 from tppc.driver.emit import build_program
 from tppc.ir.records import CHUNK_INPUT, STAGE_INFO
 from tppc.passes.meshcut.lockstep import run_workers
 from tppc.passes.meshcut.worker_graph import worker_graph
 from tppc.program.mesh import Mesh
 
-__all__ = ["Staged", "run_mesh", "staged"]
+__all__ = ["Staged", "patch_feeds", "run_mesh", "staged"]
 
 
 @dataclasses.dataclass
@@ -87,9 +89,32 @@ def staged(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
                   want, program.tail, flat[0] if flat else ())
 
 
-def run_mesh(st: Staged, mesh: Mesh) -> tuple[Any, ...]:
+def patch_feeds(st: Staged, bounds: list[int]) -> list[list[dict[str, Any]]]:
+    """Each stage's feeds of the patches ``[bounds[i], bounds[i+1])`` (PipeFusion's chunks
+    of one step), cut from the recorded feed of the whole sequence."""
+    out = []
+    for s, stage in enumerate(st.graphs):
+        whole, length = st.feeds[s][0], bounds[-1]
+        specs = {p.name: p.meta[CHUNK_INPUT] for p in stage.graph.find_nodes(op="placeholder")}
+        rows = []
+        for a, b in itertools.pairwise(bounds):
+            feed = dict(whole)
+            for name, value in whole.items():
+                spec = specs[name]
+                if spec.kind in ("token", "positional") and spec.axis is not None:
+                    feed[name] = chunk_rows(value, spec, a, b, length)
+                elif spec.kind in ("chunk_start", "chunk_size"):
+                    feed[name] = a if spec.kind == "chunk_start" else b - a
+            rows.append(feed)
+        out.append(rows)
+    return out
+
+
+def run_mesh(st: Staged, mesh: Mesh, *steps: list[list[dict[str, Any]]]) -> tuple[Any, ...]:
     """The leader's outputs of every stage's workers on ``mesh``, in lockstep, chunk after
-    chunk (K/V buffers kept across chunks), joined along the outputs' token axes."""
+    chunk (K/V buffers kept across chunks and ``steps``: each step's feeds, per stage and
+    chunk; default: the recorded call), joined along the outputs' token axes (the last
+    step's)."""
     rows = st.signature.output_rows
     workers = [[worker_graph(stage, mesh, r, output_rows=rows) for r in range(mesh.size)]
                for stage in st.graphs]
@@ -98,15 +123,16 @@ def run_mesh(st: Staged, mesh: Mesh) -> tuple[Any, ...]:
             assert all(ph.meta.get(CHUNK_INPUT) is not None
                        for ph in g.graph.find_nodes(op="placeholder"))
     buffers = [[{} for _ in range(mesh.size)] for _ in st.graphs]
-    chunks = []
-    for i in range(len(st.feeds[0])):
-        boundary: list[tuple[Any, ...]] = [() for _ in range(mesh.size)]
-        for s, stage in enumerate(st.graphs):
-            outs = run_workers(workers[s], mesh, st.feeds[s][i], boundary, buffers[s],
-                               st.rows[s])
-            if stage.meta[STAGE_INFO].outputs:
-                boundary = outs
-        chunks.append(outs[0])
+    for feeds in steps or (st.feeds,):
+        chunks = []
+        for i in range(len(feeds[0])):
+            boundary: list[tuple[Any, ...]] = [() for _ in range(mesh.size)]
+            for s, stage in enumerate(st.graphs):
+                outs = run_workers(workers[s], mesh, feeds[s][i], boundary, buffers[s],
+                                   st.rows[s])
+                if stage.meta[STAGE_INFO].outputs:
+                    boundary = outs
+            chunks.append(outs[0])
     joined = tuple(values[-1] if axis is None else torch.cat(values, axis)
                    for axis, values in zip(st.signature.output_axes, zip(*chunks),
                                            strict=True))

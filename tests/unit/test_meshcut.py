@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from tests.oracles import assert_kernels_close
-from tests.unit.meshcut_oracle import run_mesh, staged
+from tests.unit.meshcut_oracle import patch_feeds, run_mesh, staged
 from tppc import examples
 from tppc.errors import SpecError
 from tppc.passes.meshcut.rows import interleave_parts, part_rows
@@ -60,6 +60,20 @@ def test_causal_chunks_with_sequence_parallelism_are_exact(gpt, mesh) -> None:
     """Two chunks, K/V buffers kept between them: each worker's sub-chunk sees the keys
     up to its queries' positions (Ulysses: up to the group's rows)."""
     assert_kernels_close(_first(run_mesh(gpt, mesh)), _first(gpt.want))
+
+
+@pytest.mark.parametrize("mesh", [Mesh(ulysses=2), Mesh(cfg=2, ring=2)],
+                         ids=lambda m: "x".join(map(str, m.degrees)))
+def test_pipefusion_patches_with_sequence_parallelism_match_pipefusion_alone(dit, mesh):
+    """Two patches of 2 patch rows, two steps on other latents: the second step's first
+    patch reads the first step's (stale) K/V of the second patch. Each patch's exchange fills every worker's
+    buffers with its fresh K/V, so the mesh equals PipeFusion on one worker per stage."""
+    feeds = patch_feeds(dit, [0, 2, 4])
+    before = [[{k: v * 0.5 if k == "x" else v for k, v in f.items()} for f in stage]
+              for stage in feeds]  # the step before: other latents
+    want = run_mesh(dit, Mesh(), before, feeds)[0]
+    assert not torch.allclose(want, dit.want)  # stale K/V: not the warm result
+    assert_kernels_close(run_mesh(dit, mesh, before, feeds)[0], want)
 
 
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
