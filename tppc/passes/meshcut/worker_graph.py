@@ -73,9 +73,22 @@ def worker_graph(stage: fx.GraphModule, mesh: Mesh, rank: int, *,
     token_cut(gm, mesh.ring, mesh.ulysses, coords["ring"], coords["ulysses"], what)
     if info is None or not info.outputs:
         _gather_outputs(gm, mesh, batch, tuple(output_rows), what)
+    elif mesh.cfg > 1:
+        _check_boundary(gm, batch, what)
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _check_boundary(gm: fx.GraphModule, batch: dict[fx.Node, int], what: str) -> None:
+    """The next stage takes a boundary value as cut on axis 0 (:mod:`batch_cut`): refuse one
+    that leaves otherwise."""
+    for value in gm.graph.output_node().all_input_nodes:
+        if batch.get(value) != 0:
+            raise SpecError(f"{what}: boundary value {value.name} leaves "
+                            f"{'whole' if value not in batch else f'cut on axis {batch[value]}'}"
+                            "; the next stage's workers take it cut on axis 0 (the batch). "
+                            "fix: cfg_parallel=1 for this model")
 
 
 def _gather_outputs(gm: fx.GraphModule, mesh: Mesh, batch: dict[fx.Node, int],
