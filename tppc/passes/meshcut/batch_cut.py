@@ -26,7 +26,7 @@ import torch
 from torch import fx
 
 from tppc.errors import SpecError
-from tppc.ir.records import CHUNK_INPUT, LAYER
+from tppc.ir.records import CHUNK_INPUT, LAYER, STAGE_INFO, TOKEN
 from tppc.passes.sharding.annotate_shards import linear_of
 from tppc.passes.sharding.cuts import Conflict, Cut, Refine, flow, sizes_of
 from tppc.passes.sharding.shard_graph import MARKS
@@ -61,10 +61,34 @@ def batch_cut(gm: fx.GraphModule, part: int, parts: int, what: str) -> dict[fx.N
         raise SpecError(f"{what}: cfg_parallel={parts} cuts the batch of {batch} into equal "
                         f"parts; it does not divide. fix: a batch divisible by {parts} (a "
                         "guided batch holds both halves), or cfg_parallel=1")
+    consts = [ph for ph in placeholders if _const_origin(ph, batch)]
+    for extra in (consts, []):  # whole consts (narrowed where they meet) if any conflicts
+        try:
+            cuts, narrow = _analyse(gm, placeholders, extra, batch)
+            break
+        except (Conflict, Refine) as err:
+            if extra:
+                continue
+            node, why = err.args[-1] if isinstance(err.args[-1], tuple) else (None, "")
+            raise SpecError(
+                f"{what}: cfg_parallel={parts} cuts the batch ({batch}) over the workers, but "
+                f"{node.name} ({node.target}) mixes batch elements: {why}. fix: "
+                "cfg_parallel=1 for this model") from None
+    info = gm.meta.get(STAGE_INFO)
+    if info is not None and info.outputs:
+        _check_boundary(gm, cuts, batch, what)
+    _rewrite(gm, cuts, narrow, part, parts, batch)
+    return {n: c.axis for n, c in cuts.items() if isinstance(c, Cut)}
+
+
+def _analyse(gm: fx.GraphModule, placeholders: list[fx.Node], consts: list[fx.Node],
+             batch: int) -> tuple[dict[fx.Node, Any], dict[fx.Node, list]]:
+    """Every node's cut and the whole operands to narrow; a failing op is raised with
+    ``(node, reason)`` as the error's last argument."""
     cuts: dict[fx.Node, Any] = {}
     narrow: dict[fx.Node, list] = {}
     for ph in placeholders:
-        if _origin(ph, batch):
+        if _origin(ph, batch) or ph in consts:
             cuts[ph] = Cut(0, (sizes_of(ph)[0] if ph.meta[CHUNK_INPUT].kind not in (
                 "key", "value") else batch,), frozenset({ph.name}))
     for node in gm.graph.nodes:
@@ -75,14 +99,35 @@ def batch_cut(gm: fx.GraphModule, part: int, parts: int, what: str) -> dict[fx.N
             cuts[node], found = _flow(node, cuts, batch)
         except (Conflict, Refine) as err:
             why = err.reason if isinstance(err, Conflict) else "a split across the batch"
-            raise SpecError(
-                f"{what}: cfg_parallel={parts} cuts the batch ({batch}) over the workers, but "
-                f"{node.name} ({node.target}) mixes batch elements: {why}. fix: "
-                "cfg_parallel=1 for this model") from None
+            err.args = (*err.args, (node, why))
+            raise
         if found:
             narrow[node] = found
-    _rewrite(gm, cuts, narrow, part, parts, batch)
-    return {n: c.axis for n, c in cuts.items() if isinstance(c, Cut)}
+    return cuts, narrow
+
+
+def _check_boundary(gm: fx.GraphModule, cuts: dict, batch: int, what: str) -> None:
+    """The next stage's workers take a boundary value cut on axis 0 when its token axis is
+    not 0 and its axis 0 is a multiple of the batch (:func:`_origin`), else whole: refuse a
+    value that leaves otherwise."""
+    for value in gm.graph.output_node().all_input_nodes:
+        info, shape, cut = value.meta.get(TOKEN), sizes_of(value), cuts.get(value)
+        taken = info is not None and info.axis not in (None, 0) and bool(shape) and \
+            isinstance(shape[0], int) and shape[0] % batch == 0
+        have = isinstance(cut, Cut) and cut.axis == 0
+        if taken != have:
+            state = f"cut on axis {cut.axis}" if isinstance(cut, Cut) else "whole"
+            raise SpecError(f"{what}: boundary value {value.name} leaves {state}; the next "
+                            f"stage's workers take it {'cut on axis 0' if taken else 'whole'}."
+                            " fix: cfg_parallel=1 for this model")
+
+
+def _const_origin(ph: fx.Node, batch: int) -> bool:
+    """A whole input with the batch on axis 0 (timesteps, text states, pooled embeddings):
+    cut from the start when nothing objects (else narrowed where it meets cut values)."""
+    spec, shape = ph.meta.get(CHUNK_INPUT), sizes_of(ph)
+    return spec is not None and spec.kind in ("const", "hoisted") and bool(shape) and \
+        shape[0] == batch
 
 
 def _batch(placeholders: list[fx.Node], what: str) -> int:
@@ -270,7 +315,7 @@ def _rewrite(gm: fx.GraphModule, cuts: dict, narrow: dict, part: int, parts: int
                 shape = list(spec.shape)
                 shape[0] //= parts
                 node.meta[CHUNK_INPUT] = type(spec)(**{**spec.__dict__, "shape": tuple(shape)})
-            elif spec.kind == "token":
+            elif spec.kind in ("token", "const", "hoisted"):
                 step = cut.segments[0] // parts
                 with graph.inserting_after(last):
                     got = _new(graph, aten.narrow.default, (node, 0, part * step, step), node)

@@ -34,7 +34,7 @@ from tppc.ir.records import STAGE_INFO, TOKEN
 from tppc.passes.meshcut.batch_cut import batch_cut
 from tppc.passes.meshcut.rows import interleave_parts
 from tppc.passes.meshcut.token_cut import token_cut
-from tppc.passes.sharding.shard_graph import MARKS, all_gather_mark, cuttable, shard_graph
+from tppc.passes.sharding.shard_graph import all_gather_mark, cuttable, shard_graph
 from tppc.passes.subgraph import copy_graph
 from tppc.program.mesh import Mesh
 
@@ -73,22 +73,9 @@ def worker_graph(stage: fx.GraphModule, mesh: Mesh, rank: int, *,
     token_cut(gm, mesh.ring, mesh.ulysses, coords["ring"], coords["ulysses"], what)
     if info is None or not info.outputs:
         _gather_outputs(gm, mesh, batch, tuple(output_rows), what)
-    elif mesh.cfg > 1:
-        _check_boundary(gm, batch, what)
     gm.graph.lint()
     gm.recompile()
     return gm
-
-
-def _check_boundary(gm: fx.GraphModule, batch: dict[fx.Node, int], what: str) -> None:
-    """The next stage takes a boundary value as cut on axis 0 (:mod:`batch_cut`): refuse one
-    that leaves otherwise."""
-    for value in gm.graph.output_node().all_input_nodes:
-        if batch.get(value) != 0:
-            raise SpecError(f"{what}: boundary value {value.name} leaves "
-                            f"{'whole' if value not in batch else f'cut on axis {batch[value]}'}"
-                            "; the next stage's workers take it cut on axis 0 (the batch). "
-                            "fix: cfg_parallel=1 for this model")
 
 
 def _gather_outputs(gm: fx.GraphModule, mesh: Mesh, batch: dict[fx.Node, int],
@@ -101,7 +88,8 @@ def _gather_outputs(gm: fx.GraphModule, mesh: Mesh, batch: dict[fx.Node, int],
         if not isinstance(value, fx.Node):
             continue
         got, src = value, value
-        while src.op == "call_function" and src.target in MARKS:  # a shard's own gather
+        while TOKEN not in src.meta and src.op == "call_function" and \
+                isinstance(src.args[0], fx.Node):  # a shard's own sum, bias or gather
             src = src.args[0]
         info = src.meta.get(TOKEN)
         with graph.inserting_before(out):
