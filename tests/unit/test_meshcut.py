@@ -62,6 +62,21 @@ def test_causal_chunks_with_sequence_parallelism_are_exact(gpt, mesh) -> None:
     assert_kernels_close(_first(run_mesh(gpt, mesh)), _first(gpt.want))
 
 
+def test_llama_with_a_padding_mask_and_grouped_heads_is_exact() -> None:
+    """GQA (4 query heads, 2 key/value heads), a key padding mask (the batch's second row
+    padded), causal, 2 chunks on 2 stages: the mask's batch follows the cfg cut, Ulysses
+    splits both head counts."""
+    pytest.importorskip("transformers")
+    model, _, _ = examples.hf_llama(seq_len=16)
+    torch.manual_seed(1)
+    ids, mask = torch.randint(0, 128, (2, 16)), torch.ones(2, 16, dtype=torch.long)
+    mask[1, :3] = 0
+    st2 = staged(model, (ids,), {"attention_mask": mask}, num_stages=2, chunks=2)
+    want = st2.want.logits[mask.bool()]
+    for mesh in (Mesh(ulysses=2), Mesh(cfg=2, ring=2)):
+        assert_kernels_close(run_mesh(st2, mesh)[0][mask.bool()], want)
+
+
 @pytest.mark.parametrize("mesh", [Mesh(ulysses=2), Mesh(cfg=2, ring=2)],
                          ids=lambda m: "x".join(map(str, m.degrees)))
 def test_pipefusion_patches_with_sequence_parallelism_match_pipefusion_alone(dit, mesh):

@@ -38,7 +38,8 @@ _SIZED = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
           aten.expand.default}
 _CONV = {aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
          aten.convolution.default, aten._convolution.default}
-_ATTENTION = {aten.scaled_dot_product_attention.default, torch.ops.tppc.chunk_attention.default,
+_CHUNK_ATTENTION = torch.ops.tppc.chunk_attention.default
+_ATTENTION = {aten.scaled_dot_product_attention.default, _CHUNK_ATTENTION,
               torch.ops.tppc.softmax_attention.default}
 _NO_VALUE = {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int,
              aten._assert_tensor_metadata.default, aten._assert_scalar.default}
@@ -126,7 +127,7 @@ def _const_origin(ph: fx.Node, batch: int) -> bool:
     """A whole input with the batch on axis 0 (timesteps, text states, pooled embeddings):
     cut from the start when nothing objects (else narrowed where it meets cut values)."""
     spec, shape = ph.meta.get(CHUNK_INPUT), sizes_of(ph)
-    return spec is not None and spec.kind in ("const", "hoisted") and bool(shape) and \
+    return spec is not None and spec.kind in ("const", "hoisted", "full") and bool(shape) and \
         shape[0] == batch
 
 
@@ -241,6 +242,23 @@ def _batched(node: fx.Node, cuts: dict, cut: Cut, batch: int, contracts: bool = 
     else:
         tensors = [a for a in node.args if isinstance(a, fx.Node) and sizes_of(a) is not None]
         out, left = len(sizes_of(node)), False
+    valid = node.args[8] if node.target == _CHUNK_ATTENTION and len(node.args) > 8 else None
+    if isinstance(valid, fx.Node):  # key_valid (batch, keys): the batch on axis 0
+        tensors.remove(valid)
+        got = cuts.get(valid)
+        if (got is not None and got.axis != 0) or sizes_of(valid)[0] not in (1, batch):
+            raise Conflict(cut.origins, f"a key mask {valid.name} off the batch axis")
+        extra = [(valid, 0, (batch,))] if got is None and sizes_of(valid)[0] == batch else []
+        if not any(cuts.get(t) is not None for t in tensors):
+            raise Conflict(cut.origins, "attention whose queries are whole beside a cut mask")
+        cut_, found = _batched_tensors(node, cuts, tensors, out, left, contracts, batch)
+        return cut_, found + extra
+    return _batched_tensors(node, cuts, tensors, out, left, contracts, batch)
+
+
+def _batched_tensors(node: fx.Node, cuts: dict, tensors: list, out: int, left: bool,
+                     contracts: bool, batch: int) -> tuple[Cut, list]:
+    cut = cuts[_first_cut(tensors, cuts)]
     first = _first_cut(tensors, cuts)
     at = cut_at = cuts[first].axis + (0 if left else out - len(sizes_of(first)))
     if contracts and cut_at >= out - 2 and node.target != aten.cat.default:
@@ -315,7 +333,7 @@ def _rewrite(gm: fx.GraphModule, cuts: dict, narrow: dict, part: int, parts: int
                 shape = list(spec.shape)
                 shape[0] //= parts
                 node.meta[CHUNK_INPUT] = type(spec)(**{**spec.__dict__, "shape": tuple(shape)})
-            elif spec.kind in ("token", "const", "hoisted"):
+            elif spec.kind in ("token", "const", "hoisted", "full"):
                 step = cut.segments[0] // parts
                 with graph.inserting_after(last):
                     got = _new(graph, aten.narrow.default, (node, 0, part * step, step), node)

@@ -122,7 +122,7 @@ def exchange_attention(graph: fx.Graph, node: fx.Node, key: BufferWrite, value: 
     query = node.args[0]
     if ulysses > 1:
         _check_heads(node, key, h_kv, ulysses, what)
-        if any(isinstance(a, fx.Node) and _rows(a) for a in node.args[7:]):
+        if any(isinstance(a, fx.Node) and _rows(a) for a in node.args[7:8]):  # attn_mask
             raise SpecError(f"{what}: {node.name} takes a mask with a row per query; ulysses "
                             "exchanges the queries of several workers. fix: ulysses=1 (ring "
                             "applies)")
