@@ -40,14 +40,26 @@ from tppc.program.program import Program
 from tppc.program.state import Call, CallState
 from tppc.program.threads import POLL, ThreadWorld
 
-__all__ = ["ThreadsExecutor"]
+__all__ = ["ThreadsExecutor", "thread_share"]
+
+
+def thread_share(workers: int) -> int | None:
+    """The calling thread's intra-op threads shared among ``workers`` threads that compute
+    at once (at least one each; None for one worker: it keeps torch's own). A new thread
+    starts with torch's default count, so without a share every worker would take every
+    core."""
+    if workers <= 1:
+        return None
+    return max(1, torch.get_num_threads() // workers)
 
 
 class ThreadsExecutor:
     """One worker thread per stage (see the module docstring).
 
     Args:
-        threads_per_stage: intra-op threads of each worker (None: keep torch's setting).
+        threads_per_stage: intra-op threads of each worker (None: the calling thread's
+            intra-op threads shared among the workers, at least one each:
+            :func:`thread_share`).
         queue_depth: chunks that may wait between two stages.
     """
 
@@ -87,6 +99,7 @@ class ThreadsExecutor:
         dry = program.dry_run(call.chunks)
         world = ThreadWorld(dry, self.queue_depth, TORCH_OPS)
         run = _Run(call, state, [None] * len(stages), [] if trace is None else trace)
+        run.share = thread_share(len(stages))
         mode = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
         workers = world.threads(lambda s: self._work_in_mode(mode, program, s, run, world),
                                 "tppc-stage")
@@ -182,6 +195,7 @@ class ThreadsExecutor:
         run.interpreters[s] = interpreter
         try:
             threads = self._threads(stage.index)
+            threads = run.share if threads is None else threads
             if threads is not None:
                 torch.set_num_threads(threads)
             if stage.device.type == "cuda":
@@ -214,6 +228,8 @@ class _Run:
         self.call, self.state = call, state
         self.interpreters: list[Interpreter | None] = interpreters
         self.trace: list[tuple[int, int, float, float]] = trace
+        self.share: int | None = None
+        """Intra-op threads of a worker with no thread count of its own."""
 
     @property
     def done(self) -> list[int]:

@@ -74,6 +74,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel", type=degrees_arg, metavar="T[,T...]",
                    help="tensor-parallel degree of every stage, or one per stage (the job "
                    "runs one rank per worker: W = the sum of the degrees)")
+    for flag, what in (("--cfg-parallel", "copies of every stage's group, each running its "
+                        "part of the guided batch"), ("--ulysses", "devices per stage "
+                        "exchanging tokens for heads"), ("--ring", "devices per stage passing "
+                                                          "K/V around")):
+        p.add_argument(flag, type=int, metavar="N", help=f"{what} (the job runs one rank per "
+                       "worker: W = stages x the product of the degrees)")
     p.add_argument("--chunks", type=int, help="equal chunks per call (default: planned)")
     p.add_argument("--threads", type=int, help="intra-op threads of a CPU stage")
     p.add_argument("--timeout", type=float, default=60.0,
@@ -176,6 +182,9 @@ def _run(ns: argparse.Namespace) -> dict[str, Any]:
         options["chunks"] = ns.chunks
     if ns.tensor_parallel:
         options["tensor_parallel"] = ns.tensor_parallel
+    for name in ("cfg_parallel", "ulysses", "ring"):
+        if getattr(ns, name) is not None:
+            options[name] = getattr(ns, name)
     if ns.threads:
         options["threads_per_stage"] = ns.threads
     if ns.call_timeout is not None:  # 0 is refused by name, not ignored

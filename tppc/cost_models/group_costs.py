@@ -39,6 +39,15 @@ from torch import fx
 from tppc.cost_models.cluster import Cluster
 from tppc.cost_models.collective_costs import collective_cost
 from tppc.cost_models.layer_costs import LayerExpr, layer_expressions, vectorise
+from tppc.cost_models.mesh_costs import (
+    SELF_ATTENTION,
+    MeshExchanges,
+    ceil_share,
+    layer_traffic,
+    mesh_node_cost,
+    mesh_words,
+    token_workers,
+)
 from tppc.cost_models.node_costs import P, Shapes, TokenSubstitution, find_seq_symbol
 from tppc.cost_models.roofline import node_time_terms
 from tppc.cost_models.shard_costs import (
@@ -51,6 +60,7 @@ from tppc.cost_models.specs import DeviceSpec
 from tppc.cost_models.table import CostTable, LayerCost, LinkCost, TimeFn
 from tppc.errors import CostModelError
 from tppc.ir.records import LayerInfo, ShardRole
+from tppc.program.mesh import Mesh
 
 __all__ = ["CollectiveTime", "GroupTime", "group_cost_table", "layer_collectives"]
 
@@ -86,10 +96,14 @@ class CollectiveTime:
 
 @dataclass(frozen=True, eq=False)
 class GroupTime:
-    """``time(c, p)`` of one layer on one group: the slowest member's shard + collectives."""
+    """``time(c, p)`` of one layer on one group: the slowest member's shard + collectives;
+    on a mesh, + its exchanges, the ring's passes hidden behind the self-attention
+    (``attention``: its compute) where they fit (:mod:`.mesh_costs`)."""
 
     compute: tuple[TimeFn, ...]
     collectives: CollectiveTime | None
+    exchanges: MeshExchanges | None = None
+    attention: TimeFn | None = None
 
     def __call__(self, c: np.ndarray, p: np.ndarray) -> np.ndarray:
         out = self.compute[0](c, p)
@@ -97,6 +111,11 @@ class GroupTime:
             out = np.maximum(out, fn(c, p))
         if self.collectives is not None and self.collectives.collectives:
             out = out + self.collectives(np.broadcast_to(np.asarray(c, dtype=float), out.shape))
+        if self.exchanges is not None:
+            serial, passes = self.exchanges(np.broadcast_to(np.asarray(c, dtype=float),
+                                                            out.shape))
+            hidden = self.attention(c, p) if self.attention is not None else 0.0
+            out = out + serial + np.maximum(passes - hidden, 0.0)
         return out
 
 
@@ -108,6 +127,7 @@ class _GroupPricer:
         self.gm, self.layers, self.seq_len, self.kwargs = gm, layers, seq_len, kwargs
         self.nodes = {n.name: n for n in gm.graph.nodes}
         self.roles = roles
+        self.fuse: bool | None = kwargs.get("fuse_elementwise")
         sym = kwargs.get("seq_symbol") or find_seq_symbol(gm)
         self.shapes = Shapes(TokenSubstitution.build(sym, kwargs.get("token_count")),
                              kwargs.get("default_attention", "causal"))
@@ -128,16 +148,22 @@ class _GroupPricer:
                                               self.roles, self.shapes, self.seq_len)
         return self._shards[name]
 
-    def time(self, expr: LayerExpr, device: DeviceSpec, t: int) -> TimeFn:
+    def time(self, expr: LayerExpr, device: DeviceSpec, t: int, mesh: Mesh | None = None,
+             attention_only: bool = False) -> TimeFn:
+        """One worker's compute: its shard at degree ``t``, cut by ``mesh``'s token axes
+        (``attention_only``: its self-attention nodes alone)."""
         shards = self.shards(expr)
-        key = (id(expr.fn), shards.roles, device, t)
+        key = (id(expr.fn), shards.roles, device, t, mesh, attention_only)
         if key not in self._times:
-            fuse = device.name.startswith("tpu")
-            total = sympy.Add(*[node_time_terms(shard_node_cost(cost, role, t, a, b), device,
-                                                fuse_elementwise=fuse).total()
-                                for cost, role, a, b in zip(expr.nodes, shards.roles,
-                                                            shards.in_bytes, shards.out_bytes,
-                                                            strict=True)])
+            fuse = device.name.startswith("tpu") if self.fuse is None else self.fuse
+            costs = [shard_node_cost(cost, role, t, a, b) for cost, role, a, b in zip(
+                expr.nodes, shards.roles, shards.in_bytes, shards.out_bytes, strict=True)]
+            if mesh is not None:
+                costs = [mesh_node_cost(cost, mesh) for cost in costs]
+            if attention_only:
+                costs = [cost for cost in costs if cost.op == SELF_ATTENTION]
+            total = sympy.Add(*[node_time_terms(cost, device, fuse_elementwise=fuse).total()
+                                for cost in costs])
             self._times[key] = vectorise(total, self.seq_len)
         return self._times[key]
 
@@ -153,7 +179,7 @@ def layer_collectives(shards: LayerShards) -> str:
 def group_cost_table(gm: fx.GraphModule, layers: Sequence[LayerInfo], cluster: Cluster | str,
                      seq_len: int, groups: Sequence[Sequence[int]], *,
                      roles: Mapping[str, ShardRole] | None = None, queue_depth: int = 2,
-                     **kwargs) -> tuple[CostTable, tuple[str, ...]]:
+                     mesh: Mesh | None = None, **kwargs) -> tuple[CostTable, tuple[str, ...]]:
     """The group table (module docstring) and each layer's collectives in words.
 
     Args:
@@ -164,8 +190,11 @@ def group_cost_table(gm: fx.GraphModule, layers: Sequence[LayerInfo], cluster: C
         groups: device indices of each group, in chain order.
         roles: effective roles by node name (default: :func:`.shard_costs.effective_roles`).
         queue_depth: as :func:`.layer_costs.build_cost_table`'s.
-        **kwargs: ``seq_symbol``, ``token_count``, ``default_attention``, ``compute_dtype``
-            (as :func:`.layer_costs.build_cost_table`'s).
+        mesh: every group's mesh (its ``tp`` is ``len(group) / (cfg · ring · ulysses)``;
+            the group's devices in worker order): workers priced by :mod:`.mesh_costs`.
+            None: each group is one tensor-parallel group (as before).
+        **kwargs: ``seq_symbol``, ``token_count``, ``default_attention``, ``compute_dtype``,
+            ``fuse_elementwise`` (as :func:`.layer_costs.build_cost_table`'s).
 
     Raises:
         CostModelError: an empty or repeated group member.
@@ -180,27 +209,14 @@ def group_cost_table(gm: fx.GraphModule, layers: Sequence[LayerInfo], cluster: C
     rows: list[tuple[LayerCost, ...]] = []
     words: tuple[str, ...] = ()
     for group in groups:
-        t = len(group)
+        gmesh = _group_mesh(group, mesh)
         specs = list(dict.fromkeys(cluster.devices[d] for d in group))
         per_spec = [pricer.exprs(spec) for spec in specs]
-        row = []
-        for i, expr in enumerate(per_spec[0]):
-            shards = pricer.shards(expr)
-            moves = CollectiveTime(cluster, group, shards.collectives) if t > 1 else None
-            fns = tuple(pricer.time(exprs[i], spec, t) for exprs, spec in zip(per_spec, specs))
-            kv = expr.kv_bytes_per_token
-            row.append(LayerCost(
-                name=expr.info.name, time=GroupTime(fns, moves),
-                weight_bytes=expr.weight_bytes - shards.sharded_weight_bytes
-                + math.ceil(shards.sharded_weight_bytes / t),
-                kv_bytes_per_token=kv // t if shards.kv_sharded else kv,
-                act_bytes_per_token=expr.act_bytes_per_token,
-                peak_bytes_per_token=expr.peak_bytes_per_token,
-                positional_bytes_per_token=expr.positional_bytes_per_token,
-                workspace_bytes_per_key=expr.workspace_bytes_per_key))
-        rows.append(tuple(row))
+        row = tuple(_row_layer(pricer, cluster, group, gmesh, per_spec, specs, i)
+                    for i in range(len(per_spec[0])))
+        rows.append(row)
         if not words:
-            words = tuple(layer_collectives(pricer.shards(e)) for e in per_spec[0])
+            words = tuple(_words(pricer, e, gmesh) for e in per_spec[0])
     links = tuple(LinkCost(latency=(lk := cluster.link(a[-1], b[0])).latency,
                            bandwidth=lk.bandwidth) for a, b in itertools.pairwise(groups))
     first = pricer.exprs(cluster.devices[groups[0][0]])
@@ -213,3 +229,60 @@ def group_cost_table(gm: fx.GraphModule, layers: Sequence[LayerInfo], cluster: C
         layers=tuple(rows), links=links, seq_len=seq_len, causal=causal,
         unpriced_ops=tuple(sorted({op for e in first for op in e.unpriced})),
         queue_depth=queue_depth), words
+
+
+def _group_mesh(group: tuple[int, ...], mesh: Mesh | None) -> Mesh | None:
+    """The group's mesh (``tp`` from its size), None for a plain tensor-parallel group."""
+    if mesh is None:
+        return None
+    n = token_workers(mesh)
+    if len(group) % n:
+        raise CostModelError(f"group {group} of {len(group)} devices cannot hold "
+                             f"cfg x ring x ulysses = {n} workers; give groups of a multiple "
+                             f"of {n}")
+    return Mesh(cfg=mesh.cfg, ring=mesh.ring, ulysses=mesh.ulysses, tp=len(group) // n)
+
+
+def _words(pricer: _GroupPricer, expr: LayerExpr, mesh: Mesh | None) -> str:
+    shards = pricer.shards(expr)
+    if mesh is None:
+        return layer_collectives(shards)
+    return mesh_words(layer_traffic(expr.nodes, shards, expr.act_bytes_per_token,
+                                    pricer.seq_len), mesh)
+
+
+def _row_layer(pricer: _GroupPricer, cluster: Cluster, group: tuple[int, ...],
+               mesh: Mesh | None, per_spec: list[list[LayerExpr]], specs: list[DeviceSpec],
+               i: int) -> LayerCost:
+    """Layer ``i`` on ``group``: its time and one worker's memory (module docstrings)."""
+    expr = per_spec[0][i]
+    shards = pricer.shards(expr)
+    t = len(group) if mesh is None else mesh.tp
+    kv = expr.kv_bytes_per_token
+    kv = kv // t if shards.kv_sharded else kv
+    weights = expr.weight_bytes - shards.sharded_weight_bytes \
+        + math.ceil(shards.sharded_weight_bytes / t)
+    if mesh is None:
+        moves = CollectiveTime(cluster, group, shards.collectives) if t > 1 else None
+        fns = tuple(pricer.time(exprs[i], spec, t) for exprs, spec in zip(per_spec, specs))
+        return LayerCost(
+            name=expr.info.name, time=GroupTime(fns, moves), weight_bytes=weights,
+            kv_bytes_per_token=kv, act_bytes_per_token=expr.act_bytes_per_token,
+            peak_bytes_per_token=expr.peak_bytes_per_token,
+            positional_bytes_per_token=expr.positional_bytes_per_token,
+            workspace_bytes_per_key=expr.workspace_bytes_per_key)
+    last = i == len(per_spec[0]) - 1
+    traffic = layer_traffic(expr.nodes, shards, expr.act_bytes_per_token, pricer.seq_len)
+    exchanges = MeshExchanges(cluster, group, mesh, traffic, last=last) \
+        if len(group) > 1 else None
+    fns = tuple(pricer.time(exprs[i], spec, t, mesh) for exprs, spec in zip(per_spec, specs))
+    attention = pricer.time(expr, specs[0], t, mesh, attention_only=True) \
+        if mesh.ring > 1 and traffic.self_attention else None
+    n = token_workers(mesh)
+    return LayerCost(
+        name=expr.info.name, time=GroupTime(fns, None, exchanges, attention),
+        weight_bytes=weights, kv_bytes_per_token=ceil_share(kv, (mesh.cfg, mesh.ulysses)),
+        act_bytes_per_token=ceil_share(expr.act_bytes_per_token, (n,)),
+        peak_bytes_per_token=ceil_share(expr.peak_bytes_per_token, (n,)),
+        positional_bytes_per_token=expr.positional_bytes_per_token,
+        workspace_bytes_per_key=expr.workspace_bytes_per_key)

@@ -131,8 +131,9 @@ def distributed_denoise(cp: DenoisingRank, latents: torch.Tensor | None, schedul
     if full.workers:  # every rank decides alike
         raise SpecError(
             f"{front.ctx.model_name}: distributed denoising runs one rank per stage; the plan "
-            f"has tensor-parallel stages ({len(full.runners)} workers for {len(full.stages)} "
-            "stages). fix: tensor_parallel=1, or the threads or local executor")
+            f"has stages of several workers (tensor-parallel or a mesh: {len(full.runners)} "
+            f"workers for {len(full.stages)} stages). fix: tensor_parallel=1, cfg_parallel=1, "
+            "ring=1 and ulysses=1, or the threads or local executor")
     if programs.rest is not None and warmup_steps < len(steps):  # every rank decides alike
         raise SpecError(
             f"{front.ctx.model_name}: stale patches of a joint-attention DiT (text tokens "

@@ -51,6 +51,7 @@ from tppc.frontend.front_end import FrontEnd, capture_front_end
 from tppc.passes.sharding.shard_graph import PARTS_OF
 from tppc.pipeline.compiled import CompiledPipeline
 from tppc.planner.plan import Plan
+from tppc.program.mesh import AXES, Mesh
 from tppc.program.program import Program, StageProgram
 from tppc.program.state import Call
 
@@ -122,7 +123,8 @@ def compile_distributed(model: torch.nn.Module, args: tuple[Any, ...],
         raise SpecError(f"results={results!r}; use 'rank0' or 'all'")
     rank, world, where = init_distributed(comm_timeout, device)
     options.setdefault("cluster", f"{world}xcpu")
-    options.setdefault("num_stages", _stages_for(world, options.get("tensor_parallel")))
+    options.setdefault("num_stages", _stages_for(world, options.get("tensor_parallel"),
+                                                 _group_degree(options)))
     options.update(executor="distributed", devices=("meta",) * world)
     opts = CompileOptions.from_kwargs(**options)
     if where.type == "cpu" and opts.threads_per_stage is not None:
@@ -151,16 +153,30 @@ def compile_distributed(model: torch.nn.Module, args: tuple[Any, ...],
     return cp
 
 
-def _stages_for(world: int, tensor_parallel: int | tuple[int, ...] | None) -> int:
-    """The stages of a job of ``world`` ranks at ``tensor_parallel`` (None: 1 per stage)."""
+def _group_degree(options: Mapping[str, Any]) -> int:
+    """The product of the degrees that every stage shares (``cfg_parallel``, ``ulysses``,
+    ``ring``; 1 where not given)."""
+    n = 1
+    for name in ("cfg_parallel", "ulysses", "ring"):
+        d = options.get(name)
+        n *= d if isinstance(d, int) and not isinstance(d, bool) and d >= 1 else 1
+    return n
+
+
+def _stages_for(world: int, tensor_parallel: int | tuple[int, ...] | None, shared: int = 1
+                ) -> int:
+    """The stages of a job of ``world`` ranks at ``tensor_parallel`` (None: 1 per stage),
+    every stage's group ``shared`` times that (cfg, ring, ulysses)."""
     if isinstance(tensor_parallel, tuple | list):
         return len(tensor_parallel)
-    t = tensor_parallel or 1
-    if isinstance(t, int) and t >= 1 and world % t:
-        raise SpecError(f"tensor_parallel={t} does not divide the job's {world} ranks into "
-                        f"stages. fix: launch a multiple of {t} ranks, or give num_stages= "
-                        "and a degree per stage")
-    return max(1, world // t) if isinstance(t, int) and t >= 1 else world
+    t = (tensor_parallel or 1) if isinstance(tensor_parallel, int) and tensor_parallel >= 1 \
+        else 1
+    if world % (t * shared):
+        raise SpecError(f"a group of {t * shared} devices per stage (tensor_parallel={t} "
+                        f"times cfg_parallel x ring x ulysses = {shared}) does not divide the "
+                        f"job's {world} ranks into stages. fix: launch a multiple of "
+                        f"{t * shared} ranks, or give num_stages= and the degrees")
+    return max(1, world // (t * shared))
 
 
 def check_world(program: Program, world: int) -> None:
@@ -171,13 +187,20 @@ def check_world(program: Program, world: int) -> None:
     """
     workers = len(program.runners)
     if workers != world:
-        degrees = [sum(w.index == s for w in program.runners)
-                   for s in range(len(program.stages))]
+        if program.meshes:
+            what = "groups " + ", ".join(f"{m.size} ({_label(m)})" for m in program.meshes)
+        else:
+            what = "tensor-parallel degrees " + str(
+                [sum(w.index == s for w in program.runners) for s in range(len(program.stages))])
         raise SpecError(
-            f"the plan needs {workers} ranks ({len(program.stages)} stages at tensor-parallel "
-            f"degrees {degrees}: one rank per worker), the job has {world}. fix: launch "
+            f"the plan needs {workers} ranks ({len(program.stages)} stages at {what}: one "
+            f"rank per worker), the job has {world}. fix: launch "
             f"{workers} processes (torchrun --nproc-per-node {workers}, or "
             f"tppc.launch(..., {workers})), or plan for {world} devices")
+
+
+def _label(mesh: Mesh) -> str:
+    return " x ".join(f"{a}{getattr(mesh, a)}" for a in AXES if getattr(mesh, a) > 1) or "1"
 
 
 class DistributedPipeline(CompiledPipeline):

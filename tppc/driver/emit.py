@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,6 +24,7 @@ from tppc.driver.options import CompileOptions, chunk_bounds
 from tppc.errors import RuntimeInputError, SpecError
 from tppc.ir.context import CompileContext
 from tppc.ir.records import CHUNK_INPUT, CHUNK_SIGNATURE, STAGE_INFO, ChunkSignature, StageInfo
+from tppc.passes.meshcut.worker_graph import worker_graph
 from tppc.passes.runner import run_passes
 from tppc.passes.sharding.shard_graph import cuttable, shard_graph
 from tppc.passes.sharding.split_parts import split_parts
@@ -32,15 +33,22 @@ from tppc.passes.stages.partition_stages import partition_stages
 from tppc.passes.stages.place_constructors import place_constructors
 from tppc.passes.subgraph import copy_graph
 from tppc.planner.plan import Plan, StagePlan
+from tppc.program.mesh import AXES, Mesh
 from tppc.program.program import BufferSpec, Program, StageProgram
 from tppc.program.schedule import flow_shop
-from tppc.program.sharded import sharded_groups
+from tppc.program.sharded import mesh_groups
 
 if TYPE_CHECKING:
     from tppc.driver.planning import Planner
     from tppc.frontend.front_end import FrontEnd
 
-__all__ = ["Emitter", "build_program", "device_for", "sharded_stage"]
+__all__ = ["Emitter", "WorkerCut", "build_program", "device_for", "mesh_stage", "sharded_stage"]
+
+WorkerCut = Callable[[fx.GraphModule, Mesh, int, str], fx.GraphModule]
+"""``cut(stage graph, mesh, rank, what)``: worker ``rank``'s graph of a stage on ``mesh``,
+with collective marks (every call-fed input whole, narrowed by the graph itself; boundary
+values cut by cfg, ring and ulysses; the last stage's outputs whole); ``what`` names the stage
+in errors."""
 
 
 @dataclass(frozen=True)
@@ -110,7 +118,8 @@ class Emitter:
 def build_program(chunk: fx.GraphModule, ctx: CompileContext, plan: Plan,
                   chunks: tuple[tuple[int, int], ...] | None = None,
                   devices: Sequence[str | torch.device] | None = None,
-                  degrees: Sequence[int] | None = None) -> Program:
+                  degrees: Sequence[int] | None = None, cut: WorkerCut | None = None
+                  ) -> Program:
     """Partition ``chunk`` (a chunk-step graph) by ``plan`` and place each stage.
 
     Every stage gets its own parameter tensors: on its device they alias the model's storage
@@ -120,74 +129,110 @@ def build_program(chunk: fx.GraphModule, ctx: CompileContext, plan: Plan,
     Args:
         chunk: output of ``chunk_attention_pass``.
         ctx: the compile context (``ctx.layers`` indexes the plan's layers).
-        plan: placement and split.
+        plan: placement and split; each stage's mesh of workers (``Mesh.of_stage``).
         chunks: the call's chunks (default: the plan's).
         devices: one torch device per stage (default: see :func:`device_for`).
         degrees: each stage's tensor-parallel degree (default: the plan's).
+        cut: a stage graph's worker graph on a mesh with cfg, ring or ulysses above 1
+            (:data:`WorkerCut`; default: :func:`worker_graph`).
     """
     ranges = [(st.layer_start, st.layer_end) for st in plan.stages]
     names = [name for st in plan.stages for name in st.layer_names]
     graph = run_passes(chunk, ctx, [partition_stages(ranges, names)])
     signature: ChunkSignature = chunk.meta[CHUNK_SIGNATURE]
-    degrees = tuple(degrees or (getattr(st, "tensor_parallel", 1) for st in plan.stages))
+    meshes = tuple(Mesh.of_stage(st) for st in plan.stages)
+    if degrees:
+        meshes = tuple(dataclasses.replace(m, tp=d) for m, d in zip(meshes, degrees,
+                                                                    strict=True))
     workers: list[StageProgram] = []
     for s, st in enumerate(plan.stages):
         module, device = getattr(graph, f"stage_{s}"), device_for(st, s, devices)
-        workers.extend(sharded_stage(module, device, signature, degrees[s], s)
-                       if degrees[s] > 1 else [_stage(module, device, signature)])
+        workers.extend(mesh_stage(module, device, signature, meshes[s], s, cut)
+                       if meshes[s].size > 1 else [_stage(module, device, signature)])
     stages = tuple(next(w for w in workers if w.index == s) for s in range(len(plan.stages)))
     tail = getattr(chunk, "tppc_tail", None)
     if tail is not None:  # a copy with its own module tree (the chunk graph's stays as is)
         tail = _own_tensors(copy_graph(tail), stages[-1].device)
     chunks = chunks or plan.chunks
-    sharded = any(d > 1 for d in degrees)
+    many = any(m.size > 1 for m in meshes)
+    tp_only = all(m.size == m.tp for m in meshes)
+    stage_of = [w.index for w in workers]
     return Program(plan=plan, seq_len=plan.seq_len, chunks=chunks, stages=stages,
                    signature=signature, tail=tail, actions=flow_shop(chunks, len(stages)),
-                   groups=sharded_groups([w.index for w in workers]) if sharded else (),
-                   workers=tuple(workers) if sharded else ())
+                   groups=mesh_groups(stage_of, () if tp_only else meshes) if many else (),
+                   workers=tuple(workers) if many else (),
+                   meshes=() if tp_only else meshes)
 
 
 def sharded_stage(module: fx.GraphModule, device: torch.device, signature: ChunkSignature,
                   degree: int, s: int) -> list[StageProgram]:
-    """Stage ``s``'s ``degree`` workers: each its shard (:func:`shard_graph`) cut into parts
-    at its collectives (:func:`split_parts`); each K/V buffer named per worker. A stage in
-    which nothing can be cut runs whole on every worker (exact, and priced so).
+    """Stage ``s``'s ``degree`` tensor-parallel workers (:func:`mesh_stage` of ``Mesh(tp=
+    degree)``)."""
+    return mesh_stage(module, device, signature, Mesh(tp=degree), s)
+
+
+def mesh_stage(module: fx.GraphModule, device: torch.device, signature: ChunkSignature,
+               mesh: Mesh, s: int, cut: WorkerCut | None = None) -> list[StageProgram]:
+    """Stage ``s``'s workers on ``mesh``: each its worker graph (tensor parallelism alone:
+    its shard, :func:`shard_graph`; else ``cut``, default :func:`worker_graph`) cut into
+    parts at its collectives (:func:`split_parts`); each K/V buffer named per worker. A
+    tensor-parallel stage in which nothing can be cut runs whole on every worker (exact,
+    and priced so).
 
     Raises:
-        SpecError: the stage's cut axes do not divide into ``degree`` parts.
+        SpecError: the stage's cut axes do not divide into the mesh's degrees.
     """
     info = module.meta[STAGE_INFO]
-    if not cuttable(module):  # e.g. an embedding alone: every worker computes all of it
+    what = f"stage {s} ({info.layers[0]}..)"
+    label = "tp" if mesh.size == mesh.tp else "".join(
+        f"{a}{getattr(mesh, a)}." for a in AXES if getattr(mesh, a) > 1) + "w"
+    if mesh.size == mesh.tp and not cuttable(module):  # e.g. an embedding alone
         whole = _stage(module, device, signature)
-        return [_rank_buffers(dataclasses.replace(whole, rank=r), r) for r in range(degree)]
+        return [_rank_buffers(dataclasses.replace(whole, rank=r), r, label)
+                for r in range(mesh.size)]
     workers = []
-    for r in range(degree):
-        shard = shard_graph(module, r, degree, f"stage {s} ({info.layers[0]}..)")
-        pieces, joins = split_parts(shard)
-        parts = []
-        for q, part in enumerate(pieces):
-            ins = tuple(p.name for p in part.graph.find_nodes(op="placeholder")
-                        if p.meta[CHUNK_INPUT].kind == "boundary")
-            outs = info.outputs if q == len(pieces) - 1 else ("carried",)
-            part.meta[STAGE_INFO] = StageInfo(s, info.layers, ins, outs, info.buffers)
-            part.tppc_positional = module.tppc_positional
-            parts.append(_rank_buffers(_stage(part, device, signature), r))
-        shard.meta[STAGE_INFO] = info
-        tensors = [*shard.parameters(), *shard.buffers()]
-        workers.append(dataclasses.replace(
-            parts[0], module=shard, runnable=shard, boundary_out=parts[-1].boundary_out,
-            buffers=tuple({b.name: b for p in parts for b in p.buffers}.values()),
-            out_slots=parts[-1].out_slots, rank=r, parts=tuple(parts),
-            joins=tuple((j.kind, j.dims) for j in joins),
-            param_count=sum(p.numel() for p in shard.parameters()),
-            param_bytes=sum(t.numel() * t.element_size() for t in tensors)))
+    for r in range(mesh.size):
+        if mesh.size == mesh.tp:
+            graph = shard_graph(module, r, mesh.tp, what)
+        else:
+            graph = cut(module, mesh, r, what) if cut is not None else worker_graph(
+                module, mesh, r, output_rows=signature.output_rows, what=what)
+        workers.append(_worker(graph, info, module, device, signature, r, label))
     return workers
 
 
-def _rank_buffers(stage: StageProgram, rank: int) -> StageProgram:
-    """The stage's K/V buffers named for worker ``rank`` (a call state holds one per name)."""
+def _worker(shard: fx.GraphModule, info: StageInfo, module: fx.GraphModule,
+            device: torch.device, signature: ChunkSignature, r: int, label: str
+            ) -> StageProgram:
+    """Worker ``r``'s stage program: its graph cut into parts at its collectives."""
+    pieces, joins = split_parts(shard)
+    parts = []
+    for q, part in enumerate(pieces):
+        ins = tuple(p.name for p in part.graph.find_nodes(op="placeholder")
+                    if p.meta[CHUNK_INPUT].kind == "boundary")
+        outs = info.outputs if q == len(pieces) - 1 else ("carried",)
+        part.meta[STAGE_INFO] = StageInfo(info.index, info.layers, ins, outs, info.buffers)
+        part.tppc_positional = module.tppc_positional
+        parts.append(_rank_buffers(dataclasses.replace(_stage(part, device, signature), rank=r),
+                                   r, label))  # a part knows its worker (hoisted consts)
+    shard.meta[STAGE_INFO] = info
+    tensors = [*shard.parameters(), *shard.buffers()]
+    return dataclasses.replace(
+        parts[0], module=shard, runnable=shard, boundary_out=parts[-1].boundary_out,
+        buffers=tuple({b.name: b for p in parts for b in p.buffers}.values()),
+        out_slots=parts[-1].out_slots, rank=r, parts=tuple(parts),
+        joins=tuple((j.kind, j.dims) for j in joins),
+        join_axes=tuple(j.group for j in joins) if label != "tp" else (),
+        param_count=sum(p.numel() for p in shard.parameters()),
+        param_bytes=sum(t.numel() * t.element_size() for t in tensors))
+
+
+def _rank_buffers(stage: StageProgram, rank: int, label: str = "tp") -> StageProgram:
+    """The stage's K/V buffers named for worker ``rank`` (a call state holds one per name):
+    ``<name>@tp<r>`` on a tensor-parallel stage, ``<name>@cfg2.ulysses2.w<r>`` on a mesh (the
+    degrees in the name: another mesh's worker holds buffers of another shape)."""
     def named(name: str) -> str:
-        return f"{name}@tp{rank}"
+        return f"{name}@{label}{rank}"
     return dataclasses.replace(
         stage, inputs=tuple((named(n) if spec.kind in ("key", "value") else n, spec)
                             for n, spec in stage.inputs),

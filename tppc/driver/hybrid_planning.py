@@ -32,6 +32,7 @@ from tppc.planner.configurations import (
 from tppc.planner.devices import sub_table
 from tppc.planner.hybrid import plan_hybrid
 from tppc.planner.plan import Plan
+from tppc.program.mesh import Mesh
 
 __all__ = ["plan_groups_table", "shard_sizes", "tensor_parallel_plan", "wants_hybrid"]
 
@@ -58,12 +59,14 @@ def wants_hybrid(front: FrontEnd, opts: CompileOptions) -> bool:
 
 def _group_table(front: FrontEnd, opts: CompileOptions, tokens: int,
                  groups: tuple[tuple[int, ...], ...], rates: tuple[float, ...] | None,
-                 roles: dict[str, ShardRole] | None = None) -> tuple[CostTable, tuple[str, ...]]:
+                 roles: dict[str, ShardRole] | None = None, mesh: Mesh | None = None
+                 ) -> tuple[CostTable, tuple[str, ...]]:
     ctx = front.ctx
     table, words = group_cost_table(
         front.chunk, ctx.layers, Cluster.parse(opts.cluster), tokens, groups,
         roles=effective_roles(front.chunk) if roles is None else roles,
-        queue_depth=opts.queue_depth, seq_symbol=ctx.seq_symbol, token_count=ctx.token_count)
+        queue_depth=opts.queue_depth, seq_symbol=ctx.seq_symbol, token_count=ctx.token_count,
+        mesh=mesh)
     if rates is not None:
         table = table.scaled([max(rates[d] for d in g) for g in groups])
     return table, words
@@ -72,9 +75,13 @@ def _group_table(front: FrontEnd, opts: CompileOptions, tokens: int,
 def plan_groups_table(front: FrontEnd, opts: CompileOptions, plan: Plan,
                       rates: tuple[float, ...] | None = None) -> CostTable:
     """The cost table whose rows are ``plan``'s stage groups, in stage order (a plan with
-    tensor-parallel stages priced again)."""
+    tensor-parallel or mesh stages priced again)."""
     groups = tuple(st.device_indices for st in plan.stages)
-    return _group_table(front, opts, plan.seq_len * plan.tokens_per_unit, groups, rates)[0]
+    first = plan.stages[0]
+    mesh = None if first.group_size == first.tensor_parallel else Mesh(
+        cfg=first.cfg_parallel, ring=first.ring, ulysses=first.ulysses)
+    return _group_table(front, opts, plan.seq_len * plan.tokens_per_unit, groups, rates,
+                        mesh=mesh)[0]
 
 
 def tensor_parallel_plan(front: FrontEnd, opts: CompileOptions, tokens: int,

@@ -18,7 +18,7 @@ from tppc.cost_models.cluster import Cluster
 from tppc.errors import RuntimeInputError, SpecError
 
 __all__ = ["CompileOptions", "ExecutorName", "check_devices", "check_executor", "check_seconds",
-           "chunk_bounds"]
+           "chunk_bounds", "memory_bytes"]
 
 ExecutorName = Literal["local", "threads", "distributed"]
 EXECUTORS: tuple[ExecutorName, ...] = ("local", "threads", "distributed")
@@ -56,6 +56,23 @@ class CompileOptions:
     parallelism): one degree for every stage, or a tuple, one per stage (its length fixes
     the stage count); None: the planner chooses, by price, among the degrees the model's
     shard sizes and the cluster's nodes allow (:mod:`tppc.planner.hybrid`)."""
+    cfg_parallel: int | None = None
+    """Groups that each run ``1/c`` of a guided call's batch (classifier-free guidance: 2,
+    the prompt and the negative prompt); None: the planner chooses (diffusion transformers;
+    1 for other models)."""
+    ulysses: int | None = None
+    """Devices that each hold ``1/u`` of the tokens and trade them for heads around each
+    attention (Ulysses sequence parallelism; must divide the head count); None: chosen."""
+    ring: int | None = None
+    """Devices that each hold ``1/r`` of the tokens and pass K/V blocks around (Ring
+    attention); None: chosen."""
+    patches: int | None = None
+    """PipeFusion patches per denoising step (equal bands of rows; diffusion plans only);
+    None: the planner chooses."""
+    memory_limit: int | float | str | None = None
+    """Usable memory per device: bytes, or a string such as ``"24GB"`` / ``"20GiB"``; a plan
+    that needs more is infeasible, and the error names the stage and its need. None: each
+    device's capacity."""
     objective: Literal["latency", "throughput_per_device"] = "latency"
     """What the planner minimises across degrees: one call's latency, or latency × the
     devices of one pipeline (:attr:`tppc.planner.plan.Workload.objective`)."""
@@ -63,7 +80,8 @@ class CompileOptions:
     """Chunk sizes are multiples of this many units of the sequence axis (the last chunk may
     be shorter); None: automatic (one patch row for a DiT)."""
     threads_per_stage: int | tuple[int, ...] | None = None
-    """Intra-op threads of each ``threads`` worker (None: torch's setting)."""
+    """Intra-op threads of each ``threads`` worker (None: the calling thread's intra-op
+    threads shared among the workers that compute at once, at least one each)."""
     queue_depth: int = 2
     """Chunks that may wait between two stages."""
     time_limit: float = 10.0
@@ -91,6 +109,12 @@ class CompileOptions:
         _positive("max_seq", self.max_seq)
         _positive("num_stages", self.num_stages)
         _check_tensor_parallel(self.tensor_parallel, self.num_stages)
+        for name in ("cfg_parallel", "ulysses", "ring", "patches"):
+            _positive(name, getattr(self, name))
+        if self.patches is not None and self.chunks is not None:
+            raise SpecError(f"patches={self.patches} and chunks={self.chunks} both fix the "
+                            "split. fix: give one of them (patches: diffusion plans)")
+        memory_bytes(self.memory_limit)
         if self.objective not in ("latency", "throughput_per_device"):
             raise SpecError(f"objective={self.objective!r}; use 'latency' (one call) or "
                             "'throughput_per_device' (calls per second per device)")
@@ -104,6 +128,11 @@ class CompileOptions:
         check_seconds("time_limit", self.time_limit)
         check_seconds("timeout", self.timeout)
         check_devices(self.devices)
+
+    @property
+    def memory_limit_bytes(self) -> int | None:
+        """:attr:`memory_limit` in bytes (None: no limit)."""
+        return memory_bytes(self.memory_limit)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> CompileOptions:
@@ -121,6 +150,35 @@ class CompileOptions:
             if isinstance(value, Sequence) and not isinstance(value, str):
                 kwargs[name] = tuple(value)
         return cls(**kwargs)
+
+
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10,
+          "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def memory_bytes(value: Any) -> int | None:
+    """A memory limit in bytes: a positive number of bytes or a string ``"24GB"``,
+    ``"20 GiB"`` (None: no limit).
+
+    Raises:
+        SpecError: naming the value and the forms accepted.
+    """
+    if value is None:
+        return None
+    number, unit = value, "B"
+    if isinstance(value, str):
+        text = value.strip().upper().replace(" ", "")
+        unit = next((u for u in sorted(_UNITS, key=len, reverse=True) if text.endswith(u)), "")
+        try:
+            number = float(text[:len(text) - len(unit)])
+        except ValueError:
+            number = None
+    if isinstance(number, bool) or not isinstance(number, int | float) or unit not in _UNITS \
+            or not 0 < number < math.inf:
+        raise SpecError(f"memory_limit={value!r} must be a positive number of bytes or a "
+                        "string such as '24GB' or '20GiB' (per device). fix: e.g. "
+                        "memory_limit='40GB'")
+    return int(number * _UNITS[unit])
 
 
 def check_executor(executor: Any) -> None:

@@ -30,6 +30,7 @@ from tppc.cost_models.cluster import Cluster
 from tppc.cost_models.layer_costs import build_cost_table
 from tppc.cost_models.table import CostTable
 from tppc.driver.hybrid_planning import plan_groups_table, tensor_parallel_plan, wants_hybrid
+from tppc.driver.mesh_planning import capped, mesh_plan, wants_mesh
 from tppc.driver.options import CompileOptions, chunk_bounds
 from tppc.errors import PlanError, SpecError
 from tppc.frontend.front_end import FrontEnd, capture_front_end
@@ -214,7 +215,7 @@ def price_plan(front: FrontEnd, opts: CompileOptions, plan: Plan,
     """``plan``'s placement and split simulated again on the cost table scaled by ``rates``
     (the prediction of a plan made before the rates changed)."""
     per = plan.tokens_per_unit
-    if any(st.tensor_parallel > 1 for st in plan.stages):  # rows: the stages' groups
+    if any(st.group_size > 1 for st in plan.stages):  # rows: the stages' groups
         table = plan_groups_table(front, opts, plan, rates)
         chosen = tuple(range(plan.num_stages))
     else:
@@ -227,7 +228,9 @@ def price_plan(front: FrontEnd, opts: CompileOptions, plan: Plan,
                       granularity=plan.granularity * per, ranged=False)
     stages = tuple(dataclasses.replace(st, device_index=old.device_index,
                                        device_indices=old.device_indices,
-                                       tensor_parallel=old.tensor_parallel)
+                                       tensor_parallel=old.tensor_parallel,
+                                       cfg_parallel=old.cfg_parallel, ulysses=old.ulysses,
+                                       ring=old.ring)
                    for st, old in zip(priced.stages, plan.stages, strict=True))
     return dataclasses.replace(priced, stages=stages, seq_len=plan.seq_len,
                                granularity=plan.granularity,
@@ -247,7 +250,8 @@ def _table_at(front: FrontEnd, opts: CompileOptions, rates: tuple[float, ...] | 
                                  seq_symbol=ctx.seq_symbol, token_count=ctx.token_count,
                                  queue_depth=opts.queue_depth)
         costing.append(time.perf_counter() - t0)
-        return table if rates is None else table.scaled(rates)
+        return capped(table if rates is None else table.scaled(rates),
+                      opts.memory_limit_bytes)
 
     return table_at
 
@@ -273,26 +277,31 @@ def _plan_length(front: FrontEnd, opts: CompileOptions, length: int,
         bounds = chunk_bounds(opts.chunks, length)
     elif front.bidirectional and not diffusion:
         bounds = (0, length)
+    elif diffusion and opts.patches is not None:
+        bounds = chunk_bounds(opts.patches, length)
     per = tokens_per_unit(ctx, length)
     tp = opts.tensor_parallel
     stages = opts.num_stages or (len(tp) if isinstance(tp, tuple) else None)
-    hybrid = wants_hybrid(front, opts)
-    if hybrid and opts.tensor_parallel is None and front.bidirectional:
-        hybrid = False  # a DiT's plan is also its denoise plan: PipeFusion runs no groups yet
-    if hybrid and diffusion:  # PipeFusion's patches run one worker per stage (issue 29)
-        if opts.tensor_parallel is not None:
-            raise PlanError(
-                f"tensor_parallel={opts.tensor_parallel} with denoising: PipeFusion's patches "
-                "run on stages of one worker each; tensor-parallel stages denoise only "
-                "through the model's own calls. fix: tensor_parallel=1 for cp.denoise / "
-                "compile_pipeline, or call the compiled model step by step")
-        hybrid = False
+    mesh = wants_mesh(front, opts)  # a DiT: CFG x Ulysses x Ring x TP x PipeFusion
+    hybrid = not mesh and wants_hybrid(front, opts) and not (
+        front.bidirectional and opts.tensor_parallel is None)
+    if not front.bidirectional and any(
+            d not in (None, 1) for d in (opts.cfg_parallel, opts.ulysses, opts.ring)):
+        raise PlanError(
+            f"cfg_parallel={opts.cfg_parallel}, ulysses={opts.ulysses}, ring={opts.ring}: "
+            f"{ctx.model_name} has causal attention; CFG and sequence parallelism are for "
+            "bidirectional models (diffusion transformers). fix: leave them None, use "
+            "tensor_parallel= and num_stages=")
 
     def search(tokens: int, g: int | None, cuts: tuple[int, ...] | None) -> Plan:
         def plan_length(at: Callable[[int], CostTable], k: int | None, seconds: float) -> Plan:
             return plan_any_length(at, tokens, granularity=g, num_stages=k,
                                    time_limit=seconds, workload=workload, bounds=cuts)
 
+        if mesh:
+            return mesh_plan(front, opts, tokens, table_at, plan_length,
+                             g or default_granularity(tokens), objective, rates,
+                             workload.steps)
         if not hybrid:
             return plan_length(table_at, stages, opts.time_limit)
         return tensor_parallel_plan(front, opts, tokens, table_at, plan_length,

@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 import torch
 
 from tppc.backends.torch_local import LocalExecutor
+from tppc.backends.torch_threads import ThreadsExecutor
 from tppc.calls.io import OutputAssembler, output_structure
 from tppc.driver.emit import build_program
 from tppc.errors import SpecError
@@ -68,7 +69,6 @@ from tppc.program.patches import (
 )
 from tppc.program.patches import model_timestep as timestep_input
 from tppc.program.program import Program, StageProgram
-from tppc.program.schedule import check_actions
 from tppc.program.state import Call, next_epoch
 
 __all__ = [
@@ -156,13 +156,17 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any,
     state = cp.states.acquire(front, length)
     state.reset()
     run = DenoiseRun(cp, x, axis, scale, output_transform)
-    threaded = (executor or cp.executor) == "threads" and len(first.stages) > 1
+    threaded = (executor or cp.executor) == "threads" and len(first.runners) > 1
     whole = StepProtocol(scheduler, x, x_in)
     with intra_op_threads(all_threads(cp, len(full.stages)) if threaded else None):
         for i in range(warm):  # synchronous: the stages' cores share each op instead
             whole.model_input(steps[i])
             call = Call(tuple(flats[i]), ((0, length),), length, length, epoch)
-            (values,) = LocalExecutor().run(full, call, state)
+            if full.workers and (executor or cp.executor) == "threads":  # a thread a worker
+                (values,) = ThreadsExecutor(cp.options.threads_per_stage).run(full, call,
+                                                                              state)
+            else:
+                (values,) = LocalExecutor().run(full, call, state)
             out = run.model_output(full, call, 0, values)
             whole.step(out, steps[i])
     pipelined = len(steps) - warm
@@ -181,11 +185,11 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any,
             if i + 1 < len(steps):  # patch m's input of the next step
                 scheds[m].model_input(steps[i + 1])
 
-        def stage_of(m: int, s: int) -> StageProgram:
-            return programs.of_patch(m).stages[s]
+        def stage_of(m: int, w: int) -> StageProgram:
+            return programs.of_patch(m).runners[w]
 
-        jobs = Jobs(check_actions(first.actions_for(chunks, pipelined)), calls, state,
-                    stage_of, finish, warm)
+        jobs = Jobs(first.dry_run(chunks, pipelined, rest=programs.rest), calls, state,
+                    stage_of, finish, warm, first.leader)
         if threaded:
             run_pipelined(cp, jobs)
         else:
@@ -361,10 +365,19 @@ def patch_programs(cp: Any, front: Any, plan: Any, length: int, bounds: tuple[in
 
 
 def _hoist(program: Program) -> Program:
-    """``program`` with every stage's const sub-graphs (text K/V, timestep embedding)
-    computed once per set of input values and fed in (:mod:`tppc.passes.stages.hoist_consts`)."""
-    return dataclasses.replace(program, stages=tuple(hoist_constants(st)
-                                                     for st in program.stages))
+    """``program`` with every worker's const sub-graphs (text K/V, timestep embedding)
+    computed once per set of input values and fed in (:mod:`tppc.passes.stages.hoist_consts`;
+    a worker cut into parts: each part's)."""
+    def hoisted(worker: StageProgram) -> StageProgram:
+        if worker.parts:
+            return dataclasses.replace(worker, parts=tuple(hoist_constants(p)
+                                                           for p in worker.parts))
+        return hoist_constants(worker)
+
+    workers = tuple(hoisted(w) for w in program.workers)
+    stages = tuple(next(w for w in workers if w.index == s) for s in range(len(
+        program.stages))) if workers else tuple(hoisted(st) for st in program.stages)
+    return dataclasses.replace(program, stages=stages, workers=workers)
 
 
 def _latent_axis(front: Any, flat: list[Any], x: torch.Tensor) -> tuple[int, int]:

@@ -1,8 +1,9 @@
 """The patches of pipelined denoising steps through the stages (see
 :mod:`tppc.pipefusion.denoise` for the terms): :class:`Jobs` holds them, :func:`run_serial`
 computes them in the dry run's order in the calling thread (the reference),
-:func:`run_pipelined` with one worker per stage following its lowered action list (both
-through THE interpreter, :mod:`tppc.program.interpreter`).
+:func:`run_pipelined` with one thread per worker following its lowered action list (both
+through THE interpreter, :mod:`tppc.program.interpreter`). A stage of several workers (tensor
+parallelism) runs its parts and collectives per worker; its first worker's outputs leave.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, NamedTuple
 import torch
 
 from tppc.backends.torch_local import TORCH_OPS, run_stage
+from tppc.backends.torch_threads import thread_share
 from tppc.program.interpreter import Interpreter, Stopped, run_in_order
 from tppc.program.program import StageProgram
 from tppc.program.schedule import Action, DryRun
@@ -25,8 +27,10 @@ __all__ = ["Jobs", "idle_threads", "run_pipelined", "run_serial"]
 
 class Jobs(NamedTuple):
     """The pipelined steps of one call: the dry run of their lists (step ``t`` of the lists
-    is step ``warm + t`` of the call), each step's call, the state, the stage of a patch
-    (``stage_of(m, s)``) and what happens when a patch leaves the last stage (``finish``)."""
+    is step ``warm + t`` of the call), each step's call, the state, the worker of a patch
+    (``stage_of(m, w)``: list ``w``'s stage program, a stage's when it has one worker) and
+    what happens when a patch leaves the last stage (``finish``; the outputs of worker
+    ``leader``, whose are the model's)."""
 
     dry: DryRun
     calls: list[Call]
@@ -34,35 +38,46 @@ class Jobs(NamedTuple):
     stage_of: Callable[[int, int], StageProgram]
     finish: Callable[[int, int, tuple[Any, ...]], None]
     warm: int
+    leader: int = -1
+    """The worker whose outputs are the model's (-1: the last list)."""
 
     def compute(self, s: int, act: Action, received: tuple[Any, ...]) -> tuple[Any, ...]:
-        """Compute action ``act`` of stage ``s``."""
-        return run_stage(self.stage_of(act.chunk, s), self.calls[act.step], self.state,
-                         act.start, act.end, received)
+        """Compute action ``act`` of worker ``s`` (its part ``act.part``)."""
+        return run_stage(self.stage_of(act.chunk, s).part(act.part), self.calls[act.step],
+                         self.state, act.start, act.end, received)
 
     def who(self, s: int) -> str:
-        """How a failure note names stage ``s``."""
-        return f"stage {s}, denoise (pipelined step t is step {self.warm} + t)"
+        """How a failure note names worker ``s``."""
+        return f"worker {s}, denoise (pipelined step t is step {self.warm} + t)"
+
+    def leads(self, s: int) -> bool:
+        """Whether worker ``s``'s outputs are the model's."""
+        return s == self.leader % len(self.dry.actions)
 
 
 def run_serial(jobs: Jobs) -> None:
     """The lists in the dry run's order, in the calling thread, through THE interpreter."""
-    run_in_order(jobs.dry, jobs.compute,
-                 output=lambda s, act, values: jobs.finish(act.step, act.chunk, values),
-                 ops=TORCH_OPS, who=jobs.who)
+
+    def output(s: int, act: Action, values: tuple[Any, ...]) -> None:
+        if jobs.leads(s):
+            jobs.finish(act.step, act.chunk, values)
+
+    run_in_order(jobs.dry, jobs.compute, output=output, ops=TORCH_OPS, who=jobs.who)
 
 
 def run_pipelined(cp: Any, jobs: Jobs) -> None:
-    """One worker per stage runs its lowered list through THE interpreter over the thread
-    transport; the calling thread steps each patch as it leaves the last stage, and that is
-    the send back: a feedback stage's receive of patch ``m`` of step ``t`` waits until the
-    calling thread has stepped it."""
+    """One thread per worker (a stage's, or each member of a stage's group) runs its lowered
+    list through THE interpreter over the thread transport; the calling thread steps each
+    patch as it leaves the last stage (its leader), and that is the send back: a feedback
+    stage's receive of patch ``m`` of step ``t`` waits until the calling thread stepped it."""
     dry = jobs.dry
-    last = len(dry.actions) - 1
+    leader = jobs.leader % len(dry.actions)
     world = ThreadWorld(dry, cp.options.queue_depth, TORCH_OPS)
     done: dict[int, int] = {}  # patch -> the last step the calling thread stepped it for
     cond = threading.Condition()
     threads = cp.options.threads_per_stage
+    if threads is None:
+        threads = thread_share(len(dry.actions))
 
     def back(act: Action) -> None:
         t, m = act.job
@@ -79,14 +94,17 @@ def run_pipelined(cp: Any, jobs: Jobs) -> None:
             if k in borrow:
                 torch.set_num_threads(borrow[k])
 
+        def output(act: Action, values: tuple[Any, ...]) -> None:
+            if s == leader:  # another worker of the last stage: the same values
+                world.put(world.inboxes[-1], (act.job, values, None))
+
         world.work(Interpreter(
             dry, s, lambda act, got: jobs.compute(s, act, got), world.end(s, feedback=back),
-            lambda act, values: world.put(world.inboxes[-1], (act.job, values, None)),
-            who=jobs.who(s), before=before))
+            output, who=jobs.who(s), before=before))
 
     workers = world.threads(work, "tppc-denoise")
     try:
-        for _ in range(sum(a.kind == "compute" for a in dry.actions[last])):
+        for _ in range(sum(a.kind == "compute" and not a.part for a in dry.actions[leader])):
             (t, m), values, _ = world.get(world.inboxes[-1])
             jobs.finish(t, m, values)
             with cond:

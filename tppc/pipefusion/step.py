@@ -19,6 +19,11 @@ Terms:
         leave. The fill and the drain run on the idle stages' intra-op threads too
         (:func:`tppc.pipefusion.jobs.idle_threads`), which shortens them.
 
+Stages of several workers (tensor parallelism, or a mesh: cfg, ring, ulysses,
+:mod:`tppc.program.mesh`) run a warm call with a thread per worker (:class:`ThreadsExecutor`),
+and a stale call's patches through every worker of every stage (each worker its own K/V: a
+CFG group keeps the stale K/V of its half of the batch).
+
 :meth:`StepCalls.reset` starts a new loop (a diffusers pipeline call): the states go back,
 and the next call of every stream is warm again.
 """
@@ -31,12 +36,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from tppc.backends.torch_local import LocalExecutor
+from tppc.backends.torch_threads import ThreadsExecutor
 from tppc.calls.call import with_tail
 from tppc.calls.io import OutputAssembler, output_structure
 from tppc.pipefusion.denoise import all_threads, choose_patches, intra_op_threads, patch_programs
 from tppc.pipefusion.jobs import Jobs, run_pipelined, run_serial
 from tppc.program.program import StageProgram
-from tppc.program.schedule import check_actions
 from tppc.program.state import Call, CallState, next_epoch
 
 __all__ = ["StepCalls"]
@@ -100,26 +105,30 @@ class StepCalls:
                                       else min(self.warmup_steps, steps), self.patches)
         programs = patch_programs(cp, front, plan, length, bounds)
         full, first = programs.full, programs.first
-        threaded = (self.executor or cp.executor) == "threads" and len(first.stages) > 1
+        threaded = (self.executor or cp.executor) == "threads" and len(first.runners) > 1
         if warm or len(bounds) == 2:
             call = Call(tuple(bound.flat), ((0, length),), length, length, self._epoch)
             sink = OutputAssembler(full.signature.output_axes, call, full.signature.output_rows)
-            with intra_op_threads(all_threads(cp, len(full.stages)) if threaded else None):
-                (values,) = LocalExecutor().run(full, call, state)
+            if full.workers and (self.executor or cp.executor) == "threads":
+                (values,) = ThreadsExecutor(cp.options.threads_per_stage).run(full, call,
+                                                                              state)
+            else:
+                with intra_op_threads(all_threads(cp, len(full.stages)) if threaded else None):
+                    (values,) = LocalExecutor().run(full, call, state)
             sink(0, values)
             return output_structure(full, with_tail(full, call.flat_inputs, sink.leaves))
         chunks = tuple(itertools.pairwise(bounds))
         call = Call(tuple(bound.flat), chunks, length, length, self._epoch)
         sink = OutputAssembler(first.signature.output_axes, call, first.signature.output_rows)
 
-        def stage_of(m: int, s: int) -> StageProgram:
-            return programs.of_patch(m).stages[s]
+        def stage_of(m: int, w: int) -> StageProgram:
+            return programs.of_patch(m).runners[w]
 
         def finish(_t: int, m: int, values: tuple[Any, ...]) -> None:
             sink(m, values)
 
-        jobs = Jobs(check_actions(first.actions_for(chunks, 1)), [call], state, stage_of,
-                    finish, done)
+        jobs = Jobs(first.dry_run(chunks, 1, rest=programs.rest), [call], state, stage_of,
+                    finish, done, first.leader)
         if threaded:
             run_pipelined(cp, jobs)
         else:

@@ -43,9 +43,13 @@ class HybridChoice:
 
 
 def degrees_text(degrees: dict) -> str:
-    """``"PP4 x TP8 x 1 replica"``: a configuration in words."""
+    """``"PP4 x TP8 x 2 replicas"`` or ``"PP2 x CFG2 x Ulysses2 x TP1"``: a configuration in
+    words (the CFG, Ring and Ulysses degrees named when above 1)."""
     tp = degrees["tensor_parallel"]
     tp_text = str(tp) if isinstance(tp, int) else "(" + ",".join(map(str, tp)) + ")"
     replicas = degrees["replicas"]
-    return (f"PP{degrees['num_stages']} x TP{tp_text}"
+    axes = "".join(f" x {name}{degrees.get(key, 1)}" for name, key in (
+        ("CFG", "cfg_parallel"), ("Ring", "ring"), ("Ulysses", "ulysses"))
+        if degrees.get(key, 1) > 1)
+    return (f"PP{degrees['num_stages']}{axes} x TP{tp_text}"
             + (f" x {replicas} replicas" if replicas > 1 else ""))

@@ -47,17 +47,34 @@ class Configuration:
     groups: tuple[tuple[int, ...], ...]
     spans_nodes: bool = False
     fixed_stages: int | None = None
+    cfg_parallel: int = 1
+    ulysses: int = 1
+    ring: int = 1
+    placement: str = ""
+
+    @property
+    def token_workers(self) -> int:
+        """Workers of a group that share a chunk's batch × tokens (``cfg · ulysses · ring``;
+        1 for tensor parallelism alone); each group's tensor-parallel degree is its size
+        over this."""
+        return self.cfg_parallel * self.ulysses * self.ring
 
     @property
     def degrees(self) -> tuple[int, ...]:
-        """The degree of each group."""
-        return tuple(len(g) for g in self.groups)
+        """The tensor-parallel degree of each group."""
+        return tuple(len(g) // self.token_workers for g in self.groups)
 
     @property
     def label(self) -> str:
-        """``"TP8"`` (one degree) or ``"TP(8,4)"`` (degrees that differ between groups)."""
+        """``"TP8"`` (one degree), ``"TP(8,4)"`` (degrees that differ between groups), or
+        with sequence / CFG parallelism ``"CFG2 x Ulysses2 x TP1"`` (and the placement)."""
         kinds = list(dict.fromkeys(self.degrees))
-        return f"TP{kinds[0]}" if len(kinds) == 1 else "TP(" + ",".join(map(str, kinds)) + ")"
+        tp = f"TP{kinds[0]}" if len(kinds) == 1 else "TP(" + ",".join(map(str, kinds)) + ")"
+        if self.token_workers == 1:
+            return tp
+        axes = [f"{name}{d}" for name, d in (("CFG", self.cfg_parallel), ("Ring", self.ring),
+                                             ("Ulysses", self.ulysses)) if d > 1]
+        return " x ".join([*axes, tp]) + (f" [{self.placement}]" if self.placement else "")
 
 
 def _divides(t: int, sizes: Sequence[int]) -> bool:

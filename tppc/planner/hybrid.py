@@ -78,13 +78,15 @@ def _group_words(group: tuple[int, ...]) -> str:
     return f"group of devices {group[0]}-{group[-1]} ("
 
 
-def _any_bound(table: CostTable, stages: int | None, granularity: int) -> tuple[float, float]:
-    """``(serial / stages, path)``, each layer on its fastest row (module docstring)."""
+def _any_bound(table: CostTable, stages: int | None, granularity: int, steps: int = 1
+               ) -> tuple[float, float]:
+    """``(steps · serial / stages, path)``, each layer on its fastest row (module
+    docstring): every step runs every layer on every token."""
     length = float(table.seq_len)
     g = min(float(granularity), length)
     serial = float(table.times_at(length, 0.0).min(axis=0).sum())
     path = float(table.times_at(g, length - g).min(axis=0).sum())
-    return serial / (stages or min(table.num_devices, max(table.num_layers, 1))), path
+    return steps * serial / (stages or min(table.num_devices, max(table.num_layers, 1))), path
 
 
 def _value(c: _Candidate, plan: Plan, objective: str) -> float:
@@ -99,9 +101,11 @@ def _label(c: _Candidate, plan: Plan | None) -> str:
 
 
 def _degrees(c: _Candidate, plan: Plan) -> dict:
-    tps = tuple(len(c.config.groups[st.device_index]) for st in plan.stages)
+    tps = tuple(c.config.degrees[st.device_index] for st in plan.stages)
     return {"num_stages": plan.num_stages,
-            "tensor_parallel": tps[0] if len(set(tps)) == 1 else tps, "replicas": 1}
+            "tensor_parallel": tps[0] if len(set(tps)) == 1 else tps,
+            "cfg_parallel": c.config.cfg_parallel, "ulysses": c.config.ulysses,
+            "ring": c.config.ring, "replicas": 1}
 
 
 def _replicas(cluster: Cluster, used: Sequence[int]) -> int:
@@ -116,9 +120,11 @@ def _replicas(cluster: Cluster, used: Sequence[int]) -> int:
 def plan_hybrid(configs: Sequence[Configuration], price: PriceGroups, plan_table: PlanTable, *,
                 cluster: Cluster, granularity: int, num_stages: int | None = None,
                 objective: str = "latency", time_limit: float = 10.0,
-                across: Sequence[Configuration] = (), infeasible: Sequence[str] = ()) -> Plan:
+                across: Sequence[Configuration] = (), infeasible: Sequence[str] = (),
+                steps: int = 1) -> Plan:
     """The best plan over ``configs`` (module docstring); ``across``: configurations whose
-    groups span nodes, searched only when none of ``configs`` fits.
+    groups span nodes, searched only when none of ``configs`` fits; ``steps``: the calls'
+    steps (diffusion: each runs every layer on every token), for the any-plan bound.
 
     Raises:
         PlanInfeasible: no configuration fits (the first configuration's error).
@@ -129,7 +135,7 @@ def plan_hybrid(configs: Sequence[Configuration], price: PriceGroups, plan_table
     for pool, spans in ((configs, False), (across, True)):
         if not pool:
             continue
-        candidates = _candidates(pool, price, num_stages, objective, granularity)
+        candidates = _candidates(pool, price, num_stages, objective, granularity, steps)
         best, error = _search(candidates, plan_table, objective, deadline, refused)
         first_error = first_error or error
         if best is not None:
@@ -142,7 +148,7 @@ def plan_hybrid(configs: Sequence[Configuration], price: PriceGroups, plan_table
 
 
 def _candidates(pool: Sequence[Configuration], price: PriceGroups, num_stages: int | None,
-                objective: str, granularity: int) -> list[_Candidate]:
+                objective: str, granularity: int, steps: int = 1) -> list[_Candidate]:
     out = []
     for config in pool:
         table, words = price(config)
@@ -153,7 +159,7 @@ def _candidates(pool: Sequence[Configuration], price: PriceGroups, num_stages: i
         for k in counts:
             if k is not None and k > min(table.num_devices, table.num_layers):
                 continue
-            work, path = _any_bound(table, k, granularity)
+            work, path = _any_bound(table, k, granularity, steps)
             out.append(_Candidate(config, table, words, k, work, path))
     return out
 
@@ -190,9 +196,11 @@ def _package(best: _Candidate, candidates: list[_Candidate], cluster: Cluster, o
     plan = best.plan
     assert plan is not None
     groups = best.config.groups
+    cfg = best.config
     stages = tuple(dataclasses.replace(
         st, device_index=groups[st.device_index][0], device_indices=groups[st.device_index],
-        tensor_parallel=len(groups[st.device_index])) for st in plan.stages)
+        tensor_parallel=cfg.degrees[st.device_index], cfg_parallel=cfg.cfg_parallel,
+        ulysses=cfg.ulysses, ring=cfg.ring) for st in plan.stages)
     used = [d for st in stages for d in st.device_indices]
     planned = [c for c in candidates if c.plan is not None]
     others = sorted((c for c in planned if c is not best),
@@ -225,7 +233,7 @@ def _package(best: _Candidate, candidates: list[_Candidate], cluster: Cluster, o
         objective=objective, searched=len(planned), infeasible=tuple(refused),
         pruned=sum(1 for c in candidates if c.plan is None and not c.refused), runner_up=runner_text, why=why,
         collectives=tuple(w for st in stages for w in best.words[st.layer_start:st.layer_end]
-                          if w) if any(st.tensor_parallel > 1 for st in stages) else (),
+                          if w) if any(st.group_size > 1 for st in stages) else (),
         spans_nodes=spans_note)
     notes = tuple(_GROUP_NOTE.sub(lambda m: _group_words(groups[int(m.group(1))]), n)
                   for n in plan.notes) if any(len(g) > 1 for g in groups) else plan.notes

@@ -19,7 +19,7 @@ def _ms(seconds: float) -> str:
 
 
 def _devices(st: Any) -> str:
-    if st.tensor_parallel == 1:
+    if st.group_size == 1:
         return str(st.device_index)
     ids = st.device_indices
     contiguous = list(ids) == list(range(ids[0], ids[0] + len(ids)))
@@ -50,10 +50,15 @@ def plan_summary(plan: Any) -> str:
            f"{_ms(plan.split.bound)}, gap {100 * plan.split.gap:.2f}%, "
            f"{plan.split.seconds:.2f} s"] if plan.split else []),
     ]
-    hybrid = plan.choice is not None or any(st.tensor_parallel > 1 for st in plan.stages)
+    hybrid = plan.choice is not None or any(st.group_size > 1 for st in plan.stages)
     if hybrid:
         lines.append(f"degrees {degrees_text(plan.degrees)} ({plan.num_devices} devices): "
                      f"{plan.degrees}")
+    if plan.stages and plan.stages[0].group_size > plan.stages[0].tensor_parallel:
+        st = plan.stages[0]
+        lines.append(f"each stage is a mesh {st.mesh_label} of {st.group_size} devices, in "
+                     "worker order (cfg, ring, ulysses, tp; tp fastest): "
+                     + "; ".join(f"stage {s.index}: {s.device_indices}" for s in plan.stages))
     lines += ["", f"{'stage':>5}  {'device':<12} {'devices':<8} {'TP':>3} {'layers':<12} "
                   f"{'memory used / capacity':<24} {'busy':>10}"]
     for st in plan.stages:

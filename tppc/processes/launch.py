@@ -83,14 +83,17 @@ def launch(factory: str | Path, nprocs: int, *, checkpoint: str | Path | None = 
            threads: int = 1, comm_timeout: float = 30.0, timeout: float | None = 300.0,
            repeat: int = 1, env: Mapping[str, str] | None = None,
            extra_args: Sequence[str] = (),
-           tensor_parallel: int | Sequence[int] | None = None) -> LaunchResult:
+           tensor_parallel: int | Sequence[int] | None = None,
+           cfg_parallel: int | None = None, ulysses: int | None = None,
+           ring: int | None = None) -> LaunchResult:
     """Run ``python -m tppc.cli.rank FACTORY ...`` as ``nprocs`` local ranks; see the module doc.
 
     Args:
         factory: ``MODULE:FACTORY``, or a directory written by :func:`tppc.export` (each
             rank loads its stage's ONNX file; ``inputs`` named as in its ``plan.json``).
         nprocs: ranks (= workers: the stages, or with ``tensor_parallel`` the sum of their
-            degrees; a job of another size is refused, naming both numbers).
+            degrees, times ``cfg_parallel x ulysses x ring``; a job of another size is
+            refused, naming both numbers).
         checkpoint: safetensors file of the weights.
         inputs: ``args.0``, ``kwargs.NAME``... tensors (default: the factory's examples).
         generate: greedy-generate this many tokens instead of one call.
@@ -105,6 +108,8 @@ def launch(factory: str | Path, nprocs: int, *, checkpoint: str | Path | None = 
         extra_args: more ``tppc.run`` arguments.
         tensor_parallel: each stage's tensor-parallel degree (one int for every stage, or
             one per stage; ``--tensor-parallel``); None: the plan's.
+        cfg_parallel, ulysses, ring: every stage's degree of that axis (``--cfg-parallel``,
+            ``--ulysses``, ``--ring``); None: the plan's.
 
     Raises:
         StageFailed: a rank exited non-zero (the message holds every rank's error line;
@@ -119,6 +124,10 @@ def launch(factory: str | Path, nprocs: int, *, checkpoint: str | Path | None = 
     if tensor_parallel is not None:
         degrees = [tensor_parallel] if isinstance(tensor_parallel, int) else tensor_parallel
         extra_args = (*extra_args, "--tensor-parallel", ",".join(map(str, degrees)))
+    for flag, degree in (("--cfg-parallel", cfg_parallel), ("--ulysses", ulysses),
+                         ("--ring", ring)):
+        if degree is not None:
+            extra_args = (*extra_args, flag, str(degree))
     owned_files.sweep_all()  # what launches and ranks killed outright left behind
     work = owned_files.create_dir(owned_files.LAUNCH_PREFIX)
     procs: list[subprocess.Popen] = []

@@ -153,15 +153,35 @@ def cached_patch_programs(cache: dict[Any, Any], plan: Any, batch: Any, length: 
     """The :class:`PatchPrograms` of a call, built once per (``batch`` shape, ``length``,
     ``bounds``, ``plan``'s placement) into ``cache``: ``build(graph, chunks)`` for the warm-up
     and patch programs, ``build(rest_graph, chunks)`` for the later patches' (if any)."""
-    degrees = [getattr(st, "tensor_parallel", 1) for st in plan.stages]
-    if any(d > 1 for d in degrees):
-        raise SpecError(f"the denoise plan has tensor-parallel stages {degrees}: PipeFusion's "
-                        "patches run on stages of one worker each. fix: tensor_parallel=1 for "
-                        "cp.denoise / compile_pipeline")
-    placement = tuple((st.layer_start, st.layer_end, st.device_index) for st in plan.stages)
+    placement = tuple((st.layer_start, st.layer_end, st.device_index,
+                       getattr(st, "device_indices", ()),
+                       *(getattr(st, d, 1) for d in ("tensor_parallel", "cfg_parallel",
+                                                     "ring", "ulysses")))
+                      for st in plan.stages)  # the placement and every stage's mesh
     key = (batch, length, bounds, placement)
     if key not in cache:
         chunks = tuple(itertools.pairwise(bounds))
-        cache[key] = (build(graph, ((0, length),)), build(graph, chunks),
-                      None if rest_graph is None else build(rest_graph, chunks))
+        programs = (build(graph, ((0, length),)), build(graph, chunks),
+                    None if rest_graph is None else build(rest_graph, chunks))
+        for other in programs[::2]:
+            _same_buffers(programs[1], other)
+        cache[key] = programs
     return PatchPrograms(*cache[key])
+
+
+def _same_buffers(first: Any, other: Any) -> None:
+    """Refuse programs of one call whose K/V buffers of one name differ in shape (their
+    workers' shards of a buffer would not line up: each program is cut on its own graph).
+
+    Raises:
+        SpecError: naming the buffer and both shapes.
+    """
+    if other is None or not hasattr(first, "buffer_specs"):
+        return
+    mine = {b.name: b.shape for b in first.buffer_specs()}
+    for b in other.buffer_specs():
+        if b.name in mine and mine[b.name] != b.shape:
+            raise SpecError(
+                f"K/V buffer {b.name!r} has shape {b.shape} in one denoising program and "
+                f"{mine[b.name]} in the patch program: their tensor-parallel cuts differ. "
+                "fix: tensor_parallel=1 for denoising with stale patches (and report it)")

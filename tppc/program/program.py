@@ -29,7 +29,8 @@ from torch import fx
 from tppc.ir.records import ChunkInput, ChunkSignature
 from tppc.program.actions import Actions, Groups, flow_shop, job_count
 from tppc.program.dry_run import DryRun, check_actions
-from tppc.program.sharded import sharded_lists
+from tppc.program.mesh import Mesh
+from tppc.program.sharded import JoinSpec, sharded_lists
 
 __all__ = ["BufferSpec", "OutSlot", "Program", "StageProgram"]
 
@@ -120,11 +121,13 @@ class StageProgram:
         param_bytes: bytes of its parameters and module buffers.
         consts: const programs feeding its ``hoisted`` inputs
             (:mod:`tppc.passes.stages.hoist_consts`; ``denoise`` only, else empty).
-        rank: the worker's place in its stage's tensor-parallel group (0 when alone).
+        rank: the worker's place in its stage's mesh (0 when alone).
         parts: the worker's shard cut at its collectives (:mod:`tppc.passes.sharding`):
             part ``p`` is a stage program of its own, run by a compute of ``part=p``
             (empty: ``runnable`` runs whole).
         joins: the collective after each part but the last, ``(kind, dims)``.
+        join_axes: the mesh axis whose group runs each join (:mod:`tppc.program.mesh`;
+            empty: ``tp`` for every join).
     """
 
     index: int
@@ -144,6 +147,7 @@ class StageProgram:
     rank: int = 0
     parts: tuple[StageProgram, ...] = ()
     joins: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    join_axes: tuple[str, ...] = ()
 
     def part(self, index: int) -> StageProgram:
         """What a compute of part ``index`` runs (the stage itself when it has no parts)."""
@@ -165,10 +169,12 @@ class Program:
             lists, or lists with their sends and receives already written out): the lists
             the plan's simulation replayed, which every executor lowers and follows.
         groups: the named groups of stage workers the lists' collectives run over.
-        workers: one stage program per worker when a stage has several (tensor
-            parallelism: the shards of stage ``s`` are the workers whose ``index`` is ``s``,
-            in rank order; a stage of one worker is its stage program); empty: one worker
-            per stage, ``stages``. ``stages[s]`` is then the first shard of stage ``s``.
+        workers: one stage program per worker when a stage has several (a mesh of
+            workers: those of stage ``s`` are the workers whose ``index`` is ``s``, in rank
+            order; a stage of one worker is its stage program); empty: one worker per
+            stage, ``stages``. ``stages[s]`` is then the first worker of stage ``s``.
+        meshes: every stage's mesh of workers (:class:`tppc.program.mesh.Mesh`; empty:
+            tensor parallelism alone, one tp group of each stage's workers).
     """
 
     plan: Any
@@ -180,6 +186,7 @@ class Program:
     actions: Actions = ()
     groups: Groups = ()
     workers: tuple[StageProgram, ...] = ()
+    meshes: tuple[Mesh, ...] = ()
 
     @property
     def runners(self) -> tuple[StageProgram, ...]:
@@ -197,24 +204,29 @@ class Program:
         return len(self.runners) - sum(w.index == len(self.stages) - 1 for w in self.runners)
 
     def dry_run(self, chunks: tuple[tuple[int, int], ...], steps: int = 1,
-                feedback: tuple[int, ...] = (0,)) -> DryRun:
+                feedback: tuple[int, ...] = (0,), rest: Program | None = None) -> DryRun:
         """The checked, lowered lists of a call (:meth:`actions_for`, with :attr:`groups`).
 
         Raises:
             ScheduleError: the lists cannot run (the message prints the action grid).
         """
-        return check_actions(self.actions_for(chunks, steps), feedback, groups=self.groups,
-                             stages=self.stage_of)
+        return check_actions(self.actions_for(chunks, steps, rest), feedback,
+                             groups=self.groups, stages=self.stage_of)
 
-    def actions_for(self, chunks: tuple[tuple[int, int], ...], steps: int = 1) -> Actions:
+    def actions_for(self, chunks: tuple[tuple[int, int], ...], steps: int = 1,
+                    rest: Program | None = None) -> Actions:
         """The compute lists of a call with ``chunks`` and ``steps`` pipelined steps: the
         program's own when they are for those chunks and steps; otherwise (a decoding step,
         a denoising call) every stage runs every chunk of every step in order; the workers
-        of sharded stages run their parts and collectives (:func:`sharded_lists`)."""
+        of sharded stages run their parts and collectives (:func:`sharded_lists`), those of
+        ``rest`` for every chunk after the first (the later patches of a step with joint
+        attention run a program of their own, whose workers may have other parts)."""
         if self.workers:
-            return sharded_lists(chunks, steps, self.stage_of,
-                                 tuple(max(1, len(w.parts)) for w in self.workers),
-                                 tuple(w.joins for w in self.workers))
+            later = None if rest is None or rest is self else (
+                _parts(rest), tuple(_joins(w) for w in rest.workers))
+            return sharded_lists(chunks, steps, self.stage_of, _parts(self),
+                                 tuple(_joins(w) for w in self.workers), self.meshes,
+                                 later=later)
         if chunks == self.chunks and self.actions and job_count(self.actions)[0] == steps:
             return self.actions
         return flow_shop(chunks, len(self.stages), steps)
@@ -222,3 +234,15 @@ class Program:
     def buffer_specs(self) -> tuple[BufferSpec, ...]:
         """Every K/V buffer of the program, worker by worker."""
         return tuple(b for st in self.runners for b in st.buffers)
+
+
+def _parts(program: Program) -> tuple[int, ...]:
+    """The parts of every worker."""
+    return tuple(max(1, len(w.parts)) for w in program.workers)
+
+
+def _joins(worker: StageProgram) -> tuple[JoinSpec, ...]:
+    """The worker's joins with their mesh axes."""
+    axes = worker.join_axes or ("tp",) * len(worker.joins)
+    return tuple((kind, dims, axis) for (kind, dims), axis in zip(worker.joins, axes,
+                                                                   strict=True))

@@ -126,7 +126,7 @@ class CallState:
 
     def _buffer(self, spec: BufferSpec, device: torch.device) -> torch.Tensor:
         key = (spec.name, str(device))
-        if key not in self._buffers:
+        if key not in self._buffers or self._specs[key] != spec:  # new, or another shape
             with torch.inference_mode(False):  # reusable by calls outside inference mode
                 self._buffers[key] = spec.allocate(self.capacity, device)
             self._specs[key] = spec

@@ -58,6 +58,11 @@ def write_workers(program: Any, out: Path, files: dict[str, dict[str, Any]],
 
     ``write_stage(stage, program, out, external, files, variant, outputs)`` writes one part
     (:func:`tppc.artifact.writer.write._write_stage`)."""
+    if getattr(program, "meshes", ()):
+        raise ExportError(
+            f"the program's stages run on meshes {list(program.meshes)} (cfg, ring or ulysses "
+            "above 1); an artifact holds tensor-parallel workers only. fix: export a plan with "
+            "cfg_parallel=1, ring=1 and ulysses=1 (tensor_parallel may stay)")
     workers = []
     for worker in program.workers:
         t0 = time.perf_counter()

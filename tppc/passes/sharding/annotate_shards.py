@@ -160,7 +160,8 @@ def analyse(gm: fx.GraphModule, limit: int = 10_000) -> Sharding:
             tried.add(r.origin)
             refined[r.origin] = (axis, r.segments)
             continue
-        result.notes = notes
+        cut = {n.name for n, role in result.roles.items() if role.kind in ("column", "row")}
+        result.notes = [(o, why) for o, why in notes if o not in cut]  # e.g. row-parallel now
         return result
     raise AssertionError("the sharding analysis did not settle")
 

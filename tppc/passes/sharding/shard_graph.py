@@ -226,6 +226,12 @@ class _Shard:
                 sizes[at] //= self.degree
                 node.args = (node.args[0], sizes, *node.args[2:])
             return
+        if node.target == aten.unflatten.int:  # (x, dim, sizes): the sizes from dim on
+            sizes, at = list(node.args[2]), cut.axis - _dim(node, 1)
+            if 0 <= at < len(sizes) and isinstance(sizes[at], int) and sizes[at] != -1:
+                sizes[at] //= self.degree
+                node.args = (node.args[0], node.args[1], sizes)
+            return
         src = self.result.cuts.get(node.args[0]) if node.args else None
         if not isinstance(src, Cut):
             return

@@ -9,9 +9,11 @@ Terms:
         of kind ``hoisted`` of the stage's runnable graph.
     const program: computes the frontier values that read the same set of const inputs
         (one program per set, so the text K/V do not depend on the timestep's program).
-        Its values are kept in the call state under the stage, the frontier's node names
-        and the identity (and version) of the inputs it read: one ``denoise`` call computes
-        the text K/V once for all steps and patches, the timestep's values once per step.
+        Its values are kept in the call state under the worker (stage and rank), the const
+        program itself and the identity (and version) of the inputs it read: one ``denoise``
+        call computes the text K/V once per program for all steps and patches, the
+        timestep's values once per step (two programs, or two workers of a tensor-parallel
+        stage, never share values: their shards differ).
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ def const_values(stage: Any, call: Any, state: Any) -> list[Any]:
     for program in stage.consts:
         values = [call.flat_inputs[i] for i in program.inputs]
         key = (call.epoch, tuple((id(v), getattr(v, "_version", None)) for v in values))
-        slot = (stage.index, program.names)
+        slot = (stage.index, stage.rank, id(program.module))  # a worker's program: its own
         entry = state.consts.get(slot)
         if entry is None or entry[0] != key:
             args = [v.to(stage.device) if isinstance(v, torch.Tensor) else v for v in values]

@@ -1,0 +1,234 @@
+"""One worker's work and its group's exchanges when a stage runs on a mesh of devices.
+
+Terms:
+    mesh: the degrees of a stage's axes (:class:`tppc.program.mesh.Mesh`): ``cfg`` (the
+        call's batch cut: classifier-free guidance), ``ring`` and ``ulysses`` (the tokens
+        cut), ``tp`` (the weights cut, :mod:`.shard_costs`). ``n = cfg · ring · ulysses``
+        workers share the tokens × batch of a chunk; each holds the whole stage's weights
+        (or its ``1/tp`` shard).
+    worker order: a group's devices in mesh rank order (``tp`` fastest); an axis's members
+        are :meth:`Mesh.members` of each rank, so which devices (which links) each axis
+        crosses is the group's order, and the planner searches orders (placements).
+    bytes per token: of a value over the whole batch and all heads, per chunk token.
+
+One worker's compute (:func:`mesh_node_cost`): every token-dependent node's work cut ``n``
+ways. A linear's rows (``m``: batch × tokens) are cut and its weight is read whole; an
+attention's batch × heads are cut by ``cfg · ulysses`` (Ulysses trades tokens for heads),
+its queries by ``ring``, and a ring-cut self-attention runs ``ring`` kernels (one per K/V
+block). Const nodes (timestep embeddings) run whole on every worker.
+
+Exchanges of a layer for a chunk of ``c`` tokens (:class:`MeshExchanges`; each priced by
+:func:`.collective_costs.collective_cost` on the members' own links, the slowest group of an
+axis counting)::
+
+    Ulysses   each self-attention: 4 all-to-alls (q, k, v in; out back), each member's send
+              buffer bytes_per_token(out) · c / (n · tp); each cross-attention: 2 (q, out)
+    Ring      each self-attention: the chunk's K and V passed around the ring, r - 1 blocks
+              of 2 · bytes_per_token(out) · c / (n · tp) (a ring all-gather), overlapped with
+              the attention's compute: exposed max(0, passes - attention)
+    TP        its all-reduces / all-gathers of bytes_per_token · c / n over the tp group
+    gather    the model's last layer: its output gathered once per chunk over the
+              cfg × ring × ulysses workers (all-gather of bytes_per_token · c): for CFG the
+              two halves' outputs, once per step and patch
+
+Memory per worker (:func:`mesh_memory`): weights whole (``1/tp`` of the cut ones); K/V
+buffers ``/ (cfg · ulysses)`` (and ``/ tp`` when cut by heads): a ring keeps the whole key
+length, since PipeFusion's stale K/V of a patch is shared across the group as xDiT does;
+activations ``/ n``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import sympy
+
+from tppc.cost_models.cluster import Cluster
+from tppc.cost_models.collective_costs import collective_cost
+from tppc.cost_models.node_costs import C, L, NodeCost, P
+from tppc.cost_models.shard_costs import LayerShards
+from tppc.program.mesh import Mesh
+
+__all__ = ["SELF_ATTENTION", "LayerTraffic", "MeshExchanges", "axis_groups", "ceil_share", "layer_traffic",
+           "mesh_node_cost", "mesh_words", "token_workers"]
+
+
+SELF_ATTENTION = "chunk_attention"
+"""The op of an attention that reads a K/V buffer of the sequence (self-attention)."""
+
+
+def token_workers(mesh: Mesh) -> int:
+    """Workers that share a chunk's batch × tokens: ``cfg · ring · ulysses``."""
+    return mesh.cfg * mesh.ring * mesh.ulysses
+
+
+def _cut(x: object, k: int) -> sympy.Expr:
+    return sympy.sympify(x) / k
+
+
+def _cut_matmul(mm: tuple, mesh: Mesh, attention: bool) -> tuple:
+    b, m, n, k = (sympy.sympify(d) for d in mm)
+    if not attention:  # a linear: batch × tokens are its rows
+        return (b, _cut(m, token_workers(mesh)), n, k) if m.free_symbols else \
+            (_cut(b, token_workers(mesh)), m, n, k)
+    heads = mesh.cfg * mesh.ulysses
+    if heads > 1 and b.is_Integer and int(b) % heads == 0:
+        b = b / heads
+    else:
+        m = _cut(m, heads)
+    return (b, _cut(m, mesh.ring), n, k)
+
+
+def mesh_node_cost(cost: NodeCost, mesh: Mesh) -> NodeCost:
+    """One worker's share of ``cost`` (already a tensor-parallel shard) on ``mesh`` (module
+    docstring); a self-attention (reads the K/V buffer) runs one kernel per ring block."""
+    n = token_workers(mesh)
+    if n == 1 or cost.kind in ("const", "view"):
+        return cost
+    share = sympy.Rational(1, n)
+    if cost.kind == "matrix":
+        fixed = cost.bytes.subs({C: 0, P: 0, L: 0})  # the weight, read whole
+        nbytes = fixed + (cost.bytes - fixed) * share
+    else:
+        nbytes = cost.bytes * share
+    attention = cost.kind == "attention"
+    launches = cost.launches * mesh.ring if cost.op == SELF_ATTENTION else cost.launches
+    return NodeCost(
+        name=cost.name, op=cost.op, kind=cost.kind, matrix_flops=cost.matrix_flops * share,
+        matmuls=tuple(_cut_matmul(mm, mesh, attention) for mm in cost.matmuls),
+        vector_flops=cost.vector_flops * share, bytes=nbytes, dtype=cost.dtype,
+        kv_bytes_per_key=cost.kv_bytes_per_key, unpriced=cost.unpriced,
+        serial_bytes=cost.serial_bytes * share, causal_keys=cost.causal_keys,
+        launches=launches)
+
+
+@dataclass(frozen=True)
+class LayerTraffic:
+    """What a layer's attention and output weigh, per chunk token (whole batch, all heads).
+
+    Attributes:
+        self_attention: the output bytes per token of each self-attention (K/V buffered).
+        cross_attention: the output bytes per token of each attention whose keys are not
+            the token axis (a prompt's).
+        tp: ``(kind, bytes per token)`` of the tensor-parallel collectives.
+        output: bytes per token of the layer's output (gathered after the model's last).
+    """
+
+    self_attention: tuple[int, ...] = ()
+    cross_attention: tuple[int, ...] = ()
+    tp: tuple[tuple[str, int], ...] = ()
+    output: int = 0
+
+
+def _per_token(expr: sympy.Expr, seq_len: int) -> int:
+    at = {P: 0, L: seq_len}
+    return int(sympy.ceiling(expr.subs({C: 1, **at}) - expr.subs({C: 0, **at})))
+
+
+def layer_traffic(nodes: Sequence[NodeCost], shards: LayerShards, output_bytes_per_token: int,
+                  seq_len: int) -> LayerTraffic:
+    """The :class:`LayerTraffic` of a layer from its nodes' costs and its shards (output
+    bytes of each node, TP collectives)."""
+    own, cross = [], []
+    for cost, out in zip(nodes, shards.out_bytes, strict=True):
+        if cost.kind == "attention":
+            (own if cost.op == SELF_ATTENTION else cross).append(_per_token(out, seq_len))
+    return LayerTraffic(self_attention=tuple(own), cross_attention=tuple(cross),
+                        tp=shards.collectives, output=output_bytes_per_token)
+
+
+def axis_groups(group: Sequence[int], mesh: Mesh, axis: str) -> tuple[tuple[int, ...], ...]:
+    """The distinct device groups ``axis`` runs over inside ``group`` (worker order)."""
+    seen = dict.fromkeys(tuple(group[r] for r in mesh.members(axis, rank))
+                         for rank in range(len(group)))
+    return tuple(seen)
+
+
+def _gather_group(group: Sequence[int], mesh: Mesh) -> tuple[int, ...]:
+    """Rank 0's peers in batch × tokens: the workers of tp coordinate 0."""
+    return tuple(group[r] for r in range(len(group)) if mesh.coords(r)["tp"] == 0)
+
+
+@dataclass(frozen=True, eq=False)
+class MeshExchanges:
+    """Seconds of one layer's exchanges on one group for a chunk of ``c`` tokens.
+
+    ``serial(c)`` blocks the stage (all-to-alls, all-reduces, the output gather);
+    ``passes(c)`` is the ring's K/V passing, overlapped with the self-attention.
+
+    Attributes:
+        cluster: the cluster.
+        group: the devices in worker order.
+        mesh: the group's mesh.
+        traffic: the layer's :class:`LayerTraffic`.
+        last: the model's last layer (its output is gathered).
+    """
+
+    cluster: Cluster
+    group: tuple[int, ...]
+    mesh: Mesh
+    traffic: LayerTraffic
+    last: bool = False
+    _seen: dict[float, tuple[float, float]] = field(default_factory=dict, repr=False)
+
+    def _worst(self, axis: str, kind: str, nbytes: float) -> float:
+        return max(collective_cost(self.cluster, kind, nbytes, g).seconds  # type: ignore[arg-type]
+                   for g in axis_groups(self.group, self.mesh, axis))
+
+    def seconds(self, c: float) -> tuple[float, float]:
+        """``(serial, passes)`` at ``c`` tokens (memoised)."""
+        if c in self._seen:
+            return self._seen[c]
+        m, t = self.mesh, self.traffic
+        n, serial, passes = token_workers(m), 0.0, 0.0
+        if m.tp > 1:
+            serial += sum(self._worst("tp", kind, per * c / n) for kind, per in t.tp)
+        if m.ulysses > 1:
+            share = c / (n * m.tp)
+            serial += sum(4 * self._worst("ulysses", "all_to_all", per * share)
+                          for per in t.self_attention)
+            serial += sum(2 * self._worst("ulysses", "all_to_all", per * share)
+                          for per in t.cross_attention)
+        if m.ring > 1:
+            block = c / (m.cfg * m.ulysses * m.tp)
+            passes = sum(self._worst("ring", "all_gather", 2 * per * block)
+                         for per in t.self_attention)
+        if self.last and n > 1:
+            serial += collective_cost(self.cluster, "all_gather", t.output * c,
+                                      _gather_group(self.group, m)).seconds
+        self._seen[c] = (serial, passes)
+        return self._seen[c]
+
+    def __call__(self, c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        c = np.asarray(c, dtype=float)
+        values, inverse = np.unique(c, return_inverse=True)
+        pairs = np.array([self.seconds(float(v)) for v in values]).reshape(-1, 2)
+        return (pairs[:, 0][inverse].reshape(c.shape), pairs[:, 1][inverse].reshape(c.shape))
+
+
+def mesh_words(traffic: LayerTraffic, mesh: Mesh) -> str:
+    """A layer's exchanges in words, e.g. ``"4 all_to_all (Ulysses) of 4608 B/token"``."""
+    parts: list[str] = []
+    if mesh.ulysses > 1:
+        count = 4 * len(traffic.self_attention) + 2 * len(traffic.cross_attention)
+        per = max((*traffic.self_attention, *traffic.cross_attention), default=0)
+        if count:
+            parts.append(f"{count} all_to_all (Ulysses{mesh.ulysses}) of {per} B/token")
+    if mesh.ring > 1 and traffic.self_attention:
+        parts.append(f"{len(traffic.self_attention)} K/V ring pass (Ring{mesh.ring}) of "
+                     f"{2 * max(traffic.self_attention)} B/token, overlapped")
+    if mesh.tp > 1 and traffic.tp:
+        counts: dict[tuple[str, int], int] = {}
+        for kind, per in traffic.tp:
+            counts[(kind, per)] = counts.get((kind, per), 0) + 1
+        parts.extend(f"{k} {kind} (TP{mesh.tp}) of {per} B/token"
+                     for (kind, per), k in counts.items())
+    return ", ".join(parts)
+
+
+def ceil_share(value: int, parts: Iterable[int]) -> int:
+    """``value`` divided by the product of ``parts``, rounded up."""
+    return math.ceil(value / math.prod(parts))

@@ -1,0 +1,147 @@
+"""CFG × Ulysses × Ring × TP × PipeFusion in ``tppc.plan`` for diffusion transformers.
+
+The front end's graph says what the model allows (:func:`mesh_limits`: each attention's
+head count and the call's batch, read off the attention nodes; the sharding pass's shard
+sizes); the cluster and the fixed degrees say which meshes exist
+(:func:`tppc.planner.mesh_configurations.mesh_configurations`); each configuration is priced
+as a table of groups (:func:`tppc.cost_models.group_costs.group_cost_table` with its mesh:
+one worker's share of every layer plus the group's exchanges on its own links) and planned
+by the placement + split planner (stages among the groups, patches);
+:func:`tppc.planner.hybrid.plan_hybrid` keeps the best and says why, with a bound over every
+configuration searched.
+
+The configuration of one device a group (no degree above 1) is priced by the plain cost
+table, so its plan is the PipeFusion plan tppc made before, bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from torch import fx
+
+from tppc.cost_models.cluster import Cluster
+from tppc.cost_models.group_costs import group_cost_table
+from tppc.cost_models.node_costs import tensor_vals
+from tppc.cost_models.shard_costs import effective_roles
+from tppc.cost_models.table import CostTable
+from tppc.driver.options import CompileOptions
+from tppc.errors import PlanError
+from tppc.frontend.front_end import FrontEnd
+from tppc.ir.records import SHARD_SIZES, TOKEN, ShardRole
+from tppc.planner.configurations import Configuration
+from tppc.planner.devices import sub_table
+from tppc.planner.hybrid import plan_hybrid
+from tppc.planner.mesh_configurations import FixedDegrees, MeshLimits, mesh_configurations
+from tppc.planner.plan import Plan
+from tppc.program.mesh import Mesh
+
+__all__ = ["capped", "mesh_limits", "mesh_plan", "wants_mesh"]
+
+#: ``plan(table_at, num_stages, seconds) -> Plan``: the one-device-a-stage planner of a length.
+PlanLength = Callable[[Callable[[int], CostTable], "int | None", float], Plan]
+
+
+def _attention_shapes(gm: fx.GraphModule) -> list[tuple[int, ...]]:
+    """``(batch, heads, tokens, dim)`` of every attention of ``gm`` (self and cross)."""
+    out = []
+    for node in gm.graph.nodes:
+        info = node.meta.get(TOKEN)
+        attention = "scaled_dot_product_attention" in str(node.target) or (
+            info is not None and getattr(info, "role", None) == "mixing")
+        vals = tensor_vals(node.meta.get("val")) if attention else []
+        if vals and vals[0].dim() == 4:
+            shape = tuple(vals[0].shape)
+            if all(isinstance(d, int) for d in shape[:2]):
+                out.append(shape)
+    return out
+
+
+def mesh_limits(front: FrontEnd, tokens: int) -> MeshLimits:
+    """What ``front``'s model allows at ``tokens`` tokens (the module docstring)."""
+    shapes = _attention_shapes(front.annotated)
+    sizes = front.annotated.meta.get(SHARD_SIZES) or front.chunk.meta.get(SHARD_SIZES) or ()
+    return MeshLimits(heads=tuple(sorted({int(s[1]) for s in shapes})) or (1,),
+                      shard_sizes=tuple(int(s) for s in sizes),
+                      batch=int(shapes[0][0]) if shapes else 1, tokens=tokens)
+
+
+def _fixed(opts: CompileOptions) -> FixedDegrees:
+    tp = opts.tensor_parallel
+    if isinstance(tp, tuple):
+        raise PlanError(f"tensor_parallel={tp}: a diffusion transformer's stages share one "
+                        "mesh (every stage cuts the batch and the tokens alike). fix: one "
+                        "degree, e.g. tensor_parallel=2")
+    return FixedDegrees(cfg_parallel=opts.cfg_parallel, ulysses=opts.ulysses, ring=opts.ring,
+                        tensor_parallel=tp, num_stages=opts.num_stages)
+
+
+def wants_mesh(front: FrontEnd, opts: CompileOptions) -> bool:
+    """Whether a bidirectional model's plan searches meshes: a degree above 1 given, or
+    more than one device and not every degree fixed to 1."""
+    if not front.bidirectional:
+        return False
+    given = [opts.cfg_parallel, opts.ulysses, opts.ring, opts.tensor_parallel]
+    if any(d is not None and d != 1 for d in given):
+        return True
+    return Cluster.parse(opts.cluster).num_devices > 1 and any(d is None for d in given)
+
+
+def capped(table: CostTable, limit: int | None) -> CostTable:
+    """``table`` with every row's capacity at most ``limit`` bytes (None: unchanged)."""
+    if limit is None:
+        return table
+    return dataclasses.replace(table, capacities=tuple(min(c, limit) for c in table.capacities))
+
+
+def mesh_plan(front: FrontEnd, opts: CompileOptions, tokens: int,
+              table_at: Callable[[int], CostTable], plan_length: PlanLength,
+              granularity: int, objective: str = "latency",
+              rates: tuple[float, ...] | None = None, steps: int = 1) -> Plan:
+    """The best plan over the meshes ``opts`` and the model allow (module docstring).
+
+    Args:
+        front: the front end (attention shapes, shard roles and sizes).
+        opts: the options (``cluster``, the degrees, ``memory_limit``, ``time_limit``).
+        tokens: the length priced, in tokens.
+        table_at: the one-device-a-stage cost table at a length (capped already).
+        plan_length: plans one table (rows = groups) with a stage count in some seconds.
+        granularity: the grid step in tokens (for the bounds that order the search).
+        objective: ``"latency"`` or ``"throughput_per_device"``.
+        rates: measured/predicted seconds per device (a group takes its slowest member's).
+        steps: the workload's steps (for the any-plan bound of a configuration).
+
+    Raises:
+        PlanError: fixed degrees the model or the cluster cannot hold, named.
+        PlanInfeasible: no configuration fits in memory (each one's reason in the error).
+    """
+    cluster = Cluster.parse(opts.cluster)
+    limits = mesh_limits(front, tokens)
+    configs, refused = mesh_configurations(cluster, limits, _fixed(opts))
+    roles: dict[str, ShardRole] = {}
+    base: list[CostTable] = []
+    ctx = front.ctx
+
+    def price(config: Configuration) -> tuple[CostTable, tuple[str, ...]]:
+        if all(len(g) == 1 for g in config.groups):
+            if not base:
+                base.append(table_at(tokens))
+            return sub_table(base[0], tuple(g[0] for g in config.groups)), ()
+        if not roles:
+            roles.update(effective_roles(front.chunk))
+        table, words = group_cost_table(
+            front.chunk, ctx.layers, cluster, tokens, config.groups, roles=roles,
+            queue_depth=opts.queue_depth, seq_symbol=ctx.seq_symbol,
+            token_count=ctx.token_count,
+            mesh=Mesh(cfg=config.cfg_parallel, ring=config.ring, ulysses=config.ulysses))
+        if rates is not None:
+            table = table.scaled([max(rates[d] for d in g) for g in config.groups])
+        return capped(table, opts.memory_limit_bytes), words
+
+    def plan_table(table: CostTable, stages: int | None, seconds: float) -> Plan:
+        return plan_length(lambda _length: table, stages, seconds)
+
+    return plan_hybrid(configs, price, plan_table, cluster=cluster, granularity=granularity,
+                       num_stages=opts.num_stages, objective=objective,
+                       time_limit=opts.time_limit, infeasible=refused, steps=steps)
