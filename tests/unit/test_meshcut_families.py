@@ -73,7 +73,8 @@ FAMILIES = {
     "sd3": (lambda: examples.hf_sd3(layers=1),  # text after the image, written apart
             [Mesh(cfg=2, tp=2), Mesh(ulysses=2), Mesh(ring=2)], None),
     "flux": (lambda: examples.hf_flux(single_layers=1),  # text before the image
-             [Mesh(cfg=2), Mesh(ring=2, ulysses=2), Mesh(ulysses=2, tp=2)], None),
+             [Mesh(cfg=2), Mesh(ring=2, ulysses=2), Mesh(ring=2, tp=2)],
+             (Mesh(ulysses=2, tp=2), r"has 1 query heads per worker; ulysses=2 .* fix")),
     "cogvideox": (lambda: examples.hf_cogvideox(layers=1),  # text, then 2 frames
                   [Mesh(cfg=2), Mesh(ring=2, ulysses=2)],
                   (Mesh(ulysses=2, tp=2), r"has 1 query heads per worker; ulysses=2 .* fix")),
