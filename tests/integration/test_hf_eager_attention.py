@@ -129,6 +129,24 @@ def test_eager_attention_generate_equals_hf_token_for_token(family: str) -> None
     assert torch.equal(cp.generate(ids, max_new_tokens=10), want)
 
 
+@pytest.mark.parametrize("family", ["bloom", "gemma2", "gpt_oss"])
+def test_eager_attention_exports_exactly_and_generates_the_same_tokens(family: str,
+                                                                         tmp_path) -> None:
+    """The folded attention through ONNX Runtime: Bloom's ALiBi (K/V regrouped to
+    ``(b·h, t, d)`` and back after the buffer read), Gemma 2's soft-cap, GPT-OSS's sinks
+    and mixture of experts; at two lengths and in ``generate``."""
+    model, cp = _compiled(family)
+    tppc.export(cp, tmp_path, lengths=[20, 10])  # the export check runs on the example
+    runner = tppc.load(tmp_path, threads_per_stage=1)
+    ids, _ = _padded(1)
+    for length in (20, 10):
+        with torch.no_grad():
+            want = model(ids[:, :length]).logits.numpy()
+        assert_kernels_close(runner(ids[:, :length].numpy())["logits"], want)
+    want = model.generate(ids[:, :10], max_new_tokens=6, do_sample=False)
+    assert (runner.generate(ids[:, :10].numpy(), max_new_tokens=6) == want.numpy()).all()
+
+
 def test_soft_cap_and_sinks_change_the_eager_result() -> None:
     """The two tests above could not fail on a dropped soft-cap or sink otherwise."""
     ids, _ = _padded(1)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -84,11 +86,39 @@ def test_mistral_window_shorter_than_sequence_equals_eager(padded: bool) -> None
     assert {m.window for m in _masks(cp)} == {5}
 
 
-def test_gemma3_local_and_global_layers_equal_eager() -> None:
+@functools.cache
+def _gemma3() -> tuple[torch.nn.Module, tppc.CompiledPipeline]:
+    """Gemma 3 (two local layers, one global) and its pipeline for a padded batch."""
     model, _, _ = examples.hf_gemma3(window=6)
     ids, mask = _padded()
-    cp = _check(model, ids, {"attention_mask": mask})
+    return model, _check(model, ids, {"attention_mask": mask})
+
+
+def test_gemma3_local_and_global_layers_equal_eager() -> None:
+    model, cp = _gemma3()
+    ids, mask = _padded()
+    assert_kernels_close(cp(ids, attention_mask=mask).logits,
+                         model(ids, attention_mask=mask).logits)
     assert [m.window for m in _masks(cp)] == [6, 6, None]
+
+
+def test_gemma3_export_equals_eager_on_a_padded_batch(tmp_path) -> None:
+    """Issue 31: Gemma 3's ``type_as`` (its RMS norm) exports; windows and padding too."""
+    _exported_equals_eager(*_gemma3(), tmp_path)
+
+
+def _exported_equals_eager(model: torch.nn.Module, cp: tppc.CompiledPipeline, path) -> None:
+    """``cp`` exported for 24 and 16 tokens equals ``model`` on the padded batch's rows that
+    see a key (a padded query sees no key: 0 in both pipelines, eager averages)."""
+    tppc.export(cp, path, lengths=[24, 16])
+    runner = tppc.load(path, threads_per_stage=1)
+    ids, mask = _padded()
+    for n in (24, 16):
+        with torch.no_grad():
+            want = model(ids[:, :n], attention_mask=mask[:, :n]).logits.numpy()
+        got = runner(ids[:, :n].numpy(), attention_mask=mask[:, :n].numpy())["logits"]
+        seen = mask[:, :n].bool().numpy()
+        assert_kernels_close(got[seen], want[seen])
 
 
 def test_qwen3_padded_batch_equals_eager() -> None:
@@ -97,11 +127,28 @@ def test_qwen3_padded_batch_equals_eager() -> None:
     _check(model, ids, {"attention_mask": mask})
 
 
-@pytest.mark.parametrize("experts", ["grouped_mm", "batched_mm"])
-def test_mixtral_expert_implementations_pipeline_exactly(experts: str) -> None:
+@functools.cache
+def _mixtral(experts: str) -> tuple[torch.nn.Module, tppc.CompiledPipeline]:
+    """Mixtral with ``experts`` and its pipeline for a padded batch (checked once)."""
     model, _, _ = examples.hf_mixtral(experts=experts)
     ids, mask = _padded()
-    _check(model, ids, {"attention_mask": mask}, chunks=3)
+    return model, _check(model, ids, {"attention_mask": mask}, chunks=3)
+
+
+@pytest.mark.parametrize("experts", ["grouped_mm", "batched_mm"])
+def test_mixtral_expert_implementations_pipeline_exactly(experts: str) -> None:
+    model, cp = _mixtral(experts)
+    ids, mask = _padded()
+    assert_kernels_close(cp(ids, attention_mask=mask).logits,
+                         model(ids, attention_mask=mask).logits)
+
+
+def test_mixtral_export_equals_eager_on_a_padded_batch(tmp_path) -> None:
+    """Issue 31: K/V heads repeated after the buffer read (``repeat_kv``: read as grouped
+    heads), the router (``topk``, ``sort``, ``histc``, ``cumsum``) and the experts
+    (``grouped_mm``: an ONNX ``Loop`` over the experts) through ONNX Runtime, at two
+    lengths (``batched_mm`` exports too: measured, not a test)."""
+    _exported_equals_eager(*_mixtral("grouped_mm"), tmp_path)
 
 
 def test_mixtral_eager_experts_are_refused_by_capture() -> None:

@@ -109,3 +109,22 @@ def test_windowed_attention_prices_the_keys_the_window_visits(c: int, p: int, vi
 def test_a_window_longer_than_the_sequence_prices_as_causal() -> None:
     _, attention = _window_attention(4096)
     assert _at(attention.matrix_flops, 16, 32) == 4 * H * HD * (32 * 16 + 16 * 17 / 2)
+
+
+def test_chunked_attention_is_priced_as_a_window_of_its_block() -> None:
+    """Issue 31: a block of ``b`` keys (Llama 4's chunked attention) visits at most what a
+    window of ``b`` visits: priced so (an upper bound, exact for rows at a block's end)."""
+    import torch
+
+    from tests.integration.test_chunked_attention import BLOCK, BlockLM
+
+    model = BlockLM().eval()
+    gm, ctx = annotate(model, (torch.randint(0, 64, (1, 20)),), {})
+    exprs = layer_expressions(program_of(gm, ctx), ctx.layers, DEVICE, 1024,
+                              seq_symbol=ctx.seq_symbol)
+    ops = [n for layer in exprs for n in layer.nodes if n.op == "chunk_attention"]
+    assert len(ops) == 2
+    for c, p in ((4, 0), (6, 30), (3, 100)):
+        visited = _at(windowed_visited(C, P, BLOCK), c, p)
+        assert _at(ops[0].matrix_flops, c, p) == 4 * 4 * 8 * visited  # 4 heads of 8
+    assert _at(ops[0].matrix_flops, 4, 1000) == _at(ops[0].matrix_flops, 4, 100)

@@ -23,11 +23,12 @@ from tppc.passes.subgraph import copy_graph
 pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("start,window,padded,gqa", [
-    (9, 4, False, False), (9, 4, True, True), (2, 4, False, False), (9, None, True, False),
-    (0, None, True, True)])
+@pytest.mark.parametrize("start,window,padded,gqa,block", [
+    (9, 4, False, False, None), (9, 4, True, True, None), (2, 4, False, False, None),
+    (9, None, True, False, None), (0, None, True, True, None), (9, None, False, True, 4),
+    (7, None, True, False, 4)])
 def test_split_attention_with_window_or_padding_equals_chunk_attention(start, window, padded,
-                                                                       gqa) -> None:
+                                                                       gqa, block) -> None:
     torch.manual_seed(0)
     heads, kv_heads, c, cap = (4, 2, 5, 16) if gqa else (2, 2, 5, 16)
     query = torch.randn(2, heads, c, 8)
@@ -39,11 +40,37 @@ def test_split_attention_with_window_or_padding_equals_chunk_attention(start, wi
         valid[0, : start + 2] = 0
         valid[1, start + 3:] = 0
     ours = split_attention(query, kb, vb, k, v, start, start + c, True, None, gqa, None,
-                           valid, window)
+                           valid, window, block=block)
     kb[:, :, start:start + c], vb[:, :, start:start + c] = k, v
     want = chunk_attention_eager(query, kb[:, :, :start + c], vb[:, :, :start + c], start,
-                                 True, None, gqa, key_valid=valid, window=window)
+                                 True, None, gqa, key_valid=valid, window=window, block=block)
     assert_kernels_close(ours, want)
+
+
+@pytest.mark.parametrize("gqa,window,padded", [(False, None, False), (True, 4, True)])
+def test_split_attention_with_soft_cap_and_sinks_equals_chunk_attention(gqa, window,
+                                                                         padded) -> None:
+    """Issue 31: the exported form of ``tppc::softmax_attention`` (Gemma 2, GPT-OSS)."""
+    torch.manual_seed(0)
+    heads, kv_heads, c, cap, start = (4, 2, 5, 16, 9) if gqa else (2, 2, 5, 16, 9)
+    query = torch.randn(2, heads, c, 8) * 4  # scores of several units: the cap shows
+    kb, vb = torch.randn(2, kv_heads, cap, 8) * 4, torch.randn(2, kv_heads, cap, 8)
+    k, v = torch.randn(2, kv_heads, c, 8) * 4, torch.randn(2, kv_heads, c, 8)
+    sinks = torch.randn(1, heads, 1, 1) + 1
+    valid = None
+    if padded:
+        valid = torch.ones(2, cap, dtype=torch.long)
+        valid[0, : start + 2] = 0
+    ours = split_attention(query, kb, vb, k, v, start, start + c, True, None, gqa, None,
+                           valid, window, 1.5, sinks)
+    kb[:, :, start:start + c], vb[:, :, start:start + c] = k, v
+    want = chunk_attention_eager(query, kb[:, :, :start + c], vb[:, :, :start + c], start,
+                                 True, None, gqa, key_valid=valid, window=window,
+                                 softcap=1.5, sinks=sinks)
+    assert_kernels_close(ours, want)
+    plain = chunk_attention_eager(query, kb[:, :, :start + c], vb[:, :, :start + c], start,
+                                  True, None, gqa, key_valid=valid, window=window)
+    assert (plain - want).abs().max() > 1e-2  # the cap and the sinks change the result
 
 
 def test_bidirectional_split_attention_with_padding_equals_chunk_attention() -> None:

@@ -27,6 +27,27 @@ def test_chunk_equals_dense_mask(window: int | None, start: int, size: int) -> N
     assert_kernels_close(got, want)
 
 
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("start,size", [(0, 16), (5, 7), (12, 4), (7, 1)])
+def test_a_chunk_of_block_local_attention_equals_dense_blocks(start: int, size: int,
+                                                              padded: bool) -> None:
+    """Chunked attention (Llama 4): query ``i`` sees ``j ≤ i`` in its own block of 5."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8) for _ in range(3))
+    valid = torch.ones(2, 16, dtype=torch.long)
+    if padded:
+        valid[0, :6] = 0
+    i, j = torch.arange(16)[:, None], torch.arange(16)
+    dense = (j <= i) & (i // 5 == j // 5) & valid.bool()[:, None, None, :]
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=dense)[:, :, start:start + size]
+    want = want.masked_fill(~dense.any(-1, keepdim=True)[:, :, start:start + size], 0.0)
+    end = start + size
+    got = torch.ops.tppc.chunk_attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end],
+                                         start, True, None, False, None,
+                                         valid if padded else None, None, None, None, 5)
+    assert_kernels_close(got, want)
+
+
 @pytest.mark.parametrize("start,size", [(0, 16), (5, 7), (12, 4)])
 def test_a_causal_chunk_with_float_bias_rows_equals_the_rows_of_dense_attention(start, size):
     """ALiBi rows (``-slope · (i - j)``, later keys at the dtype's minimum) over the chunk's

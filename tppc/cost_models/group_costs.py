@@ -46,6 +46,7 @@ from tppc.cost_models.mesh_costs import (
     layer_traffic,
     mesh_node_cost,
     mesh_words,
+    ring_blocks,
     token_workers,
 )
 from tppc.cost_models.node_costs import P, Shapes, TokenSubstitution, find_seq_symbol
@@ -128,6 +129,7 @@ class _GroupPricer:
         self.nodes = {n.name: n for n in gm.graph.nodes}
         self.roles = roles
         self.fuse: bool | None = kwargs.get("fuse_elementwise")
+        self.ring_overlap: bool = kwargs.pop("ring_overlap", False)
         sym = kwargs.get("seq_symbol") or find_seq_symbol(gm)
         self.shapes = Shapes(TokenSubstitution.build(sym, kwargs.get("token_count")),
                              kwargs.get("default_attention", "causal"))
@@ -158,12 +160,14 @@ class _GroupPricer:
             fuse = device.name.startswith("tpu") if self.fuse is None else self.fuse
             costs = [shard_node_cost(cost, role, t, a, b) for cost, role, a, b in zip(
                 expr.nodes, shards.roles, shards.in_bytes, shards.out_bytes, strict=True)]
+            blocks = [(cost, 1) for cost in costs]
             if mesh is not None:
-                costs = [mesh_node_cost(cost, mesh) for cost in costs]
+                blocks = [ring_blocks(mesh_node_cost(cost, mesh), mesh) if self.ring_overlap
+                          else (mesh_node_cost(cost, mesh), 1) for cost in costs]
             if attention_only:
-                costs = [cost for cost in costs if cost.op == SELF_ATTENTION]
-            total = sympy.Add(*[node_time_terms(cost, device, fuse_elementwise=fuse).total()
-                                for cost in costs])
+                blocks = [(cost, k) for cost, k in blocks if cost.op == SELF_ATTENTION]
+            total = sympy.Add(*[k * node_time_terms(cost, device, fuse_elementwise=fuse).total()
+                                for cost, k in blocks])
             self._times[key] = vectorise(total, self.seq_len)
         return self._times[key]
 
@@ -194,7 +198,10 @@ def group_cost_table(gm: fx.GraphModule, layers: Sequence[LayerInfo], cluster: C
             the group's devices in worker order): workers priced by :mod:`.mesh_costs`.
             None: each group is one tensor-parallel group (as before).
         **kwargs: ``seq_symbol``, ``token_count``, ``default_attention``, ``compute_dtype``,
-            ``fuse_elementwise`` (as :func:`.layer_costs.build_cost_table`'s).
+            ``fuse_elementwise`` (as :func:`.layer_costs.build_cost_table`'s);
+            ``ring_overlap``: price Ring attention as xDiT runs it (one kernel per K/V block,
+            the passes hidden behind them) instead of as tppc's workers run it (the chunk's
+            K/V gathered, then one kernel): :mod:`.mesh_costs`.
 
     Raises:
         CostModelError: an empty or repeated group member.
@@ -273,11 +280,11 @@ def _row_layer(pricer: _GroupPricer, cluster: Cluster, group: tuple[int, ...],
             workspace_bytes_per_key=expr.workspace_bytes_per_key)
     last = i == len(per_spec[0]) - 1
     traffic = layer_traffic(expr.nodes, shards, expr.act_bytes_per_token, pricer.seq_len)
-    exchanges = MeshExchanges(cluster, group, mesh, traffic, last=last) \
-        if len(group) > 1 else None
+    exchanges = MeshExchanges(cluster, group, mesh, traffic, last=last,
+                              overlap=pricer.ring_overlap) if len(group) > 1 else None
     fns = tuple(pricer.time(exprs[i], spec, t, mesh) for exprs, spec in zip(per_spec, specs))
     attention = pricer.time(expr, specs[0], t, mesh, attention_only=True) \
-        if mesh.ring > 1 and traffic.self_attention else None
+        if mesh.ring > 1 and traffic.self_attention and pricer.ring_overlap else None
     n = token_workers(mesh)
     return LayerCost(
         name=expr.info.name, time=GroupTime(fns, None, exchanges, attention),

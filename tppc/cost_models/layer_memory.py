@@ -140,7 +140,7 @@ def attention_workspace(nodes: Mapping[str, fx.Node], layer_nodes: Sequence[str]
             out = max(out, bias)
             continue
         masked = any((node.args[i] if len(node.args) > i else node.kwargs.get(k)) is not None
-                     for i, k in ((8, "key_valid"), (9, "window")))
+                     for i, k in ((8, "key_valid"), (9, "window"), (12, "block")))
         vals = tensor_vals(node.args[0].meta.get("val")) if causal and (masked or not cpu) else ()
         if vals:
             out = max(out, 1 + vals[0].element_size())

@@ -14,8 +14,8 @@ Terms:
 One worker's compute (:func:`mesh_node_cost`): every token-dependent node's work cut ``n``
 ways. A linear's rows (``m``: batch × tokens) are cut and its weight is read whole; an
 attention's batch × heads are cut by ``cfg · ulysses`` (Ulysses trades tokens for heads),
-its queries by ``ring``, and a ring-cut self-attention runs ``ring`` kernels (one per K/V
-block). Const nodes (timestep embeddings) run whole on every worker.
+its queries by ``ring``, and a ring-cut self-attention runs ``ring`` kernels, one per K/V
+block of ``1/ring`` of the keys, each paying its launch and fixed cost (:func:`ring_blocks`). Const nodes (timestep embeddings) run whole on every worker.
 
 Exchanges of a layer for a chunk of ``c`` tokens (:class:`MeshExchanges`; each priced by
 :func:`.collective_costs.collective_cost` on the members' own links, the slowest group of an
@@ -23,9 +23,12 @@ axis counting)::
 
     Ulysses   each self-attention: 4 all-to-alls (q, k, v in; out back), each member's send
               buffer bytes_per_token(out) · c / (n · tp); each cross-attention: 2 (q, out)
-    Ring      each self-attention: the chunk's K and V passed around the ring, r - 1 blocks
-              of 2 · bytes_per_token(out) · c / (n · tp) (a ring all-gather), overlapped with
-              the attention's compute: exposed max(0, passes - attention)
+    Ring      each self-attention: the chunk's K and V gathered around the ring (r - 1
+              blocks of 2 · bytes_per_token(out) · c / (n · tp): a ring all-gather). As
+              tppc's workers run it (the default) the gather blocks the stage, then one
+              attention kernel reads the whole buffer; as xDiT runs it (``overlap``) each
+              block is passed while the previous one is attended: r kernels, exposed
+              max(0, passes - attention)
     TP        its all-reduces / all-gathers of bytes_per_token · c / n over the tp group
     gather    the model's last layer: its output gathered once per chunk over the
               cfg × ring × ulysses workers (all-gather of bytes_per_token · c): for CFG the
@@ -39,6 +42,7 @@ activations ``/ n``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -52,8 +56,8 @@ from tppc.cost_models.node_costs import C, L, NodeCost, P
 from tppc.cost_models.shard_costs import LayerShards
 from tppc.program.mesh import Mesh
 
-__all__ = ["SELF_ATTENTION", "LayerTraffic", "MeshExchanges", "axis_groups", "ceil_share", "layer_traffic",
-           "mesh_node_cost", "mesh_words", "token_workers"]
+__all__ = ["SELF_ATTENTION", "LayerTraffic", "MeshExchanges", "axis_groups", "ceil_share",
+           "layer_traffic", "mesh_node_cost", "mesh_words", "ring_blocks", "token_workers"]
 
 
 SELF_ATTENTION = "chunk_attention"
@@ -84,7 +88,7 @@ def _cut_matmul(mm: tuple, mesh: Mesh, attention: bool) -> tuple:
 
 def mesh_node_cost(cost: NodeCost, mesh: Mesh) -> NodeCost:
     """One worker's share of ``cost`` (already a tensor-parallel shard) on ``mesh`` (module
-    docstring); a self-attention (reads the K/V buffer) runs one kernel per ring block."""
+    docstring); a ring's self-attention as one kernel (:func:`ring_blocks` cuts it in blocks)."""
     n = token_workers(mesh)
     if n == 1 or cost.kind in ("const", "view"):
         return cost
@@ -95,14 +99,29 @@ def mesh_node_cost(cost: NodeCost, mesh: Mesh) -> NodeCost:
     else:
         nbytes = cost.bytes * share
     attention = cost.kind == "attention"
-    launches = cost.launches * mesh.ring if cost.op == SELF_ATTENTION else cost.launches
     return NodeCost(
         name=cost.name, op=cost.op, kind=cost.kind, matrix_flops=cost.matrix_flops * share,
         matmuls=tuple(_cut_matmul(mm, mesh, attention) for mm in cost.matmuls),
         vector_flops=cost.vector_flops * share, bytes=nbytes, dtype=cost.dtype,
         kv_bytes_per_key=cost.kv_bytes_per_key, unpriced=cost.unpriced,
         serial_bytes=cost.serial_bytes * share, causal_keys=cost.causal_keys,
-        launches=launches)
+        launches=cost.launches)
+
+
+def ring_blocks(cost: NodeCost, mesh: Mesh) -> tuple[NodeCost, int]:
+    """A worker's self-attention under a ring as ``(one kernel, kernels)``: ``ring`` kernels,
+    each over one K/V block (``1/ring`` of the keys, FLOPs and bytes), so each pays its own
+    launch and its kernel's fixed cost per query tile; any other node: ``(cost, 1)``."""
+    r = mesh.ring
+    if r == 1 or cost.op != SELF_ATTENTION or len(cost.matmuls) != 2:
+        return cost, 1
+    (b, m, keys, d), (b2, m2, dv, keys2) = cost.matmuls
+    share = sympy.Rational(1, r)
+    block = dataclasses.replace(
+        cost, matmuls=((b, m, keys * share, d), (b2, m2, dv, keys2 * share)),
+        matrix_flops=cost.matrix_flops * share, vector_flops=cost.vector_flops * share,
+        bytes=cost.bytes * share, serial_bytes=cost.serial_bytes * share)
+    return block, r
 
 
 @dataclass(frozen=True)
@@ -156,8 +175,9 @@ def _gather_group(group: Sequence[int], mesh: Mesh) -> tuple[int, ...]:
 class MeshExchanges:
     """Seconds of one layer's exchanges on one group for a chunk of ``c`` tokens.
 
-    ``serial(c)`` blocks the stage (all-to-alls, all-reduces, the output gather);
-    ``passes(c)`` is the ring's K/V passing, overlapped with the self-attention.
+    ``serial(c)`` blocks the stage (all-to-alls, all-reduces, the output gather, the ring's
+    K/V gather unless ``overlap``); ``passes(c)``: the ring's K/V passing when ``overlap``,
+    hidden behind the self-attention where it fits.
 
     Attributes:
         cluster: the cluster.
@@ -165,6 +185,7 @@ class MeshExchanges:
         mesh: the group's mesh.
         traffic: the layer's :class:`LayerTraffic`.
         last: the model's last layer (its output is gathered).
+        overlap: the ring's passes overlap the attention (xDiT's ring attention).
     """
 
     cluster: Cluster
@@ -172,6 +193,7 @@ class MeshExchanges:
     mesh: Mesh
     traffic: LayerTraffic
     last: bool = False
+    overlap: bool = False
     _seen: dict[float, tuple[float, float]] = field(default_factory=dict, repr=False)
 
     def _worst(self, axis: str, kind: str, nbytes: float) -> float:
@@ -194,8 +216,9 @@ class MeshExchanges:
                           for per in t.cross_attention)
         if m.ring > 1:
             block = c / (m.cfg * m.ulysses * m.tp)
-            passes = sum(self._worst("ring", "all_gather", 2 * per * block)
-                         for per in t.self_attention)
+            ring = sum(self._worst("ring", "all_gather", 2 * per * block)
+                       for per in t.self_attention)
+            passes, serial = (ring, serial) if self.overlap else (0.0, serial + ring)
         if self.last and n > 1:
             serial += collective_cost(self.cluster, "all_gather", t.output * c,
                                       _gather_group(self.group, m)).seconds

@@ -12,8 +12,9 @@ Terms:
 
 Rules: ``tppc::chunk_attention`` is priced by :func:`.attention.attention_work` with the op's
 own ``causal`` flag (causal: keys ``p + c`` read, ``p·c + c(c+1)/2`` visited; with a
-``window`` w: ``min(p + c, w + c − 1)`` read, ``Σ_i min(w, p + i + 1)`` visited; otherwise the
-buffer length ``L``), heads from the query, K/V heads from the buffers (no repeat: the op runs
+``window`` w: ``min(p + c, w + c − 1)`` read, ``Σ_i min(w, p + i + 1)`` visited, and a
+``block`` b of chunked attention as a window of b, an upper bound; otherwise the buffer
+length ``L``), heads from the query, K/V heads from the buffers (no repeat: the op runs
 SDPA with ``enable_gqa``); a buffer write ``copy_(narrow(buffer), kv)`` moves its bytes twice
 (read the chunk's K/V, write them into the buffer); ``narrow`` reads are views.
 
@@ -130,6 +131,9 @@ def _chunk_attention(node: fx.Node, shapes: Shapes, dtype: str) -> NodeCost:
     item = tensor_vals(query.meta["val"])[0].element_size()
     kv_heads = sympy.cancel(sympy.Integer(_per_token(key)) / q[-1])
     window = node.args[9] if len(node.args) > 9 else node.kwargs.get("window")
+    block = node.args[12] if len(node.args) > 12 else node.kwargs.get("block")
+    if window is None:  # a block of b keys: each row sees at most b (priced as a window)
+        window = block
     window = int(window) if causal and window is not None else None
     keys = (P + C if window is None else sympy.Min(P + C, C + window - 1)) if causal else L
     mask = node.args[7] if len(node.args) > 7 else node.kwargs.get("attn_mask")

@@ -125,7 +125,10 @@ def plan_pipeline(
             one sample, ``vae.config.latent_channels`` channels).
         transformer_plan: the transformer's plan when it is already made (``tppc.plan``
             with the same cluster); else it is planned here.
-        **plan_options: other ``tppc.plan`` arguments (``num_stages``, ``time_limit``...).
+        **plan_options: other ``tppc.plan`` arguments (``num_stages``, ``time_limit``, the
+            degrees ``cfg_parallel``, ``ulysses``, ``ring``, ``tensor_parallel``, ``patches``,
+            ``memory_limit``...); degrees not given are chosen by price, and the summary
+            names the chosen mix and the runner-up.
 
     Raises:
         SpecError: a bad argument, naming it and the fix.
@@ -146,8 +149,9 @@ def plan_pipeline(
         pipe.transformer, args, kwargs, cluster=parsed,
         workload=workload or Workload(kind="diffusion"), **plan_options)
     free = [d.memory.capacity for d in parsed.devices]
-    for stage in transformer.stages:
-        free[stage.device_index] -= stage.memory_bytes
+    for stage in transformer.stages:  # every member of a stage's group holds its share
+        for index in stage.device_indices:
+            free[index] -= stage.memory_bytes
     stage_devices = sorted({s.device_index for s in transformer.stages})
     placed = []
     for name, module, tokens in encoders:

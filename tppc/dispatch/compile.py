@@ -51,8 +51,10 @@ def compile_pipeline(
         seq_dims: sequence axes of the inputs (see :func:`tppc.frontend.capture.capture`).
         **options: the fields of :class:`tppc.driver.options.CompileOptions` (``cluster``,
             ``executor``, ``chunks``, ``devices``, ``max_seq``, ``num_stages``,
-            ``tensor_parallel``, ``objective``, ``granularity``, ``threads_per_stage``, ``queue_depth``, ``time_limit``,
-            ``timeout``, ``program_cache``, ``keep_states``, ``verify``, ``verbose``).
+            ``tensor_parallel``, ``cfg_parallel``, ``ulysses``, ``ring``, ``patches``,
+            ``memory_limit``, ``objective``, ``granularity``, ``threads_per_stage``,
+            ``queue_depth``, ``time_limit``, ``timeout``, ``program_cache``, ``keep_states``,
+            ``verify``, ``verbose``).
 
     The plan is the one ``tppc.plan`` gives for the same inputs and options
     (:mod:`tppc.driver.planning`).

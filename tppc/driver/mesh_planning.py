@@ -2,7 +2,8 @@
 
 The front end's graph says what the model allows (:func:`mesh_limits`: each attention's
 head count and the call's batch, read off the attention nodes; the sharding pass's shard
-sizes); the cluster and the fixed degrees say which meshes exist
+sizes; the meshes whose batch or token cut the graph refuses, tried once each on the model as
+one stage); the cluster and the fixed degrees say which meshes exist
 (:func:`tppc.planner.mesh_configurations.mesh_configurations`); each configuration is priced
 as a table of groups (:func:`tppc.cost_models.group_costs.group_cost_table` with its mesh:
 one worker's share of every layer plus the group's exchanges on its own links) and planned
@@ -11,7 +12,8 @@ by the placement + split planner (stages among the groups, patches);
 configuration searched.
 
 The configuration of one device a group (no degree above 1) is priced by the plain cost
-table, so its plan is the PipeFusion plan tppc made before, bit for bit.
+table; when it is the only one (e.g. ``num_stages`` = the cluster's devices) it is planned
+alone, so the plan is the PipeFusion plan tppc made before, bit for bit.
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ from tppc.cost_models.node_costs import tensor_vals
 from tppc.cost_models.shard_costs import effective_roles
 from tppc.cost_models.table import CostTable
 from tppc.driver.options import CompileOptions
-from tppc.errors import PlanError
+from tppc.errors import PlanError, TppcError
 from tppc.frontend.front_end import FrontEnd
 from tppc.ir.records import SHARD_SIZES, TOKEN, ShardRole
+from tppc.passes.meshcut.worker_graph import worker_graph
+from tppc.passes.stages.partition_stages import split_stages
 from tppc.planner.configurations import Configuration
 from tppc.planner.devices import sub_table
 from tppc.planner.hybrid import plan_hybrid
@@ -88,6 +92,42 @@ def wants_mesh(front: FrontEnd, opts: CompileOptions) -> bool:
     return Cluster.parse(opts.cluster).num_devices > 1 and any(d is None for d in given)
 
 
+def _cuttable(front: FrontEnd, configs: list[Configuration], refused: list[str],
+              opts: CompileOptions) -> list[Configuration]:
+    """``configs`` less those whose batch or token cut the graph refuses: each distinct
+    cfg × ring × ulysses is tried once on the whole model as one stage
+    (:func:`tppc.passes.meshcut.worker_graph.worker_graph`, worker 0), and its refusal is
+    recorded in ``refused`` (a video's frame blocks under Ring or Ulysses, an op that mixes
+    batch elements under CFG...).
+
+    Raises:
+        PlanError: a degree the user gave is refused (the graph's reason).
+    """
+    meshes = {Mesh(cfg=c.cfg_parallel, ring=c.ring, ulysses=c.ulysses) for c in configs}
+    meshes.discard(Mesh())
+    if not meshes:
+        return configs
+    names = [layer.name for layer in front.ctx.layers]
+    try:
+        stage = split_stages(front.chunk, names, [(0, len(names))]).stage_0
+    except TppcError:  # not one stage (a front end of a few blocks): the compile checks
+        return configs
+    bad: dict[Mesh, str] = {}
+    for mesh in sorted(meshes, key=lambda m: (m.cfg, m.ring, m.ulysses)):
+        try:
+            worker_graph(stage, mesh, 0, what="the model as one stage")
+        except TppcError as exc:
+            bad[mesh] = str(exc).splitlines()[0]
+    given = Mesh(cfg=opts.cfg_parallel or 1, ring=opts.ring or 1, ulysses=opts.ulysses or 1)
+    if given in bad:
+        raise PlanError(f"cfg_parallel={given.cfg}, ring={given.ring}, ulysses="
+                        f"{given.ulysses}: {bad[given]}. fix: other degrees, or leave them "
+                        "to the planner")
+    refused.extend(f"{mesh}: {why}" for mesh, why in bad.items())
+    return [c for c in configs
+            if Mesh(cfg=c.cfg_parallel, ring=c.ring, ulysses=c.ulysses) not in bad]
+
+
 def capped(table: CostTable, limit: int | None) -> CostTable:
     """``table`` with every row's capacity at most ``limit`` bytes (None: unchanged)."""
     if limit is None:
@@ -119,6 +159,9 @@ def mesh_plan(front: FrontEnd, opts: CompileOptions, tokens: int,
     cluster = Cluster.parse(opts.cluster)
     limits = mesh_limits(front, tokens)
     configs, refused = mesh_configurations(cluster, limits, _fixed(opts))
+    configs = _cuttable(front, configs, refused, opts)
+    if len(configs) == 1 and all(len(g) == 1 for g in configs[0].groups):
+        return plan_length(table_at, opts.num_stages, opts.time_limit)  # PipeFusion alone
     roles: dict[str, ShardRole] = {}
     base: list[CostTable] = []
     ctx = front.ctx

@@ -93,7 +93,10 @@ def plan(
             granularity``); beyond them a named error says what to change.
         seq_dims: input name -> sequence axis, when not found automatically.
         verbose: print the time of each phase to stderr.
-        **options: other :class:`CompileOptions` fields (``chunks`` fixes the split).
+        **options: other :class:`CompileOptions` fields (``chunks`` fixes the split; for a
+            diffusion transformer ``cfg_parallel``, ``ulysses``, ``ring`` and ``patches``
+            fix those degrees, the planner choosing the rest by price, see
+            :mod:`tppc.driver.mesh_planning`; ``memory_limit`` caps each device's memory).
 
     Returns:
         The :class:`Plan`; its lengths are in :attr:`Plan.unit`.

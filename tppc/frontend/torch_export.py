@@ -259,6 +259,14 @@ def _seq_symbol(gm: fx.GraphModule, axes: dict[str, tuple[int, ...]]) -> sympy.S
 _DATA_DEPENDENT = r"GuardOnDataDependentSymNode|data-dependent|Could not guard on data-dependent"
 _CACHE = r"cache|past_key_values|DynamicCache"
 _HINTS: list[tuple[str, str, str]] = [
+    (r"max_seq_len_cached|dynamic_frequency_update",
+     "a rotary embedding whose frequencies depend on the longest position seen (dynamic "
+     "NTK scaling: transformers recomputes them when a sequence is longer than the "
+     "original max_position_embeddings, a branch on tensor values)",
+     "for sequences up to max_position_embeddings this rope is the default one: load the "
+     "model without the scaling (rope_scaling=None, or rope_parameters={'rope_type': "
+     "'default', 'rope_theta': ...}) for identical results; longer sequences need a "
+     "frequency table per length, which tppc does not plan yet"),
     (_DATA_DEPENDENT,
      "data-dependent control flow (a Python branch or size that depends on tensor values)",
      "replace the branch with torch.where / torch.cond, or move it out of forward"),
@@ -286,9 +294,10 @@ _HINTS: list[tuple[str, str, str]] = [
 ]
 
 
-def _hint(exc: Exception) -> tuple[str, str, str] | None:
-    """The first entry of ``_HINTS`` whose pattern matches the error, or None."""
-    text = f"{type(exc).__name__}: {exc}"
+def _hint(exc: Exception, where: str = "") -> tuple[str, str, str] | None:
+    """The first entry of ``_HINTS`` whose pattern matches the error (or the user frame
+    it names), or None."""
+    text = f"{type(exc).__name__}: {exc}{where}"
     return next((h for h in _HINTS if re.search(h[0], text, flags=re.IGNORECASE)), None)
 
 
@@ -315,7 +324,7 @@ def _size_ints(bound: inspect.BoundArguments) -> str:
 def _explain(model: torch.nn.Module, exc: Exception, why: str = "") -> str:
     text = f"{type(exc).__name__}: {exc}"
     where = _user_frame(exc)
-    hint = _hint(exc)
+    hint = _hint(exc, where)
     if hint is not None:
         _pattern, what, fix = hint
         what += why

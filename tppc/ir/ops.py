@@ -16,8 +16,8 @@ upper triangle skipped), merged by their log-sum-exps: the ``p·c + c²/2`` keys
 model prices. Otherwise (other devices, padding, windows) a chunk is cut into query blocks
 whose boolean mask holds at most :data:`MASK_ELEMENTS` elements, each block reading only
 the keys it may see. A padding mask arrives as an O(L) key-validity vector and a sliding
-window as an int, combined per block: a window of ``w`` keys reads ``O(c · w)`` keys, not
-the whole prefix. A float attention bias (ALiBi) arrives as its rows for the chunk
+window (or the block of chunked attention) as an int, combined per block: a window of
+``w`` keys reads ``O(c · w)`` keys, not the whole prefix. A float attention bias (ALiBi) arrives as its rows for the chunk
 (``c × kv_len``, hiding the later keys itself) and is SDPA's mask as it is. With a
 soft-cap or attention sinks (:mod:`tppc.ir.softmax_attention`) every path runs that module's
 kernel on the same blocks in place of SDPA.
@@ -50,8 +50,8 @@ def chunk_attention_eager(query: torch.Tensor, key: torch.Tensor, value: torch.T
                     chunk_start: int, causal: bool, scale: float | None = None,
                     enable_gqa: bool = False, attn_mask: torch.Tensor | None = None,
                     key_valid: torch.Tensor | None = None, window: int | None = None,
-                    softcap: float | None = None, sinks: torch.Tensor | None = None
-                    ) -> torch.Tensor:
+                    softcap: float | None = None, sinks: torch.Tensor | None = None,
+                    block: int | None = None) -> torch.Tensor:
     """Attention of a chunk's queries over the buffer's keys (see the module docstring);
     the body of the ``tppc::chunk_attention`` op.
 
@@ -75,13 +75,16 @@ def chunk_attention_eager(query: torch.Tensor, key: torch.Tensor, value: torch.T
             :mod:`tppc.ir.softmax_attention`); with ``sinks``, the blocks run
             :func:`softmax_attention_math` in place of SDPA.
         sinks: one logit per head appended to every row's scores (attention sinks).
+        block: causal block-local (chunked) attention: query ``i`` sees keys
+            ``i // block == j // block``, ``j ≤ i`` only (Llama 4's ``attention_chunk_size``);
+            a block of rows reads from its first row's block start.
     """
     extended = softcap is not None or sinks is not None
     attend = functools.partial(softmax_attention_math, softcap=softcap, sinks=sinks) \
         if extended else F.scaled_dot_product_attention
     if not causal:
-        if window is not None:
-            raise ValueError("tppc::chunk_attention: a window needs causal=True")
+        if window is not None or block is not None:
+            raise ValueError("tppc::chunk_attention: a window or a block needs causal=True")
         if key_valid is not None:
             valid = key_valid[:, : key.shape[-2]].bool()[:, None, None, :]
             attn_mask = valid if attn_mask is None else attn_mask & valid
@@ -92,12 +95,15 @@ def chunk_attention_eager(query: torch.Tensor, key: torch.Tensor, value: torch.T
         raise ValueError(f"tppc::chunk_attention: chunk [{chunk_start}, {chunk_start + c}) "
                          f"reads beyond the {kv_len} keys given")
     if attn_mask is not None:
-        if attn_mask.dtype == torch.bool or key_valid is not None or window is not None:
+        if attn_mask.dtype == torch.bool or key_valid is not None or window is not None \
+                or block is not None:
             raise ValueError("tppc::chunk_attention: causal=True takes a float attn_mask "
-                             "(a bias hiding later keys itself) without key_valid or window")
+                             "(a bias hiding later keys itself) without key_valid, window "
+                             "or block")
         return attend(query, key, value, attn_mask=attn_mask, scale=scale,
                       enable_gqa=enable_gqa)
-    plain = key_valid is None and (window is None or window >= kv_len)
+    plain = key_valid is None and (window is None or window >= kv_len) \
+        and (block is None or block >= kv_len)
     if plain and chunk_start == 0 and c == kv_len:
         return attend(query, key, value, is_causal=True, scale=scale,
                       enable_gqa=enable_gqa)
@@ -109,6 +115,8 @@ def chunk_attention_eager(query: torch.Tensor, key: torch.Tensor, value: torch.T
     rows = max(1, min(c, MASK_ELEMENTS // max(1, batch * span)))
     if window is not None:  # a block of r rows reads r + window keys: keep r near window
         rows = min(rows, max(64, window))
+    if block is not None:  # r rows read at most r + block keys
+        rows = min(rows, max(64, block))
     if extended:  # the scores themselves are built, for every head
         heads = max(1, query.numel() // max(1, c * query.shape[-1]))
         rows = max(1, min(rows, MASK_ELEMENTS // max(1, heads * span)))
@@ -116,11 +124,15 @@ def chunk_attention_eager(query: torch.Tensor, key: torch.Tensor, value: torch.T
         r1 = min(c, r0 + rows)
         hi = chunk_start + r1  # the last row of this block sees keys [lo, hi)
         lo = 0 if window is None else max(0, chunk_start + r0 - window + 1)
+        if block is not None:
+            lo = max(lo, (chunk_start + r0) // block * block)
         positions = torch.arange(chunk_start + r0, chunk_start + r1, device=query.device)
         keys = torch.arange(lo, hi, device=query.device)
         mask = keys <= positions[:, None]
         if window is not None:
             mask = mask & (keys > positions[:, None] - window)
+        if block is not None:
+            mask = mask & (keys // block == positions[:, None] // block)
         if key_valid is not None:
             mask = mask & key_valid[:, lo:hi].bool()[:, None, None, :]
         out[..., r0:r1, :] = attend(
@@ -167,11 +179,11 @@ def chunk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     chunk_start: int, causal: bool, scale: float | None = None,
                     enable_gqa: bool = False, attn_mask: torch.Tensor | None = None,
                     key_valid: torch.Tensor | None = None, window: int | None = None,
-                    softcap: float | None = None, sinks: torch.Tensor | None = None
-                    ) -> torch.Tensor:
+                    softcap: float | None = None, sinks: torch.Tensor | None = None,
+                    block: int | None = None) -> torch.Tensor:
     """``torch.ops.tppc.chunk_attention``: :func:`chunk_attention_eager` as one graph node."""
     return chunk_attention_eager(query, key, value, chunk_start, causal, scale, enable_gqa,
-                                 attn_mask, key_valid, window, softcap, sinks)
+                                 attn_mask, key_valid, window, softcap, sinks, block)
 
 
 @chunk_attention.register_fake
@@ -179,5 +191,5 @@ def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunk_start: 
       causal: bool, scale: float | None = None, enable_gqa: bool = False,
       attn_mask: torch.Tensor | None = None, key_valid: torch.Tensor | None = None,
       window: int | None = None, softcap: float | None = None,
-      sinks: torch.Tensor | None = None) -> torch.Tensor:
+      sinks: torch.Tensor | None = None, block: int | None = None) -> torch.Tensor:
     return query.new_empty((*query.shape[:-1], value.shape[-1]))

@@ -65,13 +65,16 @@ class MaskSpec:
     """An attention mask that tppc rebuilds per chunk from O(L) data, never ``L × L``.
 
     Query ``i`` sees key ``j`` when the attention's kind allows it (causal: ``j ≤ i``), and
-    ``i - j < window`` (when set), and ``key_valid[b, j] != 0`` (when set). A float mask
+    ``i - j < window`` (when set), and ``i // block == j // block`` (when set), and
+    ``key_valid[b, j] != 0`` (when set). A float mask
     that also adds values other than 0 to the scores of visible keys (ALiBi, relative
     position biases) is a *bias*: the chunk step evaluates its rows for the chunk's queries
     (:mod:`tppc.passes.chunking.bias_rows`) instead of rebuilding the pattern.
 
     Attributes:
         window: a causal sliding window of this many keys (the query's own included).
+        block: causal chunked attention: each query sees the keys of its own block of this
+            many positions (Llama 4's ``attention_chunk_size``).
         key_valid: name of the user input (``attention_mask``) whose nonzero entries mark
             the keys every query may see (padding masks).
         bias: the mask is an additive float bias (see above).
@@ -86,6 +89,7 @@ class MaskSpec:
     key_valid: str | None = None
     bias: bool = False
     key_mask: bool = False
+    block: int | None = None
 LayerKind = Literal["prologue", "block", "epilogue"]
 
 

@@ -136,6 +136,8 @@ def plan_hybrid(configs: Sequence[Configuration], price: PriceGroups, plan_table
         if not pool:
             continue
         candidates = _candidates(pool, price, num_stages, objective, granularity, steps)
+        if not spans:  # the solver's seconds start once the candidates are priced
+            deadline = max(deadline, time.perf_counter() + time_limit)
         best, error = _search(candidates, plan_table, objective, deadline, refused)
         first_error = first_error or error
         if best is not None:
@@ -215,13 +217,20 @@ def _package(best: _Candidate, candidates: list[_Candidate], cluster: Cluster, o
         why = (f"{_label(best, plan)} predicts {mine:.3f} {unit}, {100 * (1 - mine / theirs):.1f}"
                f"% less than the runner-up {_label(runner, runner.plan)} ({theirs:.3f} {unit})")
     skipped = sorted((c for c in candidates if c.plan is None and not c.refused),
-                     key=lambda c: c.bound)
-    if runner is None and skipped:
+                     key=lambda c: c.bound * (1 if objective == "latency" else c.devices()))
+    closer = skipped and runner is not None and objective == "latency" \
+        and skipped[0].bound < _value(runner, runner.plan, objective)
+    if (runner is None or closer) and skipped:  # an unplanned one may be the runner-up
         low = skipped[0].bound * (1 if objective == "latency" else skipped[0].devices()) * 1e3
         runner_text = f"{_label(skipped[0], None)}: at least {low:.3f} {unit} (its bound)"
         why = (f"{_label(best, plan)} predicts {mine:.3f} {unit}; no plan of "
                f"{_label(skipped[0], None)} can take less than {low:.3f} {unit} (its lower "
                "bound), so it was not planned")
+        if low < mine:  # skipped by the deadline, not by its bound
+            why = (f"{_label(best, plan)} predicts {mine:.3f} {unit}; "
+                   f"{_label(skipped[0], None)} (bound {low:.3f} {unit}) and others were not "
+                   "planned within the time limit, so the choice is not proven best: give "
+                   "more time_limit, or fix the degrees")
     bounds = [(min(c.plan.lower_bound, c.bound) if c.plan.lower_bound > 0 else c.bound, c)
               if c.plan is not None else (c.bound, c) for c in candidates]
     low, low_c = min(bounds, key=lambda item: item[0])

@@ -1,5 +1,4 @@
-"""ONNX translations of the ATen ops in stage graphs (the table :data:`OPS`), and
-:func:`tppc.artifact.writer.graphs.split_attention` as MatMul-Softmax-MatMul.
+"""ONNX translations of the ATen ops in stage graphs (the table :data:`OPS`).
 
 Each translation takes the translator (``t``: emits nodes and constants), the fx node (its
 ``meta["val"]`` gives the result's dtype and rank) and the node's arguments with fx nodes
@@ -18,10 +17,10 @@ import torch
 from onnx import TensorProto, helper
 from torch import fx
 
-from tppc.artifact.writer.graphs import ExportError, split_attention
+from tppc.artifact.writer.graphs import ExportError
 from tppc.artifact.writer.onnx_mask_ops import MASK_OPS
 
-__all__ = ["OPS", "Int", "Tensor", "onnx_dtype"]
+__all__ = ["OPS", "Fn", "Int", "Tensor", "onnx_dtype"]
 
 _aten = torch.ops.aten
 
@@ -47,6 +46,7 @@ class Int:
 
 
 Fn = Callable[..., Any]
+"""A translation: ``fn(translator, node, *args, **kwargs)`` → the ONNX value(s)."""
 
 
 def _unary(op_type: str) -> Fn:
@@ -56,12 +56,17 @@ def _unary(op_type: str) -> Fn:
 
 
 def _binary(op_type: str) -> Fn:
+    """An elementwise op in the result's dtype; bfloat16 (which ONNX Runtime's CPU kernels
+    lack) in float32, rounded back: what torch's CPU kernels compute."""
     def fn(t: Any, node: fx.Node, a: Any, b: Any, *, alpha: Any = 1) -> Tensor:
-        ref = t.tensor(node, "")
+        out = t.tensor(node, "")
+        ref = Tensor("", torch.float32, out.rank) if out.dtype == torch.bfloat16 else out
         if alpha != 1:
             b = Tensor(t.op("Mul", [t.like(b, ref), t.const(alpha, ref.dtype)]), ref.dtype,
                         ref.rank)
-        return t.tensor(node, t.op(op_type, [t.like(a, ref), t.like(b, ref)]))
+        y = t.op(op_type, [t.like(a, ref), t.like(b, ref)])
+        return t.tensor(node, y if ref is out else
+                        t.op("Cast", [y], to=onnx_dtype(torch.bfloat16)))
     return fn
 
 
@@ -117,6 +122,13 @@ def _mean(t: Any, node: fx.Node, x: Tensor, dims: Any, keepdim: bool = False,
           **_: Any) -> Tensor:
     return t.tensor(node, t.op("ReduceMean", [x.name, t.i64(list(dims))],
                                keepdims=int(keepdim)))
+
+
+def _full(t: Any, node: fx.Node, size: Any, value: Any, **_: Any) -> Tensor:
+    """``torch.full(size, value)``: the value expanded to ``size`` (ints or dynamic ints)."""
+    ref = t.tensor(node, "")
+    scalar = t.const(value, ref.dtype)
+    return t.tensor(node, scalar if not size else t.op("Expand", [scalar, t.i64(list(size))]))
 
 
 def _rsqrt(t: Any, node: fx.Node, x: Tensor) -> Tensor:
@@ -278,92 +290,6 @@ def _identity(t: Any, node: fx.Node, x: Any, *_: Any, **__: Any) -> Any:
     return x
 
 
-def _attention(t: Any, node: fx.Node, q: Tensor, kb: Tensor, vb: Tensor,
-               k: Tensor, v: Tensor, start: Any, kv_len: Any, causal: bool,
-               scale: float | None, gqa: bool, mask: Any, key_valid: Any = None,
-               window: int | None = None) -> Tensor:
-    """:func:`split_attention` in ONNX ops (see its docstring)."""
-    val = node.meta["val"]
-    heads, kv_heads, d = int(q_shape(node)[-3]), int(node.args[3].meta["val"].shape[-3]), \
-        int(q_shape(node)[-1])
-    axis = kb.rank - 2
-    c = t.op("Squeeze", [t.op("Shape", [q.name], start=-2, end=-1), t.const([0])])
-    end = Int(t.op("Add", [t.scalar(start), c]))
-    lo: Any = 0 if window is None else Int(t.op("Max", [t.const(0), t.op(
-        "Sub", [t.scalar(start), t.const(int(window) - 1)])]))
-    keys = [t.op("Slice", [kb.name, t.i64([lo]), t.i64([start]), t.i64([axis])]), k.name]
-    vals = [t.op("Slice", [vb.name, t.i64([lo]), t.i64([start]), t.i64([axis])]), v.name]
-    if not causal:
-        keys.append(t.op("Slice", [kb.name, t.i64([end]), t.i64([kv_len]), t.i64([axis])]))
-        vals.append(t.op("Slice", [vb.name, t.i64([end]), t.i64([kv_len]), t.i64([axis])]))
-    query = q.name
-    grouped = gqa and heads != kv_heads
-    if grouped:  # (B, Hkv, G, c, d) against (B, Hkv, 1, n, d)
-        lead = [int(s) for s in q_shape(node)[:-3]]
-        query = t.op("Reshape", [q.name, t.i64([*lead, kv_heads, heads // kv_heads, -1, d])])
-        keys = [t.op("Unsqueeze", [x, t.i64([axis])]) for x in keys]
-        vals = [t.op("Unsqueeze", [x, t.i64([axis])]) for x in vals]
-    rank = q.rank + int(grouped)
-    perm = [*range(rank - 2), rank - 1, rank - 2]
-    s = t.const(float(scale if scale is not None else 1 / np.sqrt(d)), val.dtype)
-    scores = [t.op("Mul", [t.op("MatMul", [query, t.op("Transpose", [x], perm=perm)]), s])
-              for x in keys]
-    full = t.op("Concat", scores, axis=-1)
-    hi = end if causal else kv_len
-    visible = _visible(t, start, end, lo, hi, window) if causal else None
-    if key_valid is not None:  # (B, ≥ kv_len) → (B, 1, .., 1, keys)
-        rows = t.op("Slice", [key_valid.name, t.i64([lo]), t.i64([hi]), t.i64([1])])
-        valid = t.op("Unsqueeze", [t.op("Cast", [rows], to=TensorProto.BOOL),
-                                   t.i64(list(range(1, rank - 1)))])
-        visible = valid if visible is None else t.op("And", [visible, valid])
-    hidden = t.const(-np.inf, val.dtype)
-    if mask is not None:
-        m = mask.name if not grouped else t.op("Unsqueeze", [mask.name, t.i64([-3])])
-        full = t.op("Where", [m, full, hidden]) if mask.dtype == torch.bool \
-            else t.op("Add", [full, t.like(mask, Tensor("", val.dtype, 0))])
-    if visible is not None:
-        full = t.op("Where", [visible, full, hidden])
-    probs = t.op("Softmax", [full], axis=-1)
-    if key_valid is not None or mask is not None:  # a row that sees no key gives 0
-        empty = t.op("Equal", [t.op("ReduceMax", [full, t.i64([-1])], keepdims=1), hidden])
-        probs = t.op("Where", [empty, t.const(0.0, val.dtype), probs])
-    out = None
-    bounds = [0, _minus(t, start, lo), _minus(t, end, lo), _minus(t, kv_len, lo)]
-    for i, x in enumerate(vals):  # segments of the concatenated key axis
-        p = t.op("Slice", [probs, t.i64([bounds[i]]), t.i64([bounds[i + 1]]), t.i64([-1])])
-        part = t.op("MatMul", [p, x])
-        out = part if out is None else t.op("Add", [out, part])
-    if grouped:
-        lead = [int(s) for s in q_shape(node)[:-3]]
-        out = t.op("Reshape", [out, t.i64([*lead, heads, -1, d])])
-    return Tensor(out, val.dtype, val.dim())
-
-
-def _minus(t: Any, a: Any, b: Any) -> Any:
-    """``a - b`` of ints and dynamic ints."""
-    if isinstance(b, int) and b == 0:
-        return a
-    return Int(t.op("Sub", [t.scalar(a), t.scalar(b)]))
-
-
-def _visible(t: Any, start: Any, end: Any, lo: Any, hi: Any, window: int | None) -> str:
-    """``(c, keys)`` bool: key ``j`` (positions ``[lo, hi)``) visible from query ``i``
-    (positions ``[start, end)``) when ``j ≤ i`` and, with a window, ``j > i - window``."""
-    rows = t.op("Unsqueeze", [t.op("Range", [t.scalar(start), t.scalar(end), t.const(1)]),
-                              t.const([1])])
-    cols = t.op("Unsqueeze", [t.op("Range", [t.scalar(lo), t.scalar(hi), t.const(1)]),
-                              t.const([0])])
-    seen = t.op("Not", [t.op("Greater", [cols, rows])])
-    if window is None:
-        return seen
-    near = t.op("Greater", [cols, t.op("Sub", [rows, t.const(int(window))])])
-    return t.op("And", [seen, near])
-
-
-def q_shape(node: fx.Node) -> tuple[Any, ...]:
-    return tuple(node.args[0].meta["val"].shape)
-
-
 OPS: dict[Any, Fn] = {
     _aten.add.Tensor: _binary("Add"), _aten.sub.Tensor: _binary("Sub"),
     _aten.mul.Tensor: _binary("Mul"), _aten.div.Tensor: _binary("Div"),
@@ -372,8 +298,14 @@ OPS: dict[Any, Fn] = {
     _aten.exp.default: _unary("Exp"), _aten.sigmoid.default: _unary("Sigmoid"),
     _aten.rsqrt.default: _rsqrt, _aten.silu.default: _silu, _aten.gelu.default: _gelu,
     _aten.pow.Tensor_Scalar: _pow, _aten.pow.Scalar: _pow_scalar, _aten.mean.dim: _mean,
+    _aten.pow.Tensor_Tensor: _binary("Pow"), _aten.full.default: _full,
+    _aten.ones.default: lambda t, node, size, **kw: _full(t, node, size, 1),
+    _aten.zeros.default: lambda t, node, size, **kw: _full(t, node, size, 0),
+    _aten.new_ones.default: lambda t, node, x, size, **kw: _full(t, node, size, 1),
+    _aten.new_zeros.default: lambda t, node, x, size, **kw: _full(t, node, size, 0),
+    _aten.matmul.default: _binary("MatMul"), _aten.bmm.default: _binary("MatMul"),
     _aten.to.dtype: _cast, _aten.to.device: _cast, _aten.to.dtype_layout: _cast,
-    _aten._to_copy.default: _cast,
+    _aten._to_copy.default: _cast, _aten.type_as.default: _cast,
     _aten.linear.default: _linear, _aten.addmm.default: _addmm, _aten.mm.default: _mm,
     _aten.layer_norm.default: _layer_norm, _aten.embedding.default: _embedding,
     _aten.view.default: _view, _aten.reshape.default: _view,
@@ -392,6 +324,5 @@ OPS: dict[Any, Fn] = {
     operator.add: _int_op("Add", operator.add), operator.sub: _int_op("Sub", operator.sub),
     operator.mul: _int_op("Mul", operator.mul),
     operator.floordiv: _int_op("Div", operator.floordiv),  # sizes: non-negative
-    split_attention: _attention,
     **MASK_OPS,  # compares, where, clamp, logs, expand: masks and float biases
 }

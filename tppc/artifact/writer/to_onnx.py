@@ -10,11 +10,15 @@ Terms:
 Supported ops are the table :data:`tppc.artifact.writer.onnx_ops.OPS` (the ATen ops emitted for
 GPT-style causal LMs: embedding, linear/addmm, layer/RMS norm, rope, GELU/SiLU, views), the
 table :data:`tppc.artifact.writer.onnx_dit_ops.DIT_OPS` (what diffusion transformers add: cross-
-attention to unsplit text keys, ``rms_norm``, rope tables from position ids), plus
-:func:`tppc.artifact.writer.graphs.split_attention`, decomposed to MatMul-Softmax-MatMul with an
+attention to unsplit text keys, ``rms_norm``, rope tables from position ids), the table
+:data:`tppc.artifact.writer.onnx_routing_ops.ROUTING_OPS` (indexing and mixture-of-experts
+routing: ``index``, ``topk``, ``sort``, ``histc``, grouped expert matmuls), plus
+:func:`tppc.artifact.writer.graphs.split_attention`
+(:mod:`tppc.artifact.writer.onnx_attention`), decomposed to MatMul-Softmax-MatMul with an
 offset-causal mask built from ``Range``/``Greater`` on the chunk's rows only (a sliding
 window reads its last ``window`` keys; a padding mask, a ``full`` input of kind key
-validity, hides keys; a row that sees none gives 0). Anything else raises
+validity, hides keys; a row that sees none gives 0; a soft-cap and sinks as
+``tppc::softmax_attention`` computes them). Anything else raises
 :class:`~tppc.artifact.writer.graphs.ExportError` naming the node and the op.
 
 Example:
@@ -35,14 +39,17 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import fx
 
 from tppc.artifact.writer.graphs import ExportError
+from tppc.artifact.writer.onnx_attention import ATTENTION_OPS
 from tppc.artifact.writer.onnx_dit_ops import DIT_OPS
 from tppc.artifact.writer.onnx_ops import OPS, Int, Tensor, onnx_dtype
+from tppc.artifact.writer.onnx_routing_ops import ROUTING_OPS, routing_op
 
 __all__ = ["OPSET", "onnx_dtype", "to_onnx"]
 
 OPSET = 18
 _aten = torch.ops.aten
 _INT_KINDS = ("chunk_start", "chunk_size", "seq_len")
+_TABLE = {**OPS, **DIT_OPS, **ATTENTION_OPS, **ROUTING_OPS}
 
 
 def to_onnx(gm: fx.GraphModule, *, sym_name: str, constants: Mapping[str, Any] | None = None,
@@ -128,7 +135,7 @@ class _Translator:
             elif node.op == "get_attr":
                 self.env[node] = self.attr(node)
             elif node.op == "call_function":
-                fn = OPS.get(node.target) or DIT_OPS.get(node.target)
+                fn = _TABLE.get(node.target) or routing_op(node.target)
                 if fn is None:
                     raise ExportError(
                         f"node {node.name!r} calls {node.target}, which tppc's ONNX export "

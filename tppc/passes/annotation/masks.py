@@ -3,7 +3,9 @@
 A mask that depends only on positions and on integer inputs (``attention_mask``) is
 classified by evaluating it at the probe lengths of :func:`probe_lengths` (never at the
 example length): first with every candidate input set to ones, which must give a causal
-band ``i - w < j ≤ i`` (``w`` found at the longest probe) or all-visible keys; then with
+band ``i - w < j ≤ i`` (``w`` found at the longest probe), causal blocks ``j ≤ i``,
+``i // b == j // b`` (chunked attention; ``b`` the first row that sees only itself) or
+all-visible keys; then with
 random 0/1 inputs, which must give that pattern ``& key_valid[b, j]`` for
 ``key_valid = input != 0``. Anything else is refused with the node, its module and why.
 A mask that reads the values of other inputs (a prompt's padding mask) is a key mask,
@@ -52,6 +54,7 @@ def mask_spec(node: fx.Node, mask: fx.Node, gm: fx.GraphModule, ctx: CompileCont
     source = inputs[0] if inputs else None
     generator = torch.Generator().manual_seed(0)
     window: int | None = None
+    block: int | None = None
     causal = True
     bias = False
     for length in sorted(lengths, reverse=True):
@@ -64,8 +67,8 @@ def mask_spec(node: fx.Node, mask: fx.Node, gm: fx.GraphModule, ctx: CompileCont
             raise _refuse(node, f"at length {length} it differs between sequences or heads "
                           "although every input is all ones")
         if length == max(lengths):
-            causal, window = _band_of(base)
-        _check_band(node, base, causal, window, length)
+            causal, window, block = _band_of(base)
+        _check_band(node, base, causal, window, length, block)
         if source is not None:
             values = _filled(source, ctx, length, generator)
             value = evaluate_positional(mask, gm, ctx, length, {source: values})
@@ -77,10 +80,13 @@ def mask_spec(node: fx.Node, mask: fx.Node, gm: fx.GraphModule, ctx: CompileCont
                               f"length {length} it is not (pattern & {source.name}[b, key] != 0)")
     kind: AttentionKind = "causal" if causal else "bidirectional"
     bias = bias or _reads_weights(mask, closure)  # a table that is 0 now may be trained
-    if window is None and source is None and not bias:
+    if window is None and block is None and source is None and not bias:
         return kind, None
+    if bias and block is not None:
+        raise _refuse(node, f"it is a float bias over blocks of {block} keys (chunked "
+                      "attention with a bias)")
     return kind, MaskSpec(window=window, key_valid=None if source is None else source.name,
-                          bias=bias)
+                          bias=bias, block=block)
 
 
 def _reads_weights(mask: fx.Node, closure: set[fx.Node]) -> bool:
@@ -124,17 +130,22 @@ def _allowed4(mask: torch.Tensor) -> torch.Tensor:
     return allowed.reshape(-1, *allowed.shape[-3:])
 
 
-def _band_of(base: torch.Tensor) -> tuple[bool, int | None]:
-    """(causal, window) read off the longest probe's pattern (checked by the caller)."""
-    n_k = base.shape[-1]
+def _band_of(base: torch.Tensor) -> tuple[bool, int | None, int | None]:
+    """(causal, window, block) read off the longest probe's pattern (checked by the
+    caller): a block when a row after the first sees only itself."""
+    n_q, n_k = base.shape[-2:]
     if bool(base.all()):
-        return False, None
-    width = int(base[-1].sum())
-    return True, (width if width < n_k else None)
+        return False, None, None
+    widths = base.sum(-1)
+    alone = [i for i in range(1, n_q) if int(widths[i]) == 1 and n_q == n_k]
+    if alone:
+        return True, None, alone[0]
+    width = int(widths[-1])
+    return True, (width if width < n_k else None), None
 
 
 def _check_band(node: fx.Node, base: torch.Tensor, causal: bool, window: int | None,
-                length: int) -> None:
+                length: int, block: int | None = None) -> None:
     n_q, n_k = base.shape[-2:]
     if not causal:
         if not bool(base.all()):
@@ -145,14 +156,18 @@ def _check_band(node: fx.Node, base: torch.Tensor, causal: bool, window: int | N
     expected = keys <= rows
     if window is not None:
         expected = expected & (keys > rows - window)
+    if block is not None:
+        expected = expected & (keys // block == rows // block)
     if not bool((base == expected).all()):
         what = "causal" if window is None else f"a causal window of {window} keys"
+        what = what if block is None else f"causal in blocks of {block} keys"
         raise _refuse(node, f"at length {length} its pattern is not {what}")
 
 
 def _refuse(node: fx.Node, why: str) -> AnnotationError:
     return AnnotationError(
         f"attention node {node.name!r} (module {module_path(node) or '<top level>'}) has a mask "
-        f"tppc cannot rebuild per chunk: {why}. tppc supports causal, sliding-window and "
-        "all-visible masks combined with a padding mask (attention_mask). fix: use one of those"
+        f"tppc cannot rebuild per chunk: {why}. tppc supports causal, sliding-window, "
+        "chunked (causal blocks) and all-visible masks combined with a padding mask "
+        "(attention_mask). fix: use one of those"
     )

@@ -391,6 +391,8 @@ class _Rewriter(BufferReads):
         if extra != (None, None):
             args = (*args, *[None] * (10 - len(args)), extra[0],
                     self.env[extra[1]] if isinstance(extra[1], fx.Node) else extra[1])
+        if mask is not None and mask.block is not None:  # chunked attention's blocks
+            args = (*args, *[None] * (12 - len(args)), mask.block)
         out = self.graph.call_function(torch.ops.tppc.chunk_attention.default, args)
         out.meta.update(node.meta)
         return out

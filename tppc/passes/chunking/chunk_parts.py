@@ -111,11 +111,26 @@ def positional_program(gm: fx.GraphModule, frontier: list[fx.Node]) -> fx.GraphM
 
 
 def input_value_error(node: fx.Node, info: TokenInfo) -> PassError:
+    """The refusal of a value computed from an integer input's values that is not an
+    attention mask; positions counted by ``cumsum`` (OPT's padded positions) named so."""
+    where = f"node {node.name!r} (module {info.module or '<top level>'})"
+    inputs = sorted(p.name for p in ancestors([node]) if p.op == "placeholder"
+                    and isinstance(p.meta.get("val"), torch.Tensor)
+                    and not p.meta["val"].is_floating_point())
+    if any(n.target is _aten.cumsum.default for n in ancestors([node])):
+        return PassError(
+            f"{where} counts positions from the values of input(s) {inputs} with a cumulative "
+            "sum over the tokens (positions that skip padding, as OPT computes them), and is "
+            "read by something other than an attention mask; tppc rebuilds values of an "
+            "input's values per chunk only as attention masks. fix: pass the positions as an "
+            "input, computed as the model computes them (OPT: position_ids=(attention_mask."
+            "cumsum(-1) * attention_mask - 1)); the result is the same")
     return PassError(
-        f"node {node.name!r} (module {info.module or '<top level>'}) is computed from the values "
-        "of an integer input (attention_mask) over query and key positions, and is read by "
-        "something other than scaled_dot_product_attention's mask; tppc rebuilds such values "
-        "per chunk only as attention masks. fix: pass the mask to SDPA as attn_mask"
+        f"{where} is computed from the values of integer input(s) {inputs} over query and "
+        "key positions, and is read by something other than an attention mask; tppc rebuilds "
+        "such values per chunk only as attention masks. fix: compute the value outside the "
+        "model and pass it as an input (position_ids for positions), or pass the mask to "
+        "SDPA as attn_mask"
     )
 
 

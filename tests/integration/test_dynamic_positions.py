@@ -1,0 +1,95 @@
+"""Issue 31: positions and rotary scales that depend on values, refused by name with the fix
+that works (and that fix checked against the eager model).
+
+Positions counted from ``attention_mask`` by ``cumsum`` (OPT's padded positions; here a model
+of our own) are refused by the chunk pass, naming the cumulative sum and ``position_ids``;
+passed as ``position_ids`` they are exact. Dynamic NTK rope (frequencies recomputed past
+``max_position_embeddings``, a branch on tensor values) is refused at capture, naming the
+rope and the fix: the default rope, identical up to that length.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import tppc
+from tests.oracles import assert_kernels_close
+
+VOCAB = 64
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2)
+                   for z in self.qkv(x).chunk(3, dim=-1))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.out(a.transpose(1, 2).reshape(b, t, -1))
+
+
+class CountedPositionsLM(nn.Module):
+    """A causal LM whose positions skip padding: ``cumsum(attention_mask) - 1``."""
+
+    def __init__(self, d: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.pos = nn.Embedding(VOCAB, d), nn.Embedding(256, d)
+        self.blocks = nn.ModuleList(_Block(d, heads) for _ in range(2))
+        self.head = nn.Linear(d, VOCAB)
+
+    def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        x = self.emb(ids) + self.pos(position_ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _padded() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[0, :5] = 0
+    return ids, mask
+
+
+def test_positions_counted_by_cumsum_are_refused_naming_position_ids() -> None:
+    model = CountedPositionsLM().eval()
+    ids, mask = _padded()
+    with pytest.raises(tppc.TppcError, match=r"cumulative sum.*fix: pass the positions as "
+                                             r"an input.*position_ids"):
+        tppc.compile(model, (ids, mask), cluster="2xcpu", num_stages=2, chunks=3)
+
+
+def test_positions_passed_as_position_ids_are_exact() -> None:
+    model = CountedPositionsLM().eval()
+    ids, mask = _padded()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cp = tppc.compile(model, (ids, mask), {"position_ids": positions}, cluster="2xcpu",
+                      num_stages=2, chunks=3)
+    with torch.no_grad():
+        assert_kernels_close(cp(ids, mask, position_ids=positions), model(ids, mask))
+
+
+def test_dynamic_ntk_rope_is_refused_naming_the_default_rope_which_is_identical() -> None:
+    transformers = pytest.importorskip("transformers")
+    common = {"vocab_size": VOCAB, "hidden_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "intermediate_size": 64, "max_position_embeddings": 64}
+    torch.manual_seed(0)
+    dynamic = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        rope_scaling={"rope_type": "dynamic", "factor": 2.0}, **common)).eval()
+    ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(tppc.CaptureError, match=r"(?s)dynamic NTK.*fix: .*rope_scaling=None"):
+        tppc.compile(dynamic, (ids,), cluster="2xcpu", num_stages=2, chunks=2)
+    default = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).eval()
+    default.load_state_dict(dynamic.state_dict())
+    with torch.no_grad():  # the fix: up to max_position_embeddings, the same model
+        assert torch.equal(default(ids).logits, dynamic(ids).logits)

@@ -1,0 +1,185 @@
+"""The DiT hybrid planner: CFG x Ulysses x Ring x TP x PipeFusion chosen by price, on a
+PixArt-shaped transformer captured on meta (6 heads, 1024 tokens, 8 blocks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tppc.cost_models.cluster import Cluster
+from tppc.cost_models.collective_costs import collective_cost
+from tppc.cost_models.mesh_costs import LayerTraffic, MeshExchanges
+from tppc.driver.options import CompileOptions
+from tppc.driver.planning import length_planner
+from tppc.errors import PlanError, PlanInfeasible, SpecError
+from tppc.planner import Plan, Workload
+from tppc.planner.mesh_configurations import MeshLimits, mesh_configurations
+from tppc.program.mesh import Mesh
+
+WORKLOAD = Workload(kind="diffusion", steps=4, warmup_steps=1)
+ROWS = 32  # 32 rows of 32 tokens
+
+
+def _front(batch: int, heads: int = 6, head_dim: int = 64):
+    from diffusers import PixArtTransformer2DModel
+
+    from tppc.frontend.front_end import capture_front_end
+
+    width = heads * head_dim
+    with torch.device("meta"):
+        model = PixArtTransformer2DModel(
+            num_attention_heads=heads, attention_head_dim=head_dim, in_channels=4,
+            out_channels=8, num_layers=8, sample_size=64, patch_size=2,
+            cross_attention_dim=width, caption_channels=64, norm_type="ada_norm_single",
+            use_additional_conditions=False).eval()
+        kwargs = {"encoder_hidden_states": torch.randn(batch, 16, 64),
+                  "timestep": torch.tensor([10] * batch),
+                  "added_cond_kwargs": {"resolution": None, "aspect_ratio": None},
+                  "return_dict": False}
+        args = (torch.randn(batch, 4, 64, 64),)
+    return capture_front_end(model, args, kwargs, seq_dims=None, plan_only=True)
+
+
+@pytest.fixture(scope="module")
+def guided():
+    return _front(2)
+
+
+@pytest.fixture(scope="module")
+def wide():
+    """PixArt-XL's width (16 heads x 72), batch 1: enough work per layer for a GPU."""
+    return _front(1, heads=16, head_dim=72)
+
+
+def _plan(front, cluster: str, **options) -> Plan:
+    opts = CompileOptions.from_kwargs(cluster=cluster, time_limit=2.0, **options)
+    return length_planner(opts)(front, ROWS, workload=WORKLOAD)
+
+
+def _fixed_latencies(front, cluster: str) -> dict[str, float]:
+    """Every single-axis configuration of 2 devices, planned with its degrees fixed."""
+    ones = {"num_stages": 1, "tensor_parallel": 1, "ulysses": 1, "ring": 1, "cfg_parallel": 1}
+    return {name: _plan(front, cluster, **(ones | kw)).latency for name, kw in (
+        ("pp2", {"num_stages": 2}), ("tp", {"tensor_parallel": 2}), ("ulysses", {"ulysses": 2}),
+        ("ring", {"ring": 2}))}
+
+
+def test_the_link_decides_the_mix(wide) -> None:
+    chosen, fixed = {}, {}
+    for cluster in ("2xh100-sxm", "2xh100-sxm@eth-100g"):
+        plan = _plan(wide, cluster)
+        fixed[cluster] = _fixed_latencies(wide, cluster)
+        assert plan.latency <= min(fixed[cluster].values()) * (1 + 1e-6)  # the cheapest
+        assert plan.lower_bound <= plan.latency
+        assert all(plan.lower_bound <= v * (1 + 1e-9) for v in fixed[cluster].values())
+        chosen[cluster] = plan.degrees
+    fast, slow = chosen["2xh100-sxm"], chosen["2xh100-sxm@eth-100g"]
+    # NVLink: one stage on a group exchanging per layer; Ethernet: PipeFusion's two stages,
+    # one activation per patch and boundary
+    assert fast["num_stages"] == 1 and slow["num_stages"] == 2
+    assert fixed["2xh100-sxm@eth-100g"]["ulysses"] > fixed["2xh100-sxm"]["ulysses"]
+
+
+def test_fixed_degrees_are_kept_and_recorded(guided) -> None:
+    plan = _plan(guided, "4xh100-sxm", cfg_parallel=2, ulysses=2)
+    assert plan.degrees["cfg_parallel"] == 2 and plan.degrees["ulysses"] == 2
+    st = plan.stages[0]
+    assert st.group_size == 4 and len(set(st.device_indices)) == 4
+    assert "CFG2" in plan.summary() and "runner-up" not in plan.summary()
+    patched = _plan(guided, "2xh100-sxm", num_stages=2, patches=4)
+    assert len(patched.chunks) == 4 and patched.num_stages == 2
+
+
+def test_a_memory_limit_makes_replicated_weights_infeasible(guided) -> None:
+    need = _plan(guided, "2xh100-sxm", cfg_parallel=2).stages[0].memory_bytes
+    split = _plan(guided, "2xh100-sxm", num_stages=2, cfg_parallel=1, ulysses=1, ring=1,
+                  tensor_parallel=1)
+    limit = max(st.memory_bytes for st in split.stages)
+    assert limit < need  # stages hold half the weights each; CFG holds all of them
+    with pytest.raises(PlanInfeasible, match="capacity"):
+        _plan(guided, "2xh100-sxm", cfg_parallel=2, memory_limit=limit)
+    plan = _plan(guided, "2xh100-sxm", memory_limit=limit)
+    assert all(st.memory_bytes <= limit for st in plan.stages)
+    assert plan.choice.infeasible  # the refused configurations say why
+
+
+def test_mesh_plans_round_trip_through_json(guided) -> None:
+    plan = _plan(guided, "4xh100-sxm", cfg_parallel=2, ring=2)
+    again = Plan.from_json(plan.to_json())
+    assert again == plan and again.degrees == plan.degrees
+
+
+@pytest.mark.parametrize(("options", "error", "words"), [
+    ({"cfg_parallel": 0}, SpecError, "cfg_parallel=0"),
+    ({"memory_limit": "lots"}, SpecError, "memory_limit='lots'"),
+    ({"patches": 4, "chunks": 2}, SpecError, "patches=4"),
+])
+def test_bad_options_are_named(options, error, words) -> None:
+    with pytest.raises(error, match=words):
+        CompileOptions.from_kwargs(**options)
+
+
+def test_refusals_name_the_model_limit(guided, wide) -> None:
+    with pytest.raises(PlanError, match="head count"):
+        _plan(guided, "4xh100-sxm", ulysses=4)
+    with pytest.raises(PlanError, match="batch of 1"):
+        _plan(wide, "2xh100-sxm", cfg_parallel=2)
+    with pytest.raises(PlanError, match="need 8 devices"):
+        _plan(guided, "4xh100-sxm", cfg_parallel=2, ulysses=2, num_stages=2)
+
+
+def test_placements_put_each_axis_on_the_links_searched() -> None:
+    cluster = Cluster.parse("2x(2xh100-sxm)@ib-ndr")
+    limits = MeshLimits(heads=(8,), shard_sizes=(), batch=2, tokens=1024)
+    configs, _ = mesh_configurations(cluster, limits)
+    cfg_uly = [c for c in configs if c.cfg_parallel == 2 and c.ulysses == 2]
+    assert len(cfg_uly) == 2  # cfg across nodes, or ulysses across nodes
+    mesh = Mesh(cfg=2, ulysses=2)
+    spans = set()
+    for c in cfg_uly:
+        (group,) = c.groups
+        cfg_pair = (group[0], group[mesh.members("cfg", 0)[1]])
+        spans.add(cluster.nodes[cfg_pair[0]] != cluster.nodes[cfg_pair[1]])
+    assert spans == {True, False}
+
+
+def test_ulysses_pays_four_all_to_alls_per_self_attention() -> None:
+    cluster = Cluster.parse("4xh100-sxm")
+    traffic = LayerTraffic(self_attention=(1000,), cross_attention=(1000,))
+    mesh = Mesh(ulysses=4)
+    serial, passes = MeshExchanges(cluster, (0, 1, 2, 3), mesh, traffic).seconds(4096.0)
+    one = collective_cost(cluster, "all_to_all", 1000 * 4096 / 4, (0, 1, 2, 3)).seconds
+    assert serial == pytest.approx(6 * one) and passes == 0.0
+
+
+def test_the_ring_gathers_k_and_v_serially_unless_overlapped() -> None:
+    cluster = Cluster.parse("4xh100-sxm")
+    traffic = LayerTraffic(self_attention=(1000,))
+    gather = collective_cost(cluster, "all_gather", 2 * 1000 * 4096, (0, 1, 2, 3)).seconds
+    ours = MeshExchanges(cluster, (0, 1, 2, 3), Mesh(ring=4), traffic).seconds(4096.0)
+    xdit = MeshExchanges(cluster, (0, 1, 2, 3), Mesh(ring=4), traffic,
+                         overlap=True).seconds(4096.0)
+    assert ours == pytest.approx((gather, 0.0)) and xdit == pytest.approx((0.0, gather))
+
+
+def test_meshes_the_graph_cannot_cut_are_refused_by_the_planner() -> None:
+    from diffusers import WanTransformer3DModel
+
+    from tppc.frontend.front_end import capture_front_end
+
+    with torch.device("meta"):
+        wan = WanTransformer3DModel(
+            patch_size=(1, 1, 1), num_attention_heads=4, attention_head_dim=16, in_channels=8,
+            out_channels=8, text_dim=32, freq_dim=16, ffn_dim=128, num_layers=2,
+            rope_max_seq_len=8192).eval()
+        kwargs = {"encoder_hidden_states": torch.randn(1, 8, 32),
+                  "timestep": torch.tensor([10.0]), "return_dict": False}
+        front = capture_front_end(wan, (torch.randn(1, 8, 2, 2, 4),), kwargs, seq_dims=None,
+                                  plan_only=True)
+    opts = CompileOptions.from_kwargs(cluster="2xh100-sxm", time_limit=2.0, ulysses=2)
+    with pytest.raises(PlanError, match="frame blocks"):  # the token cut's own reason
+        length_planner(opts)(front, 2, workload=WORKLOAD)
+    free = length_planner(CompileOptions(cluster="2xh100-sxm", time_limit=2.0))(
+        front, 2, workload=WORKLOAD)
+    assert free.degrees["ulysses"] == free.degrees["ring"] == 1
+    assert any("frame blocks" in line for line in free.choice.infeasible)
