@@ -26,7 +26,7 @@ import torch
 from torch import fx
 
 from tppc.errors import SpecError
-from tppc.ir.records import CHUNK_INPUT, LAYER
+from tppc.ir.records import CHUNK_INPUT, LAYER, STAGE_INFO, TOKEN
 from tppc.passes.sharding.annotate_shards import linear_of
 from tppc.passes.sharding.cuts import Conflict, Cut, Refine, flow, sizes_of
 from tppc.passes.sharding.shard_graph import MARKS
@@ -38,7 +38,8 @@ _SIZED = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
           aten.expand.default}
 _CONV = {aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
          aten.convolution.default, aten._convolution.default}
-_ATTENTION = {aten.scaled_dot_product_attention.default, torch.ops.tppc.chunk_attention.default,
+_CHUNK_ATTENTION = torch.ops.tppc.chunk_attention.default
+_ATTENTION = {aten.scaled_dot_product_attention.default, _CHUNK_ATTENTION,
               torch.ops.tppc.softmax_attention.default}
 _NO_VALUE = {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int,
              aten._assert_tensor_metadata.default, aten._assert_scalar.default}
@@ -61,11 +62,36 @@ def batch_cut(gm: fx.GraphModule, part: int, parts: int, what: str) -> dict[fx.N
         raise SpecError(f"{what}: cfg_parallel={parts} cuts the batch of {batch} into equal "
                         f"parts; it does not divide. fix: a batch divisible by {parts} (a "
                         "guided batch holds both halves), or cfg_parallel=1")
+    consts = [ph for ph in placeholders if _const_origin(ph, batch)]
+    for extra in (consts, []):  # whole consts (narrowed where they meet) if any conflicts
+        try:
+            cuts, narrow = _analyse(gm, placeholders, extra, batch)
+            break
+        except (Conflict, Refine) as err:
+            if extra:
+                continue
+            node, why = err.args[-1] if isinstance(err.args[-1], tuple) else (None, "")
+            raise SpecError(
+                f"{what}: cfg_parallel={parts} cuts the batch ({batch}) over the workers, but "
+                f"{node.name} ({node.target}) mixes batch elements: {why}. fix: "
+                "cfg_parallel=1 for this model") from None
+    info = gm.meta.get(STAGE_INFO)
+    if info is not None and info.outputs:
+        _check_boundary(gm, cuts, batch, what)
+    _rewrite(gm, cuts, narrow, part, parts, batch)
+    return {n: c.axis for n, c in cuts.items() if isinstance(c, Cut)}
+
+
+def _analyse(gm: fx.GraphModule, placeholders: list[fx.Node], consts: list[fx.Node],
+             batch: int) -> tuple[dict[fx.Node, Any], dict[fx.Node, list]]:
+    """Every node's cut and the whole operands to narrow; a failing op is raised with
+    ``(node, reason)`` as the error's last argument."""
     cuts: dict[fx.Node, Any] = {}
     narrow: dict[fx.Node, list] = {}
     for ph in placeholders:
-        if _origin(ph, batch):
-            cuts[ph] = Cut(0, (batch,), frozenset({ph.name}))
+        if _origin(ph, batch) or ph in consts:
+            cuts[ph] = Cut(0, (sizes_of(ph)[0] if ph.meta[CHUNK_INPUT].kind not in (
+                "key", "value") else batch,), frozenset({ph.name}))
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target in _NO_VALUE or \
                 not any(cuts.get(a) is not None for a in node.all_input_nodes):
@@ -74,14 +100,35 @@ def batch_cut(gm: fx.GraphModule, part: int, parts: int, what: str) -> dict[fx.N
             cuts[node], found = _flow(node, cuts, batch)
         except (Conflict, Refine) as err:
             why = err.reason if isinstance(err, Conflict) else "a split across the batch"
-            raise SpecError(
-                f"{what}: cfg_parallel={parts} cuts the batch ({batch}) over the workers, but "
-                f"{node.name} ({node.target}) mixes batch elements: {why}. fix: "
-                "cfg_parallel=1 for this model") from None
+            err.args = (*err.args, (node, why))
+            raise
         if found:
             narrow[node] = found
-    _rewrite(gm, cuts, narrow, part, parts, batch)
-    return {n: c.axis for n, c in cuts.items() if isinstance(c, Cut)}
+    return cuts, narrow
+
+
+def _check_boundary(gm: fx.GraphModule, cuts: dict, batch: int, what: str) -> None:
+    """The next stage's workers take a boundary value cut on axis 0 when its token axis is
+    not 0 and its axis 0 is a multiple of the batch (:func:`_origin`), else whole: refuse a
+    value that leaves otherwise."""
+    for value in gm.graph.output_node().all_input_nodes:
+        info, shape, cut = value.meta.get(TOKEN), sizes_of(value), cuts.get(value)
+        taken = info is not None and info.axis not in (None, 0) and bool(shape) and \
+            isinstance(shape[0], int) and shape[0] % batch == 0
+        have = isinstance(cut, Cut) and cut.axis == 0
+        if taken != have:
+            state = f"cut on axis {cut.axis}" if isinstance(cut, Cut) else "whole"
+            raise SpecError(f"{what}: boundary value {value.name} leaves {state}; the next "
+                            f"stage's workers take it {'cut on axis 0' if taken else 'whole'}."
+                            " fix: cfg_parallel=1 for this model")
+
+
+def _const_origin(ph: fx.Node, batch: int) -> bool:
+    """A whole input with the batch on axis 0 (timesteps, text states, pooled embeddings):
+    cut from the start when nothing objects (else narrowed where it meets cut values)."""
+    spec, shape = ph.meta.get(CHUNK_INPUT), sizes_of(ph)
+    return spec is not None and spec.kind in ("const", "hoisted", "full") and bool(shape) and \
+        shape[0] == batch
 
 
 def _batch(placeholders: list[fx.Node], what: str) -> int:
@@ -96,10 +143,11 @@ def _batch(placeholders: list[fx.Node], what: str) -> int:
     if not sizes:
         raise SpecError(f"{what}: no token input with a batch axis (axis 0 beside its token "
                         "axis); tppc cannot find the batch to cut. fix: cfg_parallel=1")
-    if len(set(sizes.values())) > 1 or not isinstance(next(iter(sizes.values())), int):
+    batch = min(sizes.values()) if all(isinstance(v, int) for v in sizes.values()) else 0
+    if not batch or any(v % batch for v in sizes.values()):
         raise SpecError(f"{what}: the token inputs disagree on the batch (axis 0: {sizes}). "
                         "fix: cfg_parallel=1")
-    return int(next(iter(sizes.values())))
+    return batch
 
 
 def _origin(ph: fx.Node, batch: int) -> bool:
@@ -108,9 +156,9 @@ def _origin(ph: fx.Node, batch: int) -> bool:
         return False
     if spec.kind in ("key", "value"):
         return bool(spec.shape) and spec.shape[0] == batch
-    shape = sizes_of(ph)
+    shape = sizes_of(ph)  # (B·F, ...): frames folded into the batch, batch-major
     return spec.kind in ("token", "boundary") and spec.axis not in (None, 0) and \
-        bool(shape) and shape[0] == batch
+        bool(shape) and isinstance(shape[0], int) and shape[0] % batch == 0
 
 
 def _flow(node: fx.Node, cuts: dict, batch: int) -> tuple[Any, list]:
@@ -140,6 +188,22 @@ def _flow(node: fx.Node, cuts: dict, batch: int) -> tuple[Any, list]:
         if lo < cut.axis <= hi:
             raise Conflict(cut.origins, "flattens the batch axis into an outer one")
         return cut.moved(cut.axis - (hi - lo) if cut.axis > hi else cut.axis), []
+    if target == aten.unflatten.int:
+        nd = len(sizes_of(args[0]))
+        dim, sizes = args[1] % nd, list(args[2])
+        if dim == cut.axis and not (isinstance(sizes[0], int) and sizes[0] % batch == 0):
+            raise Conflict(cut.origins, f"unflattens the batch axis into {sizes}")
+        return cut.moved(cut.axis + (len(sizes) - 1) * (dim < cut.axis)), []
+    if target in (aten.copy.default, aten.slice_scatter.default):
+        nd = len(sizes_of(node))
+        if target == aten.slice_scatter.default and (args[2] if len(args) > 2 else 0) % nd \
+                == cuts[_first_cut(list(args[:2]), cuts)].axis:
+            raise Conflict(cut.origins, "scatters along the batch axis")
+        return _batched(node, cuts, cut, batch, contracts=False)
+    if target in (aten.pad.default, aten.constant_pad_nd.default):
+        if cut.axis >= len(sizes_of(args[0])) - len(args[1]) // 2:
+            raise Conflict(cut.origins, "pads the batch axis")
+        return cut, []
     if target == aten.unbind.int:
         dim = args[1] if len(args) > 1 else 0
         dim = dim + len(sizes_of(args[0])) if dim < 0 else dim
@@ -155,6 +219,8 @@ def _flow(node: fx.Node, cuts: dict, batch: int) -> tuple[Any, list]:
         if have is None or want is None or have.axis != want.axis:
             raise Conflict(cut.origins, "a copy between a cut and a whole value")
         return have, []
+    if target == aten.type_as.default:  # the second operand gives only its dtype
+        return cuts.get(args[0]), []
     if target == aten.stack.default:
         return _stack(node, cuts, cut, batch)
     if target in _ATTENTION or target in (aten.cat.default, aten.matmul.default,
@@ -163,7 +229,8 @@ def _flow(node: fx.Node, cuts: dict, batch: int) -> tuple[Any, list]:
     return flow(node, cuts)
 
 
-def _batched(node: fx.Node, cuts: dict, cut: Cut, batch: int) -> tuple[Cut, list]:
+def _batched(node: fx.Node, cuts: dict, cut: Cut, batch: int, contracts: bool = True
+             ) -> tuple[Cut, list]:
     """Attention, cat and matmul over a batch cut: every tensor operand cut on the same
     (right-aligned) axis, or whole with the full batch there (narrowed) or 1 (broadcast).
     ``cat`` aligns left, along another axis than the cut one."""
@@ -175,9 +242,26 @@ def _batched(node: fx.Node, cuts: dict, cut: Cut, batch: int) -> tuple[Cut, list
     else:
         tensors = [a for a in node.args if isinstance(a, fx.Node) and sizes_of(a) is not None]
         out, left = len(sizes_of(node)), False
+    valid = node.args[8] if node.target == _CHUNK_ATTENTION and len(node.args) > 8 else None
+    if isinstance(valid, fx.Node):  # key_valid (batch, keys): the batch on axis 0
+        tensors.remove(valid)
+        got = cuts.get(valid)
+        if (got is not None and got.axis != 0) or sizes_of(valid)[0] not in (1, batch):
+            raise Conflict(cut.origins, f"a key mask {valid.name} off the batch axis")
+        extra = [(valid, 0, (batch,))] if got is None and sizes_of(valid)[0] == batch else []
+        if not any(cuts.get(t) is not None for t in tensors):
+            raise Conflict(cut.origins, "attention whose queries are whole beside a cut mask")
+        cut_, found = _batched_tensors(node, cuts, tensors, out, left, contracts, batch)
+        return cut_, found + extra
+    return _batched_tensors(node, cuts, tensors, out, left, contracts, batch)
+
+
+def _batched_tensors(node: fx.Node, cuts: dict, tensors: list, out: int, left: bool,
+                     contracts: bool, batch: int) -> tuple[Cut, list]:
+    cut = cuts[_first_cut(tensors, cuts)]
     first = _first_cut(tensors, cuts)
     at = cut_at = cuts[first].axis + (0 if left else out - len(sizes_of(first)))
-    if cut_at >= out - 2 and node.target != aten.cat.default:
+    if contracts and cut_at >= out - 2 and node.target != aten.cat.default:
         raise Conflict(cut.origins, "contracts or attends over the batch axis")
     found = []
     for arg in tensors:
@@ -239,7 +323,7 @@ def _first_cut(tensors: list, cuts: dict) -> fx.Node:
 
 def _rewrite(gm: fx.GraphModule, cuts: dict, narrow: dict, part: int, parts: int,
              batch: int) -> None:
-    graph, step = gm.graph, batch // parts
+    graph = gm.graph
     last = list(graph.find_nodes(op="placeholder"))[-1]
     for node in list(graph.nodes):
         cut = cuts.get(node)
@@ -249,7 +333,8 @@ def _rewrite(gm: fx.GraphModule, cuts: dict, narrow: dict, part: int, parts: int
                 shape = list(spec.shape)
                 shape[0] //= parts
                 node.meta[CHUNK_INPUT] = type(spec)(**{**spec.__dict__, "shape": tuple(shape)})
-            elif spec.kind == "token":
+            elif spec.kind in ("token", "const", "hoisted", "full"):
+                step = cut.segments[0] // parts
                 with graph.inserting_after(last):
                     got = _new(graph, aten.narrow.default, (node, 0, part * step, step), node)
                 node.replace_all_uses_with(got, delete_user_cb=lambda u, g=got: u is not g)
@@ -264,7 +349,13 @@ def _rewrite(gm: fx.GraphModule, cuts: dict, narrow: dict, part: int, parts: int
             args = list(node.args)
             args[3] = args[3] // parts if isinstance(args[3], int) else args[3]
             node.args = tuple(args)
-        for arg, axis, _segments in narrow.get(node, ()):
+        if node.target == aten.unflatten.int and cut is not None and \
+                node.args[1] % len(sizes_of(node.args[0])) == cut.axis:
+            sizes = list(node.args[2])
+            sizes[0] = sizes[0] // parts if sizes[0] != -1 else -1
+            node.args = (node.args[0], node.args[1], sizes)
+        for arg, axis, segments in narrow.get(node, ()):
+            step = segments[0] // parts
             with graph.inserting_before(node):
                 got = _new(graph, aten.narrow.default, (arg, axis, part * step, step), node)
             node.replace_input_with(arg, got)

@@ -40,7 +40,7 @@ Workers = list[tuple[tuple[fx.GraphModule, ...], tuple[Join, ...]]]
 
 def run_workers(graphs: Sequence[fx.GraphModule], mesh: Mesh, feed: Mapping[str, Any],
                 boundary: Sequence[Sequence[Any]], buffers: list[dict[str, torch.Tensor]],
-                rows: int) -> list[tuple[Any, ...]]:
+                rows: Mapping[str, int]) -> list[tuple[Any, ...]]:
     """Every worker's outputs of one chunk (module docstring).
 
     Args:
@@ -61,7 +61,7 @@ def run_workers(graphs: Sequence[fx.GraphModule], mesh: Mesh, feed: Mapping[str,
         for ph in gm.graph.find_nodes(op="placeholder"):
             spec = ph.meta.get(CHUNK_INPUT)
             if spec is not None and spec.kind in ("key", "value") and ph.name not in mine:
-                shape = tuple(rows if s is None else s for s in spec.shape)
+                shape = tuple(rows[ph.name] if s is None else s for s in spec.shape)
                 mine[ph.name] = torch.zeros(shape, dtype=spec.dtype)
     slots: list[tuple[Any, ...]] = [tuple(b) for b in boundary]
     for q in range(len(joins) + 1):

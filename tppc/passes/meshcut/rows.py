@@ -42,9 +42,15 @@ def sub_start(start: int, size: int, part: int) -> int:
     return start + part * size
 
 
-def part_rows(x: torch.Tensor, axis: int, part: int, parts: int, frames: int = 1
-              ) -> torch.Tensor:
-    """Part ``part`` of ``parts`` of every one of the ``frames`` blocks of ``x``'s ``axis``."""
+def part_rows(x: torch.Tensor, axis: int, part: int, parts: int, frames: int = 1,
+              prefix: int = 0, suffix: int = 0) -> torch.Tensor:
+    """Part ``part`` of ``parts`` of every one of the ``frames`` blocks of ``x``'s ``axis``;
+    the ``prefix`` and ``suffix`` rows (text beside the image tokens) kept whole."""
+    if prefix or suffix:
+        inner = x.narrow(axis, prefix, x.shape[axis] - prefix - suffix)
+        pieces = [x.narrow(axis, 0, prefix), part_rows(inner, axis, part, parts, frames),
+                  x.narrow(axis, x.shape[axis] - suffix, suffix)]
+        return torch.cat(pieces, axis)
     rows = x.shape[axis]
     if rows % (parts * frames):
         raise SpecError(f"a value of {rows} rows on axis {axis} ({frames} frame blocks) does "

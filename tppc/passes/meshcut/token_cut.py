@@ -24,44 +24,28 @@ Terms:
         the exchanged keys (the whole chunk's) at the chunk's own offset.
 
 Both together: Ulysses inside, Ring outside (xDiT's USP). Joint attention (a text prefix or
-suffix on the token axis), attention not read from K/V buffers, and other mixing ops are
-refused by name.
+suffix on the token axis) and video chunks (a band of rows in every frame) are exchanged by
+:mod:`tppc.passes.meshcut.exchange`; attention not read from K/V buffers and other mixing ops
+(linear attention's sums, token convolutions) are refused by name.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import operator
-from dataclasses import dataclass
 
 import torch
 from torch import fx
 
 from tppc.errors import SpecError
-from tppc.ir.records import CHUNK_INPUT, LAYER, TOKEN
+from tppc.ir.records import CHUNK_INPUT, TOKEN
+from tppc.passes.meshcut.exchange import BufferWrite, exchange_attention
 from tppc.passes.meshcut.rows import part_rows, sub_size, sub_start
-from tppc.passes.sharding.shard_graph import all_gather_mark, all_to_all_mark
 
 __all__ = ["token_cut"]
 
 aten = torch.ops.aten
 _ATTENTION = torch.ops.tppc.chunk_attention.default
-
-
-@dataclass(frozen=True)
-class _Write:
-    """One K or V buffer of an attention: its placeholder, write view, write, read view."""
-
-    buffer: fx.Node
-    view: fx.Node
-    copy: fx.Node
-    read: fx.Node
-    heads: fx.Node | None = None
-    """A tensor-parallel shard's part of the heads taken after the read (K/V it left whole:
-    ``narrow(read, heads axis, offset, count)``), or None."""
-
-    @property
-    def source(self) -> fx.Node:
-        return self.copy.args[1]
 
 
 def token_cut(gm: fx.GraphModule, ring: int, ulysses: int, ring_coord: int,
@@ -78,7 +62,6 @@ def token_cut(gm: fx.GraphModule, ring: int, ulysses: int, ring_coord: int,
         return
     graph = gm.graph
     placeholders = list(graph.find_nodes(op="placeholder"))
-    _refuse_segments(placeholders, what)
     attentions = _attentions(graph, placeholders, what)
     kinds = {p.meta[CHUNK_INPUT].kind: p for p in placeholders if CHUNK_INPUT in p.meta}
     start = kinds.get("chunk_start")
@@ -86,13 +69,16 @@ def token_cut(gm: fx.GraphModule, ring: int, ulysses: int, ring_coord: int,
     with graph.inserting_before(placeholders[-1].next):
         sub = _sub_units(graph, placeholders, kinds.get("chunk_size"), parts, what)
     keep = _int_ancestors(sub)  # they read the whole inputs
-    first = q_start = None
+    first = q_start = q_size = None
     if sub is not None and start is not None:
         with graph.inserting_after(sub):
             first = graph.call_function(sub_start, (start, sub, part))
         with graph.inserting_after(first):  # the first query row after the ulysses exchange
             q_start = graph.call_function(sub_start, (start, sub, ring_coord * ulysses))
+        with graph.inserting_after(q_start):  # the queries' rows after the exchange
+            q_size = graph.call_function(operator.mul, (sub, ulysses))
         start.replace_all_uses_with(first, delete_user_cb=lambda u: u not in (first, q_start))
+        keep |= {q_start, q_size}
         if "chunk_size" in kinds:
             kinds["chunk_size"].replace_all_uses_with(
                 sub, delete_user_cb=lambda u: u not in keep)
@@ -105,12 +91,13 @@ def token_cut(gm: fx.GraphModule, ring: int, ulysses: int, ring_coord: int,
         if spec is None or spec.kind not in ("token", "positional") or spec.axis is None:
             continue
         with graph.inserting_after(sub or placeholders[-1]):
-            rows = graph.call_function(part_rows, (ph, spec.axis, part, parts, spec.frames))
+            rows = graph.call_function(part_rows, (ph, spec.axis, part, parts, spec.frames,
+                                                   spec.prefix, spec.suffix))
         ph.replace_all_uses_with(rows, delete_user_cb=lambda u, r=rows: u is not r
                                  and u not in keep)
     for node, (key, value) in attentions.items():
-        _exchange(graph, node, key, value, ring, ulysses, {first: start}, {first: q_start},
-                  what)
+        exchange_attention(graph, node, key, value, ring, ulysses, ulysses_coord,
+                           {first: start}, {first: q_start, sub: q_size}, what)
 
 
 def _sub_units(graph: fx.Graph, placeholders: list[fx.Node], size: fx.Node | None,
@@ -124,6 +111,8 @@ def _sub_units(graph: fx.Graph, placeholders: list[fx.Node], size: fx.Node | Non
         spec = ph.meta.get(CHUNK_INPUT)
         if spec is not None and spec.kind in ("token", "positional") and spec.axis is not None:
             rows = graph.call_function(aten.sym_size.int, (ph, spec.axis))
+            if spec.prefix or spec.suffix:
+                rows = graph.call_function(operator.sub, (rows, spec.prefix + spec.suffix))
             units = graph.call_function(operator.floordiv, (rows, spec.scale))
             return graph.call_function(sub_size, (units, parts, what))
     for ph in placeholders:
@@ -149,23 +138,11 @@ def _int_ancestors(node: fx.Node | None) -> set[fx.Node]:
     return seen
 
 
-def _refuse_segments(placeholders: list[fx.Node], what: str) -> None:
-    for ph in placeholders:
-        spec = ph.meta.get(CHUNK_INPUT)
-        if spec is not None and (spec.prefix or spec.suffix):
-            raise SpecError(
-                f"{what}: input {ph.name} carries an unsplit text segment of "
-                f"{spec.prefix or spec.suffix} tokens on its token axis (joint attention); "
-                "sequence parallelism does not cut joint text + image tokens yet. "
-                "fix: ring=1 and ulysses=1 for this model (cfg_parallel and tensor_parallel "
-                "apply)")
-
-
 def _attentions(graph: fx.Graph, placeholders: list[fx.Node], what: str
-                ) -> dict[fx.Node, tuple[_Write, _Write]]:
+                ) -> dict[fx.Node, tuple[BufferWrite, BufferWrite]]:
     """Every attention over K/V buffers and its two writes; anything else that mixes
     tokens is refused."""
-    found: dict[fx.Node, dict[str, _Write]] = {}
+    found: dict[fx.Node, dict[str, BufferWrite]] = {}
     for ph in placeholders:
         spec = ph.meta.get(CHUNK_INPUT)
         if spec is None or spec.kind not in ("key", "value"):
@@ -179,12 +156,15 @@ def _attentions(graph: fx.Graph, placeholders: list[fx.Node], what: str
         part = next((u for u in write.read.users if u.target == aten.narrow.default
                      and u.args[1] == heads and len(write.read.users) == 1), None)
         if part is not None:
-            write = _Write(write.buffer, write.view, write.copy, write.read, part)
+            write = dataclasses.replace(write, heads=part)
         readers = [u for u in (part or write.read).users if u.op == "call_function"
                    and u.target == _ATTENTION]
         if len(readers) != 1:
-            raise SpecError(f"{what}: K/V buffer {ph.name} is read by {len(readers)} "
-                            "attention nodes; expected one. fix: ring=1 and ulysses=1")
+            raise SpecError(f"{what}: K/V buffer {ph.name} (of {spec.source}) feeds "
+                            f"{len(readers)} tppc.chunk_attention nodes: it holds another "
+                            "kind of token mixing (linear attention's sums, a convolution "
+                            "over tokens); sequence parallelism cannot cut it. fix: ring=1 "
+                            "and ulysses=1 for this model")
         found.setdefault(readers[0], {})[spec.kind] = write
     for node in graph.nodes:
         info = node.meta.get(TOKEN)
@@ -197,129 +177,26 @@ def _attentions(graph: fx.Graph, placeholders: list[fx.Node], what: str
     return {n: (w["key"], w["value"]) for n, w in found.items()}
 
 
-def _write_of(buffer: fx.Node) -> _Write | None:
+def _write_of(buffer: fx.Node) -> BufferWrite | None:
+    """The buffer's write of the chunk's rows, its writes of text rows (a literal count:
+    SD3's suffix after the last image row), and its read; None for another pattern."""
     views = [u for u in buffer.users if u.target == aten.narrow.default]
-    if len(views) != 2 or len(buffer.users) != 2:
+    if len(views) != len(buffer.users):
         return None
-    for view, read in (views, views[::-1]):
+    writes, reads = [], []
+    for view in views:
         copies = [u for u in view.users if u.target == aten.copy_.default and u.args[0] is view]
-        if len(copies) == 1 and len(view.users) == 1:
-            return _Write(buffer, view, copies[0], read)
-    return None
-
-
-def _exchange(graph: fx.Graph, node: fx.Node, key: _Write, value: _Write, ring: int,
-              ulysses: int, write_subst: dict, query_subst: dict, what: str) -> None:
-    """The exchanges of one attention (module docstring)."""
-    spec = key.buffer.meta[CHUNK_INPUT]
-    t_kv, h_kv = int(spec.axis), len(spec.shape) - 3
-    query = node.args[0]
-    t_q = node.meta[TOKEN].axis
-    h_q = node.meta["val"].dim() - 3
-    if ulysses > 1:
-        _check_heads(node, key, h_kv, ulysses, what)
-        if any(isinstance(a, fx.Node) and _rows(a) for a in node.args[7:]):
-            raise SpecError(f"{what}: {node.name} takes a mask with a row per query; ulysses "
-                            "exchanges the queries of several workers. fix: ulysses=1 (ring "
-                            "applies)")
-        with graph.inserting_before(node):
-            query = _mark(graph, all_to_all_mark, (query, h_q, t_q, "ulysses"), node)
-    sources = []
-    for w in (key, value):
-        src = w.source
-        with graph.inserting_before(w.view):
-            if w.heads is not None:  # the shard's heads, before the exchange
-                src = graph.call_function(aten.narrow.default, (src, *w.heads.args[1:]))
-                _set_heads(w.buffer, h_kv, w.heads.args[3])
-                w.heads.replace_all_uses_with(w.read)
-                graph.erase_node(w.heads)
-            if ulysses > 1:
-                src = _mark(graph, all_to_all_mark, (src, h_kv, t_kv, "ulysses"), node)
-            if ring > 1:
-                src = _mark(graph, all_gather_mark, (src, t_kv, "ring"), node)
-            offset = _clone(graph, w.view.args[2], write_subst)
-            rows = graph.call_function(aten.sym_size.int, (src, t_kv))
-        old = w.view.args[3]
-        w.view.args = (w.buffer, w.view.args[1], offset, rows)
-        w.copy.args = (w.view, src, *w.copy.args[2:])
-        if isinstance(old, fx.Node) and not old.users:
-            graph.erase_node(old)
-        if ulysses > 1:
-            _set_heads(w.buffer, h_kv, w.buffer.meta[CHUNK_INPUT].shape[h_kv] // ulysses)
-        sources.append(src)
-    with graph.inserting_before(node):
-        args = list(node.args)
-        args[0] = query
-        if len(args) > 3:
-            args[3] = _clone(graph, args[3], query_subst)
-        node.args = tuple(args)
-    if ulysses > 1:
-        with graph.inserting_after(node):
-            back = _mark(graph, all_to_all_mark, (node, t_q, h_q, "ulysses"), node)
-        node.replace_all_uses_with(back, delete_user_cb=lambda u: u is not back)
-
-
-def _check_heads(node: fx.Node, key: _Write, h_kv: int, ulysses: int, what: str) -> None:
-    """Refuse a head count ``ulysses`` does not divide (this worker's heads: the buffers'
-    shape, which a tensor-parallel shard has already divided)."""
-    kv_heads = key.heads.args[3] if key.heads is not None else \
-        key.buffer.meta[CHUNK_INPUT].shape[h_kv]
-    whole_kv = key.source.meta["val"].shape[h_kv] if "val" in key.source.meta else kv_heads
-    q_heads = node.meta["val"].shape[-3] * kv_heads // max(1, int(whole_kv))
-    for heads, which in ((q_heads, "query"), (kv_heads, "key/value")):
-        if heads % ulysses:
-            raise SpecError(f"{what}: attention {node.name} (module "
-                            f"{node.meta[TOKEN].module or '<top>'}) has {heads} {which} heads "
-                            f"per worker; ulysses={ulysses} must divide them. fix: a ulysses "
-                            f"degree dividing {heads} (ring for the rest)")
-
-
-def _rows(node: fx.Node) -> bool:
-    val = node.meta.get("val")
-    return isinstance(val, torch.Tensor) and val.dim() >= 2 and val.shape[-2] != 1
-
-
-def _clone(graph: fx.Graph, value: object, subst: dict) -> object:
-    """``value`` recomputed with the nodes of ``subst`` replaced (a copy of the int
-    arithmetic between them; nodes that read none of them are reused)."""
-    if not isinstance(value, fx.Node):
-        return value
-    if value in subst:
-        return subst[value]
-    if value.op != "call_function" or not _reads(value, subst):
-        return value
-    args = fx.node.map_arg(value.args, lambda a: _clone(graph, a, subst))
-    kwargs = fx.node.map_arg(value.kwargs, lambda a: _clone(graph, a, subst))
-    return graph.call_function(value.target, args, kwargs)
-
-
-def _reads(node: fx.Node, subst: dict) -> bool:
-    seen, todo = set(), [node]
-    while todo:
-        n = todo.pop()
-        if n in subst:
-            return True
-        if n in seen or n.op != "call_function" or n.target not in _INT_OPS:
-            continue
-        seen.add(n)
-        todo.extend(n.all_input_nodes)
-    return False
-
-
-_INT_OPS = {operator.add, operator.sub, operator.mul, operator.floordiv, operator.neg,
-            sub_start, sub_size}
-"""The int arithmetic an offset is made of."""
-
-
-def _mark(graph: fx.Graph, mark: object, args: tuple, like: fx.Node) -> fx.Node:
-    made = graph.call_function(mark, args[:-1], {"group": args[-1]})
-    if LAYER in like.meta:
-        made.meta[LAYER] = like.meta[LAYER]
-    return made
-
-
-def _set_heads(buffer: fx.Node, axis: int, heads: int) -> None:
-    spec = buffer.meta[CHUNK_INPUT]
-    shape = list(spec.shape)
-    shape[axis] = heads
-    buffer.meta[CHUNK_INPUT] = type(spec)(**{**spec.__dict__, "shape": tuple(shape)})
+        if copies and len(copies) == len(view.users) == 1:
+            writes.append((view, copies[0]))
+        else:
+            reads.append(view)
+    rows = [w for w in writes if not isinstance(w[0].args[3], int)]
+    if len(reads) != 1 or not rows:
+        return None
+    text = tuple(w for w in writes if w not in rows)
+    if len(rows) > 1:  # one write per video frame: narrows of one value on the buffer's axis
+        sources = {c.args[1].args[0] if c.args[1].target == aten.narrow.default
+                   and c.args[1].args[1] == v.args[1] else None for v, c in rows}
+        if len(sources) != 1 or None in sources:
+            return None
+    return BufferWrite(buffer, *rows[0], reads[0], text=text, blocks=tuple(rows[1:]))

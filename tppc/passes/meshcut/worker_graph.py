@@ -29,11 +29,12 @@ from collections.abc import Sequence
 
 from torch import fx
 
+from tppc.errors import SpecError
 from tppc.ir.records import STAGE_INFO, TOKEN
 from tppc.passes.meshcut.batch_cut import batch_cut
 from tppc.passes.meshcut.rows import interleave_parts
 from tppc.passes.meshcut.token_cut import token_cut
-from tppc.passes.sharding.shard_graph import MARKS, all_gather_mark, cuttable, shard_graph
+from tppc.passes.sharding.shard_graph import all_gather_mark, cuttable, shard_graph
 from tppc.passes.subgraph import copy_graph
 from tppc.program.mesh import Mesh
 
@@ -71,14 +72,14 @@ def worker_graph(stage: fx.GraphModule, mesh: Mesh, rank: int, *,
     batch = batch_cut(gm, coords["cfg"], mesh.cfg, what)
     token_cut(gm, mesh.ring, mesh.ulysses, coords["ring"], coords["ulysses"], what)
     if info is None or not info.outputs:
-        _gather_outputs(gm, mesh, batch, tuple(output_rows))
+        _gather_outputs(gm, mesh, batch, tuple(output_rows), what)
     gm.graph.lint()
     gm.recompile()
     return gm
 
 
 def _gather_outputs(gm: fx.GraphModule, mesh: Mesh, batch: dict[fx.Node, int],
-                    rows: tuple[tuple[int, ...] | None, ...]) -> None:
+                    rows: tuple[tuple[int, ...] | None, ...], what: str) -> None:
     """The last stage's outputs gathered whole (token cut, then batch cut)."""
     graph = gm.graph
     out = graph.output_node()
@@ -87,12 +88,17 @@ def _gather_outputs(gm: fx.GraphModule, mesh: Mesh, batch: dict[fx.Node, int],
         if not isinstance(value, fx.Node):
             continue
         got, src = value, value
-        while src.op == "call_function" and src.target in MARKS:  # a shard's own gather
+        while TOKEN not in src.meta and src.op == "call_function" and \
+                isinstance(src.args[0], fx.Node):  # a shard's own sum, bias or gather
             src = src.args[0]
         info = src.meta.get(TOKEN)
         with graph.inserting_before(out):
             if mesh.ring * mesh.ulysses > 1 and info is not None and info.axis is not None \
                     and info.role in ("token", "mixing"):
+                if info.prefix or info.suffix:
+                    raise SpecError(f"{what}: output {src.name} holds text rows beside the "
+                                    "image tokens; tppc gathers only token-cut outputs. fix: "
+                                    "ring=1 and ulysses=1 for this model")
                 for group in ("ulysses", "ring"):
                     if getattr(mesh, group) > 1:
                         got = graph.call_function(all_gather_mark, (got, info.axis),
