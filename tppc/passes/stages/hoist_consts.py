@@ -89,7 +89,8 @@ def const_values(stage: Any, call: Any, state: Any) -> list[Any]:
     for program in stage.consts:
         values = [call.flat_inputs[i] for i in program.inputs]
         key = (call.epoch, tuple((id(v), getattr(v, "_version", None)) for v in values))
-        slot = (stage.index, stage.rank, id(program.module))  # a worker's program: its own
+        # a worker's own; the patch programs of one call share a const graph of equal code
+        slot = (stage.index, stage.rank, program.module.code)
         entry = state.consts.get(slot)
         if entry is None or entry[0] != key:
             args = [v.to(stage.device) if isinstance(v, torch.Tensor) else v for v in values]
