@@ -27,6 +27,7 @@ from torch import nn
 
 import tppc
 from tests.oracles import assert_kernels_close
+from tests.unit.test_meshcut_families import _sana  # the same tiny Sana
 from tppc import examples
 from tppc.errors import TppcError
 from tppc.ir.records import SHARD
@@ -39,18 +40,6 @@ ROOT = Path(__file__).resolve().parents[2]
 def _first(out):
     out = out[0] if isinstance(out, tuple | list) else out
     return getattr(out, "sample", out)
-
-
-def _sana():
-    torch.manual_seed(0)
-    model = diffusers.SanaTransformer2DModel(
-        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8,
-        num_layers=1, num_cross_attention_heads=2, cross_attention_head_dim=8,
-        cross_attention_dim=16, caption_channels=16, mlp_ratio=2.0, sample_size=8,
-        patch_size=1).eval()
-    return model, (torch.randn(1, 4, 8, 8),), {
-        "encoder_hidden_states": torch.randn(1, 6, 16), "timestep": torch.tensor([10]),
-        "return_dict": False}
 
 
 def _wan():
