@@ -34,14 +34,16 @@ def _lists(stages: int, patches: int) -> tuple[tuple[Action, ...], ...]:
     return tuple(out)
 
 
-def test_the_fill_takes_the_later_stages_threads_and_the_drain_the_earlier() -> None:
+def test_the_fill_and_the_drain_take_every_stages_threads_while_no_other_stage_computes(
+        ) -> None:
     lists = _lists(3, 3)  # stage 0: C S C S C S; stage 1: R C S R C S R C S; stage 2: R C ...
-    assert idle_threads(2, lists, 0) == {0: 6, 1: 2, 4: 2}
-    assert idle_threads(2, lists, 1) == {0: 4, 2: 2, 7: 4}
-    assert idle_threads(2, lists, 2) == {0: 2, 2: 2, 5: 6}
-    assert idle_threads((1, 2, 3), lists, 0) == {0: 6, 1: 1, 4: 1}
-    assert idle_threads((1, 2, 3), lists, 2) == {0: 3, 2: 3, 5: 6}
+    assert idle_threads(2, lists, 0) == {0: 6, 1: 2}
+    assert idle_threads(2, lists, 1) == {1: 2}  # a middle stage: others compute beside it
+    assert idle_threads(2, lists, 2) == {1: 2, 5: 6}
+    assert idle_threads((1, 2, 3), lists, 0) == {0: 6, 1: 1}
+    assert idle_threads((1, 2, 3), lists, 2) == {1: 3, 5: 6}
     assert idle_threads(1, _lists(2, 1), 0) == {0: 1}  # one patch: no fill to share
+    assert idle_threads(1, _lists(2, 1), 1) == {1: 1}  # set at its compute, not at start
     assert idle_threads(None, lists, 1) == {}  # torch's own threads: left alone
 
 

@@ -122,16 +122,24 @@ def run_pipelined(cp: Any, jobs: Jobs) -> None:
 
 def idle_threads(threads: int | tuple[int, ...] | None, actions: Any, s: int
                  ) -> dict[int, int]:
-    """Intra-op threads of stage ``s`` from its action ``k`` on (``{k: threads}``): its
-    first compute (the fill) also takes the threads of the later stages, which wait for it,
-    its last compute (the drain) those of the earlier stages, which are done; between them
-    its own. ``{}`` when the threads are torch's own (``threads_per_stage=None``)."""
+    """Intra-op threads of stage ``s`` from its action ``k`` on (``{k: threads}``): the
+    first stage's first compute (the fill) takes every stage's threads, the last stage's
+    last compute (the drain) too, each while no other stage computes; otherwise a stage
+    runs on its own, set at its first compute, never before. MKL keeps one thread count
+    per process, so a count set while another stage computes could change that stage's
+    GEMM split mid-call and its result by an ulp: a middle stage never borrows, and runs
+    stay bit for bit repeatable with equal per-stage threads. ``{}`` when the threads are
+    torch's own (``threads_per_stage=None``)."""
     if threads is None:
         return {}
     n = len(actions)
     per = [threads] * n if isinstance(threads, int) else list(threads[:n])
     computes = [k for k, act in enumerate(actions[s]) if act.kind == "compute"]
-    if len(computes) < 2:
-        return {0: per[s]}
+    if not computes:
+        return {}
     first, last = computes[0], computes[-1]
-    return {0: sum(per[s:]), first + 1: per[s], last: sum(per[:s + 1])}
+    if len(computes) < 2 or n < 2:
+        return {first: per[s]}
+    if s == 0:
+        return {first: sum(per), first + 1: per[s]}
+    return {first: per[s], last: sum(per)} if s == n - 1 else {first: per[s]}
