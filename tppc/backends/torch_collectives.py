@@ -55,7 +55,7 @@ def run_collective(act: Action, values: Sequence[Any], members: Sequence[int], r
             out.append(total)
         elif act.kind == "all_gather":
             pieces = [torch.empty_like(value) for _ in range(n)]
-            dist.all_gather(pieces, value, group=group)
+            dist.all_gather(pieces, value.contiguous(), group=group)  # a slice written in place
             out.append(torch.cat(pieces, act.dims[0]))
         elif act.kind == "reduce_scatter":
             parts(act, value.shape, n)

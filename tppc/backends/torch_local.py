@@ -16,6 +16,7 @@ steps of ``generate``.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,13 +32,52 @@ from tppc.program.interpreter import Deadline, run_in_order
 from tppc.program.program import Program, StageProgram
 from tppc.program.state import Call, CallState
 
-__all__ = ["TORCH_OPS", "LocalExecutor", "Sink", "chunk_rows", "past_deadline", "prepare_stage",
-           "run_stage", "worker_name"]
+__all__ = ["TORCH_OPS", "LocalExecutor", "Sink", "chunk_rows", "in_place_ops", "past_deadline",
+           "prepare_stage", "run_stage", "worker_name"]
 
 TORCH_OPS = CollectiveOps(cat=lambda arrays, axis: torch.cat(list(arrays), axis),
                           split=lambda array, n, axis: torch.tensor_split(array, n, axis),
                           copy=torch.clone)
 """The array operations of collectives on torch tensors (the in-process transports)."""
+
+
+def in_place_ops(outputs: Sequence[Any]) -> CollectiveOps:
+    """:data:`TORCH_OPS` whose all-gather copies nothing when the pieces already lie side by
+    side in one of the call's ``outputs`` (each worker wrote its vocabulary slice there:
+    ``OutSlot.piece``): it returns the view that covers them."""
+    storages = {t.untyped_storage().data_ptr() for t in outputs
+                if isinstance(t, torch.Tensor) and t.device.type == "cpu"}
+    if not storages:
+        return TORCH_OPS
+
+    def cat(arrays: Sequence[Any], axis: int) -> Any:
+        arrays = list(arrays)
+        first = arrays[0]
+        if isinstance(first, torch.Tensor) and first.untyped_storage().data_ptr() in storages:
+            joined = _side_by_side(arrays, axis)
+            if joined is not None:
+                return joined
+        return torch.cat(arrays, axis)
+
+    return dataclasses.replace(TORCH_OPS, cat=cat)
+
+
+def _side_by_side(arrays: list[Any], axis: int) -> torch.Tensor | None:
+    """The one view of which ``arrays`` are consecutive blocks along ``axis``, or None."""
+    first = arrays[0]
+    offset, size = first.storage_offset(), 0
+    for a in arrays:
+        if not isinstance(a, torch.Tensor) or a.dtype != first.dtype \
+                or a.device != first.device or a.stride() != first.stride() \
+                or a.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() \
+                or a.storage_offset() != offset + size * first.stride(axis) \
+                or [n for d, n in enumerate(a.shape) if d != axis] \
+                != [n for d, n in enumerate(first.shape) if d != axis]:
+            return None
+        size += a.shape[axis]
+    shape = list(first.shape)
+    shape[axis] = size
+    return first.as_strided(shape, first.stride(), offset)
 
 Sink = Callable[[int, tuple[Any, ...]], None]
 """Receives ``(chunk index, last stage's outputs)`` in chunk order, in the calling thread."""
@@ -103,9 +143,9 @@ def run_stage(stage: StageProgram, call: Call, state: CallState, start: int, end
                          "seq_len": call.seq_len}[kind])
     for slot in stage.out_slots:
         full = call.outputs[slot.index] if call.outputs else None
-        view = None if full is None else full.narrow(slot.axis, start, size)
-        if view is None or not view.is_contiguous():  # batch > 1: rows are strided
-            view = torch.empty(slot.full_shape(size), dtype=slot.dtype, device=stage.device)
+        view = None if full is None else slot.view(full, start, size)
+        if view is None:  # no output (generate's prefill), or batch > 1: rows are strided
+            view = torch.empty(slot.fresh_shape(size), dtype=slot.dtype, device=stage.device)
         args.append(view)
     with torch.no_grad():
         return tuple(stage.runnable(*args))

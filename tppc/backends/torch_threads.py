@@ -6,7 +6,8 @@ THE interpreter (:mod:`tppc.program.interpreter`) over the thread transport
 (:mod:`tppc.program.threads`): a receive takes the next item from its inbox, a compute runs
 the chunk, a send puts the boundary values on the inbox of stage ``s + 1`` while the worker
 goes on with its next action, a collective meets the group's other workers in shared
-buffers: the stages run concurrently (PyTorch releases the GIL inside every op). Each worker
+buffers (an all-gather of slices the workers wrote into the call's output in place copies
+nothing: :func:`tppc.backends.torch_local.in_place_ops`): the stages run concurrently (PyTorch releases the GIL inside every op). Each worker
 sets its own intra-op thread count (``torch.set_num_threads`` is per thread) and grad mode.
 
 Transfers: when the next stage lives on another CUDA device, the worker copies its outputs
@@ -32,7 +33,7 @@ from typing import Any
 
 import torch
 
-from tppc.backends.torch_local import TORCH_OPS, Sink, past_deadline, run_stage, worker_name
+from tppc.backends.torch_local import Sink, in_place_ops, past_deadline, run_stage, worker_name
 from tppc.errors import StageTimeout
 from tppc.program.actions import Action
 from tppc.program.interpreter import Interpreter
@@ -97,7 +98,7 @@ class ThreadsExecutor:
         """
         stages = program.runners
         dry = program.dry_run(call.chunks)
-        world = ThreadWorld(dry, self.queue_depth, TORCH_OPS)
+        world = ThreadWorld(dry, self.queue_depth, in_place_ops(call.outputs))
         run = _Run(call, state, [None] * len(stages), [] if trace is None else trace)
         run.share = thread_share(len(stages))
         mode = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())

@@ -19,7 +19,11 @@ Measured, for one thread count (a pipeline stage on CPU runs with
     op overhead: the time per op of a tiny pre-norm transformer block of ``nn.Module``
         calls (module ``__call__``, Python dispatch, launch; its views are not counted);
     view and attention overhead (CPU): per view node and per chunk-attention call of a
-        stage graph (:mod:`.dispatch`).
+        stage graph (:mod:`.dispatch`);
+    thread groups (CPU, ``co_running >= 2``): the threads executor's collectives among
+        ``co_running`` worker threads, their hand-off, serial sum and gather rates and the
+        barrier wait (:mod:`.thread_groups`), measured with no other load (the members are
+        the load).
 
 Every timing is the fastest of a few ~20 ms batches: on a shared machine the least
 disturbed batch is the best estimate of what the device can do. ``co_running=k`` measures
@@ -55,6 +59,7 @@ import torch
 from tppc.cost_models.calibration_store import cache_dir, pinned, read_cached, write_cached
 from tppc.cost_models.dispatch import attention_overhead, view_overhead
 from tppc.cost_models.specs import DeviceSpec, MatrixUnit, Memory, VectorUnit
+from tppc.cost_models.thread_groups import ThreadGroupSpec, measure_thread_group
 from tppc.errors import SpecError
 
 __all__ = ["cache_dir", "calibrate"]
@@ -363,6 +368,7 @@ def _spec_from(name: str, measured: dict[str, float], description: str) -> Devic
         view_overhead=measured.get("view_overhead", 0.0),
         attention_overhead=measured.get("attention_overhead", 0.0),
         attention_efficiency=measured.get("attention_efficiency", 1.0),
+        thread_group=ThreadGroupSpec.from_measured(measured),
         description=description,
     )
 
@@ -417,6 +423,8 @@ def calibrate(device: str = "cpu", *, threads: int | None = 1, force: bool = Fal
     try:
         with _co_running(dev, co_running - 1, n_threads):
             measured = _measure(dev)
+        if dev.type == "cpu" and co_running > 1:
+            measured.update(measure_thread_group(co_running))
     finally:
         torch.set_num_threads(old_threads)
     name = "cpu" if dev.type == "cpu" else f"cuda{dev.index}"

@@ -20,9 +20,10 @@ from tppc.errors import SpecError
 
 __all__ = ["SCHEMA", "cache_dir", "pinned", "read_cached", "write_cached"]
 
-SCHEMA = 5
+SCHEMA = 6
 """3: half_rows, attention_efficiency, nn.Module op overhead, min timer; 4: dispatch;
-5: attention efficiency of tppc::chunk_attention (causal, keys visited), weight streaming."""
+5: attention efficiency of tppc::chunk_attention (causal, keys visited), weight streaming;
+6: thread groups' collectives (``group_*``, co-running calibrations)."""
 
 
 def cache_dir() -> Path:

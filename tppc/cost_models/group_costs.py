@@ -12,6 +12,11 @@ Terms:
         token · c, group)``. The collectives are added, not overlapped: the threads executor
         runs a stage's collectives between its own compute actions, and nothing else of that
         stage runs meanwhile (the next chunk's compute waits for them).
+    thread group: a group of CPU devices whose calibration measured the threads executor's
+        meetings (:mod:`.thread_groups`): its collectives are priced by that measurement
+        (hand-off + the last member's serial sum or gather; an all-gather of an output the
+        workers write in place costs the hand-off alone), not by a link, and a layer with a
+        collective adds the barrier wait ``κ · compute``.
     memory per device: the layer's weights less ``(1 - 1/t)`` of its cut weights; its K/V
         ``/ t`` when the K/V written into its buffers is cut by heads (else whole: K/V heads
         replicated); activations, positional tables and workspaces whole (conservative).
@@ -58,6 +63,7 @@ from tppc.cost_models.shard_costs import (
     shard_node_cost,
 )
 from tppc.cost_models.specs import DeviceSpec
+from tppc.cost_models.thread_groups import ThreadGroupSpec, thread_collective_seconds, thread_group_of
 from tppc.cost_models.table import CostTable, LayerCost, LinkCost, TimeFn
 from tppc.errors import CostModelError
 from tppc.ir.records import LayerInfo, ShardRole
@@ -74,20 +80,32 @@ class CollectiveTime:
         cluster: the cluster.
         group: the device indices.
         collectives: ``(kind, bytes per chunk token)`` of each collective.
+        in_place: per collective, whether it gathers an output the workers write in place.
+        threads: the group's thread-group spec (a CPU thread group), else None: each
+            collective is priced by :func:`.collective_costs.collective_cost`.
     """
 
     cluster: Cluster
     group: tuple[int, ...]
     collectives: tuple[tuple[str, int], ...]
+    in_place: tuple[bool, ...] = ()
+    threads: ThreadGroupSpec | None = None
     _seen: dict[float, float] = field(default_factory=dict, repr=False)
 
     def seconds(self, c: float) -> float:
         """Seconds at ``c`` tokens (memoised: the planner asks for few distinct sizes)."""
         if c not in self._seen:
-            self._seen[c] = sum(collective_cost(self.cluster, kind, float(per * c),
-                                                self.group).seconds  # type: ignore[arg-type]
-                                for kind, per in self.collectives)
+            self._seen[c] = sum(self._one(kind, float(per * c), j)
+                                for j, (kind, per) in enumerate(self.collectives))
         return self._seen[c]
+
+    def _one(self, kind: str, nbytes: float, j: int) -> float:
+        if self.threads is not None:
+            in_place = j < len(self.in_place) and self.in_place[j]
+            return thread_collective_seconds(self.threads, kind, nbytes, len(self.group),
+                                             in_place)
+        return collective_cost(self.cluster, kind, nbytes,  # type: ignore[arg-type]
+                               self.group).seconds
 
     def __call__(self, c: np.ndarray) -> np.ndarray:
         c = np.asarray(c, dtype=float)
@@ -97,9 +115,10 @@ class CollectiveTime:
 
 @dataclass(frozen=True, eq=False)
 class GroupTime:
-    """``time(c, p)`` of one layer on one group: the slowest member's shard + collectives;
-    on a mesh, + its exchanges, the ring's passes hidden behind the self-attention
-    (``attention``: its compute) where they fit (:mod:`.mesh_costs`)."""
+    """``time(c, p)`` of one layer on one group: the slowest member's shard + collectives
+    (on a thread group, + the barrier wait ``κ · compute``); on a mesh, + its exchanges, the
+    ring's passes hidden behind the self-attention (``attention``: its compute) where they
+    fit (:mod:`.mesh_costs`)."""
 
     compute: tuple[TimeFn, ...]
     collectives: CollectiveTime | None
@@ -111,6 +130,9 @@ class GroupTime:
         for fn in self.compute[1:]:
             out = np.maximum(out, fn(c, p))
         if self.collectives is not None and self.collectives.collectives:
+            threads = self.collectives.threads
+            if threads is not None:
+                out = out * (1.0 + threads.imbalance)
             out = out + self.collectives(np.broadcast_to(np.asarray(c, dtype=float), out.shape))
         if self.exchanges is not None:
             serial, passes = self.exchanges(np.broadcast_to(np.asarray(c, dtype=float),
@@ -270,7 +292,10 @@ def _row_layer(pricer: _GroupPricer, cluster: Cluster, group: tuple[int, ...],
     weights = expr.weight_bytes - shards.sharded_weight_bytes \
         + math.ceil(shards.sharded_weight_bytes / t)
     if mesh is None:
-        moves = CollectiveTime(cluster, group, shards.collectives) if t > 1 else None
+        moves = CollectiveTime(cluster, group, shards.collectives, shards.in_place,
+                               thread_group_of([cluster.devices[d] for d in group])
+                               if cluster.nodes[group[0]] == cluster.nodes[group[-1]] else None
+                               ) if t > 1 else None
         fns = tuple(pricer.time(exprs[i], spec, t) for exprs, spec in zip(per_spec, specs))
         return LayerCost(
             name=expr.info.name, time=GroupTime(fns, moves), weight_bytes=weights,

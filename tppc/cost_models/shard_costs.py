@@ -19,6 +19,10 @@ Terms:
     collective: after a ``row`` node an all-reduce of its output, at a ``gather`` node an
         all-gather of its output (bytes per chunk token × c; priced by
         :func:`.collective_costs.collective_cost` on the group's devices).
+    in place: an all-gather of a bias-free linear that is a model output (the LM head): on
+        the last stage each worker writes its slice straight into the call's output, so a
+        thread group's meeting copies nothing
+        (:func:`tppc.passes.stages.direct_output.write_piece_in_place`).
 
 The matmul dims are cut, not the time: the roofline then prices the smaller GEMM at its own
 tile, wave and skinny-row efficiency (a GEMM of ``n / t`` columns may fill fewer waves).
@@ -38,6 +42,7 @@ from torch import fx
 
 from tppc.cost_models.node_costs import C, L, NodeCost, P, Shapes, tensor_vals, value_bytes
 from tppc.ir.records import SHARD, ShardRole
+from tppc.passes.stages.direct_output import in_place_linear
 
 __all__ = ["CUT_KINDS", "LayerShards", "effective_roles", "layer_shards", "shard_node_cost"]
 
@@ -127,6 +132,7 @@ class LayerShards:
         sharded_weight_bytes: weight bytes cut ``t`` ways (weights of ``column``/``row``/
             ``sharded``/``gather`` nodes; a ``row`` bias stays whole).
         kv_sharded: True when the K/V written into the layer's buffers is cut (by heads).
+        in_place: per collective, whether it gathers a model output written in place.
     """
 
     roles: tuple[ShardRole, ...]
@@ -135,6 +141,7 @@ class LayerShards:
     collectives: tuple[tuple[str, int], ...]
     sharded_weight_bytes: int
     kv_sharded: bool
+    in_place: tuple[bool, ...] = ()
 
 
 def _per_token(expr: sympy.Expr, seq_len: int) -> int:
@@ -161,7 +168,7 @@ def layer_shards(nodes: Mapping[str, fx.Node], names: Iterable[str],
                  roles: Mapping[str, ShardRole], shapes: Shapes, seq_len: int) -> LayerShards:
     """The :class:`LayerShards` of the layer made of the nodes ``names``."""
     names = list(names)
-    layer_roles, ins, outs, collectives = [], [], [], []
+    layer_roles, ins, outs, collectives, in_place = [], [], [], [], []
     weights: dict[str, int] = {}
     kv_writes: list[bool] = []
     for name in names:
@@ -173,8 +180,10 @@ def layer_shards(nodes: Mapping[str, fx.Node], names: Iterable[str],
         outs.append(value_bytes(shapes, [node]))
         if role.kind == "row" or role.collective == "all_reduce":
             collectives.append(("all_reduce", _per_token(outs[-1], seq_len)))
+            in_place.append(False)
         elif role.kind == "gather" or role.collective == "all_gather":
             collectives.append(("all_gather", _per_token(outs[-1], seq_len)))
+            in_place.append(in_place_linear(node) and all(u.op == "output" for u in node.users))
         if role.kind in (*CUT_KINDS, "gather"):
             weights.update(_weight_bytes(node, role, shapes))
         if _writes_buffer(node):
@@ -184,7 +193,7 @@ def layer_shards(nodes: Mapping[str, fx.Node], names: Iterable[str],
     return LayerShards(roles=tuple(layer_roles), in_bytes=tuple(ins), out_bytes=tuple(outs),
                        collectives=tuple(collectives),
                        sharded_weight_bytes=sum(weights.values()),
-                       kv_sharded=bool(kv_writes) and all(kv_writes))
+                       kv_sharded=bool(kv_writes) and all(kv_writes), in_place=tuple(in_place))
 
 
 def _writes_buffer(node: fx.Node) -> bool:

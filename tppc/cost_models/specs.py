@@ -46,9 +46,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from tppc.errors import SpecError
+
+if TYPE_CHECKING:
+    from tppc.cost_models.thread_groups import ThreadGroupSpec
 
 __all__ = [
     "DTYPES",
@@ -216,6 +219,8 @@ class DeviceSpec:
             unit's ``tile_k``).
         attention_half_dim: d½ of the head-dim curve (0: flat).
         attention_half_keys: keys added to every query row's visited keys (0: none).
+        thread_group: what collectives of worker threads sharing this CPU cost (measured,
+            :mod:`.thread_groups`); None: a group of these devices is priced by its link.
         description: free text (full product name, where the numbers come from).
     """
 
@@ -231,6 +236,7 @@ class DeviceSpec:
     attention_dim_tile: int = 0
     attention_half_dim: float = 0.0
     attention_half_keys: float = 0.0
+    thread_group: ThreadGroupSpec | None = None
     description: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:

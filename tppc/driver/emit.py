@@ -28,7 +28,7 @@ from tppc.passes.meshcut.worker_graph import worker_graph
 from tppc.passes.runner import run_passes
 from tppc.passes.sharding.shard_graph import cuttable, shard_graph
 from tppc.passes.sharding.split_parts import split_parts
-from tppc.passes.stages.direct_output import write_outputs_in_place
+from tppc.passes.stages.direct_output import write_outputs_in_place, write_piece_in_place
 from tppc.passes.stages.partition_stages import partition_stages
 from tppc.passes.stages.place_constructors import place_constructors
 from tppc.passes.subgraph import copy_graph
@@ -197,14 +197,16 @@ def mesh_stage(module: fx.GraphModule, device: torch.device, signature: ChunkSig
         else:
             graph = cut(module, mesh, r, what) if cut is not None else worker_graph(
                 module, mesh, r, output_rows=signature.output_rows, what=what)
-        workers.append(_worker(graph, info, module, device, signature, r, label))
+        workers.append(_worker(graph, info, module, device, signature, r, label, mesh.tp))
     return workers
 
 
 def _worker(shard: fx.GraphModule, info: StageInfo, module: fx.GraphModule,
-            device: torch.device, signature: ChunkSignature, r: int, label: str
-            ) -> StageProgram:
-    """Worker ``r``'s stage program: its graph cut into parts at its collectives."""
+            device: torch.device, signature: ChunkSignature, r: int, label: str,
+            degree: int = 1) -> StageProgram:
+    """Worker ``r``'s stage program: its graph cut into parts at its collectives (on the
+    last stage of a tensor-parallel group, its vocabulary slice written in place:
+    :func:`_gather_in_place`)."""
     pieces, joins = split_parts(shard)
     parts = []
     for q, part in enumerate(pieces):
@@ -215,16 +217,32 @@ def _worker(shard: fx.GraphModule, info: StageInfo, module: fx.GraphModule,
         part.tppc_positional = module.tppc_positional
         parts.append(_rank_buffers(dataclasses.replace(_stage(part, device, signature), rank=r),
                                    r, label))  # a part knows its worker (hoisted consts)
+    if label == "tp" and not info.outputs and joins and joins[-1].kind == "all_gather":
+        parts[-2] = _gather_in_place(parts[-2], parts[-1], signature, joins[-1].dims[0], r,
+                                     degree)
     shard.meta[STAGE_INFO] = info
     tensors = [*shard.parameters(), *shard.buffers()]
     return dataclasses.replace(
         parts[0], module=shard, runnable=shard, boundary_out=parts[-1].boundary_out,
         buffers=tuple({b.name: b for p in parts for b in p.buffers}.values()),
-        out_slots=parts[-1].out_slots, rank=r, parts=tuple(parts),
+        out_slots=(*parts[-2].out_slots, *parts[-1].out_slots) if len(parts) > 1
+        else parts[-1].out_slots, rank=r, parts=tuple(parts),
         joins=tuple((j.kind, j.dims) for j in joins),
         join_axes=tuple(j.group for j in joins) if label != "tp" else (),
         param_count=sum(p.numel() for p in shard.parameters()),
         param_bytes=sum(t.numel() * t.element_size() for t in tensors))
+
+
+def _gather_in_place(part: StageProgram, last: StageProgram, signature: ChunkSignature,
+                     axis: int, r: int, degree: int) -> StageProgram:
+    """``part`` (before the all-gather that ends the last stage) writing worker ``r``'s slice
+    of the gathered output straight into the call's output, when it can
+    (:func:`tppc.passes.stages.direct_output.write_piece_in_place`); else ``part``."""
+    done = write_piece_in_place(part.module, last.module, signature.output_axes, axis, r, degree)
+    if done is None:
+        return part
+    runnable, slot = done
+    return dataclasses.replace(part, runnable=runnable, out_slots=(slot,))
 
 
 def _rank_buffers(stage: StageProgram, rank: int, label: str = "tp") -> StageProgram:

@@ -44,16 +44,37 @@ class OutSlot:
         axis: token axis of the output.
         shape: full-length shape with ``None`` at the token axis.
         dtype: element type.
+        piece: ``(axis, offset, size)`` when the worker writes only that slice of another
+            axis (its vocabulary slice of the logits, gathered in place:
+            :func:`tppc.passes.stages.direct_output.write_piece_in_place`); None: all of it.
     """
 
     index: int
     axis: int
     shape: tuple[int | None, ...]
     dtype: torch.dtype
+    piece: tuple[int, int, int] | None = None
 
     def full_shape(self, length: int) -> list[int]:
         """The shape with ``length`` tokens on the token axis."""
         return [length if s is None else s for s in self.shape]
+
+    def view(self, full: torch.Tensor, start: int, size: int) -> torch.Tensor | None:
+        """What a chunk ``[start, start + size)`` writes of the full-length output ``full``;
+        None when that is not one dense block of rows (batch > 1: a fresh tensor then)."""
+        view = full.narrow(self.axis, start, size)
+        if self.piece is None:
+            return view if view.is_contiguous() else None
+        axis, offset, width = self.piece
+        view = view.narrow(axis, offset, width)  # strided rows: a GEMM writes them in place
+        return view if view.stride(-1) == 1 else None
+
+    def fresh_shape(self, size: int) -> list[int]:
+        """The shape of a chunk's own tensor (its piece only) when it has no output view."""
+        shape = self.full_shape(size)
+        if self.piece is not None:
+            shape[self.piece[0]] = self.piece[2]
+        return shape
 
 
 @dataclass(frozen=True)
