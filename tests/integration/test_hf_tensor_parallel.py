@@ -156,3 +156,25 @@ def test_degree_the_key_value_heads_do_not_allow_is_refused() -> None:
     model, (ids,), _ = hf.hf_llama()
     with pytest.raises(SpecError, match=r"size 2 .*tensor_parallel=4.* fix"):
         _compile(model, ids, (4,), "local")
+
+
+def test_the_logits_slices_are_written_in_place_and_gathered_without_a_copy(monkeypatch) -> None:
+    """Each worker of the last stage writes its vocabulary slice into the call's output; the
+    threads executor's all-gather then returns the view over them (no cat) for every chunk,
+    and the logits still equal eager's."""
+    from tppc.backends import torch_local
+
+    model, (ids,), _ = hf.hf_llama(seq_len=24)  # vocabulary 128: slices of 64
+    cp = _compile(model, ids, (2,), "threads")
+    slots = [w.parts[-2].out_slots for w in cp.program(24).workers]
+    assert [s[0].piece for s in slots] == [(2, 0, 64), (2, 64, 64)]
+    views: list = []
+    side_by_side = torch_local._side_by_side
+    monkeypatch.setattr(torch_local, "_side_by_side",
+                        lambda a, axis: views.append(side_by_side(a, axis)) or views[-1])
+    with torch.no_grad():
+        want = model(ids).logits
+    got = _logits(cp(ids))
+    assert len(views) == len(cp.plan.chunks) == 2 and all(v is not None for v in views)
+    assert all(v.untyped_storage().data_ptr() == got.untyped_storage().data_ptr() for v in views)
+    assert_kernels_close(got, want)

@@ -63,8 +63,12 @@ from tppc.cost_models.shard_costs import (
     shard_node_cost,
 )
 from tppc.cost_models.specs import DeviceSpec
-from tppc.cost_models.thread_groups import ThreadGroupSpec, thread_collective_seconds, thread_group_of
 from tppc.cost_models.table import CostTable, LayerCost, LinkCost, TimeFn
+from tppc.cost_models.thread_groups import (
+    ThreadGroupSpec,
+    thread_collective_seconds,
+    thread_group_of,
+)
 from tppc.errors import CostModelError
 from tppc.ir.records import LayerInfo, ShardRole
 from tppc.program.mesh import Mesh
