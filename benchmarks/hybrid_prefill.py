@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 import tppc
+from tppc.cost_models.cluster import Cluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_speed import llama
@@ -72,10 +73,12 @@ def main() -> None:
         "default": tppc.compile(model, (ids,), **common),
     }
     print(compiled["default"].plan.summary())
+    group = Cluster.parse("2xcpu").devices[0].thread_group
+    print(f"thread group (calibrated): {group}")
     for name, cp in compiled.items():
         diff = (cp(ids).logits - want).abs().max().item()
         print(f"{name}: degrees {dict(cp.plan.degrees)}, chunks {len(cp.plan.chunks)}, "
-              f"max |diff| vs eager {diff:.2e}")
+              f"predicted {cp.plan.latency:.3f} s, max |diff| vs eager {diff:.2e}")
 
     def eager(threads: int):
         def run() -> None:

@@ -200,8 +200,9 @@ def measure_thread_group(members: int = 2, rounds: int = 10) -> dict[str, float]
                     meet("all_reduce", torch.ones(1))
         return body
 
-    free = _best(members, segments(False), 3)
-    joined = _best(members, segments(True), 3)
+    runs = [(_run_members(members, segments(False)), _run_members(members, segments(True)))
+            for _ in range(3)]  # alternated: both see the same disturbances
+    free, joined = min(r[0] for r in runs), min(r[1] for r in runs)
     kappa = max(0.0, (joined - rounds * alpha - free) / free)
     return {"group_handoff": alpha, "group_reduce_bandwidth": reduce_bw,
             "group_gather_bandwidth": gather_bw, "group_imbalance": kappa,
