@@ -1,8 +1,9 @@
 """Shared fixtures: seeded small models, and a pinned CPU calibration.
 
 Every plan the tests make prices the ``cpu`` device with the calibration in
-``tests/data/cpu_calibration.json`` (measured once on an idle 2-core machine), not with one
-measured now: a verdict must not depend on this machine's speed or on what else it runs.
+``tests/data/cpu_calibration.json`` (measured once on an idle 2-core machine; its thread-group
+``group_*`` fields later, on the loaded VM, best of 3), not with one measured now: a verdict
+must not depend on this machine's speed or on what else it runs.
 Tests of the calibration itself unset it (the ``real_calibration`` fixture).
 """
 
