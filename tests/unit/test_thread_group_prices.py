@@ -101,3 +101,27 @@ def test_2xcpu_picks_pp2_when_the_barriers_make_tp2_slower(qwen2_front, spec, de
     plan = length_planner(CompileOptions(cluster=_cpus(spec), time_limit=2.0))(qwen2_front, 2048)
     assert (plan.degrees["num_stages"], plan.degrees["tensor_parallel"]) == degrees
     assert plan.choice is not None and plan.choice.searched + plan.choice.pruned >= 2
+
+
+def test_a_co_running_calibration_carries_its_thread_group(tmp_path, monkeypatch,
+                                                           real_calibration) -> None:
+    from tppc.cost_models import calibration
+
+    monkeypatch.setenv("TPPC_CACHE_DIR", str(tmp_path))
+    rates = {"fp32": 1e11, "half_rows": 8.0, "attention_efficiency": 0.7, "op_overhead": 1e-6,
+             "bandwidth": 2e10, "vector": 5e9, "capacity": 2.0**34}
+    group = {"group_handoff": 2e-3, "group_reduce_bandwidth": 1e9,
+             "group_gather_bandwidth": 0.5e9, "group_imbalance": 0.25, "group_members": 2.0}
+    monkeypatch.setattr(calibration, "_measure", lambda device: dict(rates))
+    monkeypatch.setattr(calibration, "measure_thread_group", lambda n: dict(group))
+    assert calibration.calibrate("cpu", co_running=2).thread_group == SLOW
+    assert calibration.calibrate("cpu", co_running=2).thread_group == SLOW  # from the cache
+    assert calibration.calibrate("cpu").thread_group is None  # one stage: no group
+
+
+def test_the_executor_meeting_is_measured() -> None:
+    from tppc.cost_models.thread_groups import measure_thread_group
+
+    measured = ThreadGroupSpec.from_measured(measure_thread_group(members=2, rounds=1))
+    assert measured is not None and measured.members == 2
+    assert 0 < measured.handoff < 1 and measured.reduce_bandwidth > 0
