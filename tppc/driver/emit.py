@@ -247,7 +247,8 @@ def _stage(module: fx.GraphModule, device: torch.device, signature: ChunkSignatu
     buffers = tuple(
         BufferSpec(name=name, kind=spec.kind, attention=spec.source, layer=spec.layer,
                    axis=int(spec.axis), shape=spec.shape, dtype=spec.dtype,
-                   scale=spec.scale, prefix=spec.prefix, suffix=spec.suffix)
+                   scale=spec.scale, prefix=spec.prefix, suffix=spec.suffix,
+                   parts=spec.parts)
         for name, spec in inputs if spec.kind in ("key", "value"))
     runnable, slots = module, {}
     if not info.outputs:  # the last stage: its outputs are the model's
