@@ -217,7 +217,8 @@ def _text_writes(ex: _Exchange, w: BufferWrite, h_kv: int, heads_part: tuple) ->
             if heads_part:
                 text = ex.graph.call_function(aten.narrow.default, (text, *heads_part))
             copy.args = (view, ex.heads(text, h_kv), *copy.args[2:])
-            if ex.local is not None:  # at the text's place in the worker's own buffer
+        if ex.local is not None:  # at the text's place in the worker's own buffer
+            with ex.graph.inserting_before(view):
                 view.args = (view.args[0], view.args[1],
                              *(clone_ints(ex.graph, a, ex.local) for a in view.args[2:]))
 
