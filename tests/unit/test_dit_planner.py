@@ -8,7 +8,7 @@ import torch
 
 from tppc.cost_models.cluster import Cluster
 from tppc.cost_models.collective_costs import collective_cost
-from tppc.cost_models.mesh_costs import LayerTraffic, MeshExchanges
+from tppc.cost_models.mesh_costs import LayerTraffic, MeshExchanges, mesh_kv_bytes
 from tppc.driver.options import CompileOptions
 from tppc.driver.planning import length_planner
 from tppc.errors import PlanError, PlanInfeasible, SpecError
@@ -152,14 +152,25 @@ def test_ulysses_pays_four_all_to_alls_per_self_attention() -> None:
     assert serial == pytest.approx(6 * one) and passes == 0.0
 
 
-def test_the_ring_gathers_k_and_v_serially_unless_overlapped() -> None:
-    cluster = Cluster.parse("4xh100-sxm")
+def test_the_ring_shifts_its_own_block_serially_unless_overlapped() -> None:
+    """Ring form: 3 shifts of a worker's own K/V block (a quarter of the 16384 keys) per
+    patch of 4096 tokens; the gather form gathers the patch's K/V; with one patch both move
+    the same bytes. A worker keeps a quarter of the ring form's K/V buffers."""
+    cluster, group = Cluster.parse("4xh100-sxm"), (0, 1, 2, 3)
     traffic = LayerTraffic(self_attention=(1000,))
-    gather = collective_cost(cluster, "all_gather", 2 * 1000 * 4096, (0, 1, 2, 3)).seconds
-    ours = MeshExchanges(cluster, (0, 1, 2, 3), Mesh(ring=4), traffic).seconds(4096.0)
-    xdit = MeshExchanges(cluster, (0, 1, 2, 3), Mesh(ring=4), traffic,
-                         overlap=True).seconds(4096.0)
-    assert ours == pytest.approx((gather, 0.0)) and xdit == pytest.approx((0.0, gather))
+    shift = collective_cost(cluster, "ring_shift", 2 * 1000 * 16384 / 4, group).seconds
+    ours = MeshExchanges(cluster, group, Mesh(ring=4), traffic, seq_len=16384).seconds(4096.0)
+    xdit = MeshExchanges(cluster, group, Mesh(ring=4), traffic, overlap=True,
+                         seq_len=16384).seconds(4096.0)
+    assert ours == pytest.approx((3 * shift, 0.0)) and xdit == pytest.approx((0.0, 3 * shift))
+    gathered = LayerTraffic(self_attention=(1000,), ring_form=(False,))
+    gather = collective_cost(cluster, "all_gather", 2 * 1000 * 4096, group).seconds
+    assert MeshExchanges(cluster, group, Mesh(ring=4), gathered, seq_len=16384).seconds(
+        4096.0) == pytest.approx((gather, 0.0))
+    one = collective_cost(cluster, "ring_shift", 2 * 1000 * 4096 / 4, group).seconds
+    assert 3 * one == pytest.approx(gather)
+    assert mesh_kv_bytes(4000, traffic, Mesh(ring=4)) == 1000
+    assert mesh_kv_bytes(4000, gathered, Mesh(ring=4)) == 4000
 
 
 def test_meshes_the_graph_cannot_cut_are_refused_by_the_planner() -> None:

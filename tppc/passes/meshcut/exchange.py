@@ -118,15 +118,17 @@ class _Exchange:
 
 def exchange_attention(graph: fx.Graph, node: fx.Node, key: BufferWrite, value: BufferWrite,
                        ring: int, ulysses: int, ulysses_coord: int, write_subst: dict,
-                       query_subst: dict, what: str, local: dict | None = None) -> None:
+                       query_subst: dict, what: str, local: dict | None = None,
+                       gather: str = "") -> None:
     """Rewrite attention ``node`` and its K/V writes for the token cut (module docstring).
     ``write_subst`` / ``query_subst``: the int nodes to replace in the write's offset (the
     chunk's start) and in the keys read and the query start (the exchanged queries' rows);
-    ``local``: :func:`ring_form.local_subst` (the ring form where ``node`` takes it)."""
+    ``local``: :func:`ring_form.local_subst` (the ring form where ``node`` takes it);
+    ``gather``: why the gather form whatever ``node`` is."""
     info = node.meta[TOKEN]
     ex = _Exchange(graph, node, ring, ulysses, ulysses_coord, info.prefix, info.suffix)
     if ring > 1:
-        reason = ring_reason(node, bool(key.blocks or value.blocks), any(
+        reason = gather or ring_reason(node, bool(key.blocks or value.blocks), any(
             _reads(w.read.args[3], query_subst) for w in (key, value)
             if isinstance(w.read.args[3], fx.Node)), local)
         if reason:

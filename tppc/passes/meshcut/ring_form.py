@@ -45,7 +45,7 @@ from tppc.ir.records import CHUNK_INPUT, RING_FORM, RingForm
 from tppc.passes.meshcut.ring_kernels import attend_block, finish, join_kv, step
 from tppc.passes.sharding.shard_graph import ring_shift_mark
 
-__all__ = ["local_subst", "ring_attention", "ring_reason", "set_parts"]
+__all__ = ["graph_reason", "local_subst", "ring_attention", "ring_reason", "set_parts"]
 
 aten = torch.ops.aten
 
@@ -80,6 +80,16 @@ def ring_reason(node: fx.Node, frames: bool, reads_chunk: bool, local: dict | No
     if reads_chunk:
         return "its keys' read length depends on the chunk"
     return ""
+
+
+def graph_reason(node: fx.Node) -> str:
+    """:func:`ring_reason` of a chunk-step (or stage) graph's attention ``node`` as the
+    cost model sees it: its arguments and its key buffer's frames (``""``: the ring form)."""
+    buffer = node.args[1] if len(node.args) > 1 else None
+    while isinstance(buffer, fx.Node) and buffer.op == "call_function" and buffer.args:
+        buffer = buffer.args[0]
+    spec = buffer.meta.get(CHUNK_INPUT) if isinstance(buffer, fx.Node) else None
+    return ring_reason(node, spec is not None and spec.frames > 1, False, {})
 
 
 def local_subst(graph: fx.Graph, after: fx.Node, start: fx.Node, first: fx.Node,

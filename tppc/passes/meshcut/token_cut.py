@@ -52,9 +52,10 @@ _ATTENTION = torch.ops.tppc.chunk_attention.default
 
 
 def token_cut(gm: fx.GraphModule, ring: int, ulysses: int, ring_coord: int,
-              ulysses_coord: int, what: str) -> None:
+              ulysses_coord: int, what: str, gather: str = "") -> None:
     """Cut ``gm``'s tokens for the worker at ``(ring_coord, ulysses_coord)`` (in place; see
-    the module docstring).
+    the module docstring); ``gather``: why every attention takes the ring's gather form
+    (empty: the ring form where it applies).
 
     Raises:
         SpecError: joint attention, a head count ``ulysses`` does not divide, a mixing op
@@ -99,10 +100,11 @@ def token_cut(gm: fx.GraphModule, ring: int, ulysses: int, ring_coord: int,
         ph.replace_all_uses_with(rows, delete_user_cb=lambda u, r=rows: u is not r
                                  and u not in keep)
     local = local_subst(graph, q_size, start, first, kinds.get("seq_len"), ring) \
-        if ring > 1 and first is not None else None
+        if ring > 1 and first is not None and not gather else None
     for node, (key, value) in attentions.items():
         exchange_attention(graph, node, key, value, ring, ulysses, ulysses_coord,
-                           {first: start}, {first: q_start, sub: q_size}, what, local)
+                           {first: start}, {first: q_start, sub: q_size}, what, local,
+                           gather)
 
 
 def _sub_units(graph: fx.Graph, placeholders: list[fx.Node], size: fx.Node | None,
