@@ -26,10 +26,11 @@ axis counting)::
               buffer bytes_per_token(out) · c / (n · tp); each cross-attention: 2 (q, out)
     Ring      each self-attention in the ring form (:mod:`tppc.passes.meshcut.ring_form`):
               r - 1 ring shifts of a worker's own K/V block, the keys of the whole
-              sequence it holds, 2 · bytes_per_token(out) · L / (r · cfg · ulysses · tp)
-              (with PipeFusion patches every patch passes the whole blocks again: the
-              stale K/V of the other patches are part of them), and r attention kernels,
-              one per block (:func:`ring_blocks`). As tppc's workers run it (the default)
+              sequence it holds, 2 · bytes_per_token(out) · L / (r · cfg · ulysses · tp),
+              and r attention kernels,
+              one per block (:func:`ring_blocks`); a chunk shorter than the sequence
+              (PipeFusion's stale patches) is priced in the gather form, as
+              ``cp.denoise`` runs it. As tppc's workers run it (the default)
               every shift blocks the stage (a collective ends a part); as xDiT runs it
               (``overlap``) each block is passed while the previous one is attended,
               exposed max(0, passes - attention). A self-attention in the gather form
@@ -240,7 +241,8 @@ class MeshExchanges:
         if m.ring > 1:
             share = m.cfg * m.ulysses * m.tp
             keys = (self.seq_len or c) / (m.ring * share)  # a worker's own block
-            forms = t.forms()
+            # patches (c < L): PipeFusion's stale patches keep the gather form
+            forms = t.forms() if c >= (self.seq_len or c) else (False,) * len(t.forms())
             ring = sum((m.ring - 1) * self._worst("ring", "ring_shift", 2 * per * keys)
                        for per, own in zip(t.self_attention, forms, strict=True) if own)
             serial += sum(self._worst("ring", "all_gather", 2 * per * c / share)
