@@ -6,19 +6,24 @@ channel, computed in log space as minGRU's parallel form does (Heinsen's scan:
 short convolution (``conv1d(padding=k − 1)[..., :L]``, Mamba's), in blocks with an MLP; one
 hybrid variant puts a causal SDPA block between them. Checked against eager at 2 stages with
 several chunks (chunks of one token included), re-planned lengths, ``generate`` continuing
-from the prefill's states, and the state buffers' sizes (batch × channels, not the length).
+from the prefill's states, the state buffers' sizes (batch × channels, not the length) and
+their price (a scan layer's time has no prefix term; its states count as held bytes).
 A wrong initial state is caught by translation validation.
 """
 
 from __future__ import annotations
 
 import pytest
+import sympy
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 import tppc
 from tests.oracles import assert_kernels_close, greedy_reference
+from tppc.cost_models.layer_costs import layer_expressions
+from tppc.cost_models.node_costs import C, P
+from tppc.cost_models.presets import DEVICE_PRESETS
 from tppc.passes.annotation import recurrent
 from tppc.planner.manual import manual_plan
 
@@ -122,3 +127,18 @@ def test_wrong_initial_state_is_caught_by_validation(monkeypatch) -> None:
     model = _ScanLM().eval()
     with pytest.raises(tppc.SoundnessError, match="logcumsumexp"):
         tppc.compile(model, (torch.randint(0, VOCAB, (1, 8)),), cluster="2xcpu")
+
+
+def test_scan_chunks_cost_their_rows_only_and_hold_their_states(compiled) -> None:
+    model, cp = compiled
+    front = cp._front  # the front end the pipeline prices
+    exprs = layer_expressions(front.chunk, front.ctx.layers, DEVICE_PRESETS["h100-sxm"], 64,
+                              seq_symbol=front.ctx.seq_symbol)
+    scans = [e for e, block in zip(exprs[1:-1], model.blocks, strict=True)
+             if isinstance(block, _ScanBlock)]
+    for expr in scans:
+        assert P not in expr.time.free_symbols  # no prefix term: linear in the chunk
+        assert sympy.degree(sympy.expand(expr.vector_flops), C) == 1
+        params = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+        states = 2 * (2 * 2 * 1 * D * 8) + 2 * 2 * D * (K - 1) * 4  # two scans, one conv
+        assert expr.weight_bytes == params + states and expr.kv_bytes_per_token == 0

@@ -293,13 +293,9 @@ _TABLE: dict[object, OpRule] = {
     _A.view: OpRule("reshape", "free", aliases=True),
     _A.view_as: OpRule("reshape", "free"),
     # annotation rules of ops the cost model does not price
-    _A.cummax: OpRule("mixes_along_dim"),
-    _A.cummin: OpRule("mixes_along_dim"),
-    _A.cumprod: OpRule("mixes_along_dim"),
     _A.glu: OpRule("mixes_along_dim"),
     _A.kthvalue: OpRule("mixes_along_dim"),
     _A.linalg_vector_norm: OpRule("reduction"),
-    _A.logcumsumexp: OpRule("mixes_along_dim"),
     _A.logsumexp: OpRule("reduction"),
     _A.median: OpRule("mixes_along_dim"),
     _A.mode: OpRule("mixes_along_dim"),
