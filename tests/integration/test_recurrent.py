@@ -63,10 +63,9 @@ class _AttentionBlock(nn.Module):
 
 
 class _ScanLM(nn.Module):
-    def __init__(self, hybrid: bool = False) -> None:
+    def __init__(self, kinds: tuple[type[nn.Module], ...] = (_ScanBlock,) * 3) -> None:
         super().__init__()
         self.emb, self.head = nn.Embedding(VOCAB, D), nn.Linear(D, VOCAB)
-        kinds = (_ScanBlock, _AttentionBlock, _ScanBlock) if hybrid else (_ScanBlock,) * 3
         self.blocks = nn.ModuleList(kind() for kind in kinds)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -76,12 +75,28 @@ class _ScanLM(nn.Module):
         return self.head(x)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["scan", "hybrid"])
-def compiled(request: pytest.FixtureRequest) -> tuple[nn.Module, tppc.CompiledPipeline]:
+def _compile(kinds: tuple[type[nn.Module], ...]) -> tuple[nn.Module, tppc.CompiledPipeline]:
     torch.manual_seed(0)
-    model = _ScanLM(hybrid=request.param).eval()
-    ids = torch.randint(0, VOCAB, (2, LENGTH))
-    return model, tppc.compile(model, (ids,), cluster="2xcpu")
+    model = _ScanLM(kinds).eval()
+    return model, tppc.compile(model, (torch.randint(0, VOCAB, (2, LENGTH)),),
+                               cluster="2xcpu")
+
+
+@pytest.fixture(scope="module")
+def scan() -> tuple[nn.Module, tppc.CompiledPipeline]:
+    """Recurrent blocks only (no attention anywhere)."""
+    return _compile((_ScanBlock,) * 3)
+
+
+@pytest.fixture(scope="module")
+def hybrid() -> tuple[nn.Module, tppc.CompiledPipeline]:
+    """A causal SDPA block between two recurrent ones."""
+    return _compile((_ScanBlock, _AttentionBlock, _ScanBlock))
+
+
+@pytest.fixture(params=["scan", "hybrid"])
+def compiled(request: pytest.FixtureRequest) -> tuple[nn.Module, tppc.CompiledPipeline]:
+    return request.getfixturevalue(request.param)
 
 
 def test_two_stages_several_chunks_equal_eager(compiled) -> None:
@@ -94,23 +109,23 @@ def test_two_stages_several_chunks_equal_eager(compiled) -> None:
         assert_kernels_close(staged(ids), model(ids))
 
 
-def test_replanned_lengths_equal_eager(compiled) -> None:
-    model, cp = compiled
+def test_replanned_lengths_equal_eager(hybrid) -> None:
+    model, cp = hybrid
     for length in (7, 40):
         ids = torch.randint(0, VOCAB, (2, length))
         with torch.no_grad():
             assert_kernels_close(cp(ids), model(ids))
 
 
-def test_generate_continues_from_the_prefill_states(compiled) -> None:
-    model, cp = compiled
+def test_generate_continues_from_the_prefill_states(hybrid) -> None:
+    model, cp = hybrid
     prompt = torch.randint(0, VOCAB, (2, 9))
     want = greedy_reference(model, prompt, 5)
     assert torch.equal(cp.generate(prompt, max_new_tokens=5), want)
 
 
-def test_state_buffers_are_sized_by_batch_and_channels(compiled) -> None:
-    model, cp = compiled
+def test_state_buffers_are_sized_by_batch_and_channels(scan) -> None:
+    model, cp = scan
     states = {b.name: b for st in cp.program(40).stages for b in st.buffers
               if b.kind == "state"}
     shapes = sorted({(b.shape, b.dtype) for b in states.values()}, key=str)
@@ -124,13 +139,13 @@ def test_state_buffers_are_sized_by_batch_and_channels(compiled) -> None:
 def test_wrong_initial_state_is_caught_by_validation(monkeypatch) -> None:
     # (a wrong cumsum start would cancel out of the log-space scan: exp(a* + 1 − 1))
     monkeypatch.setitem(recurrent.SCAN_INIT, torch.ops.aten.logcumsumexp.default, 0.0)
-    model = _ScanLM().eval()
+    model = _ScanLM((_ScanBlock,)).eval()
     with pytest.raises(tppc.SoundnessError, match="logcumsumexp"):
         tppc.compile(model, (torch.randint(0, VOCAB, (1, 8)),), cluster="2xcpu")
 
 
-def test_scan_chunks_cost_their_rows_only_and_hold_their_states(compiled) -> None:
-    model, cp = compiled
+def test_scan_chunks_cost_their_rows_only_and_hold_their_states(hybrid) -> None:
+    model, cp = hybrid
     front = cp._front  # the front end the pipeline prices
     exprs = layer_expressions(front.chunk, front.ctx.layers, DEVICE_PRESETS["h100-sxm"], 64,
                               seq_symbol=front.ctx.seq_symbol)

@@ -1,15 +1,17 @@
 """Where torch.export fixed the sequence length: the model's line, and what it is.
 
 Terms:
-    guard site: the ``file:line in function`` torch's shape environment logs when the model
-        code adds a guard ``Eq(s, N)`` that pins the sequence symbol ``s`` to the example's
-        length ``N`` (``eval Eq(s70, 12) [guard added] (…/modeling_mamba.py:261 in
-        mamba_selective_scan)``). Read from the ``torch.fx.experimental.symbolic_shapes``
-        logger at INFO while one export runs (exports are serialised, see
-        :mod:`tppc.frontend.isolation`).
+    guard site: the model's line that adds a guard ``Eq(…)`` on the sequence symbol ``s``
+        that pins it (``eval Eq(s70, 12) [guard added]``, or through a size computation:
+        ``Eq(32*s70 + 32*Mod(8 - Mod(s70, 8), 8), 256)``, Mamba2's padding to whole blocks).
+        Heard from the ``torch.fx.experimental.symbolic_shapes`` logger at INFO while one
+        export runs (exports are serialised, see :mod:`tppc.frontend.isolation`); the line is
+        the innermost frame of the call stack outside torch and tppc when the guard is added
+        (the log itself names torch's frame when an op adds it).
     loop over positions: a guard site whose line is ``for … in range(…)``: a recurrence
-        stepped token by token in Python (transformers' Mamba slow path), which torch.export
-        unrolls at the example's length.
+        stepped position by position (transformers' Mamba slow path) or block by block
+        (MiniMax's lightning attention) in Python, which torch.export unrolls at the
+        example's length.
 
 Example:
     >>> with guard_sites() as sites:                                   # doctest: +SKIP
@@ -25,14 +27,15 @@ import contextlib
 import linecache
 import logging
 import re
-import sys
+import traceback
 from collections.abc import Iterator
 
 __all__ = ["describe_site", "guard_sites", "loop_over_positions"]
 
 _LOGGER = "torch.fx.experimental.symbolic_shapes"
-_SITE = re.compile(r"eval Eq\((\w+), (\d+)\) \[guard added\].*?\((\S+?):(\d+) in (\w+)\)")
+_GUARD = re.compile(r"eval (Eq\(.*?) \[guard added\]")
 _LOOP = re.compile(r"^\s*for\s+.+\s+in\s+range\(")
+_LIBRARY = ("/torch/", "/tppc/", "/logging/", "/sympy/", "/contextlib.py", "/threading.py")
 
 
 class _Sites(logging.Handler):
@@ -42,11 +45,16 @@ class _Sites(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            found = _SITE.search(record.getMessage())
+            found = _GUARD.search(record.getMessage())
         except Exception:  # a record that does not format: not ours to judge
             return
-        if found:
-            self.sites.append((found.group(3), int(found.group(4)), found.group(5)))
+        if not found:
+            return
+        for frame in reversed(traceback.extract_stack()):
+            if not any(part in frame.filename for part in _LIBRARY) \
+                    and not frame.filename.startswith("<"):
+                self.sites.append((frame.filename, frame.lineno or 0, frame.name))
+                return
 
 
 @contextlib.contextmanager
@@ -76,7 +84,7 @@ def describe_site(sites: list[tuple[str, int, str]]) -> tuple[str, str] | None:
     if not sites:
         return None
     path, line, function = sites[0]
-    return f"{path}:{line} in {function}", _source(path, line)
+    return f"{_short(path)}:{line} in {function}", linecache.getline(path, line).strip()
 
 
 def loop_over_positions(source: str) -> bool:
@@ -84,10 +92,9 @@ def loop_over_positions(source: str) -> bool:
     return bool(_LOOP.match(source))
 
 
-def _source(path: str, line: int) -> str:
-    """The source line, found through the loaded modules (the log gives a relative path)."""
-    for module in list(sys.modules.values()):
-        filename = getattr(module, "__file__", None) or ""
-        if filename.endswith(path):
-            return linecache.getline(filename, line).strip()
-    return ""
+def _short(path: str) -> str:
+    """A path from its package on (``transformers/models/…``), as torch's log writes it."""
+    for marker in ("site-packages/", "dist-packages/"):
+        if marker in path:
+            return path.split(marker, 1)[1]
+    return path

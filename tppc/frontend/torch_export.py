@@ -345,18 +345,20 @@ def _explain(model: torch.nn.Module, exc: Exception, why: str = "") -> str:
 
 
 def _loop_error(model: torch.nn.Module, site: tuple[str, str], exc: Exception) -> str:
-    """The refusal of a recurrence stepped position by position in a Python loop."""
+    """The refusal of a recurrence stepped in a Python loop as long as the sequence."""
     return (
-        f"torch.export could not capture {type(model).__name__}: a Python loop over the "
-        f"positions at {site[0]} (`{site[1]}`), a recurrence stepped token by token; "
-        "torch.export unrolls it at the example's length (one copy of the step per token), "
-        "so the sequence length is fixed to the example and no chunk can run it.\n"
+        f"torch.export could not capture {type(model).__name__}: a Python loop whose count "
+        f"is the sequence length at {site[0]} (`{site[1]}`), a recurrence stepped position "
+        "by position (or block by block); torch.export unrolls it at the example's length "
+        "(one copy of the step per position or block), so the sequence length is fixed to "
+        "the example and no chunk can run it.\n"
         "fix: write the recurrence as a scan over the token axis that torch.export captures "
         "with a symbolic length (torch.cumsum / torch.logcumsumexp / torch.cumprod, e.g. a "
         "log-space linear recurrence as minGRU's parallel form) and a short convolution as "
         "conv1d(padding=k - 1)[..., :L]: tppc carries their state from chunk to chunk "
-        "(docs/annotation.md#recurrent-layers-carried-state). transformers' Mamba has no "
-        "such path on CPU (its associative_scan path runs only under torch.compile).\n"
+        "(docs/annotation.md#recurrent-layers-carried-state). transformers' Mamba, Jamba and "
+        "MiniMax have no such path on CPU (Mamba's associative_scan runs only under "
+        "torch.compile), so they stay refused.\n"
         f"torch.export's error, in full:\n{type(exc).__name__}: {str(exc).strip()}")
 
 
