@@ -8,7 +8,8 @@ hybrid variant puts a causal SDPA block between them. Checked against eager at 2
 several chunks (chunks of one token included), re-planned lengths, ``generate`` continuing
 from the prefill's states, the state buffers' sizes (batch × channels, not the length) and
 their price (a scan layer's time has no prefix term; its states count as held bytes).
-A wrong initial state is caught by translation validation.
+A wrong initial state is caught by translation validation. transformers' Mamba (its CPU
+path loops over the positions in Python) is refused naming the loop's line.
 """
 
 from __future__ import annotations
@@ -157,3 +158,15 @@ def test_scan_chunks_cost_their_rows_only_and_hold_their_states(hybrid) -> None:
         params = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
         states = 2 * (2 * 2 * 1 * D * 8) + 2 * 2 * D * (K - 1) * 4  # two scans, one conv
         assert expr.weight_bytes == params + states and expr.kv_bytes_per_token == 0
+
+
+def test_mamba_python_loop_over_positions_is_refused_naming_its_line() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MambaConfig(vocab_size=VOCAB, hidden_size=8, state_size=2,
+                                      num_hidden_layers=1, expand=2, conv_kernel=4,
+                                      use_cache=False)
+    model = transformers.MambaForCausalLM(config).eval()
+    with pytest.raises(tppc.CaptureError, match=r"(?s)Python loop.*modeling_mamba\.py:\d+ in "
+                       r"mamba_selective_scan \(`for index in range\(seq_len\):`\).*fix: write "
+                       r"the recurrence as a scan"):
+        tppc.capture(model, (torch.randint(0, VOCAB, (1, 6)),), {"use_cache": False})
