@@ -170,3 +170,10 @@ def test_mamba_python_loop_over_positions_is_refused_naming_its_line() -> None:
                        r"mamba_selective_scan \(`for index in range\(seq_len\):`\).*fix: write "
                        r"the recurrence as a scan"):
         tppc.capture(model, (torch.randint(0, VOCAB, (1, 6)),), {"use_cache": False})
+
+
+def test_export_refuses_carried_states_by_name(scan, tmp_path) -> None:
+    _, cp = scan
+    with pytest.raises(tppc.ExportError, match=r"recurrent layers.*layer 'blocks\.0'.*"
+                       r"fix: run it with backend='torch'"):
+        tppc.export(cp, tmp_path / "out")
