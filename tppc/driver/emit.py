@@ -241,7 +241,7 @@ def _rank_buffers(stage: StageProgram, rank: int, label: str = "tp") -> StagePro
     def named(name: str) -> str:  # a ring worker's own block: another shape
         return f"{name}@{label}{rank}" + ("/own" if name in own else "")
     return dataclasses.replace(
-        stage, inputs=tuple((named(n) if spec.kind in ("key", "value") else n, spec)
+        stage, inputs=tuple((named(n) if spec.kind in ("key", "value", "state") else n, spec)
                             for n, spec in stage.inputs),
         buffers=tuple(dataclasses.replace(b, name=named(b.name)) for b in stage.buffers))
 
@@ -253,10 +253,10 @@ def _stage(module: fx.GraphModule, device: torch.device, signature: ChunkSignatu
     inputs = tuple((p.name, p.meta[CHUNK_INPUT]) for p in module.graph.find_nodes(op="placeholder"))
     buffers = tuple(
         BufferSpec(name=name, kind=spec.kind, attention=spec.source, layer=spec.layer,
-                   axis=int(spec.axis), shape=spec.shape, dtype=spec.dtype,
-                   scale=spec.scale, prefix=spec.prefix, suffix=spec.suffix,
+                   axis=None if spec.axis is None else int(spec.axis), shape=spec.shape,
+                   dtype=spec.dtype, scale=spec.scale, prefix=spec.prefix, suffix=spec.suffix,
                    parts=spec.parts)
-        for name, spec in inputs if spec.kind in ("key", "value"))
+        for name, spec in inputs if spec.kind in ("key", "value", "state"))
     runnable, slots = module, {}
     if not info.outputs:  # the last stage: its outputs are the model's
         runnable, slots = write_outputs_in_place(module, signature.output_axes)

@@ -59,7 +59,7 @@ token: row-wise along the token axis (linear, norm, activation, residual add);
 mixing: attention over the token axis;
 global: needs the whole sequence (pooling, a reshape that breaks the token order, loss)."""
 
-AttentionKind = Literal["causal", "bidirectional"]
+AttentionKind = Literal["causal", "bidirectional", "recurrent"]
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,9 @@ class TokenInfo:
         axis: the token axis of the node's (first) tensor value, or None.
         axis_size: that axis' size as a sympy expression of the sequence symbol, or None.
         other_axes: further axes whose size depends on the sequence (a mask's key axis).
-        attention: for ``mixing`` nodes, whether the attention is causal or bidirectional.
+        attention: for ``mixing`` nodes, whether the attention is causal or bidirectional,
+            or ``recurrent``: a scan or causal convolution whose chunk reads the state the
+            chunk before it left (:mod:`tppc.passes.annotation.recurrent`).
         module: the innermost module path of the node (``""`` at top level).
         mask: for ``mixing`` nodes, the structured mask (window, padding) that replaces the
             model's mask in the chunk step; None: plain causal or all-visible.
@@ -202,7 +204,7 @@ CHUNK_SIGNATURE = "tppc.chunk_signature"
 """``GraphModule.meta`` key of the :class:`ChunkSignature` of a chunk-step graph."""
 
 InputKind = Literal["token", "const", "chunk_start", "chunk_size", "seq_len", "positional",
-                    "key", "value", "boundary", "full", "hoisted"]
+                    "key", "value", "state", "boundary", "full", "hoisted"]
 
 
 @dataclass(frozen=True)
@@ -215,12 +217,14 @@ class ChunkInput:
             a frontier value), ``key`` / ``value`` (a K/V buffer), ``boundary`` (a token value
             sent by the previous stage; only in stage graphs), ``full`` (a user input with a
             sequence axis, whole: the key-validity mask of every position so far),
-            ``hoisted`` (a const sub-graph's value, :mod:`tppc.passes.stages.hoist_consts`).
+            ``hoisted`` (a const sub-graph's value, :mod:`tppc.passes.stages.hoist_consts`),
+            ``state`` (the carried state of a recurrent node: ``shape`` fixed, no token axis).
         source: the user input's name, the frontier node's name, the attention node's name,
             or the boundary value's name.
         index: flat user-input index (token, const) or positional-program output index.
         axis: the token axis to slice (token, positional) or the buffer's token axis.
-        shape: key/value buffers: the buffer shape with ``None`` at the token axis.
+        shape: key/value buffers: the buffer shape with ``None`` at the token axis; a state
+            buffer: its whole shape.
         dtype: key/value buffers: the element type.
         layer: key/value buffers: the layer that owns the buffer.
         scale: positions of the token axis per unit of the sequence symbol (a DiT's patch

@@ -123,6 +123,13 @@ def export(compiled: Any, path: str | os.PathLike[str], *, format: str = "onnx",
 def _export(compiled: Any, out: Path, wanted_lengths: list[int], external_data: bool | None,
             progress: Progress | None) -> None:
     program = compiled.program(compiled.plan.seq_len)
+    states = [b for st in program.stages for b in st.buffers if b.kind == "state"]
+    if states:
+        raise ExportError(
+            f"{compiled.model_name} has recurrent layers (a scan or causal convolution whose "
+            f"chunks carry a state: {states[0].attention} of layer {states[0].layer!r}, "
+            f"{len(states)} in all); the ONNX stages do not carry states yet. fix: run it with "
+            "backend='torch' (threads or distributed), which carries them exactly")
     wanted = sorted({*wanted_lengths, program.seq_len})
     chunks = {str(n): [list(c) for c in compiled.program(n).chunks] for n in wanted}
     files: dict[str, dict[str, Any]] = {}

@@ -32,6 +32,7 @@ from tppc.errors import AnnotationError
 from tppc.ir.context import CompileContext
 from tppc.ir.records import LAYER, TOKEN, LayerInfo
 from tppc.passes.annotation.waist import find_waist, mark_parts, part_names
+from tppc.passes.shapes import source_line
 
 __all__ = ["group_layers_pass"]
 
@@ -155,9 +156,10 @@ def _assign(nodes: list[fx.Node], block_of: dict[fx.Node, str | None],
         info = node.meta.get(TOKEN)
         if info is not None and info.role == "global" and current != "epilogue":
             raise AnnotationError(
-                f"node {node.name!r} (module {info.module or '<top level>'}) needs the whole "
-                f"sequence (role global{': ' + info.why if info.why else ''}) but runs in "
-                f"layer {current!r}; tppc can run such ops only after the last block."
+                f"node {node.name!r} (module {info.module or '<top level>'}, "
+                f"{source_line(node)}) needs the whole sequence (role global"
+                f"{': ' + info.why if info.why else ''}) but runs in layer {current!r}; tppc "
+                "can run such ops only after the last block."
                 + ("" if "fix:" in info.why else " fix: move it after the blocks"))
     for node in nodes:
         if node.op in ("placeholder", "get_attr"):
