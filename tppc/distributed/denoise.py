@@ -22,6 +22,7 @@ The final latents are broadcast from the last rank; rank 0 returns them (every r
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
@@ -50,7 +51,7 @@ from tppc.pipefusion.schedulers import (
 from tppc.program.actions import Action
 from tppc.program.interpreter import Interpreter
 from tppc.program.patches import PatchPrograms, cached_patch_programs, patch_bands
-from tppc.program.program import Program, StageProgram
+from tppc.program.program import Program
 from tppc.program.schedule import DryRun, check_actions
 from tppc.program.state import Call, next_epoch
 
@@ -128,18 +129,19 @@ def distributed_denoise(cp: DenoisingRank, latents: torch.Tensor | None, schedul
     front, length, plan, bounds, flats = b.front, b.length, b.plan, b.bounds, b.flats
     programs = _programs(cp, front, plan, length, bounds)
     full, first = programs.full, programs.first
-    if full.workers:  # every rank decides alike
-        raise SpecError(
-            f"{front.ctx.model_name}: distributed denoising runs one rank per stage; the plan "
-            f"has stages of several workers (tensor-parallel or a mesh: {len(full.runners)} "
-            f"workers for {len(full.stages)} stages). fix: tensor_parallel=1, cfg_parallel=1, "
-            "ring=1 and ulysses=1, or the threads or local executor")
-    if programs.rest is not None and warmup_steps < len(steps):  # every rank decides alike
+    stale = warmup_steps < len(steps)
+    if programs.rest is not None and stale:  # every rank decides alike
         raise SpecError(
             f"{front.ctx.model_name}: stale patches of a joint-attention DiT (text tokens "
             "beside the image, a second program for the later patches) do not run on the "
             "distributed backend yet (a later patch's stage fails on the text rows). fix: "
             "warmup_steps=None (every step warm: exact), or the threads or local executor")
+    if full.workers and stale and len(full.stages) == 1:  # every rank decides alike
+        raise SpecError(
+            f"{front.ctx.model_name}: stale patches on one stage of {len(full.runners)} "
+            "workers (a mesh or tensor-parallel group): nothing pipelines them, and the "
+            "stepped patches have no way back to the stage's other workers. fix: "
+            "warmup_steps=None (every step warm: exact), or num_stages >= 2 (PipeFusion)")
     axis, scale = b.axis, b.scale
     bands = patch_bands(itertools.pairwise(bounds), scale)
     if warmup_steps < len(steps):  # every rank checks alike (a seeded random latent)
@@ -149,7 +151,7 @@ def distributed_denoise(cp: DenoisingRank, latents: torch.Tensor | None, schedul
     state = cp.states.acquire(front, length)
     state.reset()
     run = DenoiseRun(cp, x, axis, scale, output_transform)
-    last = cp.world - 1
+    last = full.leader  # its outputs are the model's: it steps the scheduler
     warm = min(warmup_steps, len(steps))
     got: dict[str, Any] = {}
     whole = StepProtocol(scheduler, x, x_in)
@@ -184,9 +186,8 @@ def distributed_denoise(cp: DenoisingRank, latents: torch.Tensor | None, schedul
             if i + 1 < len(steps):
                 scheds[m].model_input(steps[i + 1])
 
-        readers = _readers(cp.world, latent, first, programs.rest)
-        dry = check_actions(first.actions_for(chunks, pipelined), readers)
-        _Jobs(cp, calls, state, programs.of_patch, rows, warm).run(dry, finish)
+        _Jobs(cp, calls, state, programs.of_patch, rows, warm, last).run(
+            _dry_run(first, chunks, pipelined, latent, programs.rest), finish)
     cp.collective(lambda: dist.broadcast(x, src=last), "latents broadcast")
     state.consts.clear()  # the text K/V are this request's
     cp.states.release(front, state)
@@ -195,71 +196,101 @@ def distributed_denoise(cp: DenoisingRank, latents: torch.Tensor | None, schedul
 
 class _Jobs:
     """This rank's pipelined jobs (see the module docstring); step ``t`` of the action
-    lists is step ``warm + t`` of the call."""
+    lists is step ``warm + t`` of the call, ``leader`` the worker that steps the patches."""
 
     def __init__(self, cp: DenoisingRank, calls: list[Call], state: Any,
                  program_of: Callable[[int], Program], rows: Callable[[int], torch.Tensor],
-                 warm: int) -> None:
+                 warm: int, leader: int) -> None:
         self.cp, self.ex, self.calls, self.state = cp, cp.comm, calls, state
-        self.program_of, self.rows, self.warm = program_of, rows, warm
+        self.program_of, self.rows, self.warm, self.leader = program_of, rows, warm, leader
 
     def run(self, dry: DryRun, finish: Callable[[int, int, tuple[Any, ...]], None]) -> None:
         """This rank's lowered list through THE interpreter over the process-group
-        transport: receive (from the previous rank, or a stepped patch back from the last),
-        compute (the last rank then steps the patch), send (to the next rank, or the
-        stepped patch back to the ranks that read the latents)."""
+        transport: receive (from the worker the action names, or a stepped patch back from
+        the leader), compute (a part of this rank's worker; the leader then steps the
+        patch), a collective of one of its groups, send (to the workers the action names,
+        or the stepped patch back to the workers that read the latents)."""
         cp, ex = self.cp, self.ex
-        rank, last = cp.rank, cp.world - 1
+        rank = cp.rank
         deadline = rank_deadline(ex, cp.options.timeout)
 
         def back(act: Action) -> None:  # a stepped patch comes back
             view = self.rows(act.chunk)
             buf = torch.empty_like(view, memory_format=torch.contiguous_format)
-            ex.wait([dist.irecv(buf, last)], last, deadline.at)
+            ex.wait([dist.irecv(buf, act.peer)], act.peer, deadline.at)
             view.copy_(buf)
 
         def home(act: Action) -> tuple[Any, Any]:  # the stepped patch back to a reader
             out = self.rows(act.chunk).contiguous()
             return [dist.isend(out, act.peer)], out
 
+        def output(act: Action, values: tuple[Any, ...]) -> None:
+            if rank == self.leader:  # another worker of the last stage: the same values
+                finish(act.step, act.chunk, values)
+
         transport = RankEnd(
             ex, dry, deadline=deadline, feedback_recv=back, feedback_send=home,
             recv=lambda act: ex.recv_chunk(self.program_of(act.chunk), act.end - act.start,
-                                           deadline.at),
-            send=lambda act, values: ex.send_chunk(self.program_of(act.chunk), values))
+                                           deadline.at, act.peer),
+            send=lambda act, values: ex.send_chunk(self.program_of(act.chunk), values,
+                                                   act.peer))
         Interpreter(dry, rank, lambda act, got: run_stage(
-            self.program_of(act.chunk).stages[rank], self.calls[act.step], self.state,
-            act.start, act.end, got), transport,
-            lambda act, values: finish(act.step, act.chunk, values),
-            who=f"stage {rank}, denoise (pipelined step t is step {self.warm} + t)",
+            self.program_of(act.chunk).runners[rank].part(act.part), self.calls[act.step],
+            self.state, act.start, act.end, got), transport, output,
+            who=f"{ex.who(rank)}, denoise (pipelined step t is step {self.warm} + t)",
             deadline=None).run()
 
 
-def _readers(world: int, latent: int, *programs: Program | None) -> tuple[int, ...]:
-    """Ranks whose stage reads the latents (flat input ``latent``)."""
-    return tuple(r for r in range(world) if any(
+def _dry_run(first: Program, chunks: tuple[tuple[int, int], ...], steps: int, latent: int,
+             rest: Program | None) -> DryRun:
+    """The checked lists of the pipelined steps: the stepped patches go back to the
+    workers that read the latents (flat input ``latent``): the stages that read them, or
+    every worker of stage 0 on a program of several workers per stage.
+
+    Raises:
+        SpecError: a program of several workers per stage whose later stages read the
+            latents (its lists send the patches back to stage 0 only).
+    """
+    programs = [p for p in (first, rest) if p is not None]
+    readers = tuple(sorted({w.index for p in programs for w in p.runners if any(
         spec.kind in ("token", "const", "full") and spec.index == latent
-        for p in programs if p is not None for _, spec in p.stages[r].inputs))
+        for _, spec in w.inputs)}))
+    if not first.workers:
+        return check_actions(first.actions_for(chunks, steps), readers)
+    if set(readers) - {0}:
+        raise SpecError(
+            f"stages {list(readers)} read the latents; on stages of several workers the "
+            "stepped patches go back to stage 0 only. fix: warmup_steps=None (every step "
+            "warm), or one worker per stage")
+    return first.dry_run(chunks, steps, rest=rest)
 
 
 def _programs(cp: DenoisingRank, front: Any, plan: Any, length: int,
               bounds: tuple[int, ...]) -> PatchPrograms:
-    """Warm-up, patch and later-patch programs with this rank's stage loaded and its const
+    """Warm-up, patch and later-patch programs with this rank's worker loaded and its const
     sub-graphs hoisted (as :func:`tppc.pipefusion.denoise.patch_programs`), cached on ``cp``."""
 
     def make(gm: Any, chunks: tuple[tuple[int, int], ...]) -> Program:
         program = cp.materialise(build_program(gm, front.ctx, plan, chunks,
                                                 cp.options.devices))
-        stages = list(program.stages)
-        stages[cp.rank] = hoist_constants(stages[cp.rank])
-        return _replace(program, stages)
+        return _hoisted(program, cp.rank)
 
     return cached_patch_programs(
         cp.__dict__.setdefault("_distributed_denoise_programs", {}), plan, front.batch,
         length, bounds, make, front.chunk, front.chunk.meta.get(REST_CHUNK))
 
 
-def _replace(program: Program, stages: list[StageProgram]) -> Program:
-    import dataclasses
-
-    return dataclasses.replace(program, stages=tuple(stages))
+def _hoisted(program: Program, rank: int) -> Program:
+    """``program`` with worker ``rank``'s const sub-graphs hoisted (each part's, when it is
+    cut into parts; :mod:`tppc.passes.stages.hoist_consts`)."""
+    mine = program.runners[rank]
+    mine = dataclasses.replace(mine, parts=tuple(hoist_constants(p) for p in mine.parts)) \
+        if mine.parts else hoist_constants(mine)
+    if not program.workers:
+        stages = list(program.stages)
+        stages[rank] = mine
+        return dataclasses.replace(program, stages=tuple(stages))
+    workers = list(program.workers)
+    workers[rank] = mine
+    stages = tuple(next(w for w in workers if w.index == s) for s in range(len(program.stages)))
+    return dataclasses.replace(program, stages=stages, workers=tuple(workers))
