@@ -51,7 +51,7 @@ from tppc.pipefusion.schedulers import (
 from tppc.program.actions import Action
 from tppc.program.interpreter import Interpreter
 from tppc.program.patches import PatchPrograms, cached_patch_programs, patch_bands
-from tppc.program.program import Program
+from tppc.program.program import Program, StageProgram
 from tppc.program.schedule import DryRun, check_actions
 from tppc.program.state import Call, next_epoch
 
@@ -61,7 +61,7 @@ if TYPE_CHECKING:
     from tppc.driver.options import CompileOptions
     from tppc.frontend.front_end import BoundCall, FrontEnd
 
-__all__ = ["DenoisingRank", "distributed_denoise"]
+__all__ = ["DenoisingRank", "distributed_denoise", "patch_jobs", "rank_programs"]
 
 
 class DenoisingRank(Protocol):
@@ -127,7 +127,7 @@ def distributed_denoise(cp: DenoisingRank, latents: torch.Tensor | None, schedul
     x_in = x.clone()  # the model's input (scale_model_input, on the last rank), broadcast
     b = bind_steps(cp, x_in, kwargs, steps, arg, warmup_steps, patches, timestep_transform)
     front, length, plan, bounds, flats = b.front, b.length, b.plan, b.bounds, b.flats
-    programs = _programs(cp, front, plan, length, bounds)
+    programs = rank_programs(cp, front, plan, length, bounds)
     full, first = programs.full, programs.first
     stale = warmup_steps < len(steps)
     if programs.rest is not None and stale:  # every rank decides alike
@@ -186,12 +186,24 @@ def distributed_denoise(cp: DenoisingRank, latents: torch.Tensor | None, schedul
             if i + 1 < len(steps):
                 scheds[m].model_input(steps[i + 1])
 
-        _Jobs(cp, calls, state, programs.of_patch, rows, warm, last).run(
-            _dry_run(first, chunks, pipelined, latent, programs.rest), finish)
+        patch_jobs(cp, calls, state, programs, rows, warm, last, chunks, pipelined, finish,
+                   latent)
     cp.collective(lambda: dist.broadcast(x, src=last), "latents broadcast")
     state.consts.clear()  # the text K/V are this request's
     cp.states.release(front, state)
     return x if cp.rank == 0 or cp.results == "all" else None
+
+
+def patch_jobs(cp: DenoisingRank, calls: list[Call], state: Any, programs: PatchPrograms,
+               rows: Callable[[int], torch.Tensor] | None, warm: int, leader: int,
+               chunks: tuple[tuple[int, int], ...], steps: int,
+               finish: Callable[[int, int, tuple[Any, ...]], None], latent: int = -1) -> None:
+    """This rank's part of ``steps`` pipelined steps of ``chunks`` (``calls[t]``: step
+    ``t``'s call): the dry run of the patch program's lists (the stepped patches going back
+    to the workers that read flat input ``latent``, the model input's ``rows``), run by
+    :class:`_Jobs`; ``finish(t, m, values)`` on the ``leader`` as each patch leaves."""
+    dry = _dry_run(programs.first, chunks, steps, latent, programs.rest)
+    _Jobs(cp, calls, state, programs.of_patch, rows, warm, leader).run(dry, finish)
 
 
 class _Jobs:
@@ -199,7 +211,8 @@ class _Jobs:
     lists is step ``warm + t`` of the call, ``leader`` the worker that steps the patches."""
 
     def __init__(self, cp: DenoisingRank, calls: list[Call], state: Any,
-                 program_of: Callable[[int], Program], rows: Callable[[int], torch.Tensor],
+                 program_of: Callable[[int], Program],
+                 rows: Callable[[int], torch.Tensor] | None,
                  warm: int, leader: int) -> None:
         self.cp, self.ex, self.calls, self.state = cp, cp.comm, calls, state
         self.program_of, self.rows, self.warm, self.leader = program_of, rows, warm, leader
@@ -214,14 +227,16 @@ class _Jobs:
         rank = cp.rank
         deadline = rank_deadline(ex, cp.options.timeout)
 
+        rows = self.rows or _no_rows
+
         def back(act: Action) -> None:  # a stepped patch comes back
-            view = self.rows(act.chunk)
+            view = rows(act.chunk)
             buf = torch.empty_like(view, memory_format=torch.contiguous_format)
             ex.wait([dist.irecv(buf, act.peer)], act.peer, deadline.at)
             view.copy_(buf)
 
         def home(act: Action) -> tuple[Any, Any]:  # the stepped patch back to a reader
-            out = self.rows(act.chunk).contiguous()
+            out = rows(act.chunk).contiguous()
             return [dist.isend(out, act.peer)], out
 
         def output(act: Action, values: tuple[Any, ...]) -> None:
@@ -241,6 +256,11 @@ class _Jobs:
             deadline=None).run()
 
 
+def _no_rows(m: int) -> torch.Tensor:
+    raise SpecError(f"patch {m} would go back to stage 0 in a call of one step (a list "
+                    "lowered with the way back). fix: report this program")
+
+
 def _dry_run(first: Program, chunks: tuple[tuple[int, int], ...], steps: int, latent: int,
              rest: Program | None) -> DryRun:
     """The checked lists of the pipelined steps: the stepped patches go back to the
@@ -252,9 +272,8 @@ def _dry_run(first: Program, chunks: tuple[tuple[int, int], ...], steps: int, la
             latents (its lists send the patches back to stage 0 only).
     """
     programs = [p for p in (first, rest) if p is not None]
-    readers = tuple(sorted({w.index for p in programs for w in p.runners if any(
-        spec.kind in ("token", "const", "full") and spec.index == latent
-        for _, spec in w.inputs)}))
+    readers = tuple(sorted({w.index for p in programs for w in p.runners
+                            if _reads(w, latent)}))
     if not first.workers:
         return check_actions(first.actions_for(chunks, steps), readers)
     if set(readers) - {0}:
@@ -265,7 +284,39 @@ def _dry_run(first: Program, chunks: tuple[tuple[int, int], ...], steps: int, la
     return first.dry_run(chunks, steps, rest=rest)
 
 
-def _programs(cp: DenoisingRank, front: Any, plan: Any, length: int,
+def _reads(worker: StageProgram, latent: int) -> bool:
+    """Whether ``worker`` (any of its parts) reads the values of flat input ``latent``; an
+    input read for its shape alone (a mesh worker's narrow of it, then ``sym_size``: the
+    last stage's unpatchify) is not read."""
+    for graph in (worker.parts or (worker,)):
+        holders = graph.module.graph.find_nodes(op="placeholder")
+        for (_, spec), node in zip(graph.inputs, holders, strict=False):
+            if spec.kind in ("token", "const", "full") and spec.index == latent \
+                    and _values_used(node):
+                return True
+    return False
+
+
+_VIEWS = {torch.ops.aten.narrow.default, torch.ops.aten.slice.Tensor,
+          torch.ops.aten.view.default, torch.ops.aten.reshape.default,
+          torch.ops.aten.alias.default}
+"""Ops whose output is a view of their input (a use through them is the input's use)."""
+
+
+def _values_used(node: Any) -> bool:
+    """Whether any use of ``node`` (through views) reads its values, not only its shape."""
+    for user in node.users:
+        if user.target is torch.ops.aten.sym_size.int:
+            continue
+        if user.target in _VIEWS and user.args[0] is node:
+            if _values_used(user):
+                return True
+            continue
+        return True
+    return False
+
+
+def rank_programs(cp: DenoisingRank, front: Any, plan: Any, length: int,
               bounds: tuple[int, ...]) -> PatchPrograms:
     """Warm-up, patch and later-patch programs with this rank's worker loaded and its const
     sub-graphs hoisted (as :func:`tppc.pipefusion.denoise.patch_programs`), cached on ``cp``."""
