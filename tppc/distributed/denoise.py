@@ -15,6 +15,13 @@ Terms:
         model input's rows to every earlier rank that reads the latents (stage 0), which
         receives them before job ``(i + 1, m)``: the same jobs in the same order per stage
         as the ``threads`` and ``local`` executors, so the latents are theirs.
+    stages of several workers (tensor parallelism, a mesh: cfg, ring, ulysses): one rank per
+        worker, each running its worker's lowered list (parts, collectives of its groups,
+        sends to the workers the list names); the leader (the first worker of the last
+        stage, whose outputs are the model's) steps the scheduler and sends each stepped
+        patch back to every worker of stage 0. On one stage of several workers no list goes
+        back (stage 0 is the last stage): the leader sends each stepped patch to the other
+        workers aside, and each receives it before its patch of the next step.
 
 The final latents are broadcast from the last rank; rank 0 returns them (every rank with
 ``results="all"``), the others None.
@@ -43,6 +50,7 @@ from tppc.pipefusion.denoise import (
     model_timesteps,
     schedule_steps,
 )
+from tppc.pipefusion.jobs import one_stage
 from tppc.pipefusion.schedulers import (
     StepProtocol,
     check_elementwise,
@@ -136,12 +144,6 @@ def distributed_denoise(cp: DenoisingRank, latents: torch.Tensor | None, schedul
             "beside the image, a second program for the later patches) do not run on the "
             "distributed backend yet (a later patch's stage fails on the text rows). fix: "
             "warmup_steps=None (every step warm: exact), or the threads or local executor")
-    if full.workers and stale and len(full.stages) == 1:  # every rank decides alike
-        raise SpecError(
-            f"{front.ctx.model_name}: stale patches on one stage of {len(full.runners)} "
-            "workers (a mesh or tensor-parallel group): nothing pipelines them, and the "
-            "stepped patches have no way back to the stage's other workers. fix: "
-            "warmup_steps=None (every step warm: exact), or num_stages >= 2 (PipeFusion)")
     axis, scale = b.axis, b.scale
     bands = patch_bands(itertools.pairwise(bounds), scale)
     if warmup_steps < len(steps):  # every rank checks alike (a seeded random latent)
@@ -239,9 +241,21 @@ class _Jobs:
             out = rows(act.chunk).contiguous()
             return [dist.isend(out, act.peer)], out
 
+        alone = one_stage(dry)  # one stage of several workers: the patches go back aside
+        peers = [w for w in range(len(dry.actions)) if w != self.leader] if alone else []
+
         def output(act: Action, values: tuple[Any, ...]) -> None:
-            if rank == self.leader:  # another worker of the last stage: the same values
-                finish(act.step, act.chunk, values)
+            if rank != self.leader:  # another worker of the last stage: the same values
+                return
+            finish(act.step, act.chunk, values)
+            if peers and act.step + 1 < len(self.calls):
+                out = rows(act.chunk).contiguous()
+                transport.patches.append((peers[0], ([dist.isend(out, w) for w in peers],
+                                                     out)))
+
+        def before(_k: int, act: Action) -> None:  # alone: wait for the stepped patch
+            if rank in peers and act.kind == "compute" and act.step and not act.part:
+                back(dataclasses.replace(act, peer=self.leader))
 
         transport = RankEnd(
             ex, dry, deadline=deadline, feedback_recv=back, feedback_send=home,
@@ -253,7 +267,7 @@ class _Jobs:
             self.program_of(act.chunk).runners[rank].part(act.part), self.calls[act.step],
             self.state, act.start, act.end, got), transport, output,
             who=f"{ex.who(rank)}, denoise (pipelined step t is step {self.warm} + t)",
-            deadline=None).run()
+            deadline=None, before=before).run()
 
 
 def _no_rows(m: int) -> torch.Tensor:
