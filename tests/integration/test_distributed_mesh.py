@@ -69,7 +69,7 @@ def test_pipefusion2_x_cfg2_denoising_through_a_job_equals_the_one_process_loop(
     model, args, _, x, y = guided
     got = _denoise_job(guided, 4, steps=3, warmup=1, cfg_parallel=2)
     cp = tppc.compile(model, args, cluster="4xcpu", num_stages=2, cfg_parallel=2,
-                      executor="threads", threads_per_stage=1)
+                      executor="threads", threads_per_stage=1, verify=False)
     one = cp.denoise(x, diffusers.DDIMScheduler(), 3, warmup_steps=1, patches=2,
                      timestep_arg="t", model_kwargs={"y": y})
     assert_kernels_close(got, one, depth=3)
@@ -90,7 +90,8 @@ def test_the_drop_in_as_ranks_equals_the_drop_in_in_one_process(tmp_path: Path) 
     one-process drop-in's images."""
     from tests.integration.test_diffusers_dropin import _call, pixart_pipe
 
-    options = {"warmup_steps": 1, "patches": 2, "cfg_parallel": 2, "num_stages": 1}
+    options = {"warmup_steps": 1, "patches": 2, "cfg_parallel": 2, "num_stages": 1,
+               "verify": False}
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port()),
            "WORLD_SIZE": "2", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen(
@@ -101,8 +102,8 @@ def test_the_drop_in_as_ranks_equals_the_drop_in_in_one_process(tmp_path: Path) 
     assert all(p.returncode == 0 for p in procs), "\n".join(log[-4000:] for log in logs)
     pipe, call = pixart_pipe()
     pipe.set_progress_bar_config(disable=True)
-    eager = _call(pipe, call)
+    eager = _call(pipe, call, steps=2)
     tppc.diffusers.compile_pipeline(pipe, executor="threads", threads_per_stage=1, **options)
     got = torch.load(tmp_path / "got.pt")
-    assert torch.equal(got, _call(pipe, call))
+    assert torch.equal(got, _call(pipe, call, steps=2))
     assert not torch.equal(got, eager), "the later calls should attend to stale K/V"
