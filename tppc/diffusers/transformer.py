@@ -151,6 +151,11 @@ def compile_pipeline(pipe: Any, *, warmup_steps: int | None = 1, patches: int | 
         >>> pipe = tppc.diffusers.compile_pipeline(pipe, warmup_steps=1, patches=4,
         ...                                        num_stages=2)         # doctest: +SKIP
         >>> image = pipe(prompt, num_inference_steps=20).images[0]
+
+    With ``backend="distributed"`` (on every rank of a torchrun job or ``tppc.launch``, the
+    same script building the same pipeline) the transformer runs as ranks, one per worker of
+    the plan (:mod:`tppc.distributed.step_calls`); every rank's pipeline call returns the
+    images.
     """
     model = pipe.transformer
     if isinstance(model, PipeFusionTransformer):
