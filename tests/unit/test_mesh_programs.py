@@ -171,3 +171,23 @@ def test_a_job_of_another_size_is_refused_naming_the_meshes(guided) -> None:
     with pytest.raises(SpecError, match=r"needs 8 ranks \(2 stages at groups 4 \(cfg2 x "
                        r"ulysses2\), 4 \(cfg2 x ulysses2\).*the job has 4.*--nproc-per-node 8"):
         check_world(program, 4)
+
+
+def test_only_one_stage_of_several_workers_over_several_steps_waits_for_the_step_aside(
+        ) -> None:
+    """No list of one stage goes back to stage 0 (its workers are the last stage's), so its
+    workers wait for each stepped patch outside the lists (``one_stage``); with two stages
+    the feedback receive waits, and one step needs no wait."""
+    from tppc.pipefusion.jobs import one_stage
+    from tppc.program.dry_run import check_actions
+
+    def dry(stage_of: tuple[int, ...], steps: int) -> object:
+        rows = sharded_lists(((0, 2), (2, 4)), steps, stage_of, (1,) * len(stage_of),
+                             ((),) * len(stage_of), [Mesh(cfg=stage_of.count(0))] * (
+                                 max(stage_of) + 1))
+        return check_actions(rows, groups=mesh_groups(stage_of, [Mesh(
+            cfg=stage_of.count(0))] * (max(stage_of) + 1)), stages=stage_of)
+
+    assert one_stage(dry((0, 0), 2))
+    assert not one_stage(dry((0, 0), 1))
+    assert not one_stage(dry((0, 0, 1, 1), 2))

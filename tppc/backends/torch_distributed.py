@@ -247,15 +247,18 @@ class DistributedExecutor:
         raise RuntimeError(f"TPPC_FAULT injected a failure in stage {self.rank}, chunk {chunk}")
 
     # -- point to point -------------------------------------------------------------------------
-    def send_chunk(self, program: Program, values: tuple[Any, ...]) -> tuple[Any, Any]:
-        """Post the sends of this rank's boundary ``values`` to the next rank; returns
-        ``(works, tensors)`` to wait on (the tensors stay alive until then)."""
-        return self._send(program, program.stages[self.rank], self.rank + 1, values)
+    def send_chunk(self, program: Program, values: tuple[Any, ...], peer: int | None = None
+                   ) -> tuple[Any, Any]:
+        """Post the sends of this rank's boundary ``values`` to ``peer`` (default: the next
+        rank); returns ``(works, tensors)`` to wait on (the tensors stay alive until then)."""
+        return self._send(program, program.runners[self.rank],
+                          self.rank + 1 if peer is None else peer, values)
 
-    def recv_chunk(self, program: Program, size: int, deadline: float | None
-                   ) -> tuple[Any, ...]:
-        """The previous rank's boundary values of a ``size``-token chunk of ``program``."""
-        return self._recv(program, self.rank - 1, size, deadline)
+    def recv_chunk(self, program: Program, size: int, deadline: float | None,
+                   peer: int | None = None) -> tuple[Any, ...]:
+        """The boundary values of a ``size``-token chunk of ``program`` from ``peer``
+        (default: the previous rank)."""
+        return self._recv(program, self.rank - 1 if peer is None else peer, size, deadline)
 
     def wait(self, works: Sequence[Any], peer: int, deadline: float | None) -> None:
         """Wait for ``works`` (operations with ``peer``), each bounded by :meth:`span`."""
