@@ -79,6 +79,8 @@ class Captures:
                           if f.serves(structure, bound)), None)
         front = front or self._front_for((structure, bound.batch),
                                          lambda: self._capture(args, kwargs, bound))
+        if front is not base and front.ctx.size_int is not None:  # units of its own grid
+            bound = bind(front, self.model, inputs)
         return front, dataclasses.replace(bound, batch=front.batch)
 
     def share(self, other: Captures) -> None:
@@ -126,7 +128,7 @@ class Captures:
 
     def _capture(self, args: tuple[Any, ...], kwargs: Mapping[str, Any],
                  bound: BoundCall | None) -> FrontEnd:
-        if bound is not None and bound.length < 2:
+        if bound is not None and bound.length < 2 and self.example.ctx.size_int is None:
             raise RuntimeInputError(
                 f"a call with batch shape {bound.batch} needs a new capture, and a "
                 f"{bound.length}-token call cannot be captured. fix: call once with at least "
