@@ -33,8 +33,8 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-__all__ = ["SIZE_INT", "UnitInt", "dynamic_int_spec", "export_size_ints", "find_unit_int",
-           "read_from_tokens"]
+__all__ = ["SIZE_INT", "UnitInt", "check_grid", "dynamic_int_spec", "export_size_ints",
+           "find_unit_int", "read_from_tokens"]
 
 SIZE_INT = "tppc.size_int"
 """``node.meta`` key on the placeholder of the unit int: its :class:`UnitInt`."""
@@ -50,6 +50,7 @@ class UnitInt:
         value: its example value (the example's units).
         per_unit: tokens per unit (the product of the grid's other ints).
         grid: the grid as passed (``"img_shapes=[(1, 4, 4)]"``), for notes and errors.
+        names: the arguments that hold the grid.
         placeholder: the name of its placeholder in the captured graph.
     """
 
@@ -58,7 +59,16 @@ class UnitInt:
     value: int
     per_unit: int
     grid: str
+    names: tuple[str, ...] = ()
     placeholder: str = ""
+
+    @property
+    def note(self) -> str:
+        """What the capture took from the ints, for summaries."""
+        return (f"the sequence symbol counts the integer input {self.label} of {self.grid} "
+                f"({self.per_unit} tokens a unit, read from the token axis); the grid's other "
+                "ints are specialised to their values (torch.export keeps Python ints "
+                "constant): a call with others is captured again")
 
     @property
     def label(self) -> str:
@@ -99,9 +109,9 @@ def find_unit_int(bound: inspect.BoundArguments, tokens: int) -> UnitInt | None:
             if first is None:
                 return None
             name, path, value = first
-            grid = ", ".join(f"{n}={bound.arguments[n]!r}" for n in dict.fromkeys(
-                w[0] for w in window))  # type: ignore[index]
-            return UnitInt(name, path, value, tokens // value, grid)
+            names = tuple(dict.fromkeys(w[0] for w in window))  # type: ignore[index]
+            grid = ", ".join(f"{n}={bound.arguments[n]!r}" for n in names)
+            return UnitInt(name, path, value, tokens // value, grid, names)
     return None
 
 
@@ -156,3 +166,24 @@ def read_from_tokens(gm: fx.GraphModule, unit: UnitInt, token_axes: dict[str, An
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return unit
+
+
+def check_grid(unit: UnitInt, bound: inspect.BoundArguments, token_input: str, axis: int
+               ) -> None:
+    """Refuse a call whose grid ints do not multiply to its tokens (before capturing it
+    again): the model would fail on it, torch.export with a size mismatch deep inside.
+
+    Raises:
+        ValueError: naming the ints, the tokens and the fix.
+    """
+    tensor = bound.arguments.get(token_input)
+    if not isinstance(tensor, torch.Tensor):
+        return
+    tokens = int(tensor.shape[axis])
+    if find_unit_int(bound, tokens) is None:
+        grid = ", ".join(f"{n}={bound.arguments.get(n)!r}" for n in unit.names)
+        raise ValueError(
+            f"the integer inputs {grid} do not multiply to the {tokens} tokens of "
+            f"{token_input!r} (axis {axis}); compiled with {unit.grid} for {unit.value} units "
+            f"of {unit.per_unit} tokens. fix: pass the grid of these tokens (the product of "
+            "its ints is the token count), or latents of the grid you pass")
