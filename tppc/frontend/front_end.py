@@ -148,6 +148,7 @@ def _front_end(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
                           if n.meta.get(TOKEN) is not None
                           and n.meta[TOKEN].attention == "bidirectional")
     names = [p.name for p in annotated.graph.find_nodes(op="placeholder")]
+    ctx.captured_passes = len(ctx.history)
     return FrontEnd(annotated=annotated, chunk=chunk, ctx=ctx,
                     signature=chunk.meta[CHUNK_SIGNATURE], batch=batch_shape(flat, ctx, names),
                     bidirectional=bidirectional, passes=len(ctx.history),

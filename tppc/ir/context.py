@@ -53,7 +53,10 @@ class CompileContext:
         example_values: the example's values of the context-stream and integer/bool inputs
             (text masks, ids), so that masks are judged from them, not from zeros.
         layers: layer records written by ``group_layers``.
-        history: one record per pass run.
+        history: one record per pass run (the capture's, then the latest emissions':
+            :data:`tppc.passes.runner.EMISSION_RECORDS`).
+        captured_passes: how many records of ``history`` the capture made (set once the
+            capture is done; None before).
     """
 
     seq_symbol: sympy.Symbol
@@ -74,6 +77,7 @@ class CompileContext:
     example_values: dict[str, Any] = field(default_factory=dict)
     shape_guards: Any = None
     size_int: Any = None
+    captured_passes: int | None = None
 
     def tokens_per_unit(self) -> int:
         """Tokens per unit of the sequence symbol: a DiT's patch columns (the symbol counts
