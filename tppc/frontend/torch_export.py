@@ -16,6 +16,7 @@ from torch.utils import _pytree as pytree
 from tppc.errors import CaptureError
 from tppc.frontend.guard_sites import describe_site, guard_sites, loop_over_positions
 from tppc.frontend.isolation import isolated
+from tppc.frontend.size_ints import UnitInt, export_size_ints, find_unit_int, read_from_tokens
 from tppc.ir.context import CompileContext
 
 __all__ = ["example_units", "export_dynamic", "is_latent", "register_dataclasses"]
@@ -48,6 +49,9 @@ def export_dynamic(
     except Exception as exc:  # torch raises many types; we name the construct
         if not re.search(_PINNED, str(exc)):
             raise CaptureError(_explain(model, exc)) from exc
+        unit = _unit_int(bound, axes, patch)
+        if unit is not None:  # sizes as Python ints: tie the unit int to the tokens
+            return _export_with_unit_int(model, bound, shapes, axes, unit, exc)
         try:  # the model pins the size: keep the shapes symbolic, run at the example only
             ep = _export(model, bound, shapes, deferred=True)
         except Exception:
@@ -78,6 +82,52 @@ def export_dynamic(
         input_names=tuple(n.name for n in gm.graph.nodes if n.op == "placeholder"),
         shape_guards=guards,
     )
+    return gm, ctx
+
+
+def _unit_int(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]],
+              patch: int) -> UnitInt | None:
+    """The size int that counts the token stream's units (:mod:`.size_ints`), or None (the
+    first sequence input is a latent, or no integer inputs multiply to its tokens)."""
+    name = next(iter(axes), None)
+    value = bound.arguments.get(name) if name is not None else None
+    if not isinstance(value, torch.Tensor) or is_latent(value, axes[name]):
+        return None
+    return find_unit_int(bound, int(value.shape[axes[name][0]]))
+
+
+def _export_with_unit_int(model: torch.nn.Module, bound: inspect.BoundArguments,
+                          shapes: dict[str, Any], axes: dict[str, tuple[int, ...]],
+                          unit: UnitInt, pinned: Exception
+                          ) -> tuple[fx.GraphModule, CompileContext]:
+    """Capture with ``unit`` and the token axes as one ``Dim`` of units (:mod:`.size_ints`):
+    a ``dynamic`` capture whose symbol counts the unit int; its other ints stay constant."""
+    # torch.export takes no named Dim for an int: both are AUTO and it finds tokens = c * int
+    token_axes = {name: dict.fromkeys(dims, torch.export.Dim.AUTO) for name, dims in axes.items()}
+
+    def export(spec: dict[str, Any]) -> fx.GraphModule:
+        try:
+            return _export(model, bound, spec).module()
+        except Exception:  # a guard on the units: defer it, the shape guards keep it
+            return _export(model, bound, spec, deferred=True).module()
+
+    try:
+        gm = export_size_ints(export, shapes, bound, unit, token_axes)
+    except Exception as exc:
+        raise CaptureError(_explain(model, pinned, _size_ints(bound) + f" (tying {unit.label}"
+                                    f" to the tokens failed too: {str(exc).splitlines()[0]})")
+                           ) from exc
+    guards = getattr(gm, "_guards_fn", None)
+    _drop_guards(gm)
+    unit = read_from_tokens(gm, unit, token_axes)
+    symbol = _seq_symbol(gm, axes)
+    if symbol is None:
+        raise CaptureError(_explain(model, pinned, _size_ints(bound)))
+    ctx = CompileContext(
+        seq_symbol=symbol, example_seq=unit.value, seq_inputs=dict(axes),
+        capture_mode="dynamic", input_names=tuple(n.name for n in gm.graph.nodes
+                                                  if n.op == "placeholder"),
+        shape_guards=guards, size_int=unit)
     return gm, ctx
 
 
