@@ -124,6 +124,31 @@ def test_a_pooling_epilogue_runs_after_the_stages_of_a_loaded_artifact(tmp_path)
         assert_kernels_close(torch.from_numpy(got), model(ids))
 
 
+def test_a_dict_input_is_given_to_the_loaded_runner_as_the_model_takes_it(tmp_path) -> None:
+    """PixArt's ``added_cond_kwargs={"resolution": ..., "aspect_ratio": ...}``: the runner
+    takes the dict under the model's name (was: 'unknown input', the flattened
+    ``added_cond_kwargs_resolution`` had to be guessed); a key the model has not is named."""
+    torch.manual_seed(0)
+    model = diffusers.PixArtTransformer2DModel(
+        num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=8,
+        num_layers=2, sample_size=8, patch_size=2, cross_attention_dim=24, caption_channels=12,
+        norm_type="ada_norm_single", use_additional_conditions=True).eval()
+    x = torch.randn(1, 4, 8, 8)
+    cond = {"resolution": torch.tensor([[64.0, 64.0]]), "aspect_ratio": torch.tensor([[1.0]])}
+    kwargs = {"encoder_hidden_states": torch.randn(1, 6, 12), "timestep": torch.tensor([10]),
+              "added_cond_kwargs": cond, "return_dict": False}
+    tppc.export(tppc.compile(model, (x,), kwargs, num_stages=2), tmp_path)
+    runner = tppc.load(tmp_path, threads_per_stage=1)
+    arrays = {k: v.numpy() for k, v in cond.items()}
+    got = runner(x.numpy(), encoder_hidden_states=kwargs["encoder_hidden_states"].numpy(),
+                 timestep=np.array([10]), added_cond_kwargs=arrays)
+    with torch.no_grad():
+        assert_kernels_close(torch.from_numpy(got[0]), model(x, **kwargs)[0])
+    with pytest.raises(tppc.RuntimeInputError,
+                       match=r"unknown input 'added_cond_kwargs'\['colour'\]"):
+        runner(x.numpy(), added_cond_kwargs={**arrays, "colour": arrays["resolution"]})
+
+
 @pytest.mark.parametrize("exported", ["hf_flux"], indirect=True)
 def test_joint_attention_without_the_later_patches_stages_is_refused(exported) -> None:
     _, _, args, _, _, runner, _, (arg, kw, sched, _) = exported
