@@ -191,7 +191,7 @@ def test_video_latents_of_several_frames_are_refused_by_name(tmp_path) -> None:
     """A chunk of a 2-frame latent is a band of rows in each frame, which the ONNX runner does
     not write (was a KeyError in the translation, then a broadcast error in the check)."""
     model, args, kwargs = _skyreels(frames=2)
-    cp = tppc.compile(model, args, kwargs, num_stages=2)
+    cp = tppc.compile(model, args, kwargs, num_stages=2, verify=False)  # refused before use
     with pytest.raises(tppc.ExportError, match="holds 2 video frames.*fix: export a latent "
                                                "of one frame"):
         tppc.export(cp, tmp_path)
