@@ -41,7 +41,7 @@ def _job(out: Path, stages: int, cfg: int, ulysses: int, ring: int) -> None:
 
 
 # one 2-rank job (~45 s on the 2-core VM); (1, 1, 2, 1) and (1, 1, 1, 2) pass too (Ulysses'
-# all-to-all and Ring's gathers over gloo), left out of the suite for time
+# all-to-all, Ring attention's ring shifts over gloo), left out of the suite for time
 @pytest.mark.parametrize(("stages", "cfg", "ulysses", "ring"), [(1, 2, 1, 1)], ids=["cfg2"])
 def test_a_mesh_job_equals_eager(tmp_path: Path, stages: int, cfg: int, ulysses: int,
                                  ring: int) -> None:

@@ -126,7 +126,8 @@ def test_the_mesh_cut_runs_exactly_in_threads(guided, degrees: dict[str, int]) -
         ("cfg", degrees.get("cfg_parallel", 1)), ("ulysses", degrees.get("ulysses", 1)),
         ("ring", degrees.get("ring", 1))) if d > 1} and n == math.prod(degrees.values())
     cp.programs.hold(front, program)
-    assert_kernels_close(cp.run(args, executor="threads"), want)
+    for executor in ("local", "threads") if "ring" in degrees else ("threads",):
+        assert_kernels_close(cp.run(args, executor=executor), want)
 
 
 def test_a_degree_the_batch_does_not_take_is_refused_by_name(guided) -> None:
@@ -138,8 +139,9 @@ def test_a_degree_the_batch_does_not_take_is_refused_by_name(guided) -> None:
 def test_denoise_on_a_mesh_equals_the_serial_loop_warm_and_one_worker_per_stage_stale(
         guided) -> None:
     """Stale patches on a mesh: each worker keeps the stale K/V of its part (a CFG group its
-    half of the batch, a Ulysses worker its heads), so the loop equals the same loop on one
-    worker per stage; every step warm, it equals the eager loop."""
+    half of the batch, a Ulysses worker its heads, a Ring worker its own block of every
+    patch, passed around whole), so the loop equals the same loop on one worker per stage;
+    every step warm, it equals the eager loop."""
     diffusers = pytest.importorskip("diffusers")
     cp, (x, _, y), _ = guided
     front = cp._front
@@ -155,7 +157,7 @@ def test_denoise_on_a_mesh_equals_the_serial_loop_warm_and_one_worker_per_stage_
     assert_kernels_close(denoise(None, cfg_parallel=2), want, depth=3)
     stale = denoise(1)
     assert not torch.equal(stale, want)
-    for degrees in ({"cfg_parallel": 2}, {"ulysses": 2}):
+    for degrees in ({"cfg_parallel": 2}, {"ulysses": 2}, {"ring": 2}):
         assert_kernels_close(denoise(1, **degrees), stale, depth=3)
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "CHUNK_SIGNATURE",
     "LAYER",
     "PART",
+    "RING_FORM",
     "SHARD",
     "SHARD_SIZES",
     "STAGE_INFO",
@@ -36,6 +37,7 @@ __all__ = [
     "LayerInfo",
     "LayerKind",
     "MaskSpec",
+    "RingForm",
     "Role",
     "ShardRole",
     "StageInfo",
@@ -230,6 +232,9 @@ class ChunkInput:
         frames: video frames folded into the token axis (frame-major tokens of a latent
             whose patch rows are the sequence symbol): a chunk of patch rows is then a band
             of rows in every frame, ``frames`` blocks of the axis (:meth:`blocks`).
+        parts: key/value buffers of a Ring attention worker: it holds ``1/parts`` of the
+            sequence's rows (its own K/V block, :mod:`tppc.passes.meshcut.ring_form`) beside
+            the whole text segments.
     """
 
     kind: InputKind
@@ -243,6 +248,7 @@ class ChunkInput:
     prefix: int = 0
     suffix: int = 0
     frames: int = 1
+    parts: int = 1
 
     def rows(self, start: int, end: int) -> tuple[int, int]:
         """``(offset, count)`` of the chunk ``[start, end)`` along the token axis; the first
@@ -308,6 +314,25 @@ class ShardRole:
     axis: int | None = None
     segments: tuple[int, ...] = ()
     collective: str = ""
+
+
+RING_FORM = "tppc.ring_form"
+"""Key of a self-attention's :class:`RingForm` in a worker graph cut by a ring
+(:mod:`tppc.passes.meshcut.ring_form`)."""
+
+
+@dataclass(frozen=True)
+class RingForm:
+    """How a worker runs an attention over a ring group.
+
+    Attributes:
+        form: ``ring`` (its own K/V block, the blocks passed around the group, partials
+            merged by their log-sum-exps) or ``gather`` (the chunk's K/V gathered whole).
+        reason: why the gather form (empty for ``ring``).
+    """
+
+    form: Literal["ring", "gather"]
+    reason: str = ""
 
 
 STAGE_INFO = "tppc.stage_info"

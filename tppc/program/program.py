@@ -71,6 +71,8 @@ class BufferSpec:
         scale: token rows per unit of the sequence (a DiT's patch columns; 1 for LLMs).
         prefix: rows of the unsplit text segment before them (joint attention).
         suffix: rows of the unsplit text segment after them (text after the image, SD3).
+        parts: a Ring attention worker's buffer holds ``1/parts`` of the sequence's rows
+            (its own K/V block) beside the whole text.
     """
 
     name: str
@@ -83,10 +85,11 @@ class BufferSpec:
     scale: int = 1
     prefix: int = 0
     suffix: int = 0
+    parts: int = 1
 
     def rows(self, capacity: int) -> int:
         """Rows of the token axis for ``capacity`` units of the sequence."""
-        return self.prefix + self.scale * capacity + self.suffix
+        return self.prefix + self.scale * -(-capacity // self.parts) + self.suffix
 
     def allocate(self, capacity: int, device: torch.device) -> torch.Tensor:
         """A zero buffer of ``capacity`` tokens on ``device``."""
