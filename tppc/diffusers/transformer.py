@@ -35,6 +35,7 @@ from torch.utils import _pytree as pytree
 
 from tppc.dispatch.compile import compile_pipeline as compile_model
 from tppc.pipefusion.step import StepCalls
+from tppc.pipeline.compiled import CompiledPipeline
 
 __all__ = ["PipeFusionTransformer", "compile_pipeline"]
 
@@ -145,7 +146,9 @@ def compile_pipeline(pipe: Any, *, warmup_steps: int | None = 1, patches: int | 
                      **options: Any) -> Any:
     """Set ``pipe.transformer`` to a :class:`PipeFusionTransformer` of it and start a new
     loop at every pipeline call; returns ``pipe`` (its call is unchanged;
-    ``pipe.save_pretrained`` saves the original transformer).
+    ``pipe.save_pretrained`` saves the original transformer). A ``pipe.transformer`` that is
+    already compiled (a :class:`PipeFusionTransformer`, or ``tppc.compile``'s result) is
+    replaced by one of its model.
 
     Example:
         >>> pipe = tppc.diffusers.compile_pipeline(pipe, warmup_steps=1, patches=4,
@@ -158,7 +161,7 @@ def compile_pipeline(pipe: Any, *, warmup_steps: int | None = 1, patches: int | 
     images.
     """
     model = pipe.transformer
-    if isinstance(model, PipeFusionTransformer):
+    if isinstance(model, PipeFusionTransformer | CompiledPipeline):  # compiled before
         model = model.model
     adapter = PipeFusionTransformer(model, warmup_steps=warmup_steps, patches=patches,
                                     **options)

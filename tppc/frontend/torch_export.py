@@ -66,7 +66,16 @@ def export_dynamic(
     gm = ep.module()
     guard = pinned or _check_guards(gm, bound, axes, patch, units)
     if guard is not None and pinned is None:  # guarded to the example: keep shapes symbolic
-        gm = _export(model, bound, shapes, deferred=True).module()
+        try:
+            gm = _export(model, bound, shapes, deferred=True).module()
+        except Exception as exc:  # EasyAnimate: torch's runtime-assert pass, a TraceError
+            raise CaptureError(
+                f"torch.export guarded {type(model).__name__} to the example's size ({guard}), "
+                "and exporting it again with the sizes symbolic failed inside torch.export's "
+                f"own runtime-assert pass ({type(exc).__name__}: {str(exc).strip()[:200]}); "
+                "tppc cannot capture a length that both pins and stays symbolic here. fix: "
+                "run the model at this size unsplit (eager or torch.compile), or report it "
+                "with the model's config") from exc
     guards = getattr(gm, "_guards_fn", None) if guard is None else None
     _drop_guards(gm)
     symbol = _seq_symbol(gm, axes)

@@ -86,8 +86,8 @@ def segment_info(node: fx.Node, where: str) -> TokenInfo | None:
         if (src.prefix or src.suffix) and _dim(node, 2, tensor_val(base).dim()) == src.axis:
             return dataclasses.replace(src, module=where)
         return None
-    if node.target is _aten.slice.Tensor:
-        return _slice(node, where)
+    if node.target is _aten.slice.Tensor and (sliced := _slice(node, where)) is not None:
+        return sliced  # along the token axis; along another, a text-only value is carried
     ins = [a for a in node.all_input_nodes if a.meta[TOKEN].role in _TOKENISH]
     if ins and all(a.meta[TOKEN].prefix_only for a in ins):
         return _carry(node, ins[0], where)
