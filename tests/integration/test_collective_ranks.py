@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from tests.unit.collective_lists import random_lists, random_worker_lists, reference
+from tppc.program.actions import COLLECTIVES
 
 ROOT = Path(__file__).resolve().parents[2]
 WORLD = 4
@@ -42,6 +43,16 @@ def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_the_cases_hold_every_collective_kind() -> None:
+    """The ranks below run every kind (the ring shift's isend/irecv pair included)."""
+    kinds = set()
+    for key in _cases(4):
+        make = random_worker_lists if key[0] == "w" else random_lists
+        kinds |= {a.kind for row in make(random.Random(int(key[1:])))[0] for a in row
+                  if a.collective}
+    assert kinds == set(COLLECTIVES)
 
 
 @pytest.mark.parametrize("mode", ["tensor", "numpy"])

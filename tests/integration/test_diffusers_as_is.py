@@ -91,20 +91,35 @@ def test_wan_pipeline_call_equals_eager_with_every_step_warm() -> None:
 def test_save_pretrained_saves_the_original_transformer(tmp_path) -> None:
     """After ``compile_pipeline`` (and a call), the saved pipeline loads back as a plain
     diffusers pipeline whose call equals the eager one bit for bit; the compiled pipeline
-    keeps its drop-in."""
+    keeps its drop-in. So after ``pipe.transformer = cp`` (a ``tppc.compile`` result): the
+    pipeline registers the model's class (was the compiled pipeline's: ``save_pretrained``
+    dropped the transformer, 'cannot be saved', and the saved pipeline did not load), a
+    keyword the model does not declare is refused by name, and ``compile_pipeline`` over it
+    compiles the model itself."""
     from diffusers import DiTPipeline, DiTTransformer2DModel
 
     pipe, call = dit_pipe()
     pipe.set_progress_bar_config(disable=True)
+    model = pipe.transformer
     want = _call(pipe, call, steps=2)
     tppc.diffusers.compile_pipeline(pipe, num_stages=2)
     _call(pipe, call, steps=2)
-    pipe.save_pretrained(tmp_path)
+    cp = next(iter(pipe.transformer.compiled.values()))  # a tppc.compile of the model
+    pipe.save_pretrained(tmp_path / "dropin")
     assert isinstance(pipe.transformer, tppc.diffusers.PipeFusionTransformer)
-    back = DiTPipeline.from_pretrained(tmp_path)
-    back.set_progress_bar_config(disable=True)
-    assert type(back.transformer) is DiTTransformer2DModel
-    torch.testing.assert_close(_call(back, call, steps=2), want, rtol=0, atol=0)
+    pipe.transformer = cp  # as with torch.compile
+    assert isinstance(pipe.transformer, DiTTransformer2DModel) and type(cp) is not type(model)
+    assert tuple(pipe.config.transformer) == ("diffusers", "DiTTransformer2DModel")
+    with pytest.raises(tppc.RuntimeInputError, match="unexpected keyword argument 'colour'"):
+        cp(torch.randn(2, 4, 8, 8), timestep=torch.tensor([1, 1]), colour=3)
+    pipe.save_pretrained(tmp_path / "compiled")
+    for saved in ("dropin", "compiled"):
+        back = DiTPipeline.from_pretrained(tmp_path / saved)
+        back.set_progress_bar_config(disable=True)
+        assert type(back.transformer) is DiTTransformer2DModel
+        torch.testing.assert_close(_call(back, call, steps=2), want, rtol=0, atol=0)
+    tppc.diffusers.compile_pipeline(pipe, num_stages=2)
+    assert pipe.transformer.model is model
 
 
 def chroma_pipe():

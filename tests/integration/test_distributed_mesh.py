@@ -1,8 +1,15 @@
-"""Stages on a mesh of workers on the distributed backend: one rank per worker (gloo on CPU),
-against the eager model (``mesh_rank.py`` runs each rank)."""
+"""Stages on a mesh of workers on the distributed backend, one rank per worker (gloo on CPU):
+``cp.denoise`` through a job (the CLI's ``--denoise`` with ``--cfg-parallel`` / ``--ulysses``,
+via ``tppc.launch``) and the diffusers drop-in as ranks (``dropin_rank.py``), against the
+eager loop (every step warm) and the same loop in one process (stale patches).
+
+Seconds on the 2-core VM (other jobs beside): about 40-110 per 2-rank job, 60-210 per 4-rank
+job; the plain mesh call (``cp(...)``) is what every warm step runs.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -12,13 +19,63 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.oracles import assert_kernels_close
+import tppc
+import tppc.diffusers
+from tests.integration.mesh_models import guided_dit
+from tests.oracles import assert_kernels_close, serial_denoise
 from tppc.distributed.checkpoint import save_checkpoint
-from tppc.examples.hf import dit
 
-pytestmark = pytest.mark.timeout(600)
+diffusers = pytest.importorskip("diffusers")
+pytestmark = pytest.mark.timeout(900)
 
 ROOT = Path(__file__).resolve().parents[2]
+FACTORY = "tests.integration.mesh_models:guided_dit"
+
+
+@pytest.fixture(scope="module")
+def guided(tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    """The guided DiT, its checkpoint, latents and labels (a batch of two)."""
+    model, args, _ = guided_dit()
+    path = tmp_path_factory.mktemp("mesh") / "dit.safetensors"
+    save_checkpoint(model, path)
+    x = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(5))
+    return model, args, path, x, torch.tensor([3, 0])
+
+
+def _denoise_job(guided: tuple, ranks: int, steps: int, warmup: int, **degrees: int
+                 ) -> torch.Tensor:
+    _, _, path, x, y = guided
+    result = tppc.launch(FACTORY, ranks, checkpoint=path, inputs={"args.0": x, "kwargs.y": y},
+                         timeout=800, comm_timeout=120.0, **degrees,
+                         extra_args=["--denoise", str(steps), "--warmup-steps", str(warmup),
+                                     "--patches", "2", "--timestep-arg", "t"])
+    return result.outputs["latents"]
+
+
+def test_ulysses2_denoising_through_a_job_equals_the_eager_loop_every_step_warm(guided
+                                                                               ) -> None:
+    model, _, _, x, y = guided
+    got = _denoise_job(guided, 2, steps=2, warmup=2, ulysses=2)
+    want = serial_denoise(model, x, diffusers.DDIMScheduler(), 2, timestep_arg="t",
+                          model_kwargs={"y": y})
+    assert_kernels_close(got, want, depth=2)
+
+
+def test_pipefusion2_x_cfg2_denoising_through_a_job_equals_the_one_process_loop(guided
+                                                                               ) -> None:
+    """Stale patches on 2 stages of a CFG group each (4 ranks): each CFG worker keeps the
+    stale K/V of its half of the batch, the leader steps each patch and sends it back to
+    both workers of stage 0; the one-process loop (threads) does the same."""
+    model, args, _, x, y = guided
+    got = _denoise_job(guided, 4, steps=3, warmup=1, cfg_parallel=2)
+    cp = tppc.compile(model, args, cluster="4xcpu", num_stages=2, cfg_parallel=2,
+                      executor="threads", threads_per_stage=1, verify=False)
+    one = cp.denoise(x, diffusers.DDIMScheduler(), 3, warmup_steps=1, patches=2,
+                     timestep_arg="t", model_kwargs={"y": y})
+    assert_kernels_close(got, one, depth=3)
+    eager = serial_denoise(model, x, diffusers.DDIMScheduler(), 3, timestep_arg="t",
+                           model_kwargs={"y": y})
+    assert float((got - eager).abs().max()) > 1e-3, "patches should attend to stale K/V"
 
 
 def _port() -> int:
@@ -27,30 +84,26 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _job(out: Path, stages: int, cfg: int, ulysses: int, ring: int) -> None:
-    world = stages * cfg * ulysses * ring
+def test_the_drop_in_as_ranks_equals_the_drop_in_in_one_process(tmp_path: Path) -> None:
+    """An unchanged guided PixArt pipeline call with its transformer on a CFG group of 2
+    ranks, the first call warm and the later ones stale (2 patches): bit for bit the
+    one-process drop-in's images."""
+    from tests.integration.test_diffusers_dropin import _call, pixart_pipe
+
+    options = {"warmup_steps": 1, "patches": 2, "cfg_parallel": 2, "num_stages": 1,
+               "verify": False}
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port()),
-           "WORLD_SIZE": str(world), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+           "WORLD_SIZE": "2", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen(
-        [sys.executable, str(ROOT / "tests/integration/mesh_rank.py"), str(out),
-         *map(str, (stages, cfg, ulysses, ring))],
-        env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    logs = [p.communicate(timeout=500)[0] for p in procs]
+        [sys.executable, str(ROOT / "tests/integration/dropin_rank.py"), str(tmp_path),
+         json.dumps(options)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    logs = [p.communicate(timeout=800)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(log[-4000:] for log in logs)
-
-
-# one 2-rank job (~45 s on the 2-core VM); (1, 1, 2, 1) and (1, 1, 1, 2) pass too (Ulysses'
-# all-to-all and Ring's gathers over gloo), left out of the suite for time
-@pytest.mark.parametrize(("stages", "cfg", "ulysses", "ring"), [(1, 2, 1, 1)], ids=["cfg2"])
-def test_a_mesh_job_equals_eager(tmp_path: Path, stages: int, cfg: int, ulysses: int,
-                                 ring: int) -> None:
-    model, _, _ = dit(size=8, depth=2)
-    save_checkpoint(model, tmp_path / "dit.safetensors")
-    torch.manual_seed(1)
-    inputs = (torch.randn(2, 4, 8, 8), torch.tensor([10, 10]), torch.tensor([3, 0]))
-    torch.save(inputs, tmp_path / "inputs.pt")
-    _job(tmp_path, stages, cfg, ulysses, ring)
-    with torch.no_grad():
-        want = model(*inputs)
-    assert_kernels_close(torch.load(tmp_path / "got.pt"), want)
+    pipe, call = pixart_pipe()
+    pipe.set_progress_bar_config(disable=True)
+    eager = _call(pipe, call, steps=2)
+    tppc.diffusers.compile_pipeline(pipe, executor="threads", threads_per_stage=1, **options)
+    got = torch.load(tmp_path / "got.pt")
+    assert torch.equal(got, _call(pipe, call, steps=2))
+    assert not torch.equal(got, eager), "the later calls should attend to stale K/V"

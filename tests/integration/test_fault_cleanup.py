@@ -120,6 +120,13 @@ def _environ(pid: int) -> dict[str, str]:
     return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
 
 
+def _stopped(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except OSError:
+        return False
+
+
 def _alive(pid: int) -> bool:
     """Running, not a zombie (an orphan's zombie may wait for a PID 1 that never reaps)."""
     try:
@@ -136,10 +143,12 @@ def _torchrun(checkpoint: str, fault: str | None, logs: Path, comm_timeout: floa
                 "--checkpoint", checkpoint, "--timeout", str(comm_timeout)], fault)
 
 
-def _launcher(checkpoint: str, fault: str | None) -> Job:
+def _launcher(checkpoint: str, fault: str | None, comm_timeout: float = 60,
+              timeout: float | None = 240) -> Job:
     script = ("import signal, tppc; signal.signal(signal.SIGINT, signal.default_int_handler); "
               f"tppc.launch('tppc.examples:gpt', 2, checkpoint={checkpoint!r}, chunks=4, "
-              "comm_timeout=60, timeout=240)")  # (SIGINT may be ignored in a background job)
+              f"comm_timeout={comm_timeout}, timeout={timeout})")  # (SIGINT may be ignored in a
+    # background job)
     return Job([sys.executable, "-c", script], fault)
 
 
@@ -229,4 +238,18 @@ def test_launcher_raising_stage_leaves_nothing(checkpoint: str) -> None:
     job.watch(lambda: False)
     output = job.finish()
     assert "StageFailed" in output and "TPPC_FAULT injected" in output, output[-3000:]
+    _assert_clean(job, 5.0, output)
+
+
+def test_launcher_stopped_rank_ends_the_job_within_the_comm_timeout(checkpoint: str) -> None:
+    """The last rank stops itself (SIGSTOP) mid-call, holding its shared-output file, under
+    ``timeout=None``: rank 0 fails after ``comm_timeout`` (5 s), the launcher kills the
+    stopped rank at once and sweeps its file (before: it waited for the stopped rank until
+    ``timeout``, forever with None)."""
+    job = _launcher(checkpoint, "stop@1:1", comm_timeout=5, timeout=None)
+    assert job.watch(lambda: job.hung_mid_call() and _stopped(job.ranks[1])), job.finish(10)
+    t0 = time.monotonic()
+    output = job.finish(60)
+    assert job.proc.returncode != 0 and "StageFailed" in output, output[-3000:]
+    assert time.monotonic() - t0 < 5 + 10, output[-3000:]
     _assert_clean(job, 5.0, output)

@@ -114,3 +114,66 @@ def test_cogvideox_video_latents_with_text_prefix(cogvideox) -> None:
     infos = _sdpa(gm)
     assert all(i.role == "mixing" and i.prefix == 6 for i in infos)
     assert _tokens(ctx) == 32  # 2 frames of 4x4 patches
+
+
+def test_flux2_is_exact() -> None:
+    """Flux2: its SwiGLU slices the text stream's features (was refused as needing the whole
+    sequence, 'fix: move it after the blocks') and its single-stream fused projection made
+    the sharding analysis cycle (an AssertionError after 10000 rounds)."""
+    from diffusers import Flux2Transformer2DModel
+
+    torch.manual_seed(0)
+    model = Flux2Transformer2DModel(
+        patch_size=1, in_channels=4, num_layers=1, num_single_layers=2, attention_head_dim=8,
+        num_attention_heads=2, joint_attention_dim=12, timestep_guidance_channels=8,
+        axes_dims_rope=(2, 2, 2, 2), guidance_embeds=False).eval()
+    n, text = 12, 6
+    img_ids = torch.stack([torch.zeros(n), torch.arange(n) // 4, torch.arange(n) % 4,
+                           torch.zeros(n)], -1).unsqueeze(0)
+    txt_ids = torch.zeros(1, text, 4)
+    txt_ids[..., 3] = torch.arange(text)
+    x = torch.randn(1, n, 4)
+    kwargs = {"encoder_hidden_states": torch.randn(1, text, 12),
+              "timestep": torch.tensor([0.5]), "img_ids": img_ids, "txt_ids": txt_ids,
+              "return_dict": False}
+    cp = tppc.compile(model, (x,), kwargs, num_stages=2)
+    with torch.no_grad():
+        assert_kernels_close(cp(x, **kwargs)[0], model(x, **kwargs)[0])
+
+
+def test_sana_videos_token_sum_is_refused_with_its_true_reason() -> None:
+    """SanaVideo's linear attention sums over the tokens outside its matmul: the refusal names
+    the reduction and that the model cannot be pipelined by tokens (was 'fix: move it after
+    the blocks', which a library model cannot do)."""
+    from diffusers import SanaVideoTransformer3DModel
+
+    torch.manual_seed(0)
+    model = SanaVideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8,
+        num_layers=1, num_cross_attention_heads=2, cross_attention_head_dim=8,
+        cross_attention_dim=16, caption_channels=12, sample_size=8, rope_max_seq_len=32).eval()
+    kwargs = {"encoder_hidden_states": torch.randn(1, 6, 12), "timestep": torch.tensor([10]),
+              "return_dict": False}
+    with pytest.raises(tppc.AnnotationError,
+                       match=r"sum\S* over the token axis.*linear attention's normaliser.*"
+                             r"cannot be pipelined by tokens"):
+        tppc.compile(model, (torch.randn(1, 4, 2, 8, 8),), kwargs, num_stages=2)
+
+
+def test_easyanimate_is_refused_by_name_not_with_a_raw_trace_error() -> None:
+    """EasyAnimate's rope guards the latent's width to the example's; torch.export's
+    runtime-assert pass then fails on the symbolic re-export (a raw ``torch.fx`` TraceError
+    escaped before): a CaptureError naming the guard and the fix."""
+    from diffusers import EasyAnimateTransformer3DModel
+
+    torch.manual_seed(0)
+    model = EasyAnimateTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
+        patch_size=2, sample_width=8, sample_height=8, num_layers=1, mmdit_layers=1,
+        time_embed_dim=8, text_embed_dim=12).eval()
+    kwargs = {"timestep": torch.tensor([10]), "encoder_hidden_states": torch.randn(1, 6, 12),
+              "return_dict": False}
+    with pytest.raises(tppc.CaptureError, match=r"guarded EasyAnimateTransformer3DModel to "
+                                                r"the example's size.*runtime-assert pass.*"
+                                                r"fix: run the model at this size unsplit"):
+        tppc.compile(model, (torch.randn(1, 4, 2, 8, 8),), kwargs, num_stages=2)

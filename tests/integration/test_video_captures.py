@@ -11,7 +11,9 @@ and checked against eager (the compile-time validation runs three chunks of uneq
 - a patch size ``(time, height, width)`` (Wan's ``(1, 2, 2)``): the height is captured in
   patch rows;
 - packed latents with per-token coordinates ``(b, 3, tokens)`` (LTX's ``video_coords``):
-  tied to the sequence axis; the same model given the grid as Python ints is refused by name.
+  tied to the sequence axis; the same model given the grid as Python ints (LTXPipeline's
+  ``num_frames``, ``height``, ``width``) ties the first varying int to the tokens and captures
+  again for new values of the others (:mod:`tppc.frontend.size_ints`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from torch.nn import functional as F
 
 import tppc
 from tests.oracles import assert_kernels_close
-from tppc.errors import CaptureError
+from tppc.frontend.front_end import bind, read_inputs
 from tppc.ir.records import TOKEN
 
 
@@ -180,6 +182,27 @@ def test_per_token_coordinates_are_tied_to_the_sequence_axis() -> None:
     cp = _exact(model, (torch.randn(1, 32, 8), grid))
     assert cp.context.capture_mode == "dynamic"
     assert cp.context.seq_inputs == {"x": (1,), "coords": (2,)}
-    with pytest.raises(CaptureError, match=r"integer input num_frames=2, height=4, width=4"):
-        tppc.capture(model, (torch.randn(1, 32, 8),),
-                     {"num_frames": 2, "height": 4, "width": 4})
+
+
+def test_a_grid_of_python_ints_runs_at_every_grid_a_user_calls() -> None:
+    """Was refused ("integer input num_frames=..., height=..., width=..."): the rope grid is
+    built from Python ints, which torch.export keeps constant."""
+    torch.manual_seed(0)
+    model = _CoordsVideo().eval()
+    cp = _exact(model, (torch.randn(1, 24, 8),), {"num_frames": 4, "height": 2, "width": 3})
+    unit = cp.context.size_int
+    assert (cp.context.capture_mode, unit.label, unit.per_unit) == ("dynamic", "num_frames", 6)
+    assert "num_frames of num_frames=4, height=2, width=3" in tppc.layer_table(
+        cp.captures.example.annotated, cp.context)
+    for f, h, w in ((5, 2, 3), (1, 4, 3)):  # frames: the same capture; one frame: a new one
+        x, grid = torch.randn(1, f * h * w, 8), {"num_frames": f, "height": h, "width": w}
+        with torch.no_grad():
+            torch.testing.assert_close(cp(x, **grid), model(x, **grid), rtol=0, atol=0)
+    assert len(cp.captures._fronts) == 2
+    with pytest.raises(tppc.RuntimeInputError, match=r"num_frames=5, height=2, width=3 do not "
+                       r"multiply to the 24 tokens of 'x'"):
+        cp(torch.randn(1, 24, 8), num_frames=5, height=2, width=3)
+    call = read_inputs(model, (torch.randn(1, 24, 8),), {"num_frames": 3, "height": 2,
+                                                         "width": 3})
+    with pytest.raises(tppc.RuntimeInputError, match=r"input num_frames is 3, but the 24 tokens"):
+        bind(cp.captures.example, model, call)  # the int it reads from the tokens, checked

@@ -105,7 +105,7 @@ def random_worker_lists(rng: random.Random) -> tuple[
 def _collective(rng: random.Random, group: str, chunk: int, bounds: tuple[int, int]) -> Action:
     kind = rng.choice(sorted(COLLECTIVES))
     dims = {"all_reduce": (), "all_gather": (1,), "reduce_scatter": (0,),
-            "all_to_all": (0, 1)}[kind]
+            "all_to_all": (0, 1), "ring_shift": ()}[kind]
     return Action(0, chunk, *bounds, kind, group=group, dims=dims)
 
 
@@ -190,6 +190,8 @@ def _collect(act: Action, inputs: list[list[np.ndarray]]) -> list[list[np.ndarra
                 results[m].append(np.sum(arrays, axis=0))
             elif act.kind == "all_gather":
                 results[m].append(np.concatenate(arrays, axis=act.dims[0]))
+            elif act.kind == "ring_shift":  # the previous member's, around the group
+                results[m].append(arrays[(m - 1) % n])
             elif act.kind == "reduce_scatter":
                 size = arrays[0].shape[0] // n
                 results[m].append(np.sum(arrays, axis=0)[m * size:(m + 1) * size])

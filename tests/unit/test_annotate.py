@@ -123,9 +123,16 @@ def _annotate(body):
     return tppc.annotate(_Stack(body).eval(), (torch.randint(0, 16, (1, 8)),))
 
 
-def test_cumsum_over_tokens_is_refused_naming_node_op_module() -> None:
-    with pytest.raises(AnnotationError, match=r"'cumsum'.*op cumsum.*module blocks\.0"):
-        _annotate(lambda m, x: m.lin(x).cumsum(dim=1))
+def test_cumsum_over_tokens_is_recurrent_mixing() -> None:
+    gm, _ = _annotate(lambda m, x: m.lin(x).cumsum(dim=1))
+    assert roles_by_target(gm, "cumsum") == {"mixing"}
+    assert {n.meta[TOKEN].attention for n in gm.graph.nodes
+            if "cumsum" in str(n.target)} == {"recurrent"}
+
+
+def test_flip_over_tokens_is_refused_naming_node_op_module() -> None:
+    with pytest.raises(AnnotationError, match=r"'flip'.*op flip.*module blocks\.0"):
+        _annotate(lambda m, x: m.lin(x).flip(1).cumsum(dim=1))  # an anti-causal scan
 
 
 def test_softmax_over_tokens_outside_attention_is_refused() -> None:

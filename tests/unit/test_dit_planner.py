@@ -8,7 +8,7 @@ import torch
 
 from tppc.cost_models.cluster import Cluster
 from tppc.cost_models.collective_costs import collective_cost
-from tppc.cost_models.mesh_costs import LayerTraffic, MeshExchanges
+from tppc.cost_models.mesh_costs import LayerTraffic, MeshExchanges, mesh_kv_bytes
 from tppc.driver.options import CompileOptions
 from tppc.driver.planning import length_planner
 from tppc.errors import PlanError, PlanInfeasible, SpecError
@@ -152,14 +152,29 @@ def test_ulysses_pays_four_all_to_alls_per_self_attention() -> None:
     assert serial == pytest.approx(6 * one) and passes == 0.0
 
 
-def test_the_ring_gathers_k_and_v_serially_unless_overlapped() -> None:
-    cluster = Cluster.parse("4xh100-sxm")
+def test_the_ring_shifts_its_own_block_serially_unless_overlapped() -> None:
+    """Ring form over the whole sequence (4096 tokens): 3 shifts of a worker's own K/V block,
+    the bytes a ring all-gather of the chunk moves; a patch (1024 of the 4096 tokens) and an
+    attention in the gather form: the chunk's K/V gathered. A worker keeps a quarter of the
+    ring form's K/V buffers."""
+    cluster, group = Cluster.parse("4xh100-sxm"), (0, 1, 2, 3)
     traffic = LayerTraffic(self_attention=(1000,))
-    gather = collective_cost(cluster, "all_gather", 2 * 1000 * 4096, (0, 1, 2, 3)).seconds
-    ours = MeshExchanges(cluster, (0, 1, 2, 3), Mesh(ring=4), traffic).seconds(4096.0)
-    xdit = MeshExchanges(cluster, (0, 1, 2, 3), Mesh(ring=4), traffic,
-                         overlap=True).seconds(4096.0)
-    assert ours == pytest.approx((gather, 0.0)) and xdit == pytest.approx((0.0, gather))
+    shift = collective_cost(cluster, "ring_shift", 2 * 1000 * 4096 / 4, group).seconds
+    gather = collective_cost(cluster, "all_gather", 2 * 1000 * 4096, group).seconds
+    assert 3 * shift == pytest.approx(gather)
+
+    def seconds(traffic: LayerTraffic, c: float, overlap: bool = False) -> tuple:
+        return MeshExchanges(cluster, group, Mesh(ring=4), traffic, overlap=overlap,
+                             seq_len=4096).seconds(c)
+
+    assert seconds(traffic, 4096.0) == pytest.approx((3 * shift, 0.0))
+    assert seconds(traffic, 4096.0, overlap=True) == pytest.approx((0.0, 3 * shift))
+    patch = collective_cost(cluster, "all_gather", 2 * 1000 * 1024, group).seconds
+    assert seconds(traffic, 1024.0) == pytest.approx((patch, 0.0))
+    gathered = LayerTraffic(self_attention=(1000,), ring_form=(False,))
+    assert seconds(gathered, 4096.0, overlap=True) == pytest.approx((gather, 0.0))
+    assert mesh_kv_bytes(4000, traffic, Mesh(ring=4)) == 1000
+    assert mesh_kv_bytes(4000, gathered, Mesh(ring=4)) == 4000
 
 
 def test_meshes_the_graph_cannot_cut_are_refused_by_the_planner() -> None:

@@ -126,7 +126,8 @@ def test_the_mesh_cut_runs_exactly_in_threads(guided, degrees: dict[str, int]) -
         ("cfg", degrees.get("cfg_parallel", 1)), ("ulysses", degrees.get("ulysses", 1)),
         ("ring", degrees.get("ring", 1))) if d > 1} and n == math.prod(degrees.values())
     cp.programs.hold(front, program)
-    assert_kernels_close(cp.run(args, executor="threads"), want)
+    for executor in ("local", "threads") if "ring" in degrees else ("threads",):
+        assert_kernels_close(cp.run(args, executor=executor), want)
 
 
 def test_a_degree_the_batch_does_not_take_is_refused_by_name(guided) -> None:
@@ -138,8 +139,9 @@ def test_a_degree_the_batch_does_not_take_is_refused_by_name(guided) -> None:
 def test_denoise_on_a_mesh_equals_the_serial_loop_warm_and_one_worker_per_stage_stale(
         guided) -> None:
     """Stale patches on a mesh: each worker keeps the stale K/V of its part (a CFG group its
-    half of the batch, a Ulysses worker its heads), so the loop equals the same loop on one
-    worker per stage; every step warm, it equals the eager loop."""
+    half of the batch, a Ulysses worker its heads, a Ring worker its own block of every
+    patch, passed around whole), so the loop equals the same loop on one worker per stage;
+    every step warm, it equals the eager loop."""
     diffusers = pytest.importorskip("diffusers")
     cp, (x, _, y), _ = guided
     front = cp._front
@@ -155,7 +157,7 @@ def test_denoise_on_a_mesh_equals_the_serial_loop_warm_and_one_worker_per_stage_
     assert_kernels_close(denoise(None, cfg_parallel=2), want, depth=3)
     stale = denoise(1)
     assert not torch.equal(stale, want)
-    for degrees in ({"cfg_parallel": 2}, {"ulysses": 2}):
+    for degrees in ({"cfg_parallel": 2}, {"ulysses": 2}, {"ring": 2}):
         assert_kernels_close(denoise(1, **degrees), stale, depth=3)
 
 
@@ -169,3 +171,23 @@ def test_a_job_of_another_size_is_refused_naming_the_meshes(guided) -> None:
     with pytest.raises(SpecError, match=r"needs 8 ranks \(2 stages at groups 4 \(cfg2 x "
                        r"ulysses2\), 4 \(cfg2 x ulysses2\).*the job has 4.*--nproc-per-node 8"):
         check_world(program, 4)
+
+
+def test_only_one_stage_of_several_workers_over_several_steps_waits_for_the_step_aside(
+        ) -> None:
+    """No list of one stage goes back to stage 0 (its workers are the last stage's), so its
+    workers wait for each stepped patch outside the lists (``one_stage``); with two stages
+    the feedback receive waits, and one step needs no wait."""
+    from tppc.pipefusion.jobs import one_stage
+    from tppc.program.dry_run import check_actions
+
+    def dry(stage_of: tuple[int, ...], steps: int) -> object:
+        rows = sharded_lists(((0, 2), (2, 4)), steps, stage_of, (1,) * len(stage_of),
+                             ((),) * len(stage_of), [Mesh(cfg=stage_of.count(0))] * (
+                                 max(stage_of) + 1))
+        return check_actions(rows, groups=mesh_groups(stage_of, [Mesh(
+            cfg=stage_of.count(0))] * (max(stage_of) + 1)), stages=stage_of)
+
+    assert one_stage(dry((0, 0), 2))
+    assert not one_stage(dry((0, 0), 1))
+    assert not one_stage(dry((0, 0, 1, 1), 2))

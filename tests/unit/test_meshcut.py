@@ -44,8 +44,8 @@ def gpt():
     return staged(model, (torch.randint(0, 256, (2, 16)),), num_stages=2, chunks=2)
 
 
-DIT_MESHES = [Mesh(cfg=2), Mesh(ring=2), Mesh(ulysses=2), Mesh(ring=2, ulysses=2),
-              Mesh(cfg=2, ulysses=2, tp=2)]
+DIT_MESHES = [Mesh(cfg=2), Mesh(ring=4), Mesh(ulysses=2), Mesh(ring=2, ulysses=2),
+              Mesh(cfg=2, ulysses=2, tp=2)]  # ring=2 alone: test_mesh_programs.py
 
 
 @pytest.mark.parametrize("mesh", DIT_MESHES, ids=lambda m: "x".join(map(str, m.degrees)))

@@ -1,8 +1,10 @@
 """Worker graphs of diffusers DiTs from tiny configs on stage meshes: a guided batch of 2
 cut by CFG parallelism, sequence parallelism (joint text + image attention included: the
 text whole on every worker, its heads under Ulysses), tensor parallelism, and the refusals
-by name where the form does not apply (linear attention). Videos: each worker takes its band
-of rows in every frame. Compared with
+by name where the form does not apply (linear attention). Ring attention passes each worker's
+own K/V block around (joint attention: the text whole on every worker, attended in its first
+step); videos keep the ring's gather form (``tppc.passes.meshcut.ring_form``), each worker
+taking its band of rows in every frame. Compared with
 the eager model (nothing is downloaded).
 """
 
@@ -67,7 +69,8 @@ def _wan():
 
 FAMILIES = {
     # family: (factory, exact meshes, refused mesh and message)
-    "pixart": (_pixart4, [Mesh(cfg=2), Mesh(ring=2, ulysses=2), Mesh(ulysses=2, tp=2)], None),
+    "pixart": (_pixart4, [Mesh(cfg=2, ring=2), Mesh(ring=2, ulysses=2), Mesh(ulysses=2, tp=2)],
+               None),
     "hunyuan_dit": (lambda: examples.hf_hunyuan_dit(layers=2), [Mesh(cfg=2, ulysses=2)],
                     None),
     "sd3": (lambda: examples.hf_sd3(layers=1),  # text after the image, written apart

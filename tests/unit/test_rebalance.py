@@ -152,10 +152,12 @@ def test_auto_rebalance_swaps_between_calls_away_from_a_sleeping_stage(gpt, monk
     before = cp.plan
     real = torch_threads.run_stage
 
-    def slow_stage_one(stage, *rest):  # device 1 is 20 ms per job slower than it computes
+    def slow_stage_one(stage, *rest):  # device 1 takes 5x its own compute, whatever the load
+        start = time.perf_counter()
+        out = real(stage, *rest)
         if stage.index == 1:
-            time.sleep(0.02)
-        return real(stage, *rest)
+            time.sleep(4 * (time.perf_counter() - start))
+        return out
 
     monkeypatch.setattr(torch_threads, "run_stage", slow_stage_one)
     cp.auto_rebalance(every=2, margin=0.1)

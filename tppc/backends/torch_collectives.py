@@ -5,7 +5,9 @@ Terms:
         :func:`process_groups` on every rank in the same order (``new_group`` is itself
         collective), gloo on CPU and NCCL on GPUs as the default group is.
     exchange: :func:`run_collective` runs one collective action on this rank's values
-        with the backend's own collective (the sums add in the backend's order).
+        with the backend's own collective (the sums add in the backend's order); a ring
+        shift is one send to the next member and one receive from the previous, posted
+        together (``batch_isend_irecv``).
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def run_collective(act: Action, values: Sequence[Any], members: Sequence[int], r
             pieces = [torch.empty_like(value) for _ in range(n)]
             dist.all_gather(pieces, value.contiguous(), group=group)  # a slice written in place
             out.append(torch.cat(pieces, act.dims[0]))
+        elif act.kind == "ring_shift":
+            out.append(_ring_shift(value, members, me, group))
         elif act.kind == "reduce_scatter":
             parts(act, value.shape, n)
             pieces = [p.contiguous() for p in torch.tensor_split(value, n, act.dims[0])]
@@ -70,3 +74,18 @@ def run_collective(act: Action, values: Sequence[Any], members: Sequence[int], r
             dist.all_to_all(got, send, group=group)
             out.append(torch.cat(got, act.dims[1]))
     return tuple(out)
+
+
+def _ring_shift(value: torch.Tensor, members: Sequence[int], me: int, group: Any
+                ) -> torch.Tensor:
+    """``value`` sent to the next member, the previous member's received (one neighbour
+    exchange per member, posted together so no member waits on its own send)."""
+    n = len(members)
+    if n == 1:
+        return value.clone()
+    got = torch.empty_like(value)
+    ops = [dist.P2POp(dist.isend, value, members[(me + 1) % n], group),
+           dist.P2POp(dist.irecv, got, members[(me - 1) % n], group)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return got

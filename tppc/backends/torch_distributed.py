@@ -27,7 +27,7 @@ Terms:
         names the stage that failed, not the neighbour that stopped answering. A rank killed
         outright writes nothing: its neighbours name it (the peer they lost).
     fault injection: ``TPPC_FAULT=ACTION@STAGE:CHUNK`` (``raise``, ``kill`` = SIGKILL itself,
-        ``hang``) makes that stage (the rank of that number, with tensor parallelism) fail
+        ``hang``, ``stop`` = SIGSTOP itself) makes that stage (the rank of that number, with tensor parallelism) fail
         at that chunk; tests and drills use it.
 
 Every blocking operation is bounded by the process group's timeout (gloo raises at once on a
@@ -244,18 +244,23 @@ class DistributedExecutor:
             os.kill(os.getpid(), signal.SIGKILL)
         if action == "hang":
             time.sleep(3600)
+        if action == "stop":  # frozen: no thread of this rank runs until SIGCONT
+            os.kill(os.getpid(), signal.SIGSTOP)
         raise RuntimeError(f"TPPC_FAULT injected a failure in stage {self.rank}, chunk {chunk}")
 
     # -- point to point -------------------------------------------------------------------------
-    def send_chunk(self, program: Program, values: tuple[Any, ...]) -> tuple[Any, Any]:
-        """Post the sends of this rank's boundary ``values`` to the next rank; returns
-        ``(works, tensors)`` to wait on (the tensors stay alive until then)."""
-        return self._send(program, program.stages[self.rank], self.rank + 1, values)
+    def send_chunk(self, program: Program, values: tuple[Any, ...], peer: int | None = None
+                   ) -> tuple[Any, Any]:
+        """Post the sends of this rank's boundary ``values`` to ``peer`` (default: the next
+        rank); returns ``(works, tensors)`` to wait on (the tensors stay alive until then)."""
+        return self._send(program, program.runners[self.rank],
+                          self.rank + 1 if peer is None else peer, values)
 
-    def recv_chunk(self, program: Program, size: int, deadline: float | None
-                   ) -> tuple[Any, ...]:
-        """The previous rank's boundary values of a ``size``-token chunk of ``program``."""
-        return self._recv(program, self.rank - 1, size, deadline)
+    def recv_chunk(self, program: Program, size: int, deadline: float | None,
+                   peer: int | None = None) -> tuple[Any, ...]:
+        """The boundary values of a ``size``-token chunk of ``program`` from ``peer``
+        (default: the previous rank)."""
+        return self._recv(program, self.rank - 1 if peer is None else peer, size, deadline)
 
     def wait(self, works: Sequence[Any], peer: int, deadline: float | None) -> None:
         """Wait for ``works`` (operations with ``peer``), each bounded by :meth:`span`."""
@@ -369,9 +374,10 @@ def _parse_fault(text: str) -> tuple[str, int, int] | None:
         return None
     action, _, where = text.partition("@")
     stage, _, chunk = where.partition(":")
-    if action not in ("raise", "kill", "hang") or not stage.isdigit() or not chunk.isdigit():
+    if action not in ("raise", "kill", "hang", "stop") or not stage.isdigit() \
+            or not chunk.isdigit():
         raise StageFailed(f"TPPC_FAULT={text!r} must read ACTION@STAGE:CHUNK with ACTION one "
-                          "of raise, kill, hang (e.g. raise@1:2)")
+                          "of raise, kill, hang, stop (e.g. raise@1:2)")
     return action, int(stage), int(chunk)
 
 

@@ -134,7 +134,7 @@ def run_stage(stage: StageProgram, call: Call, state: CallState, start: int, end
             value = positional[spec.index]
             args.append(value if spec.axis is None
                         else chunk_rows(value, spec, start, end, call.seq_len))
-        elif kind in ("key", "value"):
+        elif kind in ("key", "value", "state"):
             args.append(buffers[name])
         elif kind == "hoisted":
             args.append(hoisted[spec.index])

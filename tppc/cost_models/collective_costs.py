@@ -5,7 +5,8 @@ Terms:
     B: the bytes of the collective, counted as nccl-tests counts them: the buffer an
         all-reduce reduces; the gathered output of an all-gather; the input of a
         reduce-scatter (each member keeps B/n); each member's send buffer of an all-to-all
-        (B/n to each peer).
+        (B/n to each peer); each member's block of a ring shift (it sends B to the next
+        member while it receives B from the previous).
     bottleneck: the group's slowest link, ``bw`` (bytes/s, one direction) and ``α`` (its
         latency, s): a ring or tree step waits for its slowest hop, and every step of a flat
         algorithm over a group that spans nodes crosses the inter-node link somewhere.
@@ -21,6 +22,7 @@ nccl-tests' bus bandwidth, ``doc/PERFORMANCE.md``)::
     ring all-gather              (n-1)/n · B/bw + (n-1)·α
     ring reduce-scatter          (n-1)/n · B/bw + (n-1)·α
     all-to-all (pairwise)        (n-1)/n · B/bw + (n-1)·α
+    ring shift (one step)        B/bw + α                   (every member's hop at once)
     hierarchical all-reduce      a group over m > 1 nodes, k members in its smallest node:
                                  ring reduce-scatter of B inside every node (at once)
                                  + all-reduce of B/k among the m nodes over the inter-node
@@ -51,9 +53,10 @@ from tppc.errors import SpecError
 
 __all__ = ["COLLECTIVES", "Algorithm", "Collective", "CollectiveCost", "collective_cost"]
 
-Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
+Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ring_shift"]
 Algorithm = Literal["ring", "tree", "hierarchical", "none"]
-COLLECTIVES: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+COLLECTIVES: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+                                "ring_shift")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,7 +81,9 @@ class CollectiveCost:
 
 
 def _ring_steps(collective: str, n: int, nbytes: float, bw: float, alpha: float) -> float:
-    """The ring (or pairwise all-to-all) formula for ``n`` members."""
+    """The ring (or pairwise all-to-all, or one ring shift) formula for ``n`` members."""
+    if collective == "ring_shift":  # one hop: every member sends its whole block
+        return nbytes / bw + alpha
     steps = 2 * (n - 1) if collective == "all_reduce" else n - 1
     return steps / n * nbytes / bw + steps * alpha
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import sympy
+import torch
 from torch import fx
 
 from tppc.cost_models.cluster import Cluster
@@ -49,6 +50,7 @@ from tppc.cost_models.mesh_costs import (
     MeshExchanges,
     ceil_share,
     layer_traffic,
+    mesh_kv_bytes,
     mesh_node_cost,
     mesh_words,
     ring_blocks,
@@ -71,6 +73,7 @@ from tppc.cost_models.thread_groups import (
 )
 from tppc.errors import CostModelError
 from tppc.ir.records import LayerInfo, ShardRole
+from tppc.passes.meshcut.ring_form import graph_reason
 from tppc.program.mesh import Mesh
 
 __all__ = ["CollectiveTime", "GroupTime", "group_cost_table", "layer_collectives"]
@@ -163,6 +166,13 @@ class _GroupPricer:
         self._shards: dict[str, LayerShards] = {}
         self._times: dict[tuple, TimeFn] = {}
 
+    def ring_form(self, name: str) -> bool:
+        """Whether a ring runs node ``name`` (a self-attention) in the ring form."""
+        node = self.nodes.get(name)
+        return node is not None and node.op == "call_function" \
+            and node.target == torch.ops.tppc.chunk_attention.default \
+            and not graph_reason(node)
+
     def exprs(self, device: DeviceSpec) -> list[LayerExpr]:
         if device not in self._exprs:
             self._exprs[device] = layer_expressions(self.gm, self.layers, device, self.seq_len,
@@ -187,9 +197,10 @@ class _GroupPricer:
             costs = [shard_node_cost(cost, role, t, a, b) for cost, role, a, b in zip(
                 expr.nodes, shards.roles, shards.in_bytes, shards.out_bytes, strict=True)]
             blocks = [(cost, 1) for cost in costs]
-            if mesh is not None:
-                blocks = [ring_blocks(mesh_node_cost(cost, mesh), mesh) if self.ring_overlap
-                          else (mesh_node_cost(cost, mesh), 1) for cost in costs]
+            if mesh is not None:  # the ring form: one kernel per K/V block
+                blocks = [ring_blocks(mesh_node_cost(cost, mesh), mesh)
+                          if self.ring_form(cost.name) else (mesh_node_cost(cost, mesh), 1)
+                          for cost in costs]
             if attention_only:
                 blocks = [(cost, k) for cost, k in blocks if cost.op == SELF_ATTENTION]
             total = sympy.Add(*[k * node_time_terms(cost, device, fuse_elementwise=fuse).total()
@@ -281,7 +292,7 @@ def _words(pricer: _GroupPricer, expr: LayerExpr, mesh: Mesh | None) -> str:
     if mesh is None:
         return layer_collectives(shards)
     return mesh_words(layer_traffic(expr.nodes, shards, expr.act_bytes_per_token,
-                                    pricer.seq_len), mesh)
+                                    pricer.seq_len, pricer.ring_form), mesh)
 
 
 def _row_layer(pricer: _GroupPricer, cluster: Cluster, group: tuple[int, ...],
@@ -308,16 +319,18 @@ def _row_layer(pricer: _GroupPricer, cluster: Cluster, group: tuple[int, ...],
             positional_bytes_per_token=expr.positional_bytes_per_token,
             workspace_bytes_per_key=expr.workspace_bytes_per_key)
     last = i == len(per_spec[0]) - 1
-    traffic = layer_traffic(expr.nodes, shards, expr.act_bytes_per_token, pricer.seq_len)
+    traffic = layer_traffic(expr.nodes, shards, expr.act_bytes_per_token, pricer.seq_len,
+                            pricer.ring_form)
     exchanges = MeshExchanges(cluster, group, mesh, traffic, last=last,
-                              overlap=pricer.ring_overlap) if len(group) > 1 else None
+                              overlap=pricer.ring_overlap,
+                              seq_len=pricer.seq_len) if len(group) > 1 else None
     fns = tuple(pricer.time(exprs[i], spec, t, mesh) for exprs, spec in zip(per_spec, specs))
     attention = pricer.time(expr, specs[0], t, mesh, attention_only=True) \
         if mesh.ring > 1 and traffic.self_attention and pricer.ring_overlap else None
     n = token_workers(mesh)
     return LayerCost(
         name=expr.info.name, time=GroupTime(fns, None, exchanges, attention),
-        weight_bytes=weights, kv_bytes_per_token=ceil_share(kv, (mesh.cfg, mesh.ulysses)),
+        weight_bytes=weights, kv_bytes_per_token=mesh_kv_bytes(kv, traffic, mesh),
         act_bytes_per_token=ceil_share(expr.act_bytes_per_token, (n,)),
         peak_bytes_per_token=ceil_share(expr.peak_bytes_per_token, (n,)),
         positional_bytes_per_token=expr.positional_bytes_per_token,

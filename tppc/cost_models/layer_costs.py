@@ -32,7 +32,12 @@ from torch import fx
 
 from tppc.cost_models.cluster import Cluster
 from tppc.cost_models.lambdify import to_numpy
-from tppc.cost_models.layer_memory import attention_workspace, peak_live_bytes, positional_bytes
+from tppc.cost_models.layer_memory import (
+    attention_workspace,
+    peak_live_bytes,
+    positional_bytes,
+    state_bytes,
+)
 from tppc.cost_models.node_costs import (
     C,
     L,
@@ -72,7 +77,8 @@ class LayerExpr:
         vector_flops: non-matmul FLOPs.
         bytes: bytes moved.
         fn: ``time`` lambdified and numpy-vectorised.
-        weight_bytes: parameter and buffer bytes the layer holds.
+        weight_bytes: parameter and buffer bytes the layer holds, and the carried states of
+            its recurrent nodes (:func:`.layer_memory.state_bytes`).
         kv_bytes_per_token: K/V buffer bytes per sequence token.
         act_bytes_per_token: bytes per token of the values leaving the layer.
         peak_bytes_per_token: bytes per chunk token of the values live at once inside the
@@ -198,7 +204,8 @@ class _Pricer:
         kv = sum(c.kv_bytes_per_key for c in costs)
         return LayerExpr(info=info, nodes=costs, time=time, matrix_flops=matrix,
                          vector_flops=vector, bytes=nbytes, fn=fn,
-                         weight_bytes=int(info.param_bytes),
+                         weight_bytes=int(info.param_bytes)
+                         + state_bytes(self.nodes, info.nodes),
                          kv_bytes_per_token=int(kv),
                          act_bytes_per_token=self._act_bytes(info),
                          peak_bytes_per_token=self._peak_bytes(info),
@@ -223,7 +230,8 @@ class _Pricer:
                                                  for n in second_info.nodes))
         second = LayerCost(
             name=second_info.name, time=self._rest[key],
-            weight_bytes=int(second_info.param_bytes),
+            weight_bytes=int(second_info.param_bytes)
+            + state_bytes(self.nodes, second_info.nodes),
             kv_bytes_per_token=self._kv[second_info.name],
             act_bytes_per_token=self._act_bytes(second_info),
             peak_bytes_per_token=self._peak_bytes(second_info),

@@ -18,6 +18,9 @@ Terms:
         block run unmasked / ``is_causal`` and merge by log-sum-exp): no workspace per key.
         A float attention bias (ALiBi) instead reads its rows: one value per batch row,
         head, query row and key.
+    state bytes: the carried states of the layer's recurrent nodes (placeholders of kind
+        ``state``, :mod:`tppc.passes.chunking.carried_state`): fixed bytes, like weights,
+        not per token.
 
 Example:
     >>> peak_live_bytes(pricer.nodes, info.nodes, pricer.shapes, seq_len)  # doctest: +SKIP
@@ -37,7 +40,7 @@ from tppc.cost_models.node_costs import C, L, P, Shapes, tensor_vals
 from tppc.ir.op_rules import op_rule
 from tppc.ir.records import CHUNK_INPUT, TOKEN, ChunkInput, TokenInfo
 
-__all__ = ["attention_workspace", "peak_live_bytes", "positional_bytes"]
+__all__ = ["attention_workspace", "peak_live_bytes", "positional_bytes", "state_bytes"]
 
 def _per_token(node: fx.Node, shapes: Shapes, seq_len: int) -> int:
     """Bytes per chunk token of a token value (0 when it does not scale with the chunk).
@@ -110,6 +113,19 @@ def positional_bytes(nodes: Mapping[str, fx.Node], layer_nodes: Sequence[str],
                 continue
             seen[arg.name] = _per_position(sympy.Mul(*shapes.shape(arg))
                                            * vals[0].element_size())
+    return sum(seen.values())
+
+
+def state_bytes(nodes: Mapping[str, fx.Node], layer_nodes: Sequence[str]) -> int:
+    """Bytes of the carried states the layer's nodes read (each state buffer once)."""
+    seen: dict[str, int] = {}
+    for name in layer_nodes:
+        for arg in nodes[name].all_input_nodes:
+            spec = arg.meta.get(CHUNK_INPUT)
+            if arg.op == "placeholder" and isinstance(spec, ChunkInput) \
+                    and spec.kind == "state" and spec.dtype is not None:
+                seen[arg.name] = math.prod(int(d) for d in spec.shape) \
+                    * spec.dtype.itemsize
     return sum(seen.values())
 
 

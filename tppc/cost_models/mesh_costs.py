@@ -14,8 +14,9 @@ Terms:
 One worker's compute (:func:`mesh_node_cost`): every token-dependent node's work cut ``n``
 ways. A linear's rows (``m``: batch × tokens) are cut and its weight is read whole; an
 attention's batch × heads are cut by ``cfg · ulysses`` (Ulysses trades tokens for heads),
-its queries by ``ring``, and a ring-cut self-attention runs ``ring`` kernels, one per K/V
-block of ``1/ring`` of the keys, each paying its launch and fixed cost (:func:`ring_blocks`). Const nodes (timestep embeddings) run whole on every worker.
+its queries by ``ring``, and a self-attention in the ring form runs ``ring`` kernels, one
+per K/V block of ``1/ring`` of the keys, each paying its launch and fixed cost
+(:func:`ring_blocks`). Const nodes (timestep embeddings) run whole on every worker.
 
 Exchanges of a layer for a chunk of ``c`` tokens (:class:`MeshExchanges`; each priced by
 :func:`.collective_costs.collective_cost` on the members' own links, the slowest group of an
@@ -23,20 +24,28 @@ axis counting)::
 
     Ulysses   each self-attention: 4 all-to-alls (q, k, v in; out back), each member's send
               buffer bytes_per_token(out) · c / (n · tp); each cross-attention: 2 (q, out)
-    Ring      each self-attention: the chunk's K and V gathered around the ring (r - 1
-              blocks of 2 · bytes_per_token(out) · c / (n · tp): a ring all-gather). As
-              tppc's workers run it (the default) the gather blocks the stage, then one
-              attention kernel reads the whole buffer; as xDiT runs it (``overlap``) each
-              block is passed while the previous one is attended: r kernels, exposed
-              max(0, passes - attention)
+    Ring      each self-attention in the ring form (:mod:`tppc.passes.meshcut.ring_form`):
+              r - 1 ring shifts of a worker's own K/V block, the keys of the whole
+              sequence it holds, 2 · bytes_per_token(out) · L / (r · cfg · ulysses · tp),
+              and r attention kernels,
+              one per block (:func:`ring_blocks`); a chunk shorter than the sequence
+              (PipeFusion's stale patches) is priced in the gather form, as
+              ``cp.denoise`` runs it. As tppc's workers run it (the default)
+              every shift blocks the stage (a collective ends a part); as xDiT runs it
+              (``overlap``) each block is passed while the previous one is attended,
+              exposed max(0, passes - attention). A self-attention in the gather form
+              (causal, masked, a video's frames): the chunk's K and V gathered around the
+              ring (a ring all-gather of 2 · bytes_per_token(out) · c / (cfg · ulysses ·
+              tp)), blocking, then one kernel
     TP        its all-reduces / all-gathers of bytes_per_token · c / n over the tp group
     gather    the model's last layer: its output gathered once per chunk over the
               cfg × ring × ulysses workers (all-gather of bytes_per_token · c): for CFG the
               two halves' outputs, once per step and patch
 
-Memory per worker (:func:`mesh_memory`): weights whole (``1/tp`` of the cut ones); K/V
-buffers ``/ (cfg · ulysses)`` (and ``/ tp`` when cut by heads): a ring keeps the whole key
-length, since PipeFusion's stale K/V of a patch is shared across the group as xDiT does;
+Memory per worker (``group_costs``' layer rows): weights whole (``1/tp`` of the cut ones);
+K/V buffers ``/ (cfg · ulysses)`` (and ``/ tp`` when cut by heads), and ``/ ring`` for the
+self-attentions in the ring form (each worker keeps its own block, plus two blocks in flight
+per attention: the one it sends and the one it receives, counted with the activations);
 activations ``/ n``.
 """
 
@@ -44,7 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -57,7 +66,7 @@ from tppc.cost_models.shard_costs import LayerShards
 from tppc.program.mesh import Mesh
 
 __all__ = ["SELF_ATTENTION", "LayerTraffic", "MeshExchanges", "axis_groups", "ceil_share",
-           "layer_traffic", "mesh_node_cost", "mesh_words", "ring_blocks", "token_workers"]
+           "layer_traffic", "mesh_kv_bytes", "mesh_node_cost", "mesh_words", "ring_blocks", "token_workers"]
 
 
 SELF_ATTENTION = "chunk_attention"
@@ -134,12 +143,19 @@ class LayerTraffic:
             the token axis (a prompt's).
         tp: ``(kind, bytes per token)`` of the tensor-parallel collectives.
         output: bytes per token of the layer's output (gathered after the model's last).
+        ring_form: for each self-attention, whether a ring runs it in the ring form (its
+            own K/V block passed around) rather than the gather form.
     """
 
     self_attention: tuple[int, ...] = ()
     cross_attention: tuple[int, ...] = ()
     tp: tuple[tuple[str, int], ...] = ()
     output: int = 0
+    ring_form: tuple[bool, ...] = ()
+
+    def forms(self) -> tuple[bool, ...]:
+        """:attr:`ring_form`, every self-attention in the ring form when not given."""
+        return self.ring_form or (True,) * len(self.self_attention)
 
 
 def _per_token(expr: sympy.Expr, seq_len: int) -> int:
@@ -148,15 +164,20 @@ def _per_token(expr: sympy.Expr, seq_len: int) -> int:
 
 
 def layer_traffic(nodes: Sequence[NodeCost], shards: LayerShards, output_bytes_per_token: int,
-                  seq_len: int) -> LayerTraffic:
+                  seq_len: int, ring_form: Callable[[str], bool] | None = None
+                  ) -> LayerTraffic:
     """The :class:`LayerTraffic` of a layer from its nodes' costs and its shards (output
-    bytes of each node, TP collectives)."""
-    own, cross = [], []
+    bytes of each node, TP collectives); ``ring_form(name)``: whether a ring runs the
+    self-attention ``name`` in the ring form (default: every one)."""
+    own, cross, forms = [], [], []
     for cost, out in zip(nodes, shards.out_bytes, strict=True):
         if cost.kind == "attention":
             (own if cost.op == SELF_ATTENTION else cross).append(_per_token(out, seq_len))
+            if cost.op == SELF_ATTENTION:
+                forms.append(ring_form(cost.name) if ring_form is not None else True)
     return LayerTraffic(self_attention=tuple(own), cross_attention=tuple(cross),
-                        tp=shards.collectives, output=output_bytes_per_token)
+                        tp=shards.collectives, output=output_bytes_per_token,
+                        ring_form=tuple(forms))
 
 
 def axis_groups(group: Sequence[int], mesh: Mesh, axis: str) -> tuple[tuple[int, ...], ...]:
@@ -186,6 +207,8 @@ class MeshExchanges:
         traffic: the layer's :class:`LayerTraffic`.
         last: the model's last layer (its output is gathered).
         overlap: the ring's passes overlap the attention (xDiT's ring attention).
+        seq_len: the sequence's tokens L (a ring worker's own block is ``L / ring`` of
+            them); 0: the chunk's.
     """
 
     cluster: Cluster
@@ -194,6 +217,7 @@ class MeshExchanges:
     traffic: LayerTraffic
     last: bool = False
     overlap: bool = False
+    seq_len: int = 0
     _seen: dict[float, tuple[float, float]] = field(default_factory=dict, repr=False)
 
     def _worst(self, axis: str, kind: str, nbytes: float) -> float:
@@ -215,9 +239,14 @@ class MeshExchanges:
             serial += sum(2 * self._worst("ulysses", "all_to_all", per * share)
                           for per in t.cross_attention)
         if m.ring > 1:
-            block = c / (m.cfg * m.ulysses * m.tp)
-            ring = sum(self._worst("ring", "all_gather", 2 * per * block)
-                       for per in t.self_attention)
+            share = m.cfg * m.ulysses * m.tp
+            keys = (self.seq_len or c) / (m.ring * share)  # a worker's own block
+            # patches (c < L): PipeFusion's stale patches keep the gather form
+            forms = t.forms() if c >= (self.seq_len or c) else (False,) * len(t.forms())
+            ring = sum((m.ring - 1) * self._worst("ring", "ring_shift", 2 * per * keys)
+                       for per, own in zip(t.self_attention, forms, strict=True) if own)
+            serial += sum(self._worst("ring", "all_gather", 2 * per * c / share)
+                          for per, own in zip(t.self_attention, forms, strict=True) if not own)
             passes, serial = (ring, serial) if self.overlap else (0.0, serial + ring)
         if self.last and n > 1:
             serial += collective_cost(self.cluster, "all_gather", t.output * c,
@@ -241,8 +270,15 @@ def mesh_words(traffic: LayerTraffic, mesh: Mesh) -> str:
         if count:
             parts.append(f"{count} all_to_all (Ulysses{mesh.ulysses}) of {per} B/token")
     if mesh.ring > 1 and traffic.self_attention:
-        parts.append(f"{len(traffic.self_attention)} K/V ring pass (Ring{mesh.ring}) of "
-                     f"{2 * max(traffic.self_attention)} B/token, overlapped")
+        forms = traffic.forms()
+        own = [b for b, ring in zip(traffic.self_attention, forms, strict=True) if ring]
+        gathered = [b for b, ring in zip(traffic.self_attention, forms, strict=True) if not ring]
+        if own:
+            parts.append(f"{len(own)} x {mesh.ring - 1} K/V ring shift (Ring{mesh.ring}) of "
+                         f"{2 * max(own)} B/key of its own block")
+        if gathered:
+            parts.append(f"{len(gathered)} K/V all_gather (Ring{mesh.ring}, gather form) of "
+                         f"{2 * max(gathered)} B/token")
     if mesh.tp > 1 and traffic.tp:
         counts: dict[tuple[str, int], int] = {}
         for kind, per in traffic.tp:
@@ -250,6 +286,18 @@ def mesh_words(traffic: LayerTraffic, mesh: Mesh) -> str:
         parts.extend(f"{k} {kind} (TP{mesh.tp}) of {per} B/token"
                      for (kind, per), k in counts.items())
     return ", ".join(parts)
+
+
+def mesh_kv_bytes(kv: int, traffic: LayerTraffic, mesh: Mesh) -> int:
+    """One worker's K/V buffer bytes per token of a layer of ``kv`` (module docstring): cut
+    by ``cfg · ulysses``, the ring form's share (by the self-attentions' bytes) by ``ring``."""
+    kv = ceil_share(kv, (mesh.cfg, mesh.ulysses))
+    total = sum(traffic.self_attention)
+    if mesh.ring == 1 or not total:
+        return kv
+    own = sum(b for b, ring in zip(traffic.self_attention, traffic.forms(), strict=True)
+              if ring) / total
+    return math.ceil(kv * (1 - own) + kv * own / mesh.ring)
 
 
 def ceil_share(value: int, parts: Iterable[int]) -> int:

@@ -35,6 +35,7 @@ from torch.utils import _pytree as pytree
 
 from tppc.dispatch.compile import compile_pipeline as compile_model
 from tppc.pipefusion.step import StepCalls
+from tppc.pipeline.compiled import CompiledPipeline
 
 __all__ = ["PipeFusionTransformer", "compile_pipeline"]
 
@@ -118,9 +119,9 @@ class PipeFusionTransformer(torch.nn.Module):
         if calls is None:
             cp = compile_model(self.model, tuple(args), kwargs, **self.options)
             self.compiled[key] = cp
-            calls = self._calls[key] = StepCalls(cp, warmup_steps=self.warmup_steps,
-                                                 patches=self.patches,
-                                                 num_inference_steps=self._steps)
+            calls = self._calls[key] = _step_calls(cp)(cp, warmup_steps=self.warmup_steps,
+                                                       patches=self.patches,
+                                                       num_inference_steps=self._steps)
         out = calls(args, kwargs, stream=self._stream)
         if not return_dict:
             return out
@@ -129,19 +130,38 @@ class PipeFusionTransformer(torch.nn.Module):
         return Transformer2DModelOutput(sample=out[0] if isinstance(out, tuple | list) else out)
 
 
+def _step_calls(cp: Any) -> type[StepCalls]:
+    """How ``cp`` runs one step's call: in this process, or through its job (a rank of
+    ``backend="distributed"``: every rank calls, the outputs reach every rank)."""
+    from tppc.distributed.pipeline import DistributedPipeline
+
+    if isinstance(cp, DistributedPipeline):
+        from tppc.distributed.step_calls import DistributedStepCalls
+
+        return DistributedStepCalls
+    return StepCalls
+
+
 def compile_pipeline(pipe: Any, *, warmup_steps: int | None = 1, patches: int | None = None,
                      **options: Any) -> Any:
     """Set ``pipe.transformer`` to a :class:`PipeFusionTransformer` of it and start a new
     loop at every pipeline call; returns ``pipe`` (its call is unchanged;
-    ``pipe.save_pretrained`` saves the original transformer).
+    ``pipe.save_pretrained`` saves the original transformer). A ``pipe.transformer`` that is
+    already compiled (a :class:`PipeFusionTransformer`, or ``tppc.compile``'s result) is
+    replaced by one of its model.
 
     Example:
         >>> pipe = tppc.diffusers.compile_pipeline(pipe, warmup_steps=1, patches=4,
         ...                                        num_stages=2)         # doctest: +SKIP
         >>> image = pipe(prompt, num_inference_steps=20).images[0]
+
+    With ``backend="distributed"`` (on every rank of a torchrun job or ``tppc.launch``, the
+    same script building the same pipeline) the transformer runs as ranks, one per worker of
+    the plan (:mod:`tppc.distributed.step_calls`); every rank's pipeline call returns the
+    images.
     """
     model = pipe.transformer
-    if isinstance(model, PipeFusionTransformer):
+    if isinstance(model, PipeFusionTransformer | CompiledPipeline):  # compiled before
         model = model.model
     adapter = PipeFusionTransformer(model, warmup_steps=warmup_steps, patches=patches,
                                     **options)

@@ -15,6 +15,13 @@ Terms:
         model input's rows to every earlier rank that reads the latents (stage 0), which
         receives them before job ``(i + 1, m)``: the same jobs in the same order per stage
         as the ``threads`` and ``local`` executors, so the latents are theirs.
+    stages of several workers (tensor parallelism, a mesh: cfg, ring, ulysses): one rank per
+        worker, each running its worker's lowered list (parts, collectives of its groups,
+        sends to the workers the list names); the leader (the first worker of the last
+        stage, whose outputs are the model's) steps the scheduler and sends each stepped
+        patch back to every worker of stage 0. On one stage of several workers no list goes
+        back (stage 0 is the last stage): the leader sends each stepped patch to the other
+        workers aside, and each receives it before its patch of the next step.
 
 The final latents are broadcast from the last rank; rank 0 returns them (every rank with
 ``results="all"``), the others None.
@@ -22,6 +29,7 @@ The final latents are broadcast from the last rank; rank 0 returns them (every r
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
@@ -42,6 +50,7 @@ from tppc.pipefusion.denoise import (
     model_timesteps,
     schedule_steps,
 )
+from tppc.pipefusion.jobs import one_stage
 from tppc.pipefusion.schedulers import (
     StepProtocol,
     check_elementwise,
@@ -60,7 +69,7 @@ if TYPE_CHECKING:
     from tppc.driver.options import CompileOptions
     from tppc.frontend.front_end import BoundCall, FrontEnd
 
-__all__ = ["DenoisingRank", "distributed_denoise"]
+__all__ = ["DenoisingRank", "distributed_denoise", "patch_jobs", "rank_programs"]
 
 
 class DenoisingRank(Protocol):
@@ -126,15 +135,10 @@ def distributed_denoise(cp: DenoisingRank, latents: torch.Tensor | None, schedul
     x_in = x.clone()  # the model's input (scale_model_input, on the last rank), broadcast
     b = bind_steps(cp, x_in, kwargs, steps, arg, warmup_steps, patches, timestep_transform)
     front, length, plan, bounds, flats = b.front, b.length, b.plan, b.bounds, b.flats
-    programs = _programs(cp, front, plan, length, bounds)
+    programs = rank_programs(cp, front, plan, length, bounds)
     full, first = programs.full, programs.first
-    if full.workers:  # every rank decides alike
-        raise SpecError(
-            f"{front.ctx.model_name}: distributed denoising runs one rank per stage; the plan "
-            f"has stages of several workers (tensor-parallel or a mesh: {len(full.runners)} "
-            f"workers for {len(full.stages)} stages). fix: tensor_parallel=1, cfg_parallel=1, "
-            "ring=1 and ulysses=1, or the threads or local executor")
-    if programs.rest is not None and warmup_steps < len(steps):  # every rank decides alike
+    stale = warmup_steps < len(steps)
+    if programs.rest is not None and stale:  # every rank decides alike
         raise SpecError(
             f"{front.ctx.model_name}: stale patches of a joint-attention DiT (text tokens "
             "beside the image, a second program for the later patches) do not run on the "
@@ -149,7 +153,7 @@ def distributed_denoise(cp: DenoisingRank, latents: torch.Tensor | None, schedul
     state = cp.states.acquire(front, length)
     state.reset()
     run = DenoiseRun(cp, x, axis, scale, output_transform)
-    last = cp.world - 1
+    last = full.leader  # its outputs are the model's: it steps the scheduler
     warm = min(warmup_steps, len(steps))
     got: dict[str, Any] = {}
     whole = StepProtocol(scheduler, x, x_in)
@@ -184,82 +188,174 @@ def distributed_denoise(cp: DenoisingRank, latents: torch.Tensor | None, schedul
             if i + 1 < len(steps):
                 scheds[m].model_input(steps[i + 1])
 
-        readers = _readers(cp.world, latent, first, programs.rest)
-        dry = check_actions(first.actions_for(chunks, pipelined), readers)
-        _Jobs(cp, calls, state, programs.of_patch, rows, warm).run(dry, finish)
+        patch_jobs(cp, calls, state, programs, rows, warm, last, chunks, pipelined, finish,
+                   latent)
     cp.collective(lambda: dist.broadcast(x, src=last), "latents broadcast")
     state.consts.clear()  # the text K/V are this request's
     cp.states.release(front, state)
     return x if cp.rank == 0 or cp.results == "all" else None
 
 
+def patch_jobs(cp: DenoisingRank, calls: list[Call], state: Any, programs: PatchPrograms,
+               rows: Callable[[int], torch.Tensor] | None, warm: int, leader: int,
+               chunks: tuple[tuple[int, int], ...], steps: int,
+               finish: Callable[[int, int, tuple[Any, ...]], None], latent: int = -1) -> None:
+    """This rank's part of ``steps`` pipelined steps of ``chunks`` (``calls[t]``: step
+    ``t``'s call): the dry run of the patch program's lists (the stepped patches going back
+    to the workers that read flat input ``latent``, the model input's ``rows``), run by
+    :class:`_Jobs`; ``finish(t, m, values)`` on the ``leader`` as each patch leaves."""
+    dry = _dry_run(programs.first, chunks, steps, latent, programs.rest)
+    _Jobs(cp, calls, state, programs.of_patch, rows, warm, leader).run(dry, finish)
+
+
 class _Jobs:
     """This rank's pipelined jobs (see the module docstring); step ``t`` of the action
-    lists is step ``warm + t`` of the call."""
+    lists is step ``warm + t`` of the call, ``leader`` the worker that steps the patches."""
 
     def __init__(self, cp: DenoisingRank, calls: list[Call], state: Any,
-                 program_of: Callable[[int], Program], rows: Callable[[int], torch.Tensor],
-                 warm: int) -> None:
+                 program_of: Callable[[int], Program],
+                 rows: Callable[[int], torch.Tensor] | None,
+                 warm: int, leader: int) -> None:
         self.cp, self.ex, self.calls, self.state = cp, cp.comm, calls, state
-        self.program_of, self.rows, self.warm = program_of, rows, warm
+        self.program_of, self.rows, self.warm, self.leader = program_of, rows, warm, leader
 
     def run(self, dry: DryRun, finish: Callable[[int, int, tuple[Any, ...]], None]) -> None:
         """This rank's lowered list through THE interpreter over the process-group
-        transport: receive (from the previous rank, or a stepped patch back from the last),
-        compute (the last rank then steps the patch), send (to the next rank, or the
-        stepped patch back to the ranks that read the latents)."""
+        transport: receive (from the worker the action names, or a stepped patch back from
+        the leader), compute (a part of this rank's worker; the leader then steps the
+        patch), a collective of one of its groups, send (to the workers the action names,
+        or the stepped patch back to the workers that read the latents)."""
         cp, ex = self.cp, self.ex
-        rank, last = cp.rank, cp.world - 1
+        rank = cp.rank
         deadline = rank_deadline(ex, cp.options.timeout)
 
+        rows = self.rows or _no_rows
+
         def back(act: Action) -> None:  # a stepped patch comes back
-            view = self.rows(act.chunk)
+            view = rows(act.chunk)
             buf = torch.empty_like(view, memory_format=torch.contiguous_format)
-            ex.wait([dist.irecv(buf, last)], last, deadline.at)
+            ex.wait([dist.irecv(buf, act.peer)], act.peer, deadline.at)
             view.copy_(buf)
 
         def home(act: Action) -> tuple[Any, Any]:  # the stepped patch back to a reader
-            out = self.rows(act.chunk).contiguous()
+            out = rows(act.chunk).contiguous()
             return [dist.isend(out, act.peer)], out
+
+        alone = one_stage(dry)  # one stage of several workers: the patches go back aside
+        peers = [w for w in range(len(dry.actions)) if w != self.leader] if alone else []
+
+        def output(act: Action, values: tuple[Any, ...]) -> None:
+            if rank != self.leader:  # another worker of the last stage: the same values
+                return
+            finish(act.step, act.chunk, values)
+            if peers and act.step + 1 < len(self.calls):
+                out = rows(act.chunk).contiguous()
+                transport.patches.append((peers[0], ([dist.isend(out, w) for w in peers],
+                                                     out)))
+
+        def before(_k: int, act: Action) -> None:  # alone: wait for the stepped patch
+            if rank in peers and act.kind == "compute" and act.step and not act.part:
+                back(dataclasses.replace(act, peer=self.leader))
 
         transport = RankEnd(
             ex, dry, deadline=deadline, feedback_recv=back, feedback_send=home,
             recv=lambda act: ex.recv_chunk(self.program_of(act.chunk), act.end - act.start,
-                                           deadline.at),
-            send=lambda act, values: ex.send_chunk(self.program_of(act.chunk), values))
+                                           deadline.at, act.peer),
+            send=lambda act, values: ex.send_chunk(self.program_of(act.chunk), values,
+                                                   act.peer))
         Interpreter(dry, rank, lambda act, got: run_stage(
-            self.program_of(act.chunk).stages[rank], self.calls[act.step], self.state,
-            act.start, act.end, got), transport,
-            lambda act, values: finish(act.step, act.chunk, values),
-            who=f"stage {rank}, denoise (pipelined step t is step {self.warm} + t)",
-            deadline=None).run()
+            self.program_of(act.chunk).runners[rank].part(act.part), self.calls[act.step],
+            self.state, act.start, act.end, got), transport, output,
+            who=f"{ex.who(rank)}, denoise (pipelined step t is step {self.warm} + t)",
+            deadline=None, before=before).run()
 
 
-def _readers(world: int, latent: int, *programs: Program | None) -> tuple[int, ...]:
-    """Ranks whose stage reads the latents (flat input ``latent``)."""
-    return tuple(r for r in range(world) if any(
-        spec.kind in ("token", "const", "full") and spec.index == latent
-        for p in programs if p is not None for _, spec in p.stages[r].inputs))
+def _no_rows(m: int) -> torch.Tensor:
+    raise SpecError(f"patch {m} would go back to stage 0 in a call of one step (a list "
+                    "lowered with the way back). fix: report this program")
 
 
-def _programs(cp: DenoisingRank, front: Any, plan: Any, length: int,
+def _dry_run(first: Program, chunks: tuple[tuple[int, int], ...], steps: int, latent: int,
+             rest: Program | None) -> DryRun:
+    """The checked lists of the pipelined steps: the stepped patches go back to the
+    workers that read the latents (flat input ``latent``): the stages that read them, or
+    every worker of stage 0 on a program of several workers per stage.
+
+    Raises:
+        SpecError: a program of several workers per stage whose later stages read the
+            latents (its lists send the patches back to stage 0 only).
+    """
+    programs = [p for p in (first, rest) if p is not None]
+    readers = tuple(sorted({w.index for p in programs for w in p.runners
+                            if _reads(w, latent)}))
+    if not first.workers:
+        return check_actions(first.actions_for(chunks, steps), readers)
+    if set(readers) - {0}:
+        raise SpecError(
+            f"stages {list(readers)} read the latents; on stages of several workers the "
+            "stepped patches go back to stage 0 only. fix: warmup_steps=None (every step "
+            "warm), or one worker per stage")
+    return first.dry_run(chunks, steps, rest=rest)
+
+
+def _reads(worker: StageProgram, latent: int) -> bool:
+    """Whether ``worker`` (any of its parts) reads the values of flat input ``latent``; an
+    input read for its shape alone (a mesh worker's narrow of it, then ``sym_size``: the
+    last stage's unpatchify) is not read."""
+    for graph in (worker.parts or (worker,)):
+        holders = graph.module.graph.find_nodes(op="placeholder")
+        for (_, spec), node in zip(graph.inputs, holders, strict=False):
+            if spec.kind in ("token", "const", "full") and spec.index == latent \
+                    and _values_used(node):
+                return True
+    return False
+
+
+_VIEWS = {torch.ops.aten.narrow.default, torch.ops.aten.slice.Tensor,
+          torch.ops.aten.view.default, torch.ops.aten.reshape.default,
+          torch.ops.aten.alias.default}
+"""Ops whose output is a view of their input (a use through them is the input's use)."""
+
+
+def _values_used(node: Any) -> bool:
+    """Whether any use of ``node`` (through views) reads its values, not only its shape."""
+    for user in node.users:
+        if user.target is torch.ops.aten.sym_size.int:
+            continue
+        if user.target in _VIEWS and user.args[0] is node:
+            if _values_used(user):
+                return True
+            continue
+        return True
+    return False
+
+
+def rank_programs(cp: DenoisingRank, front: Any, plan: Any, length: int,
               bounds: tuple[int, ...]) -> PatchPrograms:
-    """Warm-up, patch and later-patch programs with this rank's stage loaded and its const
+    """Warm-up, patch and later-patch programs with this rank's worker loaded and its const
     sub-graphs hoisted (as :func:`tppc.pipefusion.denoise.patch_programs`), cached on ``cp``."""
 
     def make(gm: Any, chunks: tuple[tuple[int, int], ...]) -> Program:
         program = cp.materialise(build_program(gm, front.ctx, plan, chunks,
                                                 cp.options.devices))
-        stages = list(program.stages)
-        stages[cp.rank] = hoist_constants(stages[cp.rank])
-        return _replace(program, stages)
+        return _hoisted(program, cp.rank)
 
     return cached_patch_programs(
         cp.__dict__.setdefault("_distributed_denoise_programs", {}), plan, front.batch,
         length, bounds, make, front.chunk, front.chunk.meta.get(REST_CHUNK))
 
 
-def _replace(program: Program, stages: list[StageProgram]) -> Program:
-    import dataclasses
-
-    return dataclasses.replace(program, stages=tuple(stages))
+def _hoisted(program: Program, rank: int) -> Program:
+    """``program`` with worker ``rank``'s const sub-graphs hoisted (each part's, when it is
+    cut into parts; :mod:`tppc.passes.stages.hoist_consts`)."""
+    mine = program.runners[rank]
+    mine = dataclasses.replace(mine, parts=tuple(hoist_constants(p) for p in mine.parts)) \
+        if mine.parts else hoist_constants(mine)
+    if not program.workers:
+        stages = list(program.stages)
+        stages[rank] = mine
+        return dataclasses.replace(program, stages=tuple(stages))
+    workers = list(program.workers)
+    workers[rank] = mine
+    stages = tuple(next(w for w in workers if w.index == s) for s in range(len(program.stages)))
+    return dataclasses.replace(program, stages=stages, workers=tuple(workers))

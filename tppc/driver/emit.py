@@ -118,8 +118,8 @@ class Emitter:
 def build_program(chunk: fx.GraphModule, ctx: CompileContext, plan: Plan,
                   chunks: tuple[tuple[int, int], ...] | None = None,
                   devices: Sequence[str | torch.device] | None = None,
-                  degrees: Sequence[int] | None = None, cut: WorkerCut | None = None
-                  ) -> Program:
+                  degrees: Sequence[int] | None = None, cut: WorkerCut | None = None,
+                  ring_gather: str = "") -> Program:
     """Partition ``chunk`` (a chunk-step graph) by ``plan`` and place each stage.
 
     Every stage gets its own parameter tensors: on its device they alias the model's storage
@@ -135,6 +135,8 @@ def build_program(chunk: fx.GraphModule, ctx: CompileContext, plan: Plan,
         degrees: each stage's tensor-parallel degree (default: the plan's).
         cut: a stage graph's worker graph on a mesh with cfg, ring or ulysses above 1
             (:data:`WorkerCut`; default: :func:`worker_graph`).
+        ring_gather: why a ring's attentions take the gather form (empty: Ring attention
+            where it applies).
     """
     ranges = [(st.layer_start, st.layer_end) for st in plan.stages]
     names = [name for st in plan.stages for name in st.layer_names]
@@ -147,7 +149,7 @@ def build_program(chunk: fx.GraphModule, ctx: CompileContext, plan: Plan,
     workers: list[StageProgram] = []
     for s, st in enumerate(plan.stages):
         module, device = getattr(graph, f"stage_{s}"), device_for(st, s, devices)
-        workers.extend(mesh_stage(module, device, signature, meshes[s], s, cut)
+        workers.extend(mesh_stage(module, device, signature, meshes[s], s, cut, ring_gather)
                        if meshes[s].size > 1 else [_stage(module, device, signature)])
     stages = tuple(next(w for w in workers if w.index == s) for s in range(len(plan.stages)))
     tail = getattr(chunk, "tppc_tail", None)
@@ -172,7 +174,8 @@ def sharded_stage(module: fx.GraphModule, device: torch.device, signature: Chunk
 
 
 def mesh_stage(module: fx.GraphModule, device: torch.device, signature: ChunkSignature,
-               mesh: Mesh, s: int, cut: WorkerCut | None = None) -> list[StageProgram]:
+               mesh: Mesh, s: int, cut: WorkerCut | None = None,
+               ring_gather: str = "") -> list[StageProgram]:
     """Stage ``s``'s workers on ``mesh``: each its worker graph (tensor parallelism alone:
     its shard, :func:`shard_graph`; else ``cut``, default :func:`worker_graph`) cut into
     parts at its collectives (:func:`split_parts`); each K/V buffer named per worker. A
@@ -196,7 +199,8 @@ def mesh_stage(module: fx.GraphModule, device: torch.device, signature: ChunkSig
             graph = shard_graph(module, r, mesh.tp, what)
         else:
             graph = cut(module, mesh, r, what) if cut is not None else worker_graph(
-                module, mesh, r, output_rows=signature.output_rows, what=what)
+                module, mesh, r, output_rows=signature.output_rows, what=what,
+                ring_gather=ring_gather)
         workers.append(_worker(graph, info, module, device, signature, r, label, mesh.tp))
     return workers
 
@@ -248,11 +252,14 @@ def _gather_in_place(part: StageProgram, last: StageProgram, signature: ChunkSig
 def _rank_buffers(stage: StageProgram, rank: int, label: str = "tp") -> StageProgram:
     """The stage's K/V buffers named for worker ``rank`` (a call state holds one per name):
     ``<name>@tp<r>`` on a tensor-parallel stage, ``<name>@cfg2.ulysses2.w<r>`` on a mesh (the
-    degrees in the name: another mesh's worker holds buffers of another shape)."""
-    def named(name: str) -> str:
-        return f"{name}@{label}{rank}"
+    degrees in the name: another mesh's worker holds buffers of another shape; ``/own``
+    after a ring worker's own block, :mod:`tppc.passes.meshcut.ring_form`)."""
+    own = {b.name for b in stage.buffers if b.parts > 1}
+
+    def named(name: str) -> str:  # a ring worker's own block: another shape
+        return f"{name}@{label}{rank}" + ("/own" if name in own else "")
     return dataclasses.replace(
-        stage, inputs=tuple((named(n) if spec.kind in ("key", "value") else n, spec)
+        stage, inputs=tuple((named(n) if spec.kind in ("key", "value", "state") else n, spec)
                             for n, spec in stage.inputs),
         buffers=tuple(dataclasses.replace(b, name=named(b.name)) for b in stage.buffers))
 
@@ -264,9 +271,10 @@ def _stage(module: fx.GraphModule, device: torch.device, signature: ChunkSignatu
     inputs = tuple((p.name, p.meta[CHUNK_INPUT]) for p in module.graph.find_nodes(op="placeholder"))
     buffers = tuple(
         BufferSpec(name=name, kind=spec.kind, attention=spec.source, layer=spec.layer,
-                   axis=int(spec.axis), shape=spec.shape, dtype=spec.dtype,
-                   scale=spec.scale, prefix=spec.prefix, suffix=spec.suffix)
-        for name, spec in inputs if spec.kind in ("key", "value"))
+                   axis=None if spec.axis is None else int(spec.axis), shape=spec.shape,
+                   dtype=spec.dtype, scale=spec.scale, prefix=spec.prefix, suffix=spec.suffix,
+                   parts=spec.parts)
+        for name, spec in inputs if spec.kind in ("key", "value", "state"))
     runnable, slots = module, {}
     if not info.outputs:  # the last stage: its outputs are the model's
         runnable, slots = write_outputs_in_place(module, signature.output_axes)

@@ -162,6 +162,22 @@ def hf_cogvideox(size: int = 8, frames: int = 2, layers: int = 2) -> Example:
     return model, (torch.randn(1, frames, 4, size, size),), kwargs
 
 
+def hf_hunyuan_video(size: int = 8, frames: int = 2) -> Example:
+    """diffusers HunyuanVideoTransformer3DModel (latents (b, c, f, h, w), text after the
+    frames, a token refiner, a prompt mask), a tiny random config."""
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    torch.manual_seed(0)
+    model = HunyuanVideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8,
+        num_layers=1, num_single_layers=1, num_refiner_layers=1, patch_size=2, patch_size_t=1,
+        text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(2, 2, 4)).eval()
+    kwargs = {"timestep": torch.tensor([10]), "encoder_hidden_states": torch.randn(1, 6, 16),
+              "encoder_attention_mask": torch.ones(1, 6), "pooled_projections": torch.randn(1, 8),
+              "guidance": torch.tensor([3.0]), "return_dict": False}
+    return model, (torch.randn(1, 4, frames, size, size),), kwargs
+
+
 def hf_mistral(seq_len: int = 32, layers: int = 2, window: int = 8) -> Example:
     """transformers MistralForCausalLM, tiny config with a sliding window of ``window``."""
     from transformers import MistralConfig, MistralForCausalLM

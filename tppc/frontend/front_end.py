@@ -148,6 +148,7 @@ def _front_end(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
                           if n.meta.get(TOKEN) is not None
                           and n.meta[TOKEN].attention == "bidirectional")
     names = [p.name for p in annotated.graph.find_nodes(op="placeholder")]
+    ctx.captured_passes = len(ctx.history)
     return FrontEnd(annotated=annotated, chunk=chunk, ctx=ctx,
                     signature=chunk.meta[CHUNK_SIGNATURE], batch=batch_shape(flat, ctx, names),
                     bidirectional=bidirectional, passes=len(ctx.history),
@@ -166,12 +167,15 @@ def batch_shape(flat: list[Any], ctx: CompileContext, names: list[str]) -> Batch
 
     A ``specialized`` capture runs at its resolution only, so its sequence axes are kept:
     a call at another resolution (or width, or batch) has another batch shape and gets its
-    own capture, never a refusal.
+    own capture, never a refusal. Integer inputs are part of it (torch.export keeps them
+    constant; a new value is captured again), except the one the sequence symbol counts
+    (``ctx.size_int``, :mod:`tppc.frontend.size_ints`).
     """
     out: list[tuple[int | None, ...] | None] = []
+    unit = getattr(ctx.size_int, "placeholder", None)
     for name, value in zip(names, flat):
-        if not isinstance(value, torch.Tensor):
-            out.append(None)
+        if not isinstance(value, torch.Tensor):  # another int: another capture
+            out.append((value,) if _is_int(value) and name != unit else None)
             continue
         seq = () if ctx.capture_mode == "specialized" else ctx.seq_inputs.get(name, ())
         out.append(tuple(None if i in seq else int(s) for i, s in enumerate(value.shape)))
@@ -244,10 +248,35 @@ def bind(front: FrontEnd, model: torch.nn.Module, inputs: CallInputs) -> BoundCa
         raise RuntimeInputError(f"sequence inputs disagree in length: {lengths}. fix: give "
                                 "every sequence input the same number of tokens")
     length = next(iter(lengths.values()))
-    if length < 1:
-        raise RuntimeInputError("the sequence has 0 tokens. fix: pass at least one token")
     names = [p.name for p in placeholders]
-    return BoundCall(flat=flat, length=length, batch=batch_shape(flat, front.ctx, names))
+    batch = batch_shape(flat, front.ctx, names)
+    own = front.ctx.size_int is None or batch == front.batch  # else: another grid's units
+    if length < 1 and own:
+        raise RuntimeInputError("the sequence has 0 tokens. fix: pass at least one token")
+    if own:  # else another capture serves the call (its own grid)
+        _check_unit_int(front, placeholders, flat, length)
+    return BoundCall(flat=flat, length=length, batch=batch)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_unit_int(front: FrontEnd, placeholders: tuple[fx.Node, ...], flat: list[Any],
+                    length: int) -> None:
+    """Refuse a call whose unit int (``ctx.size_int``) is not its tokens' units: the graph
+    reads it from the tokens, the model would read the int."""
+    unit = front.ctx.size_int
+    if unit is None:
+        return
+    value = next((v for ph, v in zip(placeholders, flat) if ph.name == unit.placeholder), None)
+    if value != length:
+        tokens = length * unit.per_unit
+        raise RuntimeInputError(
+            f"input {unit.label} is {value!r}, but the {tokens} tokens of the call make "
+            f"{length} units of {unit.per_unit} tokens (compiled with {unit.grid}). fix: pass "
+            f"{unit.label}={length}, or "
+            f"{value * unit.per_unit if _is_int(value) else 'n'} tokens for the grid you pass (the product of the grid's ints is the token count)")
 
 
 def guards_hold(ctx: CompileContext, flat: list[Any]) -> bool:
@@ -320,6 +349,8 @@ def check_input(ph: fx.Node, value: Any, *, skip_axes: tuple[int, ...] = ()) -> 
     """
     val = ph.meta.get("val")
     if not isinstance(val, torch.Tensor):
+        if _is_int(val) and _is_int(value):  # another batch shape: captured again
+            return
         if val is not None and value != val:
             raise RuntimeInputError(f"input {ph.name!r} is {value!r}, compiled with {val!r}. "
                                     f"fix: pass {ph.name}={val!r}")

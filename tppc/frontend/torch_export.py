@@ -14,7 +14,9 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from tppc.errors import CaptureError
+from tppc.frontend.guard_sites import describe_site, guard_sites, loop_over_positions
 from tppc.frontend.isolation import isolated
+from tppc.frontend.size_ints import UnitInt, export_size_ints, find_unit_int, read_from_tokens
 from tppc.ir.context import CompileContext
 
 __all__ = ["example_units", "export_dynamic", "is_latent", "register_dataclasses"]
@@ -40,21 +42,40 @@ def export_dynamic(
     dim = torch.export.Dim("seq", min=2, max=max(upper, units + 1))
     shapes = _dynamic_shapes(bound, axes, dim, patch)
     try:
-        ep, pinned = _export(model, bound, shapes), None
+        with guard_sites() as sites:
+            ep, pinned = _export(model, bound, shapes), None
     except CaptureError:
         raise
     except Exception as exc:  # torch raises many types; we name the construct
         if not re.search(_PINNED, str(exc)):
             raise CaptureError(_explain(model, exc)) from exc
+        unit = _unit_int(bound, axes, patch)
+        if unit is not None:  # sizes as Python ints: tie the unit int to the tokens
+            return _export_with_unit_int(model, bound, shapes, axes, unit, exc)
         try:  # the model pins the size: keep the shapes symbolic, run at the example only
             ep = _export(model, bound, shapes, deferred=True)
         except Exception:
-            raise CaptureError(_explain(model, exc, _size_ints(bound))) from exc
-        pinned = f"torch.export: {str(exc).strip().splitlines()[0]} ({_pinned_line(exc)})"
+            site = describe_site(sites)
+            if site is not None and loop_over_positions(site[1]):
+                raise CaptureError(_loop_error(model, site, exc)) from exc
+            why = f" at {site[0]} (`{site[1]}`)" if site is not None else ""
+            raise CaptureError(_explain(model, exc, why + _size_ints(bound))) from exc
+        site = describe_site(sites)
+        line = f"at {site[0]}: `{site[1]}`" if site is not None else _pinned_line(exc)
+        pinned = f"torch.export: {str(exc).strip().splitlines()[0]} ({line})"
     gm = ep.module()
     guard = pinned or _check_guards(gm, bound, axes, patch, units)
     if guard is not None and pinned is None:  # guarded to the example: keep shapes symbolic
-        gm = _export(model, bound, shapes, deferred=True).module()
+        try:
+            gm = _export(model, bound, shapes, deferred=True).module()
+        except Exception as exc:  # EasyAnimate: torch's runtime-assert pass, a TraceError
+            raise CaptureError(
+                f"torch.export guarded {type(model).__name__} to the example's size ({guard}), "
+                "and exporting it again with the sizes symbolic failed inside torch.export's "
+                f"own runtime-assert pass ({type(exc).__name__}: {str(exc).strip()[:200]}); "
+                "tppc cannot capture a length that both pins and stays symbolic here. fix: "
+                "run the model at this size unsplit (eager or torch.compile), or report it "
+                "with the model's config") from exc
     guards = getattr(gm, "_guards_fn", None) if guard is None else None
     _drop_guards(gm)
     symbol = _seq_symbol(gm, axes)
@@ -70,6 +91,52 @@ def export_dynamic(
         input_names=tuple(n.name for n in gm.graph.nodes if n.op == "placeholder"),
         shape_guards=guards,
     )
+    return gm, ctx
+
+
+def _unit_int(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]],
+              patch: int) -> UnitInt | None:
+    """The size int that counts the token stream's units (:mod:`.size_ints`), or None (the
+    first sequence input is a latent, or no integer inputs multiply to its tokens)."""
+    name = next(iter(axes), None)
+    value = bound.arguments.get(name) if name is not None else None
+    if not isinstance(value, torch.Tensor) or is_latent(value, axes[name]):
+        return None
+    return find_unit_int(bound, int(value.shape[axes[name][0]]))
+
+
+def _export_with_unit_int(model: torch.nn.Module, bound: inspect.BoundArguments,
+                          shapes: dict[str, Any], axes: dict[str, tuple[int, ...]],
+                          unit: UnitInt, pinned: Exception
+                          ) -> tuple[fx.GraphModule, CompileContext]:
+    """Capture with ``unit`` and the token axes as one ``Dim`` of units (:mod:`.size_ints`):
+    a ``dynamic`` capture whose symbol counts the unit int; its other ints stay constant."""
+    # torch.export takes no named Dim for an int: both are AUTO and it finds tokens = c * int
+    token_axes = {name: dict.fromkeys(dims, torch.export.Dim.AUTO) for name, dims in axes.items()}
+
+    def export(spec: dict[str, Any]) -> fx.GraphModule:
+        try:
+            return _export(model, bound, spec).module()
+        except Exception:  # a guard on the units: defer it, the shape guards keep it
+            return _export(model, bound, spec, deferred=True).module()
+
+    try:
+        gm = export_size_ints(export, shapes, bound, unit, token_axes)
+    except Exception as exc:
+        raise CaptureError(_explain(model, pinned, _size_ints(bound) + f" (tying {unit.label}"
+                                    f" to the tokens failed too: {str(exc).splitlines()[0]})")
+                           ) from exc
+    guards = getattr(gm, "_guards_fn", None)
+    _drop_guards(gm)
+    unit = read_from_tokens(gm, unit, token_axes)
+    symbol = _seq_symbol(gm, axes)
+    if symbol is None:
+        raise CaptureError(_explain(model, pinned, _size_ints(bound)))
+    ctx = CompileContext(
+        seq_symbol=symbol, example_seq=unit.value, seq_inputs=dict(axes),
+        capture_mode="dynamic", input_names=tuple(n.name for n in gm.graph.nodes
+                                                  if n.op == "placeholder"),
+        shape_guards=guards, size_int=unit)
     return gm, ctx
 
 
@@ -334,6 +401,24 @@ def _explain(model: torch.nn.Module, exc: Exception, why: str = "") -> str:
     return (f"torch.export could not capture {type(model).__name__}{where}.\n"
             "fix: make the failing construct exportable (see torch.export's error below), or "
             f"capture a submodule without it.\ntorch.export's error, in full:\n{text.strip()}")
+
+
+def _loop_error(model: torch.nn.Module, site: tuple[str, str], exc: Exception) -> str:
+    """The refusal of a recurrence stepped in a Python loop as long as the sequence."""
+    return (
+        f"torch.export could not capture {type(model).__name__}: a Python loop whose count "
+        f"is the sequence length at {site[0]} (`{site[1]}`), a recurrence stepped position "
+        "by position (or block by block); torch.export unrolls it at the example's length "
+        "(one copy of the step per position or block), so the sequence length is fixed to "
+        "the example and no chunk can run it.\n"
+        "fix: write the recurrence as a scan over the token axis that torch.export captures "
+        "with a symbolic length (torch.cumsum / torch.logcumsumexp / torch.cumprod, e.g. a "
+        "log-space linear recurrence as minGRU's parallel form) and a short convolution as "
+        "conv1d(padding=k - 1)[..., :L]: tppc carries their state from chunk to chunk "
+        "(docs/annotation.md#recurrent-layers-carried-state). transformers' Mamba, Jamba and "
+        "MiniMax have no such path on CPU (Mamba's associative_scan runs only under "
+        "torch.compile), so they stay refused.\n"
+        f"torch.export's error, in full:\n{type(exc).__name__}: {str(exc).strip()}")
 
 
 def _lifted_owner(text: str) -> str:

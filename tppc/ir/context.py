@@ -47,10 +47,16 @@ class CompileContext:
             flat inputs (meta tensors suffice), it raises when the graph was not traced for
             their shapes (a Python branch on a size: PixArt's positional table at its
             ``sample_size``); such a call is captured again. None when there are none.
+        size_int: a :class:`tppc.frontend.size_ints.UnitInt` when the sequence symbol counts
+            an integer input (QwenImage's ``img_shapes``, LTX's ``num_frames``/``height``/
+            ``width``): that int is read from the tokens; the other ints stay constant.
         example_values: the example's values of the context-stream and integer/bool inputs
             (text masks, ids), so that masks are judged from them, not from zeros.
         layers: layer records written by ``group_layers``.
-        history: one record per pass run.
+        history: one record per pass run (the capture's, then the latest emissions':
+            :data:`tppc.passes.runner.EMISSION_RECORDS`).
+        captured_passes: how many records of ``history`` the capture made (set once the
+            capture is done; None before).
     """
 
     seq_symbol: sympy.Symbol
@@ -70,6 +76,8 @@ class CompileContext:
     specialized_to: dict[str, tuple[int, ...]] | None = None
     example_values: dict[str, Any] = field(default_factory=dict)
     shape_guards: Any = None
+    size_int: Any = None
+    captured_passes: int | None = None
 
     def tokens_per_unit(self) -> int:
         """Tokens per unit of the sequence symbol: a DiT's patch columns (the symbol counts

@@ -24,6 +24,7 @@ __all__ = [
     "CHUNK_SIGNATURE",
     "LAYER",
     "PART",
+    "RING_FORM",
     "SHARD",
     "SHARD_SIZES",
     "STAGE_INFO",
@@ -36,6 +37,7 @@ __all__ = [
     "LayerInfo",
     "LayerKind",
     "MaskSpec",
+    "RingForm",
     "Role",
     "ShardRole",
     "StageInfo",
@@ -57,7 +59,7 @@ token: row-wise along the token axis (linear, norm, activation, residual add);
 mixing: attention over the token axis;
 global: needs the whole sequence (pooling, a reshape that breaks the token order, loss)."""
 
-AttentionKind = Literal["causal", "bidirectional"]
+AttentionKind = Literal["causal", "bidirectional", "recurrent"]
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,9 @@ class TokenInfo:
         axis: the token axis of the node's (first) tensor value, or None.
         axis_size: that axis' size as a sympy expression of the sequence symbol, or None.
         other_axes: further axes whose size depends on the sequence (a mask's key axis).
-        attention: for ``mixing`` nodes, whether the attention is causal or bidirectional.
+        attention: for ``mixing`` nodes, whether the attention is causal or bidirectional,
+            or ``recurrent``: a scan or causal convolution whose chunk reads the state the
+            chunk before it left (:mod:`tppc.passes.annotation.recurrent`).
         module: the innermost module path of the node (``""`` at top level).
         mask: for ``mixing`` nodes, the structured mask (window, padding) that replaces the
             model's mask in the chunk step; None: plain causal or all-visible.
@@ -200,7 +204,7 @@ CHUNK_SIGNATURE = "tppc.chunk_signature"
 """``GraphModule.meta`` key of the :class:`ChunkSignature` of a chunk-step graph."""
 
 InputKind = Literal["token", "const", "chunk_start", "chunk_size", "seq_len", "positional",
-                    "key", "value", "boundary", "full", "hoisted"]
+                    "key", "value", "state", "boundary", "full", "hoisted"]
 
 
 @dataclass(frozen=True)
@@ -213,12 +217,14 @@ class ChunkInput:
             a frontier value), ``key`` / ``value`` (a K/V buffer), ``boundary`` (a token value
             sent by the previous stage; only in stage graphs), ``full`` (a user input with a
             sequence axis, whole: the key-validity mask of every position so far),
-            ``hoisted`` (a const sub-graph's value, :mod:`tppc.passes.stages.hoist_consts`).
+            ``hoisted`` (a const sub-graph's value, :mod:`tppc.passes.stages.hoist_consts`),
+            ``state`` (the carried state of a recurrent node: ``shape`` fixed, no token axis).
         source: the user input's name, the frontier node's name, the attention node's name,
             or the boundary value's name.
         index: flat user-input index (token, const) or positional-program output index.
         axis: the token axis to slice (token, positional) or the buffer's token axis.
-        shape: key/value buffers: the buffer shape with ``None`` at the token axis.
+        shape: key/value buffers: the buffer shape with ``None`` at the token axis; a state
+            buffer: its whole shape.
         dtype: key/value buffers: the element type.
         layer: key/value buffers: the layer that owns the buffer.
         scale: positions of the token axis per unit of the sequence symbol (a DiT's patch
@@ -230,6 +236,9 @@ class ChunkInput:
         frames: video frames folded into the token axis (frame-major tokens of a latent
             whose patch rows are the sequence symbol): a chunk of patch rows is then a band
             of rows in every frame, ``frames`` blocks of the axis (:meth:`blocks`).
+        parts: key/value buffers of a Ring attention worker: it holds ``1/parts`` of the
+            sequence's rows (its own K/V block, :mod:`tppc.passes.meshcut.ring_form`) beside
+            the whole text segments.
     """
 
     kind: InputKind
@@ -243,6 +252,7 @@ class ChunkInput:
     prefix: int = 0
     suffix: int = 0
     frames: int = 1
+    parts: int = 1
 
     def rows(self, start: int, end: int) -> tuple[int, int]:
         """``(offset, count)`` of the chunk ``[start, end)`` along the token axis; the first
@@ -308,6 +318,25 @@ class ShardRole:
     axis: int | None = None
     segments: tuple[int, ...] = ()
     collective: str = ""
+
+
+RING_FORM = "tppc.ring_form"
+"""Key of a self-attention's :class:`RingForm` in a worker graph cut by a ring
+(:mod:`tppc.passes.meshcut.ring_form`)."""
+
+
+@dataclass(frozen=True)
+class RingForm:
+    """How a worker runs an attention over a ring group.
+
+    Attributes:
+        form: ``ring`` (its own K/V block, the blocks passed around the group, partials
+            merged by their log-sum-exps) or ``gather`` (the chunk's K/V gathered whole).
+        reason: why the gather form (empty for ``ring``).
+    """
+
+    form: Literal["ring", "gather"]
+    reason: str = ""
 
 
 STAGE_INFO = "tppc.stage_info"

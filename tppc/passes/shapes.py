@@ -23,6 +23,7 @@ __all__ = [
     "op_dims",
     "seq_axes",
     "size_expr",
+    "source_line",
     "tensor_val",
 ]
 
@@ -152,3 +153,14 @@ def _arg_type(arg: Any) -> Any:
             return torch.Tensor
         return int if isinstance(val, sympy.Basic | int) else type(val)
     return type(arg)
+
+
+def source_line(node: fx.Node) -> str:
+    """``file:line (function)`` of the model code that made ``node``: the last frame of its
+    trace (torch.export records a module's ``forward``; a helper it calls shows as the call)."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = [ln.strip() for ln in trace.splitlines() if ln.strip().startswith("File ")]
+    parts = frames[-1].split(", ") if frames else []
+    if len(parts) < 3:
+        return "source line unknown"
+    return f"{parts[0][5:].strip(chr(34))}:{parts[1].split()[-1]} ({parts[2][3:]})"

@@ -349,15 +349,24 @@ def choose_patches(cp: Any, front: Any, length: int, steps: int, warmup: int, pa
     return plan, bounds
 
 
+_STALE_RING = ("PipeFusion patches: the whole-image warm-up step and the patches cut the "
+              "tokens into different sub-chunks, so a worker's own K/V block would not hold "
+              "the same rows from step to step")
+"""Why a ring's attentions take the gather form in the programs of stale patches."""
+
+
 def patch_programs(cp: Any, front: Any, plan: Any, length: int, bounds: tuple[int, ...]
                    ) -> PatchPrograms:
     """Warm-up program (one chunk), patch program, and the later patches' program (joint
     attention: no text tokens), their constants hoisted, cached on the pipeline
-    (:func:`tppc.program.patches.cached_patch_programs`)."""
+    (:func:`tppc.program.patches.cached_patch_programs`). With more than one patch a ring
+    runs its attentions in the gather form (:data:`_STALE_RING`)."""
     devices = cp.options.devices
 
+    gather = _STALE_RING if len(bounds) > 2 else ""
+
     def build(gm: Any, chunks: tuple[tuple[int, int], ...]) -> Program:
-        return _hoist(build_program(gm, front.ctx, plan, chunks, devices))
+        return _hoist(build_program(gm, front.ctx, plan, chunks, devices, ring_gather=gather))
 
     return cached_patch_programs(cp.__dict__.setdefault("_denoise_programs", {}), plan,
                                  front.batch, length, bounds, build, front.chunk,

@@ -22,7 +22,7 @@ from tppc.program.schedule import Action, DryRun
 from tppc.program.state import Call, CallState
 from tppc.program.threads import POLL, ThreadWorld
 
-__all__ = ["Jobs", "idle_threads", "run_pipelined", "run_serial"]
+__all__ = ["Jobs", "idle_threads", "one_stage", "run_pipelined", "run_serial"]
 
 
 class Jobs(NamedTuple):
@@ -87,10 +87,14 @@ def run_pipelined(cp: Any, jobs: Jobs) -> None:
                     raise Stopped
                 cond.wait(POLL)
 
+    alone = one_stage(dry)
+
     def work(s: int) -> None:
         borrow = idle_threads(threads, dry.actions, s)
 
         def before(k: int, act: Action) -> None:
+            if alone and act.kind == "compute" and act.step and not act.part:
+                back(Action(act.step - 1, act.chunk, act.start, act.end))
             if k in borrow:
                 torch.set_num_threads(borrow[k])
 
@@ -118,6 +122,15 @@ def run_pipelined(cp: Any, jobs: Jobs) -> None:
             w.join()
     if world.errors:
         raise world.errors[0]
+
+
+def one_stage(dry: DryRun) -> bool:
+    """Whether the lists are one stage of several workers over several steps: no list goes
+    back to stage 0 (its workers are the last stage's), so before patch ``m`` of step
+    ``t > 0`` each worker waits until patch ``m`` of step ``t - 1`` was stepped (a
+    multi-stage program's feedback receive does that wait)."""
+    return len(dry.actions) > 1 and len({dry.stage(w) for w in range(len(dry.actions))}) == 1 \
+        and any(a.step for row in dry.actions for a in row)
 
 
 def idle_threads(threads: int | tuple[int, ...] | None, actions: Any, s: int

@@ -41,7 +41,8 @@ from tppc.calls.call import with_tail
 from tppc.calls.io import OutputAssembler, output_structure
 from tppc.pipefusion.denoise import all_threads, choose_patches, intra_op_threads, patch_programs
 from tppc.pipefusion.jobs import Jobs, run_pipelined, run_serial
-from tppc.program.program import StageProgram
+from tppc.program.patches import PatchPrograms
+from tppc.program.program import Program, StageProgram
 from tppc.program.state import Call, CallState, next_epoch
 
 __all__ = ["StepCalls"]
@@ -103,22 +104,37 @@ class StepCalls:
         plan, bounds = choose_patches(cp, front, length, steps,
                                       steps if self.warmup_steps is None
                                       else min(self.warmup_steps, steps), self.patches)
-        programs = patch_programs(cp, front, plan, length, bounds)
-        full, first = programs.full, programs.first
-        threaded = (self.executor or cp.executor) == "threads" and len(first.runners) > 1
+        programs = self.programs(front, plan, length, bounds)
         if warm or len(bounds) == 2:
             call = Call(tuple(bound.flat), ((0, length),), length, length, self._epoch)
-            sink = OutputAssembler(full.signature.output_axes, call, full.signature.output_rows)
-            if full.workers and (self.executor or cp.executor) == "threads":
-                (values,) = ThreadsExecutor(cp.options.threads_per_stage).run(full, call,
-                                                                              state)
-            else:
-                with intra_op_threads(all_threads(cp, len(full.stages)) if threaded else None):
-                    (values,) = LocalExecutor().run(full, call, state)
-            sink(0, values)
-            return output_structure(full, with_tail(full, call.flat_inputs, sink.leaves))
-        chunks = tuple(itertools.pairwise(bounds))
-        call = Call(tuple(bound.flat), chunks, length, length, self._epoch)
+            return output_structure(programs.full, self.warm(programs.full, call, state))
+        call = Call(tuple(bound.flat), tuple(itertools.pairwise(bounds)), length, length,
+                    self._epoch)
+        return output_structure(programs.first, self.stale(programs, call, state, done))
+
+    def programs(self, front: Any, plan: Any, length: int, bounds: tuple[int, ...]
+                 ) -> PatchPrograms:
+        """The call's programs (:func:`tppc.pipefusion.denoise.patch_programs`)."""
+        return patch_programs(self.cp, front, plan, length, bounds)
+
+    def warm(self, full: Program, call: Call, state: CallState) -> list[Any]:
+        """A warm call's output leaves (the whole latent as one chunk)."""
+        cp = self.cp
+        threaded = (self.executor or cp.executor) == "threads" and len(full.runners) > 1
+        sink = OutputAssembler(full.signature.output_axes, call, full.signature.output_rows)
+        if full.workers and (self.executor or cp.executor) == "threads":
+            (values,) = ThreadsExecutor(cp.options.threads_per_stage).run(full, call, state)
+        else:
+            with intra_op_threads(all_threads(cp, len(full.stages)) if threaded else None):
+                (values,) = LocalExecutor().run(full, call, state)
+        sink(0, values)
+        return with_tail(full, call.flat_inputs, sink.leaves)
+
+    def stale(self, programs: PatchPrograms, call: Call, state: CallState, done: int
+              ) -> list[Any]:
+        """A stale call's output leaves: the patches through the stages (``done``: the
+        stream's calls before this one)."""
+        cp, first = self.cp, programs.first
         sink = OutputAssembler(first.signature.output_axes, call, first.signature.output_rows)
 
         def stage_of(m: int, w: int) -> StageProgram:
@@ -127,10 +143,10 @@ class StepCalls:
         def finish(_t: int, m: int, values: tuple[Any, ...]) -> None:
             sink(m, values)
 
-        jobs = Jobs(first.dry_run(chunks, 1, rest=programs.rest), [call], state, stage_of,
-                    finish, done, first.leader)
-        if threaded:
+        jobs = Jobs(first.dry_run(call.chunks, 1, rest=programs.rest), [call], state,
+                    stage_of, finish, done, first.leader)
+        if (self.executor or cp.executor) == "threads" and len(first.runners) > 1:
             run_pipelined(cp, jobs)
         else:
             run_serial(jobs)
-        return output_structure(first, with_tail(first, call.flat_inputs, sink.leaves))
+        return with_tail(first, call.flat_inputs, sink.leaves)

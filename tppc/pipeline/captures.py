@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from tppc.errors import CaptureError, RuntimeInputError
+from tppc.frontend.capture import bind_inputs
 from tppc.frontend.front_end import (
     BoundCall,
     CallInputs,
@@ -31,6 +32,7 @@ from tppc.frontend.front_end import (
     capture_front_end,
     read_inputs,
 )
+from tppc.frontend.size_ints import check_grid
 
 __all__ = ["RUN_KEYWORDS", "Captures", "forward_parameters"]
 
@@ -79,6 +81,8 @@ class Captures:
                           if f.serves(structure, bound)), None)
         front = front or self._front_for((structure, bound.batch),
                                          lambda: self._capture(args, kwargs, bound))
+        if front is not base and front.ctx.size_int is not None:  # units of its own grid
+            bound = bind(front, self.model, inputs)
         return front, dataclasses.replace(bound, batch=front.batch)
 
     def share(self, other: Captures) -> None:
@@ -126,17 +130,30 @@ class Captures:
 
     def _capture(self, args: tuple[Any, ...], kwargs: Mapping[str, Any],
                  bound: BoundCall | None) -> FrontEnd:
-        if bound is not None and bound.length < 2:
+        if bound is not None and bound.length < 2 and self.example.ctx.size_int is None:
             raise RuntimeInputError(
                 f"a call with batch shape {bound.batch} needs a new capture, and a "
                 f"{bound.length}-token call cannot be captured. fix: call once with at least "
                 "2 tokens at this batch size")
         what = f"inputs {sorted(kwargs)}" if bound is None else f"batch shape {bound.batch}"
+        self._check_grid(args, kwargs)
         try:
             return capture_front_end(self.model, tuple(args), kwargs, seq_dims=self.seq_dims)
         except CaptureError as exc:
             raise RuntimeInputError(f"re-capturing {type(self.model).__name__} for {what} "
                                     f"failed: {exc}") from exc
+
+    def _check_grid(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+        """Refuse by name a call whose size ints do not make its tokens (a model that
+        reads its token grid from Python ints, :mod:`tppc.frontend.size_ints`)."""
+        unit = self.example.ctx.size_int
+        if unit is None:
+            return
+        name, axes = next(iter(self.example.ctx.seq_inputs.items()))
+        try:
+            check_grid(unit, bind_inputs(self.model, tuple(args), dict(kwargs)), name, axes[0])
+        except ValueError as exc:
+            raise RuntimeInputError(str(exc)) from None
 
     def _capture_inputs(self, args: tuple[Any, ...], kwargs: Mapping[str, Any],
                         inputs: CallInputs) -> FrontEnd:

@@ -13,6 +13,10 @@ does not have is the model's (``cp.config``, ``cp.dtype``, ``cp.device``: what a
 pipeline reads of ``pipe.transformer = tppc.compile(pipe.transformer, ...)``), and a call's
 keywords ``timeout``, ``executor``, ``trace`` (``tppc.pipeline.captures.RUN_KEYWORDS``) are
 the pipeline's own unless ``model.forward`` names them: they never reach its ``**kwargs``.
+It also answers ``__class__`` and ``__module__`` as the model's (``isinstance(cp, type(model))``;
+``type(cp)`` stays :class:`CompiledPipeline`): diffusers registers a pipeline component by
+them and saves it by its class, so ``pipe.save_pretrained`` after that assignment saves the
+model's weights and config and the saved pipeline loads back as a plain diffusers pipeline.
 
 The pipeline holds what it is given: the example's capture and program, and the emitter
 (:class:`tppc.driver.emit.Emitter`) of the programs of other lengths; its parts are the
@@ -128,6 +132,13 @@ class CompiledPipeline(Rebalancing):
         self.plan = program.plan
         named = forward_parameters(model)
         self._run_keywords = tuple(k for k in RUN_KEYWORDS if k not in named)
+        self.__module__ = type(model).__module__  # the model's (module docstring)
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        """The model's class (module docstring)."""
+        model = self.__dict__.get("_model")
+        return type(self) if model is None else type(model)
 
     def __getattr__(self, name: str) -> Any:
         """A public attribute of the model (module docstring), else AttributeError."""

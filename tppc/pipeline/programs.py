@@ -7,6 +7,8 @@ Terms:
         re-planned when tppc made the plan, refused when it was given).
     admit: what the pipeline does with an emitted program before holding it (the executor's
         check; a rank of a job loads its stage's weights).
+    generated code: the source torch.fx keeps for the graphs of an emission is released
+        when its program is collected (:mod:`tppc.program.generated_code`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tppc.driver.emit import Emitter
+from tppc.program.generated_code import emitted
 from tppc.program.program import Program
 
 if TYPE_CHECKING:
@@ -56,7 +59,7 @@ class Programs:
             if key in self._held:
                 self._held.move_to_end(key)
                 return self._held[key]
-            program = self._admit(self._emitter(front, length))
+            program = emitted(lambda: self._admit(self._emitter(front, length)))
             self._hold(key, program)
             return program
 

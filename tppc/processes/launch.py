@@ -7,8 +7,11 @@ torchrun environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/
 ``OMP_NUM_THREADS``), waits for them, and returns rank 0's outputs.
 
 Unlike torchrun it does not kill the other ranks when one fails: each rank must notice and
-exit on its own within ``comm_timeout`` (which is what the failure tests check); only after
-``timeout`` seconds does it kill what is left.
+exit on its own within ``comm_timeout`` (which is what the failure tests check). Once a rank
+failed, it kills a rank that is stopped (SIGSTOP: it cannot notice anything) at once, and any
+rank still running ``comm_timeout`` + :data:`STOP_GRACE_S` later; after ``timeout`` seconds
+it kills what is left. A stopped rank thus ends the job within about ``comm_timeout``: its
+peers give up on it after that.
 
 Terms:
     job directory: ``<tmp>/tppc-launch-XXXX`` (inputs, outputs, reports, logs), owned by the
@@ -177,7 +180,8 @@ def _launch(work: Path, procs: list[subprocess.Popen], factory: str | Path, npro
             procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                           env=_rank_env(rank, nprocs, port, threads, env,
                                                         work)))
-        codes = _wait(procs, math.inf if timeout is None else t0 + timeout)
+        codes = _wait(procs, math.inf if timeout is None else t0 + timeout,
+                      comm_timeout + STOP_GRACE_S)
         seconds = time.perf_counter() - t0
         texts = []
         for log in logs:
@@ -212,14 +216,36 @@ def _rank_env(rank: int, world: int, port: int, threads: int,
     return env
 
 
-def _wait(procs: list[subprocess.Popen], deadline: float) -> tuple[int | None, ...]:
+def _wait(procs: list[subprocess.Popen], deadline: float, grace: float
+          ) -> tuple[int | None, ...]:
+    """Wait for every rank until ``deadline``, then kill what is left. Once a rank failed,
+    a rank that cannot act (stopped: SIGSTOP, a debugger) is killed at once, and one still
+    running ``grace`` seconds later (``comm_timeout`` + :data:`STOP_GRACE_S`: each must
+    notice a lost peer on its own within ``comm_timeout``) too."""
+    failed_at: float | None = None
     while any(p.poll() is None for p in procs) and time.perf_counter() < deadline:
+        now = time.perf_counter()
+        if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+            failed_at = now
+        if failed_at is not None:
+            for p in procs:
+                if p.poll() is None and (_stopped(p.pid) or now > failed_at + grace):
+                    p.kill()
         time.sleep(0.05)
     for p in procs:
         if p.poll() is None:
             p.kill()
             p.wait()
     return tuple(p.returncode for p in procs)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (state ``T``: SIGSTOP; ``t``: a tracer's stop)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] in ("T", "t")
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:

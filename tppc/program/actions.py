@@ -13,7 +13,9 @@ Terms:
         order), ``reduce_scatter`` (the sum, cut into equal parts along ``dims[0]``: member
         ``r`` keeps part ``r``), ``all_to_all`` (each member cuts its values into equal parts
         along ``dims[0]``, sends part ``r`` to member ``r``, and concatenates what it gets
-        along ``dims[1]``: Ulysses' tokens-to-heads exchange).
+        along ``dims[1]``: Ulysses' tokens-to-heads exchange), ``ring_shift`` (member ``r``
+        sends its values to member ``r + 1`` and gets member ``r - 1``'s, modulo the group's
+        size: one step of Ring attention's K/V passing).
     compute lists: what each stage computes, in order (:func:`flow_shop` builds the usual
         ones); ``Program.actions`` holds them.
     lowered lists: the compute lists with every transfer written out (:func:`lower`), as
@@ -40,10 +42,11 @@ __all__ = ["COLLECTIVES", "Action", "Actions", "Groups", "Kind", "flow_shop", "i
            "job_count", "lower"]
 
 Kind = Literal["compute", "send", "recv", "all_reduce", "all_gather", "reduce_scatter",
-               "all_to_all"]
+               "all_to_all", "ring_shift"]
 
 COLLECTIVES: dict[str, str] = {"all_reduce": "AR", "all_gather": "AG",
-                               "reduce_scatter": "RS", "all_to_all": "AA"}
+                               "reduce_scatter": "RS", "all_to_all": "AA",
+                               "ring_shift": "SH"}
 """Collective kinds and their short names in the action grid."""
 
 Groups = tuple[tuple[str, tuple[int, ...]], ...]

@@ -3,6 +3,8 @@
 Terms:
     values: what one member holds of one job: a tuple (or list) of arrays; a collective
         runs on each position of it (every member holds the same number of arrays).
+    ring shift: member ``m`` gets member ``m - 1``'s values (modulo ``n``): a neighbour
+        exchange, each member's values cross one link.
     parts: the equal pieces an array is cut into along an axis (``reduce_scatter`` and
         ``all_to_all`` need the axis's size divisible by the group's size).
 
@@ -75,7 +77,7 @@ def combine(act: Action, inputs: Sequence[Sequence[Any]], ops: CollectiveOps,
             share: bool = False) -> list[tuple[Any, ...]]:
     """Every member's result of collective ``act``, given every member's values (in
     member order); the sums add in member order. ``share``: the members of an
-    ``all_reduce`` or ``all_gather`` get the one result array (read-only: the stage graphs
+    ``all_reduce``, ``all_gather`` or ``ring_shift`` get the one result array (read-only: the stage graphs
     are functional), not a copy each."""
     n = len(inputs)
     if len({len(v) for v in inputs}) > 1:
@@ -104,5 +106,8 @@ def _one(act: Action, arrays: list[Any], ops: CollectiveOps, share: bool) -> lis
         pieces = [ops.split(a, n, act.dims[0]) for a in arrays]
         return [ops.cat([pieces[src][dst] for src in range(n)], act.dims[1])
                 for dst in range(n)]
+    if act.kind == "ring_shift":  # member m gets member m - 1's
+        return [arrays[(m - 1) % n] if share else ops.copy(arrays[(m - 1) % n])
+                for m in range(n)]
     raise ScheduleError(f"{act} is not a collective (kinds: all_reduce, all_gather, "
-                        "reduce_scatter, all_to_all)")
+                        "reduce_scatter, all_to_all, ring_shift)")

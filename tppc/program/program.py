@@ -79,35 +79,41 @@ class OutSlot:
 
 @dataclass(frozen=True)
 class BufferSpec:
-    """One K or V buffer a stage owns.
+    """One K or V buffer, or a recurrent node's state, that a stage owns.
 
     Attributes:
         name: its placeholder name in the stage graph.
         kind: ``"key"`` or ``"value"``.
         attention: the attention node it belongs to.
         layer: the layer that owns it.
-        axis: its token axis.
-        shape: its shape with ``None`` at the token axis.
+        axis: its token axis; None for a recurrent node's carried state (``kind="state"``:
+            sized by batch, heads and channels, never by the length).
+        shape: its shape with ``None`` at the token axis (a state: its whole shape).
         dtype: its element type.
         scale: token rows per unit of the sequence (a DiT's patch columns; 1 for LLMs).
         prefix: rows of the unsplit text segment before them (joint attention).
         suffix: rows of the unsplit text segment after them (text after the image, SD3).
+        parts: a Ring attention worker's buffer holds ``1/parts`` of the sequence's rows
+            (its own K/V block) beside the whole text.
     """
 
     name: str
     kind: str
     attention: str
     layer: str
-    axis: int
+    axis: int | None
     shape: tuple[int | None, ...]
     dtype: torch.dtype
     scale: int = 1
     prefix: int = 0
     suffix: int = 0
+    parts: int = 1
 
     def rows(self, capacity: int) -> int:
-        """Rows of the token axis for ``capacity`` units of the sequence."""
-        return self.prefix + self.scale * capacity + self.suffix
+        """Rows of the token axis for ``capacity`` units of the sequence (a state: 1)."""
+        if self.axis is None:
+            return 1
+        return self.prefix + self.scale * -(-capacity // self.parts) + self.suffix
 
     def allocate(self, capacity: int, device: torch.device) -> torch.Tensor:
         """A zero buffer of ``capacity`` tokens on ``device``."""

@@ -81,6 +81,8 @@ class CallState:
             return
         for key, old in list(self._buffers.items()):
             axis = self._specs[key].axis
+            if axis is None:  # a recurrent node's state: not sized by the length
+                continue
             shape = list(old.shape)
             shape[axis] = self._specs[key].rows(capacity)
             with torch.inference_mode(False):  # reusable by calls outside inference mode

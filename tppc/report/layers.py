@@ -33,6 +33,8 @@ def layer_table(gm: fx.GraphModule, ctx: CompileContext) -> str:
         )
     total = sum(layer.param_count for layer in ctx.layers)
     lines.append(f"{len(ctx.layers)} layers, {total:,} parameters (shared ones counted per layer)")
+    if ctx.size_int is not None:
+        lines.append(f"note: {ctx.size_int.note}")
     if ctx.specialization:
         lines.append(f"note: torch.export specialised the sequence length: {ctx.specialization}")
     return "\n".join(lines)

@@ -316,9 +316,12 @@ def _probe_length(front: FrontEnd, cp: Validated, length: int) -> tuple[int | No
 
 def resize_inputs(front: FrontEnd, flat: Sequence[Any], length: int, probe: int) -> list[Any]:
     """The flat inputs cut (or extended with their own first rows) along every sequence axis
-    from ``length`` to ``probe`` units."""
+    from ``length`` to ``probe`` units (and the int that counts the units, ``ctx.size_int``,
+    set to ``probe``)."""
     out = []
+    unit = getattr(front.ctx.size_int, "placeholder", None)  # the int that counts the units
     for ph, value in zip(front.placeholders, flat, strict=False):
+        value = probe if ph.name == unit else value
         for axis in front.ctx.seq_inputs.get(ph.name, ()):
             per = value.shape[axis] // length
             if probe <= length:

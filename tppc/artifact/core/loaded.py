@@ -147,14 +147,16 @@ class LoadedPipeline:
             raise RuntimeInputError(f"{len(args)} positional inputs, the model takes "
                                     f"{names}. fix: pass at most {len(names)}")
         given = dict(zip(names, args))
-        for name, value in inputs.items():
-            if name not in names:
-                raise RuntimeInputError(f"unknown input {name!r}; the exported model takes "
-                                        f"{names}. fix: rename it")
-            if name in given:
-                raise RuntimeInputError(f"input {name!r} given twice (positionally and by "
-                                        "name)")
-            given[name] = value
+        known = set(names)
+        for key, item in inputs.items():
+            for name, label, value in _leaves(key, item, known):
+                if name not in known:
+                    raise RuntimeInputError(f"unknown input {label}; the exported model "
+                                            f"takes {names}. fix: rename it")
+                if name in given:
+                    raise RuntimeInputError(f"input {name!r} given twice (positionally and "
+                                            "by name)")
+                given[name] = value
         flat, lengths = [], {}
         for spec in specs:
             name = spec["name"]
@@ -280,6 +282,21 @@ class LoadedPipeline:
         for stage in self.stages:
             stage.allocate(call, capacity)
         return call
+
+
+def _leaves(name: str, value: Any, known: set[str], label: str | None = None
+            ) -> list[tuple[str, str, Any]]:
+    """``(flat name, how the caller wrote it, value)`` of one keyword input: a dict, tuple or
+    list the model takes as one argument (PixArt's ``added_cond_kwargs``, HunyuanDiT's
+    ``image_rotary_emb``) is given as the model takes it and named as torch.export flattens
+    it (``added_cond_kwargs_resolution``, ``image_rotary_emb_0``); ``None`` in it is no
+    input (torch.export keeps none)."""
+    label = repr(name) if label is None else label
+    if name in known or not isinstance(value, dict | list | tuple):
+        return [(name, label, value)]
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    return [leaf for key, item in items if item is not None
+            for leaf in _leaves(f"{name}_{key}", item, known, f"{label}[{key!r}]")]
 
 
 def _check_array(name: str, value: Any, spec: dict[str, Any]) -> np.ndarray:

@@ -142,6 +142,11 @@ class _ModelOutput:
 
 
 def _array(value: Any) -> Any:
+    """A tensor as numpy, in a dict, tuple or list too (``added_cond_kwargs``)."""
+    if isinstance(value, dict):
+        return {k: _array(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_array(v) for v in value)
     return value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else value
 
 

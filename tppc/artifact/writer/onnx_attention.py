@@ -18,7 +18,7 @@ import torch
 from onnx import TensorProto
 from torch import fx
 
-from tppc.artifact.writer.graphs import split_attention
+from tppc.artifact.writer.graphs import ExportError, split_attention
 from tppc.artifact.writer.onnx_ops import Fn, Int, Tensor
 
 __all__ = ["ATTENTION_OPS"]
@@ -31,8 +31,13 @@ def _attention(t: Any, node: fx.Node, q: Tensor, kb: Tensor, vb: Tensor,
                sinks: Any = None, block: int | None = None) -> Tensor:
     """:func:`split_attention` in ONNX ops (see its docstring)."""
     val = node.meta["val"]
-    heads, kv_heads, d = int(_q_shape(node)[-3]), int(node.args[3].meta["val"].shape[-3]), \
-        int(_q_shape(node)[-1])
+    heads, d = int(_q_shape(node)[-3]), int(_q_shape(node)[-1])
+    kv = node.args[3].meta.get("val")  # none on a video's rows of every frame (no GQA there)
+    kv_heads = int(kv.shape[-3]) if kv is not None else heads
+    if kv is None and gqa:
+        raise ExportError(f"attention {node.name!r} groups its K/V heads and its keys "
+                          f"{node.args[3].name!r} have no shape record; tppc cannot tell the "
+                          "groups. fix: report the model")
     axis = kb.rank - 2
     c = t.op("Squeeze", [t.op("Shape", [q.name], start=-2, end=-1), t.const([0])])
     end = Int(t.op("Add", [t.scalar(start), c]))

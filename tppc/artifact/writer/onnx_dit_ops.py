@@ -3,7 +3,8 @@
 Cross-attention to the text states (a plain ``scaled_dot_product_attention`` whose keys are
 not split: PixArt), RMS norm, rope tables built from position ids (``outer``, ``stack``,
 ``unbind``, ``unflatten``: Flux), splits into segments of computed sizes (joint attention's
-text and image tokens) and ``squeeze``. Each takes the translator ``t``, the fx node and its
+text and image tokens), ``squeeze``, and functional writes (``copy``, ``slice_scatter``:
+CogView4). Each takes the translator ``t``, the fx node and its
 arguments as in :mod:`tppc.artifact.writer.onnx_ops`; :mod:`tppc.artifact.writer.to_onnx`
 reads both tables.
 """
@@ -121,12 +122,57 @@ def _sdpa(t: Any, node: fx.Node, q: Any, k: Any, v: Any, attn_mask: Any = None,
     return _out(t, node, t.op("MatMul", [t.op("Softmax", [scores], axis=-1), v.name]))
 
 
+def _copy(t: Any, node: fx.Node, x: Tensor, src: Any, *_: Any, **__: Any) -> Tensor:
+    """Functional ``copy`` (``x.copy_(src)``, CogView4): ``src`` in ``x``'s dtype, broadcast
+    to ``x``'s shape."""
+    out = t.tensor(node, "")
+    return t.tensor(node, t.op("Expand", [t.like(src, out), t.op("Shape", [x.name])]))
+
+
+def _slice_scatter(t: Any, node: fx.Node, x: Tensor, src: Any, dim: int = 0,
+                   start: Any = None, end: Any = None, step: int = 1) -> Tensor:
+    """``x`` with ``src`` written over ``x[start:end]`` along ``dim`` (a functional slice
+    write, CogView4's rope): the rows before, ``src``, the rows after, joined."""
+    out = t.tensor(node, "")
+    axis = _axis(dim, x.rank)
+    if step != 1:
+        return _strided_scatter(t, node, x, t.like(src, out), axis, slice(start, end, step))
+    start = 0 if start is None else start
+    end = 2**63 - 1 if end is None else end
+
+    def rows(lo: Any, hi: Any) -> str:
+        return t.op("Slice", [x.name, t.i64([lo]), t.i64([hi]), t.i64([axis])])
+
+    parts = [rows(0, start), t.like(src, out), rows(end, 2**63 - 1)]
+    return t.tensor(node, t.op("Concat", parts, axis=axis))
+
+
+def _strided_scatter(t: Any, node: fx.Node, x: Tensor, src: str, axis: int,
+                     rows: slice) -> Tensor:
+    """``x[..., rows, ...] = src`` along ``axis`` of a static size (an interleaved rope's
+    ``x[..., 0::2]``: SkyReels): a ScatterND of those rows with the axis moved first."""
+    size = node.args[0].meta["val"].shape[axis]
+    if not isinstance(size, int) or not all(isinstance(v, int | None)
+                                            for v in (rows.start, rows.stop)):
+        raise ExportError(f"node {node.name!r} writes every {rows.step}th row of an axis of "
+                          f"size {size} from {rows.start} to {rows.stop}; tppc exports a "
+                          "strided write along an axis of fixed size and bounds only. fix: "
+                          "report the model")
+    perm = [axis] + [d for d in range(x.rank) if d != axis]
+    back = [perm.index(d) for d in range(x.rank)]
+    index = t.const([[i] for i in range(size)[rows]])
+    moved = [t.op("Transpose", [name], perm=perm) for name in (x.name, src)]
+    scattered = t.op("ScatterND", [moved[0], index, moved[1]])
+    return t.tensor(node, t.op("Transpose", [scattered], perm=back))
+
+
 DIT_OPS: dict[Any, Callable[..., Any]] = {
     _aten.squeeze.dim: _squeeze, _aten.squeeze.dims: _squeeze,
     _aten.split_with_sizes.default: _split_sizes, _aten.unbind.int: _unbind,
     _aten.stack.default: _stack, _aten.unflatten.int: _unflatten,
     _aten.outer.default: _outer, _aten.rms_norm.default: _rms_norm,
     _aten.scaled_dot_product_attention.default: _sdpa,
+    _aten.copy.default: _copy, _aten.slice_scatter.default: _slice_scatter,
 }
 """ATen op → translation, read by :mod:`tppc.artifact.writer.to_onnx` after
 :data:`~tppc.artifact.writer.onnx_ops.OPS`."""

@@ -227,17 +227,18 @@ def _permute(t: Any, node: fx.Node, x: Tensor, dims: Any) -> Tensor:
     return t.tensor(node, t.op("Transpose", [x.name], perm=[_axis(d, x.rank) for d in dims]))
 
 
-def _conv2d(t: Any, node: fx.Node, x: Tensor, w: Tensor, b: Any = None,
-            stride: Any = (1, 1), padding: Any = (0, 0), dilation: Any = (1, 1),
-            groups: int = 1) -> Tensor:
-    pads = _pair(padding)
+def _conv(t: Any, node: fx.Node, x: Tensor, w: Tensor, b: Any = None, stride: Any = 1,
+          padding: Any = 0, dilation: Any = 1, groups: int = 1) -> Tensor:
+    """``conv1d``/``conv2d``/``conv3d`` (a video DiT's patch embedding: Wan, SkyReels)."""
+    n = x.rank - 2
+    pads = _per_axis(padding, n)
     ins = [x.name, w.name] + ([b.name] if isinstance(b, Tensor) else [])
-    return t.tensor(node, t.op("Conv", ins, strides=_pair(stride), pads=pads + pads,
-                               dilations=_pair(dilation), group=groups))
+    return t.tensor(node, t.op("Conv", ins, strides=_per_axis(stride, n), pads=pads + pads,
+                               dilations=_per_axis(dilation, n), group=groups))
 
 
-def _pair(value: Any) -> list[int]:
-    return [value, value] if isinstance(value, int) else [int(v) for v in value]
+def _per_axis(value: Any, n: int) -> list[int]:
+    return [int(value)] * n if isinstance(value, int) else [int(v) for v in value]
 
 
 def _repeat(t: Any, node: fx.Node, x: Tensor, sizes: Any) -> Tensor:
@@ -311,9 +312,11 @@ OPS: dict[Any, Fn] = {
     _aten.view.default: _view, _aten.reshape.default: _view,
     _aten.transpose.int: _transpose, _aten.unsqueeze.default: _unsqueeze,
     _aten.slice.Tensor: _slice, _aten.narrow.default: _narrow, _aten.cat.default: _cat,
+    _aten.concat.default: _cat,
     _aten.split.Tensor: _split, _aten.sym_size.int: _sym_size,
     _aten.chunk.default: _chunk, _aten.flatten.using_ints: _flatten,
-    _aten.permute.default: _permute, _aten.conv2d.default: _conv2d,
+    _aten.permute.default: _permute, _aten.conv2d.default: _conv,
+    _aten.conv1d.default: _conv, _aten.conv3d.default: _conv,
     _aten.repeat.default: _repeat, _aten.repeat_interleave.self_int: _repeat_interleave,
     _aten.arange.default: _arange, _aten.arange.start: _arange,
     _aten.arange.start_step: _arange,

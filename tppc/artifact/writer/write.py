@@ -123,6 +123,14 @@ def export(compiled: Any, path: str | os.PathLike[str], *, format: str = "onnx",
 def _export(compiled: Any, out: Path, wanted_lengths: list[int], external_data: bool | None,
             progress: Progress | None) -> None:
     program = compiled.program(compiled.plan.seq_len)
+    states = [b for st in program.stages for b in st.buffers if b.kind == "state"]
+    if states:
+        raise ExportError(
+            f"{compiled.model_name} has recurrent layers (a scan or causal convolution whose "
+            f"chunks carry a state: {states[0].attention} of layer {states[0].layer!r}, "
+            f"{len(states)} in all); the ONNX stages do not carry states yet. fix: run it with "
+            "backend='torch' (threads or distributed), which carries them exactly")
+    _check_frames(program)
     wanted = sorted({*wanted_lengths, program.seq_len})
     chunks = {str(n): [list(c) for c in compiled.program(n).chunks] for n in wanted}
     files: dict[str, dict[str, Any]] = {}
@@ -170,6 +178,19 @@ def _export(compiled: Any, out: Path, wanted_lengths: list[int], external_data: 
     tmp = out / "plan.json.tmp"
     tmp.write_text(json.dumps(doc, indent=1))
     tmp.replace(out / "plan.json")
+
+
+def _check_frames(program: Any) -> None:
+    """Refuse video latents of several frames: a chunk is a band of rows in every frame
+    (several blocks of the token axis), and the ONNX runner writes one block per chunk."""
+    for stage in program.stages:
+        for name, spec in stage.inputs:
+            if spec.frames > 1:
+                raise ExportError(
+                    f"stage {stage.index}'s input {name!r} holds {spec.frames} video frames "
+                    "(a chunk is a band of rows in every frame); tppc's ONNX runner writes "
+                    "one block of rows per chunk. fix: export a latent of one frame, or run "
+                    "the torch backend")
 
 
 def rest_program(compiled: Any, program: Any) -> Any:

@@ -36,6 +36,7 @@ from tppc.passes.annotation.buffered_mixing import (
     neighbourhood_conv,
     token_contraction_info,
 )
+from tppc.passes.annotation.recurrent import causal_conv, causal_crop, recurrent_scan
 from tppc.passes.annotation.regions import annotate_region, row_wise_region
 from tppc.passes.annotation.segments import segment_info, split_tokens, with_prefix
 from tppc.passes.shapes import (
@@ -130,6 +131,10 @@ def _token_op(node: fx.Node, axes: list[int], sizes: list[sympy.Expr], where: st
     src = _token_input(node)
     src_info: TokenInfo = src.meta[TOKEN]
     dims = op_dims(node, src)
+    if recurrent_scan(node, src) or (role == "conv" and causal_conv(node, src)):
+        return dataclasses.replace(_info("mixing", axes, sizes, where), attention="recurrent")
+    if role == "selects" and src_info.attention == "recurrent" and causal_crop(node, src):
+        return _info("token", axes, sizes, where)  # the first L rows of a causal convolution
     if role == "mixes_along_dim" and src_info.axis in dims:
         hint = " (a softmax over the keys of q·kᵀ, followed by @ v, is recognised as " \
             "attention; this one is not)." if "softmax" in name else ""

@@ -89,7 +89,8 @@ def neighbourhood_conv(node: fx.Node, src: TokenInfo) -> bool:
 def buffered_operands(node: fx.Node) -> dict[str, fx.Node] | None:
     """The operands a buffered-mixing node reads whole, by buffer kind; None for others."""
     info = node.meta.get(TOKEN)
-    if node.op != "call_function" or info is None or info.role != "mixing":
+    if node.op != "call_function" or info is None or info.role != "mixing" \
+            or info.attention == "recurrent":  # a causal convolution carries a state instead
         return None
     if node.target in (*_MATMULS, _aten.einsum.default):
         return _operands(node)

@@ -28,7 +28,7 @@ import torch
 from torch import fx
 
 from tppc.errors import AnnotationError
-from tppc.passes.shapes import module_path, size_expr, tensor_val
+from tppc.passes.shapes import module_path, size_expr, source_line, tensor_val
 
 __all__ = ["EagerRegion", "read_eager_region", "visible_keys"]
 
@@ -347,20 +347,9 @@ def _name(node: fx.Node) -> str:
     return getattr(target, "__name__", str(target))
 
 
-def _source_line(node: fx.Node) -> str:
-    """``file:line (function)`` of the model code that made ``node``: the last frame of its
-    trace (torch.export records a module's ``forward``; a helper it calls shows as the call)."""
-    trace = node.meta.get("stack_trace") or ""
-    frames = [ln.strip() for ln in trace.splitlines() if ln.strip().startswith("File ")]
-    parts = frames[-1].split(", ") if frames else []
-    if len(parts) < 3:
-        return "source line unknown"
-    return f"{parts[0][5:].strip(chr(34))}:{parts[1].split()[-1]} ({parts[2][3:]})"
-
-
 def _refuse(node: fx.Node, why: str) -> AnnotationError:
     return AnnotationError(
         f"hand-written attention at node {node.name!r} (op {_name(node)}, module "
-        f"{module_path(node) or '<top level>'}, {_source_line(node)}): {why}. tppc recognises "
+        f"{module_path(node) or '<top level>'}, {source_line(node)}): {why}. tppc recognises "
         "q·kᵀ → scale → tanh soft-cap → additive masks and biases → sinks → softmax → @ v. "
         "fix: write the attention in that form or call F.scaled_dot_product_attention")

@@ -30,8 +30,10 @@ from torch import fx
 
 from tppc.errors import AnnotationError
 from tppc.ir.context import CompileContext
+from tppc.ir.op_rules import op_rule
 from tppc.ir.records import LAYER, TOKEN, LayerInfo
 from tppc.passes.annotation.waist import find_waist, mark_parts, part_names
+from tppc.passes.shapes import source_line
 
 __all__ = ["group_layers_pass"]
 
@@ -155,15 +157,31 @@ def _assign(nodes: list[fx.Node], block_of: dict[fx.Node, str | None],
         info = node.meta.get(TOKEN)
         if info is not None and info.role == "global" and current != "epilogue":
             raise AnnotationError(
-                f"node {node.name!r} (module {info.module or '<top level>'}) needs the whole "
-                f"sequence (role global{': ' + info.why if info.why else ''}) but runs in "
-                f"layer {current!r}; tppc can run such ops only after the last block."
-                + ("" if "fix:" in info.why else " fix: move it after the blocks"))
+                f"node {node.name!r} (module {info.module or '<top level>'}, "
+                f"{source_line(node)}) needs the whole sequence (role global: "
+                f"{info.why or _why_global(node)}) but runs in layer {current!r}; tppc runs a "
+                "block chunk by chunk, so it can run such ops only after the last block."
+                + ("" if "fix:" in info.why else " The model cannot be pipelined by tokens as "
+                   "written (refused before anything ran). fix: in a model of your own, move "
+                   "the op after the last block; a library model runs unsplit (eager or "
+                   "torch.compile)"))
     for node in nodes:
         if node.op in ("placeholder", "get_attr"):
             users = [names[u] for u in node.users if u in names]
             names[node] = users[0] if users else "prologue"
     return names
+
+
+def _why_global(node: fx.Node) -> str:
+    """What a ``global`` node does to the token axis, from its op's rule."""
+    role = op_rule(node.target).role if node.op == "call_function" else ""
+    if role == "reduction":
+        return (f"{getattr(node.target, '__name__', node.target)} over the token axis, which "
+                "every chunk would need whole; a linear attention's normaliser outside its "
+                "matmul is one (tppc buffers only a matmul that contracts two token values: "
+                "fold the normaliser into it, phi(K)^T [V, 1], as Sana's processor does)")
+    what = {"selects": "selects part of the token axis", "reshape": "reorders the tokens"}
+    return what.get(role, "changes or loses the token axis")
 
 
 def _layer_infos(gm: fx.GraphModule, nodes: list[fx.Node], names: dict[fx.Node, str],

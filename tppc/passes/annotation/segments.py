@@ -10,7 +10,9 @@ tokens (Flux, CogVideoX, QwenImage: ``cat([text, image])``) or after them (SD3:
   and at most one value with split tokens (a segment of data-dependent length, text tokens
   gathered by ``torch.nonzero``, is ``global``): a token value whose prefix (suffix) is the
   constant segments' length before (after) it plus that value's own prefix (suffix). Two
-  split segments (context between two bands of image tokens) are ``global``.
+  split segments (context between two bands of image tokens) are ``global``, unless every
+  segment is a position table (QwenImage's rope rows centred on the image, ``cat([neg[-(h -
+  h // 2):], pos[:h // 2]])``): a position table evaluated whole per call and sliced.
 - ``slice`` / ``split`` of such a value along its token axis: a part within the prefix or
   within the suffix is a *context-only* value (``axis_size == prefix``: the text tokens after
   they have seen the image tokens, carried with the first patch of a step; its whole length
@@ -84,8 +86,8 @@ def segment_info(node: fx.Node, where: str) -> TokenInfo | None:
         if (src.prefix or src.suffix) and _dim(node, 2, tensor_val(base).dim()) == src.axis:
             return dataclasses.replace(src, module=where)
         return None
-    if node.target is _aten.slice.Tensor:
-        return _slice(node, where)
+    if node.target is _aten.slice.Tensor and (sliced := _slice(node, where)) is not None:
+        return sliced  # along the token axis; along another, a text-only value is carried
     ins = [a for a in node.all_input_nodes if a.meta[TOKEN].role in _TOKENISH]
     if ins and all(a.meta[TOKEN].prefix_only for a in ins):
         return _carry(node, ins[0], where)
@@ -110,8 +112,11 @@ def _cat(node: fx.Node, where: str) -> TokenInfo | None:
         if any(symbol_is_type(s, SymT.UNBACKED_INT) for s in size.free_symbols):
             return TokenInfo("global", module=where, why=_data_dependent(t, size))
         if size.free_symbols:
-            if info.axis != dim or split is not None:
+            if (info.axis != dim or split is not None) and not _positional(infos):
                 return TokenInfo("global", module=where, why=_TWO_SPLIT)
+            if split is not None:  # a position table of segments (QwenImage's centred rope
+                return TokenInfo("positional", dim, size_expr(out.shape[dim]),  # rows)
+                                 module=where)
             split, prefix, suffix = info, prefix + info.prefix, info.suffix
         elif split is not None:
             suffix += int(size)  # a constant segment after the split tokens
@@ -124,6 +129,13 @@ def _cat(node: fx.Node, where: str) -> TokenInfo | None:
         return TokenInfo("token", dim, total, module=where, prefix=int(total))
     return TokenInfo(role, dim, total, module=where, prefix=prefix,  # type: ignore[arg-type]
                      suffix=suffix)
+
+
+def _positional(infos: list[TokenInfo]) -> bool:
+    """Whether the segments of a cat are all position tables (no token value, no text):
+    evaluated whole per call and sliced per chunk, so they may be cut anywhere."""
+    return all(i.role in ("positional", "const") and not (i.prefix or i.suffix or i.inputs)
+               for i in infos)
 
 
 def _data_dependent(segment: fx.Node, size: sympy.Expr) -> str:

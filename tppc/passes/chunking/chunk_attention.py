@@ -69,6 +69,7 @@ from tppc.passes.annotation.attention import chunked_kernel
 from tppc.passes.annotation.buffered_mixing import buffered_operands
 from tppc.passes.annotation.key_masks import inputs_by_value
 from tppc.passes.chunking.bias_rows import BiasRows, value_inputs
+from tppc.passes.chunking.carried_state import CarriedState, is_recurrent
 from tppc.passes.chunking.chunk_buffers import BufferReads, buffered_inputs
 from tppc.passes.chunking.chunk_parts import (
     cache_source,
@@ -125,7 +126,7 @@ def chunk_attention_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
 
 
 
-class _Rewriter(BufferReads):
+class _Rewriter(BufferReads, CarriedState):
     """Builds the chunk-step graph and the positional program from an annotated graph."""
 
     def __init__(self, gm: fx.GraphModule, ctx: CompileContext, *, carry: bool = True) -> None:
@@ -152,6 +153,8 @@ class _Rewriter(BufferReads):
         buffered = [n for n in self.gm.graph.nodes  # linear attention, neighbourhood convs
                     if self.mode.get(n) == "copy" and buffered_operands(n) is not None]
         self._placeholders(frontier, attention + buffered)
+        self._state_inputs([n for n in self.gm.graph.nodes  # scans, causal convolutions
+                            if self.mode.get(n) == "copy" and is_recurrent(n)])
         for node in self.gm.graph.nodes:
             if self.mode.get(node) == "copy" and node not in self.env:
                 self.env[node] = self._emit(node)
@@ -190,6 +193,8 @@ class _Rewriter(BufferReads):
         info: TokenInfo = node.meta[TOKEN]
         if node.op == "placeholder":
             return "token_input" if info.role == "token" else "const_input"
+        if is_recurrent(node):
+            return "copy"  # a causal convolution's value has k − 1 rows more than its input
         if info.role in ("token", "mixing") and info.axis is not None \
                 and not info.prefix_only and rows_per_unit(split_size(info), self.ctx) is None:
             raise PassError(
@@ -296,6 +301,8 @@ class _Rewriter(BufferReads):
                 return row_offset(self.graph, self.size, rows, 0)
         if buffered_operands(node) is not None:
             return self._buffered_mixing(node)
+        if is_recurrent(node):
+            return self._recurrent(node)
         if op_rule(node.target).role == "attention" and node.meta[TOKEN].role == "mixing":
             return self._attention(node)  # cross-attention (const K/V) is row-wise: copied
         args = {a: self.env[a] for a in node.all_input_nodes}

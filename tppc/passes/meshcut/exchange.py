@@ -1,6 +1,7 @@
 """The exchanges around one attention of a token-cut stage (:mod:`token_cut`): Ulysses'
-all-to-all of the queries, keys and values (and back), Ring's gather of the keys and values,
-and the write of the whole chunk's keys into the worker's K/V buffers.
+all-to-all of the queries, keys and values (and back), Ring attention's passing of the K/V
+blocks (:mod:`ring_form`; or, where it does not apply, the gather of the chunk's keys and
+values), and the write of the keys into the worker's K/V buffers.
 
 Terms:
     segments: joint attention (SD3, Flux, CogVideoX) runs over ``[text prefix, image tokens,
@@ -8,9 +9,12 @@ Terms:
         sub-chunk of image tokens. Only the image tokens are exchanged: under Ulysses each
         worker takes its own heads of the text (the heads the all-to-all gives it) and gathers
         the text rows of the output over the heads; under Ring the text keys are already
-        whole. The buffers receive ``[text, all image rows, text]`` as the stage graph's do.
+        whole (the ring form attends them in its first step, only image blocks circulate).
+        The buffers receive ``[text, image rows, text]`` as the stage graph's do (the ring
+        form: the worker's own image rows).
     write: ``copy_(narrow(buffer, axis, offset(chunk_start), rows), keys)`` in the stage
-        graph; the worker writes the exchanged keys at the chunk's own offset.
+        graph; the worker writes the exchanged keys at the chunk's own offset (the ring
+        form: at its own block's offset, :func:`ring_form.local_subst`).
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import torch
 from torch import fx
 
 from tppc.errors import SpecError
-from tppc.ir.records import CHUNK_INPUT, LAYER, TOKEN
+from tppc.ir.records import CHUNK_INPUT, LAYER, RING_FORM, TOKEN, RingForm
+from tppc.passes.meshcut.ring_form import ring_attention, ring_reason, set_parts
 from tppc.passes.meshcut.rows import interleave_parts, part_rows, sub_size, sub_start
 from tppc.passes.sharding.shard_graph import all_gather_mark, all_to_all_mark
 
@@ -69,6 +74,9 @@ class _Exchange:
     """The worker's ulysses coordinate (its heads of the text)."""
     prefix: int
     suffix: int
+    local: dict | None = None
+    """The ring form's placement of the worker's own rows (:func:`ring_form.local_subst`);
+    None: the gather form (or no ring)."""
 
     def segmented(self, x: fx.Node, axis: int, middle: Any, side: Any,
                   segments: tuple[int, int] | None = None) -> fx.Node:
@@ -110,12 +118,23 @@ class _Exchange:
 
 def exchange_attention(graph: fx.Graph, node: fx.Node, key: BufferWrite, value: BufferWrite,
                        ring: int, ulysses: int, ulysses_coord: int, write_subst: dict,
-                       query_subst: dict, what: str) -> None:
+                       query_subst: dict, what: str, local: dict | None = None,
+                       gather: str = "") -> None:
     """Rewrite attention ``node`` and its K/V writes for the token cut (module docstring).
     ``write_subst`` / ``query_subst``: the int nodes to replace in the write's offset (the
-    chunk's start) and in the keys read and the query start (the exchanged queries' rows)."""
+    chunk's start) and in the keys read and the query start (the exchanged queries' rows);
+    ``local``: :func:`ring_form.local_subst` (the ring form where ``node`` takes it);
+    ``gather``: why the gather form whatever ``node`` is."""
     info = node.meta[TOKEN]
     ex = _Exchange(graph, node, ring, ulysses, ulysses_coord, info.prefix, info.suffix)
+    if ring > 1:
+        reason = gather or ring_reason(node, bool(key.blocks or value.blocks), any(
+            _reads(w.read.args[3], query_subst) for w in (key, value)
+            if isinstance(w.read.args[3], fx.Node)), local)
+        if reason:
+            node.meta[RING_FORM] = RingForm("gather", reason)
+        else:
+            ex = replace(ex, local=local)
     spec = key.buffer.meta[CHUNK_INPUT]
     t_kv, h_kv = int(spec.axis), len(spec.shape) - 3
     t_q, h_q = info.axis, node.meta["val"].dim() - 3
@@ -137,6 +156,8 @@ def exchange_attention(graph: fx.Graph, node: fx.Node, key: BufferWrite, value: 
         if len(args) > 3:
             args[3] = clone_ints(graph, args[3], query_subst)
         node.args = tuple(args)
+    if ex.local is not None:
+        ring_attention(graph, node, ring, ex.mark)
     if ulysses > 1:
         with graph.inserting_before(node.next):
             back = ex.segmented(node, t_q, lambda x: ex.mark(
@@ -161,7 +182,7 @@ def _write(ex: _Exchange, w: BufferWrite, t_kv: int, h_kv: int, write_subst: dic
         def tokens(x: fx.Node) -> fx.Node:
             if ex.ulysses > 1:
                 x = ex.mark(all_to_all_mark, x, h_kv, t_kv, group="ulysses")
-            if ex.ring > 1:
+            if ex.ring > 1 and ex.local is None:
                 x = ex.mark(all_gather_mark, x, t_kv, group="ring")
             return x
 
@@ -172,12 +193,13 @@ def _write(ex: _Exchange, w: BufferWrite, t_kv: int, h_kv: int, write_subst: dic
         spec = w.buffer.meta[CHUNK_INPUT]
         segments = (0, 0) if w.text else (spec.prefix, spec.suffix)
         src = ex.segmented(src, t_kv, tokens, lambda x: ex.heads(x, h_kv), segments)
-        offset = clone_ints(graph, w.view.args[2], write_subst)
+        offset = clone_ints(graph, w.view.args[2], ex.local or write_subst)
         rows = graph.call_function(aten.sym_size.int, (src, t_kv))
     _text_writes(ex, w, h_kv, heads_part)
     with graph.inserting_before(w.read):  # keys up to the queries' end (causal)
         w.read.args = (w.read.args[0], w.read.args[1],
-                       *(clone_ints(graph, a, query_subst) for a in w.read.args[2:]))
+                       *(clone_ints(graph, a, ex.local or query_subst)
+                         for a in w.read.args[2:]))
     old = w.view.args[3]
     w.view.args = (w.buffer, w.view.args[1], offset, rows)
     w.copy.args = (w.view, src, *w.copy.args[2:])
@@ -185,6 +207,8 @@ def _write(ex: _Exchange, w: BufferWrite, t_kv: int, h_kv: int, write_subst: dic
         graph.erase_node(old)
     if ex.ulysses > 1:
         _set_heads(w.buffer, h_kv, w.buffer.meta[CHUNK_INPUT].shape[h_kv] // ex.ulysses)
+    if ex.local is not None:
+        set_parts(w.buffer, ex.ring)
 
 
 def _text_writes(ex: _Exchange, w: BufferWrite, h_kv: int, heads_part: tuple) -> None:
@@ -195,6 +219,10 @@ def _text_writes(ex: _Exchange, w: BufferWrite, h_kv: int, heads_part: tuple) ->
             if heads_part:
                 text = ex.graph.call_function(aten.narrow.default, (text, *heads_part))
             copy.args = (view, ex.heads(text, h_kv), *copy.args[2:])
+        if ex.local is not None:  # at the text's place in the worker's own buffer
+            with ex.graph.inserting_before(view):
+                view.args = (view.args[0], view.args[1],
+                             *(clone_ints(ex.graph, a, ex.local) for a in view.args[2:]))
 
 
 def _frames(ex: _Exchange, w: BufferWrite, src: fx.Node, t_kv: int, h_kv: int,

@@ -49,8 +49,8 @@ def run_workers(graphs: Sequence[fx.GraphModule], mesh: Mesh, feed: Mapping[str,
         feed: the call-fed values by placeholder name.
         boundary: each worker's boundary inputs (in order).
         buffers: each worker's K/V buffers by name (allocated here when missing, ``rows``
-            long on their token axis, zeros).
-        rows: the K/V buffers' length on their token axis.
+            long on their token axis, zeros; a ring worker's own block: its part of them).
+        rows: the K/V buffers' length on their token axis (of one worker per stage).
     """
     workers: Workers = [split_parts(g) for g in graphs]
     joins = workers[0][1]
@@ -61,7 +61,9 @@ def run_workers(graphs: Sequence[fx.GraphModule], mesh: Mesh, feed: Mapping[str,
         for ph in gm.graph.find_nodes(op="placeholder"):
             spec = ph.meta.get(CHUNK_INPUT)
             if spec is not None and spec.kind in ("key", "value") and ph.name not in mine:
-                shape = tuple(rows[ph.name] if s is None else s for s in spec.shape)
+                text = spec.prefix + spec.suffix  # a ring worker's own block: 1/parts
+                length = text + (rows[ph.name] - text) // spec.parts
+                shape = tuple(length if s is None else s for s in spec.shape)
                 mine[ph.name] = torch.zeros(shape, dtype=spec.dtype)
     slots: list[tuple[Any, ...]] = [tuple(b) for b in boundary]
     for q in range(len(joins) + 1):

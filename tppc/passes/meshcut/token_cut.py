@@ -15,10 +15,12 @@ Terms:
         K/V buffers hold ``heads / ulysses`` heads, attention runs on the ulysses group's
         tokens, and its output goes back to token-cut (split the tokens, join the heads).
         DeepSpeed-Ulysses (Jacobs et al., 2023).
-    Ring (group ``ring``): the keys and values are gathered around the group
-        (``all_gather_mark`` on the token axis); the queries stay cut. The exact form of ring
-        attention (Liu et al., 2023) without its overlap: the K/V blocks of all members, then
-        one attention.
+    Ring (group ``ring``): each worker keeps its own K/V block and the blocks go around
+        the group (``ring_shift_mark``), the partial attentions merged by their
+        log-sum-exps (:mod:`tppc.passes.meshcut.ring_form`); the queries stay cut. An
+        attention the ring form does not cover (causal, masked, a video's frames) gathers
+        the chunk's keys and values around the group instead (``all_gather_mark``), the
+        reason in its ``RING_FORM`` record.
     write: the stage graph writes a chunk's keys into its buffer
         (``copy_(narrow(buffer, axis, offset(chunk_start), rows), keys)``); the worker writes
         the exchanged keys (the whole chunk's) at the chunk's own offset.
@@ -40,6 +42,7 @@ from torch import fx
 from tppc.errors import SpecError
 from tppc.ir.records import CHUNK_INPUT, TOKEN
 from tppc.passes.meshcut.exchange import BufferWrite, exchange_attention
+from tppc.passes.meshcut.ring_form import local_subst
 from tppc.passes.meshcut.rows import part_rows, sub_size, sub_start
 
 __all__ = ["token_cut"]
@@ -49,9 +52,10 @@ _ATTENTION = torch.ops.tppc.chunk_attention.default
 
 
 def token_cut(gm: fx.GraphModule, ring: int, ulysses: int, ring_coord: int,
-              ulysses_coord: int, what: str) -> None:
+              ulysses_coord: int, what: str, gather: str = "") -> None:
     """Cut ``gm``'s tokens for the worker at ``(ring_coord, ulysses_coord)`` (in place; see
-    the module docstring).
+    the module docstring); ``gather``: why every attention takes the ring's gather form
+    (empty: the ring form where it applies).
 
     Raises:
         SpecError: joint attention, a head count ``ulysses`` does not divide, a mixing op
@@ -95,9 +99,12 @@ def token_cut(gm: fx.GraphModule, ring: int, ulysses: int, ring_coord: int,
                                                    spec.prefix, spec.suffix))
         ph.replace_all_uses_with(rows, delete_user_cb=lambda u, r=rows: u is not r
                                  and u not in keep)
+    local = local_subst(graph, q_size, start, first, kinds.get("seq_len"), ring) \
+        if ring > 1 and first is not None and not gather else None
     for node, (key, value) in attentions.items():
         exchange_attention(graph, node, key, value, ring, ulysses, ulysses_coord,
-                           {first: start}, {first: q_start, sub: q_size}, what)
+                           {first: start}, {first: q_start, sub: q_size}, what, local,
+                           gather)
 
 
 def _sub_units(graph: fx.Graph, placeholders: list[fx.Node], size: fx.Node | None,

@@ -43,7 +43,7 @@ __all__ = ["worker_graph"]
 
 def worker_graph(stage: fx.GraphModule, mesh: Mesh, rank: int, *,
                  output_rows: Sequence[tuple[int, ...] | None] = (),
-                 what: str = "") -> fx.GraphModule:
+                 what: str = "", ring_gather: str = "") -> fx.GraphModule:
     """Worker ``rank``'s graph of stage graph ``stage`` on ``mesh`` (module docstring;
     ``stage`` stays as it is).
 
@@ -53,6 +53,8 @@ def worker_graph(stage: fx.GraphModule, mesh: Mesh, rank: int, *,
         rank: the worker, ``0 .. mesh.size - 1``.
         output_rows: the chunk signature's ``output_rows`` (the last stage's outputs' frames).
         what: how errors name the stage (default: ``stage <index>``).
+        ring_gather: why every attention takes the ring's gather form (empty: Ring
+            attention where it applies, :mod:`tppc.passes.meshcut.ring_form`).
 
     Raises:
         SpecError: a degree the graph cannot take (named: the batch, a head count, an op
@@ -70,7 +72,8 @@ def worker_graph(stage: fx.GraphModule, mesh: Mesh, rank: int, *,
             if hasattr(stage, name):
                 setattr(gm, name, getattr(stage, name))
     batch = batch_cut(gm, coords["cfg"], mesh.cfg, what)
-    token_cut(gm, mesh.ring, mesh.ulysses, coords["ring"], coords["ulysses"], what)
+    token_cut(gm, mesh.ring, mesh.ulysses, coords["ring"], coords["ulysses"], what,
+              ring_gather)
     if info is None or not info.outputs:
         _gather_outputs(gm, mesh, batch, tuple(output_rows), what)
     gm.graph.lint()

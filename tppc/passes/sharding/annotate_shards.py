@@ -142,7 +142,7 @@ def analyse(gm: fx.GraphModule, limit: int = 10_000) -> Sharding:
     whole: set[str] = set()
     refined: dict[str, tuple[int, tuple[int, ...]]] = {}
     notes: list[tuple[str, str]] = []
-    tried: set[str] = set()
+    asked: dict[str, set[tuple[int, ...]]] = {}
     for _ in range(limit):
         try:
             result = _propagate(gm, whole, refined)
@@ -153,11 +153,12 @@ def analyse(gm: fx.GraphModule, limit: int = 10_000) -> Sharding:
             whole |= c.origins
             continue
         except Refine as r:
-            axis, before = refined.get(r.origin, (-1, ()))
-            if before == r.segments and r.origin in tried:  # asked twice: cannot settle
+            axis, _ = refined.get(r.origin, (-1, ()))
+            seen = asked.setdefault(r.origin, set())
+            if r.segments in seen:  # asked again (a cycle, Flux2's fused projection): whole
                 notes.append((r.origin, f"its cut into {r.segments} does not settle"))
                 whole.add(r.origin)
-            tried.add(r.origin)
+            seen.add(r.segments)
             refined[r.origin] = (axis, r.segments)
             continue
         cut = {n.name for n, role in result.roles.items() if role.kind in ("column", "row")}

@@ -28,8 +28,7 @@ from tppc.passes.sharding.cuts import Cut
 from tppc.passes.subgraph import copy_graph
 
 __all__ = ["MARKS", "PARTS_OF", "PartOf", "all_gather_mark", "all_reduce_mark", "all_to_all_mark",
-           "cuttable", "mark_dims",
-           "shard_graph", "take"]
+           "cuttable", "mark_dims", "ring_shift_mark", "shard_graph", "take"]
 
 aten = torch.ops.aten
 
@@ -54,15 +53,22 @@ def all_to_all_mark(x: torch.Tensor, split_axis: int, cat_axis: int,
     raise RuntimeError("a collective mark runs only once its graph is split into parts")
 
 
+def ring_shift_mark(x: torch.Tensor, group: str = "ring") -> torch.Tensor:
+    """Marks a ring shift of ``x`` over the worker's group of mesh axis ``group``: member
+    ``r`` sends ``x`` to member ``r + 1`` and gets member ``r - 1``'s (modulo the group's
+    size; never runs)."""
+    raise RuntimeError("a collective mark runs only once its graph is split into parts")
+
+
 MARKS = {all_reduce_mark: "all_reduce", all_gather_mark: "all_gather",
-         all_to_all_mark: "all_to_all"}
+         all_to_all_mark: "all_to_all", ring_shift_mark: "ring_shift"}
 """Each mark and the collective it stands for."""
 
 
 def mark_dims(mark: fx.Node) -> tuple[tuple[int, ...], str]:
     """A mark node's collective axes (``Action.dims``) and its group's mesh axis."""
     kind = MARKS[mark.target]
-    n = {"all_reduce": 0, "all_gather": 1, "all_to_all": 2}[kind]
+    n = {"all_reduce": 0, "all_gather": 1, "all_to_all": 2, "ring_shift": 0}[kind]
     args = list(mark.args[1:])
     dims = tuple(int(a) for a in args[:n])
     group = mark.kwargs.get("group", args[n] if len(args) > n else "tp")

@@ -159,7 +159,7 @@ def _stage_of_layer(layer_names: Sequence[str], ranges: Sequence[tuple[int, int]
 def _owner(node: fx.Node, stage_of_layer: dict[str, int]) -> int | None:
     if node.op == "placeholder":
         spec: ChunkInput = node.meta[CHUNK_INPUT]
-        if spec.kind not in ("key", "value"):
+        if spec.kind not in ("key", "value", "state"):
             return None
     elif node.op != "call_function":
         return None
@@ -217,7 +217,7 @@ def _stage_module(gm: fx.GraphModule, nodes: list[fx.Node], owner: dict[fx.Node,
     stage.add_submodule("tppc_positional", _prune(gm.tppc_positional,
                                                   [n.meta[CHUNK_INPUT].source for n in frontier]))
     buffers = tuple(n.name for n in nodes if n in local and n.op == "placeholder"
-                    and n.meta[CHUNK_INPUT].kind in ("key", "value"))
+                    and n.meta[CHUNK_INPUT].kind in ("key", "value", "state"))
     stage.meta[STAGE_INFO] = StageInfo(
         index=s, layers=layers, inputs=tuple(n.name for n in inputs),
         outputs=tuple(n.name for n in outs) if outs is not None else (), buffers=buffers)

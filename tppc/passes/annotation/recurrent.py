@@ -1,0 +1,102 @@
+"""Recurrent mixing: ops whose row ``t`` depends on the rows before it through a carried state.
+
+Terms:
+    scan: a cumulative op along the token axis (``cumsum``, ``logcumsumexp``, ``cumprod``).
+        Row ``t`` is the state after ``t`` folds; the state a chunk leaves is its last row.
+        A linear recurrence ``h_t = a_t · h_{t−1} + b_t`` written in log space (Heinsen's
+        scan: ``a* = cumsum(log a)``, ``h = exp(a* + logcumsumexp(log b − a*))``, minGRU's
+        parallel form) is two scans and row-wise ops.
+    causal convolution: a stride-1 convolution over the token axis padded by
+        ``dilation · (kernel − 1)`` on both sides and cropped back to its first ``L`` rows
+        (``conv1d(x, padding=k − 1)[..., :L]``: Mamba's short convolution). Row ``t`` reads
+        the inputs ``t − (k − 1)·d … t``; the state a chunk leaves is its last
+        ``(k − 1)·d`` input rows.
+    carried state: what a chunk of a recurrent node reads from the chunk before it on the
+        same stage and writes for the next one: a buffer sized by the value's other axes
+        (batch, heads, channels), not by the sequence length
+        (:mod:`tppc.passes.chunking.carried_state`).
+
+Annotation marks both ``mixing`` with ``attention="recurrent"``; the crop after a causal
+convolution is ``token``. Everything else about them is row-wise: a model of such layers
+is causal, chunked like a causal LLM, and each chunk costs its own rows only.
+"""
+
+from __future__ import annotations
+
+import sympy
+import torch
+from torch import fx
+
+from tppc.ir.op_rules import op_rule
+from tppc.ir.records import TOKEN, TokenInfo
+from tppc.passes.annotation.buffered_mixing import conv_geometry
+from tppc.passes.shapes import op_dims, size_expr, tensor_val
+
+__all__ = ["SCAN_INIT", "causal_conv", "causal_crop", "conv_state_rows", "recurrent_scan"]
+
+_aten = torch.ops.aten
+
+SCAN_INIT: dict[object, float] = {
+    _aten.cumsum.default: 0.0,
+    _aten.logcumsumexp.default: float("-inf"),
+    _aten.cumprod.default: 1.0,
+}
+"""The scans tppc carries, by op, and the state before the first row (the fold's identity)."""
+
+
+def recurrent_scan(node: fx.Node, src: fx.Node) -> bool:
+    """Whether ``node`` is a scan along ``src``'s token axis over split tokens only."""
+    info: TokenInfo = src.meta[TOKEN]
+    if node.target not in SCAN_INIT or info.axis is None:
+        return False
+    return op_dims(node, src) == {info.axis} and _plain_tokens(info)
+
+
+def causal_conv(node: fx.Node, src: fx.Node) -> bool:
+    """Whether ``node`` is a causal convolution over ``src``'s token axis (see the module
+    docstring): padded by ``(k − 1)·d`` and read only through crops to the first ``L`` rows."""
+    info: TokenInfo = src.meta[TOKEN]
+    if op_rule(node.target).role != "conv" or info.axis is None or not _plain_tokens(info):
+        return False
+    weight, out = tensor_val(node.args[1]), tensor_val(node)
+    if weight is None or out is None or weight.dim() != 3 or info.axis != 2:
+        return False  # one spatial axis: the tokens
+    if node.target is not _aten.conv1d.default and _transposed(node):
+        return False
+    kernel, stride, padding, dilation = conv_geometry(node, 0)
+    if kernel < 2 or stride != 1 or padding != dilation * (kernel - 1):
+        return False
+    return bool(node.users) and all(causal_crop(user, node, info.axis_size)
+                                    for user in node.users)
+
+
+def causal_crop(node: fx.Node, conv: fx.Node, length: sympy.Expr | None = None) -> bool:
+    """Whether ``node`` keeps the first ``length`` rows (the input's) of causal ``conv``."""
+    if node.target is not _aten.slice.Tensor or node.args[0] is not conv:
+        return False
+    rank = tensor_val(conv).dim()
+    dim = node.args[1] if len(node.args) > 1 else 0
+    start = node.args[2] if len(node.args) > 2 else 0
+    step = node.args[4] if len(node.args) > 4 else 1
+    out = tensor_val(node)
+    if dim % rank != 2 or start not in (0, None) or step != 1 or out is None:
+        return False
+    if length is None:
+        length = conv.args[0].meta[TOKEN].axis_size
+    return sympy.simplify(size_expr(out.shape[2]) - length) == 0
+
+
+def conv_state_rows(node: fx.Node) -> int:
+    """Input rows a causal convolution's chunk reads before its own: ``(k − 1)·d``."""
+    kernel, _, _, dilation = conv_geometry(node, 0)
+    return dilation * (kernel - 1)
+
+
+def _plain_tokens(info: TokenInfo) -> bool:
+    """Split tokens only, one row per position: no text segment, no second token axis."""
+    return not (info.prefix or info.suffix or info.other_axes)
+
+
+def _transposed(node: fx.Node) -> bool:
+    """A ``convolution``/``_convolution`` call with ``transposed=True``."""
+    return len(node.args) > 6 and bool(node.args[6])

@@ -1,0 +1,130 @@
+"""Helpers of ``chunk_attention``: the carried state of recurrent nodes.
+
+Terms as in :mod:`tppc.passes.annotation.recurrent` (scan, causal convolution, carried
+state) and :mod:`tppc.passes.chunking.chunk_attention` (chunk, chunk step).
+
+Each recurrent node gets one *state buffer*, a placeholder of kind ``state`` owned by the
+node's layer (so by the stage that runs it), of shape ``(2, *state)``: slot 0 holds the
+state before the first row (the scan's identity, zeros for a convolution; written by every
+chunk), slot 1 the state the last chunk left. A chunk reads slot ``min(chunk_start, 1)``
+(so a call needs no reset: its first chunk never reads what another call left), runs the
+op on ``[state | chunk rows]`` and writes its new state into slot 1:
+
+- a scan: ``op(cat([state, rows]))[1:]``; the state is the last row, kept in the CPU
+  kernel's accumulation type (float64 for float32, float32 for 16-bit floats), so the
+  chunked scan adds the same numbers in the same order as the whole one (bit-identical on
+  CPU);
+- a causal convolution: ``conv(cat([state, rows]), padding=0)`` gives the chunk's ``c``
+  output rows; the state is the last ``(k − 1)·d`` input rows.
+
+The state's shape is the value's with the token axis of size 1 (a scan) or ``(k − 1)·d``
+(a convolution): batch × heads × channels, never the length. Later chunks on the same stage
+run after earlier ones (the schedule is a permutation flow shop), so the state is always
+the previous chunk's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from tppc.errors import PassError
+from tppc.ir.records import CHUNK_INPUT, LAYER, PART, TOKEN, ChunkInput, KVBuffer, TokenInfo
+from tppc.passes.annotation.recurrent import SCAN_INIT, conv_state_rows
+from tppc.passes.shapes import size_expr, tensor_val
+
+__all__ = ["CarriedState", "is_recurrent", "state_dtype"]
+
+_aten = torch.ops.aten
+
+
+def is_recurrent(node: fx.Node) -> bool:
+    """Whether ``node`` is a recurrent ``mixing`` node (a scan or a causal convolution)."""
+    info = node.meta.get(TOKEN)
+    return node.op == "call_function" and isinstance(info, TokenInfo) \
+        and info.role == "mixing" and info.attention == "recurrent"
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The type a scan's state is kept in: the CPU kernel's accumulation type."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return torch.float32
+    if dtype.is_floating_point:
+        return torch.float64
+    return torch.int64 if not dtype.is_complex and dtype != torch.bool else dtype
+
+
+class CarriedState:
+    """State buffers and recurrent nodes of the chunk-step rewriter
+    (``chunk_attention._Rewriter``).
+
+    Uses the rewriter's ``graph``, ``env``, ``start``, ``buffers``, ``buffer_nodes``,
+    ``_input`` and ``_new``.
+    """
+
+    def _state_inputs(self, recurrent: list[fx.Node]) -> None:
+        """One state placeholder per recurrent node (see the module docstring)."""
+        for node in recurrent:
+            shape, dtype = _state_shape(node)
+            layer = node.meta.get(LAYER, "")
+            spec = ChunkInput("state", node.name, shape=(2, *shape), dtype=dtype, layer=layer)
+            name = f"{node.name}_state"
+            ph = self._input(name, spec)
+            ph.meta[LAYER] = layer
+            if PART in node.meta:
+                ph.meta[PART] = node.meta[PART]
+            self.buffers.append(KVBuffer(name, spec))
+            self.buffer_nodes[node.name, "state"] = ph
+
+    def _recurrent(self, node: fx.Node) -> fx.Node:
+        """The chunk's rows of a scan or causal convolution from the carried state."""
+        buf = self.buffer_nodes[node.name, "state"]
+        new = lambda target, args: self._new(target, args, node)  # noqa: E731
+        conv = node.target not in SCAN_INIT
+        first = new(_aten.narrow.default, (buf, 0, 0, 1))
+        new(_aten.fill_.Scalar, (first, 0.0 if conv else SCAN_INIT[node.target]))
+        prev = new(_aten.select.int, (buf, 0, new(torch.sym_min, (self.start, 1))))
+        rows = self.env[node.args[0]]
+        axis = node.args[0].meta[TOKEN].axis
+        size = new(_aten.sym_size.int, (rows, axis))
+        if conv:
+            whole = new(_aten.cat.default, ([prev, rows], axis))
+            state = new(_aten.narrow.default, (whole, axis, size, conv_state_rows(node)))
+            args = [self.env[a] if isinstance(a, fx.Node) else a for a in node.args]
+            args[0] = whole
+            args[4] = [0]  # the state rows stand in for the padding before the chunk
+            out = self.graph.call_function(node.target, tuple(args), dict(node.kwargs))
+        else:
+            out_dtype = tensor_val(node).dtype
+            rows = self._new(_aten._to_copy.default, (rows,), node,
+                             {"dtype": buf.meta[CHUNK_INPUT].dtype})
+            whole = new(_aten.cat.default, ([prev, rows], axis))
+            scanned = self.graph.call_function(node.target, (whole, axis))
+            scanned.meta.update(node.meta)  # priced as the scan over the chunk's rows
+            state = new(_aten.narrow.default, (scanned, axis, size, 1))
+            out = new(_aten.narrow.default, (scanned, axis, 1, size))
+            out = self.graph.call_function(_aten._to_copy.default, (out,),
+                                           {"dtype": out_dtype})
+        new(_aten.copy_.default, (new(_aten.select.int, (buf, 0, 1)), state))
+        out.meta.update(node.meta)
+        return out
+
+
+def _state_shape(node: fx.Node) -> tuple[tuple[int, ...], torch.dtype]:
+    """The state of ``node``: the value's shape with its token axis cut to the rows carried."""
+    src = node.args[0]
+    val, axis = tensor_val(src), src.meta[TOKEN].axis
+    conv = node.target not in SCAN_INIT
+    rows = conv_state_rows(node) if conv else 1
+    shape = []
+    for i, s in enumerate(val.shape):
+        expr = size_expr(s)
+        if i != axis and expr.free_symbols:
+            raise PassError(
+                f"recurrent node {node.name!r} (op {node.target}, module "
+                f"{node.meta[TOKEN].module or '<top level>'}) has a second axis {i} of size "
+                f"{expr} that depends on the sequence length; its carried state must be sized "
+                "by batch, heads and channels. fix: scan over a value with one token axis")
+        shape.append(rows if i == axis else int(expr))
+    dtype = val.dtype if conv else state_dtype(tensor_val(node).dtype)
+    return tuple(shape), dtype
