@@ -20,6 +20,6 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ] || ! .venv/bin/python -
   echo "[setup] installing tppc[hf,viz,dev] with torch pinned by constraints.txt (a few minutes the first time)"
   .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
   .venv/bin/python -m pip install -q -c constraints.txt -e ".[hf,viz,dev]" 2>&1 | grep -v "^WARNING: Location" || true
-  .venv/bin/python -c 'import torch, tppc, transformers, diffusers, pulp, highspy, onnxruntime, onnxscript, hypothesis, xdist; assert torch.__version__.startswith("2.13.0"), torch.__version__'
+  .venv/bin/python -c 'import torch, tppc, transformers, diffusers, pulp, highspy, onnxruntime, onnxscript, hypothesis; assert torch.__version__.startswith("2.13.0"), torch.__version__'
   echo "$WANT" > "$STAMP"
 fi

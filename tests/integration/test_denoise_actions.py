@@ -107,13 +107,16 @@ def test_each_distributed_rank_follows_its_lowered_list(monkeypatch) -> None:
         def expired(self, deadline):
             return False
 
-        def recv_chunk(self, program, size, deadline):
-            log[self.rank].append(("recv", self.rank - 1))
-            return wire[(self.rank - 1, self.rank)].get(timeout=30)
+        def who(self, r: int) -> str:
+            return f"rank {r}"
 
-        def send_chunk(self, program, values):
-            log[self.rank].append(("send", self.rank + 1))
-            wire[(self.rank, self.rank + 1)].put(values)
+        def recv_chunk(self, program, size, deadline, peer):
+            log[self.rank].append(("recv", peer))
+            return wire[(peer, self.rank)].get(timeout=30)
+
+        def send_chunk(self, program, values, peer):
+            log[self.rank].append(("send", peer))
+            wire[(self.rank, peer)].put(values)
             return [], values
 
         def wait(self, works, peer, deadline):
@@ -131,12 +134,20 @@ def test_each_distributed_rank_follows_its_lowered_list(monkeypatch) -> None:
     monkeypatch.setattr(distributed_denoise, "run_stage", stage_call)
     errors: list[BaseException] = []
 
+    class Worker:  # a worker's runner: its part is the worker's rank (the stub logs it)
+        def __init__(self, r: int) -> None:
+            self.r = r
+
+        def part(self, _p: Any) -> int:
+            return self.r
+
+    program = SimpleNamespace(stages=(0, 1), runners=(Worker(0), Worker(1)))
+
     def rank(r: int) -> None:
         cp = SimpleNamespace(comm=Ex(r), rank=r, world=2,
                              options=SimpleNamespace(timeout=None, queue_depth=2))
-        jobs = distributed_denoise._Jobs(cp, [0, 1], None,
-                                         lambda m: SimpleNamespace(stages=(0, 1)),
-                                         lambda m: latents[r][m], 1)
+        jobs = distributed_denoise._Jobs(cp, [0, 1], None, lambda m: program,
+                                         lambda m: latents[r][m], 1, leader=1)
 
         def finish(t: int, m: int, values: Any) -> None:  # the last rank steps patch m
             latents[r][m] += 1

@@ -129,11 +129,15 @@ Timer = Callable[[Callable[[], object], int], float]
 
 def _world(members: int):
     """A meeting of the threads executor for ``members`` threads, and its collective."""
-    from tppc.backends.torch_local import TORCH_OPS
+    from tppc.program.collectives import CollectiveOps
     from tppc.program.threads import ThreadWorld
 
+    # the threads executor's torch array ops (backends' TORCH_OPS: a floor above this one)
+    ops = CollectiveOps(cat=lambda arrays, axis: torch.cat(list(arrays), axis),
+                        split=lambda array, n, axis: torch.tensor_split(array, n, axis),
+                        copy=torch.clone)
     dry = SimpleNamespace(actions=[()] * members, groups=(("g", tuple(range(members))),))
-    return ThreadWorld(dry, 0, TORCH_OPS)  # type: ignore[arg-type]
+    return ThreadWorld(dry, 0, ops)  # type: ignore[arg-type]
 
 
 def _run_members(members: int, body: Callable[[int, Callable], None]) -> float:
