@@ -23,40 +23,18 @@ import time
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 import tppc
+from tppc.examples.models.scan import ScanBlock
 
 D, E, FF, K, VOCAB = 512, 1024, 2048, 4, 32000
-
-
-class ScanBlock(nn.Module):
-    """Gated log-space scan over a causal short convolution, then an MLP."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm, self.norm2 = nn.LayerNorm(D), nn.LayerNorm(D)
-        self.inp, self.out = nn.Linear(D, 3 * E), nn.Linear(E, D)
-        self.conv = nn.Conv1d(E, E, K, padding=K - 1, groups=E)
-        self.up, self.down = nn.Linear(D, FF), nn.Linear(FF, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n = x.shape[1]
-        u, gate, z = self.inp(self.norm(x)).chunk(3, -1)
-        u = F.silu(self.conv(u.transpose(1, 2))[..., :n].transpose(1, 2))
-        log_a = -F.softplus(gate)
-        log_b = -F.softplus(-gate) + torch.log(F.softplus(u) + 1e-3)
-        a_star = torch.cumsum(log_a, dim=1)
-        h = torch.exp(a_star + torch.logcumsumexp(log_b - a_star, dim=1))
-        x = x + self.out(h * F.silu(z))
-        return x + self.down(F.gelu(self.up(self.norm2(x))))
 
 
 class ScanLM(nn.Module):
     def __init__(self, layers: int) -> None:
         super().__init__()
         self.emb, self.head = nn.Embedding(VOCAB, D), nn.Linear(D, VOCAB)
-        self.blocks = nn.ModuleList(ScanBlock() for _ in range(layers))
+        self.blocks = nn.ModuleList(ScanBlock(D, E, FF, K) for _ in range(layers))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.emb(ids)

@@ -25,30 +25,16 @@ from tests.oracles import assert_kernels_close, greedy_reference
 from tppc.cost_models.layer_costs import layer_expressions
 from tppc.cost_models.node_costs import C, P
 from tppc.cost_models.presets import DEVICE_PRESETS
+from tppc.examples.models.scan import ScanBlock
 from tppc.passes.annotation import recurrent
 from tppc.planner.manual import manual_plan
 
 D, K, VOCAB, LENGTH = 16, 4, 64, 24
 
 
-class _ScanBlock(nn.Module):
+class _ScanBlock(ScanBlock):
     def __init__(self) -> None:
-        super().__init__()
-        self.norm, self.norm2 = nn.LayerNorm(D), nn.LayerNorm(D)
-        self.inp, self.out = nn.Linear(D, 3 * D), nn.Linear(D, D)
-        self.conv = nn.Conv1d(D, D, K, padding=K - 1, groups=D)
-        self.up, self.down = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n = x.shape[1]
-        u, gate, z = self.inp(self.norm(x)).chunk(3, -1)
-        u = F.silu(self.conv(u.transpose(1, 2))[..., :n].transpose(1, 2))
-        log_a = -F.softplus(gate)                                  # decay a_t in (0, 1)
-        log_b = -F.softplus(-gate) + torch.log(F.softplus(u) + 1e-3)
-        a_star = torch.cumsum(log_a, dim=1)
-        h = torch.exp(a_star + torch.logcumsumexp(log_b - a_star, dim=1))
-        x = x + self.out(h * F.silu(z))
-        return x + self.down(F.gelu(self.up(self.norm2(x))))
+        super().__init__(D, D, 2 * D, K)
 
 
 class _AttentionBlock(nn.Module):
