@@ -155,3 +155,27 @@ def test_chromas_joint_attention_mask_is_named_as_the_cause() -> None:
                                                 r"\(encoder_hidden_states axis 1\) \+ 16 tokens, "
                                                 r"a tensor over the joint"):
         _call(pipe, call, steps=1)
+
+
+def test_kandinsky5s_channels_last_latent_is_refused_by_name_before_capture() -> None:
+    """Kandinsky 5's latents are ``(b, frames, h, w, channels)``: tppc's latent rule took
+    their width for patch rows. With its zero-initialised adaLN gates (an untrained model's
+    blocks are identities) the program was 'exact' and stale patches equalled exact ones bit
+    for bit; with trained gates validation refused it as a tppc bug. Now a named refusal
+    before any capture."""
+    from diffusers import Kandinsky5Transformer3DModel
+
+    torch.manual_seed(0)
+    model = Kandinsky5Transformer3DModel(
+        in_visual_dim=4, in_text_dim=16, in_text_dim2=8, time_dim=16, out_visual_dim=4,
+        model_dim=32, ff_dim=64, num_text_blocks=1, num_visual_blocks=1,
+        axes_dims=(4, 6, 6)).eval()
+    kwargs = {"encoder_hidden_states": torch.randn(1, 5, 16), "timestep": torch.tensor([0.5]),
+              "pooled_projections": torch.randn(1, 8), "text_rope_pos": torch.arange(5),
+              "visual_rope_pos": [torch.arange(1), torch.arange(4), torch.arange(4)],
+              "return_dict": False}
+    with pytest.raises(tppc.CaptureError, match=r"input 'hidden_states' of Kandinsky5"
+                       r"Transformer3DModel is a channels-last video latent .* \(1, 1, 8, 8, 4\) "
+                       r"\(its last axis is config.in_visual_dim = 4\).* fix: run this model "
+                       r"eagerly"):
+        tppc.compile(model, (torch.randn(1, 1, 8, 8, 4),), kwargs, num_stages=2)
