@@ -95,7 +95,8 @@ def test_save_pretrained_saves_the_original_transformer(tmp_path) -> None:
     pipeline registers the model's class (was the compiled pipeline's: ``save_pretrained``
     dropped the transformer, 'cannot be saved', and the saved pipeline did not load), a
     keyword the model does not declare is refused by name, and ``compile_pipeline`` over it
-    compiles the model itself."""
+    compiles the model itself. A conversion of its weights through the pipeline (``pipe.to(
+    torch.float64)``) is refused by name (was: done, and a float32 call ran the old weights)."""
     from diffusers import DiTPipeline, DiTTransformer2DModel
 
     pipe, call = dit_pipe()
@@ -113,6 +114,17 @@ def test_save_pretrained_saves_the_original_transformer(tmp_path) -> None:
     with pytest.raises(tppc.RuntimeInputError, match="unexpected keyword argument 'colour'"):
         cp(torch.randn(2, 4, 8, 8), timestep=torch.tensor([1, 1]), colour=3)
     pipe.save_pretrained(tmp_path / "compiled")
+    pipe.to("cpu")  # changes nothing: reaches the model
+    with pytest.raises(tppc.SpecError, match=r"DiTTransformer2DModel.to\(None, torch.float64\) "
+                       r"after tppc.compile: the compiled program keeps the weights it was "
+                       r"compiled with \(torch.float32 on cpu\)"):
+        pipe.to(torch.float64)  # was: converted the model, a float32 call ran the old weights
+    assert model.dtype == torch.float32
+    model.double()  # past the compiled pipeline: its calls are refused
+    with pytest.raises(tppc.RuntimeInputError, match="weights are torch.float64 on cpu, but it "
+                                                     "was compiled with torch.float32"):
+        cp(torch.randn(2, 4, 8, 8), timestep=torch.tensor([1, 1]))
+    model.float()
     for saved in ("dropin", "compiled"):
         back = DiTPipeline.from_pretrained(tmp_path / saved)
         back.set_progress_bar_config(disable=True)
