@@ -174,7 +174,7 @@ def test_kandinsky5s_channels_last_latent_is_refused_by_name_before_capture() ->
     their width for patch rows. With its zero-initialised adaLN gates (an untrained model's
     blocks are identities) the program was 'exact' and stale patches equalled exact ones bit
     for bit; with trained gates validation refused it as a tppc bug. Now a named refusal
-    before any capture."""
+    before any capture, also when its frames equal its channels (4 and 4 here)."""
     from diffusers import Kandinsky5Transformer3DModel
 
     torch.manual_seed(0)
@@ -184,10 +184,10 @@ def test_kandinsky5s_channels_last_latent_is_refused_by_name_before_capture() ->
         axes_dims=(4, 6, 6)).eval()
     kwargs = {"encoder_hidden_states": torch.randn(1, 5, 16), "timestep": torch.tensor([0.5]),
               "pooled_projections": torch.randn(1, 8), "text_rope_pos": torch.arange(5),
-              "visual_rope_pos": [torch.arange(1), torch.arange(4), torch.arange(4)],
+              "visual_rope_pos": [torch.arange(4), torch.arange(4), torch.arange(4)],
               "return_dict": False}
     with pytest.raises(tppc.CaptureError, match=r"input 'hidden_states' of Kandinsky5"
-                       r"Transformer3DModel is a channels-last video latent .* \(1, 1, 8, 8, 4\) "
+                       r"Transformer3DModel is a channels-last video latent .* \(1, 4, 8, 8, 4\) "
                        r"\(its last axis is config.in_visual_dim = 4\).* fix: run this model "
                        r"eagerly"):
-        tppc.compile(model, (torch.randn(1, 1, 8, 8, 4),), kwargs, num_stages=2)
+        tppc.compile(model, (torch.randn(1, 4, 8, 8, 4),), kwargs, num_stages=2)

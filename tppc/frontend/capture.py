@@ -237,9 +237,11 @@ def _refuse_channels_last(model: torch.nn.Module, name: str, t: torch.Tensor,
     if getattr(config, "visual_cond", False) and "in_visual_dim" in declared:
         declared["2 * in_visual_dim + 1"] = 2 * declared["in_visual_dim"] + 1
     field = next((k for k, v in declared.items() if v == t.shape[-1]), None)
-    if dims != (3,) or t.dim() != 5 or field is None \
-            or {int(t.shape[1]), int(t.shape[2])} & set(declared.values()):
+    if dims != (3,) or t.dim() != 5 or field is None:
         return
+    if field == "in_channels" and {int(t.shape[1]), int(t.shape[2])} & set(declared.values()):
+        return  # channels on axis 1 or 2 as well: read as channels-first ("in_visual_dim"
+        # is Kandinsky 5's name, whose latents are channels-last whatever their frames)
     raise CaptureError(
         f"input {name!r} of {type(model).__name__} is a channels-last video latent (batch, "
         f"frames, height, width, channels) of shape {tuple(t.shape)} (its last axis is "
