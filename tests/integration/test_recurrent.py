@@ -9,7 +9,10 @@ several chunks (chunks of one token included), re-planned lengths, ``generate`` 
 from the prefill's states, the state buffers' sizes (batch × channels, not the length) and
 their price (a scan layer's time has no prefix term; its states count as held bytes).
 A wrong initial state is caught by translation validation. transformers' Mamba (its CPU
-path loops over the positions in Python) is refused naming the loop's line.
+path loops over the positions in Python) is refused naming the loop's line; a sequence padded
+to blocks and scanned block by block (a block-padded prefix sum of our own, transformers'
+Mamba2 chunked SSD scan) is refused at capture naming the block size and its lines, in
+seconds (torch.export is stopped at the first guard on the length modulo the block).
 """
 
 from __future__ import annotations

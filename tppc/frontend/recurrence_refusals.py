@@ -59,6 +59,6 @@ def block_refusal(model: torch.nn.Module, block: int, sites: list[tuple[str, int
         "length to the example, and the recurrence over the blocks is no op tppc can chunk "
         "(docs/refusals.md).\n"
         f"fix: run this model unsplit (eager, or torch.compile); for a model of one's own, "
-        f"{_SCAN_FIX}. transformers has no other CPU path for Mamba2, Falcon-H1, Bamba, "
-        "Zamba2, GraniteMoeHybrid or Qwen3-Next (their kernels need CUDA), so they stay "
-        "refused.")
+        f"{_SCAN_FIX}. transformers' chunked-scan models (Mamba2, Falcon-H1, Qwen3-Next "
+        "and the others whose torch path pads to chunk_size) have no other CPU path (their "
+        "kernels need CUDA), so they stay refused.")
