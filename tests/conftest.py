@@ -43,6 +43,11 @@ def listed_skips(path: Path = CI_TIER_SKIPS) -> set[str]:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark the tests listed in ``ci_skips.txt`` slow: ``scripts/test.sh`` (CI) deselects them."""
     skips = listed_skips()
+    ids = {item.nodeid for item in items}
+    bases = {nodeid.split("[", 1)[0] for nodeid in ids}
+    stale = sorted(s for s in skips if "[" in s and s.split("[", 1)[0] in bases and s not in ids)
+    if stale:  # a renamed case would silently run in CI again
+        raise pytest.UsageError(f"{CI_TIER_SKIPS.name} names cases that do not exist: {stale}")
     for item in items:
         if item.nodeid in skips or item.nodeid.split("[", 1)[0] in skips:
             item.add_marker(pytest.mark.slow)
