@@ -13,7 +13,7 @@ from tppc.driver.options import CompileOptions
 from tppc.driver.planning import length_planner
 from tppc.errors import PlanError, PlanInfeasible, SpecError
 from tppc.planner import Plan, Workload
-from tppc.planner.mesh_configurations import MeshLimits, mesh_configurations
+from tppc.planner.mesh_configurations import FixedDegrees, MeshLimits, mesh_configurations
 from tppc.program.mesh import Mesh
 
 WORKLOAD = Workload(kind="diffusion", steps=4, warmup_steps=1)
@@ -126,6 +126,19 @@ def test_refusals_name_the_model_limit(guided, wide) -> None:
         _plan(wide, "2xh100-sxm", cfg_parallel=2)
     with pytest.raises(PlanError, match="need 8 devices"):
         _plan(guided, "4xh100-sxm", cfg_parallel=2, ulysses=2, num_stages=2)
+
+
+def test_a_job_of_one_rank_per_device_gets_a_worker_on_every_device(guided) -> None:
+    """``backend="distributed"``: the planner chooses the mix, each configuration with all
+    its groups as stages (threads may leave devices idle, a job may not)."""
+    limits = MeshLimits(heads=(6,), shard_sizes=(), batch=2, tokens=1024)
+    configs, _ = mesh_configurations(Cluster.parse("4xh100-sxm"), limits,
+                                     FixedDegrees(every_device=True))
+    assert {c.label for c in configs} >= {"TP1", "CFG2 x TP1", "CFG2 x Ulysses2 x TP1"}
+    assert all(c.fixed_stages * len(c.groups[0]) == 4 for c in configs)
+    plan = _plan(guided, "4xh100-sxm", executor="distributed")
+    assert sum(st.group_size for st in plan.stages) == 4
+    assert plan.replicas == 1
 
 
 def test_placements_put_each_axis_on_the_links_searched() -> None:

@@ -112,7 +112,8 @@ def _fixed(opts: CompileOptions) -> FixedDegrees:
                         "mesh (every stage cuts the batch and the tokens alike). fix: one "
                         "degree, e.g. tensor_parallel=2")
     return FixedDegrees(cfg_parallel=opts.cfg_parallel, ulysses=opts.ulysses, ring=opts.ring,
-                        tensor_parallel=tp, num_stages=opts.num_stages)
+                        tensor_parallel=tp, num_stages=opts.num_stages,
+                        every_device=opts.executor == "distributed")  # a rank per device
 
 
 def wants_mesh(front: FrontEnd, opts: CompileOptions) -> bool:
@@ -212,8 +213,9 @@ def mesh_plan(front: FrontEnd, opts: CompileOptions, tokens: int,
     configs, refused = mesh_configurations(cluster, limits, _fixed(opts))
     prices = prices or MeshPrices()
     configs = _cuttable(front, configs, refused, opts, prices)
-    if len(configs) == 1 and all(len(g) == 1 for g in configs[0].groups):
-        return plan_length(table_at, opts.num_stages, opts.time_limit)  # PipeFusion alone
+    if len(configs) == 1 and all(len(g) == 1 for g in configs[0].groups):  # PipeFusion alone
+        return plan_length(table_at, opts.num_stages or configs[0].fixed_stages,
+                           opts.time_limit)
     roles: dict[str, ShardRole] = {}
     base: list[CostTable] = []
     ctx = front.ctx
