@@ -141,6 +141,19 @@ def test_a_job_of_one_rank_per_device_gets_a_worker_on_every_device(guided) -> N
     assert plan.replicas == 1
 
 
+def test_a_ring_is_priced_in_the_form_its_stale_patches_run(guided) -> None:
+    """Stale patches run a ring's attentions in the gather form (each worker's buffers hold
+    the whole key length), every step warm in the ring form (its own block, 1/2)."""
+    ones = {"num_stages": 1, "tensor_parallel": 1, "ulysses": 1, "cfg_parallel": 1}
+    opts = CompileOptions.from_kwargs(cluster="2xh100-sxm", time_limit=2.0, ring=2, **ones)
+    planner = length_planner(opts)
+    warm = planner(guided, ROWS, workload=Workload(kind="diffusion", steps=4, warmup_steps=4))
+    stale = planner(guided, ROWS, workload=WORKLOAD)
+    assert stale.stages[0].memory_bytes > warm.stages[0].memory_bytes
+    assert any("gather form" in w for w in stale.choice.collectives)
+    assert not any("gather form" in w for w in warm.choice.collectives)
+
+
 def test_placements_put_each_axis_on_the_links_searched() -> None:
     cluster = Cluster.parse("2x(2xh100-sxm)@ib-ndr")
     limits = MeshLimits(heads=(8,), shard_sizes=(), batch=2, tokens=1024)

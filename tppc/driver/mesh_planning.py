@@ -188,7 +188,7 @@ def mesh_plan(front: FrontEnd, opts: CompileOptions, tokens: int,
               table_at: Callable[[int], CostTable], plan_length: PlanLength,
               granularity: int, objective: str = "latency",
               rates: tuple[float, ...] | None = None, steps: int = 1,
-              prices: MeshPrices | None = None) -> Plan:
+              prices: MeshPrices | None = None, stale: bool = False) -> Plan:
     """The best plan over the meshes ``opts`` and the model allow (module docstring).
 
     Args:
@@ -203,6 +203,11 @@ def mesh_plan(front: FrontEnd, opts: CompileOptions, tokens: int,
         steps: the workload's steps (for the any-plan bound of a configuration).
         prices: what earlier plans of this planner priced (None: price afresh); it must
             belong to one planner (one ``opts`` and ``rates``).
+        stale: the workload has stale PipeFusion steps, whose programs run a ring's
+            attentions in the gather form (:func:`tppc.pipefusion.denoise.patch_programs`):
+            a ring is priced so (its time, its exchanges, a whole key length of K/V per
+            worker). A plan that ends with one patch runs the ring form: priced high, never
+            short of memory.
 
     Raises:
         PlanError: fixed degrees the model or the cluster cannot hold, named.
@@ -221,7 +226,8 @@ def mesh_plan(front: FrontEnd, opts: CompileOptions, tokens: int,
     ctx = front.ctx
 
     def price(config: Configuration) -> tuple[CostTable, tuple[str, ...]]:
-        return prices.get(front, ("price", tokens, config), lambda: priced(config))
+        gather = stale and config.ring > 1
+        return prices.get(front, ("price", tokens, config, gather), lambda: priced(config))
 
     def priced(config: Configuration) -> tuple[CostTable, tuple[str, ...]]:
         if all(len(g) == 1 for g in config.groups):
@@ -234,7 +240,8 @@ def mesh_plan(front: FrontEnd, opts: CompileOptions, tokens: int,
             front.chunk, ctx.layers, cluster, tokens, config.groups, roles=roles,
             queue_depth=opts.queue_depth, seq_symbol=ctx.seq_symbol,
             token_count=ctx.token_count,
-            mesh=Mesh(cfg=config.cfg_parallel, ring=config.ring, ulysses=config.ulysses))
+            mesh=Mesh(cfg=config.cfg_parallel, ring=config.ring, ulysses=config.ulysses),
+            ring_gather=stale and config.ring > 1)
         if rates is not None:
             table = table.scaled([max(rates[d] for d in g) for g in config.groups])
         return capped(table, opts.memory_limit_bytes), words

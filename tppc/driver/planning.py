@@ -286,6 +286,7 @@ def _plan_length(front: FrontEnd, opts: CompileOptions, length: int,
     elif diffusion and opts.patches is not None:
         bounds = chunk_bounds(opts.patches, length)
     per = tokens_per_unit(ctx, length)
+    stale = diffusion and workload.warmup_steps < workload.steps and opts.patches != 1
     tp = opts.tensor_parallel
     stages = opts.num_stages or (len(tp) if isinstance(tp, tuple) else None)
     mesh = wants_mesh(front, opts)  # a DiT: CFG x Ulysses x Ring x TP x PipeFusion
@@ -307,7 +308,7 @@ def _plan_length(front: FrontEnd, opts: CompileOptions, length: int,
         if mesh:
             return mesh_plan(front, opts, tokens, table_at, plan_length,
                              g or default_granularity(tokens), objective, rates,
-                             workload.steps, prices)
+                             workload.steps, prices, stale)
         if not hybrid:
             return plan_length(table_at, stages, opts.time_limit)
         return tensor_parallel_plan(front, opts, tokens, table_at, plan_length,
