@@ -12,9 +12,10 @@ by the placement + split planner (stages among the groups, patches);
 configuration searched.
 
 What pricing finds (each mesh's cut tried on the model, each configuration's table of
-groups) depends on the front end, the length and the planner's options, never on the
-workload, so a planner keeps it (:class:`MeshPrices`): a diffusion plan for a new step count
-(``cp.denoise``, the drop-in's first call of a loop) re-solves, it does not re-price.
+groups) depends on the front end, the length and the planner's options, and of the workload
+only on whether a ring runs stale patches (then in the gather form), so a planner keeps it
+(:class:`MeshPrices`): a diffusion plan for a new step count (``cp.denoise``, the drop-in's
+first call of a loop) re-solves, it does not re-price.
 
 The configuration of one device a group (no degree above 1) is priced by the plain cost
 table; when it is the only one (e.g. ``num_stages`` = the cluster's devices) it is planned
