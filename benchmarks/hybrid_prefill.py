@@ -21,6 +21,12 @@ noise), the median of ``--reps`` reported as a ratio to eager on one thread:
 Every tppc row runs the threads executor with one intra-op thread per worker, and each
 result is checked against eager (max |diff| printed).
 
+``--breakdown`` then times one more ``tp2`` call and splits each worker's wall time by its
+trace (``cp.last_trace``: one entry per compute part): its compute (the parts between
+collectives; the last computing part is the LM head's vocabulary slice) and the rest, the
+time in the group's meetings (waiting for the other worker, the last one's serial sum, the
+hand-offs), next to half of eager on one thread (the ideal share of each worker).
+
 Run:  flock -x /tmp/tppc_cpu.lock .venv/bin/python benchmarks/hybrid_prefill.py --model qwen2
 """
 
@@ -60,6 +66,8 @@ def main() -> None:
     p.add_argument("--model", choices=("qwen2", "llama"), default="qwen2")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--breakdown", action="store_true",
+                   help="split one tp2 call's time per worker: compute, meetings")
     args = p.parse_args()
     torch.set_num_threads(1)
     model = build(args.model)
@@ -102,6 +110,24 @@ def main() -> None:
     for k, v in times.items():
         med = statistics.median(v)
         print(f"{k:10s} {med:9.3f} {min(v):7.3f} {base / med:10.2f}")
+    if args.breakdown:
+        breakdown(compiled["tp2"], ids, base)
+
+
+def breakdown(cp, ids: torch.Tensor, eager_1t: float) -> None:
+    """Each tp2 worker's wall time split by its trace (the module docstring)."""
+    t0 = time.perf_counter()
+    cp(ids)
+    wall = time.perf_counter() - t0
+    print(f"\ntp2 breakdown, one call: wall {wall:.3f} s, eager-1t / 2 = {eager_1t / 2:.3f} s")
+    for w in sorted({job[0] for job in cp.last_trace}):
+        parts = [end - start for s, _, start, end in cp.last_trace if s == w]
+        computing = [p for p in parts if p > 1e-3]
+        compute = sum(parts)
+        print(f"worker {w}: compute {compute:.3f} s in {len(parts)} parts "
+              f"({compute / (eager_1t / 2):.3f}x eager-1t / 2; last part, the LM head slice, "
+              f"{computing[-1] if computing else 0.0:.3f} s), outside compute "
+              f"{wall - compute:.3f} s ({(wall - compute) / wall:.1%} of wall)")
 
 
 if __name__ == "__main__":

@@ -95,7 +95,8 @@ def test_save_pretrained_saves_the_original_transformer(tmp_path) -> None:
     pipeline registers the model's class (was the compiled pipeline's: ``save_pretrained``
     dropped the transformer, 'cannot be saved', and the saved pipeline did not load), a
     keyword the model does not declare is refused by name, and ``compile_pipeline`` over it
-    compiles the model itself."""
+    compiles the model itself. A conversion of its weights through the pipeline (``pipe.to(
+    torch.float64)``) is refused by name (was: done, and a float32 call ran the old weights)."""
     from diffusers import DiTPipeline, DiTTransformer2DModel
 
     pipe, call = dit_pipe()
@@ -113,6 +114,17 @@ def test_save_pretrained_saves_the_original_transformer(tmp_path) -> None:
     with pytest.raises(tppc.RuntimeInputError, match="unexpected keyword argument 'colour'"):
         cp(torch.randn(2, 4, 8, 8), timestep=torch.tensor([1, 1]), colour=3)
     pipe.save_pretrained(tmp_path / "compiled")
+    pipe.to("cpu")  # changes nothing: reaches the model
+    with pytest.raises(tppc.SpecError, match=r"DiTTransformer2DModel.to\(None, torch.float64\) "
+                       r"after tppc.compile: the compiled program keeps the weights it was "
+                       r"compiled with \(torch.float32 on cpu\)"):
+        pipe.to(torch.float64)  # was: converted the model, a float32 call ran the old weights
+    assert model.dtype == torch.float32
+    model.double()  # past the compiled pipeline: its calls are refused
+    with pytest.raises(tppc.RuntimeInputError, match="weights are torch.float64 on cpu, but it "
+                                                     "was compiled with torch.float32"):
+        cp(torch.randn(2, 4, 8, 8), timestep=torch.tensor([1, 1]))
+    model.float()
     for saved in ("dropin", "compiled"):
         back = DiTPipeline.from_pretrained(tmp_path / saved)
         back.set_progress_bar_config(disable=True)
@@ -155,3 +167,27 @@ def test_chromas_joint_attention_mask_is_named_as_the_cause() -> None:
                                                 r"\(encoder_hidden_states axis 1\) \+ 16 tokens, "
                                                 r"a tensor over the joint"):
         _call(pipe, call, steps=1)
+
+
+def test_kandinsky5s_channels_last_latent_is_refused_by_name_before_capture() -> None:
+    """Kandinsky 5's latents are ``(b, frames, h, w, channels)``: tppc's latent rule took
+    their width for patch rows. With its zero-initialised adaLN gates (an untrained model's
+    blocks are identities) the program was 'exact' and stale patches equalled exact ones bit
+    for bit; with trained gates validation refused it as a tppc bug. Now a named refusal
+    before any capture, also when its frames equal its channels (4 and 4 here)."""
+    from diffusers import Kandinsky5Transformer3DModel
+
+    torch.manual_seed(0)
+    model = Kandinsky5Transformer3DModel(
+        in_visual_dim=4, in_text_dim=16, in_text_dim2=8, time_dim=16, out_visual_dim=4,
+        model_dim=32, ff_dim=64, num_text_blocks=1, num_visual_blocks=1,
+        axes_dims=(4, 6, 6)).eval()
+    kwargs = {"encoder_hidden_states": torch.randn(1, 5, 16), "timestep": torch.tensor([0.5]),
+              "pooled_projections": torch.randn(1, 8), "text_rope_pos": torch.arange(5),
+              "visual_rope_pos": [torch.arange(4), torch.arange(4), torch.arange(4)],
+              "return_dict": False}
+    with pytest.raises(tppc.CaptureError, match=r"input 'hidden_states' of Kandinsky5"
+                       r"Transformer3DModel is a channels-last video latent .* \(1, 4, 8, 8, 4\) "
+                       r"\(its last axis is config.in_visual_dim = 4\).* fix: run this model "
+                       r"eagerly"):
+        tppc.compile(model, (torch.randn(1, 4, 8, 8, 4),), kwargs, num_stages=2)

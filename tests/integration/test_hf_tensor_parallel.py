@@ -160,8 +160,8 @@ def test_degree_the_key_value_heads_do_not_allow_is_refused() -> None:
 
 def test_the_logits_slices_are_written_in_place_and_gathered_without_a_copy(monkeypatch) -> None:
     """Each worker of the last stage writes its vocabulary slice into the call's output; the
-    threads executor's all-gather then returns the view over them (no cat) for every chunk,
-    and the logits still equal eager's."""
+    all-gather of the threads and local executors then returns the view over them (no cat)
+    for every chunk, and the logits still equal eager's."""
     from tppc.backends import torch_local
 
     model, (ids,), _ = hf.hf_llama(seq_len=24)  # vocabulary 128: slices of 64
@@ -174,7 +174,10 @@ def test_the_logits_slices_are_written_in_place_and_gathered_without_a_copy(monk
                         lambda a, axis: views.append(side_by_side(a, axis)) or views[-1])
     with torch.no_grad():
         want = model(ids).logits
-    got = _logits(cp(ids))
-    assert len(views) == len(cp.plan.chunks) == 2 and all(v is not None for v in views)
-    assert all(v.untyped_storage().data_ptr() == got.untyped_storage().data_ptr() for v in views)
-    assert_kernels_close(got, want)
+    for executor in ("threads", "local"):  # the local executor's meeting too
+        views.clear()
+        got = _logits(cp(ids, executor=executor))
+        assert len(views) == len(cp.plan.chunks) == 2 and all(v is not None for v in views)
+        assert all(v.untyped_storage().data_ptr() == got.untyped_storage().data_ptr()
+                   for v in views)
+        assert_kernels_close(got, want)

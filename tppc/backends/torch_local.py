@@ -10,8 +10,9 @@ straight into the call's full-length output when that slice is contiguous
 The ``local`` executor runs the program's action lists (:mod:`tppc.program.schedule`) through
 THE interpreter one action at a time in the calling thread, in the order of their dry run
 (:func:`tppc.program.interpreter.run_in_order`: a receive is the hand-over of the previous
-stage's outputs): the reference the others are tested against; it also runs the decoding
-steps of ``generate``.
+stage's outputs; a collective combines its group's values with :func:`in_place_ops`, as the
+threads executor does, so the logits slices written in place are not copied again): the
+reference the others are tested against; it also runs the decoding steps of ``generate``.
 """
 
 from __future__ import annotations
@@ -250,7 +251,7 @@ class LocalExecutor:
             else:
                 sink(act.chunk, values)
 
-        run_in_order(dry, compute, output=output, ops=TORCH_OPS,
+        run_in_order(dry, compute, output=output, ops=in_place_ops(call.outputs),
                      who=lambda s: worker_name(stages[s]),
                      deadline=None if timeout is None else Deadline(timeout, late), trace=trace)
         return [results[i] for i in sorted(results)]

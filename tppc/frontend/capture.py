@@ -207,6 +207,8 @@ def _resolve_seq_dims(
         return out
     out = {name: dims for name, t in tensors.items()
            if (dims := _stream_axes(name, t)) is not None}
+    for name, dims in out.items():
+        _refuse_channels_last(model, name, tensors[name], dims)
     if not out:
         reasons = [_not_a_stream(k, v) for k, v in tensors.items()]
         found = "; ".join(what for what, _ in reasons) or "no tensor inputs"
@@ -218,6 +220,36 @@ def _resolve_seq_dims(
             f"(batch, frames, channels, height, width). fix: {fix}"
         )
     return _tie_to_main(out, tensors, _patch_size(model))
+
+
+def _refuse_channels_last(model: torch.nn.Module, name: str, t: torch.Tensor,
+                          dims: tuple[int, ...]) -> None:
+    """Refuse a channels-last video latent ``(b, frames, h, w, channels)`` (Kandinsky 5):
+    tppc's latent rule would take its width for patch rows (axis 3), whose bands are no
+    contiguous tokens of the model's frame-, row-major order.
+
+    Raises:
+        CaptureError: naming the input, its shape, the config field and the fix.
+    """
+    config = getattr(model, "config", None)
+    declared = {k: v for k in ("in_channels", "in_visual_dim")
+                if isinstance(v := getattr(config, k, None), int)}
+    if getattr(config, "visual_cond", False) and "in_visual_dim" in declared:
+        declared["2 * in_visual_dim + 1"] = 2 * declared["in_visual_dim"] + 1
+    field = next((k for k, v in declared.items() if v == t.shape[-1]), None)
+    if dims != (3,) or t.dim() != 5 or field is None:
+        return
+    if field == "in_channels" and {int(t.shape[1]), int(t.shape[2])} & set(declared.values()):
+        return  # channels on axis 1 or 2 as well: read as channels-first ("in_visual_dim"
+        # is Kandinsky 5's name, whose latents are channels-last whatever their frames)
+    raise CaptureError(
+        f"input {name!r} of {type(model).__name__} is a channels-last video latent (batch, "
+        f"frames, height, width, channels) of shape {tuple(t.shape)} (its last axis is "
+        f"config.{field} = {t.shape[-1]}). tppc cuts latents (batch, [frames,] channels, "
+        "height, width) into bands of patch rows and would cut this one along its width, "
+        "whose bands are no contiguous tokens (a frame-, row-major token order); along the "
+        "height or the frames the model's positional inputs pin the size. fix: run this model "
+        "eagerly (tppc does not compile channels-last latents yet)")
 
 
 def _not_a_stream(name: str, t: torch.Tensor) -> tuple[str, str]:

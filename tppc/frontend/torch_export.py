@@ -16,6 +16,8 @@ from torch.utils import _pytree as pytree
 from tppc.errors import CaptureError
 from tppc.frontend.guard_sites import describe_site, guard_sites, loop_over_positions
 from tppc.frontend.isolation import isolated
+from tppc.frontend.recurrence_refusals import block_refusal, loop_refusal
+from tppc.frontend.sample_tables import fit_sample_tables
 from tppc.frontend.size_ints import UnitInt, export_size_ints, find_unit_int, read_from_tokens
 from tppc.ir.context import CompileContext
 
@@ -41,26 +43,30 @@ def export_dynamic(
     upper = max_seq or max(units * _DEFAULT_MAX_FACTOR, 4096)
     dim = torch.export.Dim("seq", min=2, max=max(upper, units + 1))
     shapes = _dynamic_shapes(bound, axes, dim, patch)
+    unit = _unit_int(bound, axes, patch)
+    tokens = unit is None and _token_stream(bound, axes)  # refused early: no chunk runs them
     try:
-        with guard_sites() as sites:
+        with guard_sites(stop=tokens) as log:
             ep, pinned = _export(model, bound, shapes), None
     except CaptureError:
         raise
     except Exception as exc:  # torch raises many types; we name the construct
+        site = describe_site(log.sites)
+        if tokens and log.block is not None:  # stopped at (or failed on) padding to blocks
+            raise CaptureError(block_refusal(model, log.block, log.block_sites)) from exc
+        if tokens and site is not None and loop_over_positions(site[1]):
+            raise CaptureError(loop_refusal(model, site, exc)) from exc
         if not re.search(_PINNED, str(exc)):
             raise CaptureError(_explain(model, exc)) from exc
-        unit = _unit_int(bound, axes, patch)
         if unit is not None:  # sizes as Python ints: tie the unit int to the tokens
             return _export_with_unit_int(model, bound, shapes, axes, unit, exc)
         try:  # the model pins the size: keep the shapes symbolic, run at the example only
             ep = _export(model, bound, shapes, deferred=True)
         except Exception:
-            site = describe_site(sites)
             if site is not None and loop_over_positions(site[1]):
-                raise CaptureError(_loop_error(model, site, exc)) from exc
+                raise CaptureError(loop_refusal(model, site, exc)) from exc
             why = f" at {site[0]} (`{site[1]}`)" if site is not None else ""
             raise CaptureError(_explain(model, exc, why + _size_ints(bound))) from exc
-        site = describe_site(sites)
         line = f"at {site[0]}: `{site[1]}`" if site is not None else _pinned_line(exc)
         pinned = f"torch.export: {str(exc).strip().splitlines()[0]} ({line})"
     gm = ep.module()
@@ -92,6 +98,13 @@ def export_dynamic(
         shape_guards=guards,
     )
     return gm, ctx
+
+
+def _token_stream(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]]) -> bool:
+    """Whether the first sequence input is a token stream (ids or embeddings), not a latent."""
+    name = next(iter(axes), None)
+    value = bound.arguments.get(name) if name is not None else None
+    return isinstance(value, torch.Tensor) and not is_latent(value, axes[name])
 
 
 def _unit_int(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]],
@@ -150,6 +163,7 @@ def _export(model: torch.nn.Module, bound: inspect.BoundArguments, shapes: dict[
     """
     with isolated(model) as traced:
         traced.register_forward_hook(lambda _module, _inputs, out: register_dataclasses(out))
+        fit_sample_tables(traced, bound)
         ep = torch.export.export(traced, bound.args, bound.kwargs, dynamic_shapes=shapes,
                                  strict=False,
                                  prefer_deferred_runtime_asserts_over_guards=deferred)
@@ -401,24 +415,6 @@ def _explain(model: torch.nn.Module, exc: Exception, why: str = "") -> str:
     return (f"torch.export could not capture {type(model).__name__}{where}.\n"
             "fix: make the failing construct exportable (see torch.export's error below), or "
             f"capture a submodule without it.\ntorch.export's error, in full:\n{text.strip()}")
-
-
-def _loop_error(model: torch.nn.Module, site: tuple[str, str], exc: Exception) -> str:
-    """The refusal of a recurrence stepped in a Python loop as long as the sequence."""
-    return (
-        f"torch.export could not capture {type(model).__name__}: a Python loop whose count "
-        f"is the sequence length at {site[0]} (`{site[1]}`), a recurrence stepped position "
-        "by position (or block by block); torch.export unrolls it at the example's length "
-        "(one copy of the step per position or block), so the sequence length is fixed to "
-        "the example and no chunk can run it.\n"
-        "fix: write the recurrence as a scan over the token axis that torch.export captures "
-        "with a symbolic length (torch.cumsum / torch.logcumsumexp / torch.cumprod, e.g. a "
-        "log-space linear recurrence as minGRU's parallel form) and a short convolution as "
-        "conv1d(padding=k - 1)[..., :L]: tppc carries their state from chunk to chunk "
-        "(docs/annotation.md#recurrent-layers-carried-state). transformers' Mamba, Jamba and "
-        "MiniMax have no such path on CPU (Mamba's associative_scan runs only under "
-        "torch.compile), so they stay refused.\n"
-        f"torch.export's error, in full:\n{type(exc).__name__}: {str(exc).strip()}")
 
 
 def _lifted_owner(text: str) -> str:

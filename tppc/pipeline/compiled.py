@@ -47,6 +47,7 @@ from tppc.errors import SpecError
 from tppc.frontend.front_end import BoundCall, FrontEnd
 from tppc.ir.context import PassRecord
 from tppc.pipeline.captures import RUN_KEYWORDS, Captures, forward_parameters
+from tppc.pipeline.conversions import check_conversion, check_weights, weights
 from tppc.pipeline.programs import Programs
 from tppc.pipeline.rebalance import Rebalancing
 from tppc.planner.plan import Plan, Workload
@@ -133,6 +134,7 @@ class CompiledPipeline(Rebalancing):
         named = forward_parameters(model)
         self._run_keywords = tuple(k for k in RUN_KEYWORDS if k not in named)
         self.__module__ = type(model).__module__  # the model's (module docstring)
+        self._weights = weights(model)
 
     @property  # type: ignore[misc]
     def __class__(self) -> type:
@@ -150,6 +152,41 @@ class CompiledPipeline(Rebalancing):
         except AttributeError:
             raise AttributeError(f"neither the compiled pipeline nor its model "
                                  f"{type(model).__name__} has an attribute {name!r}") from None
+
+    def to(self, *args: Any, **kwargs: Any) -> CompiledPipeline:
+        """``model.to(...)`` where it changes nothing; a conversion of the weights is
+        refused (:mod:`tppc.pipeline.conversions`)."""
+        return self._convert("to", args, kwargs)
+
+    def half(self) -> CompiledPipeline:
+        """As :meth:`to`."""
+        return self._convert("half", (), {})
+
+    def float(self) -> CompiledPipeline:
+        """As :meth:`to`."""
+        return self._convert("float", (), {})
+
+    def double(self) -> CompiledPipeline:
+        """As :meth:`to`."""
+        return self._convert("double", (), {})
+
+    def bfloat16(self) -> CompiledPipeline:
+        """As :meth:`to`."""
+        return self._convert("bfloat16", (), {})
+
+    def cpu(self) -> CompiledPipeline:
+        """As :meth:`to`."""
+        return self._convert("cpu", (), {})
+
+    def cuda(self, *args: Any, **kwargs: Any) -> CompiledPipeline:
+        """As :meth:`to`."""
+        return self._convert("cuda", args, kwargs)
+
+    def _convert(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+                 ) -> CompiledPipeline:
+        check_conversion(self._model, method, args, kwargs)
+        getattr(self._model, method)(*args, **kwargs)
+        return self
 
     # -- public --------------------------------------------------------------------------------
     @property
@@ -315,8 +352,10 @@ class CompiledPipeline(Rebalancing):
         """The capture for these inputs and the bound call (:meth:`Captures.bind`).
 
         Raises:
-            RuntimeInputError: naming the input, what it is, what was compiled, and the fix.
+            RuntimeInputError: naming the input, what it is, what was compiled, and the fix
+                (and when the model's weights were converted after the compile).
         """
+        check_weights(self._model, self._weights)
         return self.captures.bind(args, kwargs)
 
     def program(self, length: int, front: FrontEnd | None = None) -> Program:

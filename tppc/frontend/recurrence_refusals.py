@@ -1,0 +1,64 @@
+"""Refusals of recurrences torch.export fixes to the example's length, named by construct.
+
+Terms:
+    loop over positions: a recurrence stepped in a Python loop as long as the sequence
+        (position by position, or block by block); torch.export unrolls it at the example's
+        length (:func:`tppc.frontend.guard_sites.loop_over_positions`).
+    block padding: the sequence padded to a multiple of a constant ``k`` and reshaped into
+        blocks of ``k`` rows, with a recurrence over the blocks (a chunked scan: Mamba2's SSD
+        scan, Gated DeltaNet's chunked delta rule); torch.export pins the length, because
+        the padding is a function of ``L mod k`` (:class:`tppc.frontend.guard_sites.GuardLog`).
+
+Both are refused at capture, from the first export's guards, before any second export or
+annotation runs (the export stops at the guard that shows the construct: the rest is minutes
+of symbolic reasoning about the padded length, or the unrolled loop): a token chunk cannot
+run either graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tppc.frontend.guard_sites import describe_sites
+
+__all__ = ["block_refusal", "loop_refusal"]
+
+_SCAN_FIX = (
+    "write the recurrence as a scan over the token axis that torch.export captures with a "
+    "symbolic length (torch.cumsum / torch.logcumsumexp / torch.cumprod, e.g. a log-space "
+    "linear recurrence as minGRU's parallel form) and a short convolution as "
+    "conv1d(padding=k - 1)[..., :L]: tppc carries their state from chunk to chunk "
+    "(docs/annotation.md#recurrent-layers-carried-state)")
+
+
+def loop_refusal(model: torch.nn.Module, site: tuple[str, str], exc: Exception) -> str:
+    """The refusal of a recurrence stepped in a Python loop as long as the sequence."""
+    return (
+        f"torch.export could not capture {type(model).__name__}: a Python loop whose count "
+        f"is the sequence length at {site[0]} (`{site[1]}`), a recurrence stepped position "
+        "by position (or block by block); torch.export unrolls it at the example's length "
+        "(one copy of the step per position or block), so the sequence length is fixed to "
+        "the example and no chunk can run it.\n"
+        f"fix: {_SCAN_FIX}. transformers' Mamba, Jamba and MiniMax have no such path on CPU "
+        "(Mamba's associative_scan runs only under torch.compile), so they stay refused.\n"
+        f"torch.export stopped at: {type(exc).__name__}: {str(exc).strip()}")
+
+
+def block_refusal(model: torch.nn.Module, block: int, sites: list[tuple[str, int, str]]
+                  ) -> str:
+    """The refusal of a sequence padded to a multiple of ``block`` and reshaped into blocks
+    (named from the guards of the export, which stopped at the first: nothing of torch's
+    own error is worth showing)."""
+    where = "; ".join(describe_sites(sites)) or "a line inside torch"
+    return (
+        f"torch.export could not capture {type(model).__name__} with a symbolic length: the "
+        f"sequence is padded to a multiple of {block} and reshaped into blocks of {block} "
+        f"rows (a chunked scan: a state-space model's SSD scan, a chunked delta rule or "
+        f"chunked linear attention, with a recurrence over the blocks) at {where}. The "
+        f"padding is a function of the length modulo {block}, so torch.export fixes the "
+        "length to the example, and the recurrence over the blocks is no op tppc can chunk "
+        "(docs/refusals.md).\n"
+        f"fix: run this model unsplit (eager, or torch.compile); for a model of one's own, "
+        f"{_SCAN_FIX}. transformers' chunked-scan models (Mamba2, Falcon-H1, Qwen3-Next "
+        "and the others whose torch path pads to chunk_size) have no other CPU path (their "
+        "kernels need CUDA), so they stay refused.")
