@@ -43,31 +43,38 @@ def guided(tmp_path_factory: pytest.TempPathFactory) -> tuple:
 
 
 def _denoise_job(guided: tuple, ranks: int, steps: int, warmup: int, **degrees: int
-                 ) -> torch.Tensor:
+                 ) -> tppc.LaunchResult:
     _, _, path, x, y = guided
-    result = tppc.launch(FACTORY, ranks, checkpoint=path, inputs={"args.0": x, "kwargs.y": y},
-                         timeout=800, comm_timeout=120.0, **degrees,
-                         extra_args=["--denoise", str(steps), "--warmup-steps", str(warmup),
-                                     "--patches", "2", "--timestep-arg", "t"])
-    return result.outputs["latents"]
+    return tppc.launch(FACTORY, ranks, checkpoint=path, inputs={"args.0": x, "kwargs.y": y},
+                       timeout=800, comm_timeout=120.0, **degrees,
+                       extra_args=["--denoise", str(steps), "--warmup-steps", str(warmup),
+                                   "--patches", "2", "--timestep-arg", "t"])
 
 
 def test_ulysses2_denoising_through_a_job_equals_the_eager_loop_every_step_warm(guided
                                                                                ) -> None:
     model, _, _, x, y = guided
-    got = _denoise_job(guided, 2, steps=2, warmup=2, ulysses=2)
+    got = _denoise_job(guided, 2, steps=2, warmup=2, ulysses=2).outputs["latents"]
     want = serial_denoise(model, x, diffusers.DDIMScheduler(), 2, timestep_arg="t",
                           model_kwargs={"y": y})
     assert_kernels_close(got, want, depth=2)
 
 
-def test_pipefusion2_x_cfg2_denoising_through_a_job_equals_the_one_process_loop(guided
-                                                                               ) -> None:
-    """Stale patches on 2 stages of a CFG group each (4 ranks): each CFG worker keeps the
+def test_a_4_rank_job_without_degrees_is_planned_whole_and_its_stale_patches_equal_one_process(
+        guided) -> None:
+    """No degree given: the planner chooses the mix for the 4 ranks, a worker on each (not
+    4 stages by default); stale patches on its stages and groups (each CFG worker keeps the
     stale K/V of its half of the batch, the leader steps each patch and sends it back to
-    both workers of stage 0; the one-process loop (threads) does the same."""
+    stage 0's workers) equal the one-process loop of PipeFusion-2 x CFG-2 (threads): stale
+    K/V depend on the patches, not on the mix."""
     model, args, _, x, y = guided
-    got = _denoise_job(guided, 4, steps=3, warmup=1, cfg_parallel=2)
+    job = _denoise_job(guided, 4, steps=3, warmup=1)
+    degrees = [r["degrees"] for r in job.reports]
+    assert all(d == degrees[0] for d in degrees)
+    d = degrees[0]
+    assert d["num_stages"] * d["cfg_parallel"] * d["ulysses"] * d["ring"] \
+        * d["tensor_parallel"] == 4 and d["num_stages"] < 4, d
+    got = job.outputs["latents"]
     cp = tppc.compile(model, args, cluster="4xcpu", num_stages=2, cfg_parallel=2,
                       executor="threads", threads_per_stage=1, verify=False)
     one = cp.denoise(x, diffusers.DDIMScheduler(), 3, warmup_steps=1, patches=2,

@@ -45,6 +45,10 @@ def test_the_fill_and_the_drain_take_every_stages_threads_while_no_other_stage_c
     assert idle_threads(1, _lists(2, 1), 0) == {0: 1}  # one patch: no fill to share
     assert idle_threads(1, _lists(2, 1), 1) == {1: 1}  # set at its compute, not at start
     assert idle_threads(None, lists, 1) == {}  # torch's own threads: left alone
+    # a stage of two workers (a CFG group): they compute together, nobody borrows
+    assert idle_threads(1, _lists(2, 3), 0, stages=(0, 0)) == {0: 1}
+    assert idle_threads((1, 1), _lists(2, 3), 1, stages=(0, 0)) == {1: 1}
+    assert idle_threads((1, None), lists[:2], 1) == {}  # a worker off the CPU: left alone
 
 
 def test_stage_workers_run_the_fill_and_drain_on_all_threads_and_stay_exact(monkeypatch

@@ -13,7 +13,7 @@ from tppc.driver.options import CompileOptions
 from tppc.driver.planning import length_planner
 from tppc.errors import PlanError, PlanInfeasible, SpecError
 from tppc.planner import Plan, Workload
-from tppc.planner.mesh_configurations import MeshLimits, mesh_configurations
+from tppc.planner.mesh_configurations import FixedDegrees, MeshLimits, mesh_configurations
 from tppc.program.mesh import Mesh
 
 WORKLOAD = Workload(kind="diffusion", steps=4, warmup_steps=1)
@@ -126,6 +126,32 @@ def test_refusals_name_the_model_limit(guided, wide) -> None:
         _plan(wide, "2xh100-sxm", cfg_parallel=2)
     with pytest.raises(PlanError, match="need 8 devices"):
         _plan(guided, "4xh100-sxm", cfg_parallel=2, ulysses=2, num_stages=2)
+
+
+def test_a_job_of_one_rank_per_device_gets_a_worker_on_every_device(guided) -> None:
+    """``backend="distributed"``: the planner chooses the mix, each configuration with all
+    its groups as stages (threads may leave devices idle, a job may not)."""
+    limits = MeshLimits(heads=(6,), shard_sizes=(), batch=2, tokens=1024)
+    configs, _ = mesh_configurations(Cluster.parse("4xh100-sxm"), limits,
+                                     FixedDegrees(every_device=True))
+    assert {c.label for c in configs} >= {"TP1", "CFG2 x TP1", "CFG2 x Ulysses2 x TP1"}
+    assert all(c.fixed_stages * len(c.groups[0]) == 4 for c in configs)
+    plan = _plan(guided, "2xh100-sxm", executor="distributed")
+    assert sum(st.group_size for st in plan.stages) == 2
+    assert plan.replicas == 1
+
+
+def test_a_ring_is_priced_in_the_form_its_stale_patches_run(guided) -> None:
+    """Stale patches run a ring's attentions in the gather form (each worker's buffers hold
+    the whole key length), every step warm in the ring form (its own block, 1/2)."""
+    ones = {"num_stages": 1, "tensor_parallel": 1, "ulysses": 1, "cfg_parallel": 1}
+    opts = CompileOptions.from_kwargs(cluster="2xh100-sxm", time_limit=2.0, ring=2, **ones)
+    planner = length_planner(opts)
+    warm = planner(guided, ROWS, workload=Workload(kind="diffusion", steps=4, warmup_steps=4))
+    stale = planner(guided, ROWS, workload=WORKLOAD)
+    assert stale.stages[0].memory_bytes > warm.stages[0].memory_bytes
+    assert any("gather form" in w for w in stale.choice.collectives)
+    assert not any("gather form" in w for w in warm.choice.collectives)
 
 
 def test_placements_put_each_axis_on_the_links_searched() -> None:

@@ -7,8 +7,10 @@ THE interpreter (:mod:`tppc.program.interpreter`) over the thread transport
 the chunk, a send puts the boundary values on the inbox of stage ``s + 1`` while the worker
 goes on with its next action, a collective meets the group's other workers in shared
 buffers (an all-gather of slices the workers wrote into the call's output in place copies
-nothing: :func:`tppc.backends.torch_local.in_place_ops`): the stages run concurrently (PyTorch releases the GIL inside every op). Each worker
-sets its own intra-op thread count (``torch.set_num_threads`` is per thread) and grad mode.
+nothing: :func:`tppc.backends.torch_local.in_place_ops`): the stages run concurrently
+(PyTorch releases the GIL inside every op). Each worker sets its own intra-op thread count
+(``torch.set_num_threads`` is per thread; ``threads_per_stage``, else the worker's
+``StageProgram.threads``: its plan device's share of the cores) and grad mode.
 
 Transfers: when the next stage lives on another CUDA device, the worker copies its outputs
 on a side stream after its compute (``non_blocking``) and sends a CUDA event with them; the
@@ -41,26 +43,16 @@ from tppc.program.program import Program
 from tppc.program.state import Call, CallState
 from tppc.program.threads import POLL, ThreadWorld
 
-__all__ = ["ThreadsExecutor", "thread_share"]
-
-
-def thread_share(workers: int) -> int | None:
-    """The calling thread's intra-op threads shared among ``workers`` threads that compute
-    at once (at least one each; None for one worker: it keeps torch's own). A new thread
-    starts with torch's default count, so without a share every worker would take every
-    core."""
-    if workers <= 1:
-        return None
-    return max(1, torch.get_num_threads() // workers)
+__all__ = ["ThreadsExecutor"]
 
 
 class ThreadsExecutor:
     """One worker thread per stage (see the module docstring).
 
     Args:
-        threads_per_stage: intra-op threads of each worker (None: the calling thread's
-            intra-op threads shared among the workers, at least one each:
-            :func:`thread_share`).
+        threads_per_stage: intra-op threads of each worker (None: its own,
+            ``StageProgram.threads``: its CPU device's share of the machine's cores,
+            :mod:`tppc.program.cores`; never the calling thread's count).
         queue_depth: chunks that may wait between two stages.
     """
 
@@ -100,7 +92,6 @@ class ThreadsExecutor:
         dry = program.dry_run(call.chunks)
         world = ThreadWorld(dry, self.queue_depth, in_place_ops(call.outputs))
         run = _Run(call, state, [None] * len(stages), [] if trace is None else trace)
-        run.share = thread_share(len(stages))
         mode = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
         workers = world.threads(lambda s: self._work_in_mode(mode, program, s, run, world),
                                 "tppc-stage")
@@ -196,7 +187,7 @@ class ThreadsExecutor:
         run.interpreters[s] = interpreter
         try:
             threads = self._threads(stage.index)
-            threads = run.share if threads is None else threads
+            threads = stage.threads if threads is None else threads
             if threads is not None:
                 torch.set_num_threads(threads)
             if stage.device.type == "cuda":
@@ -229,8 +220,6 @@ class _Run:
         self.call, self.state = call, state
         self.interpreters: list[Interpreter | None] = interpreters
         self.trace: list[tuple[int, int, float, float]] = trace
-        self.share: int | None = None
-        """Intra-op threads of a worker with no thread count of its own."""
 
     @property
     def done(self) -> list[int]:

@@ -212,7 +212,7 @@ def _run(ns: argparse.Namespace) -> dict[str, Any]:
                                if isinstance(v, torch.Tensor)})
     stage = cp.program(cp.plan.seq_len).runners[cp.rank]
     return {"rank": cp.rank, "world": cp.world, "stage": stage.index,
-            "layers": list(stage.layers),
+            "layers": list(stage.layers), "degrees": dict(cp.plan.degrees),
             "times": times, "compile_s": compile_s, "weights_bytes": cp.weights.nbytes,
             "rss_start_mib": rss_start, "rss_compiled_mib": rss_compiled, "rss_peak_mib": _rss_mib(),
             "threads": torch.get_num_threads(), "chunks": list(cp.plan.chunks),

@@ -54,7 +54,7 @@ from tppc.cost_models.presets import DEFAULT_LINK, DEVICE_PRESETS, LINK_PRESETS
 from tppc.cost_models.specs import DeviceSpec, LinkSpec
 from tppc.errors import SpecError
 
-__all__ = ["MAX_DEVICES", "Cluster", "device_preset", "link_preset"]
+__all__ = ["MAX_DEVICES", "Cluster", "cpu_device_count", "device_preset", "link_preset"]
 
 _NODE_GROUP = re.compile(r"^\s*(?:(\d+)\s*[x×*]\s*)?\(([^()]*)\)\s*$")
 _TOPOLOGY = re.compile(r"^(.*\))\s*(?:@\s*([a-z0-9._-]+))?\s*$", re.S)
@@ -112,6 +112,23 @@ def _chain_cpus(body: str) -> int:
     """CPU devices a chain string names (they share the machine's cores)."""
     groups = [_GROUP.match(part) for part in body.split("+")]
     return sum(int(g.group(1) or 1) for g in groups if g and g.group(2).strip() == "cpu")
+
+
+def cpu_device_count(cluster: str | Cluster) -> int:
+    """The ``cpu`` devices ``cluster`` names (they share this machine's cores), read off a
+    cluster string without calibrating them (0 for a string that does not parse)."""
+    if isinstance(cluster, Cluster):
+        return sum(d.name == "cpu" for d in cluster.devices)
+    lowered = cluster.lower()
+    if "(" not in lowered:
+        return _chain_cpus(lowered)
+    whole = _TOPOLOGY.match(lowered)
+    try:
+        groups = [] if whole is None else [_NODE_GROUP.match(part) for part in
+                                           _split_node_groups(whole.group(1), cluster)]
+    except SpecError:
+        return 0
+    return sum(int(g.group(1) or 1) * _chain_cpus(g.group(2)) for g in groups if g)
 
 
 def _check_total(text: str, total: int) -> None:

@@ -159,6 +159,7 @@ class _GroupPricer:
         self.roles = roles
         self.fuse: bool | None = kwargs.get("fuse_elementwise")
         self.ring_overlap: bool = kwargs.pop("ring_overlap", False)
+        self.ring_gather: bool = kwargs.pop("ring_gather", False)
         sym = kwargs.get("seq_symbol") or find_seq_symbol(gm)
         self.shapes = Shapes(TokenSubstitution.build(sym, kwargs.get("token_count")),
                              kwargs.get("default_attention", "causal"))
@@ -167,9 +168,10 @@ class _GroupPricer:
         self._times: dict[tuple, TimeFn] = {}
 
     def ring_form(self, name: str) -> bool:
-        """Whether a ring runs node ``name`` (a self-attention) in the ring form."""
+        """Whether a ring runs node ``name`` (a self-attention) in the ring form (never in
+        the programs of stale patches: ``ring_gather``)."""
         node = self.nodes.get(name)
-        return node is not None and node.op == "call_function" \
+        return not self.ring_gather and node is not None and node.op == "call_function" \
             and node.target == torch.ops.tppc.chunk_attention.default \
             and not graph_reason(node)
 
@@ -238,7 +240,10 @@ def group_cost_table(gm: fx.GraphModule, layers: Sequence[LayerInfo], cluster: C
             ``fuse_elementwise`` (as :func:`.layer_costs.build_cost_table`'s);
             ``ring_overlap``: price Ring attention as xDiT runs it (one kernel per K/V block,
             the passes hidden behind them) instead of as tppc's workers run it (the chunk's
-            K/V gathered, then one kernel): :mod:`.mesh_costs`.
+            K/V gathered, then one kernel): :mod:`.mesh_costs`; ``ring_gather``: every
+            self-attention in the gather form (the programs of stale PipeFusion patches
+            emit it: each worker's K/V buffer holds the whole key length), its time, its
+            exchanges and its K/V memory.
 
     Raises:
         CostModelError: an empty or repeated group member.

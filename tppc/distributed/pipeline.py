@@ -112,9 +112,12 @@ def compile_distributed(model: torch.nn.Module, args: tuple[Any, ...],
         device: ``"auto"``, ``"cpu"`` or ``"cuda"``.
         **options: :class:`CompileOptions` fields (``verify``: rank 0 checks the program
             before the stages load, :mod:`tppc.distributed.validate`; ``num_stages``
-            defaults to the job's size divided by ``tensor_parallel`` (a tuple: one stage
-            per degree), ``cluster`` to ``"<W>xcpu"``; ``devices`` and ``executor`` are set
-            here).
+            defaults to the job's size divided by the degrees given (``tensor_parallel``,
+            a tuple: one stage per degree; ``cfg_parallel``, ``ulysses``, ``ring``) and, with
+            none given, to the job's size for a causal model, while a diffusion
+            transformer's planner chooses the mix of degrees and stages with a worker on
+            every rank; ``cluster`` defaults to ``"<W>xcpu"``; ``devices`` and ``executor``
+            are set here).
 
     Raises:
         SpecError: the job's size is not the plan's worker count (the message names both).
@@ -123,14 +126,18 @@ def compile_distributed(model: torch.nn.Module, args: tuple[Any, ...],
         raise SpecError(f"results={results!r}; use 'rank0' or 'all'")
     rank, world, where = init_distributed(comm_timeout, device)
     options.setdefault("cluster", f"{world}xcpu")
-    options.setdefault("num_stages", _stages_for(world, options.get("tensor_parallel"),
-                                                 _group_degree(options)))
+    chooses = "num_stages" not in options and all(options.get(name) is None for name in _DEGREES)
+    if not chooses:
+        options.setdefault("num_stages", _stages_for(world, options.get("tensor_parallel"),
+                                                     _group_degree(options)))
     options.update(executor="distributed", devices=("meta",) * world)
     opts = CompileOptions.from_kwargs(**options)
     if where.type == "cpu" and opts.threads_per_stage is not None:
         t = opts.threads_per_stage
         torch.set_num_threads(t if isinstance(t, int) else t[min(rank, len(t) - 1)])
     front = capture_front_end(model, args, kwargs, seq_dims=seq_dims)  # on meta if the model is
+    if chooses and not front.bidirectional:  # an LLM: one stage a rank
+        opts = dataclasses.replace(opts, num_stages=world)
     plan, planner = example_plan(front, opts, plan,
                                  share=lambda planner: _shared_planner(planner, rank))
     validation = None
@@ -151,6 +158,10 @@ def compile_distributed(model: torch.nn.Module, args: tuple[Any, ...],
                              results=results, comm_timeout=comm_timeout)
     cp.validation, cp.example = validation, (tuple(args), dict(kwargs or {}))
     return cp
+
+
+_DEGREES = ("cfg_parallel", "ulysses", "ring", "tensor_parallel")
+"""The degrees a user may give by keyword (``num_stages`` apart)."""
 
 
 def _group_degree(options: Mapping[str, Any]) -> int:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import fx
 
+from tppc.cost_models.cluster import cpu_device_count
 from tppc.driver.options import CompileOptions, chunk_bounds
 from tppc.errors import RuntimeInputError, SpecError
 from tppc.ir.context import CompileContext
@@ -33,6 +34,7 @@ from tppc.passes.stages.partition_stages import partition_stages
 from tppc.passes.stages.place_constructors import place_constructors
 from tppc.passes.subgraph import copy_graph
 from tppc.planner.plan import Plan, StagePlan
+from tppc.program.cores import cores_per_device
 from tppc.program.mesh import AXES, Mesh
 from tppc.program.program import BufferSpec, Program, StageProgram
 from tppc.program.schedule import flow_shop
@@ -42,7 +44,8 @@ if TYPE_CHECKING:
     from tppc.driver.planning import Planner
     from tppc.frontend.front_end import FrontEnd
 
-__all__ = ["Emitter", "WorkerCut", "build_program", "device_for", "mesh_stage", "sharded_stage"]
+__all__ = ["Emitter", "WorkerCut", "build_program", "device_for", "mesh_stage", "sharded_stage",
+           "worker_threads"]
 
 WorkerCut = Callable[[fx.GraphModule, Mesh, int, str], fx.GraphModule]
 """``cut(stage graph, mesh, rank, what)``: worker ``rank``'s graph of a stage on ``mesh``,
@@ -94,7 +97,8 @@ class Emitter:
         elif self.options.chunks is not None and self.planner is None:
             bounds = chunk_bounds(self.options.chunks, plan.seq_len)
             chunks = tuple(itertools.pairwise(bounds))
-        return build_program(front.chunk, front.ctx, plan, chunks, self.options.devices)
+        return build_program(front.chunk, front.ctx, plan, chunks, self.options.devices,
+                             cpu_devices=cpu_device_count(self.options.cluster))
 
     def check(self, front: FrontEnd, plan: Plan) -> None:
         """Refuse chunks on a model whose attention is bidirectional (before emitting).
@@ -119,7 +123,7 @@ def build_program(chunk: fx.GraphModule, ctx: CompileContext, plan: Plan,
                   chunks: tuple[tuple[int, int], ...] | None = None,
                   devices: Sequence[str | torch.device] | None = None,
                   degrees: Sequence[int] | None = None, cut: WorkerCut | None = None,
-                  ring_gather: str = "") -> Program:
+                  ring_gather: str = "", cpu_devices: int = 0) -> Program:
     """Partition ``chunk`` (a chunk-step graph) by ``plan`` and place each stage.
 
     Every stage gets its own parameter tensors: on its device they alias the model's storage
@@ -137,6 +141,9 @@ def build_program(chunk: fx.GraphModule, ctx: CompileContext, plan: Plan,
             (:data:`WorkerCut`; default: :func:`worker_graph`).
         ring_gather: why a ring's attentions take the gather form (empty: Ring attention
             where it applies).
+        cpu_devices: the CPU devices of the plan's cluster; each CPU worker runs its
+            device's share of this machine's cores (``StageProgram.threads``:
+            :func:`worker_threads`).
     """
     ranges = [(st.layer_start, st.layer_end) for st in plan.stages]
     names = [name for st in plan.stages for name in st.layer_names]
@@ -151,6 +158,7 @@ def build_program(chunk: fx.GraphModule, ctx: CompileContext, plan: Plan,
         module, device = getattr(graph, f"stage_{s}"), device_for(st, s, devices)
         workers.extend(mesh_stage(module, device, signature, meshes[s], s, cut, ring_gather)
                        if meshes[s].size > 1 else [_stage(module, device, signature)])
+    workers = worker_threads(workers, cpu_devices)
     stages = tuple(next(w for w in workers if w.index == s) for s in range(len(plan.stages)))
     tail = getattr(chunk, "tppc_tail", None)
     if tail is not None:  # a copy with its own module tree (the chunk graph's stays as is)
@@ -164,6 +172,21 @@ def build_program(chunk: fx.GraphModule, ctx: CompileContext, plan: Plan,
                    groups=mesh_groups(stage_of, () if tp_only else meshes) if many else (),
                    workers=tuple(workers) if many else (),
                    meshes=() if tp_only else meshes)
+
+
+def worker_threads(workers: Sequence[StageProgram], cpu_devices: int = 0
+                   ) -> list[StageProgram]:
+    """``workers`` with their intra-op threads: a CPU worker's device shares this machine's
+    cores with the cluster's other CPU devices (``cpu_devices``; at least the program's
+    CPU workers, as when ``devices=`` runs a GPU plan on this CPU), whatever torch's own
+    thread count is; other workers keep torch's (``threads=None``).
+
+    Example: a CFG-2 plan on ``"2xcpu"`` on 2 cores runs 1 thread in each of its 2 workers.
+    """
+    on_cpu = sum(w.device.type == "cpu" for w in workers)
+    share = cores_per_device(max(cpu_devices, on_cpu))
+    return [dataclasses.replace(w, threads=share if w.device.type == "cpu" else None)
+            for w in workers]
 
 
 def sharded_stage(module: fx.GraphModule, device: torch.device, signature: ChunkSignature,

@@ -11,6 +11,12 @@ by the placement + split planner (stages among the groups, patches);
 :func:`tppc.planner.hybrid.plan_hybrid` keeps the best and says why, with a bound over every
 configuration searched.
 
+What pricing finds (each mesh's cut tried on the model, each configuration's table of
+groups) depends on the front end, the length and the planner's options, and of the workload
+only on whether a ring runs stale patches (then in the gather form), so a planner keeps it
+(:class:`MeshPrices`): a diffusion plan for a new step count (``cp.denoise``, the drop-in's
+first call of a loop) re-solves, it does not re-price.
+
 The configuration of one device a group (no degree above 1) is priced by the plain cost
 table; when it is the only one (e.g. ``num_stages`` = the cluster's devices) it is planned
 alone, so the plan is the PipeFusion plan tppc made before, bit for bit.
@@ -19,7 +25,10 @@ alone, so the plan is the PipeFusion plan tppc made before, bit for bit.
 from __future__ import annotations
 
 import dataclasses
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 from torch import fx
 
@@ -41,10 +50,36 @@ from tppc.planner.mesh_configurations import FixedDegrees, MeshLimits, mesh_conf
 from tppc.planner.plan import Plan
 from tppc.program.mesh import Mesh
 
-__all__ = ["capped", "mesh_limits", "mesh_plan", "wants_mesh"]
+__all__ = ["MeshPrices", "capped", "mesh_limits", "mesh_plan", "wants_mesh"]
+
+T = TypeVar("T")
 
 #: ``plan(table_at, num_stages, seconds) -> Plan``: the one-device-a-stage planner of a length.
 PlanLength = Callable[[Callable[[int], CostTable], "int | None", float], Plan]
+
+
+class MeshPrices:
+    """What pricing meshes found, per front end, kept across one planner's plans (the
+    module docstring): the least recently used of more than ``keep`` entries go first."""
+
+    def __init__(self, keep: int = 64) -> None:
+        self.keep = keep
+        self._kept: OrderedDict[tuple[Any, ...], tuple[FrontEnd, Any]] = OrderedDict()
+        self._lock = threading.RLock()  # a value's make() may get another
+
+    def get(self, front: FrontEnd, key: tuple[Any, ...], make: Callable[[], T]) -> T:
+        """The value kept for ``front`` under ``key``, else ``make()`` kept."""
+        full = (id(front), *key)
+        with self._lock:
+            hit = self._kept.get(full)
+            if hit is not None and hit[0] is front:  # an id may be reused by a later front
+                self._kept.move_to_end(full)
+                return hit[1]
+            value = make()
+            self._kept[full] = (front, value)
+            while len(self._kept) > self.keep:
+                self._kept.popitem(last=False)
+            return value
 
 
 def _attention_shapes(gm: fx.GraphModule) -> list[tuple[int, ...]]:
@@ -78,7 +113,8 @@ def _fixed(opts: CompileOptions) -> FixedDegrees:
                         "mesh (every stage cuts the batch and the tokens alike). fix: one "
                         "degree, e.g. tensor_parallel=2")
     return FixedDegrees(cfg_parallel=opts.cfg_parallel, ulysses=opts.ulysses, ring=opts.ring,
-                        tensor_parallel=tp, num_stages=opts.num_stages)
+                        tensor_parallel=tp, num_stages=opts.num_stages,
+                        every_device=opts.executor == "distributed")  # a rank per device
 
 
 def wants_mesh(front: FrontEnd, opts: CompileOptions) -> bool:
@@ -93,7 +129,7 @@ def wants_mesh(front: FrontEnd, opts: CompileOptions) -> bool:
 
 
 def _cuttable(front: FrontEnd, configs: list[Configuration], refused: list[str],
-              opts: CompileOptions) -> list[Configuration]:
+              opts: CompileOptions, prices: MeshPrices) -> list[Configuration]:
     """``configs`` less those whose batch or token cut the graph refuses: each distinct
     cfg × ring × ulysses is tried once on the whole model as one stage
     (:func:`tppc.passes.meshcut.worker_graph.worker_graph`, worker 0), and its refusal is
@@ -108,16 +144,30 @@ def _cuttable(front: FrontEnd, configs: list[Configuration], refused: list[str],
     if not meshes:
         return configs
     names = [layer.name for layer in front.ctx.layers]
-    try:
-        stage = split_stages(front.chunk, names, [(0, len(names))]).stage_0
-    except TppcError:  # not one stage (a front end of a few blocks): the compile checks
-        return configs
+    stage: list[fx.GraphModule | None] = []
+
+    def whole() -> fx.GraphModule | None:
+        try:
+            return split_stages(front.chunk, names, [(0, len(names))]).stage_0
+        except TppcError:  # not one stage (a front end of a few blocks): the compile checks
+            return None
+
+    def why(mesh: Mesh) -> str:
+        if not stage:
+            stage.append(prices.get(front, ("whole",), whole))
+        if stage[0] is None:
+            return ""
+        try:
+            worker_graph(stage[0], mesh, 0, what="the model as one stage")
+        except TppcError as exc:
+            return str(exc).splitlines()[0]
+        return ""
+
     bad: dict[Mesh, str] = {}
     for mesh in sorted(meshes, key=lambda m: (m.cfg, m.ring, m.ulysses)):
-        try:
-            worker_graph(stage, mesh, 0, what="the model as one stage")
-        except TppcError as exc:
-            bad[mesh] = str(exc).splitlines()[0]
+        reason = prices.get(front, ("cut", mesh), lambda mesh=mesh: why(mesh))
+        if reason:
+            bad[mesh] = reason
     given = Mesh(cfg=opts.cfg_parallel or 1, ring=opts.ring or 1, ulysses=opts.ulysses or 1)
     if given in bad:
         raise PlanError(f"cfg_parallel={given.cfg}, ring={given.ring}, ulysses="
@@ -138,7 +188,8 @@ def capped(table: CostTable, limit: int | None) -> CostTable:
 def mesh_plan(front: FrontEnd, opts: CompileOptions, tokens: int,
               table_at: Callable[[int], CostTable], plan_length: PlanLength,
               granularity: int, objective: str = "latency",
-              rates: tuple[float, ...] | None = None, steps: int = 1) -> Plan:
+              rates: tuple[float, ...] | None = None, steps: int = 1,
+              prices: MeshPrices | None = None, stale: bool = False) -> Plan:
     """The best plan over the meshes ``opts`` and the model allow (module docstring).
 
     Args:
@@ -151,6 +202,13 @@ def mesh_plan(front: FrontEnd, opts: CompileOptions, tokens: int,
         objective: ``"latency"`` or ``"throughput_per_device"``.
         rates: measured/predicted seconds per device (a group takes its slowest member's).
         steps: the workload's steps (for the any-plan bound of a configuration).
+        prices: what earlier plans of this planner priced (None: price afresh); it must
+            belong to one planner (one ``opts`` and ``rates``).
+        stale: the workload has stale PipeFusion steps, whose programs run a ring's
+            attentions in the gather form (:func:`tppc.pipefusion.denoise.patch_programs`):
+            a ring is priced so (its time, its exchanges, a whole key length of K/V per
+            worker). A plan that ends with one patch runs the ring form: priced high, never
+            short of memory.
 
     Raises:
         PlanError: fixed degrees the model or the cluster cannot hold, named.
@@ -159,14 +217,20 @@ def mesh_plan(front: FrontEnd, opts: CompileOptions, tokens: int,
     cluster = Cluster.parse(opts.cluster)
     limits = mesh_limits(front, tokens)
     configs, refused = mesh_configurations(cluster, limits, _fixed(opts))
-    configs = _cuttable(front, configs, refused, opts)
-    if len(configs) == 1 and all(len(g) == 1 for g in configs[0].groups):
-        return plan_length(table_at, opts.num_stages, opts.time_limit)  # PipeFusion alone
+    prices = prices or MeshPrices()
+    configs = _cuttable(front, configs, refused, opts, prices)
+    if len(configs) == 1 and all(len(g) == 1 for g in configs[0].groups):  # PipeFusion alone
+        return plan_length(table_at, opts.num_stages or configs[0].fixed_stages,
+                           opts.time_limit)
     roles: dict[str, ShardRole] = {}
     base: list[CostTable] = []
     ctx = front.ctx
 
     def price(config: Configuration) -> tuple[CostTable, tuple[str, ...]]:
+        gather = stale and config.ring > 1
+        return prices.get(front, ("price", tokens, config, gather), lambda: priced(config))
+
+    def priced(config: Configuration) -> tuple[CostTable, tuple[str, ...]]:
         if all(len(g) == 1 for g in config.groups):
             if not base:
                 base.append(table_at(tokens))
@@ -177,7 +241,8 @@ def mesh_plan(front: FrontEnd, opts: CompileOptions, tokens: int,
             front.chunk, ctx.layers, cluster, tokens, config.groups, roles=roles,
             queue_depth=opts.queue_depth, seq_symbol=ctx.seq_symbol,
             token_count=ctx.token_count,
-            mesh=Mesh(cfg=config.cfg_parallel, ring=config.ring, ulysses=config.ulysses))
+            mesh=Mesh(cfg=config.cfg_parallel, ring=config.ring, ulysses=config.ulysses),
+            ring_gather=stale and config.ring > 1)
         if rates is not None:
             table = table.scaled([max(rates[d] for d in g) for g in config.groups])
         return capped(table, opts.memory_limit_bytes), words

@@ -80,8 +80,9 @@ class CompileOptions:
     """Chunk sizes are multiples of this many units of the sequence axis (the last chunk may
     be shorter); None: automatic (one patch row for a DiT)."""
     threads_per_stage: int | tuple[int, ...] | None = None
-    """Intra-op threads of each ``threads`` worker (None: the calling thread's intra-op
-    threads shared among the workers that compute at once, at least one each)."""
+    """Intra-op threads of each ``threads`` worker, one count or one per stage (None: each
+    worker its plan device's share: the machine's cores shared equally by the cluster's
+    CPU devices, at least one each, whatever torch's own count is)."""
     queue_depth: int = 2
     """Chunks that may wait between two stages."""
     time_limit: float = 10.0

@@ -30,7 +30,7 @@ from tppc.cost_models.cluster import Cluster
 from tppc.cost_models.layer_costs import build_cost_table
 from tppc.cost_models.table import CostTable
 from tppc.driver.hybrid_planning import plan_groups_table, tensor_parallel_plan, wants_hybrid
-from tppc.driver.mesh_planning import capped, mesh_plan, wants_mesh
+from tppc.driver.mesh_planning import MeshPrices, capped, mesh_plan, wants_mesh
 from tppc.driver.options import CompileOptions, chunk_bounds
 from tppc.errors import PlanError, SpecError
 from tppc.frontend.front_end import FrontEnd, capture_front_end
@@ -179,11 +179,13 @@ def length_planner(opts: CompileOptions, rates: tuple[float, ...] | None = None)
     refitted by :mod:`tppc.pipeline.rebalance`), None: as priced.
     """
 
+    prices = MeshPrices()  # a DiT's meshes, priced once for every workload
+
     def plan_length(front: FrontEnd, length: int, workload: Workload | None = None) -> Plan:
         """The plan of ``length`` units; a diffusion ``workload`` plans patches."""
         t0 = time.perf_counter()
         costing: list[float] = []
-        result = _plan_length(front, opts, length, workload, costing, rates)
+        result = _plan_length(front, opts, length, workload, costing, rates, prices)
         if opts.verbose:
             whole = time.perf_counter() - t0
             print(f"[tppc plan] capture+annotate {front.seconds:.1f} s, costing+solving "
@@ -261,7 +263,8 @@ def _table_at(front: FrontEnd, opts: CompileOptions, rates: tuple[float, ...] | 
 
 def _plan_length(front: FrontEnd, opts: CompileOptions, length: int,
                  workload: Workload | None, costing: list[float],
-                 rates: tuple[float, ...] | None = None) -> Plan:
+                 rates: tuple[float, ...] | None = None,
+                 prices: MeshPrices | None = None) -> Plan:
     """Price in tokens on a grid of whole units, return the plan in units (``costing``
     receives the seconds of each cost table built)."""
     if isinstance(length, bool) or not isinstance(length, int) or length < 1:
@@ -283,6 +286,7 @@ def _plan_length(front: FrontEnd, opts: CompileOptions, length: int,
     elif diffusion and opts.patches is not None:
         bounds = chunk_bounds(opts.patches, length)
     per = tokens_per_unit(ctx, length)
+    stale = diffusion and workload.warmup_steps < workload.steps and opts.patches != 1
     tp = opts.tensor_parallel
     stages = opts.num_stages or (len(tp) if isinstance(tp, tuple) else None)
     mesh = wants_mesh(front, opts)  # a DiT: CFG x Ulysses x Ring x TP x PipeFusion
@@ -304,7 +308,7 @@ def _plan_length(front: FrontEnd, opts: CompileOptions, length: int,
         if mesh:
             return mesh_plan(front, opts, tokens, table_at, plan_length,
                              g or default_granularity(tokens), objective, rates,
-                             workload.steps)
+                             workload.steps, prices, stale)
         if not hybrid:
             return plan_length(table_at, stages, opts.time_limit)
         return tensor_parallel_plan(front, opts, tokens, table_at, plan_length,

@@ -44,6 +44,7 @@ import torch
 from tppc.backends.torch_local import LocalExecutor
 from tppc.backends.torch_threads import ThreadsExecutor
 from tppc.calls.io import OutputAssembler, output_structure
+from tppc.cost_models.cluster import cpu_device_count
 from tppc.driver.emit import build_program
 from tppc.errors import SpecError
 from tppc.passes.chunking.chunk_attention import REST_CHUNK
@@ -158,7 +159,7 @@ def denoise(cp: Any, latents: torch.Tensor, scheduler: Any,
     run = DenoiseRun(cp, x, axis, scale, output_transform)
     threaded = (executor or cp.executor) == "threads" and len(first.runners) > 1
     whole = StepProtocol(scheduler, x, x_in)
-    with intra_op_threads(all_threads(cp, len(full.stages)) if threaded else None):
+    with intra_op_threads(all_threads(cp, full) if threaded else None):
         for i in range(warm):  # synchronous: the stages' cores share each op instead
             whole.model_input(steps[i])
             call = Call(tuple(flats[i]), ((0, length),), length, length, epoch)
@@ -259,12 +260,17 @@ def check_steps(num_inference_steps: Any, warmup_steps: Any) -> None:
             raise SpecError(f"{name}={value!r}; {why}. fix: pass an integer {name} >= 1")
 
 
-def all_threads(cp: Any, n_stages: int) -> int | None:
-    """The intra-op threads of all the stage workers together (``None``: torch's own)."""
+def all_threads(cp: Any, program: Program) -> int | None:
+    """The intra-op threads of all of ``program``'s workers together (``threads_per_stage``
+    where given, else each worker's device share, ``StageProgram.threads``; ``None``: a
+    worker off the CPU, torch's own)."""
     threads = cp.options.threads_per_stage
-    if threads is None:
-        return None
-    return threads * n_stages if isinstance(threads, int) else sum(threads[:n_stages])
+    n = len(program.runners)
+    if threads is not None:
+        return threads * n if isinstance(threads, int) else sum(
+            threads[w.index] for w in program.runners)
+    own = [w.threads for w in program.runners]
+    return None if None in own else sum(own)  # type: ignore[arg-type]
 
 
 @contextlib.contextmanager
@@ -366,7 +372,8 @@ def patch_programs(cp: Any, front: Any, plan: Any, length: int, bounds: tuple[in
     gather = _STALE_RING if len(bounds) > 2 else ""
 
     def build(gm: Any, chunks: tuple[tuple[int, int], ...]) -> Program:
-        return _hoist(build_program(gm, front.ctx, plan, chunks, devices, ring_gather=gather))
+        return _hoist(build_program(gm, front.ctx, plan, chunks, devices, ring_gather=gather,
+                                    cpu_devices=cpu_device_count(cp.options.cluster)))
 
     return cached_patch_programs(cp.__dict__.setdefault("_denoise_programs", {}), plan,
                                  front.batch, length, bounds, build, front.chunk,

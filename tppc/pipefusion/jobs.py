@@ -9,13 +9,12 @@ parallelism) runs its parts and collectives per worker; its first worker's outpu
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
 from tppc.backends.torch_local import TORCH_OPS, run_stage
-from tppc.backends.torch_threads import thread_share
 from tppc.program.interpreter import Interpreter, Stopped, run_in_order
 from tppc.program.program import StageProgram
 from tppc.program.schedule import Action, DryRun
@@ -76,8 +75,11 @@ def run_pipelined(cp: Any, jobs: Jobs) -> None:
     done: dict[int, int] = {}  # patch -> the last step the calling thread stepped it for
     cond = threading.Condition()
     threads = cp.options.threads_per_stage
-    if threads is None:
-        threads = thread_share(len(dry.actions))
+    stages = [dry.stage(w) for w in range(len(dry.actions))]
+    if threads is None:  # each worker its own device's share (StageProgram.threads)
+        threads = tuple(jobs.stage_of(0, w).threads for w in range(len(stages)))
+    elif not isinstance(threads, int):  # one count per stage: each worker its stage's
+        threads = tuple(threads[stage] for stage in stages)
 
     def back(act: Action) -> None:
         t, m = act.job
@@ -90,7 +92,7 @@ def run_pipelined(cp: Any, jobs: Jobs) -> None:
     alone = one_stage(dry)
 
     def work(s: int) -> None:
-        borrow = idle_threads(threads, dry.actions, s)
+        borrow = idle_threads(threads, dry.actions, s, stages)
 
         def before(k: int, act: Action) -> None:
             if alone and act.kind == "compute" and act.step and not act.part:
@@ -133,26 +135,33 @@ def one_stage(dry: DryRun) -> bool:
         and any(a.step for row in dry.actions for a in row)
 
 
-def idle_threads(threads: int | tuple[int, ...] | None, actions: Any, s: int
-                 ) -> dict[int, int]:
-    """Intra-op threads of stage ``s`` from its action ``k`` on (``{k: threads}``): the
+def idle_threads(threads: int | Sequence[int | None] | None, actions: Any, s: int,
+                 stages: Sequence[int] | None = None) -> dict[int, int]:
+    """Intra-op threads of worker ``s`` from its action ``k`` on (``{k: threads}``): the
     first stage's first compute (the fill) takes every stage's threads, the last stage's
-    last compute (the drain) too, each while no other stage computes; otherwise a stage
+    last compute (the drain) too, each while no other stage computes; otherwise a worker
     runs on its own, set at its first compute, never before. MKL keeps one thread count
     per process, so a count set while another stage computes could change that stage's
     GEMM split mid-call and its result by an ulp: a middle stage never borrows, and runs
-    stay bit for bit repeatable with equal per-stage threads. ``{}`` when the threads are
-    torch's own (``threads_per_stage=None``)."""
+    stay bit for bit repeatable with equal per-stage threads.
+
+    ``threads``: one count for every worker, or one per worker (list ``w``), None for a
+    worker that keeps torch's own. ``stages``: the stage of each list (None: list ``w`` is
+    stage ``w``); where a stage has several workers (a mesh: CFG, Ulysses, Ring, TP) they
+    compute at once, so nobody borrows and each worker keeps its own count. ``{}`` when
+    the threads are torch's own (``threads=None``)."""
     if threads is None:
         return {}
     n = len(actions)
     per = [threads] * n if isinstance(threads, int) else list(threads[:n])
     computes = [k for k, act in enumerate(actions[s]) if act.kind == "compute"]
-    if not computes:
+    if not computes or per[s] is None:
         return {}
     first, last = computes[0], computes[-1]
-    if len(computes) < 2 or n < 2:
+    alone = stages is None or len(set(stages)) == n  # one worker a stage
+    if len(computes) < 2 or n < 2 or not alone or None in per:
         return {first: per[s]}
+    every = sum(per)  # type: ignore[arg-type]  # no None: checked above
     if s == 0:
-        return {first: sum(per), first + 1: per[s]}
-    return {first: per[s], last: sum(per)} if s == n - 1 else {first: per[s]}
+        return {first: every, first + 1: per[s]}
+    return {first: per[s], last: every} if s == n - 1 else {first: per[s]}

@@ -125,7 +125,7 @@ class StepCalls:
         if full.workers and (self.executor or cp.executor) == "threads":
             (values,) = ThreadsExecutor(cp.options.threads_per_stage).run(full, call, state)
         else:
-            with intra_op_threads(all_threads(cp, len(full.stages)) if threaded else None):
+            with intra_op_threads(all_threads(cp, full) if threaded else None):
                 (values,) = LocalExecutor().run(full, call, state)
         sink(0, values)
         return with_tail(full, call.flat_inputs, sink.leaves)

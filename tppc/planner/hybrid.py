@@ -145,7 +145,11 @@ def plan_hybrid(configs: Sequence[Configuration], price: PriceGroups, plan_table
                 "no configuration with groups inside one node fits ("
                 + "; ".join(refused[-3:]) + "), so groups cross the inter-node link")
             return _package(best, candidates, cluster, objective, refused, note)
-    assert first_error is not None
+    if first_error is None:  # no candidate at all: every stage count above the layers
+        raise PlanInfeasible(
+            f"no configuration of {str(cluster)!r} can be planned: each needs more stages "
+            f"than the model has layers ({'; '.join(refused[-3:]) or 'none refused'}). fix: "
+            "fewer devices, or fix degrees whose groups leave fewer stages")
     raise first_error
 
 

@@ -16,6 +16,9 @@ Terms:
         the prices of the links choose (e.g. CFG's one exchange per step across nodes, the
         all-to-alls inside); on uniform links one nesting stands for all.
     fixed degrees: a degree the user gives keeps its value; the others are searched.
+    every device: a job of one rank per device (``backend="distributed"``) needs a worker on
+        every device, so each configuration's stage count is its number of groups (its
+        groups tile the cluster); in threads a plan may leave devices idle.
 
 Example:
     >>> from tppc.cost_models.cluster import Cluster
@@ -66,6 +69,9 @@ class FixedDegrees:
     ring: int | None = None
     tensor_parallel: int | None = None
     num_stages: int | None = None
+    every_device: bool = False
+    """Every device runs a worker: a configuration's stages are all its groups (module
+    docstring; a given ``num_stages`` stays as given)."""
 
 
 def check_mesh(limits: MeshLimits, mesh: Mesh) -> None:
@@ -200,5 +206,7 @@ def mesh_configurations(cluster: Cluster, limits: MeshLimits,
         blocks, spans = cut
         for name, groups in _placements(cluster, blocks, mesh):
             configs.append(Configuration(groups, spans_nodes=spans, cfg_parallel=cfg,
-                                         ulysses=uly, ring=ring, placement=name))
+                                         ulysses=uly, ring=ring, placement=name,
+                                         fixed_stages=len(groups) if fixed.every_device
+                                         and fixed.num_stages is None else None))
     return configs, refused

@@ -155,6 +155,9 @@ class StageProgram:
         joins: the collective after each part but the last, ``(kind, dims)``.
         join_axes: the mesh axis whose group runs each join (:mod:`tppc.program.mesh`;
             empty: ``tp`` for every join).
+        threads: the intra-op threads its worker runs: its CPU device's share of the
+            machine's cores (:mod:`tppc.program.cores`, set by the emitter from the plan's
+            cluster); None: the worker's device is not a CPU (it keeps torch's count).
     """
 
     index: int
@@ -175,6 +178,7 @@ class StageProgram:
     parts: tuple[StageProgram, ...] = ()
     joins: tuple[tuple[str, tuple[int, ...]], ...] = ()
     join_axes: tuple[str, ...] = ()
+    threads: int | None = None
 
     def part(self, index: int) -> StageProgram:
         """What a compute of part ``index`` runs (the stage itself when it has no parts)."""
