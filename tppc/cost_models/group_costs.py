@@ -56,7 +56,7 @@ from tppc.cost_models.mesh_costs import (
     ring_blocks,
     token_workers,
 )
-from tppc.cost_models.node_costs import P, Shapes, TokenSubstitution, find_seq_symbol
+from tppc.cost_models.node_shapes import P, Shapes, TokenSubstitution, find_seq_symbol
 from tppc.cost_models.roofline import node_time_terms
 from tppc.cost_models.shard_costs import (
     LayerShards,

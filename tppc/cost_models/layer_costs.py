@@ -38,17 +38,15 @@ from tppc.cost_models.layer_memory import (
     positional_bytes,
     state_bytes,
 )
-from tppc.cost_models.node_costs import (
+from tppc.cost_models.node_costs import NodeCost, dtype_name, node_cost
+from tppc.cost_models.node_shapes import (
     C,
     L,
-    NodeCost,
     P,
     Shapes,
     TokenSubstitution,
     arg_nodes,
-    dtype_name,
     find_seq_symbol,
-    node_cost,
     tensor_vals,
 )
 from tppc.cost_models.program_costs import program_layers, program_node_cost, program_signature
