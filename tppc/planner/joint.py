@@ -34,7 +34,8 @@ from tppc.planner.certify import search_split, split_bound
 from tppc.planner.devices import choose_devices
 from tppc.planner.dp import terapipe_dp
 from tppc.planner.evaluate import diffusion_latency, plan_for
-from tppc.planner.placement import balanced_placement, infeasible_error, place_layers
+from tppc.planner.layer_partition import balanced_placement, infeasible_error
+from tppc.planner.placement import place_layers
 from tppc.planner.plan import Plan, SolverInfo, SplitSearch, Workload, say_expired
 from tppc.planner.polish import NEAR_BOUND, NearBound, try_coarser_grids
 from tppc.planner.refine import diffusion_candidates, improve_split, ring_makespan
