@@ -32,7 +32,8 @@ from tppc.errors import PlanError
 from tppc.planner._solver import available_solver, solve, variable
 from tppc.planner.layer_partition import balanced_placement, infeasible_error
 from tppc.planner.memory import memory_parts, positional_part, stage_memory
-from tppc.planner.plan import SolverInfo, Workload
+from tppc.planner.provenance import SolverInfo
+from tppc.planner.workload import Workload
 
 __all__ = [
     "balanced_placement",

@@ -22,7 +22,7 @@ import numpy as np
 
 from tppc.errors import PlanError
 from tppc.planner.dp import SplitSolution, chunk_matrix, evaluate_split, terapipe_dp
-from tppc.planner.plan import SolverInfo
+from tppc.planner.provenance import SolverInfo
 from tppc.planner.split_milp import solve_milp
 
 __all__ = ["MAX_GRID_POINTS", "MILP_MAX_GRID", "TokenSplit", "solve_split", "split_tokens"]

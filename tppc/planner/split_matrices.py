@@ -24,7 +24,7 @@ import numpy as np
 from tppc.cost_models.table import CostTable
 from tppc.planner.dp import chunk_matrix
 from tppc.planner.memory import memory_parts, positional_part, stage_memory
-from tppc.planner.plan import Workload
+from tppc.planner.workload import Workload
 
 __all__ = ["SplitContext", "smallest_chunk", "split_matrices", "stage_matrix"]
 

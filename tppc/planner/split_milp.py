@@ -32,7 +32,7 @@ import pulp
 from tppc.errors import PlanError
 from tppc.planner._solver import available_solver, solve, variable
 from tppc.planner.dp import SplitSolution, evaluate_split
-from tppc.planner.plan import SolverInfo
+from tppc.planner.provenance import SolverInfo
 
 __all__ = ["solve_milp"]
 
