@@ -36,9 +36,9 @@ from tppc.planner.dp import terapipe_dp
 from tppc.planner.evaluate import diffusion_latency, plan_for
 from tppc.planner.layer_partition import balanced_placement, infeasible_error
 from tppc.planner.placement import place_layers
-from tppc.planner.plan import Plan
+from tppc.planner.plan import Plan, say_expired
 from tppc.planner.polish import NEAR_BOUND, NearBound, try_coarser_grids
-from tppc.planner.provenance import SolverInfo, SplitSearch, say_expired
+from tppc.planner.provenance import SolverInfo, SplitSearch
 from tppc.planner.refine import diffusion_candidates, improve_split, ring_makespan
 from tppc.planner.split import check_grid, solve_split
 from tppc.planner.split_matrices import (

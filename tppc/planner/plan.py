@@ -14,14 +14,16 @@ Terms:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tppc.errors import PlanError
 from tppc.planner.choice import HybridChoice
-from tppc.planner.provenance import SolverInfo, SplitSearch, say_expired
+from tppc.planner.provenance import SolverInfo, SplitSearch
 from tppc.planner.summary import plan_summary
 from tppc.planner.workload import Workload
 
@@ -295,3 +297,13 @@ class Plan:
         time, chunks, solver; with tensor parallelism the collectives per layer and why this
         configuration beat the runner-up (:func:`tppc.planner.summary.plan_summary`)."""
         return plan_summary(self)
+
+
+def say_expired(plan: Plan, deadline: float) -> Plan:
+    """``plan``, its solver status ``"time_limit"`` when it ends after ``deadline``
+    (``time.perf_counter``) without a proven optimum: a phase was cut short or skipped."""
+    if time.perf_counter() <= deadline or plan.solver.status in ("optimal", "time_limit"):
+        return plan
+    solver = dataclasses.replace(plan.solver, status="time_limit",
+                                 detail=f"{plan.solver.detail}; stopped by the time limit")
+    return dataclasses.replace(plan, solver=solver)

@@ -9,15 +9,9 @@ Terms:
 
 from __future__ import annotations
 
-import dataclasses
-import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from tppc.planner.plan import Plan
-
-__all__ = ["SolverInfo", "SplitSearch", "say_expired"]
+__all__ = ["SolverInfo", "SplitSearch"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,13 +56,3 @@ class SplitSearch:
     bound: float
     gap: float
     seconds: float
-
-
-def say_expired(plan: Plan, deadline: float) -> Plan:
-    """``plan``, its solver status ``"time_limit"`` when it ends after ``deadline``
-    (``time.perf_counter``) without a proven optimum: a phase was cut short or skipped."""
-    if time.perf_counter() <= deadline or plan.solver.status in ("optimal", "time_limit"):
-        return plan
-    solver = dataclasses.replace(plan.solver, status="time_limit",
-                                 detail=f"{plan.solver.detail}; stopped by the time limit")
-    return dataclasses.replace(plan, solver=solver)
