@@ -28,7 +28,7 @@ from tppc.frontend.front_end import capture_front_end
 from tppc.planner import plan_for
 from tppc.planner.devices import sub_table
 from tppc.planner.grid import plan_any_length
-from tppc.planner.plan import Workload
+from tppc.planner.workload import Workload
 
 WORKLOAD = Workload(kind="diffusion", steps=20, warmup_steps=1)
 CLUSTERS = ("4xa100-80gb@pcie4", "4xa100-80gb", "8xa100-80gb@pcie4", "8xa100-80gb")

@@ -60,7 +60,8 @@ from tppc.planner.devices import sub_table
 from tppc.planner.grid import plan_any_length
 from tppc.planner.hybrid import plan_hybrid
 from tppc.planner.mesh_configurations import FixedDegrees, mesh_configurations
-from tppc.planner.plan import Plan, Workload
+from tppc.planner.plan import Plan
+from tppc.planner.workload import Workload
 from tppc.program.mesh import Mesh
 
 UNLIMITED = 10**15

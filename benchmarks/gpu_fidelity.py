@@ -43,7 +43,7 @@ from tppc.frontend.static_export import export_static
 from tppc.planner import plan_for
 from tppc.planner.devices import sub_table
 from tppc.planner.grid import plan_any_length
-from tppc.planner.plan import Workload
+from tppc.planner.workload import Workload
 
 WORKLOAD = Workload(kind="diffusion", steps=20, warmup_steps=1)
 PUBLISHED_WORKLOAD = Workload(kind="diffusion", steps=20, warmup_steps=2)

@@ -30,7 +30,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
 
 from tppc.diffusers import plan_pipeline
-from tppc.planner.plan import Workload
+from tppc.planner.workload import Workload
 
 __all__: list[str] = []
 

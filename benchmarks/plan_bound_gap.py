@@ -36,7 +36,7 @@ from plan_real_costs import LLAMA, build
 import tppc
 from tppc.cost_models.layer_costs import build_cost_table
 from tppc.planner.grid import plan_any_length
-from tppc.planner.plan import Workload
+from tppc.planner.workload import Workload
 
 WORKLOAD = Workload(kind="diffusion", steps=20, warmup_steps=1)
 

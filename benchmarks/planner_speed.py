@@ -142,10 +142,10 @@ def main() -> None:
     for L in (4096, 16384, 32768):
         table = cost_table(LLAMA["70b"], [H100] * 4 + [A100] * 4, L)
         even = even_cuts(80, 8)
-        from tppc.planner.joint import _Ctx, _split_matrices
+        from tppc.planner.split_matrices import SplitContext, split_matrices
 
-        ctx = _Ctx(table, Workload(), 128, 8, None, math.inf)
-        m, f, _ = _split_matrices(ctx, even)
+        ctx = SplitContext(table, Workload(), 128, 8, None, math.inf)
+        m, f, _ = split_matrices(ctx, even)
         dp = terapipe_dp(m, f, 8)
         even_plan = plan_for(table, even, tuple(b * 128 for b in dp.bounds), granularity=128)
         t0 = time.perf_counter()

@@ -13,7 +13,7 @@ from tests.oracles import assert_kernels_close, serial_denoise
 from tppc import examples
 from tppc.pipefusion import denoise as denoise_module
 from tppc.planner.manual import manual_plan
-from tppc.planner.plan import Workload
+from tppc.planner.workload import Workload
 
 diffusers = pytest.importorskip("diffusers")
 

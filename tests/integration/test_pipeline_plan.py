@@ -19,7 +19,7 @@ from tppc.cost_models.cluster import Cluster
 from tppc.diffusers import PipelinePlan, plan_pipeline
 from tppc.errors import PlanInfeasible, SpecError
 from tppc.frontend.static_export import export_static
-from tppc.planner.plan import Workload
+from tppc.planner.workload import Workload
 
 STEPS = Workload(kind="diffusion", steps=4, warmup_steps=1)
 

@@ -14,7 +14,7 @@ import pytest
 import sympy
 
 from tppc import examples
-from tppc.cost_models import layer_costs
+from tppc.cost_models import compiled_times, layer_pricer
 from tppc.cost_models.cluster import Cluster
 from tppc.cost_models.lambdify import NUMPY_NAMESPACE, to_numpy
 from tppc.cost_models.layer_costs import build_cost_table, layer_expressions
@@ -66,7 +66,7 @@ def _grid(length: int) -> tuple[np.ndarray, np.ndarray]:
 def test_a_layer_time_compiled_once_equals_a_fresh_compile_at_every_length(model, request):
     gm, ctx = request.getfixturevalue(model)
     _table((gm, ctx), 64)  # compiles every distinct layer time
-    misses = layer_costs._compiled.cache_info().misses
+    misses = compiled_times._compiled.cache_info().misses
     device = Cluster.parse("2xcpu").devices[0]
     for length in LENGTHS:
         table = _table((gm, ctx), length)
@@ -82,13 +82,13 @@ def test_a_layer_time_compiled_once_equals_a_fresh_compile_at_every_length(model
         c, p = np.array([16.0]), np.array([0.0])
         short, long = (_table((gm, ctx), n).layers[0] for n in (64, 4096))
         assert any(a.time(c, p)[0] < b.time(c, p)[0] for a, b in zip(short, long))
-    assert layer_costs._compiled.cache_info().misses == misses  # no compile per length
+    assert compiled_times._compiled.cache_info().misses == misses  # no compile per length
 
 
 def test_cached_and_fresh_tables_give_the_same_plans(llama, monkeypatch):
     # a deadline far beyond the search: the plans depend on the tables, never on the clock
     cached = {n: plan_any_length(lambda t: _table(llama, t), n, time_limit=600) for n in LENGTHS}
-    monkeypatch.setattr(layer_costs, "vectorise", _fresh)
+    monkeypatch.setattr(layer_pricer, "vectorise", _fresh)
     for n, plan in cached.items():
         fresh = plan_any_length(lambda t: _table(llama, t), n, time_limit=600)
         assert fresh.boundaries == plan.boundaries
@@ -99,7 +99,7 @@ def test_cached_and_fresh_tables_give_the_same_plans(llama, monkeypatch):
 
 
 def test_tables_built_in_threads_equal_tables_built_one_by_one(llama):
-    layer_costs._compiled.cache_clear()  # every thread misses at once
+    compiled_times._compiled.cache_clear()  # every thread misses at once
     lengths = (100, 3001, 20000, 77)
     got: dict[int, np.ndarray] = {}
     barrier = threading.Barrier(len(lengths))

@@ -20,8 +20,8 @@ from tppc.errors import PlanError, PlanInfeasible
 from tppc.planner import PLAN_SCHEMA, Plan, Workload, plan_for, plan_from_costs, simulate
 from tppc.planner import placement as placement_module
 from tppc.planner.dp import brute_force_split, evaluate_split
-from tppc.planner.joint import _Ctx, _split_matrices
 from tppc.planner.placement import place_layers, placement_objective, stage_times
+from tppc.planner.split_matrices import SplitContext, split_matrices
 
 
 def test_schedule_two_stages_by_hand() -> None:
@@ -61,8 +61,8 @@ def test_objective_bounds_the_simulated_prefill_latency() -> None:
 
 def test_split_matrices_agree_with_placement_objective() -> None:
     t = table(num_layers=4, speeds=(1.0, 2.0), seq_len=512, link_bw=1e9)
-    ctx = _Ctx(t, Workload(), 128, 2, None, float("inf"))
-    m, f, _warm = _split_matrices(ctx, (0, 1, 4))
+    ctx = SplitContext(t, Workload(), 128, 2, None, float("inf"))
+    m, f, _warm = split_matrices(ctx, (0, 1, 4))
     bounds = (0, 2, 3, 4)
     times, links = stage_times(t, (0, 1, 4), tuple(b * 128 for b in bounds))
     assert evaluate_split(bounds, m, f, 2) == pytest.approx(placement_objective(times, links, 1.0))
@@ -359,7 +359,7 @@ def test_split_is_improved_on_the_simulated_makespan_and_stays_above_the_true_op
     t = table(num_layers=4, speeds=(1.0, 3.0), seq_len=1024, link_bw=1e9)
     plan = plan_from_costs(t, granularity=128, num_stages=2, coarser_grids=0)
     cuts = (*(st.layer_start for st in plan.stages), plan.stages[-1].layer_end)
-    m, f, _ = _split_matrices(_Ctx(t, Workload(), 128, 2, None, float("inf")), cuts)
+    m, f, _ = split_matrices(SplitContext(t, Workload(), 128, 2, None, float("inf")), cuts)
     terapipe = brute_force_split(m, f, 2)  # TeraPipe's objective, optimal
     tera_latency = hand_makespan(t, cuts, tuple(b * 128 for b in terapipe.bounds))
     best = min(hand_makespan(t, cuts, (0, *(b * 128 for b in inner), 1024))

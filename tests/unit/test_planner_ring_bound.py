@@ -14,9 +14,9 @@ from tests.unit.planner_helpers import hand_makespan, table
 from tppc.cost_models.table import CostTable, LayerCost
 from tppc.planner import plan_for, plan_from_costs
 from tppc.planner.evaluate import diffusion_latency
-from tppc.planner.plan import Workload
 from tppc.planner.refine import ring_makespan
 from tppc.planner.ring_bound import ring_bound
+from tppc.planner.workload import Workload
 from tppc.program.schedule import simulate
 
 

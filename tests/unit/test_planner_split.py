@@ -8,8 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tppc.errors import PlanError
-from tppc.planner import brute_force_split, split_tokens, terapipe_dp
-from tppc.planner import split as split_module
+from tppc.planner import brute_force_split, split_milp, split_tokens, terapipe_dp
 from tppc.planner.dp import chunk_matrix
 from tppc.planner.split import solve_split
 
@@ -67,14 +66,14 @@ FIXED_INSTANCES = [(8, 4, 1e-4, 1e-6, 512.0, 16, None), (10, 8, 5e-5, 2e-6, 256.
 def test_a_broken_milp_is_caught_by_the_comparison(monkeypatch) -> None:
     """Dropping the max-term rows must make the MILP disagree with brute force."""
     assert all(_milp_matches_brute_force(inst) for inst in FIXED_INSTANCES)
-    monkeypatch.setattr(split_module, "_max_term_rows", lambda *args: None)
+    monkeypatch.setattr(split_milp, "_max_term_rows", lambda *args: None)
     assert not any(_milp_matches_brute_force(inst) for inst in FIXED_INSTANCES)
 
 
 def test_milp_with_no_candidate_chunks_is_an_error_not_optimal(monkeypatch) -> None:
-    real = split_module._buckets
-    monkeypatch.setattr(split_module, "_buckets", lambda *a, **k: [
-        split_module._Bucket(b.lo, b.hi, ()) for b in real(*a, **k)])
+    real = split_milp._buckets
+    monkeypatch.setattr(split_milp, "_buckets", lambda *a, **k: [
+        split_milp._Bucket(b.lo, b.hi, ()) for b in real(*a, **k)])
     with pytest.raises(PlanError, match="MILP is infeasible"):
         split_tokens(_causal(1e-4, 1e-6, 512.0, 1), 256, 2, granularity=32, solver="milp")
 

@@ -9,8 +9,11 @@ Modules (one concern each):
                  by algorithm (ring, tree, hierarchical) on the links a group crosses
     calibration  ``calibrate("cpu")``: micro-benchmarks → DeviceSpec (cached JSON)
     unpriced     the warning for ops without a rule (the rules: :mod:`tppc.ir.op_rules`)
+    node_shapes  the symbols c, p, L and node shapes in them (the token substitution)
     node_costs   FLOPs and bytes of one fx node as sympy in (c, p, L)
     roofline     a node's time terms on a device (tile padding, skinny matmuls, attention)
+    layer_pricer node costs summed per layer (``LayerExpr``), memoised across identical blocks
+    compiled_times  layer times lambdified once over (c, p, L), bound to a length
     layer_costs  per-layer roofline time(c, p) → :class:`CostTable` for the planner
     report       ``report_from_graph``: a per-layer table, formulas and JSON
     table        the CostTable contract read by the planner

@@ -21,7 +21,8 @@ import sympy
 import torch
 from torch import fx
 
-from tppc.cost_models.node_costs import Shapes, TokenSubstitution, node_cost, tensor_vals
+from tppc.cost_models.node_costs import node_cost
+from tppc.cost_models.node_shapes import Shapes, TokenSubstitution, tensor_vals
 from tppc.cost_models.roofline import node_time_terms
 from tppc.cost_models.specs import DeviceSpec
 from tppc.errors import CostModelError

@@ -44,7 +44,9 @@ from torch import fx
 
 from tppc.cost_models.cluster import Cluster
 from tppc.cost_models.collective_costs import collective_cost
-from tppc.cost_models.layer_costs import LayerExpr, layer_expressions, vectorise
+from tppc.cost_models.compiled_times import vectorise
+from tppc.cost_models.layer_costs import layer_expressions
+from tppc.cost_models.layer_pricer import LayerExpr
 from tppc.cost_models.mesh_costs import (
     SELF_ATTENTION,
     MeshExchanges,
@@ -56,7 +58,7 @@ from tppc.cost_models.mesh_costs import (
     ring_blocks,
     token_workers,
 )
-from tppc.cost_models.node_costs import P, Shapes, TokenSubstitution, find_seq_symbol
+from tppc.cost_models.node_shapes import P, Shapes, TokenSubstitution, find_seq_symbol
 from tppc.cost_models.roofline import node_time_terms
 from tppc.cost_models.shard_costs import (
     LayerShards,

@@ -6,13 +6,14 @@ Terms:
         (:func:`.program_costs.program_layers`).
     layer time: ``Σ_nodes max(matrix_s, vector_s, memory_s) + serial_s + overhead`` on one
         device (see :mod:`.roofline`), a sympy expression in c, p and L, lambdified to
-        numpy over ``(c, p, L)`` once per distinct expression (:data:`COMPILED_TIMES` kept)
-        and bound to the table's ``seq_len``: the planner evaluates a whole (c, p) grid at
-        once, and a re-plan at a new length compiles nothing. ``LayerExpr.time`` is the
-        expression at ``L = seq_len``.
+        numpy over ``(c, p, L)`` once per distinct expression (:mod:`.compiled_times`,
+        :data:`COMPILED_TIMES` kept) and bound to the table's ``seq_len``: the planner
+        evaluates a whole (c, p) grid at once, and a re-plan at a new length compiles
+        nothing. ``LayerExpr.time`` is the expression at ``L = seq_len``.
 
 Identical blocks (same ops, shapes and dtypes, node by node) share one expression and one
-compiled function, so an 80-block model costs about as much to price as one block.
+compiled function (:class:`.layer_pricer.LayerPricer`), so an 80-block model costs about as
+much to price as one block. This module builds the :class:`CostTable` from them.
 
 Example:
     >>> table = build_cost_table(front.chunk, ctx.layers, "4xh100-sxm", 4096)  # doctest: +SKIP
@@ -22,287 +23,22 @@ Example:
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
-import numpy as np
 import sympy
 from torch import fx
 
 from tppc.cost_models.cluster import Cluster
-from tppc.cost_models.lambdify import to_numpy
-from tppc.cost_models.layer_memory import (
-    attention_workspace,
-    peak_live_bytes,
-    positional_bytes,
-    state_bytes,
-)
-from tppc.cost_models.node_costs import (
-    C,
-    L,
-    NodeCost,
-    P,
-    Shapes,
-    TokenSubstitution,
-    arg_nodes,
-    dtype_name,
-    find_seq_symbol,
-    node_cost,
-    tensor_vals,
-)
-from tppc.cost_models.program_costs import program_layers, program_node_cost, program_signature
-from tppc.cost_models.roofline import node_time_terms
+from tppc.cost_models.compiled_times import COMPILED_TIMES, vectorise
+from tppc.cost_models.layer_pricer import LayerExpr, LayerPricer, layer_cost
+from tppc.cost_models.node_shapes import TokenSubstitution, find_seq_symbol
+from tppc.cost_models.program_costs import program_layers
 from tppc.cost_models.specs import DeviceSpec
-from tppc.cost_models.table import CostTable, LayerCost, LinkCost, TimeFn
+from tppc.cost_models.table import CostTable, LayerCost, LinkCost
 from tppc.errors import CostModelError
-from tppc.ir.records import TOKEN, LayerInfo, TokenInfo
+from tppc.ir.records import LayerInfo
 
 __all__ = ["COMPILED_TIMES", "LayerExpr", "build_cost_table", "layer_expressions", "vectorise"]
-
-COMPILED_TIMES = 4096
-"""Distinct layer-time expressions whose compiled numpy function is kept (least recently
-used dropped first): a re-plan at a new length compiles none of them again."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class LayerExpr:
-    """Symbolic price of one layer on one device.
-
-    Attributes:
-        info: the layer.
-        nodes: the cost of each node of the layer, in graph order.
-        time: seconds as a sympy expression of c and p (L already substituted).
-        matrix_flops: unpadded matmul FLOPs (sympy, in c, p).
-        vector_flops: non-matmul FLOPs.
-        bytes: bytes moved.
-        fn: ``time`` lambdified and numpy-vectorised.
-        weight_bytes: parameter and buffer bytes the layer holds, and the carried states of
-            its recurrent nodes (:func:`.layer_memory.state_bytes`).
-        kv_bytes_per_token: K/V buffer bytes per sequence token.
-        act_bytes_per_token: bytes per token of the values leaving the layer.
-        peak_bytes_per_token: bytes per chunk token of the values live at once inside the
-            layer (:func:`.layer_memory.peak_live_bytes`).
-        positional_bytes_per_token: bytes per sequence token of the positional values it reads.
-        workspace_bytes_per_key: bytes per (query row, key) of its attention kernel's mask.
-        unpriced: names of the layer's ops that have no pricing rule (priced as memory
-            traffic only), sorted; empty when every op was priced.
-    """
-
-    info: LayerInfo
-    nodes: tuple[NodeCost, ...]
-    time: sympy.Expr
-    matrix_flops: sympy.Expr
-    vector_flops: sympy.Expr
-    bytes: sympy.Expr
-    fn: TimeFn
-    weight_bytes: int
-    kv_bytes_per_token: int
-    act_bytes_per_token: int
-    peak_bytes_per_token: int = 0
-    positional_bytes_per_token: int = 0
-    workspace_bytes_per_key: int = 0
-    unpriced: tuple[str, ...] = ()
-
-
-@functools.lru_cache(maxsize=COMPILED_TIMES)
-def _compiled(expr: sympy.Expr) -> Callable[..., np.ndarray]:
-    """``expr`` (in c, p and L) lambdified over ``(c, p, L)``: one compile per distinct layer
-    time, reused at every length (``lru_cache`` is thread-safe; two concurrent misses
-    compile the same function twice, harmlessly)."""
-    return to_numpy(expr, (C, P, L))
-
-
-def vectorise(expr: sympy.Expr, seq_len: int) -> TimeFn:
-    """``expr`` at ``L = seq_len`` as a numpy function of ``(c, p)``."""
-    raw = _compiled(expr)
-    length = float(seq_len)
-
-    def time(c: np.ndarray, p: np.ndarray) -> np.ndarray:
-        c = np.asarray(c, dtype=float)
-        p = np.asarray(p, dtype=float)
-        shape = np.broadcast_shapes(c.shape, p.shape)
-        return np.broadcast_to(np.asarray(raw(c, p, length), dtype=float), shape).copy()
-
-    return time
-
-
-def _raw_dim(size: object) -> object:
-    """A hashable size, cheaper than ``SymNode.expr`` (which applies the shape env)."""
-    node = getattr(size, "node", None)
-    return getattr(node, "_expr", None) if node is not None else size
-
-
-def _describe(n: fx.Node) -> tuple:
-    info = n.meta.get(TOKEN)
-    axes = (info.role, info.axis, info.other_axes, info.attention) \
-        if isinstance(info, TokenInfo) else None
-    shapes = tuple((tuple(map(_raw_dim, t.shape)), t.dtype) for t in tensor_vals(n.meta.get("val")))
-    return (n.op, shapes, axes)
-
-
-def _node_signature(node: fx.Node, describe) -> tuple:
-    """Ops, shapes, dtypes and token axes: equal signatures give equal costs."""
-    consts = tuple(repr(a) for a in node.args if not isinstance(a, fx.Node | list | tuple))
-    return (str(node.target), describe(node), consts, node.kwargs.get("is_causal"),
-            tuple(describe(a) for a in node.all_input_nodes), program_signature(node))
-
-
-class _Pricer:
-    """Node costs and layer expressions, memoised across identical nodes and blocks."""
-
-    def __init__(self, gm: fx.GraphModule, subs: TokenSubstitution, seq_len: int,
-                 default_attention: str, compute_dtype: str | None) -> None:
-        self.gm = gm
-        self.nodes = {n.name: n for n in gm.graph.nodes}
-        self.subs = subs
-        self.seq_len = seq_len
-        self.default_attention = default_attention
-        self.compute_dtype = compute_dtype
-        self.shapes = Shapes(subs, default_attention)
-        self._node_cache: dict[tuple, NodeCost] = {}
-        self._layer_cache: dict[tuple, tuple] = {}
-        self._priced: dict[str, list[tuple[tuple, NodeCost]]] = {}
-        self._descriptions: dict[str, tuple] = {}
-        self._acts: dict[str | tuple, int] = {}
-        self._peaks: dict[str, int] = {}  # per layer name: the same on every device
-        self._positional: dict[str, int] = {}
-        self._kv: dict[str, int] = {}
-        self._rest: dict[tuple, TimeFn] = {}  # second parts' times, one per distinct block
-
-    def _describe(self, node: fx.Node) -> tuple:
-        if node.name not in self._descriptions:
-            self._descriptions[node.name] = _describe(node)
-        return self._descriptions[node.name]
-
-    def node(self, name: str) -> tuple[tuple, NodeCost]:
-        node = self.nodes[name]
-        sig = _node_signature(node, self._describe)
-        if sig not in self._node_cache:
-            dtype = dtype_name(node, arg_nodes(node), self.compute_dtype)
-            self._node_cache[sig] = program_node_cost(node, self.shapes, dtype) or node_cost(
-                node, self.subs, default_attention=self.default_attention,
-                compute_dtype=self.compute_dtype, _shapes=self.shapes)
-        cost = self._node_cache[sig]
-        return sig, (cost if cost.name == name else _renamed(cost, name))
-
-    def layer(self, info: LayerInfo, device: DeviceSpec, fuse: bool) -> LayerExpr:
-        missing = [n for n in info.nodes if n not in self.nodes]
-        if missing:
-            raise CostModelError(
-                f"layer {info.name!r} names nodes {missing[:3]} that are not in the graph; "
-                "rebuild the layers after the last graph transform"
-            )
-        if info.name not in self._priced:
-            self._priced[info.name] = [self.node(n) for n in info.nodes]
-        priced = self._priced[info.name]
-        costs = tuple(c for _, c in priced)
-        key = (tuple(s for s, _ in priced), device, fuse)
-        if key not in self._layer_cache:
-            self._layer_cache[key] = self._sum(costs, device, fuse)
-        time, matrix, vector, nbytes, fn = self._layer_cache[key]
-        kv = sum(c.kv_bytes_per_key for c in costs)
-        return LayerExpr(info=info, nodes=costs, time=time, matrix_flops=matrix,
-                         vector_flops=vector, bytes=nbytes, fn=fn,
-                         weight_bytes=int(info.param_bytes)
-                         + state_bytes(self.nodes, info.nodes),
-                         kv_bytes_per_token=int(kv),
-                         act_bytes_per_token=self._act_bytes(info),
-                         peak_bytes_per_token=self._peak_bytes(info),
-                         positional_bytes_per_token=self._positional_bytes(info),
-                         workspace_bytes_per_key=attention_workspace(self.nodes, info.nodes,
-                                                                     device.name == "cpu"),
-                         unpriced=tuple(sorted({c.op for c in costs if c.unpriced})))
-
-    def parts(self, whole: LayerExpr, device: DeviceSpec, fuse: bool) -> tuple[LayerCost, ...]:
-        """The costs of a block's two parts: the first priced like any layer, the second
-        the block's time less the first's (its nodes are the rest of the block's, and a
-        layer's time is the sum of its nodes'), so a part costs one expression, not two."""
-        if not whole.info.parts:
-            return ()
-        first_info, second_info = whole.info.parts
-        first = self.layer(first_info, device, fuse)
-        key = ("rest", id(whole.fn), id(first.fn))
-        if key not in self._rest:
-            self._rest[key] = _difference(whole.fn, first.fn)
-        if second_info.name not in self._kv:
-            self._kv[second_info.name] = int(sum(self.node(n)[1].kv_bytes_per_key
-                                                 for n in second_info.nodes))
-        second = LayerCost(
-            name=second_info.name, time=self._rest[key],
-            weight_bytes=int(second_info.param_bytes)
-            + state_bytes(self.nodes, second_info.nodes),
-            kv_bytes_per_token=self._kv[second_info.name],
-            act_bytes_per_token=self._act_bytes(second_info),
-            peak_bytes_per_token=self._peak_bytes(second_info),
-            positional_bytes_per_token=self._positional_bytes(second_info),
-            workspace_bytes_per_key=attention_workspace(self.nodes, second_info.nodes,
-                                                        device.name == "cpu"))
-        return _layer_cost(first), second
-
-    def _sum(self, costs: Sequence[NodeCost], device: DeviceSpec, fuse: bool) -> tuple:
-        full = {L: self.seq_len}
-        total = []
-        overhead = 0.0
-        for cost in costs:
-            terms = node_time_terms(cost, device, fuse_elementwise=fuse)
-            if terms.host:  # the host's issue time overlaps the node's device time
-                total.append(terms.total())
-                continue
-            overhead += terms.overhead
-            total.append(terms._replace(overhead=0.0).total())
-        symbolic = sympy.Add(*total) + overhead  # in c, p and L: compiled once
-        time = symbolic.subs(full)
-        live = [c for c in costs if c.kind not in ("view", "const")]
-        matrix = sympy.Add(*[c.matrix_flops for c in live]).subs(full)
-        vector = sympy.Add(*[c.vector_flops for c in live]).subs(full)
-        nbytes = sympy.Add(*[c.bytes for c in live]).subs(full)
-        bad = time.free_symbols - {C, P}
-        if bad:
-            raise CostModelError(
-                f"layer time depends on symbols {sorted(map(str, bad))} besides c and p; make "
-                "those dimensions static (only the sequence may be dynamic)"
-            )
-        return time, matrix, vector, nbytes, vectorise(symbolic, self.seq_len)
-
-    def _act_bytes(self, info: LayerInfo) -> int:
-        if info.name not in self._acts:
-            self._acts[info.name] = self._compute_act_bytes(info)
-        return self._acts[info.name]
-
-    def _positional_bytes(self, info: LayerInfo) -> int:
-        """Bytes per sequence token of the layer's positional inputs (once per layer)."""
-        if info.name not in self._positional:
-            self._positional[info.name] = positional_bytes(self.nodes, info.nodes, self.shapes)
-        return self._positional[info.name]
-
-    def _peak_bytes(self, info: LayerInfo) -> int:
-        """Largest sum of live per-token values inside the layer (:mod:`.layer_memory`);
-        the same on every device, so computed once per layer."""
-        if info.name not in self._peaks:
-            self._peaks[info.name] = peak_live_bytes(self.nodes, info.nodes, self.shapes,
-                                                     self.seq_len)
-        return self._peaks[info.name]
-
-    def _compute_act_bytes(self, info: LayerInfo) -> int:
-        total = sympy.Integer(0)
-        for name in info.outputs:
-            node = self.nodes.get(name)
-            info_out = node.meta.get(TOKEN) if node is not None else None
-            if node is None or not tensor_vals(node.meta.get("val")) or (
-                    isinstance(info_out, TokenInfo) and info_out.role != "token"):
-                continue
-            shape = self.shapes.shape(node)
-            size = sympy.Mul(*shape) * tensor_vals(node.meta["val"])[0].element_size()
-            if C in size.free_symbols:
-                total += size.subs({C: 1, P: 0, L: self.seq_len})
-        return int(sympy.ceiling(total))
-
-
-def _renamed(cost: NodeCost, name: str) -> NodeCost:
-    from dataclasses import replace
-
-    return replace(cost, name=name)
 
 
 def _refuse_fx_graphs(gm: fx.GraphModule) -> None:
@@ -319,14 +55,15 @@ def _refuse_fx_graphs(gm: fx.GraphModule) -> None:
 
 def _setup(gm: fx.GraphModule, layers: Sequence[LayerInfo], seq_len: int,
            seq_symbol: sympy.Symbol | None, token_count: sympy.Expr | None,
-           default_attention: str, compute_dtype: str | None) -> tuple[_Pricer, list[LayerInfo]]:
+           default_attention: str, compute_dtype: str | None
+           ) -> tuple[LayerPricer, list[LayerInfo]]:
     if not isinstance(seq_len, int) or seq_len < 1:
         raise CostModelError(f"seq_len must be a positive int, got {seq_len!r}")
     _refuse_fx_graphs(gm)
     sym = seq_symbol if seq_symbol is not None else find_seq_symbol(gm)
     subs = TokenSubstitution.build(sym, token_count)
     layer_list = program_layers(gm, layers)
-    return _Pricer(gm, subs, seq_len, default_attention, compute_dtype), layer_list
+    return LayerPricer(gm, subs, seq_len, default_attention, compute_dtype), layer_list
 
 
 def layer_expressions(gm: fx.GraphModule, layers: Sequence[LayerInfo],
@@ -384,10 +121,10 @@ def build_cost_table(gm: fx.GraphModule, layers: Sequence[LayerInfo],
         if (device, fuse) not in priced:
             exprs = [pricer.layer(info, device, fuse) for info in layer_list]
             unpriced.update(op for e in exprs for op in e.unpriced)
-            priced[(device, fuse)] = tuple(_layer_cost(e, pricer.parts(e, device, fuse))
+            priced[(device, fuse)] = tuple(layer_cost(e, pricer.parts(e, device, fuse))
                                            for e in exprs)
         per_device.append(priced[(device, fuse)])
-    causal = _is_causal(pricer, default_attention)
+    causal = pricer.is_causal()
     return CostTable(
         device_names=cluster.device_names,
         capacities=tuple(int(d.memory.capacity) for d in cluster.devices),
@@ -401,24 +138,3 @@ def build_cost_table(gm: fx.GraphModule, layers: Sequence[LayerInfo],
     )
 
 
-def _difference(whole: TimeFn, part: TimeFn) -> TimeFn:
-    def time(c: np.ndarray, p: np.ndarray) -> np.ndarray:
-        return whole(c, p) - part(c, p)
-
-    return time
-
-
-def _layer_cost(e: LayerExpr, parts: tuple[LayerCost, ...] = ()) -> LayerCost:
-    return LayerCost(name=e.info.name, time=e.fn, weight_bytes=e.weight_bytes,
-                     kv_bytes_per_token=e.kv_bytes_per_token,
-                     act_bytes_per_token=e.act_bytes_per_token,
-                     peak_bytes_per_token=e.peak_bytes_per_token,
-                     positional_bytes_per_token=e.positional_bytes_per_token,
-                     workspace_bytes_per_key=e.workspace_bytes_per_key, parts=parts)
-
-
-def _is_causal(pricer: _Pricer, default_attention: str) -> bool:
-    for cost in pricer._node_cache.values():
-        if cost.kind == "attention":
-            return bool(cost.bytes.has(P) or cost.matrix_flops.has(P))
-    return False

@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 import sympy
 from torch import fx
 
-from tppc.cost_models.node_costs import C, L, P, Shapes, tensor_vals
+from tppc.cost_models.node_shapes import C, L, P, Shapes, tensor_vals
 from tppc.ir.op_rules import op_rule
 from tppc.ir.records import CHUNK_INPUT, TOKEN, ChunkInput, TokenInfo
 

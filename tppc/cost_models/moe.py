@@ -33,7 +33,8 @@ from __future__ import annotations
 import sympy
 from torch import fx
 
-from tppc.cost_models.node_costs import NodeCost, Shapes, itemsize, numel, tensor_vals, value_bytes
+from tppc.cost_models.node_costs import NodeCost
+from tppc.cost_models.node_shapes import Shapes, itemsize, numel, tensor_vals, value_bytes
 from tppc.ir.op_rules import op_rule
 
 __all__ = ["FALLBACK_LAUNCHES_PER_EXPERT", "expected_experts", "moe_node_cost"]

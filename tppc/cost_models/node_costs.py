@@ -32,7 +32,7 @@ Example:
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -41,6 +41,19 @@ import torch
 from torch import fx
 
 from tppc.cost_models.attention import AttentionWork, attention_work
+from tppc.cost_models.node_shapes import (
+    C,
+    L,
+    P,
+    Shapes,
+    TokenSubstitution,
+    arg_nodes,
+    find_seq_symbol,
+    itemsize,
+    numel,
+    tensor_vals,
+    value_bytes,
+)
 from tppc.cost_models.unpriced import UnpricedOpWarning, warn_unpriced
 from tppc.errors import CostModelError
 from tppc.ir.op_rules import op_rule
@@ -59,57 +72,12 @@ __all__ = [
     "node_cost",
 ]
 
-C, P, L = sympy.symbols("c p L", positive=True, integer=True)
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float64: "fp32", torch.bfloat16: "bf16",
                 torch.float16: "fp16", torch.int8: "int8", torch.uint8: "int8"}
 for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
     if hasattr(torch, _name):
         _DTYPE_NAMES[getattr(torch, _name)] = "fp8"
 Kind = Literal["matrix", "attention", "vector", "memory", "view", "const"]
-
-
-@dataclass(frozen=True)
-class TokenSubstitution:
-    """How the graph's sequence symbol maps to c (token axes) and to the key length.
-
-    Attributes:
-        seq_symbol: the graph's sequence symbol (``s0``), or None for a static graph.
-        chunk: what ``seq_symbol`` becomes on token axes (so that T = c).
-        causal_key: what it becomes on key axes of causal attention (T = p + c).
-        full: what it becomes on key axes of bidirectional attention (T = L).
-    """
-
-    seq_symbol: sympy.Symbol | None
-    chunk: sympy.Expr
-    causal_key: sympy.Expr
-    full: sympy.Expr
-
-    @classmethod
-    def build(cls, seq_symbol: sympy.Symbol | None, token_count: sympy.Expr | None = None
-              ) -> TokenSubstitution:
-        """Solve ``token_count(seq_symbol) = x`` for x in (c, p + c, L).
-
-        Raises:
-            CostModelError: the token count cannot be inverted for the symbol.
-        """
-        if seq_symbol is None:
-            return cls(None, C, P + C, L)
-        count = seq_symbol if token_count is None else sympy.sympify(token_count)
-        if count == seq_symbol:
-            return cls(seq_symbol, C, P + C, L)
-        x = sympy.Symbol("x", positive=True)
-        sols = [s for s in sympy.solve(sympy.Eq(count, x), seq_symbol)
-                if s.is_positive is not False]
-        if len(sols) != 1:
-            raise CostModelError(
-                f"cannot solve token count {count} = x for {seq_symbol} (solutions {sols}); "
-                "pass a token_count that is a monotone function of the sequence symbol"
-            )
-        return cls(seq_symbol, sols[0].subs(x, C), sols[0].subs(x, P + C), sols[0].subs(x, L))
-
-    def key(self, attention: str | None) -> sympy.Expr:
-        """The substitution for key axes of ``attention`` (causal unless bidirectional)."""
-        return self.full if attention == "bidirectional" else self.causal_key
 
 
 @dataclass(frozen=True)
@@ -161,75 +129,6 @@ def _op_name(node: fx.Node) -> str:
         return "getitem"
     name = getattr(target, "_opname", None) or getattr(target, "__name__", str(target))
     return name.rstrip("_") if name.endswith("_") and not name.startswith("__") else name
-
-
-def tensor_vals(val: object) -> list[torch.Tensor]:
-    if isinstance(val, torch.Tensor):
-        return [val]
-    if isinstance(val, list | tuple):
-        return [t for v in val for t in tensor_vals(v)]
-    return []
-
-
-def _dim(size: object) -> sympy.Expr:
-    if isinstance(size, torch.SymInt):
-        return sympy.sympify(size.node.expr)
-    return sympy.Integer(int(size))
-
-
-class Shapes:
-    """Substituted shapes of node values, cached per node."""
-
-    def __init__(self, subs: TokenSubstitution, default_attention: str) -> None:
-        self.subs = subs
-        self.default_attention = default_attention
-        self._cache: dict[tuple[str, int], tuple[sympy.Expr, ...]] = {}
-
-    def shape(self, node: fx.Node, index: int = 0) -> tuple[sympy.Expr, ...] | None:
-        key = (node.name, index)
-        if key in self._cache:
-            return self._cache[key]
-        tensors = tensor_vals(node.meta.get("val"))
-        if index >= len(tensors):
-            return None
-        info = node.meta.get(TOKEN)
-        other = set(info.other_axes) if isinstance(info, TokenInfo) else set()
-        key_sub = self.subs.key(getattr(info, "attention", None) or self.default_attention)
-        sym = self.subs.seq_symbol
-        dims = []
-        for axis, size in enumerate(tensors[index].shape):
-            expr = _dim(size)
-            if sym is not None and sym in expr.free_symbols:
-                expr = expr.subs(sym, key_sub if axis in other else self.subs.chunk)
-            dims.append(sympy.expand(expr))
-        self._cache[key] = tuple(dims)
-        return self._cache[key]
-
-
-def numel(shape: Sequence[sympy.Expr]) -> sympy.Expr:
-    return sympy.Mul(*shape) if shape else sympy.Integer(1)
-
-
-def itemsize(t: torch.Tensor) -> int:
-    return t.element_size() if hasattr(t, "element_size") else 4
-
-
-def arg_nodes(node: fx.Node) -> list[fx.Node]:
-    seen: dict[fx.Node, None] = {}
-    for a in (*node.args, *node.kwargs.values()):
-        for n in a if isinstance(a, list | tuple) else (a,):
-            if isinstance(n, fx.Node) and tensor_vals(n.meta.get("val")):
-                seen[n] = None
-    return list(seen)
-
-
-def value_bytes(shapes: Shapes, nodes: Iterable[fx.Node]) -> sympy.Expr:
-    total = sympy.Integer(0)
-    for n in nodes:
-        for i, t in enumerate(tensor_vals(n.meta.get("val"))):
-            shape = shapes.shape(n, i)
-            total += numel(shape) * itemsize(t)
-    return total
 
 
 def _depends(shapes: Shapes, nodes: Iterable[fx.Node]) -> bool:
@@ -419,23 +318,3 @@ def graph_node_costs(gm: fx.GraphModule, *, seq_symbol: sympy.Symbol | None = No
     return {n.name: node_cost(n, subs, default_attention=default_attention,
                               compute_dtype=compute_dtype, _shapes=shapes)
             for n in gm.graph.nodes}
-
-
-def find_seq_symbol(gm: fx.GraphModule) -> sympy.Symbol | None:
-    """The single free symbol of the placeholders' shapes (None for a static graph).
-
-    Raises:
-        CostModelError: more than one symbol (pass ``seq_symbol`` explicitly).
-    """
-    found: set[sympy.Symbol] = set()
-    for node in gm.graph.find_nodes(op="placeholder"):
-        for t in tensor_vals(node.meta.get("val")):
-            for size in t.shape:
-                found |= _dim(size).free_symbols
-    if len(found) > 1:
-        raise CostModelError(
-            f"graph has several dynamic symbols {sorted(map(str, found))}; pass seq_symbol= "
-            "(the lead's ctx.seq_symbol) and make the other dimensions static"
-        )
-    return next(iter(found), None)
-

@@ -36,7 +36,8 @@ from torch import fx
 
 from tppc.cost_models.attention import attention_work
 from tppc.cost_models.moe import moe_node_cost
-from tppc.cost_models.node_costs import C, L, NodeCost, P, Shapes, numel, tensor_vals, value_bytes
+from tppc.cost_models.node_costs import NodeCost
+from tppc.cost_models.node_shapes import C, L, P, Shapes, numel, tensor_vals, value_bytes
 from tppc.errors import CostModelError
 from tppc.ir.records import CHUNK_INPUT, CHUNK_SIGNATURE, LAYER, PART, ChunkInput, LayerInfo
 

@@ -25,8 +25,9 @@ import sympy
 from torch import fx
 
 from tppc.cost_models.cluster import Cluster
-from tppc.cost_models.layer_costs import LayerExpr, layer_expressions
-from tppc.cost_models.node_costs import C, L, P
+from tppc.cost_models.layer_costs import layer_expressions
+from tppc.cost_models.layer_pricer import LayerExpr
+from tppc.cost_models.node_shapes import C, L, P
 from tppc.cost_models.program_costs import is_chunk_graph
 from tppc.cost_models.roofline import node_time_terms
 from tppc.errors import CostModelError, SpecError

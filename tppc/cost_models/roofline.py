@@ -35,7 +35,8 @@ from typing import NamedTuple
 import sympy
 
 from tppc.cost_models.efficiency import attention_seconds, wave_flops
-from tppc.cost_models.node_costs import NodeCost, P
+from tppc.cost_models.node_costs import NodeCost
+from tppc.cost_models.node_shapes import P
 from tppc.cost_models.specs import DeviceSpec, MatrixUnit
 
 __all__ = ["TimeTerms", "node_time_terms"]

@@ -40,7 +40,8 @@ from dataclasses import dataclass
 import sympy
 from torch import fx
 
-from tppc.cost_models.node_costs import C, L, NodeCost, P, Shapes, tensor_vals, value_bytes
+from tppc.cost_models.node_costs import NodeCost
+from tppc.cost_models.node_shapes import C, L, P, Shapes, tensor_vals, value_bytes
 from tppc.ir.records import SHARD, ShardRole
 from tppc.passes.stages.direct_output import in_place_linear
 

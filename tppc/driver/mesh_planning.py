@@ -34,7 +34,7 @@ from torch import fx
 
 from tppc.cost_models.cluster import Cluster
 from tppc.cost_models.group_costs import group_cost_table
-from tppc.cost_models.node_costs import tensor_vals
+from tppc.cost_models.node_shapes import tensor_vals
 from tppc.cost_models.shard_costs import effective_roles
 from tppc.cost_models.table import CostTable
 from tppc.driver.options import CompileOptions

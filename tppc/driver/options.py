@@ -75,7 +75,7 @@ class CompileOptions:
     device's capacity."""
     objective: Literal["latency", "throughput_per_device"] = "latency"
     """What the planner minimises across degrees: one call's latency, or latency × the
-    devices of one pipeline (:attr:`tppc.planner.plan.Workload.objective`)."""
+    devices of one pipeline (:attr:`tppc.planner.workload.Workload.objective`)."""
     granularity: int | None = None
     """Chunk sizes are multiples of this many units of the sequence axis (the last chunk may
     be shorter); None: automatic (one patch row for a DiT)."""

@@ -15,8 +15,10 @@ from __future__ import annotations
 from tppc.planner.dp import brute_force_split, terapipe_dp
 from tppc.planner.evaluate import plan_for
 from tppc.planner.joint import plan_from_costs
-from tppc.planner.plan import PLAN_SCHEMA, Plan, SolverInfo, StagePlan, Workload
+from tppc.planner.plan import PLAN_SCHEMA, Plan, StagePlan
+from tppc.planner.provenance import SolverInfo
 from tppc.planner.split import TokenSplit, split_tokens
+from tppc.planner.workload import Workload
 from tppc.program.schedule import Schedule, simulate
 
 __all__ = [

@@ -12,10 +12,12 @@ from tppc.errors import PlanError
 from tppc.planner.bounds import placement_bound
 from tppc.planner.memory import stage_memory
 from tppc.planner.placement import stage_times
-from tppc.planner.plan import Plan, SolverInfo, StagePlan, Workload
+from tppc.planner.plan import Plan, StagePlan
+from tppc.planner.provenance import SolverInfo
 from tppc.planner.range_bound import range_bound
 from tppc.planner.refine import ring_makespan
 from tppc.planner.ring_bound import ring_bound
+from tppc.planner.workload import Workload
 from tppc.program.schedule import flow_shop, simulate
 
 __all__ = ["diffusion_latency", "lower_bounds", "plan_for"]

@@ -29,8 +29,9 @@ from tppc.errors import PlanError
 from tppc.planner.devices import sub_table
 from tppc.planner.evaluate import plan_for
 from tppc.planner.joint import plan_from_costs
-from tppc.planner.plan import Plan, Workload, say_expired
+from tppc.planner.plan import Plan, say_expired
 from tppc.planner.polish import FINISH_RESERVE, FINISH_RESERVE_MAX
+from tppc.planner.workload import Workload
 
 __all__ = ["MAX_DEFAULT_GRID", "MIN_SOLVE_SECONDS", "default_granularity", "plan_any_length"]
 

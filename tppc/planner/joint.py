@@ -23,7 +23,6 @@ import dataclasses
 import itertools
 import math
 import time
-from collections import Counter
 from typing import Literal
 
 import numpy as np
@@ -33,15 +32,23 @@ from tppc.errors import PlanError
 from tppc.planner._solver import available_solver
 from tppc.planner.certify import search_split, split_bound
 from tppc.planner.devices import choose_devices
-from tppc.planner.dp import chunk_matrix, terapipe_dp
+from tppc.planner.dp import terapipe_dp
 from tppc.planner.evaluate import diffusion_latency, plan_for
-from tppc.planner.memory import memory_parts, positional_part, stage_memory
-from tppc.planner.placement import balanced_placement, infeasible_error, place_layers
-from tppc.planner.plan import Plan, SolverInfo, SplitSearch, Workload, say_expired
+from tppc.planner.layer_partition import balanced_placement, infeasible_error
+from tppc.planner.placement import place_layers
+from tppc.planner.plan import Plan, say_expired
 from tppc.planner.polish import NEAR_BOUND, NearBound, try_coarser_grids
+from tppc.planner.provenance import SolverInfo, SplitSearch
 from tppc.planner.refine import diffusion_candidates, improve_split, ring_makespan
 from tppc.planner.split import check_grid, solve_split
+from tppc.planner.split_matrices import (
+    SplitContext,
+    smallest_chunk,
+    split_matrices,
+    stage_matrix,
+)
 from tppc.planner.sublayers import cut_inside_blocks
+from tppc.planner.workload import Workload
 
 __all__ = ["plan_for", "plan_from_costs"]
 
@@ -123,7 +130,8 @@ def plan_from_costs(
     placements = math.comb(table.num_layers - 1, num_stages - 1)
     if method == "auto":
         method = "exhaustive" if placements <= EXHAUSTIVE_LIMIT and n <= 64 else "alternate"
-    ctx = _Ctx(table, workload, granularity, num_stages, max_chunks, t0 + time_limit, ranged)
+    ctx = SplitContext(table, workload, granularity, num_stages, max_chunks, t0 + time_limit,
+                       ranged)
     stop = NearBound(table, num_stages, workload, granularity, near)
     if method == "exhaustive":
         cuts, bounds, info = _exhaustive(ctx)
@@ -157,14 +165,14 @@ def plan_from_costs(
     return say_expired(best, ctx.deadline)
 
 
-def _improve(ctx: _Ctx, cuts: tuple[int, ...], bounds: tuple[int, ...], best: Plan,
-             t0: float, certify: bool) -> Plan:
+def _improve(ctx: SplitContext, cuts: tuple[int, ...], bounds: tuple[int, ...],
+             best: Plan, t0: float, certify: bool) -> Plan:
     """TeraPipe's split improved on the simulated makespan: local moves
     (:func:`improve_split`), then the certified search (:mod:`tppc.planner.certify`)."""
     table, n, g = ctx.table, ctx.n, ctx.g
-    m, _f, _warm = _split_matrices(ctx, cuts)
+    m, _f, _warm = split_matrices(ctx, cuts)
     pairs = list(itertools.pairwise(cuts))
-    stage = [np.where(np.isfinite(m), _stage_matrix(ctx, s, lo, hi), np.inf)
+    stage = [np.where(np.isfinite(m), stage_matrix(ctx, s, lo, hi), np.inf)
              for s, (lo, hi) in enumerate(pairs)]
     sizes = np.maximum(np.arange(n + 1)[None, :] - np.arange(n + 1)[:, None], 0) * g
     links = [table.links[s].time(table.layers[s][hi - 1].act_bytes_per_token * sizes)
@@ -214,15 +222,8 @@ def _improve(ctx: _Ctx, cuts: tuple[int, ...], bounds: tuple[int, ...], best: Pl
     return dataclasses.replace(plan, split=split)
 
 
-def _sub_ctx(ctx: _Ctx, table: CostTable) -> _Ctx:
-    """``ctx`` for ``table`` (the same layers, some of them cut at their waist)."""
-    sub = _Ctx(table, ctx.workload, ctx.g, ctx.S, ctx.max_chunks, ctx.deadline, ctx.ranged)
-    sub._cache = ctx._cache  # unchanged layers keep their time functions
-    return sub
-
-
-def _in_block_cuts(ctx: _Ctx, cuts: tuple[int, ...], bounds: tuple[int, ...], best: Plan,
-                   t0: float, certify: bool) -> Plan:
+def _in_block_cuts(ctx: SplitContext, cuts: tuple[int, ...], bounds: tuple[int, ...],
+                   best: Plan, t0: float, certify: bool) -> Plan:
     """:func:`cut_inside_blocks` with this search's split (DP) and its improvement."""
     now = time.perf_counter()  # in-block cuts get at most as long as the search had
     stop = min(ctx.deadline, now + max(0.5, now - t0))
@@ -230,7 +231,7 @@ def _in_block_cuts(ctx: _Ctx, cuts: tuple[int, ...], bounds: tuple[int, ...], be
     solver = best.solver
 
     def price(table: CostTable, cuts: tuple[int, ...]) -> Plan:
-        m, f, _warm = _split_matrices(_sub_ctx(ctx, table), cuts)
+        m, f, _warm = split_matrices(ctx.for_table(table), cuts)
         sol = terapipe_dp(m, f, ctx.S, repeats=ctx.K, max_chunks=ctx.max_chunks,
                           deadline=stop)
         split = sol.bounds if math.isfinite(sol.objective) else bounds
@@ -240,7 +241,7 @@ def _in_block_cuts(ctx: _Ctx, cuts: tuple[int, ...], bounds: tuple[int, ...], be
     def polish(table: CostTable, cuts: tuple[int, ...], plan: Plan) -> Plan:
         plan = plan_for(table, cuts, plan.boundaries, ctx.workload, granularity=g, solver=solver,
                         ranged=ctx.ranged)
-        return _improve(_sub_ctx(ctx, table), cuts, tuple(b // g for b in plan.boundaries),
+        return _improve(ctx.for_table(table), cuts, tuple(b // g for b in plan.boundaries),
                         plan, t0, certify)
 
     reference = price(ctx.table, cuts).latency if tuple(b * g for b in bounds) != \
@@ -271,108 +272,12 @@ def _check(table: CostTable, num_stages: int | None) -> int:
     return num_stages
 
 
-class _Ctx:
-    """Shared inputs of one planning call (not part of the API)."""
-
-    def __init__(self, table, workload, granularity, num_stages, max_chunks, deadline,
-                 ranged=True):
-        self.table, self.workload, self.g = table, workload, granularity
-        self.S, self.max_chunks, self.deadline = num_stages, max_chunks, deadline
-        self.ranged = ranged  # price the range bound in the improvements' plans too
-        self.n = table.seq_len // granularity
-        self.K = float(workload.pipelined_steps)
-        self._cache: dict[int, np.ndarray] = {}
-        self._stage_cache: dict[tuple[int, int, int], np.ndarray] = {}
-        self._split_cache: tuple[tuple[int, ...] | None, tuple] = (None, ())
-
-    def left(self) -> float:
-        return max(self.deadline - time.perf_counter(), 0.05)
-
-    def layer_matrix(self, device: int, layer: int) -> np.ndarray:
-        fn = self.table.layers[device][layer].time
-        key = id(fn)  # identical layers and identical devices share one function
-        if key not in self._cache:
-            self._cache[key] = chunk_matrix(fn, self.n, self.g)
-        return self._cache[key]
-
-
-def _split_matrices(ctx: _Ctx, cuts: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, float]:
-    """``(m, f, warm-up seconds)`` of a placement; chunks that overflow memory are ``inf``
-    (kept for the placement's next use: the split, then its improvement, read them)."""
-    if ctx._split_cache[0] != cuts:
-        ctx._split_cache = (cuts, _split_matrices_of(ctx, cuts))
-    m, f, warm = ctx._split_cache[1]
-    return m.copy(), f.copy(), warm
-
-
-def _split_matrices_of(ctx: _Ctx, cuts: tuple[int, ...]
-                       ) -> tuple[np.ndarray, np.ndarray, float]:
-    """Links and memory depend on a chunk's size ``b - a`` only: priced on the ``n + 1``
-    sizes, then gathered (the same values as pricing every ``(a, b)``, a fraction of the
-    work at 1024 grid points)."""
-    table, n, g = ctx.table, ctx.n, ctx.g
-    steps = np.arange(n + 1)
-    k = np.maximum(steps[None, :] - steps[:, None], 0)  # grid steps of chunk [a, b)
-    sizes = steps * g
-    m = np.zeros((n + 1, n + 1))
-    f = np.zeros((n + 1, n + 1))
-    too_big = np.zeros(n + 1, dtype=bool)  # chunk sizes that overflow some stage's memory
-    warm = 0.0
-    for s, (lo, hi) in enumerate(itertools.pairwise(cuts)):
-        t = _stage_matrix(ctx, s, lo, hi)
-        link = 0.0
-        if s < ctx.S - 1:
-            act = table.layers[s][hi - 1].act_bytes_per_token
-            link = table.links[s].time(act * sizes)[k]
-        m = np.maximum(m, t)
-        f = np.maximum(f, t + link)
-        static_parts, transient = memory_parts(table, s)
-        widest = float(transient[lo:hi].max())
-        room = table.capacities[s] - float(static_parts[lo:hi].sum()) - float(
-            positional_part(table, s)[lo:hi].max())
-        if widest > 0:
-            too_big |= sizes * widest > room
-        if room < 0:
-            too_big[:] = True
-        if ctx.workload.warmup_steps:
-            warm += ctx.workload.warmup_steps * float(
-                t[0, n] + (link[0, n] if s < ctx.S - 1 else 0)
-            )
-    m[too_big[k]] = np.inf
-    if ctx.workload.warmup_steps and any(
-        stage_memory(table, s, lo, hi, table.seq_len) > table.capacities[s]
-        for s, (lo, hi) in enumerate(itertools.pairwise(cuts))
-    ):
-        m[:] = np.inf  # warm-up runs the full sequence at once
-    lower = k == 0  # a <= b: no chunk
-    m[lower] = np.inf
-    f[lower] = np.inf
-    return m, f, warm
-
-
-def _stage_matrix(ctx: _Ctx, s: int, lo: int, hi: int) -> np.ndarray:
-    """Σ of the layers' chunk matrices; identical layers (one function) are added once.
-    The last few are kept (read only: callers never write into them)."""
-    key = (s, lo, hi)
-    if key not in ctx._stage_cache:
-        if len(ctx._stage_cache) >= ctx.S:  # one placement: 8 MB each at 1024 points
-            ctx._stage_cache.clear()
-        ctx._stage_cache[key] = _stage_sum(ctx, s, lo, hi)
-    return ctx._stage_cache[key]
-
-
-def _stage_sum(ctx: _Ctx, s: int, lo: int, hi: int) -> np.ndarray:
-    counts = Counter(id(ctx.table.layers[s][j].time) for j in range(lo, hi))
-    first = {id(ctx.table.layers[s][j].time): j for j in range(hi - 1, lo - 1, -1)}
-    return sum(k * ctx.layer_matrix(s, first[key]) for key, k in counts.items())
-
-
-def _exhaustive(ctx: _Ctx) -> tuple[tuple[int, ...], tuple[int, ...], SolverInfo]:
+def _exhaustive(ctx: SplitContext) -> tuple[tuple[int, ...], tuple[int, ...], SolverInfo]:
     best: tuple[float, tuple[int, ...], tuple[int, ...]] = (math.inf, (), ())
     count, complete = 0, True
     for inner in itertools.combinations(range(1, ctx.table.num_layers), ctx.S - 1):
         cuts = (0, *inner, ctx.table.num_layers)
-        m, f, warm = _split_matrices(ctx, cuts)
+        m, f, warm = split_matrices(ctx, cuts)
         sol = terapipe_dp(
             m, f, ctx.S, repeats=ctx.K, max_chunks=ctx.max_chunks, upper_bound=best[0] - warm,
             deadline=ctx.deadline,
@@ -385,7 +290,7 @@ def _exhaustive(ctx: _Ctx) -> tuple[tuple[int, ...], tuple[int, ...], SolverInfo
             complete = False
             break
     if not best[1]:
-        raise infeasible_error(ctx.table, ctx.S, _smallest_chunk(ctx))
+        raise infeasible_error(ctx.table, ctx.S, smallest_chunk(ctx))
     info = SolverInfo(
         solver="exhaustive+terapipe-dp",
         status="optimal" if complete else "time_limit",
@@ -399,21 +304,18 @@ def _exhaustive(ctx: _Ctx) -> tuple[tuple[int, ...], tuple[int, ...], SolverInfo
     return best[1], best[2], info
 
 
-def _smallest_chunk(ctx: _Ctx) -> int:
-    return ctx.table.seq_len if ctx.workload.warmup_steps else ctx.g
-
-
-def _alternate(ctx: _Ctx, max_rounds: int) -> tuple[tuple[int, ...], tuple[int, ...], SolverInfo]:
+def _alternate(ctx: SplitContext, max_rounds: int
+               ) -> tuple[tuple[int, ...], tuple[int, ...], SolverInfo]:
     table = ctx.table
     full = list(table.times_at(table.seq_len, 0.0, range(ctx.S)))
-    cuts = balanced_placement(table, ctx.S, full, _smallest_chunk(ctx))
+    cuts = balanced_placement(table, ctx.S, full, smallest_chunk(ctx))
     if cuts is None:
-        raise infeasible_error(table, ctx.S, _smallest_chunk(ctx))
+        raise infeasible_error(table, ctx.S, smallest_chunk(ctx))
     best = math.inf
     bounds: tuple[int, ...] = ()
     statuses, rounds = [], 0
     for rounds in range(1, max_rounds + 1):  # noqa: B007 - rounds is reported
-        m, f, warm = _split_matrices(ctx, cuts)
+        m, f, warm = split_matrices(ctx, cuts)
         new_bounds, obj, info = solve_split(  # the DP is exact and far faster than the MILP
             m, f, ctx.S, repeats=ctx.K, max_chunks=ctx.max_chunks, time_limit=ctx.left(),
             solver="dp",

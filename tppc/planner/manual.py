@@ -5,7 +5,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from tppc.planner.plan import Plan, SolverInfo, StagePlan, Workload
+from tppc.planner.plan import Plan, StagePlan
+from tppc.planner.provenance import SolverInfo
+from tppc.planner.workload import Workload
 
 __all__ = ["manual_plan"]
 

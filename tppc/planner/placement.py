@@ -14,8 +14,8 @@ Terms:
 
 For a fixed split, :func:`place_layers` solves this as a MILP (``x[j, s]`` = layer ``j`` on
 stage ``s``; ``x[j+1, s] ≤ x[j, s] + x[j, s-1]`` and non-empty stages make the ranges
-contiguous and ordered), warm-started from :func:`balanced_placement`, a DP that minimises
-the busiest stage's total time under the memory limits.
+contiguous and ordered), warm-started from :func:`~.layer_partition.balanced_placement`, a
+DP that minimises the busiest stage's total time under the memory limits.
 """
 
 from __future__ import annotations
@@ -28,10 +28,12 @@ import numpy as np
 import pulp
 
 from tppc.cost_models.table import CostTable
-from tppc.errors import PlanError, PlanInfeasible
+from tppc.errors import PlanError
 from tppc.planner._solver import available_solver, solve, variable
-from tppc.planner.memory import memory_parts, positional_part, smallest_fit, stage_memory
-from tppc.planner.plan import SolverInfo, Workload
+from tppc.planner.layer_partition import balanced_placement, infeasible_error
+from tppc.planner.memory import memory_parts, positional_part, stage_memory
+from tppc.planner.provenance import SolverInfo
+from tppc.planner.workload import Workload
 
 __all__ = [
     "balanced_placement",
@@ -39,6 +41,7 @@ __all__ = [
     "infeasible_error",
     "place_layers",
     "placement_objective",
+    "stage_times",
 ]
 
 MILP_MAX_TERMS = 20_000
@@ -90,54 +93,6 @@ def placement_objective(
     return (
         warmup + repeats * float(times.max(axis=0).sum()) + (times.shape[0] - 1) * float(fill.max())
     )
-
-
-def balanced_placement(
-    table: CostTable, num_stages: int, busy: list[np.ndarray], max_chunk: int
-) -> tuple[int, ...] | None:
-    """Cuts minimising the busiest stage's total time, within memory; None if none fits.
-
-    Args:
-        table: the cost table.
-        num_stages: ``S``; stage ``s`` runs on device ``s``.
-        busy: ``busy[s][j]`` total time of layer ``j`` on device ``s`` (any weighting).
-        max_chunk: largest chunk in tokens (sizes in-flight activations).
-    """
-
-    def score(s: int, lo: np.ndarray, e: int, mem: np.ndarray) -> np.ndarray:
-        pre = np.concatenate([[0.0], np.cumsum(busy[s])])
-        return np.where(mem <= table.capacities[s], pre[e] - pre[lo], np.inf)
-
-    return _partition(table, num_stages, max_chunk, score)
-
-
-def _partition(table: CostTable, num_stages: int, max_chunk: int, score) -> tuple[int, ...] | None:
-    """Contiguous cuts minimising ``max_s score(s, lo, e, memory)`` by DP (None: all inf)."""
-    n_layers = table.num_layers
-    best = np.full(n_layers + 1, np.inf)
-    best[0] = 0.0
-    args = np.zeros((num_stages, n_layers + 1), dtype=int)
-    for s in range(num_stages):
-        static, act = memory_parts(table, s, max_chunk)
-        pos = positional_part(table, s)
-        pre_mem = np.concatenate([[0.0], np.cumsum(static)])
-        nxt = np.full(n_layers + 1, np.inf)
-        for e in range(1, n_layers + 1):
-            lo = np.arange(e)
-            widest = np.maximum.accumulate(act[:e][::-1])[::-1]  # max act over [b, e)
-            tables = np.maximum.accumulate(pos[:e][::-1])[::-1]
-            mem = pre_mem[e] - pre_mem[lo] + tables + max_chunk * widest
-            cand = np.maximum(best[lo], score(s, lo, e, mem))
-            k = int(np.argmin(cand))
-            nxt[e], args[s, e] = cand[k], k
-        best = nxt
-    if not math.isfinite(best[n_layers]):
-        return None
-    cuts, e = [n_layers], n_layers
-    for s in range(num_stages - 1, -1, -1):
-        e = int(args[s, e])
-        cuts.append(e)
-    return tuple(reversed(cuts))
 
 
 def place_layers(
@@ -369,46 +324,3 @@ def _cuts_from(x, n_layers: int, num_stages: int) -> tuple[int, ...] | None:
         return None
     cuts = [0] + [j + 1 for j in range(n_layers - 1) if stage_of[j + 1] != stage_of[j]]
     return (*cuts, n_layers)
-
-
-def infeasible_error(table: CostTable, num_stages: int, max_chunk: int) -> PlanInfeasible:
-    """A :class:`PlanInfeasible` naming each device's capacity and need, and a cluster that fits.
-
-    Needs are those of the placement that minimises the largest need-to-capacity ratio.
-    """
-    cuts = _min_ratio_cuts(table, num_stages, max_chunk)
-    lines = [
-        f"the model does not fit on {num_stages} devices with chunks of up to {max_chunk} tokens:"
-    ]
-    for s, (lo, hi) in enumerate(itertools.pairwise(cuts)):
-        need = stage_memory(table, s, lo, hi, max_chunk)
-        cap = table.capacities[s]
-        mark = "  <-- over" if need > cap else ""
-        lines.append(
-            f"  device {s} ({table.device_names[s]}): layers [{lo}, {hi}) need "
-            f"{need / 1e9:.2f} GB, capacity {cap / 1e9:.2f} GB{mark}"
-        )
-    name, cap = table.device_names[0], table.capacities[0]
-    fit = smallest_fit(table, cap, max_chunk)
-    if fit is None:
-        lines.append(
-            f"no number of {name} devices fits: a single layer needs more than "
-            f"{cap / 1e9:.2f} GB; use a device with more memory"
-        )
-    else:
-        lines.append(
-            f"smallest cluster of the same device that fits: {fit}x{name}; or use "
-            "devices with more memory, or a shorter sequence"
-        )
-    return PlanInfeasible("\n".join(lines))
-
-
-def _min_ratio_cuts(table: CostTable, num_stages: int, max_chunk: int) -> tuple[int, ...]:
-    """Cuts minimising max(need / capacity) over the stages."""
-
-    def score(s: int, lo: np.ndarray, e: int, mem: np.ndarray) -> np.ndarray:
-        return mem / table.capacities[s]
-
-    cuts = _partition(table, num_stages, max_chunk, score)
-    assert cuts is not None  # every score is finite
-    return cuts

@@ -25,7 +25,8 @@ from collections.abc import Callable
 
 from tppc.cost_models.table import CostTable
 from tppc.planner.evaluate import lower_bounds
-from tppc.planner.plan import Plan, Workload
+from tppc.planner.plan import Plan
+from tppc.planner.workload import Workload
 
 __all__ = ["FINISH_RESERVE", "FINISH_RESERVE_MAX", "NEAR_BOUND", "NearBound", "try_coarser_grids"]
 

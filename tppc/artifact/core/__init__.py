@@ -9,7 +9,7 @@ epilogue    ``tail.onnx``, the model's epilogue after the last stage
 run         ``tppc run``: inputs from and outputs to ``.npz``
 
 No module here imports torch, nor at module level any module that does
-(tests/unit/test_import_layers.py reads every import); ``LoadedPipeline.denoise`` reaches
+(tests/unit/test_torch_free_core.py reads every import); ``LoadedPipeline.denoise`` reaches
 :mod:`tppc.artifact.torch_runners.denoise` only when called.
 """
 
