@@ -73,6 +73,8 @@ def test_the_link_decides_the_mix(wide) -> None:
         assert plan.lower_bound <= plan.latency
         assert all(plan.lower_bound <= v * (1 + 1e-9) for v in fixed[cluster].values())
         chosen[cluster] = plan.degrees
+        assert plan.choice.runner_up and plan.choice.why  # the runner-up, and why it lost
+        assert f"runner-up: {plan.choice.runner_up}" in plan.summary()
     fast, slow = chosen["2xh100-sxm"], chosen["2xh100-sxm@eth-100g"]
     # NVLink: one stage on a group exchanging per layer; Ethernet: PipeFusion's two stages,
     # one activation per patch and boundary
