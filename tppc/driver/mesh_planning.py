@@ -13,7 +13,8 @@ configuration searched.
 
 What pricing finds (each mesh's cut tried on the model, each configuration's table of
 groups) depends on the front end, the length and the planner's options, and of the workload
-only on whether a ring runs stale patches (then in the gather form), so a planner keeps it
+only on whether it has stale steps (a ring's gather form for plans of several patches,
+beside the ring form of its one-patch twin: :func:`mesh_plan`), so a planner keeps it
 (:class:`MeshPrices`): a diffusion plan for a new step count (``cp.denoise``, the drop-in's
 first call of a loop) re-solves, it does not re-price.
 
