@@ -100,7 +100,8 @@ class Predictor:
     def plan(self, workload: Workload, time_limit: float = 10.0, **fixed: int) -> Plan:
         configs, refused = mesh_configurations(self.cluster, self.limits, FixedDegrees(**fixed))
 
-        def plan_table(table: CostTable, k: int | None, seconds: float) -> Plan:
+        def plan_table(table: CostTable, k: int | None, seconds: float,
+                       _config: Configuration) -> Plan:
             return plan_any_length(lambda _n: table, self.tokens, granularity=self.per_row,
                                    num_stages=k, time_limit=seconds, workload=workload)
 

@@ -173,7 +173,7 @@ class Predictor:
                                            num_stages)]
             across = []
 
-        def plan_table(table: CostTable, k: int | None, seconds: float) -> Plan:
+        def plan_table(table: CostTable, k: int | None, seconds: float, _config: object) -> Plan:
             return plan_any_length(lambda _n: table, self.tokens, granularity=self.granularity,
                                    num_stages=k, time_limit=seconds)
 

@@ -24,6 +24,7 @@ import tppc.diffusers
 from tests.integration.mesh_models import guided_dit
 from tests.oracles import assert_kernels_close, serial_denoise
 from tppc.distributed.checkpoint import save_checkpoint
+from tppc.program.cores import cores_per_device
 
 diffusers = pytest.importorskip("diffusers")
 pytestmark = pytest.mark.timeout(900)
@@ -58,6 +59,24 @@ def test_ulysses2_denoising_through_a_job_equals_the_eager_loop_every_step_warm(
     want = serial_denoise(model, x, diffusers.DDIMScheduler(), 2, timestep_arg="t",
                           model_kwargs={"y": y})
     assert_kernels_close(got, want, depth=2)
+
+
+def test_ring2_attention_through_a_job_equals_the_eager_loop_every_step_warm(guided
+                                                                            ) -> None:
+    """Ring-2 as ranks: one patch a step, so each rank keeps its own K/V block and the
+    blocks pass around the ring (gloo's isend/irecv), every step warm: the eager loop's
+    latents; both ranks report the degrees the job was given and run their CPU device's
+    share of the cores (``tppc.launch`` gives no ``--threads``)."""
+    model, _, path, x, y = guided
+    job = tppc.launch(FACTORY, 2, checkpoint=path, inputs={"args.0": x, "kwargs.y": y},
+                      timeout=800, comm_timeout=120.0, ring=2,
+                      extra_args=["--denoise", "2", "--warmup-steps", "2", "--patches", "1",
+                                  "--timestep-arg", "t"])
+    assert all(r["degrees"]["ring"] == 2 for r in job.reports) and len(job.reports) == 2
+    assert [r["threads"] for r in job.reports] == [cores_per_device(2)] * 2
+    want = serial_denoise(model, x, diffusers.DDIMScheduler(), 2, timestep_arg="t",
+                          model_kwargs={"y": y})
+    assert_kernels_close(job.outputs["latents"], want, depth=2)
 
 
 def test_a_4_rank_job_without_degrees_is_planned_whole_and_its_stale_patches_equal_one_process(

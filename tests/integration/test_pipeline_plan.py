@@ -88,6 +88,20 @@ def test_a_component_goes_where_it_fits_or_is_refused_by_name(pixart) -> None:
         _plan(pipe, example, _small("2xcpu", [stage0 + need // 2, stage1 + need // 2]), roomy)
 
 
+def test_with_no_degree_given_the_summary_names_the_mix_and_the_runner_up(pixart) -> None:
+    """``plan_pipeline`` on 2 CPU devices, no degree given: the transformer's planner chooses
+    among PipeFusion, CFG, Ulysses, Ring and TP by price, and the summary says which and
+    what came second."""
+    pipe, (args, kwargs), _ = pixart
+    pp = plan_pipeline(pipe, args, kwargs, cluster="2xcpu", workload=STEPS, prompt_tokens=8,
+                       encoder_calls=2)
+    plan, text = pp.transformer, pp.summary()
+    assert sum(st.group_size for st in plan.stages) <= 2 and plan.choice is not None
+    assert plan.choice.searched + plan.choice.pruned > 1  # planned, or pruned by its bound
+    assert plan.choice.runner_up and plan.choice.why
+    assert f"runner-up: {plan.choice.runner_up}" in text
+
+
 def test_bad_arguments_are_named_before_anything_is_planned(pixart) -> None:
     pipe, (args, kwargs), _ = pixart
     with pytest.raises(SpecError, match="encoder_calls=0"):

@@ -8,7 +8,6 @@ a loop) re-solves without pricing the meshes again."""
 
 from __future__ import annotations
 
-import os
 import threading
 
 import pytest
@@ -21,8 +20,9 @@ from tppc.driver import mesh_planning
 from tppc.examples.hf import dit
 from tppc.pipefusion import jobs as denoise_jobs
 from tppc.pipefusion.step import StepCalls
+from tppc.program.cores import machine_cores
 
-CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+CORES = machine_cores()  # physical cores (test_rank_threads checks how they are counted)
 EACH = max(1, CORES // 2)
 """Hand-computed: 2 CPU devices share the machine's cores."""
 

@@ -73,6 +73,8 @@ def test_the_link_decides_the_mix(wide) -> None:
         assert plan.lower_bound <= plan.latency
         assert all(plan.lower_bound <= v * (1 + 1e-9) for v in fixed[cluster].values())
         chosen[cluster] = plan.degrees
+        assert plan.choice.runner_up and plan.choice.why  # the runner-up, and why it lost
+        assert f"runner-up: {plan.choice.runner_up}" in plan.summary()
     fast, slow = chosen["2xh100-sxm"], chosen["2xh100-sxm@eth-100g"]
     # NVLink: one stage on a group exchanging per layer; Ethernet: PipeFusion's two stages,
     # one activation per patch and boundary
@@ -142,16 +144,44 @@ def test_a_job_of_one_rank_per_device_gets_a_worker_on_every_device(guided) -> N
 
 
 def test_a_ring_is_priced_in_the_form_its_stale_patches_run(guided) -> None:
-    """Stale patches run a ring's attentions in the gather form (each worker's buffers hold
-    the whole key length), every step warm in the ring form (its own block, 1/2)."""
+    """The form follows the patches, as ``tppc.pipefusion.denoise.patch_programs`` emits
+    it: more than one patch a step runs a ring's attentions in the gather form (each
+    worker's buffers hold the whole key length), one patch in the ring form (its own block,
+    1/2) even with stale steps, as every step warm does."""
     ones = {"num_stages": 1, "tensor_parallel": 1, "ulysses": 1, "cfg_parallel": 1}
-    opts = CompileOptions.from_kwargs(cluster="2xh100-sxm", time_limit=2.0, ring=2, **ones)
-    planner = length_planner(opts)
-    warm = planner(guided, ROWS, workload=Workload(kind="diffusion", steps=4, warmup_steps=4))
-    stale = planner(guided, ROWS, workload=WORKLOAD)
-    assert stale.stages[0].memory_bytes > warm.stages[0].memory_bytes
-    assert any("gather form" in w for w in stale.choice.collectives)
-    assert not any("gather form" in w for w in warm.choice.collectives)
+    warm_steps = Workload(kind="diffusion", steps=4, warmup_steps=4)
+
+    def planned(**options) -> tuple[Plan, Plan]:
+        opts = CompileOptions.from_kwargs(cluster="2xh100-sxm", time_limit=2.0, ring=2,
+                                          **(ones | options))
+        planner = length_planner(opts)
+        return planner(guided, ROWS, workload=warm_steps), planner(guided, ROWS,
+                                                                   workload=WORKLOAD)
+
+    warm, stale = planned()  # one stage: the planner keeps one patch
+    assert len(stale.chunks) == 1
+    assert stale.stages[0].memory_bytes == warm.stages[0].memory_bytes
+    assert not any("gather form" in w for w in stale.choice.collectives)
+    assert any("ring shift" in w for w in stale.choice.collectives)
+    _, patched = planned(patches=4)  # four patches: the gather form
+    assert len(patched.chunks) == 4
+    assert patched.stages[0].memory_bytes > warm.stages[0].memory_bytes
+    assert all("gather form" in w for w in patched.choice.collectives)
+
+
+def test_a_ring_plan_priced_in_one_form_has_the_patches_of_that_form(guided) -> None:
+    """The planner chooses the patches: each plan's price is the form its patch count
+    runs (one patch: the ring form; more: the gather form), whichever wins."""
+    forms = set()
+    for cluster in ("4xh100-sxm@eth-100g", "4xh100-sxm"):
+        opts = CompileOptions.from_kwargs(cluster=cluster, time_limit=4.0, ring=2,
+                                          num_stages=2, cfg_parallel=1, ulysses=1,
+                                          tensor_parallel=1)
+        plan = length_planner(opts)(guided, ROWS, workload=WORKLOAD)
+        gather = [("gather form" in w) for w in plan.choice.collectives]
+        assert gather and all(g == (len(plan.chunks) > 1) for g in gather), (cluster, plan)
+        forms.add(gather[0])
+    assert forms == {True, False}  # Ethernet: patches, gathered; NVLink: one, the ring
 
 
 def test_placements_put_each_axis_on_the_links_searched() -> None:

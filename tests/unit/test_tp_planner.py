@@ -28,7 +28,7 @@ L = 1024
 
 
 def _plan_table(calls: list | None = None):
-    def plan_table(t, stages, seconds):
+    def plan_table(t, stages, seconds, _config):
         if calls is not None:
             calls.append(t.device_names)
         return plan_any_length(lambda _n: t, L, granularity=64, num_stages=stages,

@@ -24,7 +24,6 @@ stage threads overlap like the torch ``threads`` executor.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ import onnxruntime as ort
 from tppc.errors import StageTimeout
 from tppc.program.actions import Actions, flow_shop
 from tppc.program.collectives import NUMPY
+from tppc.program.cores import cores_per_device
 from tppc.program.dry_run import DryRun, check_actions
 from tppc.program.interpreter import Deadline, Interpreter, run_in_order
 from tppc.program.sharded import sharded_groups
@@ -310,5 +310,6 @@ def _dry_run(stages: Sequence[Any], call: OrtCall, actions: Actions | None,
 
 
 def default_threads(stages: int) -> int:
-    """Intra-op threads per stage by default: the machine's cores shared by the stages."""
-    return max(1, (os.cpu_count() or 1) // max(1, stages))
+    """Intra-op threads per stage by default: the machine's physical cores (those this
+    process may run on) shared by the stages (:func:`tppc.program.cores.cores_per_device`)."""
+    return cores_per_device(stages)

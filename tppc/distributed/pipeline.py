@@ -41,6 +41,7 @@ from tppc.backends.torch_distributed import DistributedExecutor
 from tppc.calls.call import run_call
 from tppc.distributed.checkpoint import StageWeights
 from tppc.distributed.rank_delivery import RankDelivery
+from tppc.distributed.rank_threads import set_rank_threads
 from tppc.distributed.shared_results import sweep_dead
 from tppc.distributed.validate import retarget, validate_on_rank0
 from tppc.driver.emit import Emitter
@@ -132,9 +133,7 @@ def compile_distributed(model: torch.nn.Module, args: tuple[Any, ...],
                                                      _group_degree(options)))
     options.update(executor="distributed", devices=("meta",) * world)
     opts = CompileOptions.from_kwargs(**options)
-    if where.type == "cpu" and opts.threads_per_stage is not None:
-        t = opts.threads_per_stage
-        torch.set_num_threads(t if isinstance(t, int) else t[min(rank, len(t) - 1)])
+    set_rank_threads(opts, rank, where)  # capture and planning too (stage not known yet)
     front = capture_front_end(model, args, kwargs, seq_dims=seq_dims)  # on meta if the model is
     if chooses and not front.bidirectional:  # an LLM: one stage a rank
         opts = dataclasses.replace(opts, num_stages=world)
@@ -150,9 +149,7 @@ def compile_distributed(model: torch.nn.Module, args: tuple[Any, ...],
     emitter.check(front, plan)
     program = emitter.emit(front, plan)
     check_world(program, world)
-    t = opts.threads_per_stage
-    if where.type == "cpu" and isinstance(t, tuple) and program.workers:  # per stage
-        torch.set_num_threads(t[program.runners[rank].index])
+    set_rank_threads(opts, program.runners[rank].index, where)
     cp = DistributedPipeline(model, front, program, emitter,
                              seq_dims=seq_dims, weights=weights, rank=rank, world=world,
                              results=results, comm_timeout=comm_timeout)

@@ -126,7 +126,8 @@ def tensor_parallel_plan(front: FrontEnd, opts: CompileOptions, tokens: int,
         roles = effective_roles(front.chunk) if roles is None else roles
         return _group_table(front, opts, tokens, config.groups, rates, roles)
 
-    def plan_table(table: CostTable, stages: int | None, seconds: float) -> Plan:
+    def plan_table(table: CostTable, stages: int | None, seconds: float,
+                   _config: Configuration) -> Plan:
         return plan_length(lambda _length: table, stages, seconds)
 
     plan = plan_hybrid(configs, price, plan_table, cluster=cluster,

@@ -13,7 +13,8 @@ configuration searched.
 
 What pricing finds (each mesh's cut tried on the model, each configuration's table of
 groups) depends on the front end, the length and the planner's options, and of the workload
-only on whether a ring runs stale patches (then in the gather form), so a planner keeps it
+only on whether it has stale steps (a ring's gather form for plans of several patches,
+beside the ring form of its one-patch twin: :func:`mesh_plan`), so a planner keeps it
 (:class:`MeshPrices`): a diffusion plan for a new step count (``cp.denoise``, the drop-in's
 first call of a loop) re-solves, it does not re-price.
 
@@ -54,8 +55,9 @@ __all__ = ["MeshPrices", "capped", "mesh_limits", "mesh_plan", "wants_mesh"]
 
 T = TypeVar("T")
 
-#: ``plan(table_at, num_stages, seconds) -> Plan``: the one-device-a-stage planner of a length.
-PlanLength = Callable[[Callable[[int], CostTable], "int | None", float], Plan]
+#: ``plan(table_at, num_stages, seconds, one_patch=False) -> Plan``: the one-device-a-stage
+#: planner of a length (``one_patch``: at most one patch a step).
+PlanLength = Callable[..., Plan]
 
 
 class MeshPrices:
@@ -189,7 +191,8 @@ def mesh_plan(front: FrontEnd, opts: CompileOptions, tokens: int,
               table_at: Callable[[int], CostTable], plan_length: PlanLength,
               granularity: int, objective: str = "latency",
               rates: tuple[float, ...] | None = None, steps: int = 1,
-              prices: MeshPrices | None = None, stale: bool = False) -> Plan:
+              prices: MeshPrices | None = None, stale: bool = False,
+              patches_free: bool = True) -> Plan:
     """The best plan over the meshes ``opts`` and the model allow (module docstring).
 
     Args:
@@ -204,11 +207,15 @@ def mesh_plan(front: FrontEnd, opts: CompileOptions, tokens: int,
         steps: the workload's steps (for the any-plan bound of a configuration).
         prices: what earlier plans of this planner priced (None: price afresh); it must
             belong to one planner (one ``opts`` and ``rates``).
-        stale: the workload has stale PipeFusion steps, whose programs run a ring's
-            attentions in the gather form (:func:`tppc.pipefusion.denoise.patch_programs`):
-            a ring is priced so (its time, its exchanges, a whole key length of K/V per
-            worker). A plan that ends with one patch runs the ring form: priced high, never
-            short of memory.
+        stale: the workload has stale PipeFusion steps. Their programs run a ring's
+            attentions in the gather form when a step has more than one patch, in the ring
+            form with one (:func:`tppc.pipefusion.denoise.patch_programs`), so each
+            configuration with a ring is priced in both, as two candidates: the gather form
+            (its time, its exchanges, a whole key length of K/V per worker), whose plans of
+            one patch are dropped (not what runs), and its one-patch twin
+            (``Configuration.one_patch``) in the ring form, planned with one patch.
+        patches_free: the planner chooses the patch count (False: the caller fixed it
+            above one, so a ring runs the gather form only and has no one-patch twin).
 
     Raises:
         PlanError: fixed degrees the model or the cluster cannot hold, named.
@@ -219,6 +226,9 @@ def mesh_plan(front: FrontEnd, opts: CompileOptions, tokens: int,
     configs, refused = mesh_configurations(cluster, limits, _fixed(opts))
     prices = prices or MeshPrices()
     configs = _cuttable(front, configs, refused, opts, prices)
+    if stale and patches_free:  # a ring runs its ring form only with one patch: priced apart
+        configs = [*configs, *(dataclasses.replace(c, one_patch=True)
+                               for c in configs if c.ring > 1)]
     if len(configs) == 1 and all(len(g) == 1 for g in configs[0].groups):  # PipeFusion alone
         return plan_length(table_at, opts.num_stages or configs[0].fixed_stages,
                            opts.time_limit)
@@ -226,9 +236,14 @@ def mesh_plan(front: FrontEnd, opts: CompileOptions, tokens: int,
     base: list[CostTable] = []
     ctx = front.ctx
 
+    def gathers(config: Configuration) -> bool:
+        """The programs of ``config``'s plans run a ring's gather form (module docstring)."""
+        return stale and config.ring > 1 and not config.one_patch
+
     def price(config: Configuration) -> tuple[CostTable, tuple[str, ...]]:
-        gather = stale and config.ring > 1
-        return prices.get(front, ("price", tokens, config, gather), lambda: priced(config))
+        key = dataclasses.replace(config, one_patch=False)  # the form is the other key
+        return prices.get(front, ("price", tokens, key, gathers(config)),
+                          lambda: priced(config))
 
     def priced(config: Configuration) -> tuple[CostTable, tuple[str, ...]]:
         if all(len(g) == 1 for g in config.groups):
@@ -242,13 +257,17 @@ def mesh_plan(front: FrontEnd, opts: CompileOptions, tokens: int,
             queue_depth=opts.queue_depth, seq_symbol=ctx.seq_symbol,
             token_count=ctx.token_count,
             mesh=Mesh(cfg=config.cfg_parallel, ring=config.ring, ulysses=config.ulysses),
-            ring_gather=stale and config.ring > 1)
+            ring_gather=gathers(config))
         if rates is not None:
             table = table.scaled([max(rates[d] for d in g) for g in config.groups])
         return capped(table, opts.memory_limit_bytes), words
 
-    def plan_table(table: CostTable, stages: int | None, seconds: float) -> Plan:
-        return plan_length(lambda _length: table, stages, seconds)
+    def plan_table(table: CostTable, stages: int | None, seconds: float,
+                   config: Configuration) -> Plan | None:
+        plan = plan_length(lambda _length: table, stages, seconds, one_patch=config.one_patch)
+        if gathers(config) and patches_free and len(plan.boundaries) <= 2:
+            return None  # one patch runs the ring form: the one-patch twin prices it
+        return plan
 
     return plan_hybrid(configs, price, plan_table, cluster=cluster, granularity=granularity,
                        num_stages=opts.num_stages, objective=objective,

@@ -301,14 +301,16 @@ def _plan_length(front: FrontEnd, opts: CompileOptions, length: int,
             "tensor_parallel= and num_stages=")
 
     def search(tokens: int, g: int | None, cuts: tuple[int, ...] | None) -> Plan:
-        def plan_length(at: Callable[[int], CostTable], k: int | None, seconds: float) -> Plan:
+        def plan_length(at: Callable[[int], CostTable], k: int | None, seconds: float,
+                        one_patch: bool = False) -> Plan:
+            work = dataclasses.replace(workload, max_patches=1) if one_patch else workload
             return plan_any_length(at, tokens, granularity=g, num_stages=k,
-                                   time_limit=seconds, workload=workload, bounds=cuts)
+                                   time_limit=seconds, workload=work, bounds=cuts)
 
         if mesh:
             return mesh_plan(front, opts, tokens, table_at, plan_length,
                              g or default_granularity(tokens), objective, rates,
-                             workload.steps, prices, stale)
+                             workload.steps, prices, stale, patches_free=cuts is None)
         if not hybrid:
             return plan_length(table_at, stages, opts.time_limit)
         return tensor_parallel_plan(front, opts, tokens, table_at, plan_length,

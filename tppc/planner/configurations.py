@@ -42,6 +42,9 @@ class Configuration:
         groups: device indices of each group, in chain order.
         spans_nodes: some group crosses the inter-node link.
         fixed_stages: the stage count the degrees fix (a tuple of degrees: its length).
+        one_patch: its plans keep one patch a step (a ring with stale PipeFusion steps runs
+            its ring form only then, the gather form with more: priced apart,
+            :func:`tppc.driver.mesh_planning.mesh_plan`).
     """
 
     groups: tuple[tuple[int, ...], ...]
@@ -51,6 +54,7 @@ class Configuration:
     ulysses: int = 1
     ring: int = 1
     placement: str = ""
+    one_patch: bool = False
 
     @property
     def token_workers(self) -> int:
@@ -74,7 +78,8 @@ class Configuration:
             return tp
         axes = [f"{name}{d}" for name, d in (("CFG", self.cfg_parallel), ("Ring", self.ring),
                                              ("Ulysses", self.ulysses)) if d > 1]
-        return " x ".join([*axes, tp]) + (f" [{self.placement}]" if self.placement else "")
+        return " x ".join([*axes, tp]) + (f" [{self.placement}]" if self.placement else "") \
+            + (" (one patch)" if self.one_patch else "")
 
 
 def _divides(t: int, sizes: Sequence[int]) -> bool:

@@ -42,8 +42,11 @@ OBJECTIVES = ("latency", "throughput_per_device")
 PriceGroups = Callable[[Configuration], tuple[CostTable, tuple[str, ...]]]
 """``price(config) -> (group table, collectives per layer in words)``."""
 
-PlanTable = Callable[[CostTable, "int | None", float], Plan]
-"""``plan_table(table, num_stages, seconds) -> Plan`` (stages on rows of ``table``)."""
+PlanTable = Callable[[CostTable, "int | None", float, Configuration], "Plan | None"]
+"""``plan_table(table, num_stages, seconds, config) -> Plan`` (stages on rows of ``table``,
+the groups of ``config``); None: ``config``'s best plan is not of its own form (a ring's
+gather form planned one patch, which runs the ring form: its one-patch twin has it), so the
+configuration has no plan of its own (not refused: no reason is recorded)."""
 
 MIN_SECONDS = 0.2
 """Seconds a candidate gets at least (its first incumbent)."""
@@ -185,11 +188,14 @@ def _search(candidates: list[_Candidate], plan_table: PlanTable, objective: str,
         left = deadline - time.perf_counter()  # the most promising bound gets the most
         seconds = max(left / 2 if i < len(order) - 1 else left, MIN_SECONDS)
         try:
-            c.plan = plan_table(c.table, c.stages, seconds)
+            c.plan = plan_table(c.table, c.stages, seconds, c.config)
+            c.refused = c.plan is None  # no plan of its own form: its twin has it
         except PlanInfeasible as exc:
             error = error or exc
             c.refused = True
             refused.append(f"PP{c.stages or '*'} x {c.config.label}: {str(exc).splitlines()[0]}")
+            continue
+        if c.plan is None:
             continue
         if best is None or _value(c, c.plan, objective) < _value(best, best.plan, objective) \
                 * (1 - 1e-9):

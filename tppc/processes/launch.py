@@ -54,6 +54,7 @@ from tppc.driver.options import check_seconds
 from tppc.errors import SpecError, StageFailed
 from tppc.processes import owned_files
 from tppc.processes.rank_exit import LAUNCH_DIR_ENV, LAUNCHER_PID_ENV
+from tppc.program.cores import cores_per_device
 
 __all__ = ["STOP_GRACE_S", "LaunchResult", "launch"]
 
@@ -83,7 +84,7 @@ class LaunchResult:
 def launch(factory: str | Path, nprocs: int, *, checkpoint: str | Path | None = None,
            inputs: Mapping[str, Any] | None = None, generate: int | None = None,
            factory_kwargs: str = "{}", chunks: int | None = None, cluster: str | None = None,
-           threads: int = 1, comm_timeout: float = 30.0, timeout: float | None = 300.0,
+           threads: int | None = None, comm_timeout: float = 30.0, timeout: float | None = 300.0,
            repeat: int = 1, env: Mapping[str, str] | None = None,
            extra_args: Sequence[str] = (),
            tensor_parallel: int | Sequence[int] | None = None,
@@ -102,7 +103,9 @@ def launch(factory: str | Path, nprocs: int, *, checkpoint: str | Path | None = 
         generate: greedy-generate this many tokens instead of one call.
         factory_kwargs: JSON keywords of the factory.
         chunks, cluster: planning options (see :mod:`tppc.run`).
-        threads: intra-op threads per rank.
+        threads: intra-op threads per rank (``--threads``); None: each rank its CPU
+            device's share of this machine's physical cores, the ``nprocs`` ranks sharing
+            them (:mod:`tppc.distributed.rank_threads`).
         comm_timeout: seconds a rank waits for a peer before failing.
         timeout: seconds after which the remaining ranks are killed (None: no limit; the
             ranks still end on their own ``comm_timeout`` when a peer is gone).
@@ -148,15 +151,17 @@ def launch(factory: str | Path, nprocs: int, *, checkpoint: str | Path | None = 
 def _launch(work: Path, procs: list[subprocess.Popen], factory: str | Path, nprocs: int,
             checkpoint: str | Path | None, inputs: Mapping[str, Any] | None,
             generate: int | None, factory_kwargs: str, chunks: int | None,
-            cluster: str | None, threads: int, comm_timeout: float, timeout: float | None,
-            repeat: int, env: Mapping[str, str] | None,
+            cluster: str | None, threads: int | None, comm_timeout: float,
+            timeout: float | None, repeat: int, env: Mapping[str, str] | None,
             extra_args: Sequence[str]) -> LaunchResult:
     import numpy as np
 
     argv = [sys.executable, "-m", "tppc.run", str(factory), "--factory-kwargs", factory_kwargs,
             "--output", str(work / "out.npz"), "--report", str(work),
-            "--timeout", str(comm_timeout), "--threads", str(threads), "--device", "cpu",
-            "--repeat", str(repeat), *extra_args]
+            "--timeout", str(comm_timeout), "--device", "cpu", "--repeat", str(repeat),
+            *extra_args]
+    if threads is not None:
+        argv += ["--threads", str(threads)]
     if checkpoint is not None:
         argv += ["--checkpoint", str(checkpoint)]
     if inputs is not None:
@@ -204,13 +209,14 @@ def _launch(work: Path, procs: list[subprocess.Popen], factory: str | Path, npro
     return LaunchResult(outputs, reports, codes, seconds, texts)
 
 
-def _rank_env(rank: int, world: int, port: int, threads: int,
+def _rank_env(rank: int, world: int, port: int, threads: int | None,
               extra: Mapping[str, str] | None, work: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                 "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0",
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                "TORCHELASTIC_USE_AGENT_STORE": "True", "OMP_NUM_THREADS": str(threads),
+                "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "OMP_NUM_THREADS": str(threads or cores_per_device(world)),
                 LAUNCHER_PID_ENV: str(os.getpid()), LAUNCH_DIR_ENV: str(work)})
     env.update(extra or {})
     return env
