@@ -21,6 +21,8 @@ Example:
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 from tppc.cost_models.cluster import Cluster
 from tppc.cost_models.specs import DeviceSpec
 from tppc.errors import SpecError
@@ -52,5 +54,5 @@ def intra_op_chain(cluster: Cluster, groups: tuple[tuple[int, ...], ...], thread
         raise SpecError(f"intra-op groups run on CPU devices only; the groups {groups} hold "
                         f"{sorted(names)}. fix: intra_op=1 on this cluster")
     spec = intra_op_spec(threads, len(groups))
-    links = tuple(cluster.link(a[-1], b[0]) for a, b in zip(groups, groups[1:]))
+    links = tuple(cluster.link(a[-1], b[0]) for a, b in pairwise(groups))
     return Cluster(devices=(spec,) * len(groups), links=links)
