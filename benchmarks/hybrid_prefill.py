@@ -47,6 +47,7 @@ import torch
 
 import tppc
 from tppc.cost_models.cluster import Cluster
+from tppc.cost_models.intra_op import intra_op_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_speed import llama
@@ -90,6 +91,12 @@ def main() -> None:
     print(compiled["default"].plan.summary())
     group = Cluster.parse("2xcpu").devices[0].thread_group
     print(f"thread group (calibrated): {group}")
+    for label, spec in (("1 thread, 2 at once", Cluster.parse("2xcpu").devices[0]),
+                        ("2 threads (intra-op)", intra_op_spec(2))):
+        print(f"cpu {label}: fp32 {spec.matrix.peak_flops['fp32'] / 1e9:.1f} GFLOP/s, "
+              f"half rows {spec.matrix.half_rows:.1f}, vector {spec.vector.peak_flops / 1e9:.1f}"
+              f" G/s, bandwidth {spec.memory.bandwidth / 1e9:.1f} GB/s, op overhead "
+              f"{spec.op_overhead * 1e6:.1f} us")
     for name, cp in compiled.items():
         diff = (cp(ids).logits - want).abs().max().item()
         threads = [w.threads for w in cp.program(args.seq).runners]
