@@ -146,3 +146,14 @@ def test_the_distributed_backend_refuses_intra_op_by_name() -> None:
     model, (ids,), _ = hf_llama(seq_len=32, layers=2)
     with pytest.raises(SpecError, match="intra_op=2: the distributed backend"):
         compile_distributed(model, (ids,), intra_op=2)
+
+
+def test_tppc_plan_takes_intra_op(tmp_path, monkeypatch, capsys) -> None:
+    from tppc.cli.main import main
+
+    monkeypatch.setenv("TPPC_CALIBRATION", str(_pin(tmp_path, 0.3)))
+    assert main(["plan", "tppc.examples:gpt", "--cluster", "2xcpu", "--intra-op", "2",
+                 "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [(st["intra_op"], st["device_indices"]) for st in data["stages"]] == [(2, [0, 1])]
+    assert data["degrees"]["intra_op"] == 2 and data["schema"] == "tppc.plan/5"
