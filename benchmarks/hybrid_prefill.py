@@ -16,10 +16,15 @@ noise), the median of ``--reps`` reported as a ratio to eager on one thread:
     tp2:        ``tppc.compile(..., cluster="2xcpu", num_stages=1, tensor_parallel=2)``: one
                 stage sharded over two worker threads (Megatron pairs, an all-reduce after
                 each row-parallel projection, the LM head cut by vocabulary).
+    intra2:     ``tppc.compile(..., cluster="2xcpu", num_stages=1, intra_op=2)``: one stage,
+                one worker running both CPU devices' cores as its intra-op threads (torch
+                splits each op, as eager-2t), the planner's chunks.
     default:    ``tppc.compile(..., cluster="2xcpu")``: what a user gets (the planner picks
-                the degrees and the chunks).
-Every tppc row runs the threads executor with one intra-op thread per worker, and each
-result is checked against eager (max |diff| printed).
+                the degrees, PP2, TP2 or intra-op 2, and the chunks).
+Every tppc row runs the threads executor, each worker with its plan devices' share of the
+cores (``threads_per_stage`` left None: on 2 cores one thread per worker of a one-device
+stage, two for the intra-op worker), and each result is checked against eager (max |diff|
+printed).
 
 ``--breakdown`` then times one more ``tp2`` call and splits each worker's wall time by its
 trace (``cp.last_trace``: one entry per compute part): its compute (the parts between
@@ -42,6 +47,7 @@ import torch
 
 import tppc
 from tppc.cost_models.cluster import Cluster
+from tppc.cost_models.intra_op import intra_op_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_speed import llama
@@ -74,19 +80,29 @@ def main() -> None:
     ids = torch.randint(0, 32000, (1, args.seq), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = model(ids).logits
-    common = {"cluster": "2xcpu", "executor": "threads", "threads_per_stage": 1}
+    common = {"cluster": "2xcpu", "executor": "threads"}
     compiled = {
-        "pp2": tppc.compile(model, (ids,), num_stages=2, tensor_parallel=1, **common),
+        "pp2": tppc.compile(model, (ids,), num_stages=2, tensor_parallel=1, intra_op=1,
+                            **common),
         "tp2": tppc.compile(model, (ids,), num_stages=1, tensor_parallel=2, **common),
+        "intra2": tppc.compile(model, (ids,), num_stages=1, intra_op=2, **common),
         "default": tppc.compile(model, (ids,), **common),
     }
     print(compiled["default"].plan.summary())
     group = Cluster.parse("2xcpu").devices[0].thread_group
     print(f"thread group (calibrated): {group}")
+    for label, spec in (("1 thread, 2 at once", Cluster.parse("2xcpu").devices[0]),
+                        ("2 threads (intra-op)", intra_op_spec(2))):
+        print(f"cpu {label}: fp32 {spec.matrix.peak_flops['fp32'] / 1e9:.1f} GFLOP/s, "
+              f"half rows {spec.matrix.half_rows:.1f}, vector {spec.vector.peak_flops / 1e9:.1f}"
+              f" G/s, bandwidth {spec.memory.bandwidth / 1e9:.1f} GB/s, op overhead "
+              f"{spec.op_overhead * 1e6:.1f} us")
     for name, cp in compiled.items():
         diff = (cp(ids).logits - want).abs().max().item()
+        threads = [w.threads for w in cp.program(args.seq).runners]
         print(f"{name}: degrees {dict(cp.plan.degrees)}, chunks {len(cp.plan.chunks)}, "
-              f"predicted {cp.plan.latency:.3f} s, max |diff| vs eager {diff:.2e}")
+              f"worker threads {threads}, predicted {cp.plan.latency:.3f} s, max |diff| vs "
+              f"eager {diff:.2e}")
 
     def eager(threads: int):
         def run() -> None:

@@ -220,7 +220,7 @@ def test_plan_json_says_its_unit_and_round_trips_it() -> None:
         plan_for(table(num_layers=2, speeds=(1.0, 1.0)), (0, 1, 2), (0, 512, 1024)),
         seq_len=64, granularity=8, boundaries=(0, 32, 64), tokens_per_unit=16)
     data = json.loads(plan.to_json())
-    assert (data["schema"], data["tokens_per_unit"]) == ("tppc.plan/4", 16)
+    assert (data["schema"], data["tokens_per_unit"]) == ("tppc.plan/5", 16)
     assert Plan.from_json(plan.to_json()) == plan
     assert (plan.unit, plan.seq_tokens) == ("rows of 16 tokens", 1024)
     assert "chunks (rows of 16 tokens): 32 32" in plan.summary()

@@ -57,7 +57,7 @@ def _alone(config: Configuration, tp_speed: float) -> Plan:
 
 def test_tensor_parallel_wins_when_the_group_is_faster_than_any_pipeline() -> None:
     plan = _hybrid(3.0)  # a pipeline of two devices of speed 1 is at most 2x faster
-    assert plan.degrees == {"num_stages": 1, "tensor_parallel": 2, "cfg_parallel": 1, "ulysses": 1, "ring": 1, "replicas": 1}
+    assert plan.degrees == {"num_stages": 1, "tensor_parallel": 2, "cfg_parallel": 1, "ulysses": 1, "ring": 1, "intra_op": 1, "replicas": 1}
     assert plan.stages[0].device_indices == (0, 1)
     assert plan.latency == pytest.approx(_alone(TP2, 3.0).latency)
     assert plan.latency < _alone(PP2, 3.0).latency
@@ -65,7 +65,7 @@ def test_tensor_parallel_wins_when_the_group_is_faster_than_any_pipeline() -> No
 
 def test_the_pipeline_wins_when_the_group_barely_speeds_up() -> None:
     plan = _hybrid(1.05)
-    assert plan.degrees == {"num_stages": 2, "tensor_parallel": 1, "cfg_parallel": 1, "ulysses": 1, "ring": 1, "replicas": 1}
+    assert plan.degrees == {"num_stages": 2, "tensor_parallel": 1, "cfg_parallel": 1, "ulysses": 1, "ring": 1, "intra_op": 1, "replicas": 1}
     assert [st.device_indices for st in plan.stages] == [(0,), (1,)]
     assert plan.latency == pytest.approx(_alone(PP2, 1.05).latency)
     assert "TP2" in plan.choice.runner_up and "PP2 x TP1 predicts" in plan.choice.why
@@ -88,7 +88,7 @@ def test_a_configuration_whose_bound_cannot_win_is_never_planned() -> None:
 
 def test_throughput_per_device_prefers_replicas_of_one_device_over_a_group() -> None:
     plan = _hybrid(1.9, objective="throughput_per_device")  # 2 devices for 1.9x
-    assert plan.degrees == {"num_stages": 1, "tensor_parallel": 1, "cfg_parallel": 1, "ulysses": 1, "ring": 1, "replicas": 2}
+    assert plan.degrees == {"num_stages": 1, "tensor_parallel": 1, "cfg_parallel": 1, "ulysses": 1, "ring": 1, "intra_op": 1, "replicas": 2}
     assert _hybrid(2.5, objective="throughput_per_device").degrees["tensor_parallel"] == 2
 
 
@@ -170,7 +170,7 @@ def test_hybrid_plan_json_round_trips_and_older_schemas_read() -> None:
     back = Plan.from_json(plan.to_json())
     assert back == plan and back.stages[0].device_indices == (0, 1)
     data = json.loads(plan.to_json())
-    assert data["schema"] == "tppc.plan/4" and data["degrees"]["tensor_parallel"] == 2
+    assert data["schema"] == "tppc.plan/5" and data["degrees"]["tensor_parallel"] == 2
     old = _hybrid(1.05)
     data = json.loads(old.to_json())
     for key in ("degrees", "replicas", "choice"):
@@ -180,7 +180,7 @@ def test_hybrid_plan_json_round_trips_and_older_schemas_read() -> None:
     data["schema"] = "tppc.plan/2"
     data["workload"].pop("objective")
     read = Plan.from_json(json.dumps(data))
-    assert read.degrees == {"num_stages": 2, "tensor_parallel": 1, "cfg_parallel": 1, "ulysses": 1, "ring": 1, "replicas": 1}
+    assert read.degrees == {"num_stages": 2, "tensor_parallel": 1, "cfg_parallel": 1, "ulysses": 1, "ring": 1, "intra_op": 1, "replicas": 1}
     assert read.stages[1].device_indices == (1,)
 
 
@@ -205,7 +205,7 @@ def test_degrees_may_differ_per_stage_on_a_mixed_cluster() -> None:
     rows = dataclasses.replace(table(4, (2.0, 1.0), seq_len=L), device_names=("grp", "a100"))
     plan = plan_hybrid([mixed], lambda c: (rows, ()), _plan_table(), cluster=cluster,
                        granularity=64, num_stages=2, time_limit=5.0)
-    assert plan.degrees == {"num_stages": 2, "tensor_parallel": (2, 1), "cfg_parallel": 1, "ulysses": 1, "ring": 1, "replicas": 1}
+    assert plan.degrees == {"num_stages": 2, "tensor_parallel": (2, 1), "cfg_parallel": 1, "ulysses": 1, "ring": 1, "intra_op": 1, "replicas": 1}
     assert [st.device_indices for st in plan.stages] == [(0, 1), (2,)]
     assert Plan.from_json(plan.to_json()).degrees == plan.degrees
     assert "PP2 x TP(2,1)" in plan.summary()

@@ -13,6 +13,8 @@ THE interpreter one action at a time in the calling thread, in the order of thei
 stage's outputs; a collective combines its group's values with :func:`in_place_ops`, as the
 threads executor does, so the logits slices written in place are not copied again): the
 reference the others are tested against; it also runs the decoding steps of ``generate``.
+It keeps its caller's intra-op threads, except for the worker of an intra-op stage
+(``StageProgram.intra_op > 1``), whose computes run with its ``threads``.
 """
 
 from __future__ import annotations
@@ -233,7 +235,17 @@ class LocalExecutor:
 
         def compute(s: int, act: Action, got: Any) -> tuple[Any, ...]:
             done[0] += 1
-            return run_stage(stages[s].part(act.part), call, state, act.start, act.end, got)
+            threads = stages[s].threads if stages[s].intra_op > 1 else None
+            if threads is None or threads == torch.get_num_threads():
+                return run_stage(stages[s].part(act.part), call, state, act.start, act.end,
+                                 got)
+            mine = torch.get_num_threads()  # the worker's own count, the caller's restored
+            torch.set_num_threads(threads)
+            try:
+                return run_stage(stages[s].part(act.part), call, state, act.start, act.end,
+                                 got)
+            finally:
+                torch.set_num_threads(mine)
 
         def late(s: int, act: Action) -> StageTimeout:
             stage = stages[s]

@@ -34,7 +34,8 @@ def _plan(ns: argparse.Namespace) -> int:
     workload = Workload(kind="diffusion", steps=ns.steps) if ns.steps else None
     result = plan(model, args, kwargs, cluster=ns.cluster, seq_len=ns.seq_len,
                   granularity=ns.granularity, workload=workload, time_limit=ns.time_limit,
-                  num_stages=ns.stages, tensor_parallel=ns.tensor_parallel, verbose=True)
+                  num_stages=ns.stages, tensor_parallel=ns.tensor_parallel,
+                  intra_op=ns.intra_op, verbose=True)
     print(result.to_json() if ns.json else result.summary())
     if ns.png:
         from tppc.report.timeline import draw_timeline
@@ -118,6 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     pl.add_argument("--tensor-parallel", type=degrees_arg, default=None, metavar="T[,T...]",
                     help="tensor-parallel degree of every stage, or one per stage "
                          "(default: planned)")
+    pl.add_argument("--intra-op", type=int, default=None, metavar="K",
+                    help="CPU devices per stage run by one worker of K intra-op threads "
+                         "(1: none; default: planned on CPU clusters)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.add_argument("--png", default=None, metavar="FILE",
                     help="draw the predicted schedule as a Gantt chart (needs matplotlib)")

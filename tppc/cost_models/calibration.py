@@ -32,7 +32,8 @@ pipeline do (``Cluster.parse("2xcpu")`` asks for ``k = 2``).
 
 Results are cached (:mod:`.calibration_store`), keyed by device, thread count, CPU model and
 torch version; ``force=True`` measures again. One CPU calibration takes about 2 s. A pinned
-calibration (``$TPPC_CALIBRATION``, a JSON file) is returned without measuring: plans then do
+calibration (``$TPPC_CALIBRATION``, a JSON file; ``threads=k > 1``: its ``"<co_running>t<k>"``
+entry) is returned without measuring: plans then do
 not depend on this machine's speed or load; the test suite pins one (``tests/data``), and a
 user can pin the calibration measured once on an idle machine.
 
@@ -410,7 +411,7 @@ def calibrate(device: str = "cpu", *, threads: int | None = 1, force: bool = Fal
           f"{_slug(hw)}-torch{_slug(torch.__version__)}"
     pin = os.environ.get("TPPC_CALIBRATION")
     if pin and dev.type == "cpu" and not force:
-        data = pinned(pin, co_running)
+        data = pinned(pin, co_running, n_threads if threads is not None else 1)
         return _spec_from(data["name"], data["measured"], data["description"] + " (pinned)")
     path = cache_dir() / "calibration" / f"{key}.json"
     data = None if force else read_cached(path)

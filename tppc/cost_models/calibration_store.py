@@ -5,6 +5,9 @@ Terms:
         file per calibration key (device, threads, co-running stages, CPU model, torch).
     pinned calibration: ``$TPPC_CALIBRATION`` names a JSON file (a cached calibration, or a
         ``{"1": {...}, "2": {...}}`` map from ``co_running`` to one) used instead of measuring.
+        A map may also hold calibrations measured with ``k > 1`` intra-op threads, keyed
+        ``"<co_running>t<k>"`` (``"1t2"``: one worker of 2 threads, the intra-op candidate
+        of ``2xcpu``); without such a key, :func:`pinned` refuses ``threads=k`` by name.
     schema: the version of the measured fields; a file of another schema is measured again
         (cache) or refused (pinned).
 """
@@ -59,11 +62,13 @@ def write_cached(path: Path, name: str, description: str, measured: dict[str, fl
         pass  # read-only cache dir: the spec is still returned
 
 
-def pinned(path: str, co_running: int) -> dict[str, Any]:
-    """The pinned calibration of ``co_running`` stages in the file ``path``.
+def pinned(path: str, co_running: int, threads: int = 1) -> dict[str, Any]:
+    """The pinned calibration of ``co_running`` stages of ``threads`` intra-op threads each
+    in the file ``path`` (``threads > 1``: the key ``"<co_running>t<threads>"``).
 
     Raises:
-        SpecError: the file cannot be read, or is of another schema.
+        SpecError: the file cannot be read, is of another schema, or pins no calibration of
+            ``threads > 1`` threads.
     """
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -71,8 +76,17 @@ def pinned(path: str, co_running: int) -> dict[str, Any]:
         raise SpecError(f"TPPC_CALIBRATION={path!r} cannot be read as JSON ({exc}). fix: point "
                         "it at a calibration file (~/.cache/tppc/calibration/*.json) or unset "
                         "it") from exc
-    if "measured" not in data:  # a map from co_running to calibrations
-        data = data.get(str(co_running)) or data[max(data, key=int)]
+    if threads > 1:
+        key = f"{co_running}t{threads}"
+        if "measured" in data or key not in data:
+            raise SpecError(f"TPPC_CALIBRATION={path!r} pins no calibration of {threads} "
+                            f"intra-op threads (key {key!r}). fix: add one (tppc.calibrate("
+                            f"'cpu', threads={threads}, co_running={co_running}, force=True) "
+                            "without the pin, then copy its JSON under that key)")
+        data = data[key]
+    elif "measured" not in data:  # a map from co_running to calibrations
+        counts = [k for k in data if k.isdigit()]
+        data = data.get(str(co_running)) or data[max(counts, key=int)]
     if data.get("schema") != SCHEMA:
         raise SpecError(f"TPPC_CALIBRATION={path!r} has schema {data.get('schema')!r}, this tppc "
                         f"reads schema {SCHEMA}. fix: calibrate again (tppc.calibrate('cpu', "

@@ -118,13 +118,21 @@ def compile_distributed(model: torch.nn.Module, args: tuple[Any, ...],
             none given, to the job's size for a causal model, while a diffusion
             transformer's planner chooses the mix of degrees and stages with a worker on
             every rank; ``cluster`` defaults to ``"<W>xcpu"``; ``devices`` and ``executor``
-            are set here).
+            are set here; ``intra_op`` is 1: a plan with intra-op stages is refused).
 
     Raises:
         SpecError: the job's size is not the plan's worker count (the message names both).
     """
     if results not in ("rank0", "all"):
         raise SpecError(f"results={results!r}; use 'rank0' or 'all'")
+    if options.get("intra_op") not in (None, 1) or (
+            plan is not None and any(st.intra_op > 1 for st in plan.stages)):
+        raise SpecError(f"intra_op={options.get('intra_op', plan and plan.degrees['intra_op'])}"
+                        ": the distributed backend runs one worker per rank and one rank per "
+                        "device; a worker of several CPU devices' intra-op threads is run by "
+                        "the threads and local executors. fix: backend='torch' with "
+                        "executor='threads', or intra_op=1 (a plan planned so)")
+    options["intra_op"] = 1  # the planner must give every rank a device of its own
     rank, world, where = init_distributed(comm_timeout, device)
     options.setdefault("cluster", f"{world}xcpu")
     chooses = "num_stages" not in options and all(options.get(name) is None for name in _DEGREES)

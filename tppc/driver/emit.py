@@ -158,7 +158,8 @@ def build_program(chunk: fx.GraphModule, ctx: CompileContext, plan: Plan,
         module, device = getattr(graph, f"stage_{s}"), device_for(st, s, devices)
         workers.extend(mesh_stage(module, device, signature, meshes[s], s, cut, ring_gather)
                        if meshes[s].size > 1 else [_stage(module, device, signature)])
-    workers = worker_threads(workers, cpu_devices)
+    workers = worker_threads(workers, cpu_devices,
+                             tuple(st.intra_op for st in plan.stages))
     stages = tuple(next(w for w in workers if w.index == s) for s in range(len(plan.stages)))
     tail = getattr(chunk, "tppc_tail", None)
     if tail is not None:  # a copy with its own module tree (the chunk graph's stays as is)
@@ -174,19 +175,25 @@ def build_program(chunk: fx.GraphModule, ctx: CompileContext, plan: Plan,
                    meshes=() if tp_only else meshes)
 
 
-def worker_threads(workers: Sequence[StageProgram], cpu_devices: int = 0
-                   ) -> list[StageProgram]:
+def worker_threads(workers: Sequence[StageProgram], cpu_devices: int = 0,
+                   intra_op: Sequence[int] = ()) -> list[StageProgram]:
     """``workers`` with their intra-op threads: a CPU worker's device shares this machine's
     cores with the cluster's other CPU devices (``cpu_devices``; at least the program's
-    CPU workers, as when ``devices=`` runs a GPU plan on this CPU), whatever torch's own
-    thread count is; other workers keep torch's (``threads=None``).
+    CPU devices, as when ``devices=`` runs a GPU plan on this CPU), whatever torch's own
+    thread count is; other workers keep torch's (``threads=None``). The worker of an
+    intra-op stage (``intra_op[s] = k``: the plan's ``StagePlan.intra_op``) runs ``k``
+    devices' shares.
 
-    Example: a CFG-2 plan on ``"2xcpu"`` on 2 cores runs 1 thread in each of its 2 workers.
+    Example: a CFG-2 plan on ``"2xcpu"`` on 2 cores runs 1 thread in each of its 2 workers;
+    an ``intra_op=2`` plan on ``"2xcpu"`` runs its one worker with 2 threads.
     """
-    on_cpu = sum(w.device.type == "cpu" for w in workers)
+    def k(w: StageProgram) -> int:
+        return intra_op[w.index] if w.index < len(intra_op) else 1
+
+    on_cpu = sum(k(w) for w in workers if w.device.type == "cpu")
     share = cores_per_device(max(cpu_devices, on_cpu))
-    return [dataclasses.replace(w, threads=share if w.device.type == "cpu" else None)
-            for w in workers]
+    return [dataclasses.replace(w, threads=share * k(w) if w.device.type == "cpu" else None,
+                                intra_op=k(w)) for w in workers]
 
 
 def sharded_stage(module: fx.GraphModule, device: torch.device, signature: ChunkSignature,

@@ -56,6 +56,12 @@ class CompileOptions:
     parallelism): one degree for every stage, or a tuple, one per stage (its length fixes
     the stage count); None: the planner chooses, by price, among the degrees the model's
     shard sizes and the cluster's nodes allow (:mod:`tppc.planner.hybrid`)."""
+    intra_op: int | None = None
+    """CPU devices (of one machine) whose cores ONE worker runs as its intra-op threads, torch
+    splitting every op (the CPU analogue of a tensor-parallel group, without shards or
+    collectives): ``k`` gives every stage ``k`` devices and a worker of ``k`` threads; 1
+    excludes it; None: the planner prices it (on a calibration measured with ``k`` threads)
+    beside the tensor-parallel degrees, on clusters of CPU devices only. Causal LLMs only."""
     cfg_parallel: int | None = None
     """Groups that each run ``1/c`` of a guided call's batch (classifier-free guidance: 2,
     the prompt and the negative prompt); None: the planner chooses (diffusion transformers;
@@ -82,7 +88,8 @@ class CompileOptions:
     threads_per_stage: int | tuple[int, ...] | None = None
     """Intra-op threads of each ``threads`` worker, one count or one per stage (None: each
     worker its plan device's share: the machine's cores shared equally by the cluster's
-    CPU devices, at least one each, whatever torch's own count is)."""
+    CPU devices, at least one each, whatever torch's own count is; an ``intra_op=k`` stage's
+    worker ``k`` shares). A count given here overrides both."""
     queue_depth: int = 2
     """Chunks that may wait between two stages."""
     time_limit: float = 10.0
@@ -110,6 +117,13 @@ class CompileOptions:
         _positive("max_seq", self.max_seq)
         _positive("num_stages", self.num_stages)
         _check_tensor_parallel(self.tensor_parallel, self.num_stages)
+        _positive("intra_op", self.intra_op)
+        tp = self.tensor_parallel
+        if (self.intra_op or 1) > 1 and any(t > 1 for t in (tp if isinstance(tp, tuple)
+                                                             else (tp or 1,))):
+            raise SpecError(f"intra_op={self.intra_op} and tensor_parallel={tp} both give a "
+                            "stage several devices (one worker of intra-op threads; sharded "
+                            "workers): a stage is one or the other. fix: drop one of them")
         for name in ("cfg_parallel", "ulysses", "ring", "patches"):
             _positive(name, getattr(self, name))
         if self.patches is not None and self.chunks is not None:

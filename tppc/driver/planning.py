@@ -235,7 +235,7 @@ def price_plan(front: FrontEnd, opts: CompileOptions, plan: Plan,
                                        device_indices=old.device_indices,
                                        tensor_parallel=old.tensor_parallel,
                                        cfg_parallel=old.cfg_parallel, ulysses=old.ulysses,
-                                       ring=old.ring)
+                                       ring=old.ring, intra_op=old.intra_op)
                    for st, old in zip(priced.stages, plan.stages, strict=True))
     return dataclasses.replace(priced, stages=stages, seq_len=plan.seq_len,
                                granularity=plan.granularity,
@@ -299,6 +299,13 @@ def _plan_length(front: FrontEnd, opts: CompileOptions, length: int,
             f"{ctx.model_name} has causal attention; CFG and sequence parallelism are for "
             "bidirectional models (diffusion transformers). fix: leave them None, use "
             "tensor_parallel= and num_stages=")
+
+    if front.bidirectional and (opts.intra_op or 1) > 1:
+        raise PlanError(
+            f"intra_op={opts.intra_op}: {ctx.model_name} has bidirectional attention; intra-op "
+            "workers are planned for causal LLMs only (the DiT planner's mesh space has no "
+            "intra-op axis yet). fix: leave intra_op None (or 1); give the DiT cfg_parallel=, "
+            "ulysses=, ring=, tensor_parallel=")
 
     def search(tokens: int, g: int | None, cuts: tuple[int, ...] | None) -> Plan:
         def plan_length(at: Callable[[int], CostTable], k: int | None, seconds: float,

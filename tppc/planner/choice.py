@@ -6,7 +6,8 @@ Terms:
         stages the placement chose, and the replicas of the pipeline the left-over devices
         run (:mod:`tppc.planner.hybrid`).
     degrees: the configuration as the keywords that fix it (``num_stages``,
-        ``tensor_parallel``: one int, or a tuple per stage when they differ; ``replicas``).
+        ``tensor_parallel``: one int, or a tuple per stage when they differ; ``intra_op``:
+        CPU devices whose cores one worker runs as intra-op threads; ``replicas``).
 """
 
 from __future__ import annotations
@@ -43,13 +44,17 @@ class HybridChoice:
 
 
 def degrees_text(degrees: dict) -> str:
-    """``"PP4 x TP8 x 2 replicas"`` or ``"PP2 x CFG2 x Ulysses2 x TP1"``: a configuration in
-    words (the CFG, Ring and Ulysses degrees named when above 1)."""
+    """``"PP4 x TP8 x 2 replicas"``, ``"PP2 x CFG2 x Ulysses2 x TP1"`` or ``"PP1 x TP1 x
+    IntraOp2"``: a configuration in words (the CFG, Ring, Ulysses and intra-op degrees named
+    when above 1)."""
     tp = degrees["tensor_parallel"]
     tp_text = str(tp) if isinstance(tp, int) else "(" + ",".join(map(str, tp)) + ")"
     replicas = degrees["replicas"]
     axes = "".join(f" x {name}{degrees.get(key, 1)}" for name, key in (
         ("CFG", "cfg_parallel"), ("Ring", "ring"), ("Ulysses", "ulysses"))
         if degrees.get(key, 1) > 1)
-    return (f"PP{degrees['num_stages']}{axes} x TP{tp_text}"
+    intra = degrees.get("intra_op", 1)
+    intra_text = "" if intra == 1 else " x IntraOp" + (
+        str(intra) if isinstance(intra, int) else "(" + ",".join(map(str, intra)) + ")")
+    return (f"PP{degrees['num_stages']}{axes} x TP{tp_text}{intra_text}"
             + (f" x {replicas} replicas" if replicas > 1 else ""))

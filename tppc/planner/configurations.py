@@ -15,6 +15,11 @@ Terms:
     fixed degrees: ``tensor_parallel=t`` gives every stage ``t`` devices; a tuple gives stage
         ``i`` its own ``t_i``: groups are packed in chain order, a group that would cross a
         node boundary starting at the next node instead.
+    intra-op configuration: on a cluster of CPU devices only (they share this machine),
+        groups of ``k`` consecutive devices each run by ONE worker with ``k`` intra-op
+        threads (torch splits every op; no shards, no collectives): ``intra_op=k``, tensor
+        degree 1, priced on a calibration measured with ``k`` threads
+        (:func:`intra_op_configurations`).
 
 Example:
     >>> from tppc.cost_models.cluster import Cluster
@@ -31,7 +36,8 @@ from dataclasses import dataclass
 from tppc.cost_models.cluster import Cluster
 from tppc.errors import PlanError
 
-__all__ = ["Configuration", "check_degree", "fixed_configuration", "tp_configurations"]
+__all__ = ["Configuration", "check_degree", "fixed_configuration", "intra_op_configurations",
+           "tp_configurations"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,8 @@ class Configuration:
         one_patch: its plans keep one patch a step (a ring with stale PipeFusion steps runs
             its ring form only then, the gather form with more: priced apart,
             :func:`tppc.driver.mesh_planning.mesh_plan`).
+        intra_op: devices per worker whose cores it runs as intra-op threads (module
+            docstring; 1: one device a worker).
     """
 
     groups: tuple[tuple[int, ...], ...]
@@ -55,6 +63,7 @@ class Configuration:
     ring: int = 1
     placement: str = ""
     one_patch: bool = False
+    intra_op: int = 1
 
     @property
     def token_workers(self) -> int:
@@ -66,12 +75,15 @@ class Configuration:
     @property
     def degrees(self) -> tuple[int, ...]:
         """The tensor-parallel degree of each group."""
-        return tuple(len(g) // self.token_workers for g in self.groups)
+        return tuple(len(g) // (self.token_workers * self.intra_op) for g in self.groups)
 
     @property
     def label(self) -> str:
         """``"TP8"`` (one degree), ``"TP(8,4)"`` (degrees that differ between groups), or
-        with sequence / CFG parallelism ``"CFG2 x Ulysses2 x TP1"`` (and the placement)."""
+        with sequence / CFG parallelism ``"CFG2 x Ulysses2 x TP1"`` (and the placement), or
+        ``"IntraOp2"`` (one worker of 2 intra-op threads a group)."""
+        if self.intra_op > 1:
+            return f"IntraOp{self.intra_op}"
         kinds = list(dict.fromkeys(self.degrees))
         tp = f"TP{kinds[0]}" if len(kinds) == 1 else "TP(" + ",".join(map(str, kinds)) + ")"
         if self.token_workers == 1:
@@ -180,3 +192,31 @@ def fixed_configuration(cluster: Cluster, sizes: Sequence[int], tensor_parallel:
                         "each group fits in a node, or use fewer devices")
     return Configuration(tuple(groups), spans_nodes=spans,
                          fixed_stages=len(degrees) if per_stage else None)
+
+
+def intra_op_configurations(cluster: Cluster, fixed: int | None = None) -> list[Configuration]:
+    """The intra-op configurations of ``cluster`` (module docstring): one per ``k > 1`` that
+    divides its device count (``fixed``: that ``k`` alone); none unless every device is a
+    ``cpu`` (GPUs and mixed chains: torch's intra-op threads are a CPU's).
+
+    Raises:
+        PlanError: ``fixed`` on a cluster with a non-CPU device, or a ``k`` that does not
+            divide its devices.
+    """
+    n = cluster.num_devices
+    if any(name != "cpu" for name in cluster.device_names):
+        if fixed is not None and fixed > 1:
+            raise PlanError(f"intra_op={fixed}: the cluster {str(cluster)!r} has non-CPU "
+                            f"devices ({sorted(set(cluster.device_names) - {'cpu'})}); "
+                            "intra-op workers run on the cores of CPU devices of one "
+                            "machine. fix: intra_op=1 (or None), or a cluster such as '2xcpu'")
+        return []
+    if fixed is not None:
+        if fixed > 1 and n % fixed:
+            raise PlanError(f"intra_op={fixed} does not divide the {n} CPU devices of "
+                            f"{str(cluster)!r}. fix: one of "
+                            f"{[k for k in range(2, n + 1) if n % k == 0] or [1]}")
+        ks = [fixed] if fixed > 1 else []
+    else:
+        ks = [k for k in range(2, n + 1) if n % k == 0]
+    return [Configuration(tuple(_node_groups(list(range(n)), k)), intra_op=k) for k in ks]

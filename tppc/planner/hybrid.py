@@ -1,7 +1,8 @@
 """One planner for tensor parallelism × the token pipeline × replicas.
 
 Terms:
-    configuration: the tensor-parallel groups (:mod:`.configurations`); its cost table has
+    configuration: the tensor-parallel groups, or the intra-op groups of CPU devices (one
+        worker of ``k`` threads each) (:mod:`.configurations`); its cost table has
         one row per group (:func:`tppc.cost_models.group_costs.group_cost_table`), and the
         placement + split planner (``plan_table``) chooses the stages among the groups, the
         layers of each and the chunks, exactly as it does for a chain of devices.
@@ -108,7 +109,7 @@ def _degrees(c: _Candidate, plan: Plan) -> dict:
     return {"num_stages": plan.num_stages,
             "tensor_parallel": tps[0] if len(set(tps)) == 1 else tps,
             "cfg_parallel": c.config.cfg_parallel, "ulysses": c.config.ulysses,
-            "ring": c.config.ring, "replicas": 1}
+            "ring": c.config.ring, "intra_op": c.config.intra_op, "replicas": 1}
 
 
 def _replicas(cluster: Cluster, used: Sequence[int]) -> int:
@@ -212,7 +213,7 @@ def _package(best: _Candidate, candidates: list[_Candidate], cluster: Cluster, o
     stages = tuple(dataclasses.replace(
         st, device_index=groups[st.device_index][0], device_indices=groups[st.device_index],
         tensor_parallel=cfg.degrees[st.device_index], cfg_parallel=cfg.cfg_parallel,
-        ulysses=cfg.ulysses, ring=cfg.ring) for st in plan.stages)
+        ulysses=cfg.ulysses, ring=cfg.ring, intra_op=cfg.intra_op) for st in plan.stages)
     used = [d for st in stages for d in st.device_indices]
     planned = [c for c in candidates if c.plan is not None]
     others = sorted((c for c in planned if c is not best),

@@ -30,13 +30,14 @@ from tppc.planner.workload import Workload
 __all__ = ["PLAN_SCHEMA", "Plan", "SolverInfo", "SplitSearch", "StagePlan", "Workload",
            "say_expired"]
 
-PLAN_SCHEMA = "tppc.plan/4"
+PLAN_SCHEMA = "tppc.plan/5"
 """Schema tag written by :meth:`Plan.to_json`; bumped on incompatible changes (2: the unit,
 ``tokens_per_unit``; 3: tensor-parallel groups, ``replicas``, ``degrees``, ``choice``; 4: the
-stages' ``cfg_parallel``, ``ulysses`` and ``ring``). :meth:`Plan.from_json` also reads schemas
-1 (plans count tokens), 2 (one device a stage) and 3 (tensor parallelism only)."""
+stages' ``cfg_parallel``, ``ulysses`` and ``ring``; 5: the stages' ``intra_op``).
+:meth:`Plan.from_json` also reads schemas 1 (plans count tokens), 2 (one device a stage),
+3 (tensor parallelism only) and 4 (no intra-op stages)."""
 
-_READS = ("tppc.plan/1", "tppc.plan/2", "tppc.plan/3", PLAN_SCHEMA)
+_READS = ("tppc.plan/1", "tppc.plan/2", "tppc.plan/3", "tppc.plan/4", PLAN_SCHEMA)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,6 +64,10 @@ class StagePlan:
         device_indices: the stage's devices (cluster positions), ``device_index`` first, in
             worker order (:class:`tppc.program.mesh.Mesh`: cfg, ring, ulysses, tensor, the
             last fastest): :attr:`group_size` of them; with one always ``(device_index,)``.
+        intra_op: CPU devices of one machine whose cores each worker of the stage runs
+            as its intra-op threads (torch splits every op across them; no collectives):
+            ``intra_op`` consecutive devices per worker. 1: a worker on one device's share.
+            Only with ``tensor_parallel = cfg_parallel = ulysses = ring = 1`` (one worker).
     """
 
     index: int
@@ -78,13 +83,19 @@ class StagePlan:
     cfg_parallel: int = 1
     ulysses: int = 1
     ring: int = 1
+    intra_op: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel", "cfg_parallel", "ulysses", "ring"):
+        for name in ("tensor_parallel", "cfg_parallel", "ulysses", "ring", "intra_op"):
             d = getattr(self, name)
             if isinstance(d, bool) or not isinstance(d, int) or d < 1:
                 raise PlanError(f"StagePlan {self.index}: {name}={d!r} must be an integer "
                                 ">= 1 (devices that run the stage together)")
+        if self.intra_op > 1 and self.workers > 1:
+            raise PlanError(f"StagePlan {self.index}: intra_op={self.intra_op} with "
+                            f"{self.mesh_label}: an intra-op stage is one worker whose threads "
+                            "split each op. fix: intra_op=1, or tensor_parallel = cfg_parallel "
+                            "= ulysses = ring = 1")
         n = self.group_size
         if n == 1:  # one device: always the stage's own (a replaced device_index moves it)
             object.__setattr__(self, "device_indices", (self.device_index,))
@@ -98,16 +109,23 @@ class StagePlan:
                 "first. fix: replace device_index and device_indices together")
 
     @property
-    def group_size(self) -> int:
-        """Devices that run the stage: ``cfg_parallel * ring * ulysses * tensor_parallel``."""
+    def workers(self) -> int:
+        """Workers that run the stage: ``cfg_parallel * ring * ulysses * tensor_parallel``."""
         return self.cfg_parallel * self.ring * self.ulysses * self.tensor_parallel
 
     @property
+    def group_size(self) -> int:
+        """Devices that run the stage: :attr:`workers` ``* intra_op``."""
+        return self.workers * self.intra_op
+
+    @property
     def mesh_label(self) -> str:
-        """The degrees above 1, e.g. ``"CFG2 x Ulysses2 x TP2"`` (``"1 device"`` for one)."""
+        """The degrees above 1, e.g. ``"CFG2 x Ulysses2 x TP2"`` or ``"IntraOp2"`` (``"1
+        device"`` for one)."""
         parts = [f"{label}{d}" for label, d in (("CFG", self.cfg_parallel), ("Ring", self.ring),
                                                 ("Ulysses", self.ulysses),
-                                                ("TP", self.tensor_parallel)) if d > 1]
+                                                ("TP", self.tensor_parallel),
+                                                ("IntraOp", self.intra_op)) if d > 1]
         return " x ".join(parts) or "1 device"
 
     @property
@@ -226,15 +244,17 @@ class Plan:
     def degrees(self) -> dict[str, Any]:
         """The chosen degrees by keyword: ``{"num_stages": n, "tensor_parallel": t (or a
         tuple per stage when they differ), "cfg_parallel": c, "ulysses": u, "ring": r,
-        "replicas": k}``."""
+        "intra_op": i (or a tuple per stage), "replicas": k}``."""
         tps = tuple(st.tensor_parallel for st in self.stages)
         tp: int | tuple[int, ...] = tps[0] if tps and len(set(tps)) == 1 else tps
+        ios = tuple(st.intra_op for st in self.stages)
+        io: int | tuple[int, ...] = ios[0] if len(set(ios)) == 1 else (ios or 1)
         first = self.stages[0] if self.stages else StagePlan(
             index=0, layer_start=0, layer_end=0, device_index=0, device_name="",
             memory_bytes=0, capacity_bytes=0)
         return {"num_stages": self.num_stages, "tensor_parallel": tp,
                 "cfg_parallel": first.cfg_parallel, "ulysses": first.ulysses,
-                "ring": first.ring, "replicas": self.replicas}
+                "ring": first.ring, "intra_op": io, "replicas": self.replicas}
 
     @property
     def num_devices(self) -> int:

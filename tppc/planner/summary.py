@@ -1,6 +1,6 @@
 """``Plan.summary()``: a plan as a readable table.
 
-Stages with their devices (a tensor-parallel group lists every member) and degree, memory
+Stages with their devices (a tensor-parallel or intra-op group lists every member) and degree, memory
 per device, busy time; the chunks; the solver; and for a hybrid plan its degrees, the
 collectives each layer runs on its group and why this configuration beat the runner-up.
 """
@@ -54,9 +54,14 @@ def plan_summary(plan: Any) -> str:
     if hybrid:
         lines.append(f"degrees {degrees_text(plan.degrees)} ({plan.num_devices} devices): "
                      f"{plan.degrees}")
-    if plan.stages and plan.stages[0].group_size > plan.stages[0].tensor_parallel:
+    intra = [st for st in plan.stages if st.intra_op > 1]
+    if intra:
+        lines.append("intra-op: " + "; ".join(
+            f"stage {st.index} is one worker of {st.intra_op} CPU devices' intra-op threads "
+            f"(devices {_devices(st)}; torch splits each op, no collectives)" for st in intra))
+    if plan.stages and plan.stages[0].workers > plan.stages[0].tensor_parallel:
         st = plan.stages[0]
-        lines.append(f"each stage is a mesh {st.mesh_label} of {st.group_size} devices, in "
+        lines.append(f"each stage is a mesh {st.mesh_label} of {st.workers} devices, in "
                      "worker order (cfg, ring, ulysses, tp; tp fastest): "
                      + "; ".join(f"stage {s.index}: {s.device_indices}" for s in plan.stages))
     lines += ["", f"{'stage':>5}  {'device':<12} {'devices':<8} {'TP':>3} {'layers':<12} "

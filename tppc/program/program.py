@@ -158,6 +158,9 @@ class StageProgram:
         threads: the intra-op threads its worker runs: its CPU device's share of the
             machine's cores (:mod:`tppc.program.cores`, set by the emitter from the plan's
             cluster); None: the worker's device is not a CPU (it keeps torch's count).
+        intra_op: the CPU devices whose shares ``threads`` adds up (the plan's
+            ``StagePlan.intra_op``; 1: one device's). Every executor runs such a worker
+            with ``threads``, the ``local`` one too (which otherwise keeps its caller's).
     """
 
     index: int
@@ -179,6 +182,7 @@ class StageProgram:
     joins: tuple[tuple[str, tuple[int, ...]], ...] = ()
     join_axes: tuple[str, ...] = ()
     threads: int | None = None
+    intra_op: int = 1
 
     def part(self, index: int) -> StageProgram:
         """What a compute of part ``index`` runs (the stage itself when it has no parts)."""

@@ -1,0 +1,58 @@
+"""Intra-op groups of CPU devices: one worker whose ``k`` intra-op threads split every op.
+
+Terms:
+    intra-op group: ``k`` CPU devices of this machine (``"2xcpu"`` names two; each is an equal
+        share of the cores, :mod:`tppc.program.cores`) run by ONE worker with ``k`` times a
+        device's share of intra-op threads: torch (OpenMP) splits each op, elementwise ops
+        too, across them. Nothing is sharded and nothing is exchanged, so it is priced as one
+        device whose rates were measured with ``k`` threads (``calibrate("cpu", threads=k,
+        co_running=w)`` for ``w`` such workers at once), not with the thread-group meetings
+        of :mod:`.thread_groups`.
+    worker chain: the groups in chain order as a :class:`Cluster` of one device each (the
+        ``k``-thread spec), joined by the link between their first and last members; the
+        ordinary one-device-a-stage cost table of that chain prices every placement.
+
+Example:
+    >>> cluster = Cluster.parse("2xh100-sxm")
+    >>> intra_op_chain(cluster, ((0, 1),), 2)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    tppc.errors.SpecError: intra-op groups run on CPU devices only; ...
+"""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+from tppc.cost_models.cluster import Cluster
+from tppc.cost_models.specs import DeviceSpec
+from tppc.errors import SpecError
+
+__all__ = ["intra_op_chain", "intra_op_spec"]
+
+
+def intra_op_spec(threads: int, workers: int = 1) -> DeviceSpec:
+    """The CPU spec of one worker of ``threads`` intra-op threads while ``workers`` such
+    workers run at once (measured once and cached; pinned under ``$TPPC_CALIBRATION``).
+
+    Raises:
+        SpecError: a pinned calibration without a ``threads``-thread entry.
+    """
+    from tppc.cost_models.calibration import calibrate
+
+    return calibrate("cpu", threads=threads, co_running=workers)
+
+
+def intra_op_chain(cluster: Cluster, groups: tuple[tuple[int, ...], ...], threads: int
+                   ) -> Cluster:
+    """The worker chain of ``groups`` on ``cluster`` (module docstring).
+
+    Raises:
+        SpecError: a group with a non-CPU device, or no ``threads``-thread calibration.
+    """
+    names = {cluster.device_names[d] for g in groups for d in g}
+    if names != {"cpu"}:
+        raise SpecError(f"intra-op groups run on CPU devices only; the groups {groups} hold "
+                        f"{sorted(names)}. fix: intra_op=1 on this cluster")
+    spec = intra_op_spec(threads, len(groups))
+    links = tuple(cluster.link(a[-1], b[0]) for a, b in pairwise(groups))
+    return Cluster(devices=(spec,) * len(groups), links=links)
