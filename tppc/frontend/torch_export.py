@@ -14,7 +14,8 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from tppc.errors import CaptureError
-from tppc.frontend.guard_sites import describe_site, guard_sites, loop_over_positions
+from tppc.frontend.block_capture import block_shapes
+from tppc.frontend.guard_sites import GuardLog, describe_site, guard_sites, loop_over_positions
 from tppc.frontend.isolation import isolated
 from tppc.frontend.recurrence_refusals import block_refusal, loop_refusal
 from tppc.frontend.sample_tables import fit_sample_tables
@@ -53,7 +54,7 @@ def export_dynamic(
     except Exception as exc:  # torch raises many types; we name the construct
         site = describe_site(log.sites)
         if tokens and log.block is not None:  # stopped at (or failed on) padding to blocks
-            raise CaptureError(block_refusal(model, log.block, log.block_sites)) from exc
+            return _export_blocks(model, bound, axes, patch, log, units, upper, exc)
         if tokens and site is not None and loop_over_positions(site[1]):
             raise CaptureError(loop_refusal(model, site, exc)) from exc
         if not re.search(_PINNED, str(exc)):
@@ -97,6 +98,35 @@ def export_dynamic(
         input_names=tuple(n.name for n in gm.graph.nodes if n.op == "placeholder"),
         shape_guards=guards,
     )
+    return gm, ctx
+
+
+def _export_blocks(model: torch.nn.Module, bound: inspect.BoundArguments,
+                   axes: dict[str, tuple[int, ...]], patch: int, log: GuardLog, units: int,
+                   upper: int, first: Exception) -> tuple[fx.GraphModule, CompileContext]:
+    """Capture with the length ``k × blocks`` (:mod:`.block_capture`); the symbol counts
+    blocks. Refused by name (:func:`block_refusal`) when that export fails too."""
+    block = log.block
+    shapes = block_shapes(bound, axes, block, units, upper,
+                          lambda name, value, dim: _spec_for(name, value, axes, dim, patch))
+    try:
+        with guard_sites() as again:
+            gm = _export(model, bound, shapes).module()
+    except Exception as exc:
+        why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+        raise CaptureError(block_refusal(model, block, log.block_sites or again.block_sites)
+                           + f"\nThe export with the length {block} × blocks failed too: "
+                           f"{why}") from first
+    guards = getattr(gm, "_guards_fn", None)
+    _drop_guards(gm)
+    symbol = _seq_symbol(gm, axes)
+    if symbol is None:
+        raise CaptureError(block_refusal(model, block, log.block_sites)) from first
+    ctx = CompileContext(
+        seq_symbol=symbol, example_seq=units // block, seq_inputs=dict(axes),
+        capture_mode="dynamic", input_names=tuple(n.name for n in gm.graph.nodes
+                                                  if n.op == "placeholder"),
+        shape_guards=guards, block_size=block)
     return gm, ctx
 
 

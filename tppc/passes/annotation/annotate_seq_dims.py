@@ -31,6 +31,7 @@ from tppc.ir.context import CompileContext
 from tppc.ir.op_rules import op_rule
 from tppc.ir.records import TOKEN, TokenInfo
 from tppc.passes.annotation.attention import classify_attention
+from tppc.passes.annotation.block_scan import mark_block_scans
 from tppc.passes.annotation.buffered_mixing import (
     conv_geometry,
     neighbourhood_conv,
@@ -78,6 +79,8 @@ def annotate_seq_dims_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphM
             if info is None:
                 raise error
         node.meta[TOKEN] = info
+    if ctx.block_size is not None:  # a recurrence over blocks: carried, not global
+        mark_block_scans(gm, sym, lambda n: _annotate(n, gm, ctx, sym))
     return gm
 
 

@@ -1,0 +1,72 @@
+"""Capture a model that pads its sequence to whole blocks with a symbolic number of blocks.
+
+Terms:
+    block padding: the sequence padded to a multiple of a constant ``k`` and reshaped into
+        blocks of ``k`` rows (Mamba2's chunked SSD scan: ``pad_size = (k - L % k) % k``,
+        ``reshape(b, -1, k, ...)``); torch.export guards on ``Mod(L, k)``
+        (:class:`tppc.frontend.guard_sites.GuardLog`), so a plain ``Dim`` on the length
+        fixes it to the example.
+    block capture: the export again with the length a derived dim ``L = k·n`` (torch.export's
+        ``k * Dim("blocks")``): ``L mod k`` is then symbolically 0, the padding is empty and
+        the graph's shapes carry ``n``, the number of blocks. ``n`` becomes the sequence
+        symbol, so a unit of the plan is one block of ``k`` tokens: every chunk boundary is
+        a multiple of ``k`` (as a DiT's unit is a patch row), and a call's length must be a
+        multiple of ``k`` (:func:`check_block_length`).
+
+Whether the recurrence over the blocks can then be chunked is annotation's question
+(:mod:`tppc.passes.annotation.block_scan`); this module only captures.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tppc.errors import CaptureError
+
+__all__ = ["block_shapes", "check_block_length"]
+
+
+def block_shapes(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]],
+                 block: int, units: int, upper: int,
+                 spec_for: Callable[[str, Any, Any], Any]) -> dict[str, Any]:
+    """torch.export's ``dynamic_shapes`` with every sequence axis ``block * Dim("blocks")``.
+
+    Raises:
+        CaptureError: the example's length is no multiple of ``block`` of at least two
+            blocks (torch.export specialises a dim of 0 or 1), naming the fix.
+    """
+    if units % block or units // block < 2:
+        raise CaptureError(
+            f"the example sequence of {units} tokens is padded by the model to a multiple of "
+            f"{block} (a chunked scan over blocks of {block} rows); tppc captures such a model "
+            f"with a symbolic number of blocks, which needs an example of a whole number of "
+            f"blocks, at least 2. fix: capture with an example of {max(2, -(-units // block))}"
+            f" × {block} = {max(2, -(-units // block)) * block} tokens")
+    blocks = torch.export.Dim("blocks", min=2, max=max(upper // block, units // block + 1))
+    dim = block * blocks
+    shapes: dict[str, Any] = {}
+    sig = bound.signature
+    for name, value in bound.arguments.items():
+        kind = sig.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            shapes[name] = {k: spec_for(k, v, dim) for k, v in value.items()}
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            shapes[name] = tuple(None for _ in value)
+        else:
+            shapes[name] = spec_for(name, value, dim)
+    return shapes
+
+
+def check_block_length(name: str, block: int, tokens: int, model: str) -> None:
+    """Refuse a call whose sequence is no whole number of blocks (:mod:`this module`)."""
+    if tokens % block or tokens < 2 * block:
+        raise CaptureError(
+            f"input {name!r} has {tokens} tokens; {model} pads its sequence to a multiple of "
+            f"{block} (a chunked scan over blocks of {block} rows) and tppc ran it with a "
+            f"symbolic number of blocks, so a call's length must be a whole number of blocks, "
+            f"at least 2. fix: pass {max(2 * block, -(-tokens // block) * block)} tokens "
+            "(pad the prompt on the left), or run this model eagerly")
