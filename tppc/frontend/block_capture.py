@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from tppc.errors import CaptureError
+from tppc.errors import CaptureError, RuntimeInputError
 
-__all__ = ["block_shapes", "check_block_length"]
+__all__ = ["block_shapes", "check_block_length", "refuse_block_decode"]
 
 
 def block_shapes(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]],
@@ -62,11 +62,25 @@ def block_shapes(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]]
 
 
 def check_block_length(name: str, block: int, tokens: int, model: str) -> None:
-    """Refuse a call whose sequence is no whole number of blocks (:mod:`this module`)."""
+    """Refuse a call whose sequence is no whole number of blocks, at least 2 (torch.export
+    specialised fewer: see the module docstring)."""
     if tokens % block or tokens < 2 * block:
-        raise CaptureError(
+        raise RuntimeInputError(
             f"input {name!r} has {tokens} tokens; {model} pads its sequence to a multiple of "
             f"{block} (a chunked scan over blocks of {block} rows) and tppc ran it with a "
             f"symbolic number of blocks, so a call's length must be a whole number of blocks, "
             f"at least 2. fix: pass {max(2 * block, -(-tokens // block) * block)} tokens "
             "(pad the prompt on the left), or run this model eagerly")
+
+
+def refuse_block_decode(block: int | None, model: str) -> None:
+    """Refuse ``generate`` on a capture of ``block`` × blocks: a decode step is one token,
+    and the captured graph runs whole blocks only (the model's own decode path, a recurrent
+    step on its cache, is another graph that tppc does not capture)."""
+    if block is not None:
+        raise RuntimeInputError(
+            f"generate: {model} pads its sequence to blocks of {block} tokens (a chunked scan) "
+            f"and tppc captured it with a symbolic number of blocks, so its graph runs whole "
+            f"blocks only; a decode step is one token. fix: call the pipeline for the prefill "
+            f"(a prompt of a multiple of {block} tokens) and decode eagerly "
+            "(model.generate), or run generate unsplit")

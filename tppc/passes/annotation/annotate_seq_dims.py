@@ -354,7 +354,11 @@ def _full_slice(node: fx.Node, src: TokenInfo) -> bool:
     end = node.args[3] if len(node.args) > 3 else None
     step = node.args[4] if len(node.args) > 4 else 1
     big = end is None or (isinstance(end, int) and end >= 2**62)
-    return start in (0, None) and big and step == 1
+    if isinstance(end, fx.Node) and src.axis_size is not None:  # x[:, :n], n the length
+        val = end.meta.get("val")
+        big = isinstance(val, torch.SymInt) and src.axis_size.free_symbols \
+            and sympy.simplify(size_expr(val) - src.axis_size) == 0
+    return start in (0, None) and bool(big) and step == 1
 
 
 def _mix_error(node: fx.Node, name: str, where: str, why: str) -> AnnotationError:

@@ -91,7 +91,7 @@ def mark_block_scans(gm: fx.GraphModule, sym: sympy.Symbol,
         elif found:
             try:
                 node.meta[TOKEN] = annotate(node)
-            except Exception:  # noqa: BLE001 - stays global: group_layers names it
+            except Exception:
                 continue
     return found
 
@@ -145,8 +145,10 @@ def _region(cat: fx.Node, sym: sympy.Symbol
     for chain in _init_chain(init):
         nodes.add(chain)
     allowed = nodes | set(exits) | set(finals)
-    if any(u not in allowed for n in nodes for u in n.users):
+    if any(u not in allowed for n in nodes if tensor_val(n) is not None for u in n.users):
         return None  # a value of the region read elsewhere: not a carried state
+    # (a size of the slots, ``n + 1``, may be shared with a later region: it is the chunk's
+    # own ``c + 1`` in the chunk step, the same for every region)
     whole = exits[0].args[0]
     state = list(tensor_val(whole).shape)
     state[whole_axis] = 1
