@@ -24,10 +24,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import fx
 
 from tppc.errors import CaptureError, RuntimeInputError
+from tppc.frontend.guard_sites import GuardLog
+from tppc.frontend.recurrence_refusals import block_refusal
+from tppc.ir.context import CompileContext
 
-__all__ = ["block_shapes", "check_block_length", "refuse_block_decode"]
+__all__ = ["block_shapes", "check_block_length", "export_blocks", "refuse_block_decode"]
 
 
 def block_shapes(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]],
@@ -59,6 +63,39 @@ def block_shapes(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]]
         else:
             shapes[name] = spec_for(name, value, dim)
     return shapes
+
+
+def export_blocks(model: torch.nn.Module, log: GuardLog, export: Callable[[], fx.GraphModule],
+                  first: Exception, example: tuple[dict[str, tuple[int, ...]], int],
+                  finish: tuple[Callable[[fx.GraphModule], None], Callable[..., Any]]
+                  ) -> tuple[fx.GraphModule, CompileContext]:
+    """The block capture (``export`` with :func:`block_shapes`) and its context: ``dynamic``,
+    the symbol counts blocks, ``block_size`` is ``k``. ``example`` is the sequence axes and
+    the example's tokens; ``finish`` drops a GraphModule's guards and finds its symbol.
+
+    Raises:
+        CaptureError: that export failed too (:func:`block_refusal`, with its error).
+    """
+    axes, units = example
+    drop, symbol_of = finish
+    block = log.block
+    try:
+        gm = export()
+    except Exception as exc:  # torch raises many types; the construct is named
+        why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+        raise CaptureError(block_refusal(model, block, log.block_sites) + "\nThe export with "
+                           f"the length {block} × blocks failed too: {why}") from first
+    guards = getattr(gm, "_guards_fn", None)
+    drop(gm)
+    symbol = symbol_of(gm, axes)
+    if symbol is None:
+        raise CaptureError(block_refusal(model, block, log.block_sites)) from first
+    ctx = CompileContext(
+        seq_symbol=symbol, example_seq=units // block, seq_inputs=dict(axes),
+        capture_mode="dynamic", input_names=tuple(n.name for n in gm.graph.nodes
+                                                  if n.op == "placeholder"),
+        shape_guards=guards, block_size=block)
+    return gm, ctx
 
 
 def check_block_length(name: str, block: int, tokens: int, model: str) -> None:

@@ -14,10 +14,10 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from tppc.errors import CaptureError
-from tppc.frontend.block_capture import block_shapes
-from tppc.frontend.guard_sites import GuardLog, describe_site, guard_sites, loop_over_positions
+from tppc.frontend.block_capture import block_shapes, export_blocks
+from tppc.frontend.guard_sites import describe_site, guard_sites, loop_over_positions
 from tppc.frontend.isolation import isolated
-from tppc.frontend.recurrence_refusals import block_refusal, loop_refusal
+from tppc.frontend.recurrence_refusals import loop_refusal
 from tppc.frontend.sample_tables import fit_sample_tables
 from tppc.frontend.size_ints import UnitInt, export_size_ints, find_unit_int, read_from_tokens
 from tppc.ir.context import CompileContext
@@ -54,7 +54,10 @@ def export_dynamic(
     except Exception as exc:  # torch raises many types; we name the construct
         site = describe_site(log.sites)
         if tokens and log.block is not None:  # stopped at (or failed on) padding to blocks
-            return _export_blocks(model, bound, axes, patch, log, units, upper, exc)
+            shapes = block_shapes(bound, axes, log.block, units, upper,
+                                  lambda name, v, d: _spec_for(name, v, axes, d, patch))
+            return export_blocks(model, log, lambda: _export(model, bound, shapes).module(),
+                                 exc, (axes, units), (_drop_guards, _seq_symbol))
         if tokens and site is not None and loop_over_positions(site[1]):
             raise CaptureError(loop_refusal(model, site, exc)) from exc
         if not re.search(_PINNED, str(exc)):
@@ -98,35 +101,6 @@ def export_dynamic(
         input_names=tuple(n.name for n in gm.graph.nodes if n.op == "placeholder"),
         shape_guards=guards,
     )
-    return gm, ctx
-
-
-def _export_blocks(model: torch.nn.Module, bound: inspect.BoundArguments,
-                   axes: dict[str, tuple[int, ...]], patch: int, log: GuardLog, units: int,
-                   upper: int, first: Exception) -> tuple[fx.GraphModule, CompileContext]:
-    """Capture with the length ``k × blocks`` (:mod:`.block_capture`); the symbol counts
-    blocks. Refused by name (:func:`block_refusal`) when that export fails too."""
-    block = log.block
-    shapes = block_shapes(bound, axes, block, units, upper,
-                          lambda name, value, dim: _spec_for(name, value, axes, dim, patch))
-    try:
-        with guard_sites() as again:
-            gm = _export(model, bound, shapes).module()
-    except Exception as exc:
-        why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
-        raise CaptureError(block_refusal(model, block, log.block_sites or again.block_sites)
-                           + f"\nThe export with the length {block} × blocks failed too: "
-                           f"{why}") from first
-    guards = getattr(gm, "_guards_fn", None)
-    _drop_guards(gm)
-    symbol = _seq_symbol(gm, axes)
-    if symbol is None:
-        raise CaptureError(block_refusal(model, block, log.block_sites)) from first
-    ctx = CompileContext(
-        seq_symbol=symbol, example_seq=units // block, seq_inputs=dict(axes),
-        capture_mode="dynamic", input_names=tuple(n.name for n in gm.graph.nodes
-                                                  if n.op == "placeholder"),
-        shape_guards=guards, block_size=block)
     return gm, ctx
 
 
