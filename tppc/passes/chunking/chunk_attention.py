@@ -390,7 +390,10 @@ class _Rewriter(BufferReads, CarriedState, BlockState):
         if kwargs.get("dropout_p", 0.0):
             raise PassError(f"attention node {node.name!r} has dropout_p="
                             f"{kwargs['dropout_p']}; fix: put the model in eval mode")
-        args = (self.env[kwargs["query"]], kwargs["key"], kwargs["value"], self.start, causal,
+        start, scale = self.start, self._scale(node.meta[TOKEN])
+        if causal and self.ctx.block_size is not None and scale != 1:  # rows of k tokens
+            start = row_offset(self.graph, start, scale, 0)  # the query's first token
+        args = (self.env[kwargs["query"]], kwargs["key"], kwargs["value"], start, causal,
                 kwargs.get("scale"), bool(gqa))
         mask = node.meta[TOKEN].mask
         if mask is not None and mask.bias:
