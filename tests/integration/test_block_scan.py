@@ -166,3 +166,24 @@ def test_export_refuses_block_states_by_name(own, tmp_path) -> None:
     with pytest.raises(tppc.ExportError, match=r"recurrent layers.*fix: run it with "
                        r"backend='torch'"):
         tppc.export(cp, tmp_path / "out")
+
+
+def test_falcon_h1_hybrid_is_exact_in_chunks_of_blocks() -> None:
+    # Mamba2's mixer beside causal attention: the attention's chunks are whole blocks too
+    transformers = pytest.importorskip("transformers")
+    config = transformers.FalconH1Config(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, mamba_d_ssm=16,
+        mamba_n_heads=2, mamba_d_head=8, mamba_d_state=2, mamba_n_groups=1, mamba_d_conv=2,
+        mamba_chunk_size=K, mamba_expand=1, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.FalconH1ForCausalLM(config).eval()
+    cp = tppc.compile(model, (torch.randint(0, 64, (1, 4 * K)),), {"use_cache": False},
+                      num_stages=2)
+    n = len(cp.context.layers)
+    staged = cp.with_plan(manual_plan(n, 6, cuts=(0, n // 2, n), boundaries=(0, 1, 3, 6)))
+    with torch.no_grad():
+        for run, length in ((staged, 6 * K), (cp, 10 * K)):
+            ids = torch.randint(0, 64, (2, length))
+            assert_kernels_close(run(ids, use_cache=False).logits,
+                                 model(ids, use_cache=False).logits)
