@@ -27,7 +27,7 @@ import torch
 from torch import fx
 
 from tppc.errors import CaptureError, RuntimeInputError
-from tppc.frontend.guard_sites import GuardLog
+from tppc.frontend.guard_sites import GuardLog, describe_site, guard_sites, loop_over_positions
 from tppc.frontend.recurrence_refusals import block_refusal
 from tppc.ir.context import CompileContext
 
@@ -80,16 +80,24 @@ def export_blocks(model: torch.nn.Module, log: GuardLog, export: Callable[[], fx
     drop, symbol_of = finish
     block = log.block
     try:
-        gm = export()
+        with guard_sites(stop=True) as again:  # stopped at a loop over the blocks
+            gm = export()
     except Exception as exc:  # torch raises many types; the construct is named
+        site = describe_site(again.sites)
         why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+        if site is not None and loop_over_positions(site[1]):
+            why = (f"a Python loop over the blocks at {site[0]} (`{site[1]}`), which "
+                   "torch.export unrolls at the example's number of blocks (a recurrence "
+                   "stepped block by block, e.g. a chunked delta rule)")
         raise CaptureError(block_refusal(model, block, log.block_sites) + "\nThe export with "
-                           f"the length {block} × blocks failed too: {why}") from first
+                           f"the length {block} × blocks failed too: {why}.") from first
     guards = getattr(gm, "_guards_fn", None)
     drop(gm)
     symbol = symbol_of(gm, axes)
     if symbol is None:
-        raise CaptureError(block_refusal(model, block, log.block_sites)) from first
+        raise CaptureError(block_refusal(model, block, log.block_sites) + "\nThe export with "
+                           f"the length {block} × blocks fixed the number of blocks to the "
+                           "example's.") from first
     ctx = CompileContext(
         seq_symbol=symbol, example_seq=units // block, seq_inputs=dict(axes),
         capture_mode="dynamic", input_names=tuple(n.name for n in gm.graph.nodes
