@@ -80,7 +80,7 @@ def export_blocks(model: torch.nn.Module, log: GuardLog, export: Callable[[], fx
     drop, symbol_of = finish
     block = log.block
     try:
-        with guard_sites(stop=True) as again:  # stopped at a loop over the blocks
+        with guard_sites(stop=True, blocks=False) as again:  # stopped at a loop over blocks
             gm = export()
     except Exception as exc:  # torch raises many types; the construct is named
         site = describe_site(again.sites)
