@@ -187,3 +187,20 @@ def test_falcon_h1_hybrid_is_exact_in_chunks_of_blocks() -> None:
             ids = torch.randint(0, 64, (2, length))
             assert_kernels_close(run(ids, use_cache=False).logits,
                                  model(ids, use_cache=False).logits)
+
+
+def test_qwen3_next_loop_over_blocks_is_refused_naming_its_line() -> None:
+    # Gated DeltaNet's chunked delta rule steps its blocks in a Python loop: no closed form
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3NextConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, linear_num_value_heads=2,
+        linear_num_key_heads=1, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_conv_kernel_dim=2, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, layer_types=["linear_attention", "full_attention"],
+        use_cache=False)
+    model = transformers.Qwen3NextForCausalLM(config).eval()
+    with pytest.raises(tppc.CaptureError, match=r"(?s)padded to a multiple of 64.*"
+                       r"modeling_qwen3_next\.py:\d+.*64 × blocks failed too: a Python loop over "
+                       r"the blocks at .*modeling_qwen3_next\.py:\d+ .*range\(num_chunks\)"):
+        tppc.capture(model, (torch.randint(0, 64, (1, 128)),), {"use_cache": False})

@@ -83,7 +83,7 @@ def export_blocks(model: torch.nn.Module, log: GuardLog, export: Callable[[], fx
         with guard_sites(stop=True, blocks=False) as again:  # stopped at a loop over blocks
             gm = export()
     except Exception as exc:  # torch raises many types; the construct is named
-        site = describe_site(again.sites)
+        site = describe_site(again.sites[-1:])  # the guard that stopped it
         why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
         if site is not None and loop_over_positions(site[1]):
             why = (f"a Python loop over the blocks at {site[0]} (`{site[1]}`), which "

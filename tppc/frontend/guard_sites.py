@@ -68,8 +68,9 @@ class GuardLog(logging.Handler):
         block_sites: the first distinct sites of block-padding guards.
         stop: raise :class:`StopExport` at the first block-padding guard (unless
             ``stop_blocks`` is False: the export with ``L = k × blocks``, where torch still
-            logs guards on ``Mod(s, k)`` that hold), or at the first pinning guard when its
-            site is a loop over positions: the rest of such an export
+            logs guards on ``Mod(s, k)`` that hold; there, at any pinning guard on a loop
+            over positions), or at the first pinning guard when its site is a loop over
+            positions: the rest of such an export
             is minutes of symbolic reasoning about the padded length (or the unrolled loop).
     """
 
@@ -97,7 +98,7 @@ class GuardLog(logging.Handler):
             return
         if pinned:
             self.sites.append(frames[0])
-            loop = len(self.sites) == 1 and loop_over_positions(
+            loop = (len(self.sites) == 1 or not self.stop_blocks) and loop_over_positions(
                 linecache.getline(frames[0][0], frames[0][1]))
             if self.stop and loop:
                 raise StopExport(f"a loop over positions pins the length: {found.group(1)}")
