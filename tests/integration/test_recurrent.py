@@ -9,10 +9,9 @@ several chunks (chunks of one token included), re-planned lengths, ``generate`` 
 from the prefill's states, the state buffers' sizes (batch × channels, not the length) and
 their price (a scan layer's time has no prefix term; its states count as held bytes).
 A wrong initial state is caught by translation validation. transformers' Mamba (its CPU
-path loops over the positions in Python) is refused naming the loop's line; a sequence padded
-to blocks and scanned block by block (a block-padded prefix sum of our own, transformers'
-Mamba2 chunked SSD scan) is refused at capture naming the block size and its lines, in
-seconds (torch.export is stopped at the first guard on the length modulo the block).
+path loops over the positions in Python) is refused naming the loop's line. A sequence padded
+to blocks and scanned block by block (Mamba2's chunked SSD scan) is
+``tests/integration/test_block_scan.py``'s.
 """
 
 from __future__ import annotations
@@ -159,40 +158,6 @@ def test_mamba_python_loop_over_positions_is_refused_naming_its_line() -> None:
                        r"mamba_selective_scan \(`for index in range\(seq_len\):`\).*fix: write "
                        r"the recurrence as a scan"):
         tppc.capture(model, (torch.randint(0, VOCAB, (1, 6)),), {"use_cache": False})
-
-
-class _BlockPaddedScan(nn.Module):
-    """A prefix sum computed by blocks of 4 rows (a chunked scan): the sequence padded to a
-    multiple of 4, reshaped into blocks, summed inside each block and carried across blocks."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, d = x.shape
-        blocks = F.pad(x, (0, 0, 0, (4 - n % 4) % 4)).reshape(b, -1, 4, d)
-        totals = blocks.sum(2)
-        carried = totals.cumsum(1) - totals
-        return (blocks.cumsum(2) + carried[:, :, None]).reshape(b, -1, d)[:, :n]
-
-
-def test_block_padded_scan_is_refused_at_capture_naming_its_lines() -> None:
-    x = torch.randn(1, 6, 3)
-    assert torch.allclose(_BlockPaddedScan()(x), x.cumsum(1), atol=1e-6)  # it is a scan
-    with pytest.raises(tppc.CaptureError, match=r"(?s)padded to a multiple of 4 and reshaped "
-                       r"into blocks of 4 rows.*test_recurrent\.py:\d+ in forward.*fix: run "
-                       r"this model unsplit.*write the recurrence as a scan"):
-        tppc.capture(_BlockPaddedScan(), (x,), seq_dims={"x": 1})
-
-
-def test_mamba2_chunked_scan_is_refused_at_capture_naming_its_lines() -> None:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.Mamba2Config(vocab_size=VOCAB, hidden_size=8, state_size=2,
-                                       num_heads=2, head_dim=8, n_groups=1, expand=2,
-                                       num_hidden_layers=1, chunk_size=4, conv_kernel=2,
-                                       use_cache=False)
-    model = transformers.Mamba2ForCausalLM(config).eval()
-    with pytest.raises(tppc.CaptureError, match=r"(?s)Mamba2ForCausalLM.*padded to a multiple "
-                       r"of 4 and reshaped into blocks of 4 rows.*modeling_mamba2\.py:\d+ in "
-                       r"reshape_into_chunks.*fix: run this model unsplit"):
-        tppc.capture(model, (torch.randint(0, VOCAB, (1, 8)),), {"use_cache": False})
 
 
 def test_export_refuses_carried_states_by_name(scan, tmp_path) -> None:

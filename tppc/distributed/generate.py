@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
+from tppc.frontend.block_capture import refuse_block_decode
 from tppc.generation import DEFAULT, greedy_decode, stop_tokens
 from tppc.pipeline.generate import TORCH_OPS, Generating, logits_output, token_input_index
 from tppc.program.state import Call, next_epoch
@@ -46,6 +47,7 @@ def distributed_generate(cp: GeneratingRank, input_ids: torch.Tensor | None,
     eos_ids, pad = stop_tokens(eos_token_id, pad_token_id, model_eos=cp.eos_token_id,
                                model_pad=cp.pad_token_id)
     front, bound = cp.bind((input_ids,), {})
+    refuse_block_decode(front.ctx.block_size, cp.model_name)
     prompt = bound.length
     total = prompt + max_new_tokens
     program = cp.program(prompt, front)

@@ -36,6 +36,7 @@ from torch.utils import _pytree as pytree
 
 from tppc.errors import CaptureError, RuntimeInputError
 from tppc.frontend.annotate import annotate
+from tppc.frontend.block_capture import check_block_length
 from tppc.frontend.blocks import expand_layers, few_blocks
 from tppc.frontend.capture import bind_inputs
 from tppc.frontend.isolation import CAPTURE_LOCK, shadow_tree
@@ -243,6 +244,9 @@ def bind(front: FrontEnd, model: torch.nn.Module, inputs: CallInputs) -> BoundCa
                 f"input {ph.name!r} has batch size 0 (shape {tuple(value.shape)}): there is "
                 "nothing to run. fix: pass at least one sequence (batch size ≥ 1)")
         for axis in seq:
+            if front.ctx.block_size is not None:  # captured as k × blocks
+                check_block_length(ph.name, front.ctx.block_size, int(value.shape[axis]),
+                                   front.ctx.model_name)
             lengths[ph.name] = int(value.shape[axis]) // rows_per_unit(ph.meta["val"].shape[axis])
     if len(set(lengths.values())) != 1:
         raise RuntimeInputError(f"sequence inputs disagree in length: {lengths}. fix: give "

@@ -66,13 +66,17 @@ class GuardLog(logging.Handler):
         sites: ``(file, line, function)`` of every ``Eq`` guard, in order.
         block: the ``k`` of the first block-padding guard (``Mod(s, k)``), or None.
         block_sites: the first distinct sites of block-padding guards.
-        stop: raise :class:`StopExport` at the first block-padding guard, or at the first
-            pinning guard when its site is a loop over positions: the rest of such an export
+        stop: raise :class:`StopExport` at the first block-padding guard (unless
+            ``stop_blocks`` is False: the export with ``L = k × blocks``, where torch still
+            logs guards on ``Mod(s, k)`` that hold; there, at any pinning guard on a loop
+            over positions), or at the first pinning guard when its site is a loop over
+            positions: the rest of such an export
             is minutes of symbolic reasoning about the padded length (or the unrolled loop).
     """
 
-    def __init__(self, stop: bool = False) -> None:
+    def __init__(self, stop: bool = False, blocks: bool = True) -> None:
         super().__init__(logging.INFO)
+        self.stop_blocks = blocks
         self.sites: list[tuple[str, int, str]] = []
         self.block: int | None = None
         self.block_sites: list[tuple[str, int, str]] = []
@@ -94,7 +98,7 @@ class GuardLog(logging.Handler):
             return
         if pinned:
             self.sites.append(frames[0])
-            loop = len(self.sites) == 1 and loop_over_positions(
+            loop = (len(self.sites) == 1 or not self.stop_blocks) and loop_over_positions(
                 linecache.getline(frames[0][0], frames[0][1]))
             if self.stop and loop:
                 raise StopExport(f"a loop over positions pins the length: {found.group(1)}")
@@ -104,7 +108,7 @@ class GuardLog(logging.Handler):
             for site in frames[:1] + caller:
                 if site not in self.block_sites and len(self.block_sites) < _BLOCK_SITES:
                     self.block_sites.append(site)
-            if self.stop:
+            if self.stop and self.stop_blocks:
                 raise StopExport(f"the sequence is padded to a multiple of {self.block}: "
                                    f"{found.group(1)}")
 
@@ -119,10 +123,11 @@ def _user_frames() -> list[tuple[str, int, str]]:
 
 
 @contextlib.contextmanager
-def guard_sites(stop: bool = False) -> Iterator[GuardLog]:
+def guard_sites(stop: bool = False, blocks: bool = True) -> Iterator[GuardLog]:
     """Collect the guard sites that pin a size, and those that pad it to blocks, while it
-    runs (stopping the run at a refused construct with ``stop``: see :class:`GuardLog`)."""
-    logger, handler = logging.getLogger(_LOGGER), GuardLog(stop)
+    runs (stopping the run at a refused construct with ``stop``: see :class:`GuardLog`; at a
+    loop over positions only, without ``blocks``)."""
+    logger, handler = logging.getLogger(_LOGGER), GuardLog(stop, blocks)
     level, propagate, before = logger.level, logger.propagate, logger.getEffectiveLevel()
     others = {h: h.level for h in logger.handlers}
     logger.addHandler(handler)

@@ -7,9 +7,11 @@ Terms:
     block padding: the sequence padded to a multiple of a constant ``k`` and reshaped into
         blocks of ``k`` rows, with a recurrence over the blocks (a chunked scan: Mamba2's SSD
         scan, Gated DeltaNet's chunked delta rule); torch.export pins the length, because
-        the padding is a function of ``L mod k`` (:class:`tppc.frontend.guard_sites.GuardLog`).
+        the padding is a function of ``L mod k`` (:class:`tppc.frontend.guard_sites.GuardLog`);
+        tppc exports it again with ``L = k × blocks`` (:mod:`tppc.frontend.block_capture`)
+        and refuses it only when that fails too (Qwen3-Next: a Python loop over the blocks).
 
-Both are refused at capture, from the first export's guards, before any second export or
+Both stop the first export, from the first export's guards, before any second export or
 annotation runs (the export stops at the guard that shows the construct: the rest is minutes
 of symbolic reasoning about the padded length, or the unrolled loop): a token chunk cannot
 run either graph.
@@ -46,9 +48,9 @@ def loop_refusal(model: torch.nn.Module, site: tuple[str, str], exc: Exception) 
 
 def block_refusal(model: torch.nn.Module, block: int, sites: list[tuple[str, int, str]]
                   ) -> str:
-    """The refusal of a sequence padded to a multiple of ``block`` and reshaped into blocks
-    (named from the guards of the export, which stopped at the first: nothing of torch's
-    own error is worth showing)."""
+    """The refusal of a sequence padded to a multiple of ``block`` and reshaped into blocks,
+    when the export with the length ``block × blocks`` failed too (:mod:`.block_capture`;
+    named from the guards of the first export, which stopped at the first)."""
     where = "; ".join(describe_sites(sites)) or "a line inside torch"
     return (
         f"torch.export could not capture {type(model).__name__} with a symbolic length: the "
@@ -56,9 +58,9 @@ def block_refusal(model: torch.nn.Module, block: int, sites: list[tuple[str, int
         f"rows (a chunked scan: a state-space model's SSD scan, a chunked delta rule or "
         f"chunked linear attention, with a recurrence over the blocks) at {where}. The "
         f"padding is a function of the length modulo {block}, so torch.export fixes the "
-        "length to the example, and the recurrence over the blocks is no op tppc can chunk "
-        "(docs/refusals.md).\n"
+        f"length to the example; tppc exported it again with the length {block} × blocks "
+        "(docs/capture.md#specialised-captures), which failed too (below).\n"
         f"fix: run this model unsplit (eager, or torch.compile); for a model of one's own, "
-        f"{_SCAN_FIX}. transformers' chunked-scan models (Mamba2, Falcon-H1, Qwen3-Next "
-        "and the others whose torch path pads to chunk_size) have no other CPU path (their "
-        "kernels need CUDA), so they stay refused.")
+        f"{_SCAN_FIX}, or pad to blocks as Mamba2 does (a scan over the blocks, or an "
+        "initial-state slot: docs/annotation.md#block-scans-a-recurrence-over-blocks-of-the-"
+        "token-axis).")

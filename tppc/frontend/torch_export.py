@@ -14,9 +14,10 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from tppc.errors import CaptureError
+from tppc.frontend.block_capture import block_shapes, export_blocks
 from tppc.frontend.guard_sites import describe_site, guard_sites, loop_over_positions
 from tppc.frontend.isolation import isolated
-from tppc.frontend.recurrence_refusals import block_refusal, loop_refusal
+from tppc.frontend.recurrence_refusals import loop_refusal
 from tppc.frontend.sample_tables import fit_sample_tables
 from tppc.frontend.size_ints import UnitInt, export_size_ints, find_unit_int, read_from_tokens
 from tppc.ir.context import CompileContext
@@ -53,7 +54,10 @@ def export_dynamic(
     except Exception as exc:  # torch raises many types; we name the construct
         site = describe_site(log.sites)
         if tokens and log.block is not None:  # stopped at (or failed on) padding to blocks
-            raise CaptureError(block_refusal(model, log.block, log.block_sites)) from exc
+            shapes = block_shapes(bound, axes, log.block, units, upper,
+                                  lambda name, v, d: _spec_for(name, v, axes, d, patch))
+            return export_blocks(model, log, lambda: _export(model, bound, shapes).module(),
+                                 exc, (axes, units), (_drop_guards, _seq_symbol))
         if tokens and site is not None and loop_over_positions(site[1]):
             raise CaptureError(loop_refusal(model, site, exc)) from exc
         if not re.search(_PINNED, str(exc)):

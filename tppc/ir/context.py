@@ -50,6 +50,10 @@ class CompileContext:
         size_int: a :class:`tppc.frontend.size_ints.UnitInt` when the sequence symbol counts
             an integer input (QwenImage's ``img_shapes``, LTX's ``num_frames``/``height``/
             ``width``): that int is read from the tokens; the other ints stay constant.
+        block_size: ``k`` when the tokens were captured as ``k`` × the sequence symbol (a
+            model that pads its sequence to whole blocks of ``k`` rows: Mamba2's chunked
+            scan, :mod:`tppc.frontend.block_capture`): the symbol counts blocks, every chunk
+            is whole blocks, and a call's length must be a multiple of ``k``; None otherwise.
         example_values: the example's values of the context-stream and integer/bool inputs
             (text masks, ids), so that masks are judged from them, not from zeros.
         layers: layer records written by ``group_layers``.
@@ -77,6 +81,7 @@ class CompileContext:
     example_values: dict[str, Any] = field(default_factory=dict)
     shape_guards: Any = None
     size_int: Any = None
+    block_size: int | None = None
     captured_passes: int | None = None
 
     def tokens_per_unit(self) -> int:

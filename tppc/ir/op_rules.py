@@ -133,6 +133,7 @@ _TABLE: dict[object, OpRule] = {
     _A.argmin: OpRule("reduction", "vector", flops_per_in=1),
     _A.batch_norm: OpRule(price="vector", flops_per_in=4),
     _A.bitwise_and: OpRule(price="vector", flops_per_out=1),
+    _A.bitwise_not: OpRule(price="vector", flops_per_out=1),
     _A.bitwise_or: OpRule(price="vector", flops_per_out=1),
     _A.clamp: OpRule(price="vector", flops_per_out=1),
     _A.cos: OpRule(price="vector", flops_per_out=4),

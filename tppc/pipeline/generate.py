@@ -24,6 +24,7 @@ import torch
 from tppc.calls.call import Calling
 from tppc.calls.kv_memory import check_generation_memory
 from tppc.errors import RuntimeInputError
+from tppc.frontend.block_capture import refuse_block_decode
 from tppc.generation import DEFAULT, ArrayOps, check_max_new_tokens, greedy_decode, stop_tokens
 from tppc.program.state import Call, next_epoch
 
@@ -82,6 +83,7 @@ def greedy_generate(cp: Generating, input_ids: torch.Tensor, max_new_tokens: int
                                model_pad=cp.pad_token_id)
     kwargs = _mask_inputs(cp, attention_mask)
     front, bound = cp.bind((input_ids,), kwargs)
+    refuse_block_decode(front.ctx.block_size, cp.model_name)
     prompt = bound.length
     total = prompt + max_new_tokens
     if cp.max_seq is not None and total > cp.max_seq:

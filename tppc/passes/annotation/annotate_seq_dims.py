@@ -31,6 +31,7 @@ from tppc.ir.context import CompileContext
 from tppc.ir.op_rules import op_rule
 from tppc.ir.records import TOKEN, TokenInfo
 from tppc.passes.annotation.attention import classify_attention
+from tppc.passes.annotation.block_scan import mark_block_scans
 from tppc.passes.annotation.buffered_mixing import (
     conv_geometry,
     neighbourhood_conv,
@@ -78,6 +79,8 @@ def annotate_seq_dims_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphM
             if info is None:
                 raise error
         node.meta[TOKEN] = info
+    if ctx.block_size is not None:  # a recurrence over blocks: carried, not global
+        mark_block_scans(gm, sym, lambda n: _annotate(n, gm, ctx, sym))
     return gm
 
 
@@ -351,7 +354,11 @@ def _full_slice(node: fx.Node, src: TokenInfo) -> bool:
     end = node.args[3] if len(node.args) > 3 else None
     step = node.args[4] if len(node.args) > 4 else 1
     big = end is None or (isinstance(end, int) and end >= 2**62)
-    return start in (0, None) and big and step == 1
+    if isinstance(end, fx.Node) and src.axis_size is not None:  # x[:, :n], n the length
+        val = end.meta.get("val")
+        big = isinstance(val, torch.SymInt) and src.axis_size.free_symbols \
+            and sympy.simplify(size_expr(val) - src.axis_size) == 0
+    return start in (0, None) and bool(big) and step == 1
 
 
 def _mix_error(node: fx.Node, name: str, where: str, why: str) -> AnnotationError:

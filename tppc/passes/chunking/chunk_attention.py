@@ -69,6 +69,7 @@ from tppc.passes.annotation.attention import chunked_kernel
 from tppc.passes.annotation.buffered_mixing import buffered_operands
 from tppc.passes.annotation.key_masks import inputs_by_value
 from tppc.passes.chunking.bias_rows import BiasRows, value_inputs
+from tppc.passes.chunking.block_state import BlockState, block_scan_part
 from tppc.passes.chunking.carried_state import CarriedState, is_recurrent
 from tppc.passes.chunking.chunk_buffers import BufferReads, buffered_inputs
 from tppc.passes.chunking.chunk_parts import (
@@ -126,7 +127,7 @@ def chunk_attention_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
 
 
 
-class _Rewriter(BufferReads, CarriedState):
+class _Rewriter(BufferReads, CarriedState, BlockState):
     """Builds the chunk-step graph and the positional program from an annotated graph."""
 
     def __init__(self, gm: fx.GraphModule, ctx: CompileContext, *, carry: bool = True) -> None:
@@ -154,7 +155,10 @@ class _Rewriter(BufferReads, CarriedState):
                     if self.mode.get(n) == "copy" and buffered_operands(n) is not None]
         self._placeholders(frontier, attention + buffered)
         self._state_inputs([n for n in self.gm.graph.nodes  # scans, causal convolutions
-                            if self.mode.get(n) == "copy" and is_recurrent(n)])
+                            if self.mode.get(n) == "copy" and is_recurrent(n)
+                            and block_scan_part(n) is None])
+        self._block_state_inputs([n for n in self.gm.graph.nodes  # recurrences over blocks
+                                  if self.mode.get(n) == "copy"])
         for node in self.gm.graph.nodes:
             if self.mode.get(node) == "copy" and node not in self.env:
                 self.env[node] = self._emit(node)
@@ -299,6 +303,8 @@ class _Rewriter(BufferReads, CarriedState):
             rows = prefixed_size(node, self.ctx)
             if rows is not None:  # a later chunk's size has no text rows
                 return row_offset(self.graph, self.size, rows, 0)
+        if block_scan_part(node) is not None:
+            return self._block_scan(node)
         if buffered_operands(node) is not None:
             return self._buffered_mixing(node)
         if is_recurrent(node):
@@ -384,7 +390,10 @@ class _Rewriter(BufferReads, CarriedState):
         if kwargs.get("dropout_p", 0.0):
             raise PassError(f"attention node {node.name!r} has dropout_p="
                             f"{kwargs['dropout_p']}; fix: put the model in eval mode")
-        args = (self.env[kwargs["query"]], kwargs["key"], kwargs["value"], self.start, causal,
+        start, scale = self.start, self._scale(node.meta[TOKEN])
+        if causal and self.ctx.block_size is not None and scale != 1:  # rows of k tokens
+            start = row_offset(self.graph, start, scale, 0)  # the query's first token
+        args = (self.env[kwargs["query"]], kwargs["key"], kwargs["value"], start, causal,
                 kwargs.get("scale"), bool(gqa))
         mask = node.meta[TOKEN].mask
         if mask is not None and mask.bias:

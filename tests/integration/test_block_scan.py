@@ -1,0 +1,206 @@
+"""Block scans: a sequence padded to whole blocks of ``k`` rows with a recurrence over the blocks.
+
+Captured with the length ``k × blocks`` (the padding symbolically empty), so a unit of the plan
+is one block and every chunk boundary a multiple of ``k``; the recurrence over the blocks is
+carried from chunk to chunk on its stage (a scan over the blocks axis as any scan; Mamba2's
+form, an initial-state slot ``cat([zeros, states])`` and ``whole[:, :-1]``, as one region
+with a state buffer). Models of our own in two forms (a prefix sum carried across blocks by
+``cumsum``; a decayed recurrence through an ``(n+1) × (n+1)`` decay matrix with a state of
+``(batch, 1, channels)``) and transformers' ``Mamba2ForCausalLM`` (state ``(batch, 1, heads,
+head_dim, state)``), each against eager at 2 stages with chunks of one block, at a re-planned
+length; lengths that are no whole number of blocks, and ``generate``, refused by name.
+
+Tolerance: float32 reassociation only (:func:`assert_kernels_close`): a chunk applies the
+carried state's decay as ``exp`` of a sum over its own blocks, the whole graph over the prefix.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import tppc
+from tests.oracles import assert_kernels_close
+from tppc.planner.manual import manual_plan
+
+K, D = 4, 6
+
+
+def _pad_blocks(x: torch.Tensor) -> torch.Tensor:
+    b, n, d = x.shape
+    return F.pad(x, (0, 0, 0, (K - n % K) % K)).reshape(b, -1, K, d)
+
+
+class _PrefixBlocks(nn.Module):
+    """A prefix sum by blocks: summed inside each block, carried across blocks by cumsum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(D, D) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for lin in self.blocks:
+            h = lin(x)
+            n = h.shape[1]
+            blocks = _pad_blocks(h)
+            totals = blocks.sum(2)
+            carried = totals.cumsum(1) - totals
+            x = x + (blocks.cumsum(2) + carried[:, :, None]).reshape(x.shape[0], -1, D)[:, :n]
+        return x
+
+
+class _DecayedSlots(nn.Module):
+    """``h_t = a_t · h_{t−1} + u_t`` per channel, by blocks: within a block from zero, across
+    blocks through an initial-state slot and an ``(n+1) × (n+1)`` decay matrix (Mamba2's
+    form, with a state of ``(batch, 1, channels)`` instead of Mamba2's per-head matrices)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(D, D) for _ in range(2))
+        self.out = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for lin in self.blocks:
+            x = x + self._mix(lin(x))
+        return self.out(x)
+
+    @staticmethod
+    def _mix(x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        u = _pad_blocks(x)
+        cum = (-F.softplus(u)).cumsum(2)                         # log decay inside a block
+        inner = torch.exp(cum) * (torch.exp(-cum) * u).cumsum(2)  # from a zero state
+        last = inner[:, :, -1]
+        slots = torch.cat([torch.zeros_like(last[:, :1]), last], dim=1)
+        t = F.pad(cum[:, :, -1], (0, 0, 1, 0))
+        m = t.shape[1]
+        below = torch.tril(torch.ones(m, m, dtype=torch.bool), -1)[None, :, :, None]
+        seg = t[:, :, None, :].expand(b, m, m, d).masked_fill(~below, 0).cumsum(1)
+        upper = ~torch.tril(torch.ones(m, m, dtype=torch.bool))[None, :, :, None]
+        h = torch.einsum("bczd,bzd->bcd", torch.exp(seg.masked_fill(upper, float("-inf"))),
+                         slots)
+        y = inner + torch.exp(cum) * h[:, :-1, None]
+        return y.reshape(b, -1, d)[:, :n]
+
+
+def _sequential(x: torch.Tensor) -> torch.Tensor:
+    """``_DecayedSlots._mix`` step by step (the recurrence it computes)."""
+    a, h, rows = torch.exp(-F.softplus(x)), torch.zeros_like(x[:, 0]), []
+    for t in range(x.shape[1]):
+        h = a[:, t] * h + x[:, t]
+        rows.append(h)
+    return torch.stack(rows, 1)
+
+
+@pytest.fixture(scope="module", params=[_PrefixBlocks, _DecayedSlots])
+def own(request: pytest.FixtureRequest) -> tuple[nn.Module, tppc.CompiledPipeline]:
+    torch.manual_seed(0)
+    model = request.param().eval()
+    cp = tppc.compile(model, (torch.randn(1, 16, D),), seq_dims={"x": 1}, num_stages=2)
+    return model, cp
+
+
+def test_decayed_slots_compute_the_recurrence() -> None:
+    x = torch.randn(2, 13, D)
+    assert_kernels_close(_DecayedSlots._mix(x), _sequential(x))
+
+
+def test_own_block_scans_are_exact_in_chunks_of_blocks(own) -> None:
+    model, cp = own
+    assert cp.context.block_size == K
+    n = len(cp.context.layers)
+    staged = cp.with_plan(manual_plan(n, 6, cuts=(0, n // 2, n), boundaries=(0, 1, 2, 4, 6)))
+    x = torch.randn(2, 6 * K, D)
+    with torch.no_grad():
+        assert_kernels_close(staged(x), model(x))
+        y = torch.randn(2, 10 * K, D)  # re-planned
+        assert_kernels_close(cp(y), model(y))
+
+
+def test_lengths_of_no_whole_blocks_are_refused_by_name(own) -> None:
+    _, cp = own
+    with pytest.raises(tppc.RuntimeInputError, match=r"has 10 tokens.*multiple of 4.*fix: "
+                       r"pass 12 tokens"):
+        cp(torch.randn(1, 10, D))
+
+
+def test_block_example_of_no_whole_blocks_is_refused_at_capture() -> None:
+    with pytest.raises(tppc.CaptureError, match=r"example sequence of 6 tokens is padded.*"
+                       r"multiple of 4.*fix: capture with an example of 2 × 4 = 8 tokens"):
+        tppc.capture(_PrefixBlocks(), (torch.randn(1, 6, D),), seq_dims={"x": 1})
+
+
+@pytest.fixture(scope="module")
+def mamba2() -> tuple[nn.Module, tppc.CompiledPipeline]:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Mamba2Config(vocab_size=64, hidden_size=8, state_size=2, num_heads=2,
+                                       head_dim=8, n_groups=1, expand=2, num_hidden_layers=2,
+                                       chunk_size=K, conv_kernel=2, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.Mamba2ForCausalLM(config).eval()
+    ids = torch.randint(0, 64, (1, 4 * K))
+    return model, tppc.compile(model, (ids,), {"use_cache": False}, num_stages=2)
+
+
+def test_mamba2_is_exact_in_chunks_of_blocks_and_refuses_generate(mamba2) -> None:
+    model, cp = mamba2
+    n = len(cp.context.layers)
+    states = [b for st in cp.program(6).stages for b in st.buffers if b.kind == "state"]
+    # per layer: the short convolution's rows, and the SSD state between blocks
+    assert sorted({b.shape for b in states}) == [(2, 1, 1, 2, 8, 2), (2, 1, 20, 1)]
+    staged = cp.with_plan(manual_plan(n, 6, cuts=(0, n // 2, n), boundaries=(0, 1, 2, 4, 6)))
+    with torch.no_grad():
+        for run, length in ((staged, 6 * K), (cp, 10 * K)):
+            ids = torch.randint(0, 64, (2, length))
+            assert_kernels_close(run(ids, use_cache=False).logits,
+                                 model(ids, use_cache=False).logits)
+    with pytest.raises(tppc.RuntimeInputError, match=r"generate: Mamba2ForCausalLM pads its "
+                       r"sequence to blocks of 4 tokens.*fix: call the pipeline for the prefill"):
+        cp.generate(torch.randint(0, 64, (1, 2 * K)), max_new_tokens=2)
+
+
+def test_export_refuses_block_states_by_name(own, tmp_path) -> None:
+    _, cp = own
+    with pytest.raises(tppc.ExportError, match=r"recurrent layers.*fix: run it with "
+                       r"backend='torch'"):
+        tppc.export(cp, tmp_path / "out")
+
+
+def test_falcon_h1_hybrid_is_exact_in_chunks_of_blocks() -> None:
+    # Mamba2's mixer beside causal attention: the attention's chunks are whole blocks too
+    transformers = pytest.importorskip("transformers")
+    config = transformers.FalconH1Config(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, mamba_d_ssm=16,
+        mamba_n_heads=2, mamba_d_head=8, mamba_d_state=2, mamba_n_groups=1, mamba_d_conv=2,
+        mamba_chunk_size=K, mamba_expand=1, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.FalconH1ForCausalLM(config).eval()
+    cp = tppc.compile(model, (torch.randint(0, 64, (1, 4 * K)),), {"use_cache": False},
+                      num_stages=2)
+    n = len(cp.context.layers)
+    staged = cp.with_plan(manual_plan(n, 6, cuts=(0, n // 2, n), boundaries=(0, 1, 3, 6)))
+    with torch.no_grad():
+        for run, length in ((staged, 6 * K), (cp, 10 * K)):
+            ids = torch.randint(0, 64, (2, length))
+            assert_kernels_close(run(ids, use_cache=False).logits,
+                                 model(ids, use_cache=False).logits)
+
+
+def test_qwen3_next_loop_over_blocks_is_refused_naming_its_line() -> None:
+    # Gated DeltaNet's chunked delta rule steps its blocks in a Python loop: no closed form
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3NextConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, linear_num_value_heads=2,
+        linear_num_key_heads=1, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_conv_kernel_dim=2, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, layer_types=["linear_attention", "full_attention"],
+        use_cache=False)
+    model = transformers.Qwen3NextForCausalLM(config).eval()
+    with pytest.raises(tppc.CaptureError, match=r"(?s)padded to a multiple of 64.*"
+                       r"modeling_qwen3_next\.py:\d+.*64 × blocks failed too: a Python loop over "
+                       r"the blocks at .*modeling_qwen3_next\.py:\d+ .*range\(num_chunks\)"):
+        tppc.capture(model, (torch.randint(0, 64, (1, 128)),), {"use_cache": False})
