@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from tppc.ir.records import LAYER, PART, ChunkInput, KVBuffer
 from tppc.passes.annotation.block_scan import BLOCK_SCAN, BlockScanPart
 from tppc.passes.shapes import size_expr, tensor_val
 
@@ -38,8 +37,8 @@ class BlockState:
     """State buffers and block scan regions of the chunk-step rewriter
     (``chunk_attention._Rewriter``).
 
-    Uses the rewriter's ``graph``, ``env``, ``start``, ``buffers``, ``buffer_nodes``,
-    ``_input`` and ``_new``.
+    Uses the rewriter's ``graph``, ``env``, ``start``, ``buffer_nodes``, ``_new`` and
+    :meth:`CarriedState._state_buffer`.
     """
 
     def _block_state_inputs(self, nodes: list[fx.Node]) -> None:
@@ -50,16 +49,7 @@ class BlockState:
                 continue
             val = tensor_val(node)
             shape = tuple(int(size_expr(s)) for s in val.shape)
-            layer = node.meta.get(LAYER, "")
-            spec = ChunkInput("state", part.region, shape=(2, *shape), dtype=val.dtype,
-                              layer=layer)
-            name = f"{part.region}_block_state"
-            ph = self._input(name, spec)
-            ph.meta[LAYER] = layer
-            if PART in node.meta:
-                ph.meta[PART] = node.meta[PART]
-            self.buffers.append(KVBuffer(name, spec))
-            self.buffer_nodes[part.region, "block_state"] = ph
+            self._state_buffer(node, part.region, "block_state", shape, val.dtype)
 
     def _block_scan(self, node: fx.Node) -> fx.Node:
         """A node of a block scan region over the chunk's blocks (see the module docstring)."""

@@ -65,16 +65,21 @@ class CarriedState:
     def _state_inputs(self, recurrent: list[fx.Node]) -> None:
         """One state placeholder per recurrent node (see the module docstring)."""
         for node in recurrent:
-            shape, dtype = _state_shape(node)
-            layer = node.meta.get(LAYER, "")
-            spec = ChunkInput("state", node.name, shape=(2, *shape), dtype=dtype, layer=layer)
-            name = f"{node.name}_state"
-            ph = self._input(name, spec)
-            ph.meta[LAYER] = layer
-            if PART in node.meta:
-                ph.meta[PART] = node.meta[PART]
-            self.buffers.append(KVBuffer(name, spec))
-            self.buffer_nodes[node.name, "state"] = ph
+            self._state_buffer(node, node.name, "state", *_state_shape(node))
+
+    def _state_buffer(self, node: fx.Node, owner: str, kind: str, shape: tuple[int, ...],
+                      dtype: torch.dtype) -> None:
+        """A state placeholder ``<owner>_<kind>`` (slot 0 the start value, slot 1 what the
+        last chunk left) in ``node``'s layer and part, registered as a buffer of the step."""
+        layer = node.meta.get(LAYER, "")
+        spec = ChunkInput("state", owner, shape=(2, *shape), dtype=dtype, layer=layer)
+        name = f"{owner}_{kind}"
+        ph = self._input(name, spec)
+        ph.meta[LAYER] = layer
+        if PART in node.meta:
+            ph.meta[PART] = node.meta[PART]
+        self.buffers.append(KVBuffer(name, spec))
+        self.buffer_nodes[owner, kind] = ph
 
     def _recurrent(self, node: fx.Node) -> fx.Node:
         """The chunk's rows of a scan or causal convolution from the carried state."""
