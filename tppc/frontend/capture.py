@@ -43,6 +43,7 @@ from torch import fx
 
 from tppc.errors import CaptureError
 from tppc.frontend.isolation import CAPTURE_LOCK
+from tppc.frontend.joint_inputs import joint_input
 from tppc.frontend.static_export import outside_inference
 from tppc.frontend.torch_export import export_dynamic, is_latent
 from tppc.ir.context import CompileContext
@@ -95,17 +96,23 @@ def _capture(model: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str,
     try:
         gm, ctx = export_dynamic(model, bound, axes, patch, max_seq=max_seq)
     except CaptureError as exc:
-        joint = _joint_inputs(bound, axes, patch)
+        name = next(iter(axes), None)
+        joint = None if name is None else \
+            joint_input(bound, axes, patch, is_latent(bound.arguments[name], axes[name]))
         if joint is None:
             raise
-        full = str(exc).partition("torch.export's error, in full:\n")[2] or str(exc)
-        raise CaptureError(
-            f"torch.export could not capture {type(model).__name__} with a symbolic length: "
-            f"{joint}, a tensor over the joint (context + token) sequence; its length grows "
-            "with the tokens but it is no sequence axis tppc can chunk (those start with the "
-            "tokens), so torch.export fixed the length. tppc does not run a joint mask. fix: "
-            "call the model without it where that is exact (a mask of all ones), or run this "
-            f"model eagerly.\ntorch.export's error, in full:\n{full}") from exc
+        try:  # its length as the context's plus the tokens: a derived Dim
+            gm, ctx = export_dynamic(model, bound, axes, patch, max_seq=max_seq, joint=joint)
+        except CaptureError as again:
+            full = str(exc).partition("torch.export's error, in full:\n")[2] or str(exc)
+            raise CaptureError(
+                f"torch.export could not capture {type(model).__name__} with a symbolic "
+                f"length: {joint.describe()}, a tensor over the joint (context + token) "
+                "sequence; captured with that axis as the context's length plus the tokens, "
+                f"it failed too ({str(again).splitlines()[0]}). fix: call the model without "
+                "it where that is exact (a mask of all ones), or run this model eagerly."
+                f"\ntorch.export's error, in full:\n{full}") from exc
+        ctx.joint_inputs = {joint.name: (joint.axis, joint.rest)}
     ctx.model_name = type(model).__name__
     ctx.capture_seconds = time.perf_counter() - start
     _describe_streams(model, ctx, bound, axes, patch)
@@ -113,33 +120,6 @@ def _capture(model: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str,
         ctx.capture_mode = "specialized"
         ctx.specialized_to = {name: tuple(bound.arguments[name].shape) for name in axes}
     return gm, ctx
-
-
-def _joint_inputs(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]],
-                  patch: int) -> str | None:
-    """How the first input over a joint sequence is made (``"input 'attention_mask' axis 1
-    has 24 = 8 (encoder_hidden_states axis 1) + 16 tokens"``), or None: a tensor that is
-    no sequence input, with an axis as long as the example's tokens plus an axis of another
-    input (Chroma's pipeline passes its text + image mask)."""
-    tensors = {k: v for k, v in bound.arguments.items() if isinstance(v, torch.Tensor)}
-    name = next(iter(axes), None)
-    if name is None:
-        return None
-    t, dims = tensors[name], axes[name]
-    tokens = (int(t.shape[-2]) // patch) * (int(t.shape[-1]) // patch) \
-        if is_latent(t, dims) else int(t.shape[dims[0]])
-    for other, value in tensors.items():
-        if other in axes:
-            continue
-        for axis, size in enumerate(value.shape):
-            rest = int(size) - tokens
-            source = next((f"{n} axis {a}" for n, v in tensors.items() if n != other
-                           and n not in axes for a, s in enumerate(v.shape)
-                           if a and rest > 1 and int(s) == rest), None)
-            if source is not None:
-                return (f"input {other!r} axis {axis} has {int(size)} = {rest} ({source}) + "
-                        f"{tokens} tokens")
-    return None
 
 
 def _describe_streams(model: torch.nn.Module, ctx: CompileContext, bound: inspect.BoundArguments,

@@ -50,6 +50,9 @@ class CompileContext:
         size_int: a :class:`tppc.frontend.size_ints.UnitInt` when the sequence symbol counts
             an integer input (QwenImage's ``img_shapes``, LTX's ``num_frames``/``height``/
             ``width``): that int is read from the tokens; the other ints stay constant.
+        joint_inputs: input name -> (axis, context length) of inputs over the joint
+            ``[context | tokens]`` sequence, captured with that axis derived from the
+            sequence symbol (:mod:`tppc.frontend.joint_inputs`: Chroma's attention mask).
         example_values: the example's values of the context-stream and integer/bool inputs
             (text masks, ids), so that masks are judged from them, not from zeros.
         layers: layer records written by ``group_layers``.
@@ -77,6 +80,7 @@ class CompileContext:
     example_values: dict[str, Any] = field(default_factory=dict)
     shape_guards: Any = None
     size_int: Any = None
+    joint_inputs: dict[str, tuple[int, int]] = field(default_factory=dict)
     captured_passes: int | None = None
 
     def tokens_per_unit(self) -> int:

@@ -1,0 +1,89 @@
+"""Inputs over the joint ``[context | tokens]`` sequence: captured with a derived length.
+
+Terms:
+    joint input: a tensor input that is no sequence input, with an axis as long as a context
+        input's axis plus the example's tokens (Chroma's pipeline passes its text mask
+        followed by ones for every image token: ``attention_mask`` of ``8 + 16`` entries
+        beside ``encoder_hidden_states`` of 8 text tokens and 16 image tokens).
+    derived length: that axis given to torch.export as ``k · seq + rest`` (``k`` the tokens
+        per unit of the sequence symbol, ``rest`` the context's length), so that the graph
+        keeps it symbolic and the input grows with the tokens on every call.
+
+When the plain capture fails because torch.export pinned the length, and one such input
+exists, :func:`tppc.frontend.capture.capture` captures again with the joint axis derived from
+the sequence symbol. What the model does with the input is annotation's business: a
+float mask ``m[:, None, None, :] * m[:, None, :, None]`` over the joint sequence is run by
+its rows (:mod:`tppc.passes.annotation.key_masks`).
+
+Example:
+    >>> joint_input(bound, {"hidden_states": (1,)}, 1)                  # doctest: +SKIP
+    JointInput(name='attention_mask', axis=1, rest=8, per_unit=1, source='encoder_hidden_states axis 1', tokens=16)
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["JointInput", "joint_input"]
+
+
+@dataclass(frozen=True)
+class JointInput:
+    """An input whose axis ``axis`` is ``rest`` context positions plus the tokens.
+
+    Attributes:
+        name: the input's parameter name.
+        axis: its joint axis.
+        rest: the context positions before or after the tokens (the example's text length).
+        per_unit: tokens per unit of the sequence symbol (a latent's patch columns; 1 for a
+            token stream).
+        source: the context input's axis of length ``rest`` (``"encoder_hidden_states axis
+            1"``).
+        tokens: the example's token count.
+    """
+
+    name: str
+    axis: int
+    rest: int
+    per_unit: int
+    source: str
+    tokens: int
+
+    def describe(self) -> str:
+        """``"input 'attention_mask' axis 1 has 24 = 8 (encoder_hidden_states axis 1) + 16
+        tokens"``."""
+        return (f"input {self.name!r} axis {self.axis} has {self.rest + self.tokens} = "
+                f"{self.rest} ({self.source}) + {self.tokens} tokens")
+
+
+def joint_input(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]],
+                patch: int, latent: bool) -> JointInput | None:
+    """The first tensor input over the joint sequence (module docstring), or None.
+
+    Args:
+        bound: the model's bound example inputs.
+        axes: the sequence inputs and their axes (the first one counts the tokens).
+        patch: the latent's patch size.
+        latent: whether the first sequence input is a latent (its height is the axis).
+    """
+    tensors = {k: v for k, v in bound.arguments.items() if isinstance(v, torch.Tensor)}
+    name = next(iter(axes), None)
+    if name is None:
+        return None
+    t, dims = tensors[name], axes[name]
+    per_unit = int(t.shape[-1]) // patch if latent else 1
+    tokens = (int(t.shape[-2]) // patch) * per_unit if latent else int(t.shape[dims[0]])
+    for other, value in tensors.items():
+        if other in axes:
+            continue
+        for axis, size in enumerate(value.shape):
+            rest = int(size) - tokens
+            source = next((f"{n} axis {a}" for n, v in tensors.items() if n != other
+                           and n not in axes for a, s in enumerate(v.shape)
+                           if a and rest > 1 and int(s) == rest), None)
+            if source is not None:
+                return JointInput(other, axis, rest, per_unit, source, tokens)
+    return None
