@@ -202,6 +202,17 @@ def test_chromas_joint_mask_rows_follow_each_patch() -> None:
                                                       num_stages=2)
             torch.testing.assert_close(tr(*args, **kwargs)[0], want, rtol=0, atol=0)
             torch.testing.assert_close(tr(*args, **kwargs)[0], want, rtol=0, atol=0)
+    cp = next(iter(tr.compiled.values()))
+    taller = _chroma_inputs(12, 4)
+    assert cp.bind(*taller)[0] is cp.bind(args, kwargs)[0]  # one capture serves both
+    with torch.no_grad():
+        torch.testing.assert_close(cp(*taller[0], **taller[1])[0],
+                                   model(*taller[0], **taller[1])[0], rtol=0, atol=0)
+    short = dict(taller[1], attention_mask=kwargs["attention_mask"])
+    with pytest.raises(tppc.RuntimeInputError, match=r"input 'attention_mask' axis 1 has 40 "
+                       r"entries, but it spans the joint sequence: 8 context positions "
+                       r"\(compiled\) \+ the call's 48 tokens = 56"):
+        cp(*taller[0], **short)
 
 
 def test_kandinsky5s_channels_last_latent_is_refused_by_name_before_capture() -> None:

@@ -97,3 +97,48 @@ def test_cogvideox_at_a_size_other_than_its_config_is_exact() -> None:
     with torch.no_grad():
         assert_kernels_close(cp(x, **kwargs)[0], model(x, **kwargs)[0])
     assert model.patch_embed.pos_embedding is table and model.patch_embed.sample_height == 8
+
+
+class _RowPositionsDiT(examples.models.dit.DiT):
+    """The project's DiT whose row positions are an input: a 1-D float tensor as long as the
+    latent's patch rows (interpolated positions a caller may shift), not an ``arange``."""
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor,
+                row_pos: torch.Tensor) -> torch.Tensor:
+        from tppc.examples.models.dit import _sincos
+
+        b, ch, height, width = x.shape
+        p = self.patch_size
+        hp, wp = height // p, width // p
+        tok = self.patch(x).flatten(2).transpose(1, 2)
+        rows = row_pos.repeat_interleave(wp)  # pins the rows to row_pos' length
+        cols = torch.arange(wp, device=x.device).repeat(hp)
+        half = tok.shape[-1] // 2
+        tok = tok + torch.cat([_sincos(rows, half), _sincos(cols, half)], dim=-1)[None]
+        c = self.t_mlp(_sincos(t, tok.shape[-1])) + self.y_emb(y)
+        for block in self.blocks:
+            tok = block(tok, c)
+        shift, scale = self.ada_f(F.silu(c)).unsqueeze(1).chunk(2, dim=-1)
+        tok = self.out(self.norm_f(tok) * (1 + scale) + shift)
+        tok = tok.view(b, hp, wp, p, p, ch).permute(0, 5, 1, 3, 2, 4)
+        return tok.reshape(b, ch, height, width)
+
+
+def test_a_length_pinned_by_a_1d_positional_input_is_captured_with_it_and_exact() -> None:
+    """``row_pos`` (as long as the patch rows) pins the length: captured again with it as a
+    sequence input (one symbol for both), the program runs every height exactly (was:
+    refused with 'int()/math on sizes')."""
+    torch.manual_seed(0)
+    model = _RowPositionsDiT(examples.models.dit.DiTConfig(hidden=32, depth=2, n_head=2)).eval()
+
+    def call(rows: int) -> tuple[tuple, dict]:
+        return (torch.randn(1, 4, 2 * rows, 8), torch.tensor([3]), torch.tensor([1]),
+                torch.arange(rows) * 0.5 + 0.25), {}
+
+    cp = tppc.compile(model, *call(4), num_stages=2)
+    assert cp.context.seq_inputs == {"x": (2,), "row_pos": (0,)}
+    assert cp.context.capture_mode == "dynamic"
+    for rows in (4, 6, 3):
+        args, _ = call(rows)
+        with torch.no_grad():
+            torch.testing.assert_close(cp(*args), model(*args), rtol=0, atol=0)

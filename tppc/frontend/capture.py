@@ -43,9 +43,9 @@ from torch import fx
 
 from tppc.errors import CaptureError
 from tppc.frontend.isolation import CAPTURE_LOCK
-from tppc.frontend.joint_inputs import joint_input
+from tppc.frontend.joint_inputs import JointInput, follower_input, joint_input
 from tppc.frontend.static_export import outside_inference
-from tppc.frontend.torch_export import export_dynamic, is_latent
+from tppc.frontend.torch_export import example_units, export_dynamic, is_latent
 from tppc.ir.context import CompileContext
 
 __all__ = ["bind_inputs", "capture"]
@@ -100,25 +100,60 @@ def _capture(model: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str,
         joint = None if name is None else \
             joint_input(bound, axes, patch, is_latent(bound.arguments[name], axes[name]))
         if joint is None:
-            raise
-        try:  # its length as the context's plus the tokens: a derived Dim
-            gm, ctx = export_dynamic(model, bound, axes, patch, max_seq=max_seq, joint=joint)
-        except CaptureError as again:
-            full = str(exc).partition("torch.export's error, in full:\n")[2] or str(exc)
-            raise CaptureError(
-                f"torch.export could not capture {type(model).__name__} with a symbolic "
-                f"length: {joint.describe()}, a tensor over the joint (context + token) "
-                "sequence; captured with that axis as the context's length plus the tokens, "
-                f"it failed too ({str(again).splitlines()[0]}). fix: call the model without "
-                "it where that is exact (a mask of all ones), or run this model eagerly."
-                f"\ntorch.export's error, in full:\n{full}") from exc
-        ctx.joint_inputs = {joint.name: (joint.axis, joint.rest)}
+            gm, ctx, axes = _capture_follower(model, bound, axes, patch, max_seq, exc)
+        else:
+            gm, ctx = _capture_joint(model, bound, axes, patch, max_seq, exc, joint)
     ctx.model_name = type(model).__name__
     ctx.capture_seconds = time.perf_counter() - start
     _describe_streams(model, ctx, bound, axes, patch)
     if ctx.specialization is not None:
         ctx.capture_mode = "specialized"
         ctx.specialized_to = {name: tuple(bound.arguments[name].shape) for name in axes}
+    return gm, ctx
+
+
+def _capture_follower(model: torch.nn.Module, bound: inspect.BoundArguments,
+                      axes: dict[str, tuple[int, ...]], patch: int, max_seq: int | None,
+                      exc: CaptureError
+                      ) -> tuple[fx.GraphModule, CompileContext, dict[str, tuple[int, ...]]]:
+    """Capture again with a follower input (:func:`follower_input`: a 1-D table as long as
+    the patch rows) as one more sequence input; re-raises ``exc`` when there is none, and
+    names the input, its axis and the fix when that capture fails too."""
+    units = example_units(bound, axes, patch) if axes else 0
+    follow = follower_input(bound, axes, units, _CONTEXT_NAME)
+    if follow is None:
+        raise exc
+    name, axis = follow
+    try:
+        gm, ctx = export_dynamic(model, bound, {**axes, name: (axis,)}, patch, max_seq=max_seq)
+    except CaptureError as again:
+        raise CaptureError(
+            f"{str(exc).partition(chr(10))[0]}\ninput {name!r} axis {axis} has {units} "
+            f"entries, as many as the example's sequence units (tokens or patch rows), and "
+            f"pins the length; captured as a sequence input it failed too "
+            f"({str(again).splitlines()[0]}). fix: build that input inside the model from "
+            "the sequence input's size, or pass seq_dims= naming it, or compile per "
+            f"resolution.\n{str(exc).partition(chr(10))[2]}") from exc
+    return gm, ctx, {**axes, name: (axis,)}
+
+
+def _capture_joint(model: torch.nn.Module, bound: inspect.BoundArguments,
+                   axes: dict[str, tuple[int, ...]], patch: int, max_seq: int | None,
+                   exc: CaptureError, joint: JointInput
+                   ) -> tuple[fx.GraphModule, CompileContext]:
+    """Capture again with ``joint``'s axis as the context's length plus the tokens."""
+    try:  # its length as the context's plus the tokens: a derived Dim
+        gm, ctx = export_dynamic(model, bound, axes, patch, max_seq=max_seq, joint=joint)
+    except CaptureError as again:
+        full = str(exc).partition("torch.export's error, in full:\n")[2] or str(exc)
+        raise CaptureError(
+            f"torch.export could not capture {type(model).__name__} with a symbolic "
+            f"length: {joint.describe()}, a tensor over the joint (context + token) "
+            "sequence; captured with that axis as the context's length plus the tokens, "
+            f"it failed too ({str(again).splitlines()[0]}). fix: call the model without "
+            "it where that is exact (a mask of all ones), or run this model eagerly."
+            f"\ntorch.export's error, in full:\n{full}") from exc
+    ctx.joint_inputs = {joint.name: (joint.axis, joint.rest)}
     return gm, ctx
 
 

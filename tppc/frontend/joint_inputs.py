@@ -9,6 +9,11 @@ Terms:
         per unit of the sequence symbol, ``rest`` the context's length), so that the graph
         keeps it symbolic and the input grows with the tokens on every call.
 
+    follower: a tensor input that is no sequence input, with an axis exactly as long as the
+        example's units (a 1-D table of row positions beside a latent of that many patch rows,
+        positions beside an embedding stream): torch.export pins the length through it, so
+        it is captured as one more sequence input (:func:`follower_input`).
+
 When the plain capture fails because torch.export pinned the length, and one such input
 exists, :func:`tppc.frontend.capture.capture` captures again with the joint axis derived from
 the sequence symbol. What the model does with the input is annotation's business: a
@@ -23,11 +28,12 @@ Example:
 from __future__ import annotations
 
 import inspect
+import re
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["JointInput", "joint_input"]
+__all__ = ["JointInput", "follower_input", "joint_input"]
 
 
 @dataclass(frozen=True)
@@ -86,4 +92,25 @@ def joint_input(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]],
                            if a and rest > 1 and int(s) == rest), None)
             if source is not None:
                 return JointInput(other, axis, rest, per_unit, source, tokens)
+    return None
+
+
+def follower_input(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]],
+                   units: int, context: re.Pattern[str]) -> tuple[str, int] | None:
+    """``(name, axis)`` of the first follower (module docstring), or None.
+
+    Args:
+        bound: the model's bound example inputs.
+        axes: the sequence inputs and their axes.
+        units: the example's units (tokens, or a latent's patch rows).
+        context: names of context inputs (text states, text ids), never followers.
+    """
+    if units < 2:
+        return None
+    for name, value in bound.arguments.items():
+        if not isinstance(value, torch.Tensor) or name in axes or context.search(name):
+            continue
+        for axis in range(value.dim()):
+            if (axis or value.dim() == 1) and int(value.shape[axis]) == units:
+                return name, axis
     return None
