@@ -103,6 +103,8 @@ def _capture(model: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str,
             gm, ctx, axes = _capture_follower(model, bound, axes, patch, max_seq, exc)
         else:
             gm, ctx = _capture_joint(model, bound, axes, patch, max_seq, exc, joint)
+    if ctx.specialization is not None:  # pinned through a table as long as the rows?
+        gm, ctx, axes = _dynamic_with_follower(model, bound, axes, patch, max_seq, gm, ctx)
     ctx.model_name = type(model).__name__
     ctx.capture_seconds = time.perf_counter() - start
     _describe_streams(model, ctx, bound, axes, patch)
@@ -135,6 +137,27 @@ def _capture_follower(model: torch.nn.Module, bound: inspect.BoundArguments,
             "the sequence input's size, or pass seq_dims= naming it, or compile per "
             f"resolution.\n{str(exc).partition(chr(10))[2]}") from exc
     return gm, ctx, {**axes, name: (axis,)}
+
+
+def _dynamic_with_follower(model: torch.nn.Module, bound: inspect.BoundArguments,
+                           axes: dict[str, tuple[int, ...]], patch: int, max_seq: int | None,
+                           gm: fx.GraphModule, ctx: CompileContext
+                           ) -> tuple[fx.GraphModule, CompileContext, dict[str, tuple[int, ...]]]:
+    """A specialised capture whose length a follower input pins (:func:`follower_input`: a
+    1-D table of row positions) captured again with it as a sequence input; kept only when
+    that capture is dynamic, else the specialised one stands."""
+    follow = follower_input(bound, axes, example_units(bound, axes, patch), _CONTEXT_NAME)
+    if follow is None:
+        return gm, ctx, axes
+    wider = {**axes, follow[0]: (follow[1],)}
+    try:
+        gm2, ctx2 = export_dynamic(model, bound, wider, patch, max_seq=max_seq)
+    except CaptureError:
+        return gm, ctx, axes
+    if ctx2.specialization is not None:
+        return gm, ctx, axes
+    ctx2.follower = (*follow, ctx.specialization)
+    return gm2, ctx2, wider
 
 
 def _capture_joint(model: torch.nn.Module, bound: inspect.BoundArguments,

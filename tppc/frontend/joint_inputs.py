@@ -105,7 +105,9 @@ def follower_input(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...
         units: the example's units (tokens, or a latent's patch rows).
         context: names of context inputs (text states, text ids), never followers.
     """
-    if units < 2:
+    main = bound.arguments.get(next(iter(axes), ""))
+    batch = int(main.shape[0]) if isinstance(main, torch.Tensor) and main.dim() else None
+    if units < 2 or units == batch:  # a timestep per sample is no table of rows
         return None
     for name, value in bound.arguments.items():
         if not isinstance(value, torch.Tensor) or name in axes or context.search(name):
