@@ -204,7 +204,6 @@ def test_chromas_joint_mask_rows_follow_each_patch() -> None:
             torch.testing.assert_close(tr(*args, **kwargs)[0], want, rtol=0, atol=0)
     cp = next(iter(tr.compiled.values()))
     taller = _chroma_inputs(12, 4)
-    assert cp.bind(*taller)[0] is cp.bind(args, kwargs)[0]  # one capture serves both
     with torch.no_grad():
         torch.testing.assert_close(cp(*taller[0], **taller[1])[0],
                                    model(*taller[0], **taller[1])[0], rtol=0, atol=0)
