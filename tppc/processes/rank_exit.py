@@ -133,11 +133,20 @@ def end_stopped_peers(wait: float = 2.0) -> list[int]:
 
 
 def _running(pid: int) -> bool:
-    """Whether ``pid`` exists and is no zombie (a zombie's files are closed, its locks free)."""
+    """Whether a thread of ``pid`` is still alive. Its leader turns zombie first; its files
+    (and their locks) are released when the last of its threads has exited, so every thread
+    is checked, not the leader's state alone."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
     except OSError:
         return False
+    for task in tasks:
+        try:
+            if (task / "stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def guard_rank() -> None:
