@@ -1,8 +1,9 @@
 """Inputs over the joint ``[context | tokens]`` sequence: captured with a derived length.
 
 Terms:
-    joint input: a tensor input that is no sequence input, with an axis as long as a context
-        input's axis plus the example's tokens (Chroma's pipeline passes its text mask
+    joint input: a tensor input that is no sequence input, with an axis (neither its batch
+        axis nor the feature axis of a 3-D or larger tensor) as long as the text axis of a
+        context input (axis 1 of ``(batch, text, features)``) plus the example's tokens (Chroma's pipeline passes its text mask
         followed by ones for every image token: ``attention_mask`` of ``8 + 16`` entries
         beside ``encoder_hidden_states`` of 8 text tokens and 16 image tokens).
     derived length: that axis given to torch.export as ``k · seq + rest`` (``k`` the tokens
@@ -86,10 +87,12 @@ def joint_input(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]],
         if other in axes:
             continue
         for axis, size in enumerate(value.shape):
+            if not axis or (value.dim() >= 3 and axis == value.dim() - 1):
+                continue  # batch and feature axes are no sequence
             rest = int(size) - tokens
-            source = next((f"{n} axis {a}" for n, v in tensors.items() if n != other
-                           and n not in axes for a, s in enumerate(v.shape)
-                           if a and rest > 1 and int(s) == rest), None)
+            source = next((f"{n} axis 1" for n, v in tensors.items() if n != other
+                           and n not in axes and v.dim() >= 3 and rest > 1
+                           and int(v.shape[1]) == rest), None)  # text states (b, text, d)
             if source is not None:
                 return JointInput(other, axis, rest, per_unit, source, tokens)
     return None
