@@ -157,16 +157,61 @@ def chroma_pipe():
                   "width": 16, "max_sequence_length": 8}
 
 
-def test_chromas_joint_attention_mask_is_named_as_the_cause() -> None:
-    """The refusal names the input, its length as text + image tokens (was: 'avoid int()/math
-    on sizes', a fix that does not apply)."""
+def test_chromas_pipeline_with_its_joint_attention_mask_equals_eager() -> None:
+    """ChromaPipeline passes ``attention_mask`` over ``[text | image]`` (8 + 16 tokens), a
+    float 0/1 that SDPA adds to the scores (``m_i · m_j``: +1, not a mask). Captured with its
+    length as 8 + the tokens and run by its rows per chunk: every step warm equals eager, at
+    a second resolution too (was: refused)."""
     pipe, call = chroma_pipe()
     pipe.set_progress_bar_config(disable=True)
+    wants = [_call(pipe, dict(call, height=h), steps=2) for h in (16, 24)]
     tppc.diffusers.compile_pipeline(pipe, warmup_steps=None, num_stages=2)
-    with pytest.raises(tppc.CaptureError, match=r"input 'attention_mask' axis 1 has 24 = 8 "
-                                                r"\(encoder_hidden_states axis 1\) \+ 16 tokens, "
-                                                r"a tensor over the joint"):
-        _call(pipe, call, steps=1)
+    for h, want in zip((16, 24), wants, strict=True):
+        torch.testing.assert_close(_call(pipe, dict(call, height=h), steps=2), want,
+                                   rtol=0, atol=0)
+    cp = next(iter(pipe.transformer.compiled.values()))
+    assert cp.context.joint_inputs == {"attention_mask": (1, 8)}
+
+
+def _chroma_inputs(rows: int, cols: int) -> tuple[tuple, dict]:
+    """A Chroma call on ``rows × cols`` tokens whose joint mask hides text pads and weighs
+    image keys (0 and 0.5), so that a chunk reading another chunk's rows differs."""
+    tokens = rows * cols
+    mask = torch.ones(1, 8 + tokens)
+    mask[:, 6:8] = 0
+    mask[:, 8 + 5], mask[:, 8 + tokens - 2] = 0.0, 0.5
+    ids = torch.zeros(tokens, 3)
+    ids[:, 1], ids[:, 2] = torch.arange(tokens) // cols, torch.arange(tokens) % cols
+    return (torch.randn(1, tokens, 16),), {
+        "encoder_hidden_states": torch.randn(1, 8, 12), "timestep": torch.tensor([0.5]),
+        "img_ids": ids, "txt_ids": torch.zeros(8, 3), "attention_mask": mask,
+        "return_dict": False}
+
+
+def test_chromas_joint_mask_rows_follow_each_patch() -> None:
+    """Stale patches read the mask's rows of their own queries: a stale call on the input of
+    the warm call before it (so every stale K/V is fresh) equals eager exactly, for 2 and 4
+    patches (the first patch carries the text rows, a later one starts 8 + its start)."""
+    model = chroma_pipe()[0].transformer
+    torch.manual_seed(3)
+    args, kwargs = _chroma_inputs(8, 4)
+    with torch.no_grad():
+        want = model(*args, **kwargs)[0]
+        for patches in (2, 4):
+            tr = tppc.diffusers.PipeFusionTransformer(model, warmup_steps=1, patches=patches,
+                                                      num_stages=2)
+            torch.testing.assert_close(tr(*args, **kwargs)[0], want, rtol=0, atol=0)
+            torch.testing.assert_close(tr(*args, **kwargs)[0], want, rtol=0, atol=0)
+    cp = next(iter(tr.compiled.values()))
+    taller = _chroma_inputs(12, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(cp(*taller[0], **taller[1])[0],
+                                   model(*taller[0], **taller[1])[0], rtol=0, atol=0)
+    short = dict(taller[1], attention_mask=kwargs["attention_mask"])
+    with pytest.raises(tppc.RuntimeInputError, match=r"input 'attention_mask' axis 1 has 40 "
+                       r"entries, but it spans the joint sequence: 8 context positions "
+                       r"\(compiled\) \+ the call's 48 tokens = 56"):
+        cp(*taller[0], **short)
 
 
 def test_kandinsky5s_channels_last_latent_is_refused_by_name_before_capture() -> None:

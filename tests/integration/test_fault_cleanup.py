@@ -253,3 +253,20 @@ def test_launcher_stopped_rank_ends_the_job_within_the_comm_timeout(checkpoint: 
     assert job.proc.returncode != 0 and "StageFailed" in output, output[-3000:]
     assert time.monotonic() - t0 < 5 + 10, output[-3000:]
     _assert_clean(job, 5.0, output)
+
+
+
+def test_torchrun_stopped_rank_ends_the_job_within_the_comm_timeout(checkpoint: str,
+                                                                     tmp_path: Path) -> None:
+    """The last rank stops itself (SIGSTOP) mid-call under torchrun: rank 0 fails after
+    ``comm_timeout`` (5 s), kills its stopped sibling (same torchrun agent, same run id) and
+    sweeps its file, so torchrun ends the job at once (before: torchrun's SIGTERM stayed
+    pending in the stopped rank until its SIGKILL 30 s later)."""
+    job = _torchrun(checkpoint, "stop@1:1", tmp_path, comm_timeout=5)
+    assert job.watch(lambda: job.hung_mid_call() and _stopped(job.ranks[1])), job.finish(10)
+    t0 = time.monotonic()
+    output = job.finish(90)
+    elapsed = time.monotonic() - t0
+    assert job.proc.returncode != 0 and "killed stopped rank process" in output, output[-3000:]
+    assert elapsed < 5 + 10, f"{elapsed:.1f} s\n{output[-3000:]}"
+    _assert_clean(job, 5.0, output)

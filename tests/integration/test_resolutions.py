@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import tppc
 from tests.oracles import assert_kernels_close, serial_denoise
 from tppc import examples
+from tppc.examples.models.dit import DiT, DiTConfig
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -97,3 +98,51 @@ def test_cogvideox_at_a_size_other_than_its_config_is_exact() -> None:
     with torch.no_grad():
         assert_kernels_close(cp(x, **kwargs)[0], model(x, **kwargs)[0])
     assert model.patch_embed.pos_embedding is table and model.patch_embed.sample_height == 8
+
+
+def _sincos(pos: torch.Tensor, dim: int) -> torch.Tensor:
+    half = dim // 2
+    freq = torch.exp(-9.2103 * torch.arange(half) / half)
+    ang = pos.float()[:, None] * freq[None, :]
+    return torch.cat([ang.sin(), ang.cos()], dim=-1)
+
+
+class _RowPositionsDiT(DiT):
+    """The project's DiT whose row positions are an input: a 1-D float tensor as long as the
+    latent's patch rows (interpolated positions a caller may shift), not an ``arange``."""
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor,
+                row_pos: torch.Tensor) -> torch.Tensor:
+        b, ch, height, width = x.shape
+        p = self.patch_size
+        hp, wp = height // p, width // p
+        tok = self.patch(x).flatten(2).transpose(1, 2)
+        rows = row_pos.repeat_interleave(wp)  # pins the rows to row_pos' length
+        cols = torch.arange(wp, device=x.device).repeat(hp)
+        half = tok.shape[-1] // 2
+        tok = tok + torch.cat([_sincos(rows, half), _sincos(cols, half)], dim=-1)[None]
+        c = self.t_mlp(_sincos(t, tok.shape[-1])) + self.y_emb(y)
+        for block in self.blocks:
+            tok = block(tok, c)
+        shift, scale = self.ada_f(F.silu(c)).unsqueeze(1).chunk(2, dim=-1)
+        tok = self.out(self.norm_f(tok) * (1 + scale) + shift)
+        tok = tok.view(b, hp, wp, p, p, ch).permute(0, 5, 1, 3, 2, 4)
+        return tok.reshape(b, ch, height, width)
+
+
+def test_a_length_pinned_by_a_1d_positional_input_is_refused_naming_it() -> None:
+    """``row_pos`` (as long as the patch rows) pins the length: torch.export guards
+    ``4 * (h // 2) == 16``. The specialised capture ran calls exactly but crashed validation's
+    chunks with "a tppc bug" (its row table stays 16 long); captured again with ``row_pos``
+    as a sequence input the length is symbolic, and the ``repeat_interleave`` of the rows
+    into tokens cannot run chunk by chunk: refused naming the input, its axis, the guard and
+    the fix."""
+    torch.manual_seed(0)
+    model = _RowPositionsDiT(DiTConfig(hidden=32, depth=2, n_head=2)).eval()
+    args = (torch.randn(1, 4, 8, 8), torch.tensor([3]), torch.tensor([1]),
+            torch.arange(4) * 0.5 + 0.25)
+    with pytest.raises(tppc.CaptureError, match=r"input 'row_pos' axis 0 of _RowPositionsDiT "
+                       r"is as long as the example's 4 sequence units .* pins the length "
+                       r"\(Guard failed: 4 \* \(x.size\(\)\[2\] // 2\) == 16.*repeat_interleave.*"
+                       r"fix: build row_pos inside the model from the sequence input's size"):
+        tppc.compile(model, args, num_stages=2)

@@ -290,3 +290,17 @@ def test_an_output_of_an_unknown_class_names_the_class_and_the_fix() -> None:
                                            r"dataclass") as info:
         tppc.compile(_BoxOutput(inner).eval(), args)
     assert "<string>" not in str(info.value)
+
+
+def test_a_wrong_channel_count_names_the_input_axis_and_both_sizes() -> None:
+    """A latent with 3 channels into a DiT compiled with 4: a new batch shape, captured again,
+    and torch.export fails in the patch embedding; the error now starts with the input, its
+    axis, the given size and the compiled one (was: only the re-capture's error)."""
+    from tppc.examples.models.dit import DiT, DiTConfig
+
+    torch.manual_seed(0)
+    model = DiT(DiTConfig(hidden=32, depth=1, n_head=2)).eval()
+    cp = tppc.compile(model, (torch.randn(1, 4, 8, 8), torch.tensor([3]), torch.tensor([1])))
+    with pytest.raises(RuntimeInputError, match=r"^input 'x' axis 1 is 3, compiled with 4; "
+                                                r"re-capturing DiT for batch shape"):
+        cp(torch.randn(1, 3, 8, 8), torch.tensor([3]), torch.tensor([1]))

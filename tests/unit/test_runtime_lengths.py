@@ -114,3 +114,24 @@ def test_tppc_plan_takes_a_length_the_granularity_does_not_divide():
     plan = tppc.plan(model, args, cluster="2xh100-sxm", seq_len=1000, granularity=64)
     assert plan.seq_len == 1000 and plan.boundaries[-1] == 1000
     assert all(b % 64 == 0 for b in plan.boundaries[:-1])
+
+
+def test_the_capture_cache_is_bounded_too():
+    """Captures of new batch shapes (here the DiT's width, a static axis) are kept up to
+    ``program_cache`` too: a third width evicts the oldest, which is captured again when it
+    comes back, and the call is still exact."""
+    from tppc.examples.models.dit import DiT, DiTConfig
+
+    torch.manual_seed(0)
+    model = DiT(DiTConfig(hidden=32, depth=1, n_head=2)).eval()
+    cond = (torch.tensor([3]), torch.tensor([1]))
+    cp = tppc.compile(model, (torch.randn(1, 4, 8, 8), *cond), program_cache=2,
+                      executor="local")
+    fronts = {w: cp.bind((torch.randn(1, 4, 8, w), *cond), {})[0] for w in (8, 12, 16)}
+    assert len(set(map(id, fronts.values()))) == 3
+    x = torch.randn(1, 4, 8, 8)
+    again = cp.bind((x, *cond), {})[0]
+    assert again is not fronts[8]  # evicted, captured again
+    assert cp.bind((torch.randn(1, 4, 8, 16), *cond), {})[0] is fronts[16]  # kept
+    with torch.no_grad():
+        torch.testing.assert_close(cp(x, *cond), model(x, *cond), rtol=0, atol=0)

@@ -140,7 +140,7 @@ def _watchdog(rank: str, grace: float = 2.0) -> None:
     ``grace`` seconds later: a rank stuck in an op (an NCCL hang, a hung stage) cannot
     outlive the job's failure."""
     from tppc.backends.torch_distributed import read_failure
-    from tppc.processes.rank_exit import cleanup
+    from tppc.processes.rank_exit import cleanup, end_stopped_peers
 
     def watch() -> None:
         while True:
@@ -149,6 +149,7 @@ def _watchdog(rank: str, grace: float = 2.0) -> None:
                 time.sleep(grace)
                 print(f"[tppc.run rank {rank}] StageFailed: {record} (stopped by the "
                       "watchdog)", file=sys.stderr, flush=True)
+                end_stopped_peers()
                 cleanup()
                 os._exit(1)
             time.sleep(0.5)
@@ -293,7 +294,7 @@ def _run_artifact(ns: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run this rank; returns 0, or exits the process with status 1 on any error."""
-    from tppc.processes.rank_exit import LAUNCH_DIR_ENV, cleanup, guard_rank
+    from tppc.processes.rank_exit import LAUNCH_DIR_ENV, cleanup, end_stopped_peers, guard_rank
 
     ns = _parser().parse_args(argv)
     rank = os.environ.get("RANK", "?")
@@ -303,6 +304,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BaseException as exc:  # never hang in teardown: report and leave at once
         print(f"[tppc.run rank {rank}] {type(exc).__name__}: {exc}", file=sys.stderr,
               flush=True)
+        stopped = end_stopped_peers()  # torchrun would wait 30 s for a stopped rank
+        if stopped:
+            print(f"[tppc.run rank {rank}] killed stopped rank process(es) {stopped} of "
+                  "this job (SIGSTOP: they cannot act on torchrun's SIGTERM)",
+                  file=sys.stderr, flush=True)
         cleanup()
         os._exit(1)
     if ns.report:

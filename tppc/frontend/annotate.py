@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from tppc.errors import PassError
+from tppc.errors import CaptureError, PassError, TppcError
 from tppc.frontend.capture import capture
 from tppc.ir.context import CompileContext
 from tppc.ir.records import TOKEN
@@ -46,7 +46,19 @@ def annotate(
         The annotated GraphModule and its context (``ctx.layers`` lists the layers).
     """
     gm, ctx = capture(model, args, kwargs, seq_dims=seq_dims)
-    gm = run_passes(gm, ctx, ANALYSIS_PASSES)
+    try:
+        gm = run_passes(gm, ctx, ANALYSIS_PASSES)
+    except TppcError as exc:
+        if ctx.follower is None:
+            raise
+        name, axis, guard = ctx.follower
+        raise CaptureError(
+            f"input {name!r} axis {axis} of {ctx.model_name} is as long as the example's "
+            f"{ctx.example_seq} sequence units (patch rows or tokens) and pins the length "
+            f"({guard}); captured with it as a sequence input, the model cannot be run chunk "
+            f"by chunk: {str(exc).splitlines()[0]} fix: build {name} inside the model from "
+            f"the sequence input's size (torch.arange of the rows), or run this model "
+            "eagerly") from exc
     return gm, ctx
 
 

@@ -43,8 +43,9 @@ from torch import fx
 
 from tppc.errors import CaptureError
 from tppc.frontend.isolation import CAPTURE_LOCK
+from tppc.frontend.joint_inputs import JointInput, follower_input, joint_input
 from tppc.frontend.static_export import outside_inference
-from tppc.frontend.torch_export import export_dynamic, is_latent
+from tppc.frontend.torch_export import example_units, export_dynamic, is_latent
 from tppc.ir.context import CompileContext
 
 __all__ = ["bind_inputs", "capture"]
@@ -95,17 +96,15 @@ def _capture(model: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str,
     try:
         gm, ctx = export_dynamic(model, bound, axes, patch, max_seq=max_seq)
     except CaptureError as exc:
-        joint = _joint_inputs(bound, axes, patch)
+        name = next(iter(axes), None)
+        joint = None if name is None else \
+            joint_input(bound, axes, patch, is_latent(bound.arguments[name], axes[name]))
         if joint is None:
-            raise
-        full = str(exc).partition("torch.export's error, in full:\n")[2] or str(exc)
-        raise CaptureError(
-            f"torch.export could not capture {type(model).__name__} with a symbolic length: "
-            f"{joint}, a tensor over the joint (context + token) sequence; its length grows "
-            "with the tokens but it is no sequence axis tppc can chunk (those start with the "
-            "tokens), so torch.export fixed the length. tppc does not run a joint mask. fix: "
-            "call the model without it where that is exact (a mask of all ones), or run this "
-            f"model eagerly.\ntorch.export's error, in full:\n{full}") from exc
+            gm, ctx, axes = _capture_follower(model, bound, axes, patch, max_seq, exc)
+        else:
+            gm, ctx = _capture_joint(model, bound, axes, patch, max_seq, exc, joint)
+    if ctx.specialization is not None:  # pinned through a table as long as the rows?
+        gm, ctx, axes = _dynamic_with_follower(model, bound, axes, patch, max_seq, gm, ctx)
     ctx.model_name = type(model).__name__
     ctx.capture_seconds = time.perf_counter() - start
     _describe_streams(model, ctx, bound, axes, patch)
@@ -115,31 +114,70 @@ def _capture(model: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str,
     return gm, ctx
 
 
-def _joint_inputs(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]],
-                  patch: int) -> str | None:
-    """How the first input over a joint sequence is made (``"input 'attention_mask' axis 1
-    has 24 = 8 (encoder_hidden_states axis 1) + 16 tokens"``), or None: a tensor that is
-    no sequence input, with an axis as long as the example's tokens plus an axis of another
-    input (Chroma's pipeline passes its text + image mask)."""
-    tensors = {k: v for k, v in bound.arguments.items() if isinstance(v, torch.Tensor)}
-    name = next(iter(axes), None)
-    if name is None:
-        return None
-    t, dims = tensors[name], axes[name]
-    tokens = (int(t.shape[-2]) // patch) * (int(t.shape[-1]) // patch) \
-        if is_latent(t, dims) else int(t.shape[dims[0]])
-    for other, value in tensors.items():
-        if other in axes:
-            continue
-        for axis, size in enumerate(value.shape):
-            rest = int(size) - tokens
-            source = next((f"{n} axis {a}" for n, v in tensors.items() if n != other
-                           and n not in axes for a, s in enumerate(v.shape)
-                           if a and rest > 1 and int(s) == rest), None)
-            if source is not None:
-                return (f"input {other!r} axis {axis} has {int(size)} = {rest} ({source}) + "
-                        f"{tokens} tokens")
-    return None
+def _capture_follower(model: torch.nn.Module, bound: inspect.BoundArguments,
+                      axes: dict[str, tuple[int, ...]], patch: int, max_seq: int | None,
+                      exc: CaptureError
+                      ) -> tuple[fx.GraphModule, CompileContext, dict[str, tuple[int, ...]]]:
+    """Capture again with a follower input (:func:`follower_input`: a 1-D table as long as
+    the patch rows) as one more sequence input; re-raises ``exc`` when there is none, and
+    names the input, its axis and the fix when that capture fails too."""
+    units = example_units(bound, axes, patch) if axes else 0
+    follow = follower_input(bound, axes, units, _CONTEXT_NAME)
+    if follow is None:
+        raise exc
+    name, axis = follow
+    try:
+        gm, ctx = export_dynamic(model, bound, {**axes, name: (axis,)}, patch, max_seq=max_seq)
+    except CaptureError as again:
+        raise CaptureError(
+            f"{str(exc).partition(chr(10))[0]}\ninput {name!r} axis {axis} has {units} "
+            f"entries, as many as the example's sequence units (tokens or patch rows), and "
+            f"pins the length; captured as a sequence input it failed too "
+            f"({str(again).splitlines()[0]}). fix: build that input inside the model from "
+            "the sequence input's size, or pass seq_dims= naming it, or compile per "
+            f"resolution.\n{str(exc).partition(chr(10))[2]}") from exc
+    return gm, ctx, {**axes, name: (axis,)}
+
+
+def _dynamic_with_follower(model: torch.nn.Module, bound: inspect.BoundArguments,
+                           axes: dict[str, tuple[int, ...]], patch: int, max_seq: int | None,
+                           gm: fx.GraphModule, ctx: CompileContext
+                           ) -> tuple[fx.GraphModule, CompileContext, dict[str, tuple[int, ...]]]:
+    """A specialised capture whose length a follower input pins (:func:`follower_input`: a
+    1-D table of row positions) captured again with it as a sequence input; kept only when
+    that capture is dynamic, else the specialised one stands."""
+    follow = follower_input(bound, axes, example_units(bound, axes, patch), _CONTEXT_NAME)
+    if follow is None:
+        return gm, ctx, axes
+    wider = {**axes, follow[0]: (follow[1],)}
+    try:
+        gm2, ctx2 = export_dynamic(model, bound, wider, patch, max_seq=max_seq)
+    except CaptureError:
+        return gm, ctx, axes
+    if ctx2.specialization is not None:
+        return gm, ctx, axes
+    ctx2.follower = (*follow, ctx.specialization)
+    return gm2, ctx2, wider
+
+
+def _capture_joint(model: torch.nn.Module, bound: inspect.BoundArguments,
+                   axes: dict[str, tuple[int, ...]], patch: int, max_seq: int | None,
+                   exc: CaptureError, joint: JointInput
+                   ) -> tuple[fx.GraphModule, CompileContext]:
+    """Capture again with ``joint``'s axis as the context's length plus the tokens."""
+    try:  # its length as the context's plus the tokens: a derived Dim
+        gm, ctx = export_dynamic(model, bound, axes, patch, max_seq=max_seq, joint=joint)
+    except CaptureError as again:
+        full = str(exc).partition("torch.export's error, in full:\n")[2] or str(exc)
+        raise CaptureError(
+            f"torch.export could not capture {type(model).__name__} with a symbolic "
+            f"length: {joint.describe()}, a tensor over the joint (context + token) "
+            "sequence; captured with that axis as the context's length plus the tokens, "
+            f"it failed too ({str(again).splitlines()[0]}). fix: call the model without "
+            "it where that is exact (a mask of all ones), or run this model eagerly."
+            f"\ntorch.export's error, in full:\n{full}") from exc
+    ctx.joint_inputs = {joint.name: (joint.axis, joint.rest)}
+    return gm, ctx
 
 
 def _describe_streams(model: torch.nn.Module, ctx: CompileContext, bound: inspect.BoundArguments,

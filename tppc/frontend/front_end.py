@@ -178,7 +178,8 @@ def batch_shape(flat: list[Any], ctx: CompileContext, names: list[str]) -> Batch
         if not isinstance(value, torch.Tensor):  # another int: another capture
             out.append((value,) if _is_int(value) and name != unit else None)
             continue
-        seq = () if ctx.capture_mode == "specialized" else ctx.seq_inputs.get(name, ())
+        seq = () if ctx.capture_mode == "specialized" else \
+            ctx.seq_inputs.get(name, ()) + ctx.joint_inputs.get(name, ())[:1]
         out.append(tuple(None if i in seq else int(s) for i, s in enumerate(value.shape)))
     return tuple(out)
 
@@ -259,6 +260,7 @@ def bind(front: FrontEnd, model: torch.nn.Module, inputs: CallInputs) -> BoundCa
         raise RuntimeInputError("the sequence has 0 tokens. fix: pass at least one token")
     if own:  # else another capture serves the call (its own grid)
         _check_unit_int(front, placeholders, flat, length)
+    _check_joint(front, placeholders, flat, length)
     return BoundCall(flat=flat, length=length, batch=batch)
 
 
@@ -281,6 +283,24 @@ def _check_unit_int(front: FrontEnd, placeholders: tuple[fx.Node, ...], flat: li
             f"{length} units of {unit.per_unit} tokens (compiled with {unit.grid}). fix: pass "
             f"{unit.label}={length}, or "
             f"{value * unit.per_unit if _is_int(value) else 'n'} tokens for the grid you pass (the product of the grid's ints is the token count)")
+
+
+def _check_joint(front: FrontEnd, placeholders: tuple[fx.Node, ...], flat: list[Any],
+                 length: int) -> None:
+    """Refuse a call whose joint input (``ctx.joint_inputs``: Chroma's text + image mask) is
+    not as long as its context plus the call's tokens: the graph reads it by those rows."""
+    for ph, value in zip(placeholders, flat):
+        joint = front.ctx.joint_inputs.get(ph.name)
+        if joint is None or not isinstance(value, torch.Tensor) or value.dim() <= joint[0]:
+            continue
+        axis, rest = joint
+        tokens = length * front.ctx.tokens_per_unit()
+        if int(value.shape[axis]) != rest + tokens:
+            raise RuntimeInputError(
+                f"input {ph.name!r} axis {axis} has {int(value.shape[axis])} entries, but it "
+                f"spans the joint sequence: {rest} context positions (compiled) + the call's "
+                f"{tokens} tokens = {rest + tokens}. fix: pass it over the {rest} context "
+                f"positions and the {tokens} tokens (a new context length is a new compile)")
 
 
 def guards_hold(ctx: CompileContext, flat: list[Any]) -> bool:

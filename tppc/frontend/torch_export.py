@@ -17,6 +17,7 @@ from tppc.errors import CaptureError
 from tppc.frontend.block_capture import block_shapes, export_blocks
 from tppc.frontend.guard_sites import describe_site, guard_sites, loop_over_positions
 from tppc.frontend.isolation import isolated
+from tppc.frontend.joint_inputs import JointInput
 from tppc.frontend.recurrence_refusals import loop_refusal
 from tppc.frontend.sample_tables import fit_sample_tables
 from tppc.frontend.size_ints import UnitInt, export_size_ints, find_unit_int, read_from_tokens
@@ -34,8 +35,12 @@ def export_dynamic(
     patch: int,
     *,
     max_seq: int | None,
+    joint: JointInput | None = None,
 ) -> tuple[fx.GraphModule, CompileContext]:
     """Export with one shared ``Dim`` on every sequence axis; check it was not specialised.
+
+    ``joint``: an input over the joint ``[context | tokens]`` sequence, whose axis is
+    exported as ``per_unit · Dim + rest`` (:mod:`tppc.frontend.joint_inputs`).
 
     Returns the unlifted, runnable GraphModule (parameters as ``get_attr``) and a context
     whose ``specialization`` is set when torch.export fixed the sequence size.
@@ -44,6 +49,9 @@ def export_dynamic(
     upper = max_seq or max(units * _DEFAULT_MAX_FACTOR, 4096)
     dim = torch.export.Dim("seq", min=2, max=max(upper, units + 1))
     shapes = _dynamic_shapes(bound, axes, dim, patch)
+    if joint is not None:
+        shapes[joint.name] = {joint.axis: dim * joint.per_unit + joint.rest
+                              if joint.per_unit > 1 else dim + joint.rest}
     unit = _unit_int(bound, axes, patch)
     tokens = unit is None and _token_stream(bound, axes)  # refused early: no chunk runs them
     try:

@@ -54,6 +54,12 @@ class CompileContext:
             model that pads its sequence to whole blocks of ``k`` rows: Mamba2's chunked
             scan, :mod:`tppc.frontend.block_capture`): the symbol counts blocks, every chunk
             is whole blocks, and a call's length must be a multiple of ``k``; None otherwise.
+        joint_inputs: input name -> (axis, context length) of inputs over the joint
+            ``[context | tokens]`` sequence, captured with that axis derived from the
+            sequence symbol (:mod:`tppc.frontend.joint_inputs`: Chroma's attention mask).
+        follower: ``(input, axis, guard)`` when a non-sequence input as long as the units
+            (a 1-D table of row positions) pinned the length (``guard``) and was captured as
+            a sequence input (:func:`tppc.frontend.joint_inputs.follower_input`).
         example_values: the example's values of the context-stream and integer/bool inputs
             (text masks, ids), so that masks are judged from them, not from zeros.
         layers: layer records written by ``group_layers``.
@@ -82,6 +88,8 @@ class CompileContext:
     shape_guards: Any = None
     size_int: Any = None
     block_size: int | None = None
+    joint_inputs: dict[str, tuple[int, int]] = field(default_factory=dict)
+    follower: tuple[str, int, str] | None = None
     captured_passes: int | None = None
 
     def tokens_per_unit(self) -> int:

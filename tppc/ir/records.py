@@ -99,6 +99,11 @@ class MaskSpec:
             joint keys: HunyuanVideo's ``encoder_attention_mask``); the chunk step evaluates
             it whole (``O(L)``) and attention applies it as it is
             (:mod:`tppc.passes.annotation.key_masks`).
+        query_rows: with ``key_mask``, the mask also varies along the queries of a joint
+            ``[text | tokens]`` sequence and reads only joint inputs
+            (``CompileContext.joint_inputs``: Chroma's ``m[:, None, None, :] * m[:, None, :,
+            None]``); the chunk step evaluates its rows for the chunk's queries
+            (``O(chunk · L)``, :meth:`tppc.passes.chunking.bias_rows.BiasRows.joint_rows`).
     """
 
     window: int | None = None
@@ -106,6 +111,7 @@ class MaskSpec:
     bias: bool = False
     key_mask: bool = False
     block: int | None = None
+    query_rows: bool = False
 
 
 LayerKind = Literal["prologue", "block", "epilogue"]

@@ -140,8 +140,9 @@ class Captures:
         try:
             return capture_front_end(self.model, tuple(args), kwargs, seq_dims=self.seq_dims)
         except CaptureError as exc:
-            raise RuntimeInputError(f"re-capturing {type(self.model).__name__} for {what} "
-                                    f"failed: {exc}") from exc
+            changed = _changed_axes(self.example, bound)
+            raise RuntimeInputError(f"{changed}re-capturing {type(self.model).__name__} for "
+                                    f"{what} failed: {exc}") from exc
 
     def _check_grid(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
         """Refuse by name a call whose size ints do not make its tokens (a model that
@@ -181,6 +182,21 @@ class Captures:
                     f" fix: drop {unnamed[0]}= from the call (tppc's own per-call keywords "
                     f"are {list(RUN_KEYWORDS)}). torch.export's error: {cause}") from exc
             raise
+
+
+def _changed_axes(example: FrontEnd, bound: BoundCall | None) -> str:
+    """``"input 'x' axis 1 is 3, compiled with 4; "``: the static sizes in which a call's
+    batch shape differs from the example's (a wrong channel count, hidden size or width
+    reads so before torch.export's error), or ``""``."""
+    if bound is None or len(bound.batch) != len(example.batch):
+        return ""
+    names = [p.name for p in example.placeholders]
+    said = [f"input {name!r} axis {axis} is {new}, compiled with {old}"
+            for name, was, now in zip(names, example.batch, bound.batch, strict=False)
+            if was is not None and now is not None and len(was) == len(now)
+            for axis, (old, new) in enumerate(zip(was, now, strict=True))
+            if old is not None and new is not None and old != new]
+    return "; ".join(said) + ("; " if said else "")
 
 
 RUN_KEYWORDS = ("timeout", "executor", "trace")

@@ -42,7 +42,7 @@ from pathlib import Path
 from tppc.processes.owned_files import LAUNCH_PREFIX, release_all, sweep, sweep_all
 
 __all__ = ["LAUNCHER_EXIT_S", "LAUNCHER_PID_ENV", "LAUNCH_DIR_ENV", "POLL_S", "TORCHRUN_ENV",
-           "cleanup", "guard_rank", "launcher_alive"]
+           "cleanup", "end_stopped_peers", "guard_rank", "launcher_alive"]
 
 LAUNCHER_PID_ENV = "TPPC_LAUNCHER_PID"
 """Environment variable: the pid of the process that launched this rank."""
@@ -96,6 +96,57 @@ def cleanup() -> None:
     while job.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
         sweep(job.parent, LAUNCH_PREFIX)
+
+
+def end_stopped_peers(wait: float = 2.0) -> list[int]:
+    """Under torchrun, kill the ranks of this job that are stopped (SIGSTOP, state ``T`` or
+    ``t`` in ``/proc``) and wait up to ``wait`` s for them to die; returns their pids.
+
+    Called by a failing rank before it leaves. A stopped rank runs no thread, so neither its
+    watchdog nor its guard thread can act, and torchrun's teardown SIGTERM stays pending in
+    it: torchrun waited its whole grace period (30 s) before its SIGKILL. The job's ranks are
+    this rank's siblings under torchrun's agent with the same ``TORCHELASTIC_RUN_ID``; their
+    files are swept by :func:`cleanup` afterwards (the kernel drops a dead owner's lock).
+    ``tppc.launch`` does the same from the launcher. Elsewhere a no-op."""
+    run_id = os.environ.get(TORCHRUN_ENV)
+    if run_id is None:
+        return []
+    parent, me, killed = os.getppid(), os.getpid(), []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            state, ppid = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+            if int(ppid) != parent or state not in ("T", "t"):
+                continue
+            if f"{TORCHRUN_ENV}={run_id}".encode() not in \
+                    (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            os.kill(int(entry.name), signal.SIGKILL)
+            killed.append(int(entry.name))
+        except (OSError, ValueError):
+            continue
+    deadline = time.monotonic() + wait
+    while killed and time.monotonic() < deadline and any(_running(p) for p in killed):
+        time.sleep(0.05)
+    return killed
+
+
+def _running(pid: int) -> bool:
+    """Whether a thread of ``pid`` is still alive. Its leader turns zombie first; its files
+    (and their locks) are released when the last of its threads has exited, so every thread
+    is checked, not the leader's state alone."""
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return False
+    for task in tasks:
+        try:
+            if (task / "stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def guard_rank() -> None:

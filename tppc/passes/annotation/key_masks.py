@@ -15,7 +15,11 @@ evaluates it whole from the inputs and positions (:meth:`BiasRows.whole`) and at
 applies it as it is (``MaskSpec.key_mask``): exact for any input values and any chunking,
 since a chunk's queries read every key of the buffer, in the model's order. A mask that
 reads context inputs by value and varies along the queries, or that also reads a sequence
-input by value, is refused by name (:class:`AnnotationError`).
+input by value, is refused by name (:class:`AnnotationError`), unless every input it reads is
+a joint input (``CompileContext.joint_inputs``, :mod:`tppc.frontend.joint_inputs`): Chroma's
+``m[:, None, None, :] * m[:, None, :, None]`` over its ``[text | image]`` mask, a float 0/1
+that SDPA adds to the scores as it is. Such a mask (``MaskSpec.query_rows``) is evaluated
+by its rows for the chunk's queries, ``O(chunk · L)``, and applied as it is.
 
 Example:
     >>> key_mask_spec(sdpa, mask, ctx)        # mask reads encoder_attention_mask  # doctest: +SKIP
@@ -67,6 +71,10 @@ def key_mask_spec(node: fx.Node, mask: fx.Node, ctx: CompileContext
     if sequence:
         _refuse(node, names, f"it also reads the values of sequence input "
                 f"{sequence[0].name!r}")
+    joint = [p.name for p in context if p.name in ctx.joint_inputs]
+    if val is not None and val.dim() >= 2 and size_expr(val.shape[-2]) != 1 \
+            and len(joint) == len(names):  # over [text | tokens]: its rows per chunk
+        return "bidirectional", MaskSpec(key_mask=True, query_rows=True)
     if val is None or (val.dim() >= 2 and size_expr(val.shape[-2]) != 1):
         shape = None if val is None else tuple(val.shape)
         _refuse(node, names, f"it varies along the query axis (shape {shape}); tppc "

@@ -80,8 +80,36 @@ class BiasRows:
         self.start, self.size, self.seq_len = sizes
         self.user_input = user_input
         self.whole_env: dict[fx.Node, Any] = {}
-        self.rows_env: dict[tuple[fx.Node, int], fx.Node] = {}
+        self.rows_env: dict[tuple[fx.Node, int, Any], fx.Node] = {}
         self.attention: fx.Node | None = None
+        self.window: tuple[Any, Any, Any] = (self.sym, self.start, self.size)
+        """The query axis' extent and the chunk's rows on it: ``(extent, first, count)``."""
+
+    def joint_rows(self, mask: fx.Node, attention: fx.Node, carry: bool) -> fx.Node:
+        """The rows of a joint mask (``MaskSpec.query_rows``: Chroma's ``m[:, None, None, :]
+        * m[:, None, :, None]`` over ``[text | image]``) for the chunk's queries over every
+        key. The first chunk of a step (``carry``, at ``chunk_start`` 0) holds the text rows
+        and its image rows, ``[0, prefix + scale · chunk_size)``; a later chunk its image rows,
+        ``[prefix + scale · chunk_start, … + scale · chunk_size)``."""
+        self.attention = attention
+        info: TokenInfo = attention.meta[TOKEN]
+        val = tensor_val(mask)
+        rows = sympy.expand(size_expr(info.axis_size) - info.prefix) \
+            if info.axis_size is not None else sympy.S.Zero
+        scale = rows / self.sym
+        scale = int(scale) if scale.is_Integer and scale > 0 else 0
+        if info.suffix or not scale or val is None or val.dim() < 2 \
+                or sympy.expand(size_expr(val.shape[-2]) - size_expr(info.axis_size)) != 0:
+            raise self._refuse(mask, f"it is not a mask over the attention's queries "
+                               f"[text | tokens] ({info.axis_size} rows, prefix {info.prefix}, "
+                               f"suffix {info.suffix})")
+        first = row_offset(self.graph, self.start, scale, 0 if carry else info.prefix)
+        count = row_offset(self.graph, self.size, scale, info.prefix if carry else 0)
+        saved, self.window = self.window, (info.axis_size, first, count)
+        try:
+            return self._rows(mask, val.dim() - 2)
+        finally:
+            self.window = saved
 
     def rows(self, mask: fx.Node, attention: fx.Node, kv_len: fx.Node | None) -> fx.Node:
         """The rows of ``mask`` (the bias of ``attention``) for the chunk over the keys
@@ -102,7 +130,7 @@ class BiasRows:
 
     # -- the query axis, followed back ------------------------------------------------------
     def _rows(self, node: fx.Node, axis: int) -> fx.Node:
-        key = (node, axis)
+        key = (node, axis, self.window[1:])
         if key not in self.rows_env:
             self.rows_env[key] = self._rows_of(node, axis)
         return self.rows_env[key]
@@ -111,18 +139,19 @@ class BiasRows:
         val = tensor_val(node)
         if val is None:
             raise self._refuse(node, "it has no tensor metadata (meta['val'])")
-        if size_expr(val.shape[axis]) != self.sym:
+        extent, first, count = self.window
+        if sympy.simplify(size_expr(val.shape[axis]) - extent) != 0:
             raise self._refuse(node, f"its query axis {axis} has {val.shape[axis]} positions, "
-                               f"not the sequence length {self.sym}")
+                               f"not the attention's {extent}")
         if len(seq_axes(node, self.sym)[0]) <= 1:  # O(L): whole, then the chunk's rows
-            return self._new(_aten.narrow.default, (self._whole(node), axis, self.start,
-                                                    self.size), like=node)
+            return self._new(_aten.narrow.default, (self._whole(node), axis, first, count),
+                             like=node)
         target = node.target
         if node.op == "call_function" and _elementwise(target):
             return self._new(target, *self._broadcast_args(node, axis), like=node)
         if target is _aten.expand.default:
             sizes = [self._whole(s) for s in node.args[1]]
-            sizes[axis] = self.size
+            sizes[axis] = count
             return self._new(target, (self._arg_rows(node.args[0], node, axis), sizes), like=node)
         if target is _aten.unsqueeze.default:
             d = node.args[1] % val.dim()
@@ -165,10 +194,10 @@ class BiasRows:
         src, out = tensor_val(source).shape, tensor_val(node).shape
         before = sympy.Mul(*(size_expr(s) for s in out[:axis]))
         for k in range(len(src)):
-            if size_expr(src[k]) == self.sym and \
+            if sympy.simplify(size_expr(src[k]) - self.window[0]) == 0 and \
                     sympy.simplify(sympy.Mul(*(size_expr(s) for s in src[:k])) - before) == 0:
                 sizes = [self._whole(s) for s in node.args[1]]
-                sizes[axis] = self.size
+                sizes[axis] = self.window[2]
                 return self._new(node.target, (self._rows(source, k), sizes), like=node)
         raise self._refuse(node, "it is a view that does not keep the query axis")
 

@@ -398,6 +398,8 @@ class _Rewriter(BufferReads, CarriedState, BlockState):
         mask = node.meta[TOKEN].mask
         if mask is not None and mask.bias:
             args = (*args, self.bias.rows(kwargs["attn_mask"], node, kv_len if causal else None))
+        elif mask is not None and mask.query_rows:  # over [text | tokens]: the chunk's rows
+            args = (*args, self.bias.joint_rows(kwargs["attn_mask"], node, self.carry))
         elif mask is not None and mask.key_mask:  # one row over the keys, whole
             args = (*args, self.bias.whole(kwargs["attn_mask"]))
         elif mask is not None:
