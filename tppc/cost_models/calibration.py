@@ -15,7 +15,7 @@ Measured, for one thread count (a pipeline stage on CPU runs with
         weights beyond the cache (an LM head), which does not overlap the multiply;
     memory bandwidth: ``out = a + b`` on arrays well above the last-level cache
         (3 arrays of 64 MiB on CPU), bytes moved / time;
-    vector throughput: elementwise ops on an L2-resident array, overhead subtracted;
+    vector throughput: elementwise ops on L2-resident arrays, the slope between two sizes;
     op overhead: the time per op of a tiny pre-norm transformer block of ``nn.Module``
         calls (module ``__call__``, Python dispatch, launch; its views are not counted);
     view and attention overhead (CPU): per view node and per chunk-attention call of a
@@ -247,6 +247,22 @@ def _stream_bandwidth(device: torch.device, measure, peak: float, half_rows: flo
     return float(4 * n * k / excess) if excess > 0.02 * seconds else 0.0
 
 
+def _vector_rate(device: torch.device, measure, m: int) -> float:
+    """Elements/s of an elementwise op on arrays that stay in cache (CPU: ``m`` = 2**15,
+    128 KiB each), from the slope between ``m`` and ``4m`` elements: the per-op overhead
+    cancels (subtracting a separately measured overhead left nothing on 2 intra-op threads,
+    whose dispatch costs more than the small op's work). A slope lost in noise falls back to
+    the whole time of the larger op (the rate then includes its overhead: a lower bound).
+    """
+    times = []
+    for n in (m, 4 * m):
+        x = torch.ones(n, device=device)
+        y = torch.empty(n, device=device)
+        times.append(measure(lambda x=x, y=y: torch.mul(x, 1.0001, out=y), 7))
+    slope = times[1] - times[0]
+    return 3 * m / slope if slope > 0.25 * times[1] else 4 * m / times[1]
+
+
 def _attention_efficiency(device: torch.device, measure, peak: float, half_rows: float
                           ) -> float:
     """Fraction of ``peak`` the attention that runs reaches: ``tppc::chunk_attention`` (the
@@ -343,11 +359,7 @@ def _measure(device: torch.device) -> dict[str, float]:
     seconds = measure(lambda: torch.add(a, b, out=c), 5)
     out["bandwidth"] = 3 * 4 * n / max(seconds - out["op_overhead"], 1e-9)
 
-    m = 2**24 if gpu else 2**15  # in cache: 128 KiB per array on CPU
-    x = torch.ones(m, device=device)
-    y = torch.empty(m, device=device)
-    seconds = measure(lambda: torch.mul(x, 1.0001, out=y), 7)
-    out["vector"] = m / max(seconds - out["op_overhead"], 1e-9)
+    out["vector"] = _vector_rate(device, measure, 2**24 if gpu else 2**15)
     if gpu:
         out["capacity"] = float(torch.cuda.get_device_properties(device).total_memory)
     else:
