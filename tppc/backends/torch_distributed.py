@@ -26,7 +26,7 @@ Terms:
 
 Every blocking operation is bounded by the process group's timeout (gloo raises at once on a
 dead peer; NCCL needs the timeout and ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, set by
-:func:`tppc.distributed.pipeline.init_distributed`).
+:func:`tppc.distributed.job.init_distributed`).
 """
 
 from __future__ import annotations
