@@ -3,8 +3,9 @@
 Terms (see :mod:`tppc.planner.dp` for the grid and the objective ``K·Σ m + (S-1)·t_max``):
     levels: the distinct max-term costs ``f(a, b)`` of the candidate chunks, above which
         ``t_max`` never needs to go (``t_max ≤ (UB - K·min Σ m) / (S-1)``).
-    bucket ``β = (lo, hi]``: a range of ``t_max`` between two of 16 evenly spaced levels,
-        with the chunks whose ``f ≤ hi`` that survive its pruning.
+    bucket ``β = (lo, hi]``: a range of ``t_max``; the buckets cut the levels into at most
+        16 runs of about equal count (the first open below). A bucket holds the chunks
+        whose ``f ≤ hi`` that survive its pruning.
     ``z_β``: 1 for the one bucket that holds ``t_max`` (``Σ_β z_β = 1``).
     ``y_β[a, b]``: 1 when chunk ``[a·g, b·g)`` is used in bucket ``β``; flow constraints make
         the chosen chunks tile ``[0, L)`` with flow ``z_β``.
