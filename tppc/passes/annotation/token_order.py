@@ -122,7 +122,8 @@ def binary_elementwise(node: fx.Node) -> bool:
 
 
 def full_slice(node: fx.Node, src: TokenInfo) -> bool:
-    """``x[..., 0:end]`` over the whole token axis (``end`` huge, or the sequence length)."""
+    """A ``slice`` that keeps every row: start 0, step 1, an end past the axis (a huge
+    int, or the node of the sequence length itself)."""
     if op_name(node) != "slice":
         return False
     start = node.args[2] if len(node.args) > 2 else 0
