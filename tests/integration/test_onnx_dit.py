@@ -8,9 +8,6 @@ the serial loop and to one chunk per step).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -18,6 +15,7 @@ import torch
 
 import tppc
 from tests.oracles import assert_kernels_close, serial_denoise
+from tests.torchless import run_without_torch
 from tppc import examples
 from tppc.errors import SpecError
 from tppc.examples.models import GPT, GPTConfig
@@ -213,24 +211,13 @@ def test_joint_attention_without_the_later_patches_stages_is_refused(exported) -
 def test_a_dit_artifact_with_an_epilogue_runs_without_torch(exported, tmp_path) -> None:
     _, model, args, kwargs, _, _, path, _ = exported
     np.save(tmp_path / "x.npy", args[0].numpy())
-    code = textwrap.dedent(f"""
-        import builtins, sys
-        real = builtins.__import__
-        def no_torch(name, *a, **k):
-            if name == "torch" or name.startswith("torch."):
-                raise ImportError("torch is not installed here")
-            return real(name, *a, **k)
-        builtins.__import__ = no_torch
+    run_without_torch(f"""
         import numpy as np
         import tppc
         out = tppc.load({str(path)!r})(np.load({str(tmp_path / "x.npy")!r}),
                                        timestep=np.array([10]), class_labels=np.array([3]))
-        assert "torch" not in sys.modules
         np.save({str(tmp_path / "out.npy")!r}, out[0])
     """)
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
     with torch.no_grad():
         want = model(*args, **kwargs)[0]
     assert_kernels_close(torch.from_numpy(np.load(tmp_path / "out.npy")), want)

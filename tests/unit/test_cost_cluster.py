@@ -69,7 +69,7 @@ def test_real_calibration_is_measured_cached_and_forced_on_request(tmp_path, mon
                                                                    real_calibration):
     monkeypatch.setenv("TPPC_CACHE_DIR", str(tmp_path))
     calls = []
-    real = calibrate_module._measure
+    real = calibrate_module.measure_device
 
     def measure(device):
         calls.append(device)
@@ -77,7 +77,7 @@ def test_real_calibration_is_measured_cached_and_forced_on_request(tmp_path, mon
                 "op_overhead": 1e-6, "bandwidth": 2e10, "vector": 5e9,
                 "capacity": 2.0**34} if len(calls) > 1 else real(device)
 
-    monkeypatch.setattr(calibrate_module, "_measure", measure)
+    monkeypatch.setattr(calibrate_module, "measure_device", measure)
     first = calibrate_module.calibrate("cpu", threads=1)
     assert first.matrix.peak("fp32") > 1e9 and first.memory.bandwidth > 1e9
     assert first.matrix.half_rows > 0  # a 16-row matmul is slower per FLOP than a 512-row one
@@ -96,7 +96,7 @@ def test_stale_calibration_cache_is_measured_again(tmp_path, monkeypatch, real_c
     monkeypatch.setenv("TPPC_CACHE_DIR", str(tmp_path))
     fake = {"fp32": 1e11, "half_rows": 8.0, "attention_efficiency": 0.7, "op_overhead": 1e-6,
             "bandwidth": 2e10, "vector": 5e9, "capacity": 2.0**34}
-    monkeypatch.setattr(calibrate_module, "_measure", lambda device: dict(fake))
+    monkeypatch.setattr(calibrate_module, "measure_device", lambda device: dict(fake))
     calibrate_module.calibrate("cpu", threads=1)
     path = next((tmp_path / "calibration").glob("*.json"))
     data = json.loads(path.read_text())
@@ -112,7 +112,7 @@ def test_a_pinned_calibration_is_used_without_measuring(tmp_path, monkeypatch):
     path = tmp_path / "pinned.json"
     path.write_text(json.dumps(pinned))
     monkeypatch.setenv("TPPC_CALIBRATION", str(path))
-    monkeypatch.setattr(calibrate_module, "_measure", lambda device: pytest.fail("measured"))
+    monkeypatch.setattr(calibrate_module, "measure_device", lambda device: pytest.fail("measured"))
     assert calibrate_module.calibrate("cpu", co_running=2).matrix.peak("fp32") == 1.25e11
     assert calibrate_module.calibrate("cpu").matrix.peak("fp32") == \
         pinned["1"]["measured"]["fp32"]

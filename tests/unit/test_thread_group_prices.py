@@ -112,7 +112,7 @@ def test_a_co_running_calibration_carries_its_thread_group(tmp_path, monkeypatch
              "bandwidth": 2e10, "vector": 5e9, "capacity": 2.0**34}
     group = {"group_handoff": 2e-3, "group_reduce_bandwidth": 1e9,
              "group_gather_bandwidth": 0.5e9, "group_imbalance": 0.25, "group_members": 2.0}
-    monkeypatch.setattr(calibration, "_measure", lambda device: dict(rates))
+    monkeypatch.setattr(calibration, "measure_device", lambda device: dict(rates))
     monkeypatch.setattr(calibration, "measure_thread_group", lambda n: dict(group))
     assert calibration.calibrate("cpu", co_running=2).thread_group == SLOW
     assert calibration.calibrate("cpu", co_running=2).thread_group == SLOW  # from the cache

@@ -21,24 +21,17 @@ Terms:
         + b`` rows, read off the sending stage's graph: ``b`` a text segment riding with the
         chunk, ``a`` a DiT's patch columns). A
         value without a token axis makes every chunk carry a header.
-    failure record: the first rank that fails writes one line naming the failed stage into
-        the job's c10d store (key :data:`FAILURE_KEY`) before it raises; a rank that sees a
-        communication error reads it, so every rank's :class:`tppc.errors.StageFailed`
-        names the stage that failed, not the neighbour that stopped answering. A rank killed
-        outright writes nothing: its neighbours name it (the peer they lost).
-    fault injection: ``TPPC_FAULT=ACTION@STAGE:CHUNK`` (``raise``, ``kill`` = SIGKILL itself,
-        ``hang``, ``stop`` = SIGSTOP itself) makes that stage (the rank of that number, with tensor parallelism) fail
-        at that chunk; tests and drills use it.
+    failure record, fault injection: how every rank's error names the stage that failed,
+        and the ``TPPC_FAULT`` drill (:mod:`tppc.backends.rank_failure`).
 
 Every blocking operation is bounded by the process group's timeout (gloo raises at once on a
 dead peer; NCCL needs the timeout and ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, set by
-:func:`tppc.distributed.pipeline.init_distributed`).
+:func:`tppc.distributed.job.init_distributed`).
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -50,6 +43,14 @@ import torch
 import torch.distributed as dist
 
 from tppc.backends import wire
+from tppc.backends.rank_failure import (
+    FAILURE_KEY,
+    Fault,
+    first_line,
+    is_comm_error,
+    read_failure,
+    write_failure,
+)
 from tppc.backends.rank_transport import RankEnd, rank_deadline
 from tppc.backends.torch_local import Sink, run_stage
 from tppc.errors import StageFailed, StageTimeout, TppcError
@@ -59,9 +60,6 @@ from tppc.program.program import Program, StageProgram
 from tppc.program.state import Call, CallState
 
 __all__ = ["FAILURE_KEY", "DistributedExecutor", "read_failure", "token_axes"]
-
-FAILURE_KEY = "tppc/failure"
-"""c10d store key of the first failure's description."""
 
 _ROUNDING = 0.01
 """Seconds a wait bounded by the call's deadline may end before it (see ``expired``)."""
@@ -100,7 +98,7 @@ class DistributedExecutor:
             OrderedDict()
         self._peer: int | None = None
         self._stage_of: tuple[int, ...] = ()
-        self._fault = _parse_fault(os.environ.get("TPPC_FAULT", ""))
+        self._fault = Fault.parse(os.environ.get("TPPC_FAULT", ""))
 
     def check(self, program: Program) -> str | None:
         """None when the program has one worker per rank."""
@@ -160,8 +158,8 @@ class DistributedExecutor:
 
     def before(self, k: int, act: Action) -> None:
         """Before action ``k``: the fault drill of ``TPPC_FAULT`` at a compute."""
-        if act.kind == "compute":
-            self._inject(act.chunk)
+        if act.kind == "compute" and self._fault is not None:
+            self._fault.inject(self.rank, act.chunk)
 
     # -- failure ------------------------------------------------------------------------------
     def guard(self, op: Callable[[], Any], what: str) -> Any:
@@ -177,16 +175,16 @@ class DistributedExecutor:
     def failure(self, exc: BaseException, where: str, detail: str = "") -> StageFailed:
         """A :class:`StageFailed` naming the failed stage; records it first when it is ours.
         ``detail`` (the action grid) follows on the next lines of this rank's message."""
-        if _is_comm_error(exc):
+        if is_comm_error(exc):
             root = read_failure(wait=3.0)
             if root is None:
                 peer = self._peer if self._peer is not None else "?"
-                root = f"{self.who(peer)} stopped answering {where}: {_first_line(exc)}"
-                _write_failure(root)
+                root = f"{self.who(peer)} stopped answering {where}: {first_line(exc)}"
+                write_failure(root)
         else:
             root = f"{self.who(self.rank)} raised in {where}: " \
-                   f"{type(exc).__name__}: {_first_line(exc)}"
-            _write_failure(root)
+                   f"{type(exc).__name__}: {first_line(exc)}"
+            write_failure(root)
             root = read_failure(wait=0.0) or root
         return StageFailed(f"{root}. fix: see the log of that rank; the other ranks stopped "
                            f"(this is rank {self.rank}){_lines(detail)}")
@@ -196,7 +194,7 @@ class DistributedExecutor:
         """A :class:`StageTimeout` naming ``peer`` (default: the peer this rank last waited
         for), recorded first."""
         peer = peer if peer is not None else self._peer if self._peer is not None else "?"
-        _write_failure(f"{self.who(peer)} did not answer within the call's timeout "
+        write_failure(f"{self.who(peer)} did not answer within the call's timeout "
                        f"of {timeout} s (seen by rank {self.rank} in {where})")
         return StageTimeout(f"the distributed call did not finish in {timeout} s: rank "
                             f"{self.rank} waited for {self.who(peer)} in {where}. "
@@ -217,7 +215,7 @@ class DistributedExecutor:
     def late(self, timeout: float | None, chunk: int) -> StageTimeout:
         """The StageTimeout of a compute of ``chunk`` that ended past the call's deadline
         (recorded first, naming this stage)."""
-        _write_failure(f"{self.who(self.rank)} was still computing (chunk "
+        write_failure(f"{self.who(self.rank)} was still computing (chunk "
                        f"{chunk}) when the call's timeout of {timeout} s passed")
         return StageTimeout(f"the distributed call did not finish in {timeout} s: "
                             f"{self.who(self.rank)} ended chunk {chunk} after it. "
@@ -235,18 +233,6 @@ class DistributedExecutor:
         left = self.timeout if deadline is None else min(
             self.timeout, max(0.001, deadline - time.monotonic()))
         return timedelta(seconds=left)
-
-    def _inject(self, chunk: int) -> None:
-        if self._fault is None or self._fault[1:] != (self.rank, chunk):
-            return
-        action = self._fault[0]
-        if action == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        if action == "hang":
-            time.sleep(3600)
-        if action == "stop":  # frozen: no thread of this rank runs until SIGCONT
-            os.kill(os.getpid(), signal.SIGSTOP)
-        raise RuntimeError(f"TPPC_FAULT injected a failure in stage {self.rank}, chunk {chunk}")
 
     # -- point to point -------------------------------------------------------------------------
     def send_chunk(self, program: Program, values: tuple[Any, ...], peer: int | None = None
@@ -369,65 +355,6 @@ def _tensor(value: Any, stage: StageProgram, j: int) -> torch.Tensor:
     return value
 
 
-def _parse_fault(text: str) -> tuple[str, int, int] | None:
-    if not text:
-        return None
-    action, _, where = text.partition("@")
-    stage, _, chunk = where.partition(":")
-    if action not in ("raise", "kill", "hang", "stop") or not stage.isdigit() \
-            or not chunk.isdigit():
-        raise StageFailed(f"TPPC_FAULT={text!r} must read ACTION@STAGE:CHUNK with ACTION one "
-                          "of raise, kill, hang, stop (e.g. raise@1:2)")
-    return action, int(stage), int(chunk)
-
-
-def _is_comm_error(exc: BaseException) -> bool:
-    if isinstance(exc, dist.DistError | TimeoutError | ConnectionError):
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and any(
-        m in text for m in ("Connection", "connection", "Timed out", "timed out", "peer",
-                            "Gloo", "gloo", "NCCL", "closed"))
-
-
 def _lines(detail: str) -> str:
     """``detail`` on lines of its own after a one-line message (empty: nothing)."""
     return f"\nthis rank was at {detail}" if detail else ""
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [""])[0][:300]
-
-
-def _store() -> Any:
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:
-        return None
-
-
-def _write_failure(text: str) -> None:
-    store = _store()
-    if store is None:
-        return
-    try:  # the first failure wins
-        store.compare_set(FAILURE_KEY, "", text)
-    except Exception:
-        pass
-
-
-def read_failure(wait: float) -> str | None:
-    """The recorded failure, waiting up to ``wait`` seconds for it to appear."""
-    store = _store()
-    if store is None:
-        return None
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            if store.check([FAILURE_KEY]):
-                return store.get(FAILURE_KEY).decode()
-        except Exception:
-            return None
-        if time.monotonic() >= deadline:
-            return None
-        time.sleep(0.05)

@@ -139,7 +139,7 @@ def _watchdog(rank: str, grace: float = 2.0) -> None:
     """Leave (status 1) once another rank recorded a failure and this one is still running
     ``grace`` seconds later: a rank stuck in an op (an NCCL hang, a hung stage) cannot
     outlive the job's failure."""
-    from tppc.backends.torch_distributed import read_failure
+    from tppc.backends.rank_failure import read_failure
     from tppc.processes.rank_exit import cleanup, end_stopped_peers
 
     def watch() -> None:

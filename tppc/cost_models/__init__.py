@@ -8,6 +8,7 @@ Modules (one concern each):
     collective_costs  ``collective_cost``: all-reduce, all-gather, reduce-scatter, all-to-all
                  by algorithm (ring, tree, hierarchical) on the links a group crosses
     calibration  ``calibrate("cpu")``: micro-benchmarks → DeviceSpec (cached JSON)
+    device_benchmarks  the micro-benchmarks ``calibrate`` runs (matmul curve, bandwidth, overheads)
     unpriced     the warning for ops without a rule (the rules: :mod:`tppc.ir.op_rules`)
     node_shapes  the symbols c, p, L and node shapes in them (the token substitution)
     node_costs   FLOPs and bytes of one fx node as sympy in (c, p, L)

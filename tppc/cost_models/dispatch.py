@@ -16,7 +16,8 @@ asynchronously and hide the host's dispatch) by :func:`tppc.cost_models.calibrat
 same fastest-of-batches timer as the other terms.
 
 Example:
-    >>> measure = _timer(torch.device("cpu"))            # doctest: +SKIP
+    >>> from tppc.cost_models.device_benchmarks import timer  # doctest: +SKIP
+    >>> measure = timer(torch.device("cpu"))             # doctest: +SKIP
     >>> view_overhead(measure) < 1e-5                     # doctest: +SKIP
     True
 """

@@ -40,7 +40,7 @@ from tppc.cost_models.node_shapes import (
 from tppc.cost_models.program_costs import program_node_cost, program_signature
 from tppc.cost_models.roofline import node_time_terms
 from tppc.cost_models.specs import DeviceSpec
-from tppc.cost_models.table import LayerCost, TimeFn
+from tppc.cost_models.table import MEMORY_FIELDS, LayerCost, TimeFn
 from tppc.errors import CostModelError
 from tppc.ir.records import TOKEN, LayerInfo, TokenInfo
 
@@ -164,14 +164,7 @@ class LayerPricer:
         kv = sum(c.kv_bytes_per_key for c in costs)
         return LayerExpr(info=info, nodes=costs, time=time, matrix_flops=matrix,
                          vector_flops=vector, bytes=nbytes, fn=fn,
-                         weight_bytes=int(info.param_bytes)
-                         + state_bytes(self.nodes, info.nodes),
-                         kv_bytes_per_token=int(kv),
-                         act_bytes_per_token=self._act_bytes(info),
-                         peak_bytes_per_token=self._peak_bytes(info),
-                         positional_bytes_per_token=self._positional_bytes(info),
-                         workspace_bytes_per_key=attention_workspace(self.nodes, info.nodes,
-                                                                     device.name == "cpu"),
+                         **self._memory(info, int(kv), device),
                          unpriced=tuple(sorted({c.op for c in costs if c.unpriced})))
 
     def parts(self, whole: LayerExpr, device: DeviceSpec, fuse: bool) -> tuple[LayerCost, ...]:
@@ -188,17 +181,19 @@ class LayerPricer:
         if second_info.name not in self._kv:
             self._kv[second_info.name] = int(sum(self.node(n)[1].kv_bytes_per_key
                                                  for n in second_info.nodes))
-        second = LayerCost(
-            name=second_info.name, time=self._rest[key],
-            weight_bytes=int(second_info.param_bytes)
-            + state_bytes(self.nodes, second_info.nodes),
-            kv_bytes_per_token=self._kv[second_info.name],
-            act_bytes_per_token=self._act_bytes(second_info),
-            peak_bytes_per_token=self._peak_bytes(second_info),
-            positional_bytes_per_token=self._positional_bytes(second_info),
-            workspace_bytes_per_key=attention_workspace(self.nodes, second_info.nodes,
-                                                        device.name == "cpu"))
+        second = LayerCost(name=second_info.name, time=self._rest[key],
+                           **self._memory(second_info, self._kv[second_info.name], device))
         return layer_cost(first), second
+
+    def _memory(self, info: LayerInfo, kv: int, device: DeviceSpec) -> dict[str, int]:
+        """The :data:`~.table.MEMORY_FIELDS` of a layer whose K/V bytes per token are ``kv``."""
+        return {"weight_bytes": int(info.param_bytes) + state_bytes(self.nodes, info.nodes),
+                "kv_bytes_per_token": kv,
+                "act_bytes_per_token": self._act_bytes(info),
+                "peak_bytes_per_token": self._peak_bytes(info),
+                "positional_bytes_per_token": self._positional_bytes(info),
+                "workspace_bytes_per_key": attention_workspace(self.nodes, info.nodes,
+                                                               device.name == "cpu")}
 
     def _sum(self, costs: Sequence[NodeCost], device: DeviceSpec, fuse: bool) -> tuple:
         full = {L: self.seq_len}
@@ -271,10 +266,7 @@ def _renamed(cost: NodeCost, name: str) -> NodeCost:
 
 
 def layer_cost(e: LayerExpr, parts: tuple[LayerCost, ...] = ()) -> LayerCost:
-    """The planner's :class:`~.table.LayerCost` of a layer expression (and its parts)."""
-    return LayerCost(name=e.info.name, time=e.fn, weight_bytes=e.weight_bytes,
-                     kv_bytes_per_token=e.kv_bytes_per_token,
-                     act_bytes_per_token=e.act_bytes_per_token,
-                     peak_bytes_per_token=e.peak_bytes_per_token,
-                     positional_bytes_per_token=e.positional_bytes_per_token,
-                     workspace_bytes_per_key=e.workspace_bytes_per_key, parts=parts)
+    """The planner's :class:`~.table.LayerCost` of a layer expression (and its parts): its
+    name, time function and :data:`~.table.MEMORY_FIELDS`."""
+    return LayerCost(name=e.info.name, time=e.fn, parts=parts,
+                     **{name: getattr(e, name) for name in MEMORY_FIELDS})

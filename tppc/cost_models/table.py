@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["CostTable", "LayerCost", "LinkCost", "TimeFn"]
+__all__ = ["MEMORY_FIELDS", "CostTable", "LayerCost", "LinkCost", "TimeFn"]
 
 TimeFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
 """``time(c, p) -> seconds``, vectorised over numpy arrays of equal shape."""
@@ -54,6 +54,12 @@ class LayerCost:
     positional_bytes_per_token: int = 0
     workspace_bytes_per_key: int = 0
     parts: tuple[LayerCost, ...] = ()
+
+
+MEMORY_FIELDS: tuple[str, ...] = tuple(
+    f.name for f in dataclasses.fields(LayerCost) if f.name not in ("name", "time", "parts"))
+"""The memory fields of :class:`LayerCost` (what a layer holds and a chunk of it needs), which
+:class:`tppc.cost_models.layer_pricer.LayerExpr` has too: ``layer_cost`` copies them."""
 
 
 @dataclass(frozen=True)

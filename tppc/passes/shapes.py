@@ -21,6 +21,7 @@ __all__ = [
     "call_module_of",
     "module_path",
     "op_dims",
+    "op_name",
     "seq_axes",
     "size_expr",
     "source_line",
@@ -153,6 +154,14 @@ def _arg_type(arg: Any) -> Any:
             return torch.Tensor
         return int if isinstance(val, sympy.Basic | int) else type(val)
     return type(arg)
+
+
+def op_name(node: fx.Node) -> str:
+    """The op's name: an ATen overload's packet (``softmax``), else the target's ``__name__``."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target.overloadpacket.__name__
+    return getattr(target, "__name__", str(target))
 
 
 def source_line(node: fx.Node) -> str:

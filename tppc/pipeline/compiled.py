@@ -8,15 +8,9 @@ Terms:
         (:mod:`tppc.calls.states`), so concurrent calls of one pipeline are independent;
         a call that fails drops its state and leaves the pipeline as it was.
 
-A drop-in for the model (as ``torch.compile``'s wrapper is): a public attribute the pipeline
-does not have is the model's (``cp.config``, ``cp.dtype``, ``cp.device``: what a diffusers
-pipeline reads of ``pipe.transformer = tppc.compile(pipe.transformer, ...)``), and a call's
-keywords ``timeout``, ``executor``, ``trace`` (``tppc.pipeline.captures.RUN_KEYWORDS``) are
-the pipeline's own unless ``model.forward`` names them: they never reach its ``**kwargs``.
-It also answers ``__class__`` and ``__module__`` as the model's (``isinstance(cp, type(model))``;
-``type(cp)`` stays :class:`CompiledPipeline`): diffusers registers a pipeline component by
-them and saves it by its class, so ``pipe.save_pretrained`` after that assignment saves the
-model's weights and config and the saved pipeline loads back as a plain diffusers pipeline.
+A drop-in for the model (as ``torch.compile``'s wrapper is: :mod:`tppc.pipeline.drop_in`): a
+call's keywords ``timeout``, ``executor``, ``trace`` (``tppc.pipeline.captures.RUN_KEYWORDS``)
+are the pipeline's own unless ``model.forward`` names them: they never reach its ``**kwargs``.
 
 The pipeline holds what it is given: the example's capture and program, and the emitter
 (:class:`tppc.driver.emit.Emitter`) of the programs of other lengths; its parts are the
@@ -47,7 +41,8 @@ from tppc.errors import SpecError
 from tppc.frontend.front_end import BoundCall, FrontEnd
 from tppc.ir.context import PassRecord
 from tppc.pipeline.captures import RUN_KEYWORDS, Captures, forward_parameters
-from tppc.pipeline.conversions import check_conversion, check_weights, weights
+from tppc.pipeline.conversions import check_weights, weights
+from tppc.pipeline.drop_in import ModelStandIn
 from tppc.pipeline.programs import Programs
 from tppc.pipeline.rebalance import Rebalancing
 from tppc.planner.plan import Plan, Workload
@@ -81,7 +76,7 @@ class StageSummary:
     kv_bytes: int
 
 
-class CompiledPipeline(Rebalancing):
+class CompiledPipeline(ModelStandIn, Rebalancing):
     """A model compiled into pipeline stages; call it like the model.
 
     Args:
@@ -133,60 +128,8 @@ class CompiledPipeline(Rebalancing):
         self.plan = program.plan
         named = forward_parameters(model)
         self._run_keywords = tuple(k for k in RUN_KEYWORDS if k not in named)
-        self.__module__ = type(model).__module__  # the model's (module docstring)
+        self.__module__ = type(model).__module__  # the model's (drop_in)
         self._weights = weights(model)
-
-    @property  # type: ignore[misc]
-    def __class__(self) -> type:
-        """The model's class (module docstring)."""
-        model = self.__dict__.get("_model")
-        return type(self) if model is None else type(model)
-
-    def __getattr__(self, name: str) -> Any:
-        """A public attribute of the model (module docstring), else AttributeError."""
-        model = self.__dict__.get("_model")
-        if name.startswith("_") or model is None:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        try:
-            return getattr(model, name)
-        except AttributeError:
-            raise AttributeError(f"neither the compiled pipeline nor its model "
-                                 f"{type(model).__name__} has an attribute {name!r}") from None
-
-    def to(self, *args: Any, **kwargs: Any) -> CompiledPipeline:
-        """``model.to(...)`` where it changes nothing; a conversion of the weights is
-        refused (:mod:`tppc.pipeline.conversions`)."""
-        return self._convert("to", args, kwargs)
-
-    def half(self) -> CompiledPipeline:
-        """As :meth:`to`."""
-        return self._convert("half", (), {})
-
-    def float(self) -> CompiledPipeline:
-        """As :meth:`to`."""
-        return self._convert("float", (), {})
-
-    def double(self) -> CompiledPipeline:
-        """As :meth:`to`."""
-        return self._convert("double", (), {})
-
-    def bfloat16(self) -> CompiledPipeline:
-        """As :meth:`to`."""
-        return self._convert("bfloat16", (), {})
-
-    def cpu(self) -> CompiledPipeline:
-        """As :meth:`to`."""
-        return self._convert("cpu", (), {})
-
-    def cuda(self, *args: Any, **kwargs: Any) -> CompiledPipeline:
-        """As :meth:`to`."""
-        return self._convert("cuda", args, kwargs)
-
-    def _convert(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
-                 ) -> CompiledPipeline:
-        check_conversion(self._model, method, args, kwargs)
-        getattr(self._model, method)(*args, **kwargs)
-        return self
 
     # -- public --------------------------------------------------------------------------------
     @property

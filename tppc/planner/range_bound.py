@@ -32,12 +32,11 @@ combined with by ``max``); grids of more than ``max_grid`` steps are not priced 
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import numpy as np
 
 from tppc.cost_models.table import CostTable
 from tppc.planner.path_bound import end_pairs_bound, min_tiling_sum
+from tppc.planner.table_cache import TableCache
 
 __all__ = ["MAX_GRID", "range_bound"]
 
@@ -70,9 +69,9 @@ def _minmax(cost: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[int]]:
     return fwd, bwd, cuts[::-1]
 
 
-_CACHE: OrderedDict[tuple, tuple[CostTable, float | None]] = OrderedDict()
-"""The last few results, keyed by the table's layer rows (by identity: the entry keeps the
-table alive), links and length: a plan prices several placements and device subsets."""
+_CACHE: TableCache[float | None] = TableCache(size=8)
+"""The last few results (:class:`TableCache`): a plan prices several placements and device
+subsets of one table."""
 
 
 def range_bound(table: CostTable, num_stages: int, granularity: int,
@@ -89,16 +88,8 @@ def range_bound(table: CostTable, num_stages: int, granularity: int,
         The bound in seconds (never below the one-chunk placement bound), or ``None`` when
         the grid has more than ``max_grid`` steps.
     """
-    key = (tuple(map(id, table.layers[:num_stages])), table.links[: num_stages - 1],
-           table.seq_len, num_stages, granularity, max_grid)
-    if key in _CACHE:
-        _CACHE.move_to_end(key)
-        return _CACHE[key][1]
-    got = _range_bound(table, num_stages, granularity, max_grid)
-    _CACHE[key] = (table, got)
-    while len(_CACHE) > 8:
-        _CACHE.popitem(last=False)
-    return got
+    return _CACHE.get(table, num_stages, (granularity, max_grid),
+                      lambda: _range_bound(table, num_stages, granularity, max_grid))
 
 
 def _range_bound(table: CostTable, num_stages: int, granularity: int, max_grid: int

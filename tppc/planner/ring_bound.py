@@ -30,13 +30,13 @@ Terms (``S ≥ 2`` stages on devices ``0..S-1``, layers ``0..N-1``, ``K`` pipeli
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
 
 import numpy as np
 
 from tppc.cost_models.table import CostTable
 from tppc.planner.bounds import edge_costs
 from tppc.planner.path_bound import min_tiling_sum
+from tppc.planner.table_cache import TableCache
 
 __all__ = ["RING_MAX_GRID", "ring_bound"]
 
@@ -46,9 +46,9 @@ RING_MAX_GRID = 256
 _ROUNDS = 12
 """Refinements of the least interval at most (each prices 15 more thresholds)."""
 
-_CACHE: OrderedDict[tuple, tuple[CostTable, float]] = OrderedDict()
-"""The last few results, keyed by the table's layer rows (by identity: the entry keeps the
-table alive), links, length, stages, grid and steps: a plan prices many splits."""
+_CACHE: TableCache[float] = TableCache(size=8)
+"""The last few results (:class:`TableCache`; keyed by stages, grid and steps too): a plan
+prices many splits of one table."""
 
 
 def ring_bound(table: CostTable, num_stages: int, granularity: int, steps: int) -> float:
@@ -63,16 +63,8 @@ def ring_bound(table: CostTable, num_stages: int, granularity: int, steps: int) 
     Returns:
         Seconds after the warm-up steps that every diffusion plan takes at least.
     """
-    key = (tuple(map(id, table.layers[:num_stages])), table.links[: num_stages - 1],
-           table.seq_len, num_stages, granularity, steps)
-    if key in _CACHE:
-        _CACHE.move_to_end(key)
-        return _CACHE[key][1]
-    got = _ring_bound(table, num_stages, granularity, steps)
-    _CACHE[key] = (table, got)
-    while len(_CACHE) > 8:
-        _CACHE.popitem(last=False)
-    return got
+    return _CACHE.get(table, num_stages, (granularity, steps),
+                      lambda: _ring_bound(table, num_stages, granularity, steps))
 
 
 def _ring_bound(table: CostTable, num_stages: int, granularity: int, steps: int) -> float:

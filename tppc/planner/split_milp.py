@@ -1,22 +1,28 @@
 """The token split as a MILP (the exact solver behind ``solver="milp"`` of :mod:`.split`).
 
-Terms (see :mod:`tppc.planner.dp` for the grid and the objective):
-    ``y[a, b]``: 1 when chunk ``[a·g, b·g)`` is used; flow constraints make the chosen
-        chunks tile ``[0, L)``.
-    levels ``ℓ_0 < ℓ_1 < ...``: the distinct max-term costs of the candidate chunks.
-    ``w_k``: 1 when ``t_max ≥ ℓ_k`` (cumulative, ``w_k ≥ w_{k+1}``); a chunk at level ``k``
-        needs ``w_k``; ``t_max = ℓ_0 + Σ_k (ℓ_k - ℓ_{k-1})·w_k``.
+Terms (see :mod:`tppc.planner.dp` for the grid and the objective ``K·Σ m + (S-1)·t_max``):
+    levels: the distinct max-term costs ``f(a, b)`` of the candidate chunks, above which
+        ``t_max`` never needs to go (``t_max ≤ (UB - K·min Σ m) / (S-1)``).
+    bucket ``β = (lo, hi]``: a range of ``t_max``; the buckets cut the levels into at most
+        16 runs of about equal count (the first open below). A bucket holds the chunks
+        whose ``f ≤ hi`` that survive its pruning.
+    ``z_β``: 1 for the one bucket that holds ``t_max`` (``Σ_β z_β = 1``).
+    ``y_β[a, b]``: 1 when chunk ``[a·g, b·g)`` is used in bucket ``β``; flow constraints make
+        the chosen chunks tile ``[0, L)`` with flow ``z_β``.
+    ``t_β``: the bucket's ``t_max``: ``t_β ≥ f(a, b)·y_β[a, b]``, ``lo·z_β ≤ t_β ≤ hi·z_β``.
 
 The naive model (one ``t_max ≥ t·y`` row per chunk over all ``n(n+1)/2`` chunks) takes
 minutes at ``L = 32768, g = 128``. Three things make it fast and keep it exact:
 
 1. An upper bound ``UB`` first (TeraPipe's DP, exact and cheap, or the best uniform split).
-2. Pruning: with ``F(a)`` / ``G(b)`` the cheapest unconstrained tilings of ``[0, a)`` and
-   ``[b, L)``, any split that uses chunk ``(a, b)`` costs at least
-   ``K·(F(a) + m(a,b) + G(b)) + (S-1)·f(a,b)``; chunks where that exceeds ``UB`` cannot be
-   in an optimal split and are dropped (this subsumes TeraPipe's ``t > UB/S`` rule).
-3. Cumulative ``t_max`` levels (a tight LP relaxation) and a warm start from the bound's
-   split.
+2. Pruning, per bucket: with ``F(a)`` / ``G(b)`` the cheapest tilings of ``[0, a)`` and
+   ``[b, L)`` by the bucket's chunks, any split in it that uses chunk ``(a, b)`` costs at
+   least ``K·(F(a) + m(a,b) + G(b)) + (S-1)·max(f(a,b), lo)``; chunks where that exceeds
+   ``UB`` cannot be in an optimal split and are dropped (this subsumes TeraPipe's
+   ``t > UB/S`` rule), and so are buckets left with none.
+3. Disaggregation by ``t_max`` bucket (:func:`solve_milp`): each bucket's relaxation is a
+   shortest-path LP (integral) up to its ``t_max`` range, so the LP bound is tight; and a
+   warm start from the bound's split, in the bucket that holds its ``t_max``.
 """
 
 from __future__ import annotations

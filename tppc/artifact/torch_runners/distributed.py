@@ -66,7 +66,7 @@ def load_distributed(path: str | Path, *, threads_per_stage: int | None = None,
         SpecError: the job's size is not the artifact's number of stages.
         ArtifactError: plan.json or this rank's files are damaged (nothing is loaded).
     """
-    from tppc.distributed.pipeline import init_distributed
+    from tppc.distributed.job import init_distributed
 
     if results not in ("rank0", "all"):
         raise SpecError(f"results={results!r}; use 'rank0' or 'all'")

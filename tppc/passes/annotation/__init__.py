@@ -1,6 +1,7 @@
 """Annotation passes: what the captured graph is, written into node meta, nothing rewritten.
 
 annotate_seq_dims   token axis and role of every node (``meta["tppc.token"]``)
+token_order         whether an op keeps every token's row, in order (its shape rules)
 group_layers        ordered layers: prologue, blocks, epilogue (``meta["tppc.layer"]``)
 attention           causal or bidirectional attention, and the mask tppc rebuilds
 masks               windows and padding masks, classified at probe lengths

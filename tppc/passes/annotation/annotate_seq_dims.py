@@ -40,9 +40,18 @@ from tppc.passes.annotation.buffered_mixing import (
 from tppc.passes.annotation.recurrent import causal_conv, causal_crop, recurrent_scan
 from tppc.passes.annotation.regions import annotate_region, row_wise_region
 from tppc.passes.annotation.segments import segment_info, split_tokens, with_prefix
+from tppc.passes.annotation.token_order import (
+    binary_elementwise,
+    full_slice,
+    getitem_keeps_tokens,
+    keeps_token_order,
+    pinned_shape,
+    resizes_tokens,
+)
 from tppc.passes.shapes import (
     module_path,
     op_dims,
+    op_name,
     seq_axes,
     size_expr,
     tensor_val,
@@ -130,7 +139,7 @@ def _token_op(node: fx.Node, axes: list[int], sizes: list[sympy.Expr], where: st
     with the tokens by GPT-2's ``Conv1D``, a video's frames): its rows are still one per
     (batch, token), so row-wise ops on it stay ``token``.
     """
-    name, role = _op_name(node), op_rule(node.target).role
+    name, role = op_name(node), op_rule(node.target).role
     src = _token_input(node)
     src_info: TokenInfo = src.meta[TOKEN]
     dims = op_dims(node, src)
@@ -147,14 +156,15 @@ def _token_op(node: fx.Node, axes: list[int], sizes: list[sympy.Expr], where: st
             info = _info("mixing", axes, sizes, where)
             return dataclasses.replace(with_prefix(info, src_info), attention="bidirectional")
         _check_conv(node, src_info, name, where)
-    if role == "reduction" and (src_info.axis in dims or not dims) and not _binary(node):
+    if role == "reduction" and (src_info.axis in dims or not dims) \
+            and not binary_elementwise(node):
         return _info("global", axes, sizes, where)
-    if role == "selects" and src_info.axis in dims and not _full_slice(node, src_info):
+    if role == "selects" and src_info.axis in dims and not full_slice(node, src_info):
         return _info("global", axes, sizes, where)
-    if node.target is operator.getitem and not _getitem_keeps_tokens(node):
+    if node.target is operator.getitem and not getitem_keeps_tokens(node):
         return _info("global", axes, sizes, where)
-    if role == "reshape" and (_pinned_shape(node)
-                              or not _keeps_token_order(node, src, axes, merge=True)):
+    if role == "reshape" and (pinned_shape(node)
+                              or not keeps_token_order(node, src, axes, merge=True)):
         return _info("global", axes, sizes, where)
     if len(axes) > 1 and role == "contracts":
         raise _mix_error(node, name, where, f"its value has {len(axes)} token axes {axes}: a "
@@ -165,22 +175,9 @@ def _token_op(node: fx.Node, axes: list[int], sizes: list[sympy.Expr], where: st
         raise _mix_error(node, name, where, "a matmul contracts over the token axis")
     if not axes and _has_tensor(node):
         return _info("global", axes, sizes, where)
-    if _resizes_tokens(node, src_info, sizes):
+    if resizes_tokens(node, src_info, sizes):
         return _info("global", axes, sizes, where)
     return with_prefix(_info("token", axes, sizes, where), src_info)
-
-
-def _resizes_tokens(node: fx.Node, src: TokenInfo, sizes: list[sympy.Expr]) -> bool:
-    """A row-wise op keeps the token count; one that pads, repeats or crops it is global.
-
-    Reshapes and (patchify) convolutions change the axis' extent legitimately and are checked
-    by their own rules.
-    """
-    if op_rule(node.target).role in ("reshape", "conv"):
-        return False
-    if src.axis_size is None or not sizes:
-        return False
-    return sympy.simplify(sizes[0] - src.axis_size) != 0
 
 
 def _attention(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext, axes: list[int],
@@ -269,98 +266,6 @@ def _check_conv(node: fx.Node, src: TokenInfo, name: str, where: str) -> None:
         )
 
 
-def _keeps_token_order(node: fx.Node, src: fx.Node, out_axes: list[int], *,
-                       merge: bool = False) -> bool:
-    """A reshape keeps token order when the extent of all axes before the token axis matches.
-
-    With ``merge``, constant axes before the token axis may also be merged into it.
-    """
-    info: TokenInfo = src.meta[TOKEN]
-    if info.axis is None or len(out_axes) != 1:
-        return False
-    in_shape = tensor_val(src).shape
-    out_shape = tensor_val(node).shape
-    before_in = sympy.Mul(*[size_expr(s) for s in in_shape[: info.axis]])
-    before_out = sympy.Mul(*[size_expr(s) for s in out_shape[: out_axes[0]]])
-    if sympy.simplify(before_in - before_out) == 0:
-        return True
-    if not merge or before_in.free_symbols or before_out.free_symbols:
-        return False
-    # constant axes merged into the token axis, or split off it again: the rows up to and
-    # including the token axis are the same, in the same order; constant axes after it may
-    # join too (a video's frames, rows and columns flattened into frame-major tokens)
-    through_in = before_in * size_expr(in_shape[info.axis])
-    through_out = before_out * size_expr(out_shape[out_axes[0]])
-    for after in [None, *in_shape[info.axis + 1:]]:
-        if after is not None:
-            if size_expr(after).free_symbols:
-                return False
-            through_in = through_in * size_expr(after)
-        if sympy.simplify(through_in - through_out) == 0:
-            return True
-    return False
-
-
-def _pinned_shape(node: fx.Node) -> bool:
-    """A reshape to a literal size where its value's size depends on the sequence symbol.
-
-    A specialised capture keeps the sizes the model's Python computed from the example
-    (DiT's ``int(sqrt(tokens))`` grid: ``reshape(x, [-1, 4, 4, ...])``) while the traced
-    shape stays symbolic (``(1, 4, s, ...)``): the op runs on the whole sequence only.
-    """
-    shape = node.args[1] if len(node.args) > 1 else None
-    val = tensor_val(node)
-    if not isinstance(shape, list | tuple) or val is None or len(shape) != val.dim():
-        return False
-    return any(isinstance(a, int) and a != -1 and size_expr(s).free_symbols
-               for a, s in zip(shape, val.shape))
-
-
-def _getitem_keeps_tokens(node: fx.Node) -> bool:
-    """``x[...]`` on a tensor keeps the tokens unless it indexes or slices the token axis."""
-    base = node.args[0]
-    if not isinstance(base, fx.Node) or isinstance(base.meta.get("val"), list | tuple):
-        return True  # picks one value of a tuple (chunk, split, max...)
-    src: TokenInfo = base.meta[TOKEN]
-    if src.axis is None or tensor_val(base) is None:
-        return True
-    items = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-    rank = tensor_val(node.args[0]).dim()
-    axis = 0
-    for item in items:
-        if item is Ellipsis:
-            axis += rank - sum(1 for i in items if i is not None and i is not Ellipsis)
-        elif isinstance(item, fx.Node) and axis <= src.axis:
-            return False  # advanced indexing before or at the token axis
-        elif item is not None:
-            if axis == src.axis:
-                return isinstance(item, slice) and item.start in (0, None) and \
-                    item.step in (1, None) and (item.stop is None or
-                                                (isinstance(item.stop, int) and item.stop >= 2**62))
-            axis += 1
-    return True
-
-
-def _binary(node: fx.Node) -> bool:
-    """``torch.max(a, b)`` and friends: elementwise, not a reduction."""
-    tensors = [a for a in node.args if isinstance(a, fx.Node) and tensor_val(a) is not None]
-    return len(tensors) > 1
-
-
-def _full_slice(node: fx.Node, src: TokenInfo) -> bool:
-    if _op_name(node) != "slice":
-        return False
-    start = node.args[2] if len(node.args) > 2 else 0
-    end = node.args[3] if len(node.args) > 3 else None
-    step = node.args[4] if len(node.args) > 4 else 1
-    big = end is None or (isinstance(end, int) and end >= 2**62)
-    if isinstance(end, fx.Node) and src.axis_size is not None:  # x[:, :n], n the length
-        val = end.meta.get("val")
-        big = isinstance(val, torch.SymInt) and src.axis_size.free_symbols \
-            and sympy.simplify(size_expr(val) - src.axis_size) == 0
-    return start in (0, None) and bool(big) and step == 1
-
-
 def _mix_error(node: fx.Node, name: str, where: str, why: str) -> AnnotationError:
     return AnnotationError(
         f"node {node.name!r} (op {name}, module {where or '<top level>'}) mixes values along "
@@ -389,13 +294,6 @@ def _token_input(node: fx.Node) -> fx.Node:
         if arg.meta[TOKEN].role in ("token", "mixing") and arg.meta[TOKEN].axis is not None:
             return arg
     return next(a for a in node.all_input_nodes if a.meta[TOKEN].role in ("token", "mixing"))
-
-
-def _op_name(node: fx.Node) -> str:
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return target.overloadpacket.__name__
-    return getattr(target, "__name__", str(target))
 
 
 def _has_tensor(node: fx.Node) -> bool:

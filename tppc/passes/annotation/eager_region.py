@@ -28,7 +28,7 @@ import torch
 from torch import fx
 
 from tppc.errors import AnnotationError
-from tppc.passes.shapes import module_path, size_expr, source_line, tensor_val
+from tppc.passes.shapes import module_path, op_name, size_expr, source_line, tensor_val
 
 __all__ = ["EagerRegion", "read_eager_region", "visible_keys"]
 
@@ -137,8 +137,8 @@ def _logits(region: EagerRegion, node: fx.Node) -> None:
         if step in _ORDER:
             at = _ORDER.index(step)
             if at < stage:
-                raise _refuse(later, f"{_name(later)} ({_ORDER[stage]}) follows "
-                              f"{_name(node)} ({step}), out of the recognised order")
+                raise _refuse(later, f"{op_name(later)} ({_ORDER[stage]}) follows "
+                              f"{op_name(node)} ({step}), out of the recognised order")
             if at > stage:
                 stage, later = at, node
         region.nodes.add(node)
@@ -176,7 +176,7 @@ def _logit_step(region: EagerRegion, node: fx.Node, target: Any) -> tuple[str, f
     if target is _aten.cat.default and _cat_dim(node) == -1 and len(args[0]) == 2:
         region.sinks = _sinks(node, args[0][1])
         return "sinks", args[0][0]
-    raise _refuse(node, f"op {_name(node)} between q·kᵀ and the softmax is none of scale, "
+    raise _refuse(node, f"op {op_name(node)} between q·kᵀ and the softmax is none of scale, "
                   "tanh soft-capping, an additive mask or bias, sinks, a cast")
 
 
@@ -262,7 +262,7 @@ def _probabilities(region: EagerRegion, softmax: fx.Node) -> None:
             region.value, region.output = node.args[1], node
             region.nodes.add(node)
             return
-        raise _refuse(node, f"op {_name(node)} between the softmax and @ v is none of a cast, "
+        raise _refuse(node, f"op {op_name(node)} between the softmax and @ v is none of a cast, "
                       "dropout at p = 0, the slice dropping the sinks")
 
 
@@ -272,7 +272,7 @@ def _check_closed(region: EagerRegion) -> None:
         for user in node.users:
             if user not in region.nodes and \
                     user.target is not _aten._assert_tensor_metadata.default:
-                raise _refuse(node, f"its value is also read by {user.name} ({_name(user)}) "
+                raise _refuse(node, f"its value is also read by {user.name} ({op_name(user)}) "
                               "outside the attention")
 
 
@@ -340,16 +340,9 @@ def _number(value: Any) -> float | None:
         else None
 
 
-def _name(node: fx.Node) -> str:
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return target.overloadpacket.__name__
-    return getattr(target, "__name__", str(target))
-
-
 def _refuse(node: fx.Node, why: str) -> AnnotationError:
     return AnnotationError(
-        f"hand-written attention at node {node.name!r} (op {_name(node)}, module "
+        f"hand-written attention at node {node.name!r} (op {op_name(node)}, module "
         f"{module_path(node) or '<top level>'}, {source_line(node)}): {why}. tppc recognises "
         "q·kᵀ → scale → tanh soft-cap → additive masks and biases → sinks → softmax → @ v. "
         "fix: write the attention in that form or call F.scaled_dot_product_attention")
