@@ -79,6 +79,25 @@ def test_ring2_attention_through_a_job_equals_the_eager_loop_every_step_warm(gui
     assert_kernels_close(job.outputs["latents"], want, depth=2)
 
 
+@pytest.mark.parametrize("degrees", [{"ulysses": 2, "ring": 2}, {"cfg_parallel": 2, "ulysses": 2}],
+                         ids=["ulysses2xring2", "cfg2xulysses2"])
+def test_a_product_of_two_degrees_as_4_ranks_equals_the_eager_loop_every_step_warm(
+        guided, degrees: dict[str, int]) -> None:
+    """Two degrees of one stage as a 4-rank job (one patch a step, so the Ring part keeps
+    its own K/V block): every rank reports the product it was given, and every step warm
+    gives the eager loop's latents."""
+    model, _, path, x, y = guided
+    job = tppc.launch(FACTORY, 4, checkpoint=path, inputs={"args.0": x, "kwargs.y": y},
+                      timeout=800, comm_timeout=120.0, **degrees,
+                      extra_args=["--denoise", "2", "--warmup-steps", "2", "--patches", "1",
+                                  "--timestep-arg", "t"])
+    assert len(job.reports) == 4
+    assert all(r["degrees"][k] == v for r in job.reports for k, v in degrees.items())
+    want = serial_denoise(model, x, diffusers.DDIMScheduler(), 2, timestep_arg="t",
+                          model_kwargs={"y": y})
+    assert_kernels_close(job.outputs["latents"], want, depth=2)
+
+
 def test_a_4_rank_job_without_degrees_is_planned_whole_and_its_stale_patches_equal_one_process(
         guided) -> None:
     """No degree given: the planner chooses the mix for the 4 ranks, a worker on each (not
