@@ -11,6 +11,12 @@ Terms:
     worker chain: the groups in chain order as a :class:`Cluster` of one device each (the
         ``k``-thread spec), joined by the link between their first and last members; the
         ordinary one-device-a-stage cost table of that chain prices every placement.
+    mesh of intra-op workers (a diffusion transformer's CFG, Ring or Ulysses workers, each
+        of ``k`` threads): a group of ``w · k`` devices is ``w`` workers of ``k`` consecutive
+        devices; the worker chain has one device per worker, every worker of every group
+        (all of them run at once: ``co_running`` is their count), and each group becomes
+        the group of its workers' positions in that chain (:func:`intra_op_workers`), which
+        the mesh's group table prices as it prices devices.
 
 Example:
     >>> cluster = Cluster.parse("2xh100-sxm")
@@ -27,7 +33,7 @@ from tppc.cost_models.cluster import Cluster
 from tppc.cost_models.specs import DeviceSpec
 from tppc.errors import SpecError
 
-__all__ = ["intra_op_chain", "intra_op_spec"]
+__all__ = ["intra_op_chain", "intra_op_spec", "intra_op_workers"]
 
 
 def intra_op_spec(threads: int, workers: int = 1) -> DeviceSpec:
@@ -56,3 +62,22 @@ def intra_op_chain(cluster: Cluster, groups: tuple[tuple[int, ...], ...], thread
     spec = intra_op_spec(threads, len(groups))
     links = tuple(cluster.link(a[-1], b[0]) for a, b in pairwise(groups))
     return Cluster(devices=(spec,) * len(groups), links=links)
+
+
+def intra_op_workers(cluster: Cluster, groups: tuple[tuple[int, ...], ...], threads: int,
+                     workers: int = 1) -> tuple[Cluster, tuple[tuple[int, ...], ...]]:
+    """The worker chain of ``groups``, each ``workers`` workers of ``threads`` devices, and
+    each group's workers as positions in it (module docstring).
+
+    Raises:
+        SpecError: a group that is not ``workers · threads`` devices, a non-CPU device, or
+            no ``threads``-thread calibration for that many workers at once.
+    """
+    bad = [g for g in groups if len(g) != workers * threads]
+    if bad:
+        raise SpecError(f"intra-op groups {bad} must each hold {workers} worker(s) of "
+                        f"{threads} devices ({workers * threads} devices). fix: groups of "
+                        f"{workers * threads} consecutive CPU devices")
+    members = tuple(g[i:i + threads] for g in groups for i in range(0, len(g), threads))
+    chain = intra_op_chain(cluster, members, threads)
+    return chain, tuple(tuple(range(j * workers, (j + 1) * workers)) for j in range(len(groups)))

@@ -18,6 +18,13 @@ beside the ring form of its one-patch twin: :func:`mesh_plan`), so a planner kee
 (:class:`MeshPrices`): a diffusion plan for a new step count (``cp.denoise``, the drop-in's
 first call of a loop) re-solves, it does not re-price.
 
+On a cluster of CPU devices each worker may run several devices' cores as intra-op threads
+(``intra_op``, :mod:`tppc.planner.mesh_configurations`): such a configuration is priced on
+the calibration measured with that many threads, for all its workers at once
+(:func:`tppc.cost_models.intra_op.intra_op_workers`); with ``intra_op=None`` one whose
+calibration a pin (``$TPPC_CALIBRATION``) lacks is not priced, and the plan's refusals say
+so by name; a given ``intra_op`` without it is refused.
+
 The configuration of one device a group (no degree above 1) is priced by the plain cost
 table; when it is the only one (e.g. ``num_stages`` = the cluster's devices) it is planned
 alone, so the plan is the PipeFusion plan tppc made before, bit for bit.
@@ -35,11 +42,13 @@ from torch import fx
 
 from tppc.cost_models.cluster import Cluster
 from tppc.cost_models.group_costs import group_cost_table
+from tppc.cost_models.intra_op import intra_op_spec, intra_op_workers
+from tppc.cost_models.layer_costs import build_cost_table
 from tppc.cost_models.node_shapes import tensor_vals
 from tppc.cost_models.shard_costs import effective_roles
 from tppc.cost_models.table import CostTable
 from tppc.driver.options import CompileOptions
-from tppc.errors import PlanError, TppcError
+from tppc.errors import PlanError, SpecError, TppcError
 from tppc.frontend.front_end import FrontEnd
 from tppc.ir.records import SHARD_SIZES, TOKEN, ShardRole
 from tppc.passes.meshcut.worker_graph import worker_graph
@@ -115,16 +124,16 @@ def _fixed(opts: CompileOptions) -> FixedDegrees:
                         "mesh (every stage cuts the batch and the tokens alike). fix: one "
                         "degree, e.g. tensor_parallel=2")
     return FixedDegrees(cfg_parallel=opts.cfg_parallel, ulysses=opts.ulysses, ring=opts.ring,
-                        tensor_parallel=tp, num_stages=opts.num_stages,
+                        tensor_parallel=tp, num_stages=opts.num_stages, intra_op=opts.intra_op,
                         every_device=opts.executor == "distributed")  # a rank per device
 
 
 def wants_mesh(front: FrontEnd, opts: CompileOptions) -> bool:
     """Whether a bidirectional model's plan searches meshes: a degree above 1 given, or
-    more than one device and not every degree fixed to 1."""
+    more than one device and not every degree fixed to 1 (``intra_op`` among them)."""
     if not front.bidirectional:
         return False
-    given = [opts.cfg_parallel, opts.ulysses, opts.ring, opts.tensor_parallel]
+    given = [opts.cfg_parallel, opts.ulysses, opts.ring, opts.tensor_parallel, opts.intra_op]
     if any(d is not None and d != 1 for d in given):
         return True
     return Cluster.parse(opts.cluster).num_devices > 1 and any(d is None for d in given)
@@ -180,6 +189,28 @@ def _cuttable(front: FrontEnd, configs: list[Configuration], refused: list[str],
             if Mesh(cfg=c.cfg_parallel, ring=c.ring, ulysses=c.ulysses) not in bad]
 
 
+def _calibrated(configs: list[Configuration], refused: list[str], opts: CompileOptions
+                ) -> list[Configuration]:
+    """``configs`` less the intra-op ones without a calibration of their threads and
+    workers (module docstring), each recorded in ``refused``.
+
+    Raises:
+        SpecError: the ``intra_op`` the user gave has none (the calibration's reason).
+    """
+    out = []
+    for config in configs:
+        if config.intra_op > 1:
+            try:
+                intra_op_spec(config.intra_op, len(config.groups) * config.token_workers)
+            except SpecError as exc:
+                if opts.intra_op is not None:
+                    raise
+                refused.append(f"{config.label}: {str(exc).splitlines()[0]}")
+                continue
+        out.append(config)
+    return out
+
+
 def capped(table: CostTable, limit: int | None) -> CostTable:
     """``table`` with every row's capacity at most ``limit`` bytes (None: unchanged)."""
     if limit is None:
@@ -225,7 +256,7 @@ def mesh_plan(front: FrontEnd, opts: CompileOptions, tokens: int,
     limits = mesh_limits(front, tokens)
     configs, refused = mesh_configurations(cluster, limits, _fixed(opts))
     prices = prices or MeshPrices()
-    configs = _cuttable(front, configs, refused, opts, prices)
+    configs = _calibrated(_cuttable(front, configs, refused, opts, prices), refused, opts)
     if stale and patches_free:  # a ring runs its ring form only with one patch: priced apart
         configs = [*configs, *(dataclasses.replace(c, one_patch=True)
                                for c in configs if c.ring > 1)]
@@ -250,14 +281,24 @@ def mesh_plan(front: FrontEnd, opts: CompileOptions, tokens: int,
             if not base:
                 base.append(table_at(tokens))
             return sub_table(base[0], tuple(g[0] for g in config.groups)), ()
-        if not roles:
-            roles.update(effective_roles(front.chunk))
-        table, words = group_cost_table(
-            front.chunk, ctx.layers, cluster, tokens, config.groups, roles=roles,
-            queue_depth=opts.queue_depth, seq_symbol=ctx.seq_symbol,
-            token_count=ctx.token_count,
-            mesh=Mesh(cfg=config.cfg_parallel, ring=config.ring, ulysses=config.ulysses),
-            ring_gather=gathers(config))
+        chain, groups = cluster, config.groups
+        if config.intra_op > 1:  # a worker a device of the k-thread spec
+            chain, groups = intra_op_workers(cluster, config.groups, config.intra_op,
+                                             config.token_workers)
+        if config.intra_op > 1 and config.token_workers == 1:  # the plain table of them
+            table = build_cost_table(front.chunk, ctx.layers, chain, tokens,
+                                     seq_symbol=ctx.seq_symbol, token_count=ctx.token_count,
+                                     queue_depth=opts.queue_depth)
+            words: tuple[str, ...] = ()
+        else:
+            if not roles:
+                roles.update(effective_roles(front.chunk))
+            table, words = group_cost_table(
+                front.chunk, ctx.layers, chain, tokens, groups, roles=roles,
+                queue_depth=opts.queue_depth, seq_symbol=ctx.seq_symbol,
+                token_count=ctx.token_count,
+                mesh=Mesh(cfg=config.cfg_parallel, ring=config.ring, ulysses=config.ulysses),
+                ring_gather=gathers(config))
         if rates is not None:
             table = table.scaled([max(rates[d] for d in g) for g in config.groups])
         return capped(table, opts.memory_limit_bytes), words

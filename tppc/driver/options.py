@@ -61,7 +61,8 @@ class CompileOptions:
     splitting every op (the CPU analogue of a tensor-parallel group, without shards or
     collectives): ``k`` gives every stage ``k`` devices and a worker of ``k`` threads; 1
     excludes it; None: the planner prices it (on a calibration measured with ``k`` threads)
-    beside the tensor-parallel degrees, on clusters of CPU devices only. Causal LLMs only."""
+    beside the tensor-parallel degrees (LLMs) or the CFG, Ulysses and Ring degrees (DiTs:
+    each of their workers of ``k`` threads), on clusters of CPU devices only."""
     cfg_parallel: int | None = None
     """Groups that each run ``1/c`` of a guided call's batch (classifier-free guidance: 2,
     the prompt and the negative prompt); None: the planner chooses (diffusion transformers;

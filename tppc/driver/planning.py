@@ -300,13 +300,6 @@ def _plan_length(front: FrontEnd, opts: CompileOptions, length: int,
             "bidirectional models (diffusion transformers). fix: leave them None, use "
             "tensor_parallel= and num_stages=")
 
-    if front.bidirectional and (opts.intra_op or 1) > 1:
-        raise PlanError(
-            f"intra_op={opts.intra_op}: {ctx.model_name} has bidirectional attention; intra-op "
-            "workers are planned for causal LLMs only (the DiT planner's mesh space has no "
-            "intra-op axis yet). fix: leave intra_op None (or 1); give the DiT cfg_parallel=, "
-            "ulysses=, ring=, tensor_parallel=")
-
     def search(tokens: int, g: int | None, cuts: tuple[int, ...] | None) -> Plan:
         def plan_length(at: Callable[[int], CostTable], k: int | None, seconds: float,
                         one_patch: bool = False) -> Plan:

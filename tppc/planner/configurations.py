@@ -81,17 +81,21 @@ class Configuration:
     def label(self) -> str:
         """``"TP8"`` (one degree), ``"TP(8,4)"`` (degrees that differ between groups), or
         with sequence / CFG parallelism ``"CFG2 x Ulysses2 x TP1"`` (and the placement), or
-        ``"IntraOp2"`` (one worker of 2 intra-op threads a group)."""
-        if self.intra_op > 1:
-            return f"IntraOp{self.intra_op}"
+        ``"IntraOp2"`` (one worker of 2 intra-op threads a group; on a mesh ``"CFG2 x
+        IntraOp2"``: each worker of the mesh one of 2 threads)."""
         kinds = list(dict.fromkeys(self.degrees))
         tp = f"TP{kinds[0]}" if len(kinds) == 1 else "TP(" + ",".join(map(str, kinds)) + ")"
-        if self.token_workers == 1:
+        if self.intra_op > 1:
+            tp = f"IntraOp{self.intra_op}"
+        elif self.token_workers == 1:
             return tp
-        axes = [f"{name}{d}" for name, d in (("CFG", self.cfg_parallel), ("Ring", self.ring),
-                                             ("Ulysses", self.ulysses)) if d > 1]
-        return " x ".join([*axes, tp]) + (f" [{self.placement}]" if self.placement else "") \
+        return " x ".join([*self._axes(), tp]) + (f" [{self.placement}]" if self.placement
+                                                  else "") \
             + (" (one patch)" if self.one_patch else "")
+
+    def _axes(self) -> list[str]:
+        return [f"{name}{d}" for name, d in (("CFG", self.cfg_parallel), ("Ring", self.ring),
+                                             ("Ulysses", self.ulysses)) if d > 1]
 
 
 def _divides(t: int, sizes: Sequence[int]) -> bool:

@@ -16,6 +16,13 @@ Terms:
         the prices of the links choose (e.g. CFG's one exchange per step across nodes, the
         all-to-alls inside); on uniform links one nesting stands for all.
     fixed degrees: a degree the user gives keeps its value; the others are searched.
+    intra-op workers: on a cluster of CPU devices only (one machine's cores), each worker of
+        a mesh may run ``k`` devices' cores as its intra-op threads (``intra_op=k``, tensor
+        degree 1): a group of ``cfg · ring · ulysses · k`` consecutive devices inside a node,
+        worker ``r`` on its devices ``r·k … r·k + k − 1`` (``IntraOp2`` alone: one worker on
+        2 devices; ``CFG2 x IntraOp2`` on ``"4xcpu"``: two workers of 2 threads each). It is
+        priced on a ``k``-thread calibration (:mod:`tppc.cost_models.intra_op`), so the
+        driver drops a ``k`` whose calibration a pin lacks.
     every device: a job of one rank per device (``backend="distributed"``) needs a worker on
         every device, so each configuration's stage count is its number of groups (its
         groups tile the cluster); in threads a plan may leave devices idle.
@@ -69,6 +76,8 @@ class FixedDegrees:
     ring: int | None = None
     tensor_parallel: int | None = None
     num_stages: int | None = None
+    intra_op: int | None = None
+    """Devices a worker runs as intra-op threads (CPU clusters; module docstring)."""
     every_device: bool = False
     """Every device runs a worker: a configuration's stages are all its groups (module
     docstring; a given ``num_stages`` stays as given)."""
@@ -166,6 +175,38 @@ def _degrees(fixed: int | None, limit: int) -> list[int]:
     return [fixed] if fixed is not None else list(range(1, limit + 1))
 
 
+def _intra_ops(cluster: Cluster, fixed: FixedDegrees) -> list[int]:
+    """The intra-op degrees searched (module docstring): 1, and on a cluster of CPU devices
+    (not a job of one rank per device) every ``k > 1`` that divides a node's devices.
+
+    Raises:
+        PlanError: a fixed ``intra_op`` above 1 on a cluster with a non-CPU device, with
+            ``tensor_parallel`` above 1, or that divides no node's devices.
+    """
+    k = fixed.intra_op
+    cpus = all(name == "cpu" for name in cluster.device_names)
+    if k is not None and k > 1:
+        if not cpus:
+            raise PlanError(f"intra_op={k}: the cluster {str(cluster)!r} has non-CPU devices "
+                            f"({sorted(set(cluster.device_names) - {'cpu'})}); intra-op "
+                            "workers run on the cores of CPU devices of one machine. fix: "
+                            "intra_op=1 (or None), or a cluster such as '2xcpu'")
+        if (fixed.tensor_parallel or 1) > 1:
+            raise PlanError(f"intra_op={k} and tensor_parallel={fixed.tensor_parallel}: a "
+                            "worker is one or the other (intra-op threads, or a shard). fix: "
+                            "drop one of them")
+        size = len(cluster.node_devices(0))
+        if any(len(cluster.node_devices(n)) % k for n in range(cluster.num_nodes)):
+            raise PlanError(f"intra_op={k} does not divide the {size} CPU devices of a node "
+                            f"of {str(cluster)!r} (a worker's threads are one machine's). "
+                            f"fix: one of {[d for d in range(1, size + 1) if size % d == 0]}")
+        return [k]
+    if k == 1 or not cpus or fixed.every_device or (fixed.tensor_parallel or 1) > 1:
+        return [1]
+    sizes = {len(cluster.node_devices(n)) for n in range(cluster.num_nodes)}
+    return [1] + [d for d in range(2, min(sizes) + 1) if all(s % d == 0 for s in sizes)]
+
+
 def mesh_configurations(cluster: Cluster, limits: MeshLimits,
                         fixed: FixedDegrees | None = None
                         ) -> tuple[list[Configuration], list[str]]:
@@ -181,32 +222,37 @@ def mesh_configurations(cluster: Cluster, limits: MeshLimits,
     given = Mesh(cfg=fixed.cfg_parallel or 1, ring=fixed.ring or 1,
                  ulysses=fixed.ulysses or 1, tp=fixed.tensor_parallel or 1)
     check_mesh(limits, given)
-    need = math.prod(getattr(given, a) for a in AXES) * (fixed.num_stages or 1)
+    ks = _intra_ops(cluster, fixed)
+    intra = fixed.intra_op or 1
+    need = math.prod(getattr(given, a) for a in AXES) * intra * (fixed.num_stages or 1)
     if need > n:
         raise PlanError(f"the degrees given ({given.cfg} cfg x {given.ring} ring x "
-                        f"{given.ulysses} ulysses x {given.tp} tp, {fixed.num_stages or 1} "
-                        f"stage(s)) need {need} devices; {str(cluster)!r} has {n}. fix: "
-                        "smaller degrees or fewer stages")
+                        f"{given.ulysses} ulysses x {given.tp} tp"
+                        + (f" x {intra} intra-op" if intra > 1 else "")
+                        + f", {fixed.num_stages or 1} stage(s)) need {need} devices; "
+                        f"{str(cluster)!r} has {n}. fix: smaller degrees or fewer stages")
     configs: list[Configuration] = []
     refused: list[str] = []
-    for cfg, ring, uly, tp in itertools.product(
+    for cfg, ring, uly, tp, k in itertools.product(
             _degrees(fixed.cfg_parallel, limits.batch), _degrees(fixed.ring, n),
-            _degrees(fixed.ulysses, n), _degrees(fixed.tensor_parallel, n)):
-        g = cfg * ring * uly * tp
-        if g > n or n // g < (fixed.num_stages or 1):
+            _degrees(fixed.ulysses, n), _degrees(fixed.tensor_parallel, n), ks):
+        g = cfg * ring * uly * tp * k
+        if g > n or n // g < (fixed.num_stages or 1) or (k > 1 and tp > 1):
             continue
         mesh = Mesh(cfg=cfg, ring=ring, ulysses=uly, tp=tp)
         if not _allowed(limits, mesh):
             continue
         cut = _blocks(cluster, g)
-        if cut is None:
-            refused.append(f"{mesh}: groups of {g} devices do not tile the nodes of "
+        if cut is None or (k > 1 and cut[1]):
+            refused.append(f"{mesh}" + (f" x IntraOp{k}" if k > 1 else "")
+                           + f": groups of {g} devices do not tile the nodes of "
                            f"{str(cluster)!r}")
             continue
         blocks, spans = cut
-        for name, groups in _placements(cluster, blocks, mesh):
+        places = _placements(cluster, blocks, mesh) if k == 1 else [("", tuple(blocks))]
+        for name, groups in places:
             configs.append(Configuration(groups, spans_nodes=spans, cfg_parallel=cfg,
-                                         ulysses=uly, ring=ring, placement=name,
+                                         ulysses=uly, ring=ring, placement=name, intra_op=k,
                                          fixed_stages=len(groups) if fixed.every_device
                                          and fixed.num_stages is None else None))
     return configs, refused

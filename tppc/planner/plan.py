@@ -67,7 +67,9 @@ class StagePlan:
         intra_op: CPU devices of one machine whose cores each worker of the stage runs
             as its intra-op threads (torch splits every op across them; no collectives):
             ``intra_op`` consecutive devices per worker. 1: a worker on one device's share.
-            Only with ``tensor_parallel = cfg_parallel = ulysses = ring = 1`` (one worker).
+            Only with ``tensor_parallel = 1``: one worker, or a diffusion transformer's CFG,
+            Ring or Ulysses workers, each of ``intra_op`` devices (worker ``r`` on
+            ``device_indices[r·intra_op : (r+1)·intra_op]``).
     """
 
     index: int
@@ -91,11 +93,11 @@ class StagePlan:
             if isinstance(d, bool) or not isinstance(d, int) or d < 1:
                 raise PlanError(f"StagePlan {self.index}: {name}={d!r} must be an integer "
                                 ">= 1 (devices that run the stage together)")
-        if self.intra_op > 1 and self.workers > 1:
+        if self.intra_op > 1 and self.tensor_parallel > 1:
             raise PlanError(f"StagePlan {self.index}: intra_op={self.intra_op} with "
-                            f"{self.mesh_label}: an intra-op stage is one worker whose threads "
-                            "split each op. fix: intra_op=1, or tensor_parallel = cfg_parallel "
-                            "= ulysses = ring = 1")
+                            f"{self.mesh_label}: an intra-op worker's threads split each op "
+                            "of the whole stage, a tensor-parallel worker holds a shard. fix: "
+                            "intra_op=1, or tensor_parallel=1")
         n = self.group_size
         if n == 1:  # one device: always the stage's own (a replaced device_index moves it)
             object.__setattr__(self, "device_indices", (self.device_index,))
