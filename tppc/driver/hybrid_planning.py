@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from tppc.cost_models.cluster import Cluster
 from tppc.cost_models.group_costs import group_cost_table
-from tppc.cost_models.intra_op import intra_op_chain, intra_op_spec
+from tppc.cost_models.intra_op import intra_op_chain, intra_op_spec, intra_op_workers
 from tppc.cost_models.layer_costs import build_cost_table
 from tppc.cost_models.shard_costs import effective_roles
 from tppc.cost_models.table import CostTable
@@ -112,11 +112,11 @@ def _intra_op_table(front: FrontEnd, opts: CompileOptions, tokens: int,
 
 def _group_table(front: FrontEnd, opts: CompileOptions, tokens: int,
                  groups: tuple[tuple[int, ...], ...], rates: tuple[float, ...] | None,
-                 roles: dict[str, ShardRole] | None = None, mesh: Mesh | None = None
-                 ) -> tuple[CostTable, tuple[str, ...]]:
+                 roles: dict[str, ShardRole] | None = None, mesh: Mesh | None = None,
+                 cluster: Cluster | None = None) -> tuple[CostTable, tuple[str, ...]]:
     ctx = front.ctx
     table, words = group_cost_table(
-        front.chunk, ctx.layers, Cluster.parse(opts.cluster), tokens, groups,
+        front.chunk, ctx.layers, cluster or Cluster.parse(opts.cluster), tokens, groups,
         roles=effective_roles(front.chunk) if roles is None else roles,
         queue_depth=opts.queue_depth, seq_symbol=ctx.seq_symbol, token_count=ctx.token_count,
         mesh=mesh)
@@ -131,13 +131,20 @@ def plan_groups_table(front: FrontEnd, opts: CompileOptions, plan: Plan,
     tensor-parallel or mesh stages priced again)."""
     groups = tuple(st.device_indices for st in plan.stages)
     first = plan.stages[0]
-    if first.intra_op > 1:
-        config = Configuration(groups, intra_op=first.intra_op)
-        return _intra_op_table(front, opts, plan.seq_len * plan.tokens_per_unit, config, rates)
+    tokens = plan.seq_len * plan.tokens_per_unit
     mesh = None if first.workers == first.tensor_parallel else Mesh(
         cfg=first.cfg_parallel, ring=first.ring, ulysses=first.ulysses)
-    return _group_table(front, opts, plan.seq_len * plan.tokens_per_unit, groups, rates,
-                        mesh=mesh)[0]
+    if first.intra_op > 1 and mesh is None:
+        config = Configuration(groups, intra_op=first.intra_op)
+        return _intra_op_table(front, opts, tokens, config, rates)
+    if first.intra_op > 1:  # a DiT's mesh of intra-op workers: a worker a k-thread device
+        chain, workers = intra_op_workers(Cluster.parse(opts.cluster), groups,
+                                          first.intra_op, first.workers)
+        table = _group_table(front, opts, tokens, workers, None, mesh=mesh, cluster=chain)[0]
+        if rates is not None:
+            table = table.scaled([max(rates[d] for d in g) for g in groups])
+        return table
+    return _group_table(front, opts, tokens, groups, rates, mesh=mesh)[0]
 
 
 def tensor_parallel_plan(front: FrontEnd, opts: CompileOptions, tokens: int,

@@ -55,13 +55,27 @@ class Jobs(NamedTuple):
 
 
 def run_serial(jobs: Jobs) -> None:
-    """The lists in the dry run's order, in the calling thread, through THE interpreter."""
+    """The lists in the dry run's order, in the calling thread, through THE interpreter; a
+    worker of an intra-op stage (``StageProgram.intra_op > 1``) computes with its own
+    ``threads``, the caller's count given back after (as the ``local`` executor does)."""
 
     def output(s: int, act: Action, values: tuple[Any, ...]) -> None:
         if jobs.leads(s):
             jobs.finish(act.step, act.chunk, values)
 
-    run_in_order(jobs.dry, jobs.compute, output=output, ops=TORCH_OPS, who=jobs.who)
+    def compute(s: int, act: Action, received: tuple[Any, ...]) -> tuple[Any, ...]:
+        worker = jobs.stage_of(act.chunk, s)
+        threads = worker.threads if worker.intra_op > 1 else None
+        mine = torch.get_num_threads()
+        if threads is None or threads == mine:
+            return jobs.compute(s, act, received)
+        torch.set_num_threads(threads)
+        try:
+            return jobs.compute(s, act, received)
+        finally:
+            torch.set_num_threads(mine)
+
+    run_in_order(jobs.dry, compute, output=output, ops=TORCH_OPS, who=jobs.who)
 
 
 def run_pipelined(cp: Any, jobs: Jobs) -> None:

@@ -57,11 +57,15 @@ def plan_summary(plan: Any) -> str:
     intra = [st for st in plan.stages if st.intra_op > 1]
     if intra:
         lines.append("intra-op: " + "; ".join(
-            f"stage {st.index} is one worker of {st.intra_op} CPU devices' intra-op threads "
-            f"(devices {_devices(st)}; torch splits each op, no collectives)" for st in intra))
+            (f"stage {st.index} is one worker of {st.intra_op} CPU devices' intra-op threads "
+             if st.workers == 1 else f"each of stage {st.index}'s {st.workers} workers runs "
+             f"{st.intra_op} CPU devices' cores as intra-op threads ")
+            + f"(devices {_devices(st)}; torch splits each op)" for st in intra))
     if plan.stages and plan.stages[0].workers > plan.stages[0].tensor_parallel:
         st = plan.stages[0]
-        lines.append(f"each stage is a mesh {st.mesh_label} of {st.workers} devices, in "
+        size = f"{st.workers} workers on {st.group_size} devices" if st.intra_op > 1 \
+            else f"{st.workers} devices"
+        lines.append(f"each stage is a mesh {st.mesh_label} of {size}, in "
                      "worker order (cfg, ring, ulysses, tp; tp fastest): "
                      + "; ".join(f"stage {s.index}: {s.device_indices}" for s in plan.stages))
     lines += ["", f"{'stage':>5}  {'device':<12} {'devices':<8} {'TP':>3} {'layers':<12} "
