@@ -5,7 +5,12 @@ eager against the drop-in's parallel forms, side by side in one process.
 Rows: eager on 1 thread, eager on 2 intra-op threads, the drop-in's PipeFusion (2 stages x 1
 thread, 1 warm-up step, the planned patches), CFG-parallel (``cfg_parallel=2``: the two
 halves of the guided batch on two workers, every step warm), Ulysses-2 (``ulysses=2``, every
-step warm), and the drop-in as a user calls it (no degrees given: the planner's choice).
+step warm), intra-op 2 (``intra_op=2``: one worker running both CPU devices' cores as its
+intra-op threads, every step warm: tppc's counterpart of eager on 2 threads), and the
+drop-in as a user calls it (no degrees given: the planner's choice, among them intra-op 2
+where a 2-thread calibration prices it; its workers keep their plan's threads, never
+``threads_per_stage=1``). Rows whose workers use every core (eager on 2 threads, intra-op 2,
+the default) run the pipeline's own work (scheduler, VAE) on 2 threads, the others on 1.
 Every run once per rep, alternating; the median of the reps and its ratio to eager on 1
 thread. A row the installed tppc refuses prints its refusal instead of a time.
 
@@ -29,7 +34,7 @@ from tppc.errors import TppcError
 
 __all__: list[str] = []
 
-_ONE = {"cfg_parallel": 1, "ulysses": 1, "ring": 1, "tensor_parallel": 1}
+_ONE = {"cfg_parallel": 1, "ulysses": 1, "ring": 1, "tensor_parallel": 1, "intra_op": 1}
 FORMS: dict[str, dict[str, object]] = {
     "drop-in PipeFusion (2 stages x 1 thread, 1 warm-up)": {
         **_ONE, "num_stages": 2, "threads_per_stage": 1, "executor": "threads",
@@ -40,9 +45,17 @@ FORMS: dict[str, dict[str, object]] = {
     "Ulysses-2 (every step warm)": {
         **_ONE, "ulysses": 2, "num_stages": 1, "threads_per_stage": 1, "executor": "threads",
         "warmup_steps": None},
+    "tppc intra-op 2 (one worker of 2 threads, every step warm)": {
+        **_ONE, "intra_op": 2, "num_stages": 1, "executor": "threads", "warmup_steps": None},
     "drop-in, no degrees given": {},
 }
 """The drop-in's forms: ``compile_pipeline`` keywords."""
+
+
+def _caller_threads(options: dict[str, object]) -> int:
+    """The calling thread's intra-op threads for a form (module docstring): 2 where its
+    workers take every core (no degrees given, or ``intra_op=2``), else 1."""
+    return 2 if not options or options.get("intra_op", 1) != 1 else 1
 
 
 def _runs(pipe: object, steps: int) -> tuple[dict[str, Callable[[], object]], dict[str, str]]:
@@ -65,13 +78,14 @@ def _runs(pipe: object, steps: int) -> tuple[dict[str, Callable[[], object]], di
         try:
             tppc.diffusers.compile_pipeline(pipe, **options)
             adapter = pipe.transformer
-            torch.set_num_threads(1 if options else torch.get_num_threads())
+            threads = _caller_threads(options)
+            torch.set_num_threads(threads)
             _call(pipe, 2)  # compiles (untimed)
         except TppcError as exc:
             refused[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
             continue
 
-        def run(adapter: object = adapter, threads: int = 1 if options else 2) -> object:
+        def run(adapter: object = adapter, threads: int = threads) -> object:
             pipe.transformer = adapter
             torch.set_num_threads(threads)
             return _call(pipe, steps)
