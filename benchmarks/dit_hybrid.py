@@ -45,7 +45,7 @@ FORMS: dict[str, dict[str, object]] = {
     "Ulysses-2 (every step warm)": {
         **_ONE, "ulysses": 2, "num_stages": 1, "threads_per_stage": 1, "executor": "threads",
         "warmup_steps": None},
-    "tppc intra-op 2 (one worker of 2 threads, every step warm)": {
+    "intra2: intra_op=2 (one worker of 2 threads, every step warm)": {
         **_ONE, "intra_op": 2, "num_stages": 1, "executor": "threads", "warmup_steps": None},
     "drop-in, no degrees given": {},
 }
