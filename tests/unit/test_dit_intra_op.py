@@ -147,7 +147,7 @@ def test_an_intra_op_dit_plan_is_exact_and_its_workers_run_k_threads(
         [(2, 2 * share)] * (degrees.get("cfg_parallel", 1))
     assert_kernels_close(cp(*args), want)
     run = {"timestep_arg": "t", "model_kwargs": {"y": y}}
-    for executor in ("threads", "local"):
+    for executor in ("threads", "local") if degrees else ("threads",):  # one worker: local
         warm = cp.denoise(x, diffusers.DDIMScheduler(), 3, warmup_steps=None,
                           executor=executor, **run)
         assert_kernels_close(warm, loop, depth=3)

@@ -126,7 +126,8 @@ def plan_pipeline(
         transformer_plan: the transformer's plan when it is already made (``tppc.plan``
             with the same cluster); else it is planned here.
         **plan_options: other ``tppc.plan`` arguments (``num_stages``, ``time_limit``, the
-            degrees ``cfg_parallel``, ``ulysses``, ``ring``, ``tensor_parallel``, ``patches``,
+            degrees ``cfg_parallel``, ``ulysses``, ``ring``, ``tensor_parallel``,
+            ``intra_op`` (CPU clusters: workers of several devices' threads), ``patches``,
             ``memory_limit``...); degrees not given are chosen by price, and the summary
             names the chosen mix and the runner-up.
 
