@@ -123,22 +123,6 @@ def test_a_4_rank_job_without_degrees_is_planned_whole_and_its_stale_patches_equ
     assert float((got - eager).abs().max()) > 1e-3, "patches should attend to stale K/V"
 
 
-def test_cfg2_x_ulysses2_as_4_ranks_equals_the_same_mesh_in_one_process(guided) -> None:
-    """The product CFG-2 x Ulysses-2 as 4 ranks (one stage: ranks / degrees), one warm step
-    then stale patches (each rank keeps the stale K/V of its half of the batch and its
-    heads): the same mesh's loop in threads in one process; both report the degrees."""
-    model, args, _, x, y = guided
-    job = _denoise_job(guided, 4, steps=3, warmup=1, cfg_parallel=2, ulysses=2)
-    assert len(job.reports) == 4
-    assert all((r["degrees"]["cfg_parallel"], r["degrees"]["ulysses"],
-                r["degrees"]["num_stages"]) == (2, 2, 1) for r in job.reports)
-    cp = tppc.compile(model, args, cluster="4xcpu", num_stages=1, cfg_parallel=2, ulysses=2,
-                      executor="threads", threads_per_stage=1, verify=False)
-    one = cp.denoise(x, diffusers.DDIMScheduler(), 3, warmup_steps=1, patches=2,
-                     timestep_arg="t", model_kwargs={"y": y})
-    assert_kernels_close(job.outputs["latents"], one, depth=3)
-
-
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
