@@ -29,6 +29,10 @@ def test_pixart_compiled_at_its_sample_size_runs_other_resolutions_exactly() -> 
             assert_kernels_close(cp(x, **kwargs).sample, model(x, **kwargs).sample)
         fronts.setdefault(shape, []).append(cp.bind((x,), kwargs)[0])
     assert fronts[(8, 12)][0] is fronts[(8, 12)][1]  # a size served before: no new capture
+    x = torch.randn(1, 4, 13, 8)  # 6.5 patch rows: PixArt itself drops the half row; so does tppc
+    with torch.no_grad():
+        assert_kernels_close(cp(x, **kwargs).sample, model(x, **kwargs).sample)
+    assert cp.bind((x,), kwargs)[0] is fronts[(12, 8)][0]
     # 12x8 is captured dynamic (it computes its table); its guards refuse 8x8 (PixArt's
     # sample size reads the stored table instead): 8x8 stays on the compile's own capture
     assert fronts[(12, 8)][0].ctx.capture_mode == "dynamic"
