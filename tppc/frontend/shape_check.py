@@ -22,6 +22,9 @@ the patch size does not divide: the model's own answer, not a silently shortened
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -54,8 +57,9 @@ def fake_forward(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, mode.from_tensor,
                                                   (tuple(args), dict(kwargs)))
+    log = logging.getLogger("torch._subclasses.fake_tensor")  # logs each refusal as an error
     try:
-        with isolated(model) as shadow, mode, torch.no_grad():
+        with isolated(model) as shadow, _quiet(log), mode, torch.no_grad():
             return None, shadow(*fake_args, **fake_kwargs)
     except _REFUSALS as exc:
         if isinstance(exc, NotImplementedError) or _fake_only(exc):
@@ -63,6 +67,16 @@ def fake_forward(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
         return exc, None
     except Exception:  # anything else: the fake forward cannot tell
         return None, None
+
+
+@contextlib.contextmanager
+def _quiet(log: logging.Logger) -> Iterator[None]:
+    """``log`` disabled meanwhile (under the capture lock: no capture logs through it then)."""
+    was, log.disabled = log.disabled, True
+    try:
+        yield
+    finally:
+        log.disabled = was
 
 
 def refusal_text(exc: BaseException) -> str:

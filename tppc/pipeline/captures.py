@@ -163,7 +163,10 @@ class Captures:
         height the patch size does not divide) when the model itself fails at that size, or
         returns another shape than at the whole units tppc runs (a fake forward of each,
         :mod:`tppc.frontend.shape_check`, once per call shape); else the call runs its whole
-        units, as the model does (a strided patch embedding drops the partial row too)."""
+        units, as the model does (a strided patch embedding drops the partial row too). A
+        grid of size ints has its own checks (its units may be another capture's)."""
+        if front.ctx.size_int is not None:
+            return
         partial = [(i, ph.name, axis, int(v.shape[axis]), rows)
                    for i, (ph, v) in enumerate(zip(front.placeholders, inputs.flat))
                    if isinstance(v, torch.Tensor)
