@@ -53,8 +53,9 @@ def test_one_stage_denoising_warns_and_its_one_patch_run_is_the_warm_loop() -> N
     """The claims of both warnings, on a one-stage DiT: one patch equals every step warm bit
     for bit; two patches on the one stage differ from it (stale K/V, nothing overlapped)."""
     torch.set_num_threads(1)
-    model, (x, _, labels), kwargs = examples.dit(size=16, depth=2)
-    cp = tppc.compile(model, (x, _, labels), kwargs, executor="local", num_stages=1)
+    model, (x, t, labels), kwargs = examples.dit(size=8, depth=2)
+    cp = tppc.compile(model, (x, t, labels), kwargs, executor="local", num_stages=1,
+                      verify=False)  # the oracle is the same pipeline's warm loop
 
     def run(**kw) -> torch.Tensor:
         return cp.denoise(x, diffusers.DDIMScheduler(), 3, model_kwargs={"y": labels},
