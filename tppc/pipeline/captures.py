@@ -35,7 +35,6 @@ from tppc.frontend.front_end import (
 )
 from tppc.frontend.shape_check import fake_forward, refusal_text
 from tppc.frontend.size_ints import check_grid
-from tppc.program.patches import rows_per_unit
 
 __all__ = ["RUN_KEYWORDS", "Captures", "forward_parameters"]
 
@@ -167,12 +166,10 @@ class Captures:
         grid of size ints has its own checks (its units may be another capture's)."""
         if front.ctx.size_int is not None:
             return
-        partial = [(i, ph.name, axis, int(v.shape[axis]), rows)
-                   for i, (ph, v) in enumerate(zip(front.placeholders, inputs.flat))
-                   if isinstance(v, torch.Tensor)
-                   for axis in front.ctx.seq_inputs.get(ph.name, ())
-                   if (rows := rows_per_unit(ph.meta["val"].shape[axis])) > 1
-                   and int(v.shape[axis]) % rows]
+        flat = inputs.flat
+        partial = [(i, name, axis, int(flat[i].shape[axis]), rows)
+                   for i, name, axis, rows in front.unit_rows
+                   if isinstance(flat[i], torch.Tensor) and int(flat[i].shape[axis]) % rows]
         if not partial:
             return
         key = (inputs.structure, tuple(tuple(v.shape) if isinstance(v, torch.Tensor) else repr(v)
