@@ -33,6 +33,11 @@ def test_pixart_compiled_at_its_sample_size_runs_other_resolutions_exactly() -> 
     with torch.no_grad():
         assert_kernels_close(cp(x, **kwargs).sample, model(x, **kwargs).sample)
     assert cp.bind((x,), kwargs)[0] is fronts[(12, 8)][0]
+    wrong = {**kwargs, "encoder_hidden_states": torch.randn(1, 6, 10)}  # hidden size 12
+    with pytest.raises(tppc.RuntimeInputError, match=r"^input 'encoder_hidden_states' axis 2 "
+                       r"is 10, compiled with 12: PixArtTransformer2DModel itself fails at these "
+                       r"sizes \(RuntimeError: .*\), so no capture was tried"):
+        cp(x, **wrong)
     # 12x8 is captured dynamic (it computes its table); its guards refuse 8x8 (PixArt's
     # sample size reads the stored table instead): 8x8 stays on the compile's own capture
     assert fronts[(12, 8)][0].ctx.capture_mode == "dynamic"

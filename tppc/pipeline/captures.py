@@ -237,14 +237,16 @@ def _partial_refusal(model: torch.nn.Module, inputs: CallInputs,
     model_name = type(model).__name__
     args, kwargs = pytree.tree_unflatten(inputs.flat, inputs.spec)
     refusal, out = fake_forward(model, args, kwargs)
-    if refusal is not None:
-        return f"{where}: {model_name} itself fails at {size} ({refusal_text(refusal)}). {fix}"
-    if out is None:  # the fake forward cannot tell: run the whole units
+    if refusal is None and out is None:  # the fake forward cannot tell: run the whole units
         return ""
     whole = list(inputs.flat)
     for i, _, ax, n, r in partial:
         whole[i] = whole[i].narrow(ax, 0, n - n % r)
-    _, floored = fake_forward(model, *pytree.tree_unflatten(whole, inputs.spec))
+    failed, floored = fake_forward(model, *pytree.tree_unflatten(whole, inputs.spec))
+    if failed is not None:  # whole units fail too: another size is wrong, named at capture
+        return ""
+    if refusal is not None:
+        return f"{where}: {model_name} itself fails at {size} ({refusal_text(refusal)}). {fix}"
     if floored is None or _shapes(floored) == _shapes(out):
         return ""
     return (f"{where}: {model_name} takes {size} and returns shapes {_shapes(out)}, where its "
