@@ -29,6 +29,15 @@ def test_pixart_compiled_at_its_sample_size_runs_other_resolutions_exactly() -> 
             assert_kernels_close(cp(x, **kwargs).sample, model(x, **kwargs).sample)
         fronts.setdefault(shape, []).append(cp.bind((x,), kwargs)[0])
     assert fronts[(8, 12)][0] is fronts[(8, 12)][1]  # a size served before: no new capture
+    x = torch.randn(1, 4, 13, 8)  # 6.5 patch rows: PixArt itself drops the half row; so does tppc
+    with torch.no_grad():
+        assert_kernels_close(cp(x, **kwargs).sample, model(x, **kwargs).sample)
+    assert cp.bind((x,), kwargs)[0] is fronts[(12, 8)][0]
+    wrong = {**kwargs, "encoder_hidden_states": torch.randn(1, 6, 10)}  # hidden size 12
+    with pytest.raises(tppc.RuntimeInputError, match=r"^input 'encoder_hidden_states' axis 2 "
+                       r"is 10, compiled with 12: PixArtTransformer2DModel itself fails at these "
+                       r"sizes \(RuntimeError: .*\), so no capture was tried"):
+        cp(x, **wrong)
     # 12x8 is captured dynamic (it computes its table); its guards refuse 8x8 (PixArt's
     # sample size reads the stored table instead): 8x8 stays on the compile's own capture
     assert fronts[(12, 8)][0].ctx.capture_mode == "dynamic"
@@ -109,7 +118,10 @@ def _sincos(pos: torch.Tensor, dim: int) -> torch.Tensor:
 
 class _RowPositionsDiT(DiT):
     """The project's DiT whose row positions are an input: a 1-D float tensor as long as the
-    latent's patch rows (interpolated positions a caller may shift), not an ``arange``."""
+    latent's patch rows (interpolated positions a caller may shift), not an ``arange``.
+    ``flip_rows``: the rows read in reverse (an op along the rows: no chunk can run alone)."""
+
+    flip_rows = False
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor,
                 row_pos: torch.Tensor) -> torch.Tensor:
@@ -117,7 +129,7 @@ class _RowPositionsDiT(DiT):
         p = self.patch_size
         hp, wp = height // p, width // p
         tok = self.patch(x).flatten(2).transpose(1, 2)
-        rows = row_pos.repeat_interleave(wp)  # pins the rows to row_pos' length
+        rows = (row_pos.flip(0) if self.flip_rows else row_pos).repeat_interleave(wp)
         cols = torch.arange(wp, device=x.device).repeat(hp)
         half = tok.shape[-1] // 2
         tok = tok + torch.cat([_sincos(rows, half), _sincos(cols, half)], dim=-1)[None]
@@ -130,19 +142,43 @@ class _RowPositionsDiT(DiT):
         return tok.reshape(b, ch, height, width)
 
 
-def test_a_length_pinned_by_a_1d_positional_input_is_refused_naming_it() -> None:
+def test_a_length_pinned_by_a_1d_positional_input_runs_at_every_resolution() -> None:
     """``row_pos`` (as long as the patch rows) pins the length: torch.export guards
-    ``4 * (h // 2) == 16``. The specialised capture ran calls exactly but crashed validation's
-    chunks with "a tppc bug" (its row table stays 16 long); captured again with ``row_pos``
-    as a sequence input the length is symbolic, and the ``repeat_interleave`` of the rows
-    into tokens cannot run chunk by chunk: refused naming the input, its axis, the guard and
-    the fix."""
+    ``4 * (h // 2) == 16``. Captured again with ``row_pos`` as a sequence input, its
+    ``repeat_interleave`` into one entry per token is a row-wise reshape (was refused as an op
+    resizing the token axis): one capture runs every resolution exactly, and denoises with
+    patches (the first call's patch check passes) equal to the serial loop every step warm."""
     torch.manual_seed(0)
     model = _RowPositionsDiT(DiTConfig(hidden=32, depth=2, n_head=2)).eval()
+    t, y = torch.tensor([3]), torch.tensor([1])
+    cp = tppc.compile(model, (torch.randn(1, 4, 8, 8), t, y, torch.arange(4) * 0.5 + 0.25),
+                      num_stages=2)
+    assert cp.context.capture_mode == "dynamic"
+    assert cp.context.seq_inputs == {"x": (2,), "row_pos": (0,)}
+    for height in (12, 6, 8):
+        args = (torch.randn(1, 4, height, 8), t, y, torch.arange(height // 2) * 0.37 + 0.1)
+        with torch.no_grad():
+            torch.testing.assert_close(cp(*args), model(*args), rtol=0, atol=0)
+    assert len(cp.captures._fronts) == 1
+    x, rest = torch.randn(1, 4, 12, 8), {"y": y, "row_pos": torch.arange(6) * 0.3}
+    got = cp.denoise(x, diffusers.DDIMScheduler(), 2, warmup_steps=None, patches=2,
+                     model_kwargs=rest, timestep_arg="t")
+    want = serial_denoise(model, x, diffusers.DDIMScheduler(), 2, model_kwargs=rest,
+                          timestep_arg="t")
+    assert_kernels_close(got, want, depth=2)
+
+
+def test_a_row_input_read_along_the_rows_is_refused_naming_it() -> None:
+    """``row_pos.flip(0)`` before the repeat: captured with ``row_pos`` as a sequence input,
+    no chunk of rows can run alone (the flip mixes the rows): refused naming the input, its
+    axis, the guard that pinned the length and the fix."""
+    torch.manual_seed(0)
+    model = _RowPositionsDiT(DiTConfig(hidden=32, depth=2, n_head=2)).eval()
+    model.flip_rows = True
     args = (torch.randn(1, 4, 8, 8), torch.tensor([3]), torch.tensor([1]),
             torch.arange(4) * 0.5 + 0.25)
     with pytest.raises(tppc.CaptureError, match=r"input 'row_pos' axis 0 of _RowPositionsDiT "
                        r"is as long as the example's 4 sequence units .* pins the length "
-                       r"\(Guard failed: 4 \* \(x.size\(\)\[2\] // 2\) == 16.*repeat_interleave.*"
+                       r"\(Guard failed: 4 \* \(x.size\(\)\[2\] // 2\) == 16.*flip.*"
                        r"fix: build row_pos inside the model from the sequence input's size"):
         tppc.compile(model, args, num_stages=2)

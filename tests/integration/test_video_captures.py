@@ -206,3 +206,27 @@ def test_a_grid_of_python_ints_runs_at_every_grid_a_user_calls() -> None:
                                                          "width": 3})
     with pytest.raises(tppc.RuntimeInputError, match=r"input num_frames is 3, but the 24 tokens"):
         bind(cp.captures.example, model, call)  # the int it reads from the tokens, checked
+
+
+def test_diffusers_ltx_with_python_ints_runs_at_every_grid_a_user_calls() -> None:
+    """``LTXVideoTransformer3DModel`` called as ``LTXPipeline`` calls it (the grid as Python
+    ints, issue 30): more frames reuse the capture, a new width is captured again, and the
+    example's grid after it runs on its own capture again (never shortened to the wider
+    grid's units); each exact against eager."""
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    model = diffusers.LTXVideoTransformer3DModel(
+        in_channels=8, out_channels=8, patch_size=1, patch_size_t=1, num_attention_heads=2,
+        attention_head_dim=8, cross_attention_dim=16, num_layers=2, caption_channels=12).eval()
+    text = {"encoder_hidden_states": torch.randn(1, 6, 12), "timestep": torch.tensor([10]),
+            "encoder_attention_mask": torch.ones(1, 6), "return_dict": False}
+    grid = {"num_frames": 2, "height": 4, "width": 4}
+    cp = tppc.compile(model, (torch.randn(1, 32, 8),), {**text, **grid}, num_stages=2)
+    assert cp.context.size_int.label == "num_frames"
+    for f, h, w in ((3, 4, 4), (2, 4, 6), (2, 4, 4)):
+        x, kwargs = torch.randn(1, f * h * w, 8), {**text, "num_frames": f, "height": h,
+                                                   "width": w}
+        with torch.no_grad():
+            torch.testing.assert_close(cp(x, **kwargs)[0], model(x, **kwargs)[0], rtol=0,
+                                       atol=0)
+    assert len(cp.captures._fronts) == 2

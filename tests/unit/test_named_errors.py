@@ -292,15 +292,38 @@ def test_an_output_of_an_unknown_class_names_the_class_and_the_fix() -> None:
     assert "<string>" not in str(info.value)
 
 
-def test_a_wrong_channel_count_names_the_input_axis_and_both_sizes() -> None:
-    """A latent with 3 channels into a DiT compiled with 4: a new batch shape, captured again,
-    and torch.export fails in the patch embedding; the error now starts with the input, its
-    axis, the given size and the compiled one (was: only the re-capture's error)."""
+def test_wrong_sizes_are_named_before_any_capture(monkeypatch) -> None:
+    """A latent with 3 channels, an odd width (a static axis) or an odd height (the sequence
+    axis, in patch rows of 2) into a DiT compiled with (4, 8, 8): the model's own forward on
+    fake tensors fails, and the error names the input, the axis, both sizes and the model's
+    own error before any capture (was: a re-capture that failed inside torch.export for the
+    channels; the odd height silently ran 4 patch rows where the model fails)."""
     from tppc.examples.models.dit import DiT, DiTConfig
 
     torch.manual_seed(0)
     model = DiT(DiTConfig(hidden=32, depth=1, n_head=2)).eval()
-    cp = tppc.compile(model, (torch.randn(1, 4, 8, 8), torch.tensor([3]), torch.tensor([1])))
-    with pytest.raises(RuntimeInputError, match=r"^input 'x' axis 1 is 3, compiled with 4; "
-                                                r"re-capturing DiT for batch shape"):
-        cp(torch.randn(1, 3, 8, 8), torch.tensor([3]), torch.tensor([1]))
+    t, y = torch.tensor([3]), torch.tensor([1])
+    cp = tppc.compile(model, (torch.randn(1, 4, 8, 8), t, y))
+    _no_capture(monkeypatch)
+
+    def refuse(*_, **__):
+        raise AssertionError("captured before the sizes were refused")
+    monkeypatch.setattr("tppc.pipeline.captures.capture_front_end", refuse)
+    with pytest.raises(RuntimeInputError, match=r"^input 'x' axis 1 is 3, compiled with 4: DiT "
+                       r"itself fails at these sizes \(RuntimeError: Given groups=1, weight of "
+                       r"size \[32, 4, 2, 2\], expected input\[1, 3, 8, 8\] to have 4 channels"
+                       r".*\), so no capture was tried\. fix: pass the sizes DiT was compiled "
+                       r"with on those axes"):
+        cp(torch.randn(1, 3, 8, 8), t, y)
+    with pytest.raises(RuntimeInputError, match=r"^input 'x' axis 3 is 9, compiled with 8: DiT "
+                       r"itself fails at these sizes \(RuntimeError: shape '\[1, 4, 8, 9\]' is "
+                       r"invalid"):
+        cp(torch.randn(1, 4, 8, 9), t, y)
+    with pytest.raises(RuntimeInputError, match=r"^input 'x' axis 2 is 9, not a whole number of "
+                       r"its units of 2 \(compiled as 2·n\): DiT itself fails at 9 \(RuntimeError"
+                       r": shape '\[1, 4, 9, 8\]' is invalid .*\)\. fix: pass a multiple of 2 "
+                       r"on axis 2 of 'x' \(8 or 10\)$"):
+        cp(torch.randn(1, 4, 9, 8), t, y)
+    x = torch.randn(1, 4, 10, 8)  # the fix: a whole number of patch rows, same capture
+    with torch.no_grad():
+        torch.testing.assert_close(cp(x, t, y), model(x, t, y), rtol=0, atol=0)

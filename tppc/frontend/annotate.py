@@ -22,14 +22,15 @@ from tppc.ir.records import TOKEN
 from tppc.passes.annotation.annotate_seq_dims import annotate_seq_dims_pass
 from tppc.passes.annotation.eager_attention import fold_eager_attention_pass
 from tppc.passes.annotation.group_layers import group_layers_pass
+from tppc.passes.annotation.unit_repeats import unfold_unit_repeats_pass
 from tppc.passes.chunking.chunk_attention import chunk_attention_pass
 from tppc.passes.runner import run_passes
 from tppc.passes.sharding.annotate_shards import annotate_shards
 
 __all__ = ["ANALYSIS_PASSES", "annotate", "annotate_program", "program_of"]
 
-ANALYSIS_PASSES = (fold_eager_attention_pass, annotate_seq_dims_pass, group_layers_pass,
-                   annotate_shards)
+ANALYSIS_PASSES = (fold_eager_attention_pass, unfold_unit_repeats_pass, annotate_seq_dims_pass,
+                   group_layers_pass, annotate_shards)
 
 
 def annotate(

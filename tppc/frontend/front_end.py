@@ -100,6 +100,14 @@ class FrontEnd:
         """The captured graph's user inputs, in flat order."""
         return tuple(self.annotated.graph.find_nodes(op="placeholder"))
 
+    @functools.cached_property
+    def unit_rows(self) -> tuple[tuple[int, str, int, int], ...]:
+        """``(flat index, input, axis, positions per unit)`` of each sequence axis whose unit
+        spans several positions (a latent's height in patch rows of 2)."""
+        return tuple((i, ph.name, axis, rows) for i, ph in enumerate(self.placeholders)
+                     for axis in self.ctx.seq_inputs.get(ph.name, ())
+                     if (rows := rows_per_unit(ph.meta["val"].shape[axis])) > 1)
+
 
 @dataclass(frozen=True)
 class BoundCall:

@@ -51,7 +51,7 @@ from tppc.passes.chunking.chunk_attention import REST_CHUNK
 from tppc.passes.stages.hoist_consts import hoist_constants
 from tppc.pipefusion.check import check_patches
 from tppc.pipefusion.jobs import Jobs, run_pipelined, run_serial
-from tppc.pipefusion.quality import quality_settings
+from tppc.pipefusion.quality import quality_settings, warn_no_overlap
 from tppc.pipefusion.schedulers import (
     StepProtocol,
     check_elementwise,
@@ -352,6 +352,7 @@ def choose_patches(cp: Any, front: Any, length: int, steps: int, warmup: int, pa
             else patch_bounds(len(plan.stages), length)
         if max_patches is not None and len(bounds) - 1 > max_patches:
             bounds = patch_bounds(max_patches, length)
+    warn_no_overlap(len(plan.stages), len(bounds) - 1, length, steps - min(warmup, steps))
     return plan, bounds
 
 

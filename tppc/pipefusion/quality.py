@@ -25,12 +25,13 @@ more; re-measure with the benchmark on your model).
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, NamedTuple
 
 from tppc.errors import SpecError
 
 __all__ = ["BALANCED_DB", "MEASURED", "MEASURED_STEPS", "Measured", "QualityChoice",
-           "quality_settings"]
+           "StalePatchWarning", "quality_settings", "warn_no_overlap"]
 
 MEASURED_STEPS = 20
 """Denoising steps of the measured rows."""
@@ -114,3 +115,31 @@ def _row_for(target: float) -> tuple[int | None, int]:
         if cap:
             return warm, cap
     return None, 0
+
+
+class StalePatchWarning(UserWarning):
+    """A denoising run with stale steps whose patches overlap nothing (:func:`warn_no_overlap`)."""
+
+
+def warn_no_overlap(stages: int, patches: int, rows: int, stale_steps: int) -> None:
+    """Warn (:class:`StalePatchWarning`) when ``stale_steps`` steps asked for stale patches
+    but the run cannot overlap anything: one patch (each step is the whole latent, the warm
+    loop's result and time), or one pipeline stage (the patches follow each other on it: no
+    faster than the warm loop, and not equal to it). Every denoising executor plans its
+    patches through :func:`tppc.pipefusion.denoise.choose_patches`, which calls this."""
+    if stale_steps < 1:
+        return
+    if patches < 2:
+        why = (f"one patch (the {rows} patch rows as one chunk): each of them runs the whole "
+               "latent, the warm loop's result and time")
+        fix = "patches >= 2 on a plan of 2 or more stages"
+    elif stages < 2:
+        why = (f"the plan has one stage: its {patches} patches run one after another there, "
+               "no faster than the warm loop, and their stale K/V make the result differ "
+               "from it")
+        fix = "compile with num_stages >= 2 (a cluster of 2 or more devices)"
+    else:
+        return
+    warnings.warn(f"PipeFusion: {stale_steps} stale step(s) overlap nothing: {why}. fix: "
+                  f"{fix}, or warmup_steps=None (every step warm, the serial loop's result)",
+                  StalePatchWarning, stacklevel=4)

@@ -21,6 +21,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from tppc.errors import CaptureError, RuntimeInputError
 from tppc.frontend.capture import bind_inputs
@@ -32,6 +33,7 @@ from tppc.frontend.front_end import (
     capture_front_end,
     read_inputs,
 )
+from tppc.frontend.shape_check import fake_forward, refusal_text
 from tppc.frontend.size_ints import check_grid
 
 __all__ = ["RUN_KEYWORDS", "Captures", "forward_parameters"]
@@ -59,6 +61,7 @@ class Captures:
         self._fronts: OrderedDict[Any, FrontEnd] = OrderedDict({front.key: front})
         self._pending: dict[Any, Future[FrontEnd]] = {}  # captures in flight, by key
         self._lock = threading.Lock()
+        self._partial: OrderedDict[Any, str] = OrderedDict()  # checked sizes: refusal or ""
 
     def bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
              ) -> tuple[FrontEnd, BoundCall]:
@@ -72,6 +75,7 @@ class Captures:
         base = self._front_for((_ANY_BATCH, structure),  # other inputs or dtypes: capture
                                lambda: self._capture_inputs(args, kwargs, inputs))
         bound = bind(base, self.model, inputs)
+        self._check_partial_units(base, inputs)
         if self.max_seq is not None and bound.length > self.max_seq:
             raise RuntimeInputError(
                 f"the sequence has {bound.length} tokens, max_seq={self.max_seq}. "
@@ -137,12 +141,49 @@ class Captures:
                 "2 tokens at this batch size")
         what = f"inputs {sorted(kwargs)}" if bound is None else f"batch shape {bound.batch}"
         self._check_grid(args, kwargs)
+        changed = _changed_axes(self.example, bound)
+        if changed:  # before any capture: does the model itself take these sizes?
+            refusal, _ = fake_forward(self.model, tuple(args), dict(kwargs))
+            if refusal is not None:
+                name = type(self.model).__name__
+                raise RuntimeInputError(
+                    f"{changed[:-2]}: {name} itself fails at these sizes "
+                    f"({refusal_text(refusal)}), "
+                    f"so no capture was tried. fix: pass the sizes {name} was compiled with "
+                    "on those axes, or sizes its forward takes") from refusal
         try:
             return capture_front_end(self.model, tuple(args), kwargs, seq_dims=self.seq_dims)
         except CaptureError as exc:
-            changed = _changed_axes(self.example, bound)
             raise RuntimeInputError(f"{changed}re-capturing {type(self.model).__name__} for "
                                     f"{what} failed: {exc}") from exc
+
+    def _check_partial_units(self, front: FrontEnd, inputs: CallInputs) -> None:
+        """Refuse by name a call whose sequence axis is no whole number of units (a latent's
+        height the patch size does not divide) when the model itself fails at that size, or
+        returns another shape than at the whole units tppc runs (a fake forward of each,
+        :mod:`tppc.frontend.shape_check`, once per call shape); else the call runs its whole
+        units, as the model does (a strided patch embedding drops the partial row too). A
+        grid of size ints has its own checks (its units may be another capture's)."""
+        if front.ctx.size_int is not None:
+            return
+        flat = inputs.flat
+        partial = [(i, name, axis, int(flat[i].shape[axis]), rows)
+                   for i, name, axis, rows in front.unit_rows
+                   if isinstance(flat[i], torch.Tensor) and int(flat[i].shape[axis]) % rows]
+        if not partial:
+            return
+        key = (inputs.structure, tuple(tuple(v.shape) if isinstance(v, torch.Tensor) else repr(v)
+                                       for v in inputs.flat))
+        with self._lock:
+            said = self._partial.get(key)
+        if said is None:
+            said = _partial_refusal(self.model, inputs, partial)
+            with self._lock:
+                self._partial[key] = said
+                while len(self._partial) > 64:
+                    self._partial.popitem(last=False)
+        if said:
+            raise RuntimeInputError(said)
 
     def _check_grid(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
         """Refuse by name a call whose size ints do not make its tokens (a model that
@@ -182,6 +223,39 @@ class Captures:
                     f" fix: drop {unnamed[0]}= from the call (tppc's own per-call keywords "
                     f"are {list(RUN_KEYWORDS)}). torch.export's error: {cause}") from exc
             raise
+
+
+def _partial_refusal(model: torch.nn.Module, inputs: CallInputs,
+                     partial: list[tuple[int, str, int, int, int]]) -> str:
+    """The refusal of a call with partial units (:meth:`Captures._check_partial_units`), or
+    ``""`` when the model runs it as its whole units."""
+    _, name, axis, size, rows = partial[0]
+    where = (f"input {name!r} axis {axis} is {size}, not a whole number of its units of "
+             f"{rows} (compiled as {rows}·n)")
+    fix = (f"fix: pass a multiple of {rows} on axis {axis} of {name!r} "
+           f"({size - size % rows} or {size - size % rows + rows})")
+    model_name = type(model).__name__
+    args, kwargs = pytree.tree_unflatten(inputs.flat, inputs.spec)
+    refusal, out = fake_forward(model, args, kwargs)
+    if refusal is None and out is None:  # the fake forward cannot tell: run the whole units
+        return ""
+    whole = list(inputs.flat)
+    for i, _, ax, n, r in partial:
+        whole[i] = whole[i].narrow(ax, 0, n - n % r)
+    failed, floored = fake_forward(model, *pytree.tree_unflatten(whole, inputs.spec))
+    if failed is not None:  # whole units fail too: another size is wrong, named at capture
+        return ""
+    if refusal is not None:
+        return f"{where}: {model_name} itself fails at {size} ({refusal_text(refusal)}). {fix}"
+    if floored is None or _shapes(floored) == _shapes(out):
+        return ""
+    return (f"{where}: {model_name} takes {size} and returns shapes {_shapes(out)}, where its "
+            f"whole units ({size - size % rows}) give {_shapes(floored)}, and tppc runs whole "
+            f"units only. {fix}")
+
+
+def _shapes(tree: Any) -> list[tuple[int, ...]]:
+    return [tuple(v.shape) for v in pytree.tree_leaves(tree) if isinstance(v, torch.Tensor)]
 
 
 def _changed_axes(example: FrontEnd, bound: BoundCall | None) -> str:
