@@ -10,7 +10,8 @@ kernels combine them:
 - ``cumprod``: ``h_t = h · x`` from ``h = 1``.
 
 16-bit floats are scanned in float32 and rounded back. ``softplus`` keeps torch's
-threshold (``x`` where ``β·x > threshold``).
+threshold (``x`` where ``β·x > threshold``); ``pad`` (a sequence padded to whole blocks of a
+block scan, by a size computed from the length) is ONNX's ``Pad`` with the constant.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from onnx import helper
 from torch import fx
 
+from tppc.artifact.writer.graphs import ExportError
 from tppc.artifact.writer.onnx_ops import Fn, Tensor, onnx_dtype
 
 __all__ = ["SCAN_OPS"]
@@ -37,6 +39,26 @@ def _softplus(t: Any, node: fx.Node, x: Tensor, beta: float = 1.0,
         soft = t.op("Div", [soft, t.const(beta, x.dtype)])
     linear = t.op("Greater", [bx, t.const(threshold, x.dtype)])
     return t.tensor(node, t.op("Where", [linear, x.name, soft]))
+
+
+def _pad(t: Any, node: fx.Node, x: Tensor, pad: Any, mode: str = "constant",
+         value: float | None = None) -> Tensor:
+    """``F.pad`` with a constant (a sequence padded to whole blocks: sizes may be dynamic)."""
+    if mode != "constant":
+        raise ExportError(f"node {node.name!r} pads in mode {mode!r}; tppc exports constant "
+                          "padding only. fix: report the model")
+    pairs = [(pad[i], pad[i + 1]) for i in range(0, len(pad), 2)]  # last axis first
+    begin = [0] * (x.rank - len(pairs)) + [p[0] for p in reversed(pairs)]
+    end = [0] * (x.rank - len(pairs)) + [p[1] for p in reversed(pairs)]
+    fill = t.const(0.0 if value is None else value, x.dtype)
+    return t.tensor(node, t.op("Pad", [x.name, t.i64([*begin, *end]), fill], mode="constant"))
+
+
+def _triangle(upper: int) -> Fn:
+    """``tril``/``triu`` (a block scan's causal masks): ONNX's ``Trilu``."""
+    def fn(t: Any, node: fx.Node, x: Tensor, diagonal: Any = 0) -> Tensor:
+        return t.tensor(node, t.op("Trilu", [x.name, t.scalar(diagonal)], upper=upper))
+    return fn
 
 
 def _scan(t: Any, node: fx.Node, x: Tensor, dim: int, start: float,
@@ -89,6 +111,7 @@ def _cumprod(t: Any, node: fx.Node, x: Tensor, dim: int, *, dtype: Any = None) -
 
 SCAN_OPS: dict[Any, Fn] = {
     _aten.softplus.default: _softplus, _aten.logcumsumexp.default: _logcumsumexp,
-    _aten.cumprod.default: _cumprod,
+    _aten.cumprod.default: _cumprod, _aten.pad.default: _pad,
+    _aten.tril.default: _triangle(0), _aten.triu.default: _triangle(1),
 }
 """ATen op → translation (``fn(translator, node, *args, **kwargs)``), as in ``OPS``."""
