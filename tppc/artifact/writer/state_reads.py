@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import optimization_hint as hint_int
 
 from tppc.errors import ExportError
 from tppc.ir.records import CHUNK_INPUT
@@ -100,29 +101,24 @@ def functional_states(graph: fx.Graph, stage: Any) -> dict[str, fx.Node]:
             new.meta[_SLOT] = b
             read.replace_all_uses_with(new)
             graph.erase_node(read)
-    if written:
-        _fill_vals(graph, stage)
+    known = _fill_vals(graph, stage) if written else {}
     for b, slot, copy in written:
-        out[b.name] = _new_state(graph, b, slot, copy)
+        out[b.name] = _new_state(graph, b, slot, copy, known)
     return out
 
 
-def _fill_vals(graph: fx.Graph, stage: Any) -> None:
-    """``meta["val"]`` (fake tensors) of the nodes the chunk-step rewriter made for the carried
-    states (it records none, or the whole op's: the ONNX translation reads their dtypes,
-    ranks and static sizes): the state buffers from their specs, ``chunk_start`` a fresh
-    size, ``chunk_size`` the token axis' size in the graph's records, each node without a
-    record or after a state read from its arguments (a node whose arguments have none, or
-    that fake tensors cannot run, keeps what it had)."""
-    from torch._guards import detect_fake_mode
-
-    from tppc.artifact.writer.sharded import _symbol
-
+def _fill_vals(graph: fx.Graph, stage: Any) -> dict[fx.Node, Any]:
+    """``meta["val"]`` of the nodes the chunk-step rewriter made for the carried states (it
+    records none; the ONNX translation reads their dtypes and ranks), as tensors on the
+    meta device from the records' size hints (the capture's shape environment is never
+    touched: a fake op could specialise its symbols). Each node without a record is run on
+    its arguments' meta tensors, those after a state read recomputed so for their users
+    only (a record keeps the capture's symbolic sizes); the state buffers come from their
+    specs, ``chunk_start`` is 16 rows in, ``chunk_size`` the hint of the first symbolic
+    size of an input. A node whose arguments have none, or that cannot run so, keeps what
+    it had (the translation names it if it needs one). Returns the values computed (meta
+    tensors and ints), by node."""
     placeholders = list(graph.find_nodes(op="placeholder"))
-    reads = [n for n in graph.nodes if n.op == "call_function" and n.target is state_read]
-    mode = detect_fake_mode([n.meta.get("val") for n in placeholders])
-    if mode is None or mode.shape_env is None:
-        return
     specs = {b.name: b for b in stage.buffers}
     sizes = [s for n in placeholders for s in getattr(n.meta.get("val"), "shape", ())
              if isinstance(s, torch.SymInt)]
@@ -131,50 +127,68 @@ def _fill_vals(graph: fx.Graph, stage: Any) -> None:
         spec, b = node.meta.get(CHUNK_INPUT), specs.get(node.name)
         kind = getattr(spec, "kind", None)
         if b is not None and b.kind == "state":
-            with mode:
-                node.meta["val"] = torch.empty(b.shape, dtype=b.dtype)
+            node.meta["val"] = torch.empty(b.shape, dtype=b.dtype, device="meta")
         elif kind == "chunk_start":
-            known[node] = _symbol(mode, "chunk_start", 16)
+            known[node] = 16
         elif kind == "chunk_size" and sizes:
-            known[node] = sizes[0]
+            known[node] = hint_int(sizes[0])
     missing = object()
 
     def value(a: Any) -> Any:
         if not isinstance(a, fx.Node):
             return a
-        return known.get(a, a.meta.get("val", missing))
+        if a in known:
+            return known[a]
+        return _on_meta(a.meta.get("val", missing), missing)
 
-    allowed = mode.allow_non_fake_inputs
-    mode.allow_non_fake_inputs = True
-    try:
-        after_state = set(reads)
-        for node in graph.nodes:
-            if node.op != "call_function":
-                continue
-            if any(a in after_state for a in node.all_input_nodes):
-                after_state.add(node)  # its record (the whole op's, if any) is recomputed
-            elif "val" in node.meta:
-                continue
-            if node.target is state_read:
-                with mode:  # one slot of the buffer
-                    node.meta["val"] = torch.empty(node.meta[_SLOT].shape[1:],
-                                                   dtype=node.meta[_SLOT].dtype)
-                continue
-            args = fx.node.map_aggregate(node.args, value)
-            kwargs = fx.node.map_aggregate(node.kwargs, value)
-            if any(x is missing for x in _leaves([*args, *kwargs.values()])):
-                continue
-            try:
-                with mode:
-                    result = node.target(*args, **kwargs)
-            except Exception:  # left without a record, as before
-                continue
-            if isinstance(result, torch.Tensor):
+    after_state: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is state_read:
+            b = node.meta[_SLOT]
+            known[node] = torch.empty(b.shape[1:], dtype=b.dtype, device="meta")
+            node.meta.setdefault("val", known[node])
+            after_state.add(node)
+            continue
+        if any(a in after_state for a in node.all_input_nodes):
+            after_state.add(node)
+        elif "val" in node.meta:
+            continue
+        args = fx.node.map_aggregate(node.args, value)
+        kwargs = fx.node.map_aggregate(node.kwargs, value)
+        if any(x is missing for x in _leaves([*args, *kwargs.values()])):
+            continue
+        if "device" in kwargs:
+            kwargs["device"] = "meta"
+        try:
+            result = node.target(*args, **kwargs)
+        except Exception:  # left without a record, as before
+            continue
+        if isinstance(result, torch.Tensor | int):
+            known[node] = result
+        if isinstance(result, torch.Tensor):
+            old = node.meta.get("val")  # a record is kept (its symbolic sizes), in the
+            if not isinstance(old, torch.Tensor) or old.dim() != result.dim():  # new dtype
                 node.meta["val"] = result
-            elif isinstance(result, (int, torch.SymInt)):
-                known[node] = result
-    finally:
-        mode.allow_non_fake_inputs = allowed
+            elif old.dtype != result.dtype:  # (a scan over the carried state: its dtype)
+                node.meta["val"] = old.to(result.dtype)
+    return known
+
+
+def _on_meta(val: Any, missing: Any) -> Any:
+    """A record as a meta tensor (sizes: their hints), a size as its hint."""
+    if isinstance(val, torch.SymInt):
+        return hint_int(val)
+    if isinstance(val, torch.Tensor):
+        return torch.empty([hint_int(s) if isinstance(s, torch.SymInt) else int(s)
+                            for s in val.shape], dtype=val.dtype, device="meta")
+    if isinstance(val, list | tuple):  # a split's parts
+        parts = [_on_meta(v, missing) for v in val]
+        return missing if any(p is missing for p in parts) else type(val)(parts)
+    if isinstance(val, torch.SymFloat | torch.SymBool):
+        return missing
+    return val
 
 
 def _leaves(items: Any) -> list[Any]:
@@ -184,10 +198,14 @@ def _leaves(items: Any) -> list[Any]:
     return out
 
 
-def _new_state(graph: fx.Graph, b: Any, slot: fx.Node, copy: fx.Node) -> fx.Node:
-    """The value ``copy`` wrote into ``slot``, in the slot's dtype (the writes removed)."""
+def _new_state(graph: fx.Graph, b: Any, slot: fx.Node, copy: fx.Node,
+               known: dict[fx.Node, Any]) -> fx.Node:
+    """The value ``copy`` wrote into ``slot``, in the slot's dtype (the writes removed);
+    ``known``: the values :func:`_fill_vals` computed (meta tensors: comparing a record's
+    symbolic sizes would specialise the capture's symbols)."""
     value = copy.args[1]
-    want, got = slot.meta.get("val"), value.meta.get("val")
+    want = known.get(slot)
+    got = known.get(value, _on_meta(value.meta.get("val"), None))
     if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor) \
             or tuple(want.shape) != tuple(got.shape):
         _refuse(b, copy, f"is written a value of shape "
