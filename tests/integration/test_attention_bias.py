@@ -203,9 +203,9 @@ def _falcon(**cfg):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = {"new_decoder_architecture": False, "multi_query": False, **cfg}
+    cfg = {"alibi": True, **cfg}
     config = transformers.FalconConfig(
-        vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        alibi=True, **cfg)
+        vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, **cfg)
     config._attn_implementation = "sdpa"
     return transformers.FalconForCausalLM(config).eval()
 
@@ -284,6 +284,16 @@ def test_falcon_alibi_export_equals_eager(tmp_path) -> None:
         want = model(ids).logits.numpy()
     got = tppc.load(tmp_path, threads_per_stage=1)(ids.numpy())
     assert_kernels_close(got["logits"], want)
+
+
+def test_falcon_multi_query_rope_export_equals_eager(tmp_path) -> None:
+    """Falcon-7B's form (one K/V head, rope, no ALiBi) through ONNX Runtime (issue 31)."""
+    model = _falcon(multi_query=True, alibi=False)
+    ids = torch.randint(0, 64, (1, SEQ), generator=torch.Generator().manual_seed(0))
+    tppc.export(_compile(model, ids, num_stages=2, chunks=4), tmp_path, lengths=[SEQ])
+    with torch.no_grad():
+        want = model(ids).logits.numpy()
+    assert_kernels_close(tppc.load(tmp_path, threads_per_stage=1)(ids.numpy())["logits"], want)
 
 
 def test_bloom_alibi_is_exact_or_refused_by_name() -> None:

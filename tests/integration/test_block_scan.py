@@ -8,7 +8,9 @@ with a state buffer). Models of our own in two forms (a prefix sum carried acros
 ``cumsum``; a decayed recurrence through an ``(n+1) × (n+1)`` decay matrix with a state of
 ``(batch, 1, channels)``) and transformers' ``Mamba2ForCausalLM`` (state ``(batch, 1, heads,
 head_dim, state)``), each against eager at 2 stages with chunks of one block, at a re-planned
-length; lengths that are no whole number of blocks, and ``generate``, refused by name.
+length, and through the exported artifact (``tppc.load``: each stage's block states carried
+between its ONNX chunk sessions); lengths that are no whole number of blocks, and
+``generate``, refused by name.
 
 Tolerance: float32 reassociation only (:func:`assert_kernels_close`): a chunk applies the
 carried state's decay as ``exp`` of a sum over its own blocks, the whole graph over the prefix.
@@ -161,14 +163,38 @@ def test_mamba2_is_exact_in_chunks_of_blocks_and_refuses_generate(mamba2) -> Non
         cp.generate(torch.randint(0, 64, (1, 2 * K)), max_new_tokens=2)
 
 
-def test_export_refuses_block_states_by_name(own, tmp_path) -> None:
-    _, cp = own
-    with pytest.raises(tppc.ExportError, match=r"recurrent layers.*fix: run it with "
-                       r"backend='torch'"):
-        tppc.export(cp, tmp_path / "out")
+def test_exported_block_states_equal_eager_in_chunks_of_blocks(own, tmp_path) -> None:
+    model, cp = own
+    n = len(cp.context.layers)
+    staged = cp.with_plan(manual_plan(n, 6, cuts=(0, n // 2, n), boundaries=(0, 1, 2, 4, 6)))
+    tppc.export(staged, tmp_path)  # checked against torch and eager on the example
+    runner = tppc.load(tmp_path, threads_per_stage=1)
+    x = torch.randn(1, 6 * K, D)
+    with torch.no_grad():
+        assert_kernels_close(torch.from_numpy(runner(x.numpy())), model(x))
 
 
-def test_falcon_h1_hybrid_is_exact_in_chunks_of_blocks() -> None:
+def _export_equals_eager(model: nn.Module, cp: tppc.CompiledPipeline, bounds: tuple[int, ...],
+                         path) -> None:
+    """The artifact at 2 stages with chunks of whole blocks equals eager; generate refused."""
+    n = len(cp.context.layers)
+    staged = cp.with_plan(manual_plan(n, 6, cuts=(0, n // 2, n), boundaries=bounds))
+    tppc.export(staged, path)
+    runner = tppc.load(path, threads_per_stage=1)
+    ids = torch.randint(0, 64, (1, 6 * K))
+    with torch.no_grad():
+        want = model(ids, use_cache=False).logits
+    assert_kernels_close(torch.from_numpy(runner(ids.numpy(), use_cache=False)["logits"]), want)
+    with pytest.raises(tppc.RuntimeInputError, match=r"generate: .* pads its sequence to "
+                       r"blocks of 4 tokens.*fix: call the artifact for the prefill"):
+        runner.generate(ids.numpy(), max_new_tokens=2)
+
+
+def test_mamba2_export_equals_eager_in_chunks_of_blocks(mamba2, tmp_path) -> None:
+    _export_equals_eager(*mamba2, (0, 1, 2, 4, 6), tmp_path)
+
+
+def test_falcon_h1_hybrid_is_exact_in_chunks_of_blocks(tmp_path) -> None:
     # Mamba2's mixer beside causal attention: the attention's chunks are whole blocks too
     transformers = pytest.importorskip("transformers")
     config = transformers.FalconH1Config(
@@ -187,6 +213,7 @@ def test_falcon_h1_hybrid_is_exact_in_chunks_of_blocks() -> None:
             ids = torch.randint(0, 64, (2, length))
             assert_kernels_close(run(ids, use_cache=False).logits,
                                  model(ids, use_cache=False).logits)
+    _export_equals_eager(model, cp, (0, 1, 3, 6), tmp_path)  # the artifact too
 
 
 def test_qwen3_next_loop_over_blocks_is_refused_naming_its_line() -> None:

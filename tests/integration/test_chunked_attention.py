@@ -112,7 +112,7 @@ def test_own_chunked_attention_exports_and_equals_eager(tmp_path) -> None:
         assert_kernels_close(runner(ids[:, :n].numpy()), want)
 
 
-def test_llama4_chunked_attention_equals_eager_and_generates_its_tokens() -> None:
+def test_llama4_chunked_attention_equals_eager_and_generates_its_tokens(tmp_path) -> None:
     """10 tokens in 3 chunks over blocks of 6, then 4 tokens into the third block."""
     model = _llama4()
     ids = torch.randint(1, VOCAB, (1, 10), generator=torch.Generator().manual_seed(1))
@@ -123,3 +123,5 @@ def test_llama4_chunked_attention_equals_eager_and_generates_its_tokens() -> Non
         assert_kernels_close(cp(ids).logits, model(ids).logits)
     want = model.generate(ids, max_new_tokens=4, do_sample=False)
     assert torch.equal(cp.generate(ids, max_new_tokens=4), want)
+    with pytest.raises(tppc.ExportError, match="view_as_complex"):  # its complex rope
+        tppc.export(cp, tmp_path / "out")

@@ -151,6 +151,26 @@ def test_mixtral_export_equals_eager_on_a_padded_batch(tmp_path) -> None:
     _exported_equals_eager(*_mixtral("grouped_mm"), tmp_path)
 
 
+def test_qwen3_moe_export_equals_eager(tmp_path) -> None:
+    """Qwen3-MoE (grouped K/V heads repeated after the buffer read, ``grouped_mm`` experts)
+    at 2 stages and 4 chunks through ONNX Runtime (issue 31)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=64, moe_intermediate_size=32,
+        num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1)
+    config._attn_implementation = "sdpa"
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0))
+    cp = tppc.compile(model, (ids,), cluster="2xcpu", num_stages=2, chunks=4)
+    tppc.export(cp, tmp_path, lengths=[16])
+    with torch.no_grad():
+        want = model(ids).logits.numpy()
+    assert_kernels_close(tppc.load(tmp_path, threads_per_stage=1)(ids.numpy())["logits"], want)
+
+
 def test_mixtral_eager_experts_are_refused_by_capture() -> None:
     model, ids, _ = examples.hf_mixtral(experts="eager")
     with pytest.raises(tppc.errors.CaptureError):

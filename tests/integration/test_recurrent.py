@@ -8,7 +8,8 @@ hybrid variant puts a causal SDPA block between them. Checked against eager at 2
 several chunks (chunks of one token included), re-planned lengths, ``generate`` continuing
 from the prefill's states, the state buffers' sizes (batch × channels, not the length) and
 their price (a scan layer's time has no prefix term; its states count as held bytes).
-A wrong initial state is caught by translation validation. transformers' Mamba (its CPU
+A wrong initial state is caught by translation validation. The exported artifact carries the
+states between its ONNX chunk sessions and equals eager (``tppc.load``, generate included). transformers' Mamba (its CPU
 path loops over the positions in Python) is refused naming the loop's line. A sequence padded
 to blocks and scanned block by block (Mamba2's chunked SSD scan) is
 ``tests/integration/test_block_scan.py``'s.
@@ -160,8 +161,53 @@ def test_mamba_python_loop_over_positions_is_refused_naming_its_line() -> None:
         tppc.capture(model, (torch.randint(0, VOCAB, (1, 6)),), {"use_cache": False})
 
 
-def test_export_refuses_carried_states_by_name(scan, tmp_path) -> None:
-    _, cp = scan
-    with pytest.raises(tppc.ExportError, match=r"recurrent layers.*layer 'blocks\.0'.*"
-                       r"fix: run it with backend='torch'"):
-        tppc.export(cp, tmp_path / "out")
+def _jamba(transformers):
+    return transformers.JambaForCausalLM(transformers.JambaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, num_experts=2, num_experts_per_tok=1,
+        expert_layer_period=2, expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=1,
+        mamba_d_state=2, mamba_d_conv=2, mamba_expand=2, mamba_dt_rank=4, use_cache=False,
+        use_mamba_kernels=False))
+
+
+def _minimax(transformers):
+    return transformers.MiniMaxForCausalLM(transformers.MiniMaxConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_local_experts=2,
+        num_experts_per_tok=1, layer_types=["linear_attention", "full_attention"],
+        block_size=4, use_cache=False))
+
+
+@pytest.mark.parametrize(("make", "line"), [
+    (_jamba, r"modeling_jamba\.py:\d+ in mamba_selective_scan \(`for index in range\(seq_len\)"),
+    (_minimax, r"modeling_minimax\.py:\d+ in forward \(`for i in range\(num_blocks\)"),
+], ids=["jamba", "minimax"])
+def test_hybrid_python_loops_are_refused_naming_their_line(make, line) -> None:
+    """Jamba's Mamba mixer (positions) and MiniMax's lightning attention (blocks of 4) step
+    their recurrence in Python loops: refused by name with their own code (issue 31)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    with pytest.raises(tppc.CaptureError, match=rf"(?s)Python loop.*{line}.*fix: write the "
+                       r"recurrence as a scan"):
+        tppc.capture(make(transformers).eval(), (torch.randint(0, VOCAB, (1, 8)),),
+                     {"use_cache": False})
+
+
+def test_exported_states_equal_eager_in_chunks_and_generate(hybrid, tmp_path) -> None:
+    """Each stage's state buffers carried between its ONNX chunk sessions (slot 1 written by
+    the runner from the chunk's new-state output): 2 stages, chunks of one token, generate."""
+    model, cp = hybrid
+    n = len(cp.context.layers)
+    staged = cp.with_plan(manual_plan(n, LENGTH, cuts=(0, n // 2, n),
+                                      boundaries=(0, 1, 2, 9, 17, LENGTH)))
+    tppc.export(staged, tmp_path)  # checked against torch and eager on the example
+    runner = tppc.load(tmp_path, threads_per_stage=1)
+    states = [b for st in runner.plan["stages"] for b in st["buffers"] if b["kind"] == "state"]
+    assert len(states) == 6 and all(b["shape"][0] == 2 and b["axis"] is None for b in states)
+    ids = torch.randint(0, VOCAB, (2, LENGTH))
+    with torch.no_grad():
+        assert_kernels_close(torch.from_numpy(runner(ids.numpy())), model(ids))
+    prompt = torch.randint(0, VOCAB, (2, LENGTH))
+    want = greedy_reference(model, prompt, 4)
+    assert torch.equal(torch.from_numpy(runner.generate(prompt.numpy(), max_new_tokens=4)),
+                       want)

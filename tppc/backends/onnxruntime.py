@@ -11,6 +11,9 @@ Terms:
     K/V rows: an exported stage returns the chunk's new K and V rows; the stage writes them
         into its buffers (``c`` rows, in place) before its next chunk, so no chunk copies a
         whole buffer (see :mod:`tppc.artifact.writer.graphs`).
+    carried state: a state buffer (kind ``state``, shape ``(2, *state)``: a recurrent
+        layer's) is bound like a K/V buffer; the chunk returns its new state, written into
+        slot 1 for the stage's next chunk (:mod:`tppc.artifact.writer.state_reads`).
 
 Both loops run the call's action lists (:mod:`tppc.program.schedule`; the loaded
 artifact derives them from ``plan.json``'s chunks) through THE interpreter
@@ -104,7 +107,8 @@ class OrtStage:
         self.n_main = len(entry["outputs"])
 
     def allocate(self, call: OrtCall, capacity: int) -> None:
-        """Zero K/V buffers for ``capacity`` tokens in ``call`` (wrapped, not copied)."""
+        """Zero K/V buffers for ``capacity`` tokens in ``call`` (wrapped, not copied), and
+        state buffers (their size fixed; a call's first chunk reads no slot)."""
         for b in self.buffers:
             rows = span(b, 0, capacity)[1]
             shape = [rows if s is None else s for s in b["shape"]]
@@ -140,7 +144,7 @@ class OrtStage:
         received = iter(boundary)
         for spec in self.inputs:
             name, kind = spec["name"], spec["kind"]
-            if kind in ("key", "value"):
+            if kind in ("key", "value", "state"):
                 binding.bind_ortvalue_input(name, call.values[name])
                 continue
             if kind == "boundary":
@@ -163,6 +167,9 @@ class OrtStage:
         outs = binding.copy_outputs_to_cpu()
         for b, rows in zip(self.buffers, outs[self.n_main:]):
             target = call.buffers[b["name"]]
+            if b.get("kind") == "state":  # the state the next chunk on this stage reads
+                target[1] = rows
+                continue
             index = [slice(None)] * target.ndim
             lo, count = span(b, start, end)
             index[b["axis"]] = slice(lo, lo + count)

@@ -113,7 +113,7 @@ def check_wiring(entry: dict[str, Any], where: str, sig_inputs: list[dict[str, A
             if kind == "token" and spec["axis"] not in axes:
                 refuse(f"{at} is sliced on axis {spec['axis']}, the signature's "
                         f"{sig_inputs[index]['name']!r} has sequence axes {axes}")
-        elif kind in ("key", "value"):
+        elif kind in ("key", "value", "state"):
             b = buffers.get(spec["name"])
             if b is None or b.get("kind") != kind or b["axis"] != spec["axis"]:
                 refuse(f"{at} has no matching buffer spec (kind {kind}, axis {spec['axis']});"
@@ -186,13 +186,21 @@ def check_graphs(doc: dict[str, Any], root: Path, stages: Sequence[int]) -> None
                        *found, spec.get("axis") if spec["kind"] != "const" else None)
         for b in entry["buffers"]:
             _agree(f"{where} output 'kv.{b['name']}'", outputs[f"kv.{b['name']}"],
-                   GraphIO(b["dtype"], tuple(b["shape"])), f"buffers[{b['name']!r}]", b["axis"])
+                   *_buffer_output(b), b["axis"])
         if not entry["boundary_out"]:
             check_model_outputs(where, entry, sig, outputs)
         check_external(graph, entry, doc["files"], where)
         record_id_ranges(graph, entry, sig)
         previous = {n.removeprefix("boundary."): (outputs[n], f"stage {s}'s output {n!r}")
                     for n in entry["outputs"]}
+
+
+def _buffer_output(b: dict[str, Any]) -> tuple[GraphIO, str]:
+    """What a stage's ``kv.<buffer>`` output must be, and where that is said: a chunk's K/V
+    rows have the buffer's shape (its token axis the chunk's); a new state is one slot of
+    a state buffer's ``[2, ...]``."""
+    shape = tuple(b["shape"][1:]) if b.get("kind") == "state" else tuple(b["shape"])
+    return GraphIO(b["dtype"], shape), f"buffers[{b['name']!r}]"
 
 
 def same_names(where: str, what: str, got: list[str], want: list[str]) -> None:
@@ -243,7 +251,7 @@ def _expected(spec: dict[str, Any], sig: dict[str, Any], entry: dict[str, Any],
         return _sig_io(e), f"signature input {e['name']!r}"
     if kind in _SCALARS:
         return GraphIO("int64", ()), "a scalar"
-    if kind in ("key", "value"):
+    if kind in ("key", "value", "state"):
         b = next(b for b in entry["buffers"] if b["name"] == spec["name"])
         return GraphIO(b["dtype"], tuple(b["shape"])), f"buffers[{b['name']!r}]"
     if kind == "positional":

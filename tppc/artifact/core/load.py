@@ -51,7 +51,7 @@ MAX_DEPTH = 64
 """The deepest nesting of ``plan.json`` read (an export nests about 10 deep)."""
 
 _KINDS = {"token", "const", "full", "chunk_start", "chunk_size", "seq_len", "positional", "key",
-          "value", "boundary"}
+          "value", "state", "boundary"}
 _DTYPES = {"float32", "float16", "float64", "int64", "int32", "bool"}
 
 
@@ -319,14 +319,18 @@ def _check_stage(entry: Any, s: int, files: dict[str, Any], at: str | None = Non
             and (spec.get("axis") is None or _is_int(spec.get("axis")))
         _check(ok, f"{where}inputs[{i}]", spec, f"{{name, kind in {sorted(_KINDS)}, ...}}")
     for i, b in enumerate(_field(entry, "buffers", list, where)):
+        state = isinstance(b, dict) and b.get("kind") == "state"
         ok = isinstance(b, dict) and isinstance(b.get("name"), str) \
             and b.get("dtype") in _DTYPES and isinstance(b.get("shape"), list) \
-            and sum(x is None for x in b["shape"]) == 1 \
-            and all(x is None or _is_int(x) for x in b["shape"]) \
-            and _is_int(b.get("axis")) and b["shape"][b["axis"]] is None
-        _check(ok, f"{where}buffers[{i}]", b, "{name, dtype, shape with one null at axis}")
-        _check(b.get("kind") in ("key", "value"), f"{where}buffers[{i}].kind", b.get("kind"),
-               "'key' or 'value'")
+            and all(x is None or _is_int(x) for x in b["shape"]) and (
+                (state and b.get("axis") is None and b["shape"][:1] == [2]
+                 and None not in b["shape"])
+                or (not state and sum(x is None for x in b["shape"]) == 1
+                    and _is_int(b.get("axis")) and b["shape"][b["axis"]] is None))
+        _check(ok, f"{where}buffers[{i}]", b, "{name, dtype, shape with one null at axis} "
+               "(a state: shape [2, ...] of ints, axis null)")
+        _check(b.get("kind") in ("key", "value", "state"), f"{where}buffers[{i}].kind",
+               b.get("kind"), "'key', 'value' or 'state'")
     for key in ("outputs", "positional_inputs", "boundary_in", "boundary_out"):
         names = _field(entry, key, list, where)
         _check(all(isinstance(n, str) for n in names), f"{where}{key}", names,

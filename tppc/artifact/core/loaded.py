@@ -220,6 +220,13 @@ class LoadedPipeline:
             if token is None or logits_at is None:
                 raise RuntimeInputError("generate needs one token-id input and a per-token "
                                         "output (logits); this artifact has neither")
+            block = max(self.signature["inputs"][token].get("seq_rows") or [1])
+            if block > 1:  # a block scan (as CompiledPipeline.generate refuses it)
+                raise RuntimeInputError(
+                    f"generate: {self.plan['model']} pads its sequence to blocks of {block} "
+                    "tokens (a chunked scan); its stages run whole blocks only and a decode "
+                    f"step is one token. fix: call the artifact for the prefill (a prompt of "
+                    f"a multiple of {block} tokens) and decode eagerly (model.generate)")
             check_max_new_tokens(max_new_tokens)
             return self.bind((), {self.signature["inputs"][token]["name"]: input_ids})
 

@@ -30,6 +30,7 @@ from torch import fx
 
 import tppc.ir.ops  # noqa: F401  (registers torch.ops.tppc)
 from tppc.artifact.writer.kv_reads import buffer_read, is_buffer_narrow
+from tppc.artifact.writer.state_reads import functional_states
 from tppc.errors import ExportError
 from tppc.passes.subgraph import copy_graph
 
@@ -115,16 +116,17 @@ def split_attention(query: torch.Tensor, key_buffer: torch.Tensor, value_buffer:
 def export_stage_graph(stage: Any) -> tuple[fx.GraphModule, tuple[str, ...]]:
     """The export stage graph of a :class:`tppc.program.program.StageProgram` (module docstring).
 
-    Returns the graph (a copy; the stage is untouched) and the names of its new K/V outputs,
-    one per buffer in ``stage.buffers`` order, after the stage's own outputs.
+    Returns the graph (a copy; the stage is untouched) and the names of its new K/V outputs
+    (and new states of its state buffers, :mod:`tppc.artifact.writer.state_reads`), one per
+    buffer in ``stage.buffers`` order, after the stage's own outputs.
 
     Raises:
         ExportError: an attention whose K/V are not read straight from a buffer.
     """
     gm = copy_graph(stage.module)
     graph = gm.graph
-    buffers = {b.name for b in stage.buffers}
-    new_rows: dict[str, fx.Node] = {}
+    new_rows: dict[str, fx.Node] = functional_states(graph, stage)  # carried states
+    buffers = {b.name for b in stage.buffers if b.kind != "state"}
     offsets: dict[str, Any] = {}  # the row of the buffer the chunk's first row is written at
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is _aten.copy_.default:

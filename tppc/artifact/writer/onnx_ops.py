@@ -327,5 +327,6 @@ OPS: dict[Any, Fn] = {
     operator.add: _int_op("Add", operator.add), operator.sub: _int_op("Sub", operator.sub),
     operator.mul: _int_op("Mul", operator.mul),
     operator.floordiv: _int_op("Div", operator.floordiv),  # sizes: non-negative
+    operator.mod: _int_op("Mod", operator.mod),  # Python's sign (ONNX fmod=0): a padding
     **MASK_OPS,  # compares, where, clamp, logs, expand: masks and float biases
 }

@@ -24,6 +24,14 @@ from tppc.program.patches import rows_per_unit
 __all__ = ["model_signature", "tree_json"]
 
 
+def _rows_per_unit(front: Any, size: Any) -> int:
+    """Positions per unit of a sequence axis: a block scan's ``k`` (its length is captured
+    as ``k × blocks``; the example's capture may hold the static size), else as the
+    capture records it."""
+    block = getattr(front.ctx, "block_size", None)
+    return int(block) if block is not None else rows_per_unit(size)
+
+
 def model_signature(compiled: Any, program: Any) -> dict[str, Any]:
     """The signature of ``compiled``'s captured model (see the module docstring)."""
     front = compiled._front  # the example's capture (batch shape and sequence axes)
@@ -35,7 +43,8 @@ def model_signature(compiled: Any, program: Any) -> dict[str, Any]:
             inputs.append({"name": ph.name, "dtype": str(val.dtype).removeprefix("torch."),
                            "shape": [None if i in seq or isinstance(s, torch.SymInt)
                                      else int(s) for i, s in enumerate(val.shape)],
-                           "seq_axes": seq, "seq_rows": [rows_per_unit(val.shape[a]) for a in seq]})
+                           "seq_axes": seq, "seq_rows": [_rows_per_unit(front, val.shape[a])
+                                                         for a in seq]})
         elif val is None or isinstance(val, (bool, int, float, str)):
             inputs.append({"name": ph.name, "value": val})
         else:

@@ -43,13 +43,15 @@ from tppc.artifact.writer.onnx_attention import ATTENTION_OPS
 from tppc.artifact.writer.onnx_dit_ops import DIT_OPS
 from tppc.artifact.writer.onnx_ops import OPS, Int, Tensor, onnx_dtype
 from tppc.artifact.writer.onnx_routing_ops import ROUTING_OPS, routing_op
+from tppc.artifact.writer.onnx_scan_ops import SCAN_OPS
+from tppc.artifact.writer.state_reads import STATE_OPS
 
 __all__ = ["OPSET", "onnx_dtype", "to_onnx"]
 
 OPSET = 18
 _aten = torch.ops.aten
 _INT_KINDS = ("chunk_start", "chunk_size", "seq_len")
-_TABLE = {**OPS, **DIT_OPS, **ATTENTION_OPS, **ROUTING_OPS}
+_TABLE = {**OPS, **DIT_OPS, **ATTENTION_OPS, **ROUTING_OPS, **SCAN_OPS, **STATE_OPS}
 
 
 def to_onnx(gm: fx.GraphModule, *, sym_name: str, constants: Mapping[str, Any] | None = None,

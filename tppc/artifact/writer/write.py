@@ -15,7 +15,8 @@ Terms:
         after the stages on the full-length outputs (``plan.json["tail"]``; null without).
 
 ``plan.json`` also holds the wiring of every stage (what feeds each input, which outputs
-are boundary values, model outputs or new K/V rows), the K/V buffer specs, the model's
+are boundary values, model outputs, new K/V rows or new carried states), the buffer specs
+(K/V, and the state buffers of recurrent layers: kind ``state``, shape ``[2, ...]``), the model's
 input/output signature as JSON (no pickle) and the sha256 and size of every file.
 :func:`tppc.artifact.core.load.load` verifies all of it before it loads anything.
 
@@ -124,12 +125,13 @@ def _export(compiled: Any, out: Path, wanted_lengths: list[int], external_data: 
             progress: Progress | None) -> None:
     program = compiled.program(compiled.plan.seq_len)
     states = [b for st in program.stages for b in st.buffers if b.kind == "state"]
-    if states:
+    if states and program.workers:
         raise ExportError(
-            f"{compiled.model_name} has recurrent layers (a scan or causal convolution whose "
-            f"chunks carry a state: {states[0].attention} of layer {states[0].layer!r}, "
-            f"{len(states)} in all); the ONNX stages do not carry states yet. fix: run it with "
-            "backend='torch' (threads or distributed), which carries them exactly")
+            f"{compiled.model_name} has recurrent layers (a scan, causal convolution or block "
+            f"scan whose chunks carry a state: {states[0].attention} of layer "
+            f"{states[0].layer!r}, {len(states)} in all) and tensor-parallel stages; tppc "
+            "exports carried states of unsharded stages only. fix: compile with "
+            "tensor_parallel=1 to export it")
     _check_frames(program)
     wanted = sorted({*wanted_lengths, program.seq_len})
     chunks = {str(n): [list(c) for c in compiled.program(n).chunks] for n in wanted}
