@@ -17,7 +17,7 @@ import torch
 from onnx import helper
 from torch import fx
 
-from tppc.artifact.writer.graphs import ExportError
+from tppc.errors import ExportError
 
 __all__ = ["MASK_OPS"]
 

@@ -17,8 +17,8 @@ import torch
 from onnx import TensorProto, helper
 from torch import fx
 
-from tppc.artifact.writer.graphs import ExportError
 from tppc.artifact.writer.onnx_mask_ops import MASK_OPS
+from tppc.errors import ExportError
 
 __all__ = ["OPS", "Fn", "Int", "Tensor", "onnx_dtype"]
 
