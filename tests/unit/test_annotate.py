@@ -190,8 +190,9 @@ def test_sdpa_bidirectional_and_causal_told_apart() -> None:
 
 def test_pass_history_records_each_pass(gpt_graph) -> None:
     _, ctx = gpt_graph
-    assert [r.name for r in ctx.history] == ["fold_eager_attention", "annotate_seq_dims",
-                                             "group_layers", "annotate_shards"]
+    assert [r.name for r in ctx.history] == ["fold_eager_attention", "unfold_unit_repeats",
+                                             "annotate_seq_dims", "group_layers",
+                                             "annotate_shards"]
     assert all(r.seconds >= 0 and "def forward" in r.code for r in ctx.history)
 
 
