@@ -4,11 +4,20 @@ PixArt-shaped transformer captured on meta (6 heads, 1024 tokens, 8 blocks)."""
 from __future__ import annotations
 
 import pytest
+import sympy
 import torch
 
 from tppc.cost_models.cluster import Cluster
 from tppc.cost_models.collective_costs import collective_cost
-from tppc.cost_models.mesh_costs import LayerTraffic, MeshExchanges, mesh_kv_bytes
+from tppc.cost_models.mesh_costs import (
+    LayerTraffic,
+    MeshExchanges,
+    mesh_kv_bytes,
+    ring_blocks,
+)
+from tppc.cost_models.node_costs import NodeCost
+from tppc.cost_models.presets import DEVICE_PRESETS
+from tppc.cost_models.roofline import node_time_terms
 from tppc.driver.options import CompileOptions
 from tppc.driver.planning import length_planner
 from tppc.errors import PlanError, PlanInfeasible, SpecError
@@ -231,6 +240,27 @@ def test_the_ring_shifts_its_own_block_serially_unless_overlapped() -> None:
     assert seconds(gathered, 4096.0, overlap=True) == pytest.approx((gather, 0.0))
     assert mesh_kv_bytes(4000, traffic, Mesh(ring=4)) == 1000
     assert mesh_kv_bytes(4000, gathered, Mesh(ring=4)) == 4000
+
+
+@pytest.mark.parametrize(("dtype", "cast_bytes", "launches"), [("bf16", 6, 5), ("fp32", 0, 4)])
+def test_a_ring_pays_one_merge_of_partials_per_extra_block(dtype, cast_bytes, launches) -> None:
+    """Ring-4 over a self-attention of 24 heads x 1152 queries x 128: 4 block kernels of a
+    quarter of the keys and 3 merges of the float32 partial outputs (the block's output cast,
+    then 3 float32 passes: the lerp), priced even where elementwise ops fuse (the merge runs
+    between the ring's communication ops)."""
+    attention = NodeCost("attn", "chunk_attention", "attention", sympy.Integer(10**9),
+                         ((24, 1152, 4608, 128), (24, 1152, 128, 4608)), sympy.Integer(0),
+                         sympy.Integer(10**7), dtype)
+    (block, kernels), (merge, merges) = ring_blocks(attention, Mesh(ring=4))
+    assert (kernels, merges) == (4, 3)
+    assert block.matmuls == ((24, 1152, 1152, 128), (24, 1152, 128, 1152))
+    values = 24 * 1152 * 128
+    assert merge.bytes == values * (cast_bytes + 12) and merge.launches == launches
+    h100 = DEVICE_PRESETS["h100-sxm"]
+    fused = node_time_terms(merge, h100, fuse_elementwise=True)
+    assert float(fused.total()) == pytest.approx(float(node_time_terms(merge, h100).total()))
+    assert float(fused.total()) > values * 12 / h100.memory.achieved
+    assert ring_blocks(attention, Mesh(ulysses=4)) == [(attention, 1)]
 
 
 def test_meshes_the_graph_cannot_cut_are_refused_by_the_planner() -> None:

@@ -201,10 +201,10 @@ class _GroupPricer:
             costs = [shard_node_cost(cost, role, t, a, b) for cost, role, a, b in zip(
                 expr.nodes, shards.roles, shards.in_bytes, shards.out_bytes, strict=True)]
             blocks = [(cost, 1) for cost in costs]
-            if mesh is not None:  # the ring form: one kernel per K/V block
-                blocks = [ring_blocks(mesh_node_cost(cost, mesh), mesh)
-                          if self.ring_form(cost.name) else (mesh_node_cost(cost, mesh), 1)
-                          for cost in costs]
+            if mesh is not None:  # the ring form: one kernel per K/V block, and the merges
+                blocks = [pair for cost in costs for pair in (
+                    ring_blocks(mesh_node_cost(cost, mesh), mesh) if self.ring_form(cost.name)
+                    else [(mesh_node_cost(cost, mesh), 1)])]
             if attention_only:
                 blocks = [(cost, k) for cost, k in blocks if cost.op == SELF_ATTENTION]
             total = sympy.Add(*[k * node_time_terms(cost, device, fuse_elementwise=fuse).total()

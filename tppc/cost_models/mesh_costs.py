@@ -15,8 +15,9 @@ One worker's compute (:func:`mesh_node_cost`): every token-dependent node's work
 ways. A linear's rows (``m``: batch × tokens) are cut and its weight is read whole; an
 attention's batch × heads are cut by ``cfg · ulysses`` (Ulysses trades tokens for heads),
 its queries by ``ring``, and a self-attention in the ring form runs ``ring`` kernels, one
-per K/V block of ``1/ring`` of the keys, each paying its launch and fixed cost
-(:func:`ring_blocks`). Const nodes (timestep embeddings) run whole on every worker.
+per K/V block of ``1/ring`` of the keys, each paying its launch and fixed cost, and merges
+the ``ring`` partial outputs by their log-sum-exp (:func:`ring_merge`: float32 passes over
+the output, priced even by a fusing preset) (:func:`ring_blocks`). Const nodes (timestep embeddings) run whole on every worker.
 
 Exchanges of a layer for a chunk of ``c`` tokens (:class:`MeshExchanges`; each priced by
 :func:`.collective_costs.collective_cost` on the members' own links, the slowest group of an
@@ -28,7 +29,7 @@ axis counting)::
               r - 1 ring shifts of a worker's own K/V block, the keys of the whole
               sequence it holds, 2 · bytes_per_token(out) · L / (r · cfg · ulysses · tp),
               and r attention kernels,
-              one per block (:func:`ring_blocks`); a chunk shorter than the sequence
+              one per block, plus r - 1 merges of the partial outputs (:func:`ring_blocks`); a chunk shorter than the sequence
               (PipeFusion's stale patches) is priced in the gather form, as
               ``cp.denoise`` runs it. As tppc's workers run it (the default)
               every shift blocks the stage (a collective ends a part); as xDiT runs it
@@ -66,8 +67,21 @@ from tppc.cost_models.node_shapes import C, L, P
 from tppc.cost_models.shard_costs import LayerShards
 from tppc.program.mesh import Mesh
 
-__all__ = ["SELF_ATTENTION", "LayerTraffic", "MeshExchanges", "axis_groups", "ceil_share",
-           "layer_traffic", "mesh_kv_bytes", "mesh_node_cost", "mesh_words", "ring_blocks", "token_workers"]
+__all__ = [
+    "RING_MERGE_LAUNCHES",
+    "SELF_ATTENTION",
+    "LayerTraffic",
+    "MeshExchanges",
+    "axis_groups",
+    "ceil_share",
+    "layer_traffic",
+    "mesh_kv_bytes",
+    "mesh_node_cost",
+    "mesh_words",
+    "ring_blocks",
+    "ring_merge",
+    "token_workers",
+]
 
 
 SELF_ATTENTION = "chunk_attention"
@@ -118,20 +132,51 @@ def mesh_node_cost(cost: NodeCost, mesh: Mesh) -> NodeCost:
         launches=cost.launches)
 
 
-def ring_blocks(cost: NodeCost, mesh: Mesh) -> tuple[NodeCost, int]:
-    """A worker's self-attention under a ring as ``(one kernel, kernels)``: ``ring`` kernels,
-    each over one K/V block (``1/ring`` of the keys, FLOPs and bytes), so each pays its own
-    launch and its kernel's fixed cost per query tile; any other node: ``(cost, 1)``."""
+RING_MERGE_LAUNCHES = 5
+"""Ops one merge of two partials runs (:mod:`tppc.passes.meshcut.ring_kernels`, as yunchang's
+``update_out_and_lse``): the block output cast to float32 (none when it is float32), the
+log-sum-exp difference, its sigmoid, the lerp of the outputs, the new log-sum-exp."""
+
+
+def ring_blocks(cost: NodeCost, mesh: Mesh) -> list[tuple[NodeCost, int]]:
+    """A worker's self-attention under a ring as ``[(one kernel, kernels), (one merge,
+    merges)]``: ``ring`` kernels, each over one K/V block (``1/ring`` of the keys, FLOPs and
+    bytes), so each pays its own launch and its kernel's fixed cost per query tile, and
+    ``ring - 1`` merges of the partial outputs (:func:`ring_merge`); any other node:
+    ``[(cost, 1)]``."""
     r = mesh.ring
     if r == 1 or cost.op != SELF_ATTENTION or len(cost.matmuls) != 2:
-        return cost, 1
+        return [(cost, 1)]
     (b, m, keys, d), (b2, m2, dv, keys2) = cost.matmuls
     share = sympy.Rational(1, r)
     block = dataclasses.replace(
         cost, matmuls=((b, m, keys * share, d), (b2, m2, dv, keys2 * share)),
         matrix_flops=cost.matrix_flops * share, vector_flops=cost.vector_flops * share,
         bytes=cost.bytes * share, serial_bytes=cost.serial_bytes * share)
-    return block, r
+    return [(block, r), (ring_merge(cost), r - 1)]
+
+
+def ring_merge(cost: NodeCost) -> NodeCost:
+    """One merge of a block's partial into the running one (``ring_kernels.merge``), priced
+    as the unfused elementwise ops it runs: the block's output cast to float32 (read in the
+    compute dtype, written in float32; none in float32), then the running and the block's float32 outputs
+    read and the merged one written (the lerp; the log-sum-exp rows are ``1/head_dim`` of
+    that and not counted), :data:`RING_MERGE_LAUNCHES` ops. Kind ``memory``: a fusing
+    preset keeps its traffic and launches, since the merge runs between the ring's
+    communication ops, which a compiled graph breaks at (xDiT's yunchang runs it as a
+    TorchScript function; tppc as eager ops)."""
+    _, (b, m, dv, _) = cost.matmuls
+    values = b * m * dv
+    width = _DTYPE_BYTES.get(cost.dtype, 4)
+    cast = width < 4  # a float32 output is merged as it is
+    return NodeCost(
+        name=f"{cost.name}.merge", op="ring_merge", kind="memory",
+        matrix_flops=sympy.S.Zero, matmuls=(), vector_flops=4 * values,
+        bytes=values * ((width + 4 if cast else 0) + 3 * 4), dtype=cost.dtype,
+        launches=sympy.Integer(RING_MERGE_LAUNCHES - (0 if cast else 1)))
+
+
+_DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
 
 
 @dataclass(frozen=True)
