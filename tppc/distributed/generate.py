@@ -43,11 +43,11 @@ def distributed_generate(cp: GeneratingRank, input_ids: torch.Tensor | None,
                          pad_token_id: int | Any | None = DEFAULT) -> torch.Tensor | None:
     """Prompt + up to ``max_new_tokens`` greedy tokens; on rank 0 (or every rank with
     ``results="all"``), None elsewhere. Rank 0's ``input_ids`` are used."""
+    refuse_block_decode(cp.context.block_size, cp.model_name)  # on every rank, before all
     input_ids, max_new_tokens = cp.share_generate(input_ids, max_new_tokens)
     eos_ids, pad = stop_tokens(eos_token_id, pad_token_id, model_eos=cp.eos_token_id,
                                model_pad=cp.pad_token_id)
     front, bound = cp.bind((input_ids,), {})
-    refuse_block_decode(front.ctx.block_size, cp.model_name)
     prompt = bound.length
     total = prompt + max_new_tokens
     program = cp.program(prompt, front)

@@ -119,13 +119,15 @@ def check_block_length(name: str, block: int, tokens: int, model: str) -> None:
 
 
 def refuse_block_decode(block: int | None, model: str) -> None:
-    """Refuse ``generate`` on a capture of ``block`` × blocks: a decode step is one token,
-    and the captured graph runs whole blocks only (the model's own decode path, a recurrent
-    step on its cache, is another graph that tppc does not capture)."""
+    """Refuse ``generate`` of a job's ranks (torch.distributed) on a capture of ``block`` ×
+    blocks: a decode step re-runs the current block and must then put back every stage's
+    carried states (:mod:`tppc.pipeline.block_generate`), which each rank owns; the
+    in-process pipeline and the loaded artifact do it."""
     if block is not None:
         raise RuntimeInputError(
-            f"generate: {model} pads its sequence to blocks of {block} tokens (a chunked scan) "
-            f"and tppc captured it with a symbolic number of blocks, so its graph runs whole "
-            f"blocks only; a decode step is one token. fix: call the pipeline for the prefill "
-            f"(a prompt of a multiple of {block} tokens) and decode eagerly "
-            "(model.generate), or run generate unsplit")
+            f"generate: {model} pads its sequence to blocks of {block} tokens (a chunked scan); "
+            f"a decode step re-runs the current block of {block} rows and restores every "
+            "stage's carried states after it, which the ranks of a torch.distributed job do "
+            "not do (each owns its stage's buffers). fix: generate with the in-process "
+            "pipeline (tppc.compile(..., backend='torch') then cp.generate) or the exported "
+            "artifact (tppc.load(path).generate)")
