@@ -6,7 +6,9 @@ that runs through the stages in order (one sequence cannot overlap with itself),
 the buffers. The positional values (rope tables, masks) are evaluated once, at the final
 length, and sliced per step; a padding mask (``attention_mask``) reaches every step whole.
 The loop and its rule for ending are :func:`tppc.generation.greedy_decode` (HF's
-``generate(do_sample=False)``); this module gives it the pipeline as a step function.
+``generate(do_sample=False)``); this module gives it the pipeline as a step function. A
+block-scan capture (``k`` × blocks) decodes by whole blocks instead:
+:mod:`tppc.pipeline.block_generate`.
 
 Example:
     >>> cp.generate(input_ids, max_new_tokens=8).shape                  # doctest: +SKIP
