@@ -31,7 +31,7 @@ from tppc.frontend.guard_sites import GuardLog, describe_site, guard_sites, loop
 from tppc.frontend.recurrence_refusals import block_refusal
 from tppc.ir.context import CompileContext
 
-__all__ = ["block_shapes", "check_block_length", "export_blocks", "refuse_block_decode"]
+__all__ = ["block_shapes", "check_block_length", "export_blocks"]
 
 
 def block_shapes(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]],
@@ -117,17 +117,3 @@ def check_block_length(name: str, block: int, tokens: int, model: str) -> None:
             f"at least 2. fix: pass {max(2 * block, -(-tokens // block) * block)} tokens "
             "(pad the prompt on the left), or run this model eagerly")
 
-
-def refuse_block_decode(block: int | None, model: str) -> None:
-    """Refuse ``generate`` of a job's ranks (torch.distributed) on a capture of ``block`` ×
-    blocks: a decode step re-runs the current block and must then put back every stage's
-    carried states (:mod:`tppc.pipeline.block_generate`), which each rank owns; the
-    in-process pipeline and the loaded artifact do it."""
-    if block is not None:
-        raise RuntimeInputError(
-            f"generate: {model} pads its sequence to blocks of {block} tokens (a chunked scan); "
-            f"a decode step re-runs the current block of {block} rows and restores every "
-            "stage's carried states after it, which the ranks of a torch.distributed job do "
-            "not do (each owns its stage's buffers). fix: generate with the in-process "
-            "pipeline (tppc.compile(..., backend='torch') then cp.generate) or the exported "
-            "artifact (tppc.load(path).generate)")

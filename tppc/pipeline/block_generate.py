@@ -28,8 +28,9 @@ the first block step. A decode step therefore costs one block, ``k`` rows, on ev
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -43,10 +44,15 @@ from tppc.pipeline.generate import (
     mask_inputs,
     token_input_index,
 )
-from tppc.program.program import Program
+from tppc.program.program import Program, StageProgram
 from tppc.program.state import Call, CallState, next_epoch
 
-__all__ = ["block_generate", "carried_states"]
+if TYPE_CHECKING:
+    from tppc.driver.options import ExecutorName
+    from tppc.frontend.front_end import FrontEnd
+
+__all__ = ["BlockCall", "block_generate", "block_steps", "block_units", "carried_states",
+           "grown_input"]
 
 
 def block_generate(cp: Generating, block: int, input_ids: torch.Tensor,
@@ -74,62 +80,102 @@ def block_generate(cp: Generating, block: int, input_ids: torch.Tensor,
             f"{prompt} prompt tokens + max_new_tokens={max_new_tokens} = {total} tokens, "
             f"max_seq={cp.max_seq}. fix: lower max_new_tokens to {cp.max_seq - prompt} or "
             f"compile with max_seq={total}")
-    units = max(2, -(-total // block))  # whole blocks; the capture runs 2 at least
-    width = units * block
+    units, width = block_units(prompt, max_new_tokens, block)
     kwargs = mask_inputs(cp, attention_mask)
-    grown = {name: _grown(name, value, prompt, width) for name, value in kwargs.items()}
-    front, bound = cp.bind((_grown("input_ids", input_ids, prompt, width),), grown)
-    whole = prompt // block
-    program = cp.program(max(whole, 2), front)
+    grown = {name: grown_input(name, value, prompt, width) for name, value in kwargs.items()}
+    front, bound = cp.bind((grown_input("input_ids", input_ids, prompt, width),), grown)
+    program = cp.program(max(prompt // block, 2), front)
     check_generation_memory(program, front, bound.flat, -(-prompt // block),
                             max(1, units - -(-prompt // block)))
     flat = tuple(bound.flat)
     ids = flat[token_input_index(cp.model_name, front)]
-    logits_at = logits_output(cp.model_name, front)
-    axis = front.signature.output_axes[logits_at]
     state = cp.states.acquire(front, units)
-    epoch = next_epoch()
-
-    def run(chunks: tuple[tuple[int, int], ...], pipelined: bool) -> Any:
-        call = Call(flat, chunks, units, units, epoch)
-        if not pipelined:
-            return cp.execute(program, call, state, executor="local")[-1][logits_at]
-        last: dict[str, Any] = {}
-        cp.execute(program, call, state, sink=lambda i, values: last.update(values=values))
-        return last["values"][logits_at]
-
-    def block_step(p: int) -> Any:
-        """The current block of position ``p`` as one chunk; its logits at row ``p``."""
-        b = p // block
-        end = (b + 1) * block
-        ids[:, p + 1:end] = ids[:, p:p + 1]  # filler: the last real token
-        saved = None if p == end - 1 else _save(carried_states(program, state))
-        logits = run(((b, b + 1),), False)
-        if saved is not None:  # an incomplete block: its states stay those at its start
-            for tensor, copy in saved:
-                tensor.copy_(copy)
-        return logits.narrow(axis, p - b * block, 1)
-
-    def step(n: int) -> Any:
-        if n > prompt:
-            return block_step(n - 1)
-        logits = None
-        if whole >= 2:  # the prompt's whole blocks, pipelined
-            logits = run(program.chunks, True)
-        elif whole == 1:
-            logits = run(((0, 1),), False)
-        return logits if n % block == 0 else block_step(n - 1)
-
+    step = block_steps(cp, BlockCall(program, state, flat, front, prompt, units, block),
+                       program.runners, "local")
     length = greedy_decode(ids[:, :total], prompt, step, TORCH_OPS, eos_ids=eos_ids, pad=pad)
     cp.states.finish(front, state, (length - 1) // block)  # whole blocks of exact K/V
     return ids[:, :length].clone()
 
 
-def carried_states(program: Program, state: CallState) -> list[torch.Tensor]:
-    """Every carried-state buffer (``BufferSpec.kind == "state"``) of ``program``'s workers in
-    ``state`` (allocated on first use), each once."""
+def block_units(prompt: int, max_new_tokens: int, block: int) -> tuple[int, int]:
+    """``(blocks, tokens)`` a generation holds: the whole blocks of prompt + new tokens, 2 at
+    least (the capture runs 2 blocks at least)."""
+    units = max(2, -(-(prompt + max_new_tokens) // block))
+    return units, units * block
+
+
+@dataclass(frozen=True)
+class BlockCall:
+    """What the steps of one block-scan generation share (:func:`block_steps`).
+
+    Attributes:
+        program: the program of the prompt's whole blocks (2 at least).
+        state: the call state, holding ``units`` blocks.
+        flat: the bound flat inputs, grown to ``units`` blocks (:func:`grown_input`).
+        front: the capture.
+        prompt: prompt tokens.
+        units: blocks the sequence inputs hold.
+        block: ``k``, tokens per block.
+    """
+
+    program: Program
+    state: CallState
+    flat: tuple[Any, ...]
+    front: FrontEnd
+    prompt: int
+    units: int
+    block: int
+
+
+def block_steps(cp: Generating, gen: BlockCall, runners: Sequence[StageProgram],
+                step_executor: ExecutorName | None) -> Callable[[int], Any]:
+    """``step(n)`` of :func:`tppc.generation.greedy_decode` for a block capture (module
+    docstring): the prompt's whole blocks pipelined, its tail and each decode step as the
+    current block, whose carried states in ``runners`` (the workers whose buffers this
+    process holds) are put back while it is incomplete. ``step_executor`` runs the steps
+    (None: the compiled one). The logits, or None where this process has none (a rank)."""
+    program, state, flat, block, units = gen.program, gen.state, gen.flat, gen.block, gen.units
+    ids = flat[token_input_index(cp.model_name, gen.front)]
+    logits_at = logits_output(cp.model_name, gen.front)
+    axis = gen.front.signature.output_axes[logits_at]
+    epoch = next_epoch()
+    whole = gen.prompt // block
+
+    def run(chunks: tuple[tuple[int, int], ...], executor: ExecutorName | None) -> Any:
+        last: dict[str, Any] = {}
+        cp.execute(program, Call(flat, chunks, units, units, epoch), state,
+                   sink=lambda i, values: last.update(values=values), executor=executor)
+        return last["values"][logits_at] if "values" in last else None
+
+    def block_step(p: int) -> Any:
+        """The current block of position ``p`` as one chunk; its logits at row ``p``."""
+        b, row = divmod(p, block)
+        ids[:, p + 1:(b + 1) * block] = ids[:, p:p + 1]  # filler: the last real token
+        saved = [] if row == block - 1 else \
+            [(t, t.clone()) for t in carried_states(runners, state)]
+        logits = run(((b, b + 1),), step_executor)
+        for tensor, copy in saved:  # an incomplete block: its states stay its start's
+            tensor.copy_(copy)
+        return None if logits is None else logits.narrow(axis, row, 1)
+
+    def step(n: int) -> Any:
+        if n > gen.prompt:
+            return block_step(n - 1)
+        logits = None
+        if whole >= 2:  # the prompt's whole blocks, pipelined
+            logits = run(program.chunks, None)
+        elif whole == 1:
+            logits = run(((0, 1),), step_executor)
+        return logits if n % block == 0 else block_step(n - 1)
+
+    return step
+
+
+def carried_states(runners: Sequence[StageProgram], state: CallState) -> list[torch.Tensor]:
+    """Every carried-state buffer (``BufferSpec.kind == "state"``) of ``runners`` (workers of a
+    program, and their parts) in ``state`` (allocated on first use), each once."""
     found: dict[int, torch.Tensor] = {}
-    for worker in program.runners:
+    for worker in runners:
         for stage in worker.parts or (worker,):
             buffers = state.buffers(stage)
             for spec in stage.buffers:
@@ -138,11 +184,7 @@ def carried_states(program: Program, state: CallState) -> list[torch.Tensor]:
     return list(found.values())
 
 
-def _save(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(t, t.clone()) for t in tensors]
-
-
-def _grown(name: str, value: Any, prompt: int, width: int) -> Any:
+def grown_input(name: str, value: Any, prompt: int, width: int) -> Any:
     """A sequence input grown from ``prompt`` to ``width`` positions on its last axis: token
     ids repeat the last token (filler, overwritten as tokens are generated), an
     ``attention_mask`` is 1 (generated tokens are valid), ``position_ids`` count on."""
