@@ -9,8 +9,13 @@ with a state buffer). Models of our own in two forms (a prefix sum carried acros
 ``(batch, 1, channels)``) and transformers' ``Mamba2ForCausalLM`` (state ``(batch, 1, heads,
 head_dim, state)``), each against eager at 2 stages with chunks of one block, at a re-planned
 length, and through the exported artifact (``tppc.load``: each stage's block states carried
-between its ONNX chunk sessions); lengths that are no whole number of blocks, and
-``generate``, refused by name.
+between its ONNX chunk sessions); lengths that are no whole number of blocks refused by name.
+Greedy ``generate`` (:mod:`tppc.pipeline.block_generate`: each decode step re-runs its current
+block with filler rows and puts the carried states back until the block completes) equals a
+manual eager greedy loop token for token, in torch and through the loaded artifact, for token
+models of our own (the decayed slots, and a new form: a causal convolution then block-wise
+linear attention with a ``(batch, heads, d, d)`` matrix state carried across blocks by a scan),
+Mamba2 and Falcon-H1, at prompts of less than a block, of whole blocks and with a tail.
 
 Tolerance: float32 reassociation only (:func:`assert_kernels_close`): a chunk applies the
 carried state's decay as ``exp`` of a sum over its own blocks, the whole graph over the prefix.
@@ -87,6 +92,65 @@ class _DecayedSlots(nn.Module):
         return y.reshape(b, -1, d)[:, :n]
 
 
+class _ConvLinear(nn.Module):
+    """A causal depthwise convolution (kernel 3), then linear attention by blocks: causal
+    ``(q kᵀ) v`` inside a block, and a ``(heads, d, d)`` matrix state ``Σ kᵀ v`` of the blocks
+    before it, carried across the blocks by a scan over them."""
+
+    def __init__(self, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.conv = nn.Conv1d(D, D, 3, padding=2, groups=D)
+        self.qkv = nn.Linear(D, 3 * D)
+        self.out = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        h = F.silu(self.conv(x.transpose(1, 2))[..., :n].transpose(1, 2))
+        q, k, v = (_pad_blocks(t).unflatten(-1, (self.heads, -1))
+                   for t in self.qkv(h).chunk(3, -1))            # (b, blocks, K, heads, d)
+        causal = torch.tril(torch.ones(K, K, dtype=torch.bool))
+        scores = torch.einsum("bcihd,bcjhd->bchij", q, k).masked_fill(~causal, 0)
+        inner = torch.einsum("bchij,bcjhd->bcihd", scores, v)
+        kv = torch.einsum("bcjhd,bcjhe->bchde", k, v)            # each block's Σ kᵀ v
+        cross = torch.einsum("bcihd,bchde->bcihe", q, kv.cumsum(1) - kv)
+        return x + self.out((inner + cross).flatten(-2).reshape(b, -1, D)[:, :n])
+
+
+class _ConvLinearBlocks(nn.Module):
+    """Two :class:`_ConvLinear` layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_ConvLinear() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.blocks:
+            x = layer(x)
+        return x
+
+
+class _TokenLM(nn.Module):
+    """Token ids → embedding → a block scan body → logits (what ``generate`` decodes)."""
+
+    def __init__(self, body: nn.Module, vocab: int = 32) -> None:
+        super().__init__()
+        self.embed, self.body, self.head = nn.Embedding(vocab, D), body, nn.Linear(D, vocab)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.embed(input_ids)))
+
+
+def _eager_greedy(model: nn.Module, ids: torch.Tensor, new: int, **kwargs) -> torch.Tensor:
+    """Greedy decoding by re-running the whole sequence eagerly per token (the reference)."""
+    with torch.no_grad():
+        for _ in range(new):
+            out = model(ids, **kwargs)
+            logits = out if isinstance(out, torch.Tensor) else out.logits
+            ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return ids
+
+
 def _sequential(x: torch.Tensor) -> torch.Tensor:
     """``_DecayedSlots._mix`` step by step (the recurrence it computes)."""
     a, h, rows = torch.exp(-F.softplus(x)), torch.zeros_like(x[:, 0]), []
@@ -134,6 +198,40 @@ def test_block_example_of_no_whole_blocks_is_refused_at_capture() -> None:
         tppc.capture(_PrefixBlocks(), (torch.randn(1, 6, D),), seq_dims={"x": 1})
 
 
+@pytest.fixture(scope="module", params=[_DecayedSlots, _ConvLinearBlocks])
+def own_lm(request: pytest.FixtureRequest) -> tuple[nn.Module, tppc.CompiledPipeline]:
+    torch.manual_seed(0)
+    model = _TokenLM(request.param()).eval()
+    return model, tppc.compile(model, (torch.randint(0, 32, (2, 4 * K)),), num_stages=2)
+
+
+def test_own_block_scans_generate_as_eager(own_lm) -> None:
+    # prompts of less than a block, of a block and a tail, of whole blocks (a pipelined
+    # prefill); 7 new tokens cross block boundaries: steps that put the states back and steps
+    # that complete a block and keep them
+    model, cp = own_lm
+    states = {b.shape for st in cp.program(4).stages for b in st.buffers if b.kind == "state"}
+    if isinstance(model.body, _ConvLinearBlocks):  # the conv's 2 rows; the matrix state
+        assert {(2, 2, D, 2), (2, 2, 1, 2, 3, 3)} <= states, states
+    for prompt in (1, K + 2, 2 * K):
+        ids = torch.randint(0, 32, (2, prompt))
+        assert torch.equal(cp.generate(ids, max_new_tokens=7), _eager_greedy(model, ids, 7))
+
+
+def test_exported_block_scans_generate_as_eager(own_lm, tmp_path) -> None:
+    # the loaded artifact's generate: the prefill pipelined at an exported length (6 blocks),
+    # as one chunk of whole blocks otherwise, then block steps on its numpy state buffers
+    model, cp = own_lm
+    n = len(cp.context.layers)
+    tppc.export(cp.with_plan(manual_plan(n, 6, cuts=(0, n // 2, n), boundaries=(0, 2, 4, 6))),
+                tmp_path)
+    runner = tppc.load(tmp_path, threads_per_stage=1)
+    for prompt in (3, 6 * K, 6 * K + 1):
+        ids = torch.randint(0, 32, (2, prompt))
+        got = runner.generate(ids.numpy(), max_new_tokens=5)
+        assert (got == _eager_greedy(model, ids, 5).numpy()).all()
+
+
 @pytest.fixture(scope="module")
 def mamba2() -> tuple[nn.Module, tppc.CompiledPipeline]:
     transformers = pytest.importorskip("transformers")
@@ -146,7 +244,7 @@ def mamba2() -> tuple[nn.Module, tppc.CompiledPipeline]:
     return model, tppc.compile(model, (ids,), {"use_cache": False}, num_stages=2)
 
 
-def test_mamba2_is_exact_in_chunks_of_blocks_and_refuses_generate(mamba2) -> None:
+def test_mamba2_is_exact_in_chunks_of_blocks_and_in_generate(mamba2) -> None:
     model, cp = mamba2
     n = len(cp.context.layers)
     states = [b for st in cp.program(6).stages for b in st.buffers if b.kind == "state"]
@@ -158,9 +256,16 @@ def test_mamba2_is_exact_in_chunks_of_blocks_and_refuses_generate(mamba2) -> Non
             ids = torch.randint(0, 64, (2, length))
             assert_kernels_close(run(ids, use_cache=False).logits,
                                  model(ids, use_cache=False).logits)
-    with pytest.raises(tppc.RuntimeInputError, match=r"generate: Mamba2ForCausalLM pads its "
-                       r"sequence to blocks of 4 tokens.*fix: call the pipeline for the prefill"):
-        cp.generate(torch.randint(0, 64, (1, 2 * K)), max_new_tokens=2)
+    # within a block, whole blocks, a block and a tail (whose greedy tokens differ when the
+    # states are not put back after the steps of an incomplete block)
+    for ids in (torch.randint(0, 64, (1, 3)), torch.randint(0, 64, (1, 2 * K)),
+                torch.tensor([[41, 60, 11, 40, 29, 49]])):
+        want = _eager_greedy(model, ids, 9, use_cache=False)
+        assert torch.equal(cp.generate(ids, max_new_tokens=9), want)
+        # transformers' own decode (its recurrent step on the cache) agrees
+        assert torch.equal(model.generate(ids, attention_mask=torch.ones_like(ids),
+                                          max_new_tokens=9, do_sample=False,
+                                          eos_token_id=None, pad_token_id=0), want)
 
 
 def test_exported_block_states_equal_eager_in_chunks_of_blocks(own, tmp_path) -> None:
@@ -176,7 +281,8 @@ def test_exported_block_states_equal_eager_in_chunks_of_blocks(own, tmp_path) ->
 
 def _export_equals_eager(model: nn.Module, cp: tppc.CompiledPipeline, bounds: tuple[int, ...],
                          path) -> None:
-    """The artifact at 2 stages with chunks of whole blocks equals eager; generate refused."""
+    """The artifact at 2 stages with chunks of whole blocks equals eager, and so does its
+    greedy generate (a prompt of a block and a tail)."""
     n = len(cp.context.layers)
     staged = cp.with_plan(manual_plan(n, 6, cuts=(0, n // 2, n), boundaries=bounds))
     tppc.export(staged, path)
@@ -185,9 +291,9 @@ def _export_equals_eager(model: nn.Module, cp: tppc.CompiledPipeline, bounds: tu
     with torch.no_grad():
         want = model(ids, use_cache=False).logits
     assert_kernels_close(torch.from_numpy(runner(ids.numpy(), use_cache=False)["logits"]), want)
-    with pytest.raises(tppc.RuntimeInputError, match=r"generate: .* pads its sequence to "
-                       r"blocks of 4 tokens.*fix: call the artifact for the prefill"):
-        runner.generate(ids.numpy(), max_new_tokens=2)
+    prompt = ids[:, :K + 3]
+    got = runner.generate(prompt.numpy(), max_new_tokens=6)
+    assert (got == _eager_greedy(model, prompt, 6, use_cache=False).numpy()).all()
 
 
 def test_mamba2_export_equals_eager_in_chunks_of_blocks(mamba2, tmp_path) -> None:
@@ -214,6 +320,14 @@ def test_falcon_h1_hybrid_is_exact_in_chunks_of_blocks(tmp_path) -> None:
             assert_kernels_close(run(ids, use_cache=False).logits,
                                  model(ids, use_cache=False).logits)
     _export_equals_eager(model, cp, (0, 1, 3, 6), tmp_path)  # the artifact too
+    # generate: the attention's K/V rewritten by position in each block step (filler rows
+    # overwritten later, never read: causal), the mixer's states put back
+    # (batch 2: captured again, the prompt grown by its last token; such an example once
+    # passed the row-wise region check with the causal convolution inside, by tolerance)
+    for batch, prompt in ((1, 3), (1, 2 * K + 2), (2, 3)):
+        ids = torch.randint(0, 64, (batch, prompt))
+        assert torch.equal(cp.generate(ids, max_new_tokens=9),
+                           _eager_greedy(model, ids, 9, use_cache=False))
 
 
 def test_qwen3_next_loop_over_blocks_is_refused_naming_its_line() -> None:

@@ -14,7 +14,7 @@ import torch
 import tppc
 from tests.oracles import assert_kernels_close
 from tppc.distributed.checkpoint import empty_model, save_checkpoint
-from tppc.examples import gpt, hf_llama
+from tppc.examples import gpt, hf_llama, hf_mamba2
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -120,3 +120,18 @@ def test_shared_and_streamed_outputs_equal_eager(checkpoints: dict, shared: str)
         assert_kernels_close(result.outputs["out.0"], model(ids).logits)
     left = [p for r in result.reports for p in Path("/dev/shm").glob(f"tppc-{r['pid']}-*")]
     assert left == []
+
+
+def test_block_scan_generate_equals_hf(tmp_path: Path) -> None:
+    # Mamba2 (blocks of 4 tokens): each rank re-runs the current block per decode step and
+    # puts its own stage's carried states back until the block completes; a prompt of one
+    # block and a tail (a prompt whose greedy tokens differ when the states are not put back)
+    model, _, _ = hf_mamba2()
+    path = tmp_path / "mamba2.safetensors"
+    save_checkpoint(model, path)
+    ids = torch.tensor([[41, 60, 11, 40, 29, 49]])
+    result = tppc.launch("tppc.examples:hf_mamba2", 2, checkpoint=path, inputs={"args.0": ids},
+                         generate=7, timeout=300)
+    expected = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              max_new_tokens=7)
+    assert torch.equal(result.outputs["ids"], expected)

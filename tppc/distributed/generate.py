@@ -15,8 +15,9 @@ from typing import Any, Protocol
 
 import torch
 
-from tppc.frontend.block_capture import refuse_block_decode
-from tppc.generation import DEFAULT, greedy_decode, stop_tokens
+from tppc.errors import RuntimeInputError
+from tppc.generation import DEFAULT, check_max_new_tokens, greedy_decode, stop_tokens
+from tppc.pipeline.block_generate import BlockCall, block_steps, block_units, grown_input
 from tppc.pipeline.generate import TORCH_OPS, Generating, logits_output, token_input_index
 from tppc.program.state import Call, next_epoch
 
@@ -33,6 +34,8 @@ class GeneratingRank(Generating, Protocol):
 
     def share_generate(self, input_ids: Any, max_new_tokens: int) -> tuple[Any, int]: ...
 
+    def share_inputs(self, what: str, value: Any, check: Any = None) -> Any: ...
+
     def broadcast_token(self, token: torch.Tensor | None, like: torch.Tensor,
                         src: int | None = None) -> torch.Tensor: ...
 
@@ -43,11 +46,14 @@ def distributed_generate(cp: GeneratingRank, input_ids: torch.Tensor | None,
                          pad_token_id: int | Any | None = DEFAULT) -> torch.Tensor | None:
     """Prompt + up to ``max_new_tokens`` greedy tokens; on rank 0 (or every rank with
     ``results="all"``), None elsewhere. Rank 0's ``input_ids`` are used."""
+    block = cp.context.block_size
+    if block is not None:  # prompt grown to whole blocks before rank 0 binds it
+        return _block_generate(cp, block, input_ids, max_new_tokens, eos_token_id,
+                               pad_token_id)
     input_ids, max_new_tokens = cp.share_generate(input_ids, max_new_tokens)
     eos_ids, pad = stop_tokens(eos_token_id, pad_token_id, model_eos=cp.eos_token_id,
                                model_pad=cp.pad_token_id)
     front, bound = cp.bind((input_ids,), {})
-    refuse_block_decode(front.ctx.block_size, cp.model_name)
     prompt = bound.length
     total = prompt + max_new_tokens
     program = cp.program(prompt, front)
@@ -75,6 +81,53 @@ def distributed_generate(cp: GeneratingRank, input_ids: torch.Tensor | None,
     length = greedy_decode(ids, prompt, step, TORCH_OPS, eos_ids=eos_ids, pad=pad,
                            share=share)
     cp.states.finish(front, state, length - 1)
+    if cp.results == "rank0" and cp.rank != 0:
+        return None
+    return ids[:, :length].clone()
+
+
+def _block_generate(cp: GeneratingRank, block: int, input_ids: torch.Tensor | None,
+                    max_new_tokens: int, eos_token_id: Any, pad_token_id: Any
+                    ) -> torch.Tensor | None:
+    """:func:`distributed_generate` of a block capture (:mod:`tppc.pipeline.block_generate`):
+    rank 0's prompt grown to whole blocks (the last token repeated) is shared; every rank
+    steps the current block and puts back the carried states of its own worker."""
+    value: tuple[Any, Any, int] = (input_ids, max_new_tokens, 0)
+    if cp.rank == 0 and isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 \
+            and input_ids.shape[1] >= 1 and isinstance(max_new_tokens, int) \
+            and not isinstance(max_new_tokens, bool) and max_new_tokens >= 1:
+        prompt = int(input_ids.shape[1])
+        width = block_units(prompt, max_new_tokens, block)[1]
+        value = (grown_input("input_ids", input_ids, prompt, width), max_new_tokens, prompt)
+
+    def check(shared: tuple[Any, Any, int]) -> None:
+        """On rank 0: its error on every rank."""
+        check_max_new_tokens(shared[1])
+        if shared[2] < 1:
+            raise RuntimeInputError(f"generate: input_ids must be a (batch, prompt) tensor of "
+                                    f"at least one token, got {shared[0]!r:.80}. fix: pass "
+                                    "the tokenized prompt")
+        cp.bind((shared[0],), {})
+
+    input_ids, max_new_tokens, prompt = cp.share_inputs("generate", value, check)
+    eos_ids, pad = stop_tokens(eos_token_id, pad_token_id, model_eos=cp.eos_token_id,
+                               model_pad=cp.pad_token_id)
+    units, _ = block_units(prompt, max_new_tokens, block)
+    front, bound = cp.bind((input_ids,), {})
+    program = cp.program(max(prompt // block, 2), front)
+    flat = tuple(bound.flat)
+    ids = flat[token_input_index(cp.model_name, front)]
+    state = cp.states.acquire(front, units)
+    gen = BlockCall(program, state, flat, front, prompt, units, block)
+    step = block_steps(cp, gen, (program.runners[cp.rank],), None)
+
+    def share(token: torch.Tensor | None) -> torch.Tensor:
+        return cp.broadcast_token(None if token is None else token.to(ids.dtype), ids[:, 0],
+                                  program.leader)
+
+    length = greedy_decode(ids[:, :prompt + max_new_tokens], prompt, step, TORCH_OPS,
+                           eos_ids=eos_ids, pad=pad, share=share)
+    cp.states.finish(front, state, (length - 1) // block)
     if cp.results == "rank0" and cp.rank != 0:
         return None
     return ids[:, :length].clone()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["dit", "gpt", "hf_cogvideox", "hf_dit", "hf_flux", "hf_gemma3", "hf_gpt2", "hf_hunyuan_dit", "hf_hunyuan_video", "hf_llama", "hf_mistral", "hf_mixtral", "hf_pixart", "hf_qwen3", "hf_sd3"]
+__all__ = ["dit", "gpt", "hf_cogvideox", "hf_dit", "hf_flux", "hf_gemma3", "hf_gpt2", "hf_hunyuan_dit", "hf_hunyuan_video", "hf_llama", "hf_mamba2", "hf_mistral", "hf_mixtral", "hf_pixart", "hf_qwen3", "hf_sd3"]
 
 
 def __getattr__(name: str) -> Any:

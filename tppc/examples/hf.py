@@ -13,7 +13,7 @@ import torch
 from tppc.examples.models import GPT, DiT, DiTConfig, GPTConfig
 
 __all__ = ["dit", "gpt", "hf_cogvideox", "hf_dit", "hf_flux", "hf_gemma3", "hf_gpt2",
-           "hf_hunyuan_dit", "hf_llama", "hf_mistral", "hf_mixtral", "hf_pixart", "hf_qwen3",
+           "hf_hunyuan_dit", "hf_llama", "hf_mamba2", "hf_mistral", "hf_mixtral", "hf_pixart", "hf_qwen3",
            "hf_sd3"]
 
 Example = tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]]
@@ -55,6 +55,19 @@ def hf_gpt2(seq_len: int = 32, layers: int = 2) -> Example:
                      bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(cfg).eval()
     return model, (torch.randint(0, 128, (1, seq_len)),), {}
+
+
+def hf_mamba2(seq_len: int = 16, layers: int = 2, block: int = 4) -> Example:
+    """transformers Mamba2ForCausalLM from a tiny config: blocks of ``block`` tokens (SSD
+    ``chunk_size``), captured as ``block`` × blocks (a block scan)."""
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Mamba2Config(vocab_size=64, hidden_size=8, state_size=2, num_heads=2, head_dim=8,
+                       n_groups=1, expand=2, num_hidden_layers=layers, chunk_size=block,
+                       conv_kernel=2, use_cache=False)
+    model = Mamba2ForCausalLM(cfg).eval()
+    return model, (torch.randint(0, 64, (1, seq_len)),), {}
 
 
 def hf_dit(size: int = 8, layers: int = 2) -> Example:

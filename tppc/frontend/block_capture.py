@@ -31,7 +31,7 @@ from tppc.frontend.guard_sites import GuardLog, describe_site, guard_sites, loop
 from tppc.frontend.recurrence_refusals import block_refusal
 from tppc.ir.context import CompileContext
 
-__all__ = ["block_shapes", "check_block_length", "export_blocks", "refuse_block_decode"]
+__all__ = ["block_shapes", "check_block_length", "export_blocks"]
 
 
 def block_shapes(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]],
@@ -117,15 +117,3 @@ def check_block_length(name: str, block: int, tokens: int, model: str) -> None:
             f"at least 2. fix: pass {max(2 * block, -(-tokens // block) * block)} tokens "
             "(pad the prompt on the left), or run this model eagerly")
 
-
-def refuse_block_decode(block: int | None, model: str) -> None:
-    """Refuse ``generate`` on a capture of ``block`` × blocks: a decode step is one token,
-    and the captured graph runs whole blocks only (the model's own decode path, a recurrent
-    step on its cache, is another graph that tppc does not capture)."""
-    if block is not None:
-        raise RuntimeInputError(
-            f"generate: {model} pads its sequence to blocks of {block} tokens (a chunked scan) "
-            f"and tppc captured it with a symbolic number of blocks, so its graph runs whole "
-            f"blocks only; a decode step is one token. fix: call the pipeline for the prefill "
-            f"(a prompt of a multiple of {block} tokens) and decode eagerly "
-            "(model.generate), or run generate unsplit")

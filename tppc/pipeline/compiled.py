@@ -197,9 +197,14 @@ class CompiledPipeline(ModelStandIn, Rebalancing):
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 20, **kwargs: Any
                  ) -> torch.Tensor:
-        """Pipelined prefill, then greedy decoding; see :func:`tppc.pipeline.generate`."""
+        """Pipelined prefill, then greedy decoding; see :func:`tppc.pipeline.generate` (a
+        block-scan capture: :mod:`tppc.pipeline.block_generate`)."""
+        from tppc.pipeline.block_generate import block_generate
         from tppc.pipeline.generate import greedy_generate
 
+        block = self._front.ctx.block_size
+        if block is not None:
+            return block_generate(self, block, input_ids, max_new_tokens, **kwargs)
         return greedy_generate(self, input_ids, max_new_tokens, **kwargs)
 
     def denoise(self, latents: torch.Tensor, scheduler: Any,

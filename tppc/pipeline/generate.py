@@ -6,7 +6,9 @@ that runs through the stages in order (one sequence cannot overlap with itself),
 the buffers. The positional values (rope tables, masks) are evaluated once, at the final
 length, and sliced per step; a padding mask (``attention_mask``) reaches every step whole.
 The loop and its rule for ending are :func:`tppc.generation.greedy_decode` (HF's
-``generate(do_sample=False)``); this module gives it the pipeline as a step function.
+``generate(do_sample=False)``); this module gives it the pipeline as a step function. A
+block-scan capture (``k`` × blocks) decodes by whole blocks instead:
+:mod:`tppc.pipeline.block_generate`.
 
 Example:
     >>> cp.generate(input_ids, max_new_tokens=8).shape                  # doctest: +SKIP
@@ -24,14 +26,14 @@ import torch
 from tppc.calls.call import Calling
 from tppc.calls.kv_memory import check_generation_memory
 from tppc.errors import RuntimeInputError
-from tppc.frontend.block_capture import refuse_block_decode
 from tppc.generation import DEFAULT, ArrayOps, check_max_new_tokens, greedy_decode, stop_tokens
 from tppc.program.state import Call, next_epoch
 
 if TYPE_CHECKING:
     from tppc.frontend.front_end import FrontEnd
 
-__all__ = ["TORCH_OPS", "Generating", "greedy_generate", "logits_output", "token_input_index"]
+__all__ = ["TORCH_OPS", "Generating", "greedy_generate", "logits_output", "mask_inputs",
+           "token_input_index"]
 
 TORCH_OPS = ArrayOps(
     pick=lambda logits, ids: logits.select(1, -1).float().argmax(dim=-1).to(ids.device),
@@ -81,9 +83,8 @@ def greedy_generate(cp: Generating, input_ids: torch.Tensor, max_new_tokens: int
     check_max_new_tokens(max_new_tokens)
     eos_ids, pad = stop_tokens(eos_token_id, pad_token_id, model_eos=cp.eos_token_id,
                                model_pad=cp.pad_token_id)
-    kwargs = _mask_inputs(cp, attention_mask)
+    kwargs = mask_inputs(cp, attention_mask)
     front, bound = cp.bind((input_ids,), kwargs)
-    refuse_block_decode(front.ctx.block_size, cp.model_name)
     prompt = bound.length
     total = prompt + max_new_tokens
     if cp.max_seq is not None and total > cp.max_seq:
@@ -114,7 +115,7 @@ def greedy_generate(cp: Generating, input_ids: torch.Tensor, max_new_tokens: int
     return ids[:, :length].clone()
 
 
-def _mask_inputs(cp: Generating, attention_mask: torch.Tensor | None
+def mask_inputs(cp: Generating, attention_mask: torch.Tensor | None
                  ) -> dict[str, torch.Tensor]:
     """``attention_mask`` and HF's ``position_ids`` for it (when the model takes them)."""
     if attention_mask is None:

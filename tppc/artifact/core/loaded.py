@@ -210,47 +210,87 @@ class LoadedPipeline:
         """Greedy decoding (HF's ``generate(do_sample=False)`` rule); returns prompt + new ids.
 
         The prompt length must be an exported length; decoding steps are one-token chunks
-        (:func:`tppc.generation.greedy_decode`). On a job: collective, rank 0's
-        ``input_ids``, the last rank's tokens broadcast, None on ranks that keep no results.
+        (:func:`tppc.generation.greedy_decode`). A block scan (``seq_rows`` k > 1): any
+        prompt length, each step re-runs its current block of k rows and puts the carried
+        states back until the block completes (:mod:`tppc.pipeline.block_generate`). On a
+        job: collective, rank 0's ``input_ids``, the last rank's tokens broadcast, None on
+        ranks that keep no results.
         """
         gen = self.signature["generate"]
         token, logits_at = gen.get("token_input"), gen.get("logits_output")
+        block = 1 if token is None else max(self.signature["inputs"][token].get("seq_rows")
+                                            or [1])
 
         def check() -> tuple[list[Any], int]:
             if token is None or logits_at is None:
                 raise RuntimeInputError("generate needs one token-id input and a per-token "
                                         "output (logits); this artifact has neither")
-            block = max(self.signature["inputs"][token].get("seq_rows") or [1])
-            if block > 1:  # a block scan (as CompiledPipeline.generate refuses it)
-                raise RuntimeInputError(
-                    f"generate: {self.plan['model']} pads its sequence to blocks of {block} "
-                    "tokens (a chunked scan); its stages run whole blocks only and a decode "
-                    f"step is one token. fix: call the artifact for the prefill (a prompt of "
-                    f"a multiple of {block} tokens) and decode eagerly (model.generate)")
             check_max_new_tokens(max_new_tokens)
-            return self.bind((), {self.signature["inputs"][token]["name"]: input_ids})
+            ids = input_ids if block == 1 else _grown_ids(input_ids, max_new_tokens, block)
+            return self.bind((), {self.signature["inputs"][token]["name"]: ids})
 
-        (flat, prompt), new = self._share(check, extra=max_new_tokens)
+        given = np.shape(input_ids)[-1] if input_ids is not None and np.ndim(input_ids) else 0
+        (flat, length), (new, prompt) = self._share(check, extra=(max_new_tokens, given))
         eos_ids, pad = stop_tokens(eos_token_id, pad_token_id, model_eos=self.eos_token_id,
                                    model_pad=self.pad_token_id)
-        total = prompt + new
-        ids = np.zeros((flat[token].shape[0], total), dtype=flat[token].dtype)
-        ids[:, :prompt] = flat[token]
-        flat[token] = ids
-        call = self._call(flat, self.chunks(prompt), total, total)
+        if block > 1:  # the grown ids: ``length`` whole blocks, ``prompt`` tokens given
+            ids = flat[token]
+            step = self._block_steps(flat, length, prompt, block, logits_at)
+        else:
+            prompt = length
+            ids = np.zeros((flat[token].shape[0], prompt + new), dtype=flat[token].dtype)
+            ids[:, :prompt] = flat[token]
+            flat[token] = ids
+            call = self._call(flat, self.chunks(prompt), prompt + new, prompt + new)
 
-        def step(n: int) -> np.ndarray | None:
-            """The prefill (``n == prompt``) or one decoding step; the logits (None on a
-            rank of a job without them)."""
+            def step(n: int) -> np.ndarray | None:
+                """The prefill (``n == prompt``) or one decoding step; the logits (None on
+                a rank of a job without them)."""
+                last: list[list[np.ndarray]] = []
+                if n > prompt:
+                    call.chunks = ((n - 1, n),)
+                self._execute(call, lambda i, out: last.append(out), None, step=n > prompt)
+                return last[-1][logits_at] if last else None
+
+        length = greedy_decode(ids[:, :prompt + new], prompt, step, NUMPY_OPS, eos_ids=eos_ids,
+                               pad=pad, share=self._token_share(ids))
+        return ids[:, :length].copy() if self._keeps_results() else None
+
+    def _block_steps(self, flat: list[Any], units: int, prompt: int, block: int,
+                     logits_at: int) -> Callable[[int], np.ndarray | None]:
+        """``step(n)`` of a block scan's generate (:meth:`generate`): the prompt's whole
+        blocks (pipelined when an exported length), then block steps at ``n − 1``."""
+        ids = flat[self.signature["generate"]["token_input"]]
+        call = self._call(flat, (), units, units)
+        states = {b["name"] for st in self.stages for part in getattr(st, "parts", (st,))
+                  for b in part.buffers if b.get("kind") == "state"}
+
+        def run(chunks: tuple[tuple[int, int], ...], serial: bool) -> np.ndarray | None:
             last: list[list[np.ndarray]] = []
-            if n > prompt:
-                call.chunks = ((n - 1, n),)
-            self._execute(call, lambda i, out: last.append(out), None, step=n > prompt)
+            call.chunks = chunks
+            self._execute(call, lambda i, out: last.append(out), None, step=serial)
             return last[-1][logits_at] if last else None
 
-        length = greedy_decode(ids, prompt, step, NUMPY_OPS, eos_ids=eos_ids, pad=pad,
-                               share=self._token_share(ids))
-        return ids[:, :length].copy() if self._keeps_results() else None
+        def block_step(p: int) -> np.ndarray | None:
+            b, row = divmod(p, block)
+            ids[:, p + 1:(b + 1) * block] = ids[:, p:p + 1]  # filler: the last real token
+            saved = [(a, a.copy()) for name, a in call.buffers.items() if name in states] \
+                if row < block - 1 else []
+            logits = run(((b, b + 1),), True)
+            for array, copy in saved:  # an incomplete block: its states stay its start's
+                array[...] = copy
+            return None if logits is None else logits[:, row:row + 1]
+
+        def step(n: int) -> np.ndarray | None:
+            if n > prompt:
+                return block_step(n - 1)
+            whole, logits = n // block, None
+            if whole:
+                logits = run(self.chunks(whole) if whole in self.lengths else ((0, whole),),
+                             whole not in self.lengths)
+            return logits if n % block == 0 else block_step(n - 1)
+
+        return step
 
     # -- what a job's runner overrides ------------------------------------------------------------
     def _share(self, bind: Callable[[], tuple[list[Any], int]], extra: Any = None) -> Any:
@@ -322,3 +362,15 @@ def _check_array(name: str, value: Any, spec: dict[str, Any]) -> np.ndarray:
     check_token_ids(name, array, spec.get("ids_below"))
     check_finite(name, array)
     return array
+
+
+def _grown_ids(input_ids: Any, max_new_tokens: int, block: int) -> np.ndarray:
+    """A block scan's prompt grown to the whole blocks of prompt + ``max_new_tokens`` (2 at
+    least), the last token repeated (filler that the decode steps overwrite)."""
+    ids = np.asarray(input_ids)
+    if ids.ndim != 2 or ids.shape[1] < 1:
+        raise RuntimeInputError(f"input_ids has shape {ids.shape}; generate takes (batch, "
+                                "prompt) token ids of at least one token. fix: pass the "
+                                "tokenized prompt")
+    width = max(2, -(-(ids.shape[1] + max_new_tokens) // block)) * block
+    return np.concatenate([ids, np.repeat(ids[:, -1:], width - ids.shape[1], axis=1)], 1)
