@@ -16,6 +16,9 @@ from tppc.ir.records import TOKEN, MaskSpec
 pytest.importorskip("transformers")
 
 
+_TWO_STAGES = {"cluster": "2xcpu", "num_stages": 2}
+
+
 def _padded(batch: int = 2, seq: int = 24, *, left: int = 5, right: int = 4
             ) -> tuple[torch.Tensor, torch.Tensor]:
     torch.manual_seed(1)
@@ -31,9 +34,9 @@ def _masks(cp: tppc.CompiledPipeline) -> list[MaskSpec | None]:
             if n.meta[TOKEN].role == "mixing"]
 
 
-def _check(model: torch.nn.Module, ids: torch.Tensor, kwargs: dict, chunks: int = 4
-           ) -> tppc.CompiledPipeline:
-    cp = tppc.compile(model, (ids,), kwargs, chunks=chunks)
+def _check(model: torch.nn.Module, ids: torch.Tensor, kwargs: dict, chunks: int = 4,
+           **options: object) -> tppc.CompiledPipeline:
+    cp = tppc.compile(model, (ids,), kwargs, chunks=chunks, **options)
     got = cp(ids, **kwargs).logits
     want = model(ids, **kwargs).logits
     assert not want.isnan().any()
@@ -88,10 +91,10 @@ def test_mistral_window_shorter_than_sequence_equals_eager(padded: bool) -> None
 
 @functools.cache
 def _gemma3() -> tuple[torch.nn.Module, tppc.CompiledPipeline]:
-    """Gemma 3 (two local layers, one global) and its pipeline for a padded batch."""
+    """Gemma 3 (two local layers, one global) and its pipeline for a padded batch (2 stages)."""
     model, _, _ = examples.hf_gemma3(window=6)
     ids, mask = _padded()
-    return model, _check(model, ids, {"attention_mask": mask})
+    return model, _check(model, ids, {"attention_mask": mask}, **_TWO_STAGES)
 
 
 def test_gemma3_local_and_global_layers_equal_eager() -> None:
@@ -129,10 +132,10 @@ def test_qwen3_padded_batch_equals_eager() -> None:
 
 @functools.cache
 def _mixtral(experts: str) -> tuple[torch.nn.Module, tppc.CompiledPipeline]:
-    """Mixtral with ``experts`` and its pipeline for a padded batch (checked once)."""
+    """Mixtral with ``experts`` and its pipeline for a padded batch at 2 stages (checked once)."""
     model, _, _ = examples.hf_mixtral(experts=experts)
     ids, mask = _padded()
-    return model, _check(model, ids, {"attention_mask": mask}, chunks=3)
+    return model, _check(model, ids, {"attention_mask": mask}, chunks=3, **_TWO_STAGES)
 
 
 @pytest.mark.parametrize("experts", ["grouped_mm", "batched_mm"])
@@ -151,9 +154,9 @@ def test_mixtral_export_equals_eager_on_a_padded_batch(tmp_path) -> None:
     _exported_equals_eager(*_mixtral("grouped_mm"), tmp_path)
 
 
-def test_qwen3_moe_export_equals_eager(tmp_path) -> None:
-    """Qwen3-MoE (grouped K/V heads repeated after the buffer read, ``grouped_mm`` experts)
-    at 2 stages and 4 chunks through ONNX Runtime (issue 31)."""
+@functools.cache
+def _qwen3_moe() -> tuple[torch.nn.Module, tppc.CompiledPipeline]:
+    """Qwen3-MoE (``grouped_mm`` experts) and its pipeline for 16 tokens (2 stages, 4 chunks)."""
     import transformers
 
     torch.manual_seed(0)
@@ -164,11 +167,50 @@ def test_qwen3_moe_export_equals_eager(tmp_path) -> None:
     config._attn_implementation = "sdpa"
     model = transformers.Qwen3MoeForCausalLM(config).eval()
     ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0))
-    cp = tppc.compile(model, (ids,), cluster="2xcpu", num_stages=2, chunks=4)
+    return model, tppc.compile(model, (ids,), cluster="2xcpu", num_stages=2, chunks=4)
+
+
+def test_qwen3_moe_export_equals_eager(tmp_path) -> None:
+    """Qwen3-MoE (grouped K/V heads repeated after the buffer read, ``grouped_mm`` experts)
+    at 2 stages and 4 chunks through ONNX Runtime (issue 31)."""
+    model, cp = _qwen3_moe()
+    ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0))
     tppc.export(cp, tmp_path, lengths=[16])
     with torch.no_grad():
         want = model(ids).logits.numpy()
     assert_kernels_close(tppc.load(tmp_path, threads_per_stage=1)(ids.numpy())["logits"], want)
+
+
+def _generates_as_hf(model: torch.nn.Module, cp: tppc.CompiledPipeline, vocab: int = 128,
+                     batch: int = 2) -> None:
+    """Greedy ``cp.generate`` equals transformers' ``model.generate(do_sample=False)`` token
+    for token: prompts of 12 tokens (the first row left-padded by 4 when ``batch`` > 1), 8
+    new tokens, no end-of-sequence stop (every step compared)."""
+    ids = torch.randint(1, vocab, (batch, 12), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(batch, 12, dtype=torch.long)
+    if batch > 1:
+        mask[0, :4] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    stop = {"eos_token_id": None, "pad_token_id": 0}
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, **stop)
+    got = cp.generate(ids, attention_mask=mask, max_new_tokens=8, **stop)
+    assert len(cp.plan.stages) == 2 and want.shape == (batch, 20)
+    assert torch.equal(got, want)
+
+
+def test_mixtral_generate_padded_prompts_equals_hf_token_for_token() -> None:
+    """Issue 31: Mixtral's experts (``grouped_mm``) routed per decode step at 2 stages."""
+    _generates_as_hf(*_mixtral("grouped_mm"))
+
+
+def test_gemma3_generate_padded_prompts_equals_hf_token_for_token() -> None:
+    """Issue 31: Gemma 3's window of 6 keys (shorter than the prompt) while decoding."""
+    _generates_as_hf(*_gemma3())
+
+
+def test_qwen3_moe_generate_equals_hf_token_for_token() -> None:
+    """Issue 31: Qwen3-MoE (q/k norms, ``grouped_mm`` experts) at 2 stages."""
+    _generates_as_hf(*_qwen3_moe(), vocab=64, batch=1)
 
 
 def test_mixtral_eager_experts_are_refused_by_capture() -> None:
