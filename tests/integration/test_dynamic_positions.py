@@ -93,3 +93,35 @@ def test_dynamic_ntk_rope_is_refused_naming_the_default_rope_which_is_identical(
     default.load_state_dict(dynamic.state_dict())
     with torch.no_grad():  # the fix: up to max_position_embeddings, the same model
         assert torch.equal(default(ids).logits, dynamic(ids).logits)
+
+
+def test_opt_padded_positions_refused_naming_position_ids_and_that_fix_is_exact() -> None:
+    """transformers' own ``OPTForCausalLM``: positions ``cumsum(attention_mask)`` refused by
+    name; the fix the error gives (``position_ids``) exact on every row at 2 stages, and in
+    ``generate`` on padded prompts (positions counted as HF counts them)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.OPTConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                    ffn_dim=64, num_attention_heads=4, word_embed_proj_dim=32,
+                                    max_position_embeddings=64)
+    config._attn_implementation = "sdpa"
+    model = transformers.OPTForCausalLM(config).eval()
+    ids, mask = _padded()
+    with pytest.raises(tppc.PassError, match=r"(?s)'cumsum'.*attention_mask.*fix: pass the "
+                                             r"positions as an input.*position_ids="):
+        tppc.compile(model, (ids,), {"attention_mask": mask}, cluster="2xcpu", num_stages=2,
+                     chunks=3)
+    positions = mask.cumsum(-1) * mask - 1  # the fix, as the error words it
+    cp = tppc.compile(model, (ids,), {"attention_mask": mask, "position_ids": positions},
+                      cluster="2xcpu", num_stages=2, chunks=3)
+    assert len(cp.plan.stages) == 2
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits
+        assert_kernels_close(cp(ids, attention_mask=mask, position_ids=positions).logits, want)
+        counted = model(ids, attention_mask=mask, position_ids=torch.arange(16).expand(2, 16))
+        assert (counted.logits[0] - want[0]).abs().max() > 1e-3  # the positions matter
+    prompt, prompt_mask = ids[:, :10].masked_fill(mask[:, :10] == 0, 1), mask[:, :10]
+    stop = {"eos_token_id": None, "pad_token_id": 1}
+    assert torch.equal(cp.generate(prompt, attention_mask=prompt_mask, max_new_tokens=6, **stop),
+                       model.generate(prompt, attention_mask=prompt_mask, max_new_tokens=6,
+                                      do_sample=False, **stop))
