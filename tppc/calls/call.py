@@ -99,7 +99,7 @@ def run_call(pipe: Calling, args: tuple[Any, ...], kwargs: Mapping[str, Any],
         delivery.flush()
     finally:
         delivery.close()
-    pipe.states.finish(front, state, bound.length)
+    pipe.states.finish(front, state, bound.length * (front.ctx.block_size or 1))  # tokens
     leaves = delivery.leaves(program, bound, assembler.leaves)
     return None if leaves is None else output_structure(program, leaves)
 

@@ -127,7 +127,7 @@ def _block_generate(cp: GeneratingRank, block: int, input_ids: torch.Tensor | No
 
     length = greedy_decode(ids[:, :prompt + max_new_tokens], prompt, step, TORCH_OPS,
                            eos_ids=eos_ids, pad=pad, share=share)
-    cp.states.finish(front, state, (length - 1) // block)
+    cp.states.finish(front, state, length - 1)  # tokens of exact K/V (as block_generate)
     if cp.results == "rank0" and cp.rank != 0:
         return None
     return ids[:, :length].clone()

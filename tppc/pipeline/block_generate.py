@@ -75,12 +75,13 @@ def block_generate(cp: Generating, block: int, input_ids: torch.Tensor,
                                 "tokenized prompt")
     prompt = int(input_ids.shape[-1])
     total = prompt + max_new_tokens
-    if cp.max_seq is not None and total > cp.max_seq:
+    units, width = block_units(prompt, max_new_tokens, block)
+    if cp.max_seq is not None and width > cp.max_seq:  # the buffers hold whole blocks
         raise RuntimeInputError(
             f"{prompt} prompt tokens + max_new_tokens={max_new_tokens} = {total} tokens, "
-            f"max_seq={cp.max_seq}. fix: lower max_new_tokens to {cp.max_seq - prompt} or "
-            f"compile with max_seq={total}")
-    units, width = block_units(prompt, max_new_tokens, block)
+            f"held as {units} blocks of {block} = {width} tokens, max_seq={cp.max_seq}. fix: "
+            f"lower max_new_tokens to {cp.max_seq // block * block - prompt} or compile "
+            f"with max_seq={width}")
     kwargs = mask_inputs(cp, attention_mask)
     grown = {name: grown_input(name, value, prompt, width) for name, value in kwargs.items()}
     front, bound = cp.bind((grown_input("input_ids", input_ids, prompt, width),), grown)
@@ -93,7 +94,7 @@ def block_generate(cp: Generating, block: int, input_ids: torch.Tensor,
     step = block_steps(cp, BlockCall(program, state, flat, front, prompt, units, block),
                        program.runners, "local")
     length = greedy_decode(ids[:, :total], prompt, step, TORCH_OPS, eos_ids=eos_ids, pad=pad)
-    cp.states.finish(front, state, (length - 1) // block)  # whole blocks of exact K/V
+    cp.states.finish(front, state, length - 1)  # K/V rows by position: all but the last
     return ids[:, :length].clone()
 
 

@@ -76,10 +76,11 @@ class Captures:
                                lambda: self._capture_inputs(args, kwargs, inputs))
         bound = bind(base, self.model, inputs)
         self._check_partial_units(base, inputs)
-        if self.max_seq is not None and bound.length > self.max_seq:
+        tokens = bound.length * (base.ctx.block_size or 1)  # a block capture's unit: k tokens
+        if self.max_seq is not None and tokens > self.max_seq:
             raise RuntimeInputError(
-                f"the sequence has {bound.length} tokens, max_seq={self.max_seq}. "
-                f"fix: compile with max_seq={bound.length} (or more), or max_seq=None")
+                f"the sequence has {tokens} tokens, max_seq={self.max_seq}. "
+                f"fix: compile with max_seq={tokens} (or more), or max_seq=None")
         with self._lock:  # a dynamic capture serves many sizes, a specialised one its own
             front = next((f for f in reversed(self._fronts.values())
                           if f.serves(structure, bound)), None)

@@ -61,8 +61,9 @@ class CallState:
     """K/V buffers, positional values and fill level of one call (see the module docstring).
 
     Attributes:
-        capacity: tokens every buffer holds.
-        filled: tokens the buffers hold valid K/V for (after the call: its length).
+        capacity: units of the sequence every buffer holds (a block capture's unit: a block).
+        filled: tokens the buffers hold valid K/V for (after the call: its length in tokens,
+            not units: a block capture's K/V buffer holds ``k`` rows per block).
         uses: how many calls have used this state (``kv_cache`` checks it was not reused).
     """
 
