@@ -64,6 +64,7 @@ from tppc.cost_models.cluster import Cluster
 from tppc.cost_models.collective_costs import collective_cost
 from tppc.cost_models.node_costs import NodeCost
 from tppc.cost_models.node_shapes import C, L, P
+from tppc.cost_models.roofline import ITEMSIZE
 from tppc.cost_models.shard_costs import LayerShards
 from tppc.program.mesh import Mesh
 
@@ -167,7 +168,7 @@ def ring_merge(cost: NodeCost) -> NodeCost:
     TorchScript function; tppc as eager ops)."""
     _, (b, m, dv, _) = cost.matmuls
     values = b * m * dv
-    width = _DTYPE_BYTES.get(cost.dtype, 4)
+    width = ITEMSIZE.get(cost.dtype, 4)
     cast = width < 4  # a float32 output is merged as it is
     return NodeCost(
         name=f"{cost.name}.merge", op="ring_merge", kind="memory",
@@ -175,8 +176,6 @@ def ring_merge(cost: NodeCost) -> NodeCost:
         bytes=values * ((width + 4 if cast else 0) + 3 * 4), dtype=cost.dtype,
         launches=sympy.Integer(RING_MERGE_LAUNCHES - (0 if cast else 1)))
 
-
-_DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from tppc.cost_models.node_costs import NodeCost
 from tppc.cost_models.node_shapes import P
 from tppc.cost_models.specs import DeviceSpec, MatrixUnit
 
-__all__ = ["TimeTerms", "node_time_terms"]
+__all__ = ["ITEMSIZE", "TimeTerms", "node_time_terms"]
 
 
 class TimeTerms(NamedTuple):
@@ -89,7 +89,8 @@ def _pad_dim(x: sympy.Expr, tile: int, cost: NodeCost) -> sympy.Expr:
     return _pad(x, tile)
 
 
-_ITEMSIZE = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
+ITEMSIZE = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
+"""Bytes per element of a compute dtype name (:attr:`NodeCost.dtype`)."""
 
 
 def _streamed_weights(cost: NodeCost, unit: MatrixUnit) -> sympy.Expr:
@@ -99,7 +100,7 @@ def _streamed_weights(cost: NodeCost, unit: MatrixUnit) -> sympy.Expr:
         return sympy.Integer(0)
     total = 0
     for b, _m, n, k in cost.matmuls:
-        size = b * n * k * _ITEMSIZE.get(cost.dtype, 4)
+        size = b * n * k * ITEMSIZE.get(cost.dtype, 4)
         if size.is_number and size > unit.cache_bytes:  # no token axis: a weight
             total += int(size)
     return sympy.Float(total / unit.stream_bandwidth) if total else sympy.Integer(0)

@@ -17,8 +17,14 @@ import torch
 
 from tppc.errors import RuntimeInputError
 from tppc.generation import DEFAULT, check_max_new_tokens, greedy_decode, stop_tokens
-from tppc.pipeline.block_generate import BlockCall, block_steps, block_units, grown_input
-from tppc.pipeline.generate import TORCH_OPS, Generating, logits_output, token_input_index
+from tppc.pipeline.block_generate import BlockCall, block_steps, block_units
+from tppc.pipeline.generate import (
+    TORCH_OPS,
+    Generating,
+    grown_input,
+    logits_output,
+    token_input_index,
+)
 from tppc.program.state import Call, next_epoch
 
 __all__ = ["GeneratingRank", "distributed_generate"]

@@ -40,6 +40,7 @@ from tppc.generation import DEFAULT, check_max_new_tokens, greedy_decode, stop_t
 from tppc.pipeline.generate import (
     TORCH_OPS,
     Generating,
+    grown_input,
     logits_output,
     mask_inputs,
     token_input_index,
@@ -51,8 +52,7 @@ if TYPE_CHECKING:
     from tppc.driver.options import ExecutorName
     from tppc.frontend.front_end import FrontEnd
 
-__all__ = ["BlockCall", "block_generate", "block_steps", "block_units", "carried_states",
-           "grown_input"]
+__all__ = ["BlockCall", "block_generate", "block_steps", "block_units", "carried_states"]
 
 
 def block_generate(cp: Generating, block: int, input_ids: torch.Tensor,
@@ -183,23 +183,6 @@ def carried_states(runners: Sequence[StageProgram], state: CallState) -> list[to
                 if spec.kind == "state":
                     found.setdefault(id(buffers[spec.name]), buffers[spec.name])
     return list(found.values())
-
-
-def grown_input(name: str, value: Any, prompt: int, width: int) -> Any:
-    """A sequence input grown from ``prompt`` to ``width`` positions on its last axis: token
-    ids repeat the last token (filler, overwritten as tokens are generated), an
-    ``attention_mask`` is 1 (generated tokens are valid), ``position_ids`` count on."""
-    if not isinstance(value, torch.Tensor) or value.dim() < 1 or value.shape[-1] != prompt:
-        return value
-    grown = value.new_zeros((*value.shape[:-1], width))
-    grown[..., :prompt] = value
-    if name == "attention_mask":
-        grown[..., prompt:] = 1
-    elif name == "position_ids":
-        grown[..., prompt:] = value[..., -1:] + torch.arange(1, width - prompt + 1)
-    else:
-        grown[..., prompt:] = value[..., -1:]
-    return grown
 
 
 def _described(value: Any) -> str:

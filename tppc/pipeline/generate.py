@@ -32,8 +32,8 @@ from tppc.program.state import Call, next_epoch
 if TYPE_CHECKING:
     from tppc.frontend.front_end import FrontEnd
 
-__all__ = ["TORCH_OPS", "Generating", "greedy_generate", "logits_output", "mask_inputs",
-           "token_input_index"]
+__all__ = ["TORCH_OPS", "Generating", "greedy_generate", "grown_input", "logits_output",
+           "mask_inputs", "token_input_index"]
 
 TORCH_OPS = ArrayOps(
     pick=lambda logits, ids: logits.select(1, -1).float().argmax(dim=-1).to(ids.device),
@@ -129,24 +129,34 @@ def mask_inputs(cp: Generating, attention_mask: torch.Tensor | None
 
 
 def _extended(front: FrontEnd, flat: Sequence[Any], total: int) -> list[Any]:
-    """The flat inputs with every sequence input grown to ``total`` positions: token ids
-    (zeros, filled as they are generated), ``attention_mask`` (ones: generated tokens are
-    valid), ``position_ids`` (counting on from each row's last position)."""
+    """The flat inputs with every sequence input grown to ``total`` positions
+    (:func:`grown_input`; token ids as zeros, filled as they are generated)."""
     out = list(flat)
     for i, name in enumerate(front.signature.user_inputs):
         axes = front.ctx.seq_inputs.get(name)
-        value = out[i]
-        if not axes or not isinstance(value, torch.Tensor):
-            continue
-        prompt = value.shape[axes[0]]
-        grown = value.new_zeros((*value.shape[:-1], total))
-        grown[..., :prompt] = value
-        if name == "attention_mask":
-            grown[..., prompt:] = 1
-        elif name == "position_ids":
-            grown[..., prompt:] = value[..., -1:] + torch.arange(1, total - prompt + 1)
-        out[i] = grown
+        if axes and isinstance(out[i], torch.Tensor):
+            out[i] = grown_input(name, out[i], out[i].shape[axes[0]], total, filler=False)
     return out
+
+
+def grown_input(name: str, value: Any, prompt: int, width: int, *, filler: bool = True
+                ) -> Any:
+    """A sequence input grown from ``prompt`` to ``width`` positions on its last axis: an
+    ``attention_mask`` is 1 (generated tokens are valid), ``position_ids`` count on from
+    each row's last position, token ids repeat the last token with ``filler`` (block
+    steps read them: :mod:`.block_generate`), else zeros (overwritten as tokens are
+    generated). Anything else is returned as it is."""
+    if not isinstance(value, torch.Tensor) or value.dim() < 1 or value.shape[-1] != prompt:
+        return value
+    grown = value.new_zeros((*value.shape[:-1], width))
+    grown[..., :prompt] = value
+    if name == "attention_mask":
+        grown[..., prompt:] = 1
+    elif name == "position_ids":
+        grown[..., prompt:] = value[..., -1:] + torch.arange(1, width - prompt + 1)
+    elif filler:
+        grown[..., prompt:] = value[..., -1:]
+    return grown
 
 
 def token_input_index(model_name: str, front: FrontEnd) -> int:
