@@ -4,7 +4,9 @@ The prefill runs the prompt's chunks through the stages with the compiled execut
 fills every stage's K/V buffers. Each decoding step is a one-token chunk at position ``t``
 that runs through the stages in order (one sequence cannot overlap with itself), reading
 the buffers. The positional values (rope tables, masks) are evaluated once, at the final
-length, and sliced per step; a padding mask (``attention_mask``) reaches every step whole.
+length, and sliced per step, unless they depend on the whole length (a dynamic-NTK rope:
+``signature.length_tables``): then the prefill is a call of the prompt's length and each
+step a call of its own length, as a model with a K/V cache computes them; a padding mask (``attention_mask``) reaches every step whole.
 The loop and its rule for ending are :func:`tppc.generation.greedy_decode` (HF's
 ``generate(do_sample=False)``); this module gives it the pipeline as a step function. A
 block-scan capture (``k`` × blocks) decodes by whole blocks instead:
@@ -33,7 +35,7 @@ if TYPE_CHECKING:
     from tppc.frontend.front_end import FrontEnd
 
 __all__ = ["TORCH_OPS", "Generating", "greedy_generate", "grown_input", "logits_output",
-           "mask_inputs", "token_input_index"]
+           "mask_inputs", "prefix_inputs", "token_input_index"]
 
 TORCH_OPS = ArrayOps(
     pick=lambda logits, ids: logits.select(1, -1).float().argmax(dim=-1).to(ids.device),
@@ -102,12 +104,14 @@ def greedy_generate(cp: Generating, input_ids: torch.Tensor, max_new_tokens: int
     epoch = next_epoch()
 
     def step(n: int) -> torch.Tensor:
+        length = n if program.signature.length_tables else total
+        inputs = tuple(prefix_inputs(front, flat, n)) if length < total else flat
         if n == prompt:  # the prefill: the prompt's chunks, pipelined
             last: dict[str, Any] = {}
-            cp.execute(program, Call(flat, program.chunks, total, total, epoch), state,
+            cp.execute(program, Call(inputs, program.chunks, length, length, epoch), state,
                        sink=lambda i, values: last.update(values=values))
             return last["values"][logits_at]
-        call = Call(flat, ((n - 1, n),), total, total, epoch)
+        call = Call(inputs, ((n - 1, n),), length, length, epoch)
         return cp.execute(program, call, state, executor="local")[-1][logits_at]
 
     length = greedy_decode(ids, prompt, step, TORCH_OPS, eos_ids=eos_ids, pad=pad)
@@ -126,6 +130,19 @@ def mask_inputs(cp: Generating, attention_mask: torch.Tensor | None
         positions = attention_mask.long().cumsum(-1) - 1
         kwargs["position_ids"] = positions.masked_fill(attention_mask == 0, 0)
     return kwargs
+
+
+def prefix_inputs(front: FrontEnd, flat: Sequence[Any], n: int) -> list[Any]:
+    """The flat inputs with every sequence input cut to its first ``n`` positions (views):
+    a step of a generation whose positional values depend on the length
+    (``signature.length_tables``) runs as a call of ``n`` tokens."""
+    out = list(flat)
+    for i, name in enumerate(front.signature.user_inputs):
+        axes = front.ctx.seq_inputs.get(name)
+        if axes and isinstance(out[i], torch.Tensor):
+            for axis in axes:
+                out[i] = out[i].narrow(axis, 0, n)
+    return out
 
 
 def _extended(front: FrontEnd, flat: Sequence[Any], total: int) -> list[Any]:

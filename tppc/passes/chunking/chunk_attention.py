@@ -83,6 +83,7 @@ from tppc.passes.chunking.chunk_parts import (
 )
 from tppc.passes.chunking.context_rows import check_context
 from tppc.passes.chunking.frame_rows import chunk_outputs, frame_table_rows, token_frames
+from tppc.passes.chunking.length_tables import length_reason
 from tppc.passes.chunking.token_rows import (
     REST_CHUNK,
     baked_table_axis,
@@ -178,6 +179,7 @@ class _Rewriter(AttentionStep, BufferReads, CarriedState, BlockState):
             attention=tuple(n.name for n in attention),
             tail=tail is not None,
             output_rows=rows,
+            length_tables=tuple(n.name for n in frontier if length_reason(n, self.sym)),
         )
         return chunk_gm
 
