@@ -18,8 +18,8 @@ from tppc.frontend.export_errors import explain, size_ints_reason
 from tppc.frontend.guard_sites import describe_site, guard_sites, loop_over_positions
 from tppc.frontend.isolation import isolated
 from tppc.frontend.joint_inputs import JointInput
-from tppc.frontend.recurrence_refusals import loop_refusal
 from tppc.frontend.length_ropes import stateless_length_ropes
+from tppc.frontend.recurrence_refusals import loop_refusal
 from tppc.frontend.sample_tables import fit_sample_tables
 from tppc.frontend.size_ints import UnitInt, export_size_ints, find_unit_int, read_from_tokens
 from tppc.ir.context import CompileContext

@@ -6,8 +6,10 @@ that runs through the stages in order (one sequence cannot overlap with itself),
 the buffers. The positional values (rope tables, masks) are evaluated once, at the final
 length, and sliced per step, unless they depend on the whole length (a dynamic-NTK rope:
 ``signature.length_tables``): then the prefill is a call of the prompt's length and each
-step a call of its own length, as a model with a K/V cache computes them; a padding mask (``attention_mask``) reaches every step whole.
-The loop and its rule for ending are :func:`tppc.generation.greedy_decode` (HF's
+step a call of its own length, as a model with a K/V cache computes them (and where
+transformers drops the cache, Phi-3's longrope at ``original_max_position_embeddings + 1``
+tokens, a prefill of the whole sequence: :mod:`tppc.pipeline.cache_resets`); a padding
+mask (``attention_mask``) reaches every step whole. The loop and its rule for ending are :func:`tppc.generation.greedy_decode` (HF's
 ``generate(do_sample=False)``); this module gives it the pipeline as a step function. A
 block-scan capture (``k`` × blocks) decodes by whole blocks instead:
 :mod:`tppc.pipeline.block_generate`.
@@ -29,6 +31,7 @@ from tppc.calls.call import Calling
 from tppc.calls.kv_memory import check_generation_memory
 from tppc.errors import RuntimeInputError
 from tppc.generation import DEFAULT, ArrayOps, check_max_new_tokens, greedy_decode, stop_tokens
+from tppc.pipeline.cache_resets import cache_reset_length
 from tppc.program.state import Call, next_epoch
 
 if TYPE_CHECKING:
@@ -103,12 +106,16 @@ def greedy_generate(cp: Generating, input_ids: torch.Tensor, max_new_tokens: int
     state = cp.states.acquire(front, total)
     epoch = next_epoch()
 
+    per_step = bool(program.signature.length_tables)
+    reset = cache_reset_length(cp.model) if per_step else None
+
     def step(n: int) -> torch.Tensor:
-        length = n if program.signature.length_tables else total
+        length = n if per_step else total
         inputs = tuple(prefix_inputs(front, flat, n)) if length < total else flat
-        if n == prompt:  # the prefill: the prompt's chunks, pipelined
+        if n == prompt or n == reset:  # a prefill: the chunks of n tokens, pipelined
             last: dict[str, Any] = {}
-            cp.execute(program, Call(inputs, program.chunks, length, length, epoch), state,
+            run = program if n == prompt else cp.program(n, front)  # transformers' reset
+            cp.execute(run, Call(inputs, run.chunks, length, length, epoch), state,
                        sink=lambda i, values: last.update(values=values))
             return last["values"][logits_at]
         call = Call(inputs, ((n - 1, n),), length, length, epoch)
