@@ -242,13 +242,19 @@ class LoadedPipeline:
             ids[:, :prompt] = flat[token]
             flat[token] = ids
             call = self._call(flat, self.chunks(prompt), prompt + new, prompt + new)
+            per_step = bool(gen.get("length_tables"))
 
             def step(n: int) -> np.ndarray | None:
                 """The prefill (``n == prompt``) or one decoding step; the logits (None on
-                a rank of a job without them)."""
+                a rank of a job without them). Positional values that depend on the whole
+                length (``generate.length_tables``: a dynamic-NTK rope) are evaluated at
+                each step's length, as a model with a K/V cache computes them."""
                 last: list[list[np.ndarray]] = []
                 if n > prompt:
                     call.chunks = ((n - 1, n),)
+                if per_step:
+                    call.seq_len = call.pos_len = n
+                    call.positional.clear()
                 self._execute(call, lambda i, out: last.append(out), None, step=n > prompt)
                 return last[-1][logits_at] if last else None
 

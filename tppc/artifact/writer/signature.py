@@ -64,6 +64,7 @@ def model_signature(compiled: Any, program: Any) -> dict[str, Any]:
             "logits_output": logits,
             "eos_token_id": _ids(compiled.eos_token_id),
             "pad_token_id": _ids(compiled.pad_token_id),
+            "length_tables": list(sig.length_tables),
         },
     }
 
