@@ -243,19 +243,26 @@ class LoadedPipeline:
             flat[token] = ids
             call = self._call(flat, self.chunks(prompt), prompt + new, prompt + new)
             per_step = bool(gen.get("length_tables"))
+            reset = gen.get("cache_reset") if per_step else None
 
             def step(n: int) -> np.ndarray | None:
                 """The prefill (``n == prompt``) or one decoding step; the logits (None on
                 a rank of a job without them). Positional values that depend on the whole
                 length (``generate.length_tables``: a dynamic-NTK rope) are evaluated at
-                each step's length, as a model with a K/V cache computes them."""
+                each step's length, as a model with a K/V cache computes them; at
+                ``generate.cache_reset`` tokens (Phi-3's longrope) the whole sequence runs
+                again, as transformers' generate runs it without its cache."""
                 last: list[list[np.ndarray]] = []
-                if n > prompt:
+                serial = n > prompt
+                if n > prompt and n == reset:
+                    serial = n not in self.lengths
+                    call.chunks = ((0, n),) if serial else self.chunks(n)
+                elif n > prompt:
                     call.chunks = ((n - 1, n),)
                 if per_step:
                     call.seq_len = call.pos_len = n
                     call.positional.clear()
-                self._execute(call, lambda i, out: last.append(out), None, step=n > prompt)
+                self._execute(call, lambda i, out: last.append(out), None, step=serial)
                 return last[-1][logits_at] if last else None
 
         length = greedy_decode(ids[:, :prompt + new], prompt, step, NUMPY_OPS, eos_ids=eos_ids,
