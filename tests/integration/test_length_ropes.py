@@ -183,6 +183,21 @@ def test_phi3_longrope_long_padded_prompt_generates_the_same_tokens(phi3) -> Non
     assert torch.equal(cp.generate(ids, attention_mask=mask, max_new_tokens=8, **STOP), want)
 
 
+def test_phi3_longrope_padded_artifact_is_exact_short_and_long(phi3) -> None:
+    """The factor choice of ``position_ids`` whole, in ONNX (the input whole in every chunk)."""
+    model, cp = phi3
+    with tempfile.TemporaryDirectory() as out:
+        tppc.export(cp, out, lengths=[10, 20])
+        runner = tppc.load(out)
+        for length in (10, 20):
+            ids, mask = _padded(length)
+            inputs = _counted(mask)
+            with torch.no_grad():
+                want = model(ids, **inputs).logits
+            got = runner(ids.numpy(), **{k: v.numpy() for k, v in inputs.items()})["logits"]
+            assert_kernels_close(torch.as_tensor(got), want)
+
+
 def test_phi3_longrope_artifact_generates_transformers_tokens_across_the_switch() -> None:
     model = _phi3()
     ids = _ids(1, 10)
