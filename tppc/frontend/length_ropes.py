@@ -113,10 +113,12 @@ def _check_scaling(path: str, module: torch.nn.Module, layer_type: str | None) -
     length = _PROBE * int(module.original_max_seq_len)
     _, scaling = _init_fn(module, layer_type)(module.config, None, seq_len=length,
                                               layer_type=layer_type)
-    if float(scaling) != float(module.attention_scaling):
+    prefix = "" if layer_type is None else f"{layer_type}_"
+    kept = getattr(module, f"{prefix}attention_scaling", getattr(module, "attention_scaling", 1.0))
+    if float(scaling) != float(kept):
         raise CaptureError(
             f"the dynamic rope {path or type(module).__name__} scales attention by "
-            f"{module.attention_scaling} and by {scaling} at {length} positions: a scale that "
+            f"{kept} and by {scaling} at {length} positions: a scale that "
             "depends on the length is a Python number torch.export keeps constant. fix: load "
             "the model without the scaling (rope_scaling=None), exact up to "
             f"max_position_embeddings={module.original_max_seq_len}")
