@@ -136,6 +136,30 @@ def test_dynamic_ntk_exported_artifact_is_exact_and_generates_the_same_tokens(ll
                            want)
 
 
+def test_gemma3_dynamic_rope_of_one_layer_type_is_exact_at_every_length() -> None:
+    """Per-layer-type ropes (``rope_type`` a dict, ``forward(x, positions, layer_type)``):
+    dynamic NTK on the full-attention layers, the default rope on the sliding ones."""
+    torch.manual_seed(0)
+    config = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6,
+        max_position_embeddings=ORIGINAL, initializer_range=0.3,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "dynamic", "factor": 8.0,
+                                            "rope_theta": 100.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})
+    config._attn_implementation = "sdpa"
+    model = transformers.Gemma3ForCausalLM(config).eval()
+    cp = tppc.compile(model, (_ids(1, 24),), cluster="2xcpu", num_stages=2, chunks=3)
+    rope = model.model.rotary_emb
+    for length in (24, 10, 40):
+        rope.full_attention_inv_freq = rope.full_attention_original_inv_freq.clone()
+        vars(rope).pop("full_attention_max_seq_len_cached", None)  # a fresh module's state
+        ids = _ids(1, length, seed=length)
+        with torch.no_grad():
+            assert_kernels_close(cp(ids).logits, model(ids).logits)
+
+
 # -- Phi-3 longrope ------------------------------------------------------------------------------
 
 
