@@ -283,3 +283,25 @@ def test_a_rope_base_scaled_by_the_call_length_is_exact_at_every_length() -> Non
         ids = _ids(1, length, seed=length)
         with torch.no_grad():
             assert_kernels_close(cp(ids), model(ids))
+
+
+# -- a torch.distributed job ---------------------------------------------------------------------
+
+
+def dynamic_llama_example() -> tuple[nn.Module, tuple[torch.Tensor], dict]:
+    """The factory of the job below (``MODULE:FACTORY`` for :func:`tppc.launch`)."""
+    return _dynamic(), (_ids(1, 10),), {}
+
+
+def test_dynamic_ntk_generate_on_a_job_of_two_ranks_equals_transformers_generate(
+        tmp_path) -> None:
+    from tppc.distributed.checkpoint import save_checkpoint
+
+    model, (ids,), _ = dynamic_llama_example()
+    path = tmp_path / "llama.safetensors"
+    save_checkpoint(model, path)
+    result = tppc.launch("tests.integration.test_length_ropes:dynamic_llama_example", 2,
+                         checkpoint=path, inputs={"args.0": ids}, generate=14, timeout=300)
+    with torch.no_grad():
+        want = _fresh(model).generate(ids, max_new_tokens=14, do_sample=False, **STOP)
+    assert torch.equal(result.outputs["ids"], want)

@@ -93,3 +93,25 @@ def test_transformers_phi3_generate_drops_its_cache_past_the_original_maximum() 
     assert cache_reset_length(_phi3()) == 9  # original_max_position_embeddings + 1
     assert cache_reset_length(_llama({"rope_type": "dynamic", "factor": 2.0})) is None
     assert cache_reset_length(nn.Linear(2, 2)) is None
+
+
+def test_the_captured_dynamic_rope_lifts_no_constant() -> None:
+    """A rank that builds the model on ``meta`` has no value for a constant the capture made
+    (transformers' ``torch.tensor(max_position_embeddings)``); none is left."""
+    model = _llama({"rope_type": "dynamic", "factor": 2.0})
+    gm, _ = tppc.capture(model, (torch.randint(0, 32, (1, 12)),))
+    lifted = [n.target for n in gm.graph.nodes if n.op == "get_attr" and "lifted" in n.target]
+    assert lifted == []
+
+
+def test_a_job_refuses_a_generation_across_phi3s_cache_reset_naming_the_two_step_fix() -> None:
+    from tppc.distributed.generate import refuse_cache_reset
+
+    class Rank:
+        model, model_name = _phi3(), "Phi3ForCausalLM"
+
+    with pytest.raises(tppc.RuntimeInputError, match=r"passes 9 tokens.*fix: generate up to "
+                                                     r"9 tokens \(max_new_tokens=5\)"):
+        refuse_cache_reset(Rank(), 4, 12, per_step=True)
+    refuse_cache_reset(Rank(), 4, 9, per_step=True)  # ends before the reset: runs
+    refuse_cache_reset(Rank(), 10, 20, per_step=True)  # past it already: runs

@@ -29,7 +29,7 @@ from tppc.pipeline.generate import (
 )
 from tppc.program.state import Call, next_epoch
 
-__all__ = ["GeneratingRank", "distributed_generate"]
+__all__ = ["GeneratingRank", "distributed_generate", "refuse_cache_reset"]
 
 
 class GeneratingRank(Generating, Protocol):
@@ -71,7 +71,7 @@ def distributed_generate(cp: GeneratingRank, input_ids: torch.Tensor | None,
     flat = list(bound.flat)
     flat[token_input_index(cp.model_name, front)] = ids
     per_step = bool(program.signature.length_tables)
-    _check_no_reset(cp, prompt, total, per_step)
+    refuse_cache_reset(cp, prompt, total, per_step)
     state = cp.states.acquire(front, total)
     epoch = next_epoch()
 
@@ -99,7 +99,7 @@ def distributed_generate(cp: GeneratingRank, input_ids: torch.Tensor | None,
     return ids[:, :length].clone()
 
 
-def _check_no_reset(cp: GeneratingRank, prompt: int, total: int, per_step: bool) -> None:
+def refuse_cache_reset(cp: GeneratingRank, prompt: int, total: int, per_step: bool) -> None:
     """Refuse a generation that passes the length where transformers recomputes the whole
     sequence without its cache (:mod:`tppc.pipeline.cache_resets`; one process does it)."""
     reset = cache_reset_length(cp.model) if per_step else None

@@ -65,22 +65,22 @@ def stateless_length_ropes(traced: torch.nn.Module) -> tuple[str, ...]:
         inner = _update_wrapper(type(module).forward).__wrapped__  # type: ignore[union-attr]
         for layer_type in dynamic:
             _check_scaling(path, module, layer_type)
-        module.forward = types.MethodType(_stateless(inner, set(dynamic)), module)
+        frequencies = {k: _frequencies(module, k) for k in dynamic}
+        module.forward = types.MethodType(_stateless(inner, frequencies), module)
         done.append(path)
     return tuple(done)
 
 
-def _stateless(inner: Any, dynamic: set[str | None]) -> Any:
+def _stateless(inner: Any, frequencies: dict[str | None, Any]) -> Any:
     def forward(self: torch.nn.Module, x: torch.Tensor, position_ids: torch.Tensor,
                 layer_type: str | None = None) -> Any:
-        if layer_type not in dynamic:
+        if layer_type not in frequencies:
             kwargs = {} if layer_type is None else {"layer_type": layer_type}
             return inner(self, x, position_ids, **kwargs)
         prefix = "" if layer_type is None else f"{layer_type}_"
         original = getattr(self, f"{prefix}original_inv_freq").to(x.device)
         seq_len = torch.max(position_ids) + 1
-        scaled, _ = _init_fn(self, layer_type)(self.config, x.device, seq_len=seq_len,
-                                               layer_type=layer_type)
+        scaled = frequencies[layer_type](seq_len, x.device)
         inv_freq = torch.where(seq_len > self.original_max_seq_len,
                                scaled.to(original.dtype), original)
         view = _View(self, {f"{prefix}inv_freq": inv_freq})
@@ -98,6 +98,44 @@ class _View:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["_module"], name)
+
+
+def _frequencies(module: torch.nn.Module, layer_type: str | None) -> Any:
+    """``fn(seq_len, device)``: the dynamic frequencies of a tensor length. transformers'
+    ``_compute_dynamic_ntk_parameters`` written without the tensor it makes of
+    ``max_position_embeddings`` (a constant the capture would lift, which a rank building
+    the model on ``meta`` has no value for), used when it equals the module's own
+    ``rope_init_fn`` bit for bit at two lengths; else that function itself."""
+    own = _init_fn(module, layer_type)
+
+    def by_the_module(seq_len: torch.Tensor, device: Any) -> torch.Tensor:
+        return own(module.config, device, seq_len=seq_len, layer_type=layer_type)[0]
+
+    def ntk(seq_len: torch.Tensor, device: Any) -> torch.Tensor:
+        config = module.config
+        if layer_type is not None:  # as transformers reads it (Gemma 4's per-layer configs)
+            try:
+                config = config.per_layer_config[layer_type]
+            except (AttributeError, KeyError, TypeError, ValueError):
+                pass
+        params = config.rope_parameters if layer_type is None \
+            else config.rope_parameters[layer_type]
+        head_dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
+        dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        factor, longest = params["factor"], config.max_position_embeddings
+        seq_len = torch.clamp(seq_len, min=longest)
+        base = params["rope_theta"] * ((factor * seq_len / longest) - (factor - 1)) \
+            ** (dim / (dim - 2))
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(
+            device=device, dtype=torch.float) / dim))
+
+    original = int(module.original_max_seq_len)
+    try:
+        lengths = [torch.tensor(n) for n in (original + 1, 3 * original + 5)]
+        same = all(torch.equal(ntk(n, None), by_the_module(n, None)) for n in lengths)
+    except Exception:  # another rope_init_fn: used as it is
+        same = False
+    return ntk if same else by_the_module
 
 
 def _init_fn(module: torch.nn.Module, layer_type: str | None) -> Any:
