@@ -109,17 +109,21 @@ def greedy_generate(cp: Generating, input_ids: torch.Tensor, max_new_tokens: int
     per_step = bool(program.signature.length_tables)
     reset = cache_reset_length(cp.model) if per_step else None
 
+    running = [program]  # after a reset, its program's stages hold the K/V: decode on it
+
     def step(n: int) -> torch.Tensor:
         length = n if per_step else total
         inputs = tuple(prefix_inputs(front, flat, n)) if length < total else flat
         if n == prompt or n == reset:  # a prefill: the chunks of n tokens, pipelined
             last: dict[str, Any] = {}
-            run = program if n == prompt else cp.program(n, front)  # transformers' reset
+            if n != prompt:  # transformers' reset: every position again
+                running[0] = cp.program(n, front)
+            run = running[0]
             cp.execute(run, Call(inputs, run.chunks, length, length, epoch), state,
                        sink=lambda i, values: last.update(values=values))
             return last["values"][logits_at]
         call = Call(inputs, ((n - 1, n),), length, length, epoch)
-        return cp.execute(program, call, state, executor="local")[-1][logits_at]
+        return cp.execute(running[0], call, state, executor="local")[-1][logits_at]
 
     length = greedy_decode(ids, prompt, step, TORCH_OPS, eos_ids=eos_ids, pad=pad)
     cp.states.finish(front, state, length - 1)  # the last token's K/V are not computed
