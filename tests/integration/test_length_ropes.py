@@ -259,18 +259,30 @@ class LengthScaledRopeLM(nn.Module):
         self.out = nn.ModuleList(nn.Linear(d, d) for _ in range(2))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.rows(ids, ids.shape[1], None)
+
+    def rows(self, ids: torch.Tensor, length: int, cache: list | None) -> torch.Tensor:
+        """The logits of ``ids``, the last rows of a sequence of ``length`` tokens whose
+        earlier rows' K/V are in ``cache`` (a list per layer, extended; None: no cache)."""
         b, t = ids.shape
         hd = self.qkv[0].out_features // 3 // self.heads
-        base = 100.0 * (t / self.trained) ** 2
+        base = 100.0 * (length / self.trained) ** 2
         inv = 1.0 / base ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
-        angles = torch.arange(t, dtype=torch.float32)[:, None] * inv
+        angles = torch.arange(length - t, length, dtype=torch.float32)[:, None] * inv
         cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
         x = self.emb(ids)
-        for qkv, out in zip(self.qkv, self.out, strict=True):
+        for layer, (qkv, out) in enumerate(zip(self.qkv, self.out, strict=True)):
             q, k, v = (z.view(b, t, self.heads, hd).transpose(1, 2)
                        for z in qkv(x).chunk(3, -1))
-            a = F.scaled_dot_product_attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v,
-                                               is_causal=True)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            if cache is not None and len(cache) > layer:  # a decode step: every key visible
+                k, v = (torch.cat([c, z], 2) for c, z in zip(cache[layer], (k, v), strict=True))
+                cache[layer] = (k, v)
+                a = F.scaled_dot_product_attention(q, k, v)
+            else:
+                if cache is not None:
+                    cache.append((k, v))
+                a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             x = x + out(a.transpose(1, 2).reshape(b, t, -1))
         return self.head(x)
 
@@ -305,3 +317,20 @@ def test_dynamic_ntk_generate_on_a_job_of_two_ranks_equals_transformers_generate
     with torch.no_grad():
         want = _fresh(model).generate(ids, max_new_tokens=14, do_sample=False, **STOP)
     assert torch.equal(result.outputs["ids"], want)
+
+
+def test_a_length_scaled_rope_generates_as_a_model_with_a_kv_cache() -> None:
+    """tppc's generate on a model of our own: each token's table is the one of the length
+    when it is computed, the cached K/V keep theirs (an eager decode loop with a cache,
+    which differs from recomputing the whole sequence at every step)."""
+    model = LengthScaledRopeLM().eval()
+    ids = _ids(1, 10)
+    cp = tppc.compile(model, (ids,), cluster="2xcpu", num_stages=2, chunks=3)
+    want, cache = ids, []
+    with torch.no_grad():
+        logits = model.rows(ids, 10, cache)
+        for n in range(11, 23):
+            want = torch.cat([want, logits[:, -1:].argmax(-1)], 1)
+            logits = model.rows(want[:, -1:], n, cache)
+        want = torch.cat([want, logits[:, -1:].argmax(-1)], 1)
+    assert torch.equal(cp.generate(ids, max_new_tokens=13, eos_token_id=None), want)
