@@ -115,3 +115,12 @@ def test_a_job_refuses_a_generation_across_phi3s_cache_reset_naming_the_two_step
         refuse_cache_reset(Rank(), 4, 12, per_step=True)
     refuse_cache_reset(Rank(), 4, 9, per_step=True)  # ends before the reset: runs
     refuse_cache_reset(Rank(), 10, 20, per_step=True)  # past it already: runs
+
+
+def test_a_block_scans_generation_refuses_tables_of_the_whole_length_by_name() -> None:
+    from tppc.pipeline.block_generate import refuse_length_tables
+
+    with pytest.raises(tppc.RuntimeInputError, match=r"FalconH1ForCausalLM generates by whole "
+                                                     r"blocks.*\['where'\].*fix: .*rope_scaling"):
+        refuse_length_tables("FalconH1ForCausalLM", ("where",))
+    refuse_length_tables("FalconH1ForCausalLM", ())  # no table: nothing to refuse

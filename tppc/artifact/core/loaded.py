@@ -234,6 +234,13 @@ class LoadedPipeline:
         eos_ids, pad = stop_tokens(eos_token_id, pad_token_id, model_eos=self.eos_token_id,
                                    model_pad=self.pad_token_id)
         if block > 1:  # the grown ids: ``length`` whole blocks, ``prompt`` tokens given
+            if gen.get("length_tables"):
+                raise RuntimeInputError(
+                    "generate runs whole blocks of a block scan, and the positional values "
+                    f"{gen['length_tables'][:4]} depend on the whole length (a dynamic-NTK or "
+                    "longrope rope): a block's filler rows would count in it. fix: export the "
+                    "model loaded without the rope scaling (exact up to "
+                    "max_position_embeddings); calls are exact at any exported length")
             ids = flat[token]
             step = self._block_steps(flat, length, prompt, block, logits_at)
         else:
