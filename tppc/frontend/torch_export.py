@@ -18,6 +18,7 @@ from tppc.frontend.export_errors import explain, size_ints_reason
 from tppc.frontend.guard_sites import describe_site, guard_sites, loop_over_positions
 from tppc.frontend.isolation import isolated
 from tppc.frontend.joint_inputs import JointInput
+from tppc.frontend.length_ropes import stateless_length_ropes
 from tppc.frontend.recurrence_refusals import loop_refusal
 from tppc.frontend.sample_tables import fit_sample_tables
 from tppc.frontend.size_ints import UnitInt, export_size_ints, find_unit_int, read_from_tokens
@@ -176,6 +177,7 @@ def _export(model: torch.nn.Module, bound: inspect.BoundArguments, shapes: dict[
     with isolated(model) as traced:
         traced.register_forward_hook(lambda _module, _inputs, out: register_dataclasses(out))
         fit_sample_tables(traced, bound)
+        stateless_length_ropes(traced)
         ep = torch.export.export(traced, bound.args, bound.kwargs, dynamic_shapes=shapes,
                                  strict=False,
                                  prefer_deferred_runtime_asserts_over_guards=deferred)
