@@ -32,6 +32,7 @@ from tppc.calls.kv_memory import check_generation_memory
 from tppc.errors import RuntimeInputError
 from tppc.generation import DEFAULT, ArrayOps, check_max_new_tokens, greedy_decode, stop_tokens
 from tppc.pipeline.cache_resets import cache_reset_length
+from tppc.pipeline.captures import check_length_limit
 from tppc.program.state import Call, next_epoch
 
 if TYPE_CHECKING:
@@ -97,6 +98,8 @@ def greedy_generate(cp: Generating, input_ids: torch.Tensor, max_new_tokens: int
             f"{prompt} prompt tokens + max_new_tokens={max_new_tokens} = {total} tokens, "
             f"max_seq={cp.max_seq}. fix: lower max_new_tokens to {cp.max_seq - prompt} or "
             f"compile with max_seq={total}")
+    check_length_limit(front.ctx, total, f"{prompt} prompt tokens + max_new_tokens="
+                       f"{max_new_tokens}")
     check_generation_memory(cp.program(prompt, front), front, bound.flat, prompt,
                             max_new_tokens)  # before anything is allocated
     program = cp.program(prompt, front)
