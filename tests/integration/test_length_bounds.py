@@ -35,6 +35,15 @@ def _mpt() -> nn.Module:
         attn_implementation="eager", use_cache=False))
 
 
+def _gpt_neo() -> nn.Module:
+    """Eager attention only; its causal (and local: a window of 8) mask is a bool table of
+    ``max_position_embeddings`` rows sliced by the length, applied as ``where(mask, s, min)``."""
+    return transformers.GPTNeoForCausalLM(transformers.GPTNeoConfig(
+        vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=64,
+        attention_types=[[["global", "local"], 1]], window_size=8, use_cache=False,
+        attn_implementation="eager"))
+
+
 class _TableBiasBlock(nn.Module):
     """Attention with a learned ``(heads, 40, 40)`` bias table sliced ``[:, :L, :L]``."""
 
@@ -71,7 +80,7 @@ class _TableBiasLM(nn.Module):
         return self.out(x)
 
 
-_MODELS = {"xglm": _xglm, "mpt": _mpt, "table": _TableBiasLM}
+_MODELS = {"xglm": _xglm, "mpt": _mpt, "gpt_neo": _gpt_neo, "table": _TableBiasLM}
 
 
 @functools.cache
@@ -89,6 +98,7 @@ def _logits(out: object) -> torch.Tensor:
 @pytest.mark.parametrize(("name", "inside", "outside", "says"), [
     ("xglm", (24, 64), 80, ["captured for 2 to 64 tokens", "modeling_xglm.py:102"]),
     ("mpt", (24, 64), 70, ["runs at no more than 64", "does not evaluate at 66 tokens"]),
+    ("gpt_neo", (24, 63), 64, ["captured for 2 to 63 tokens", "modeling_gpt_neo.py:116"]),
     ("table", (24, 39), 40, ["captured for 2 to 39 tokens"]),
 ])
 def test_exact_inside_the_captured_lengths_and_refused_by_name_outside(

@@ -304,8 +304,9 @@ def check_length_limit(ctx: CompileContext, units: int, what: str) -> None:
         lo, hi, where = ctx.length_bound
         raise RuntimeInputError(
             f"{what} has {units} tokens; {ctx.model_name or 'the model'} was captured for "
-            f"{lo} to {hi} tokens: its Python branches on the length at {where}, and "
-            f"torch.export traced only the example's side. fix: pass {lo} to {hi} tokens")
+            f"{lo} to {hi} tokens: torch.export bounded the length at {where} (a Python "
+            f"branch on the length, or a table sliced by it) and traced the example's side "
+            f"only. fix: pass {lo} to {hi} tokens")
     if ctx.length_limit is not None and units > ctx.length_limit[0]:
         limit, why = ctx.length_limit
         raise RuntimeInputError(

@@ -4,7 +4,8 @@ Terms:
     score matrix: a value whose last two axes both grow with the sequence (queries × keys).
     eager region: ``q @ kᵀ`` (``matmul``, ``bmm``, or ``baddbmm`` with a bias) → scale
         (``mul``/``div`` by a number) → optional soft-cap (``cap · tanh(s / cap)``) → additive
-        masks and biases (``add``; ``masked_fill`` with a very negative value) → optional
+        masks and biases (``add``; ``masked_fill`` or ``where`` with a very negative value; a
+        floor ``max(s, finfo.min)``) → optional
         sinks (``cat`` of one logit per head along the keys, then the ``max`` shift) →
         ``softmax`` over the keys → casts, ``dropout`` at p = 0, the slice that drops the
         sinks → ``@ v``. Casts and views that only regroup the batch and head axes may sit
@@ -109,6 +110,8 @@ def _mask(new: _Builder, region: EagerRegion, frame: list[Any]) -> fx.Node | Non
         shown = visible_keys(term) if kind == "add" and factor == 1 else None
         if kind == "hide":
             shown = new.call(_aten.logical_not.default, (term,))
+        if kind == "show":  # where(shown, scores, min)
+            shown = term
         if shown is not None:
             shown = new.in_frame(shown, frame, like=site)
             visible = shown if visible is None else \

@@ -52,7 +52,8 @@ class EagerRegion:
         softmax: the softmax node; nodes: every node of the region (erased by the rewrite).
         scale, softcap: the scores' factor and tanh cap; terms: ``(kind, node, factor,
             site)`` of the additive terms (``"add"``, or ``"hide"`` for a ``masked_fill``'s
-            mask), ``site`` the op that applies it (its output is the layout it is added in).
+            mask, ``"show"`` for a ``where``'s condition), ``site`` the op that applies it (its
+            output is the layout it is added in).
         sinks: the per-head sink logits, ``(..., heads, 1, 1)``.
         query, key, value: q, k (or ``("transpose", kᵀ)`` where none can be stripped), v.
         scores: ``q @ kᵀ``; output: ``@ v``.
@@ -178,6 +179,10 @@ def _logit_step(region: EagerRegion, node: fx.Node, target: Any) -> tuple[str, f
         return "shift", args[0]
     if target in _FLOORS and (score := _floored(node)) is not None:  # max(s, finfo.min)
         return "mask", score
+    if target is _aten.where.self and _on_score_path(args[1]) and \
+            (_constant(args[2]) or 0.0) <= _VERY_NEGATIVE:  # GPT-Neo: where(shown, s, min)
+        region.terms.append(("show", args[0], 1, node))
+        return "mask", args[1]
     if target is _aten.cat.default and _cat_dim(node) == -1 and len(args[0]) == 2:
         region.sinks = _sinks(node, args[0][1])
         return "sinks", args[0][0]
@@ -307,7 +312,7 @@ def _on_score_path(node: fx.Node, depth: int = 0) -> bool:
         return True
     if node.target in _CASTS | _VIEWS | _FLOORS | {
             _aten.mul.Tensor, _aten.div.Tensor, _aten.tanh.default, _aten.add.Tensor,
-            _aten.masked_fill.Scalar}:
+            _aten.masked_fill.Scalar, _aten.where.self}:
         return any(_on_score_path(a, depth + 1) for a in node.args[:2] if isinstance(a, fx.Node))
     return False
 
@@ -347,18 +352,29 @@ def _floored(node: fx.Node) -> fx.Node | None:
     else:
         pairs = [(args[0], args[1]), (args[1], args[0])]
     for score, floor in pairs:
-        value = _number(floor) if not isinstance(floor, fx.Node) else _constant(floor)
+        value = _constant(floor)
         if isinstance(score, fx.Node) and _on_score_path(score) and value is not None \
                 and value <= _VERY_NEGATIVE:
             return score
     return None
 
 
-def _constant(node: fx.Node) -> float | None:
-    """The value of a 0-d constant node (``full([], c)``, ``scalar_tensor(c)``), else None."""
+def _constant(node: Any) -> float | None:
+    """The value of a 0-d constant (a number, ``full([], c)``, ``scalar_tensor(c)``, a
+    lifted ``torch.tensor(c)``, through copies and casts), else None."""
+    if not isinstance(node, fx.Node):
+        return _number(node)
+    if node.target in _CASTS | {_aten.lift_fresh_copy.default}:
+        return _constant(node.args[0])
     if node.target in (_aten.full.default, _aten.scalar_tensor.default) and \
             (node.target is _aten.scalar_tensor.default or list(node.args[0]) == []):
         return _number(node.args[1] if node.target is _aten.full.default else node.args[0])
+    if node.op == "get_attr":
+        value: Any = node.graph.owning_module
+        for part in str(node.target).split("."):
+            value = getattr(value, part, None)
+        if isinstance(value, torch.Tensor) and value.dim() == 0 and value.device.type != "meta":
+            return float(value)
     return None
 
 
