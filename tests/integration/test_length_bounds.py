@@ -80,6 +80,54 @@ class _TableBiasLM(nn.Module):
         return self.out(x)
 
 
+class _WhereFloorBlock(nn.Module):
+    """Our own eager attention in the forms XGLM and GPT-Neo use: scores in a ``(b·h)``
+    layout, ``where(causal, s, finfo.min)`` and a floor ``max(s, finfo.min)``."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, length, dim = x.shape
+        q, k, v = (t.reshape(b, length, self.heads, -1).transpose(1, 2)
+                   .reshape(b * self.heads, length, -1) for t in self.qkv(x).chunk(3, -1))
+        scores = torch.bmm(q, k.transpose(1, 2)) / (dim // self.heads) ** 0.5
+        pos = torch.arange(length, device=x.device)
+        low = torch.full((), torch.finfo(scores.dtype).min)
+        scores = torch.where(pos[:, None] >= pos[None, :], scores, low)
+        scores = torch.max(scores, low)
+        y = torch.bmm(scores.softmax(-1), v).view(b, self.heads, length, -1)
+        return x + y.transpose(1, 2).reshape(b, length, dim)
+
+
+class _WhereFloorLM(nn.Module):
+    def __init__(self, vocab: int = 128, dim: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(_WhereFloorBlock(dim) for _ in range(2))
+        self.out = nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+def test_own_eager_attention_with_where_and_a_floor_is_folded_and_exact() -> None:
+    torch.manual_seed(0)
+    model = _WhereFloorLM().eval()
+    ids = torch.randint(3, 128, (1, 24), generator=torch.Generator().manual_seed(0))
+    cp = tppc.compile(model, (ids,), cluster="2xcpu", num_stages=2, chunks=3)
+    assert cp.context.length_bound is None and cp.context.length_limit is None
+    with torch.inference_mode():
+        for length in (24, 100):
+            x = torch.randint(3, 128, (1, length), generator=torch.Generator().manual_seed(1))
+            assert_kernels_close(cp(x), model(x), depth=4)
+
+
 _MODELS = {"xglm": _xglm, "mpt": _mpt, "gpt_neo": _gpt_neo, "table": _TableBiasLM}
 
 
