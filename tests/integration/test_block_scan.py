@@ -218,6 +218,15 @@ def test_own_block_scans_generate_as_eager(own_lm) -> None:
         assert torch.equal(cp.generate(ids, max_new_tokens=7), _eager_greedy(model, ids, 7))
 
 
+def test_block_generation_past_the_memory_is_refused_counting_blocks(own_lm) -> None:
+    # the buffers hold whole blocks: the refusal counts the tokens and the blocks holding them
+    _, cp = own_lm
+    with pytest.raises(tppc.RuntimeInputError, match=r"^6 prompt tokens \+ max_new_tokens="
+                       r"100000000000 = 100000000006 tokens, held as 25000000002 blocks of 4 = "
+                       r"100000000008 tokens, need [\d,.]+ GiB on cpu"):
+        cp.generate(torch.randint(0, 32, (2, 6)), max_new_tokens=10**11)
+
+
 def test_exported_block_scans_generate_as_eager(own_lm, tmp_path) -> None:
     # the loaded artifact's generate: the prefill pipelined at an exported length (6 blocks),
     # as one chunk of whole blocks otherwise, then block steps on its numpy state buffers
