@@ -185,6 +185,14 @@ def test_own_block_scans_are_exact_in_chunks_of_blocks(own) -> None:
         assert_kernels_close(cp(y), model(y))
 
 
+def test_a_block_plan_counts_tokens_k_to_a_unit(own) -> None:
+    # the planner prices and names tokens (a memory refusal: "chunks of up to 4 tokens"),
+    # a unit being one block of k; it counted blocks as tokens
+    _, cp = own
+    assert (cp.plan.tokens_per_unit, cp.plan.seq_len, cp.plan.seq_tokens) == (K, 4, 4 * K)
+    assert f"({4 * K} tokens)" in cp.plan.summary()
+
+
 def test_lengths_of_no_whole_blocks_are_refused_by_name(own) -> None:
     _, cp = own
     with pytest.raises(tppc.RuntimeInputError, match=r"has 10 tokens.*multiple of 4.*fix: "
