@@ -176,9 +176,8 @@ def second_length(compiled: Any, front: Any, runner: Any, length: int,
         return short[1], probe_chunks(front, short[1])[0]
     step = max(1, compiled.plan.granularity)
     n = length - step if length - step >= 2 else length + step
-    limit = compiled.options.max_seq
-    per = front.ctx.tokens_per_unit()
-    if limit is not None and n * per > limit:
+    limit = compiled.options.max_seq  # as a call's bind counts it (a block: k tokens)
+    if limit is not None and n * (ctx.block_size or 1) > limit:
         return None
     return n, probe_chunks(front, n)[0]
 
