@@ -122,11 +122,11 @@ def check_export(compiled: Any, path: str | Path, args: tuple[Any, ...],
     front, bound = compiled.bind(args, kwargs)
     program = compiled.program(compiled.plan.seq_len, front)
     length, flat, eager = bound.length, list(bound.flat), True
-    chunks = program.chunks if length == program.seq_len else probe_chunks(front, length)[0]
+    chunks = program.chunks if length == program.seq_len else _chunks(front, length)
     short = short_lengths(front, length)
     if short is not None:
         flat, length, eager = resize_inputs(front, flat, length, short[0]), short[0], False
-        chunks = probe_chunks(front, length)[0]
+        chunks = _chunks(front, length)
     runner = load(path, threads_per_stage=1)
     leaves = None
     if eager:
@@ -164,7 +164,7 @@ def second_length(compiled: Any, front: Any, runner: Any, length: int,
     the check length ``length`` and at most twice it, with its exported chunks; else the second short probe of a long
     example; else the check length less one granularity (more, where that leaves fewer than
     2 units, or a block capture's fewer than 2 blocks), within ``max_seq``; in
-    :func:`probe_chunks`.
+    :func:`_chunks`.
     """
     ctx, grid = front.ctx, front.ctx.patch_grid
     if ctx.capture_mode != "dynamic" or (len(grid) == 3 and grid[0] > 1):
@@ -173,13 +173,21 @@ def second_length(compiled: Any, front: Any, runner: Any, length: int,
     if recorded:
         return min(recorded), runner.chunks(min(recorded))
     if short is not None:
-        return short[1], probe_chunks(front, short[1])[0]
-    step = max(1, compiled.plan.granularity)
-    n = length - step if length - step >= 2 else length + step
+        n = short[1]
+    else:
+        step = max(1, compiled.plan.granularity)
+        n = length - step if length - step >= 2 else length + step
     limit = compiled.options.max_seq  # as a call's bind counts it (a block: k tokens)
     if limit is not None and n * (ctx.block_size or 1) > limit:
         return None
-    return n, probe_chunks(front, n)[0]
+    return n, _chunks(front, n)
+
+
+def _chunks(front: Any, length: int) -> tuple[tuple[int, int], ...]:
+    """The chunks of a check at a length the plan did not choose: :func:`probe_chunks`, or
+    one chunk for a model with bidirectional attention (as its calls run: chunks of a
+    diffusion step would read stale K/V)."""
+    return ((0, length),) if front.bidirectional else probe_chunks(front, length)[0]
 
 
 def _check_at(compiled: Any, front: Any, program: Any, runner: Any,
