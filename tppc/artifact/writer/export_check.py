@@ -4,7 +4,8 @@ Terms:
     check length: the example's length with the exported chunks; for a long example
         (:func:`tppc.validation.validate.short_lengths`) the first short probe length on the
         example's first rows, in three chunks (an ONNX stage takes the chunk's start and size
-        as inputs, so it runs any length).
+        as inputs, so it runs any length; one chunk for bidirectional attention, as its calls
+        run).
     second length: when the capture is dynamic, a second length the check also runs
         (:func:`second_length`): a length the artifact records other than the check length
         (``tppc.export(lengths=...)``, with its exported chunks) when one is at most twice
