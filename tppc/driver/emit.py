@@ -307,7 +307,10 @@ def _stage(module: fx.GraphModule, device: torch.device, signature: ChunkSignatu
         for name, spec in inputs if spec.kind in ("key", "value", "state"))
     runnable, slots = module, {}
     if not info.outputs:  # the last stage: its outputs are the model's
-        runnable, slots = write_outputs_in_place(module, signature.output_axes)
+        axes = tuple(axis if not rows or tuple(rows) in ((1, 0), (1, 0, 1)) else None
+                     for axis, rows in itertools.zip_longest(signature.output_axes,
+                                                              signature.output_rows))
+        runnable, slots = write_outputs_in_place(module, axes)  # one row per unit only
     tensors = [*module.parameters(), *module.buffers()]
     return StageProgram(
         index=info.index, device=device, layers=info.layers, module=module, runnable=runnable,
