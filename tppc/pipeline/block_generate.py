@@ -86,10 +86,10 @@ def block_generate(cp: Generating, block: int, input_ids: torch.Tensor,
     kwargs = mask_inputs(cp, attention_mask)
     # bound at the prompt's blocks first: nothing grows to the generation's width unchecked
     front, bound = _bound(cp, input_ids, kwargs, block_units(prompt, 0, block)[1])
-    program = cp.program(max(prompt // block, 2), front)
-    check_generation_memory(program, front, bound.flat, prompt, max_new_tokens, block=block,
-                            units=units)
+    check_generation_memory(cp.program(max(prompt // block, 2), front), front, bound.flat,
+                            prompt, max_new_tokens, block=block, units=units)
     front, bound = _bound(cp, input_ids, kwargs, width)
+    program = cp.program(max(prompt // block, 2), front)  # cached: the same capture
     flat = tuple(bound.flat)
     ids = flat[token_input_index(cp.model_name, front)]
     state = cp.states.acquire(front, units)
