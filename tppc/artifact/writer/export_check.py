@@ -162,10 +162,9 @@ def second_length(compiled: Any, front: Any, runner: Any, length: int,
     """The second length the check runs at, and its chunks, or None (a capture of one length).
 
     A length the loaded artifact ``runner`` records (``tppc.export(lengths=...)``) other than
-    the check length ``length`` and at most twice it, with its exported chunks; else the second short probe of a long
-    example; else the check length less one granularity (more, where that leaves fewer than
-    2 units, or a block capture's fewer than 2 blocks), within ``max_seq``; in
-    :func:`_chunks`.
+    the check length ``length`` and at most twice it, with its exported chunks; else the first
+    a call may have (:func:`_admits`, at least 2 units) of the long example's second short
+    probe, the check length less one granularity and more one; in :func:`_chunks`.
     """
     ctx, grid = front.ctx, front.ctx.patch_grid
     if ctx.capture_mode != "dynamic" or (len(grid) == 3 and grid[0] > 1):
@@ -173,15 +172,26 @@ def second_length(compiled: Any, front: Any, runner: Any, length: int,
     recorded = [n for n in runner.lengths if n != length and n <= 2 * length]
     if recorded:
         return min(recorded), runner.chunks(min(recorded))
-    if short is not None:
-        n = short[1]
-    else:
-        step = max(1, compiled.plan.granularity)
-        n = length - step if length - step >= 2 else length + step
-    limit = compiled.options.max_seq  # as a call's bind counts it (a block: k tokens)
-    if limit is not None and n * (ctx.block_size or 1) > limit:
-        return None
-    return n, _chunks(front, n)
+    step = max(1, compiled.plan.granularity)
+    candidates = [*(short[1:] if short is not None else ()), length - step, length + step]
+    for n in candidates:
+        if n >= 2 and n != length and _admits(compiled, ctx, n):
+            return n, _chunks(front, n)
+    return None
+
+
+def _admits(compiled: Any, ctx: Any, units: int) -> bool:
+    """Whether a call of ``units`` passes bind's length checks: ``max_seq`` (a block: ``k``
+    tokens), the lengths the capture holds (``ctx.length_bound``) and the longest the model
+    runs at (``ctx.length_limit``)."""
+    limit = compiled.options.max_seq
+    if limit is not None and units * (ctx.block_size or 1) > limit:
+        return False
+    bound = getattr(ctx, "length_bound", None)
+    if bound is not None and not bound[0] <= units <= bound[1]:
+        return False
+    most = getattr(ctx, "length_limit", None)
+    return most is None or units <= most[0]
 
 
 def _chunks(front: Any, length: int) -> tuple[tuple[int, int], ...]:
