@@ -9,9 +9,10 @@ Terms:
     second length: when the capture is dynamic, a second length the check also runs
         (:func:`second_length`): a length the artifact records other than the check length
         (``tppc.export(lengths=...)``, with its exported chunks) when one is at most twice
-        it, else the long example's second short probe, else the check length less one
-        granularity; its inputs are the check's cut or extended (their own first rows
-        repeated), and it is compared with the torch program and the captured graph. A size
+        it, else the first length a call may have (``max_seq``, the capture's length bound
+        and limit) of the long example's second short probe, the check length less one
+        granularity and more one; its inputs are the check's cut or extended (their own first
+        rows repeated), and it is compared with the torch program and the captured graph. A size
         of the example's length baked into an ONNX graph passes the first check and fails
         this one (by a difference, or ONNX Runtime's error, named with the length).
     stage output: what a stage hands to the next (``boundary.<value>``) or, for the last
@@ -170,8 +171,9 @@ def second_length(compiled: Any, front: Any, runner: Any, length: int,
     if ctx.capture_mode != "dynamic" or (len(grid) == 3 and grid[0] > 1):
         return None
     recorded = [n for n in runner.lengths if n != length and n <= 2 * length]
-    if recorded:
-        return min(recorded), runner.chunks(min(recorded))
+    if recorded:  # a model with bidirectional attention: one chunk, as its calls run
+        n = min(recorded)
+        return n, ((0, n),) if front.bidirectional else runner.chunks(n)
     step = max(1, compiled.plan.granularity)
     candidates = [*(short[1:] if short is not None else ()), length - step, length + step]
     for n in candidates:
