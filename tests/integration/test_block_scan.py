@@ -185,6 +185,14 @@ def test_own_block_scans_are_exact_in_chunks_of_blocks(own) -> None:
         assert_kernels_close(cp(y), model(y))
 
 
+def test_a_block_plan_counts_tokens_k_to_a_unit(own) -> None:
+    # the planner prices and names tokens (a memory refusal: "chunks of up to 4 tokens"),
+    # a unit being one block of k; it counted blocks as tokens
+    _, cp = own
+    assert (cp.plan.tokens_per_unit, cp.plan.seq_len, cp.plan.seq_tokens) == (K, 4, 4 * K)
+    assert f"({4 * K} tokens)" in cp.plan.summary()
+
+
 def test_lengths_of_no_whole_blocks_are_refused_by_name(own) -> None:
     _, cp = own
     with pytest.raises(tppc.RuntimeInputError, match=r"has 10 tokens.*multiple of 4.*fix: "
@@ -216,6 +224,15 @@ def test_own_block_scans_generate_as_eager(own_lm) -> None:
     for prompt in (1, K + 2, 2 * K):
         ids = torch.randint(0, 32, (2, prompt))
         assert torch.equal(cp.generate(ids, max_new_tokens=7), _eager_greedy(model, ids, 7))
+
+
+def test_block_generation_past_the_memory_is_refused_counting_blocks(own_lm) -> None:
+    # the buffers hold whole blocks: the refusal counts the tokens and the blocks holding them
+    _, cp = own_lm
+    with pytest.raises(tppc.RuntimeInputError, match=r"^6 prompt tokens \+ max_new_tokens="
+                       r"100000000000 = 100000000006 tokens, held as 25000000002 blocks of 4 = "
+                       r"100000000008 tokens, need [\d,.]+ GiB on cpu"):
+        cp.generate(torch.randint(0, 32, (2, 6)), max_new_tokens=10**11)
 
 
 def test_exported_block_scans_generate_as_eager(own_lm, tmp_path) -> None:

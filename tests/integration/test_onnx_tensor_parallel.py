@@ -92,7 +92,8 @@ def test_pp2_tp2_artifact_generates_like_eager(llama_pp2_tp2) -> None:
 def test_export_check_runs_the_sharded_artifact(llama_pp2_tp2) -> None:
     _, ids, cp, out = llama_pp2_tp2
     checked = check_export(cp, out, (ids,))
-    assert checked.stage_outputs == 1 and checked.max_diff < 1e-4  # the logits
+    # the logits, at the example's length and at a second (one less)
+    assert (checked.stage_outputs, checked.second) == (2, 31) and checked.max_diff < 1e-4
 
 
 @pytest.mark.parametrize(("family", "degrees"), [("gpt", (2,)), ("gpt", (2, 2)),

@@ -82,10 +82,12 @@ def test_a_component_goes_where_it_fits_or_is_refused_by_name(pixart) -> None:
     stage0 = next(s for s in roomy.transformer.stages if s.device_index == 0).memory_bytes
     stage1 = next(s for s in roomy.transformer.stages if s.device_index == 1).memory_bytes
     # device 0 keeps room for its stage only; the encoder goes to device 1 (and the VAE too)
-    tight = _plan(pipe, example, _small("2xcpu", [stage0 + need // 2, 1 << 34]), roomy)
+    # (devices with their own memory: the cpu devices of a machine share one RAM, as
+    # tests/unit/test_pipeline_memory.py checks)
+    tight = _plan(pipe, example, _small("2xl40s", [stage0 + need // 2, 1 << 34]), roomy)
     assert tight.components[0].device_index == 1
     with pytest.raises(PlanInfeasible, match="text_encoder needs"):
-        _plan(pipe, example, _small("2xcpu", [stage0 + need // 2, stage1 + need // 2]), roomy)
+        _plan(pipe, example, _small("2xl40s", [stage0 + need // 2, stage1 + need // 2]), roomy)
 
 
 def test_with_no_degree_given_the_summary_names_the_mix_and_the_runner_up(pixart) -> None:

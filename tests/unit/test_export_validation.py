@@ -97,3 +97,45 @@ def test_the_check_accepts_kernel_rounding_relative_to_the_values(compiled, tmp_
     _nudge_model_output(monkeypatch, 1e-3)
     with pytest.raises(tppc.SoundnessError, match="ONNX stage 1"):
         tppc.export(compiled, tmp_path)
+
+
+def _break_at_other_lengths(monkeypatch, length: int, crash: bool) -> None:
+    """ONNX stage 0 is right at ``length`` only (a size of the example baked into its graph):
+    elsewhere its first output is scaled by 1.5, or ONNX Runtime raises."""
+    step = OrtStage.step
+
+    def broken(self, call, start, end, boundary):
+        out = step(self, call, start, end, boundary)
+        if self.index == 0 and call.seq_len != length:
+            if crash:
+                raise RuntimeError("[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Got invalid "
+                                   "dimensions for input")
+            out = [np.asarray(out[0]) * np.float32(1.5), *out[1:]]
+        return out
+
+    monkeypatch.setattr(OrtStage, "step", broken)
+
+
+@pytest.mark.parametrize("crash", [False, True])
+def test_an_artifact_right_at_the_example_length_only_is_refused(compiled, tmp_path,
+                                                                 monkeypatch, crash) -> None:
+    lines: list[str] = []
+    tppc.export(compiled, tmp_path, progress=lines.append)
+    assert any("length 24, 3 chunk(s) and length 23" in line for line in lines), lines
+    _break_at_other_lengths(monkeypatch, 24, crash)
+    what = r"is right at length 24 and fails at length 23" if crash else \
+        r"ONNX stage 0, chunk \[0, \d+\) of length 23"
+    with pytest.raises(tppc.SoundnessError, match=what):
+        tppc.export(compiled, tmp_path)
+
+
+def test_a_recorded_length_is_checked_with_its_exported_chunks(compiled, tmp_path,
+                                                               monkeypatch) -> None:
+    lines: list[str] = []
+    tppc.export(compiled, tmp_path, lengths=[24, 40], progress=lines.append)
+    assert any("and length 40" in line for line in lines), lines
+    chunks = tppc.load(tmp_path).chunks(40)
+    _break_at_other_lengths(monkeypatch, 24, False)
+    with pytest.raises(tppc.SoundnessError,
+                       match=rf"chunk \[0, {chunks[0][1]}\) of length 40"):
+        tppc.export(compiled, tmp_path, lengths=[24, 40])

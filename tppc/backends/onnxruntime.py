@@ -107,7 +107,7 @@ class OrtStage:
         self.n_main = len(entry["outputs"])
 
     def allocate(self, call: OrtCall, capacity: int) -> None:
-        """Zero K/V buffers for ``capacity`` tokens in ``call`` (wrapped, not copied), and
+        """Zero K/V buffers for ``capacity`` units of the sequence in ``call`` (wrapped, not copied), and
         state buffers (their size fixed; a call's first chunk reads no slot)."""
         for b in self.buffers:
             rows = span(b, 0, capacity)[1]

@@ -1,9 +1,13 @@
 """Will a generation fit? The K/V buffers of ``prompt + max_new_tokens`` tokens, per device.
 
 Terms:
-    need: per device, the bytes of every K/V buffer its stages own at the full length
-        (:meth:`tppc.program.program.BufferSpec.nbytes`) plus the sequence inputs grown to
-        that length (token ids, masks, positions), which ``generate`` allocates up front.
+    need: per device, the bytes of every K/V and state buffer its stages own at the full
+        length (:meth:`tppc.program.program.BufferSpec.nbytes`) plus the sequence inputs grown
+        to that length (token ids, masks, positions), which ``generate`` allocates up front.
+    unit: what a buffer's length counts: a token, or in a block capture
+        (:mod:`tppc.frontend.block_capture`) a block of ``k`` tokens; such a generation holds
+        whole blocks, and the message says so (``= 11 tokens, held as 3 blocks of 4 = 12
+        tokens``) with a bound on ``max_new_tokens`` in tokens.
     free: a CUDA device's free memory (``torch.cuda.mem_get_info``), or the host's
         ``MemAvailable`` for ``cpu`` (unknown elsewhere: not checked).
 
@@ -31,7 +35,8 @@ __all__ = ["check_generation_memory", "free_bytes"]
 
 
 def check_generation_memory(program: Any, front: Any, flat: Sequence[Any], prompt: int,
-                            max_new_tokens: int) -> None:
+                            max_new_tokens: int, *, block: int = 1,
+                            units: int | None = None) -> None:
     """Refuse a generation whose need exceeds a device's free memory (module docstring).
 
     Args:
@@ -40,31 +45,36 @@ def check_generation_memory(program: Any, front: Any, flat: Sequence[Any], promp
         flat: the bound flat inputs.
         prompt: prompt tokens.
         max_new_tokens: tokens to generate at most.
+        block: tokens per unit of the buffers (a block capture's ``k``; 1 otherwise).
+        units: units the buffers hold (default: ``⌈(prompt + max_new_tokens) / block⌉``).
 
     Raises:
         RuntimeInputError: naming the tokens, the need, the device, its free memory, the fix.
     """
     total = prompt + max_new_tokens
+    units = -(-total // block) if units is None else units
     need: dict[torch.device, int] = {}
     for stage in program.stages:
-        kv = sum(b.nbytes(total) for b in stage.buffers)
+        kv = sum(b.nbytes(units) for b in stage.buffers)
         need[stage.device] = need.get(stage.device, 0) + kv
     for name, value in zip(front.signature.user_inputs, flat):
         axes = front.ctx.seq_inputs.get(name)
         if axes and isinstance(value, torch.Tensor) and value.shape[axes[0]]:
-            grown = value.numel() // value.shape[axes[0]] * total * value.element_size()
-            need[value.device] = need.get(value.device, 0) + grown
+            per_token = value.numel() // value.shape[axes[0]] * value.element_size()
+            need[value.device] = need.get(value.device, 0) + per_token * units * block
     for device, nbytes in need.items():
         free = free_bytes(device)
         if free is None or nbytes <= free:
             continue
-        fits = int(free / (nbytes / total)) - prompt
+        fits = int(free / (nbytes / units)) * block - prompt
         hint = (f"lower max_new_tokens to at most {fits}" if fits >= 1 else
                 "use a shorter prompt, a smaller batch, or a device with more memory")
+        held = "" if block == 1 else \
+            f", held as {units} blocks of {block} = {units * block} tokens,"
         raise RuntimeInputError(
-            f"{prompt} prompt tokens + max_new_tokens={max_new_tokens} = {total} tokens need "
-            f"{nbytes / 2**30:,.1f} GiB on {device} (K/V buffers of its stages and the grown "
-            f"inputs), which has {free / 2**30:,.1f} GiB free. fix: {hint}")
+            f"{prompt} prompt tokens + max_new_tokens={max_new_tokens} = {total} tokens{held} "
+            f"need {nbytes / 2**30:,.1f} GiB on {device} (K/V and state buffers of its stages "
+            f"and the grown inputs), which has {free / 2**30:,.1f} GiB free. fix: {hint}")
 
 
 def free_bytes(device: torch.device) -> int | None:

@@ -52,8 +52,8 @@ class CallStates:
             return pool
 
     def acquire(self, front: FrontEnd, capacity: int) -> CallState:
-        """A state of ``front``'s capture holding ``capacity`` tokens, the caller's until
-        released."""
+        """A state of ``front``'s capture holding ``capacity`` units of the sequence (tokens;
+        blocks of ``k`` tokens in a block capture), the caller's until released."""
         return self.pool(front).acquire(capacity)
 
     def release(self, front: FrontEnd, state: CallState) -> None:

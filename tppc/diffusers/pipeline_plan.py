@@ -6,8 +6,9 @@ transformer runs ``steps`` times (pipelined by tppc), the VAE decoder runs once 
 component at the call's shapes (:func:`tppc.frontend.static_export.export_static`), prices
 it with the same device constants (:func:`tppc.cost_models.call_costs.price_call`) and
 places it on the cluster's device where it finishes soonest and fits beside the stages'
-memory. The prediction is the sum of the three phases (each waits for the one before) and
-the transfers between them.
+memory (the ``cpu`` devices of a node share one RAM: what one holds, all lose). The
+prediction is the sum of the three phases (each waits for the one before) and the transfers
+between them.
 
 Example:
     >>> pp = plan_pipeline(pipe, (latent,), kwargs, cluster="4xa100-pcie",
@@ -149,21 +150,67 @@ def plan_pipeline(
     transformer = transformer_plan or plan_transformer(
         pipe.transformer, args, kwargs, cluster=parsed,
         workload=workload or Workload(kind="diffusion"), **plan_options)
-    free = [d.memory.capacity for d in parsed.devices]
-    for stage in transformer.stages:  # every member of a stage's group holds its share
-        for index in stage.device_indices:
-            free[index] -= stage.memory_bytes
+    memory = _Memory.beside(parsed, transformer)
     stage_devices = sorted({s.device_index for s in transformer.stages})
     placed = []
     for name, module, tokens in encoders:
         ids = torch.zeros(1, tokens, dtype=torch.long)
         placed.append(_place(name, "before", encoder_calls, export_static(module, (ids,)),
-                             parsed, free, stage_devices))
+                             parsed, memory, stage_devices))
     if decoder is not None:
         graph = export_static(vae, (decoder,), method="decode")
-        placed.append(_place("vae.decode", "after", 1, graph, parsed, free,
+        placed.append(_place("vae.decode", "after", 1, graph, parsed, memory,
                              [transformer.stages[-1].device_index]))
     return PipelinePlan(transformer=transformer, components=tuple(placed))
+
+
+@dataclass
+class _Memory:
+    """Free bytes per memory pool: a device's own memory, except that the ``cpu`` devices of
+    one node are cores of one machine and share its RAM (one pool: what any of them holds,
+    all of them lose).
+
+    Attributes:
+        free: free bytes of each pool.
+        pool_of: each device's pool.
+    """
+
+    free: list[int]
+    pool_of: list[int]
+
+    @classmethod
+    def beside(cls, cluster: Cluster, plan: Plan) -> _Memory:
+        """The pools less the transformer's stages: a stage's memory is held once per
+        worker (an intra-op worker runs on several CPU devices' threads with one copy), in
+        each pool its devices use."""
+        free: list[int] = []
+        pool_of: list[int] = []
+        pools: dict[Any, int] = {}
+        for index, device in enumerate(cluster.devices):
+            key = ("cpu", cluster.nodes[index]) if device.name == "cpu" else index
+            if key not in pools:
+                pools[key] = len(free)
+                free.append(device.memory.capacity)
+            free[pools[key]] = min(free[pools[key]], device.memory.capacity)
+            pool_of.append(pools[key])
+        for stage in plan.stages:
+            ids = stage.device_indices
+            for first in range(0, len(ids), stage.intra_op):
+                for pool in {pool_of[i] for i in ids[first:first + stage.intra_op]}:
+                    free[pool] -= stage.memory_bytes
+        return cls(free, pool_of)
+
+    def of(self, device: int) -> int:
+        """Free bytes on ``device`` (its pool's)."""
+        return self.free[self.pool_of[device]]
+
+    def take(self, device: int, nbytes: int) -> None:
+        """``nbytes`` held on ``device``."""
+        self.free[self.pool_of[device]] -= nbytes
+
+    def per_device(self) -> list[float]:
+        """Free GiB of every device, rounded (for messages)."""
+        return [round(self.of(i) / 2**30, 2) for i in range(len(self.pool_of))]
 
 
 def _tokens(pipe: Any, name: str, given: int | Mapping[str, int] | None) -> int:
@@ -194,9 +241,10 @@ def _latent(vae: torch.nn.Module, args: tuple[Any, ...]) -> torch.Tensor:
 
 
 def _place(name: str, phase: str, calls: int, graph: torch.fx.GraphModule, cluster: Cluster,
-           free: list[int], readers: list[int]) -> ComponentPlan:
+           memory: _Memory, readers: list[int]) -> ComponentPlan:
     """The device where ``graph`` finishes soonest (calls + transfers) among those it fits
-    on; its weights and working memory are taken off that device's free memory."""
+    on; its weights and working memory are taken off that device's free memory (its pool's:
+    :class:`_Memory`)."""
     out_bytes = sum(t.numel() * t.element_size()
                     for node in graph.graph.find_nodes(op="output")
                     for arg in node.all_input_nodes for t in tensor_vals(arg.meta.get("val")))
@@ -206,7 +254,7 @@ def _place(name: str, phase: str, calls: int, graph: torch.fx.GraphModule, clust
         if device not in priced:
             priced[device] = price_call(graph, device)
         cost = priced[device]
-        if cost.weight_bytes + cost.activation_bytes > free[index]:
+        if cost.weight_bytes + cost.activation_bytes > memory.of(index):
             continue
         transfer = sum(_hop_seconds(cluster, index, r, out_bytes) for r in readers)
         option = ComponentPlan(name, phase, calls, index, cost, transfer)
@@ -218,9 +266,9 @@ def _place(name: str, phase: str, calls: int, graph: torch.fx.GraphModule, clust
         raise PlanInfeasible(
             f"plan_pipeline: {name} needs {need / 2**30:.2f} GiB (weights "
             f"{cost.weight_bytes / 2**30:.2f} GiB) and no device has that left beside the "
-            f"transformer's stages (free GiB per device: "
-            f"{[round(f / 2**30, 2) for f in free]}); use larger devices or more of them")
-    free[best.device_index] -= best.cost.weight_bytes + best.cost.activation_bytes
+            f"transformer's stages (free GiB per device: {memory.per_device()}; the cpu "
+            "devices of a node share its RAM); use larger devices or more of them")
+    memory.take(best.device_index, best.cost.weight_bytes + best.cost.activation_bytes)
     return best
 
 

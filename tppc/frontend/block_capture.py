@@ -11,7 +11,10 @@ Terms:
         the graph's shapes carry ``n``, the number of blocks. ``n`` becomes the sequence
         symbol, so a unit of the plan is one block of ``k`` tokens: every chunk boundary is
         a multiple of ``k`` (as a DiT's unit is a patch row), and a call's length must be a
-        multiple of ``k`` (:func:`check_block_length`).
+        multiple of ``k`` (:func:`check_block_length`). The token count is ``k·n``
+        (``ctx.token_count``), so the planner prices tokens on a grid of ``k`` and a plan
+        says ``tokens_per_unit = k`` (``seq_len=4 rows of 4 tokens (16 tokens)``), as it
+        does for a block capture with attention, whose annotation finds that count.
 
 Whether the recurrence over the blocks can then be chunked is annotation's question
 (:mod:`tppc.passes.annotation.block_scan`); this module only captures.
@@ -98,8 +101,9 @@ def export_blocks(model: torch.nn.Module, log: GuardLog, export: Callable[[], fx
         raise CaptureError(block_refusal(model, block, log.block_sites) + "\nThe export with "
                            f"the length {block} × blocks fixed the number of blocks to the "
                            "example's.") from first
-    ctx = CompileContext(
+    ctx = CompileContext(  # k tokens per block: priced, planned and named in tokens
         seq_symbol=symbol, example_seq=units // block, seq_inputs=dict(axes),
+        token_count=block * symbol,
         capture_mode="dynamic", input_names=tuple(n.name for n in gm.graph.nodes
                                                   if n.op == "placeholder"),
         shape_guards=guards, block_size=block)

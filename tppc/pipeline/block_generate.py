@@ -84,11 +84,12 @@ def block_generate(cp: Generating, block: int, input_ids: torch.Tensor,
             f"lower max_new_tokens to {cp.max_seq // block * block - prompt} or compile "
             f"with max_seq={width}")
     kwargs = mask_inputs(cp, attention_mask)
-    grown = {name: grown_input(name, value, prompt, width) for name, value in kwargs.items()}
-    front, bound = cp.bind((grown_input("input_ids", input_ids, prompt, width),), grown)
-    program = cp.program(max(prompt // block, 2), front)
-    check_generation_memory(program, front, bound.flat, -(-prompt // block),
-                            max(1, units - -(-prompt // block)))
+    # bound at the prompt's blocks first: nothing grows to the generation's width unchecked
+    front, bound = _bound(cp, input_ids, kwargs, block_units(prompt, 0, block)[1])
+    check_generation_memory(cp.program(max(prompt // block, 2), front), front, bound.flat,
+                            prompt, max_new_tokens, block=block, units=units)
+    front, bound = _bound(cp, input_ids, kwargs, width)
+    program = cp.program(max(prompt // block, 2), front)  # cached: the same capture
     flat = tuple(bound.flat)
     ids = flat[token_input_index(cp.model_name, front)]
     state = cp.states.acquire(front, units)
@@ -97,6 +98,15 @@ def block_generate(cp: Generating, block: int, input_ids: torch.Tensor,
     length = greedy_decode(ids[:, :total], prompt, step, TORCH_OPS, eos_ids=eos_ids, pad=pad)
     cp.states.finish(front, state, length - 1)  # K/V rows by position: all but the last
     return ids[:, :length].clone()
+
+
+def _bound(cp: Generating, input_ids: torch.Tensor, kwargs: dict[str, torch.Tensor],
+           width: int) -> tuple[FrontEnd, Any]:
+    """``cp.bind`` of the prompt and its mask inputs grown to ``width`` tokens
+    (:func:`grown_input`: the token ids with the last token as filler)."""
+    prompt = int(input_ids.shape[-1])
+    grown = {name: grown_input(name, value, prompt, width) for name, value in kwargs.items()}
+    return cp.bind((grown_input("input_ids", input_ids, prompt, width),), grown)
 
 
 def block_units(prompt: int, max_new_tokens: int, block: int) -> tuple[int, int]:

@@ -83,7 +83,7 @@ class BufferSpec:
 
     Attributes:
         name: its placeholder name in the stage graph.
-        kind: ``"key"`` or ``"value"``.
+        kind: ``"key"``, ``"value"``, or ``"state"`` (a carried state).
         attention: the attention node it belongs to.
         layer: the layer that owns it.
         axis: its token axis; None for a recurrent node's carried state (``kind="state"``:
@@ -116,12 +116,12 @@ class BufferSpec:
         return self.prefix + self.scale * -(-capacity // self.parts) + self.suffix
 
     def allocate(self, capacity: int, device: torch.device) -> torch.Tensor:
-        """A zero buffer of ``capacity`` tokens on ``device``."""
+        """A zero buffer of ``capacity`` units of the sequence on ``device``."""
         shape = [self.rows(capacity) if s is None else s for s in self.shape]
         return torch.zeros(shape, dtype=self.dtype, device=device)
 
     def nbytes(self, capacity: int) -> int:
-        """Bytes of a buffer of ``capacity`` tokens."""
+        """Bytes of a buffer of ``capacity`` units of the sequence (:meth:`rows`)."""
         n = self.rows(capacity)
         for s in self.shape:
             n *= 1 if s is None else s

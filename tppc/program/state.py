@@ -5,11 +5,12 @@ Terms:
         chunks, the sequence length, the length positional values are evaluated at, and the
         full-length outputs the last stage writes into.
     call state: what a call mutates (:class:`CallState`): one K/V buffer per (buffer name,
-        device) with room for ``capacity`` tokens, each stage's positional values, and how
-        many tokens the buffers hold. Each call owns its state while it runs, so concurrent
+        device) with room for ``capacity`` units of the sequence (a unit: a token; a block
+        of ``k`` tokens in a block capture, :mod:`tppc.frontend.block_capture`), each stage's
+        positional values, and how many tokens the buffers hold. Each call owns its state while it runs, so concurrent
         calls of one pipeline never share buffers.
     pool: idle states kept for reuse (:class:`StatePool`); a call takes one (or a new one),
-        grows it to the tokens it needs, and gives it back when it ends without error.
+        grows it to the units it needs, and gives it back when it ends without error.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ class CallState:
         self.consts: dict[Any, Any] = {}  # hoisted const values (tppc.passes.stages.hoist_consts)
 
     def reserve(self, capacity: int) -> None:
-        """Hold at least ``capacity`` tokens (growing keeps the buffers' contents)."""
+        """Hold at least ``capacity`` units of the sequence (tokens; blocks of ``k`` tokens
+        in a block capture); growing keeps the buffers' contents."""
         if capacity <= self.capacity:
             return
         for key, old in list(self._buffers.items()):
@@ -150,7 +152,8 @@ class StatePool:
         self._lock = threading.Lock()
 
     def acquire(self, capacity: int) -> CallState:
-        """A state holding at least ``capacity`` tokens, owned by the caller until released."""
+        """A state holding at least ``capacity`` units of the sequence (tokens; blocks of
+        ``k`` tokens in a block capture), owned by the caller until released."""
         with self._lock:
             state = self._idle.pop() if self._idle else None
         if state is None:

@@ -30,7 +30,7 @@ from tppc.ir.context import CompileContext
 from tppc.ir.records import AttentionKind, MaskSpec
 from tppc.passes.annotation.key_masks import key_mask_spec
 from tppc.passes.annotation.positional import evaluate_positional
-from tppc.passes.shapes import SHAPE_USES, ancestors, module_path, tensor_val
+from tppc.passes.shapes import SHAPE_USES, ancestors, module_path, size_expr, tensor_val
 
 __all__ = ["mask_spec"]
 
@@ -142,16 +142,19 @@ def _read_by_value(p: fx.Node, closure: set[fx.Node]) -> bool:
 
 def _filled(p: fx.Node, ctx: CompileContext, length: int,
             generator: torch.Generator | None) -> torch.Tensor:
-    """Ones (no generator), or random 0/1 with a padded prefix and suffix in some rows."""
+    """Ones (no generator), or random 0/1 with a padded prefix and suffix in some rows.
+
+    ``length`` is a value of the sequence symbol, which counts blocks of ``k`` tokens in a
+    block capture: the input's shape is its symbolic shape at ``length``."""
     val = tensor_val(p)
-    shape = [length if i in ctx.seq_inputs.get(p.name, ()) else int(s)
-             for i, s in enumerate(val.shape)]
+    shape = [int(size_expr(s).subs(ctx.seq_symbol, length)) for s in val.shape]
     if generator is None:
         return torch.ones(shape, dtype=val.dtype)
     values = torch.randint(0, 2, shape, generator=generator)
-    values[0, ..., : length // 3] = 0  # left padding
-    if shape[0] > 1:
-        values[-1, ..., -(length // 3):] = 0  # right padding
+    pad = shape[-1] // 3
+    values[0, ..., :pad] = 0  # left padding
+    if shape[0] > 1 and pad:
+        values[-1, ..., -pad:] = 0  # right padding
     return values.to(val.dtype)
 
 

@@ -12,6 +12,8 @@ Terms:
 
 from __future__ import annotations
 
+from typing import Any
+
 import sympy
 import torch
 from torch import fx
@@ -122,7 +124,8 @@ def binary_elementwise(node: fx.Node) -> bool:
 
 
 def full_slice(node: fx.Node, src: TokenInfo) -> bool:
-    """A ``slice`` that keeps every row: start 0, step 1, an end past the axis (a huge
+    """A ``slice`` that keeps every row: start 0 or minus the axis' length (HF's
+    ``attention_mask[:, -inputs_embeds.shape[1]:]``), step 1, an end past the axis (a huge
     int, or the node of the sequence length itself)."""
     if op_name(node) != "slice":
         return False
@@ -130,8 +133,14 @@ def full_slice(node: fx.Node, src: TokenInfo) -> bool:
     end = node.args[3] if len(node.args) > 3 else None
     step = node.args[4] if len(node.args) > 4 else 1
     big = end is None or (isinstance(end, int) and end >= 2**62)
-    if isinstance(end, fx.Node) and src.axis_size is not None:  # x[:, :n], n the length
-        val = end.meta.get("val")
-        big = isinstance(val, torch.SymInt) and src.axis_size.free_symbols \
-            and sympy.simplify(size_expr(val) - src.axis_size) == 0
-    return start in (0, None) and bool(big) and step == 1
+    if isinstance(end, fx.Node):  # x[:, :n], n the length
+        big = _is_length(end, src, 1)
+    return (start in (0, None) or _is_length(start, src, -1)) and bool(big) and step == 1
+
+
+def _is_length(value: Any, src: TokenInfo, sign: int) -> bool:
+    """Whether ``value`` is a node of the symbolic size ``sign`` × the token axis' length."""
+    val = value.meta.get("val") if isinstance(value, fx.Node) else None
+    return isinstance(val, torch.SymInt) and src.axis_size is not None \
+        and bool(src.axis_size.free_symbols) \
+        and sympy.simplify(size_expr(val) - sign * src.axis_size) == 0
