@@ -249,7 +249,7 @@ def _loop_node(gm: fx.GraphModule, collector: fx.Node, steps: list[list[fx.Node]
         ph = graph.placeholder(f"carry_{j}")
         ph.meta.update(first[j].meta)
         env[first[j]] = ph
-    for (src, axis), group in groups.items():
+    for (src, _), group in groups.items():
         ph = graph.placeholder(f"rows_{src.name}")
         ph.meta.update(group[1].meta)
         env[group[1]] = ph

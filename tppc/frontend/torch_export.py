@@ -19,6 +19,7 @@ from tppc.frontend.guard_sites import describe_site, guard_sites, loop_over_posi
 from tppc.frontend.isolation import isolated
 from tppc.frontend.joint_inputs import JointInput
 from tppc.frontend.recurrence_refusals import loop_refusal
+from tppc.frontend.reroll_capture import export_rerolled
 from tppc.frontend.sample_tables import fit_sample_tables
 from tppc.frontend.size_ints import UnitInt, export_size_ints, find_unit_int, read_from_tokens
 from tppc.ir.context import CompileContext
@@ -67,7 +68,7 @@ def export_dynamic(
             return export_blocks(model, log, lambda: _export(model, bound, shapes).module(),
                                  exc, (axes, units), (_drop_guards, _seq_symbol))
         if tokens and site is not None and loop_over_positions(site[1]):
-            raise CaptureError(loop_refusal(model, site, exc)) from exc
+            return _export_rerolled(model, bound, axes, units, site, exc)
         if not re.search(_PINNED, str(exc)):
             raise CaptureError(explain(model, exc)) from exc
         if unit is not None:  # sizes as Python ints: tie the unit int to the tokens
@@ -109,6 +110,31 @@ def export_dynamic(
         input_names=tuple(n.name for n in gm.graph.nodes if n.op == "placeholder"),
         shape_guards=guards,
     )
+    return gm, ctx
+
+
+def _export_rerolled(model: torch.nn.Module, bound: inspect.BoundArguments,
+                     axes: dict[str, tuple[int, ...]], units: int, site: tuple[str, str],
+                     exc: Exception) -> tuple[fx.GraphModule, CompileContext]:
+    """The re-rolled capture of a loop over positions (:mod:`.reroll_capture`), or the
+    loop's refusal with the reason the re-roller gave."""
+    def export(inputs: inspect.BoundArguments) -> fx.GraphModule:
+        gm = _export(model, inputs, None).module()
+        _drop_guards(gm)
+        return gm
+
+    try:
+        gm = export_rerolled(bound, axes, units, export, site[0])
+    except Exception as again:  # RerollError, or torch.export failing at a fixed length
+        raise CaptureError(loop_refusal(model, site, exc, again)) from exc
+    symbol = _seq_symbol(gm, axes)
+    if symbol is None:
+        raise CaptureError(loop_refusal(model, site, exc, "the re-rolled graph's length is a "
+                                        "constant"))
+    ctx = CompileContext(
+        seq_symbol=symbol, example_seq=units, seq_inputs=dict(axes), capture_mode="dynamic",
+        input_names=tuple(n.name for n in gm.graph.nodes if n.op == "placeholder"),
+        rerolled=site[0])
     return gm, ctx
 
 

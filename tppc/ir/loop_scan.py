@@ -48,11 +48,13 @@ class LoopScan:
         xs_dims: the token axis of each sliced input (after the carries).
         out_dim: the axis the outputs are stacked along (of the node's value).
         source: where the loop is in the model's source (``file:line``), for messages.
+        with_state: return ``(outputs, *final carries)`` instead of the outputs.
     """
 
     def __init__(self, step: fx.GraphModule, *, carries: int, xs_dims: tuple[int, ...],
-                 out_dim: int, source: str) -> None:
+                 out_dim: int, source: str, with_state: bool = False) -> None:
         self.step = step
+        self.with_state = with_state
         self.carries = carries
         self.xs_dims = tuple(xs_dims)
         self.out_dim = out_dim
@@ -62,11 +64,17 @@ class LoopScan:
         self.__qualname__ = self.__name__
 
     def __repr__(self) -> str:
+        state = ", with_state=True" if self.with_state else ""
         return f"LoopScan(carries={self.carries}, xs_dims={self.xs_dims}, " \
-            f"out_dim={self.out_dim}, source={self.source!r})"
+            f"out_dim={self.out_dim}, source={self.source!r}{state})"
 
-    def __call__(self, *args: Any) -> torch.Tensor:
-        return self.run(*args)[0]
+    def __call__(self, *args: Any) -> Any:
+        return self.run(*args) if self.with_state else self.run(*args)[0]
+
+    def stateful(self) -> LoopScan:
+        """The same loop returning ``(outputs, *final carries)`` (a chunk's form)."""
+        return LoopScan(self.step, carries=self.carries, xs_dims=self.xs_dims,
+                        out_dim=self.out_dim, source=self.source, with_state=True)
 
     def split(self, args: tuple[Any, ...]) -> tuple[list[Any], list[Any], list[Any]]:
         """``(inits, xs, invariants)`` of the node's arguments."""
