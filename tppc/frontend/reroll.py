@@ -74,10 +74,11 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
     return seen
 
 
-def _position_groups(nodes: list[fx.Node], n: int) -> dict[tuple[fx.Node, int], list[fx.Node]]:
-    """``(X, axis) -> [select at 0, …, select at n − 1]`` for the sliced inputs."""
-    found: dict[tuple[fx.Node, int], dict[int, fx.Node]] = {}
-    bad: set[tuple[fx.Node, int]] = set()
+def _position_groups(nodes: list[fx.Node], n: int
+                     ) -> dict[tuple[fx.Node, int], list[list[fx.Node]]]:
+    """``(X, axis) -> [selects at 0, …, selects at n − 1]`` for the sliced inputs (a step
+    may index a position twice: ``z[:, t]`` written twice)."""
+    found: dict[tuple[fx.Node, int], dict[int, list[fx.Node]]] = {}
     for node in nodes:
         if node.target is not _aten.select.int or not isinstance(node.args[0], fx.Node):
             continue
@@ -88,11 +89,9 @@ def _position_groups(nodes: list[fx.Node], n: int) -> dict[tuple[fx.Node, int], 
         key = (src, axis % rank)
         size = _size(src, axis % rank)
         index = index % size if size else index
-        if index in found.setdefault(key, {}):
-            bad.add(key)
-        found[key][index] = node
+        found.setdefault(key, {}).setdefault(index, []).append(node)
     return {key: [m[i] for i in range(n)] for key, m in found.items()
-            if key not in bad and sorted(m) == list(range(n))}
+            if sorted(m) == list(range(n)) and len({len(v) for v in m.values()}) == 1}
 
 
 def _rank(node: fx.Node) -> int | None:
@@ -106,11 +105,11 @@ def _size(node: fx.Node, axis: int) -> int | None:
     return size if isinstance(size, int) else None
 
 
-def _region(nodes: list[fx.Node], groups: dict[tuple[fx.Node, int], list[fx.Node]]
-            ) -> tuple[set[fx.Node], dict[tuple[fx.Node, int], list[fx.Node]]]:
+def _region(nodes: list[fx.Node], groups: dict[tuple[fx.Node, int], list[list[fx.Node]]]
+            ) -> tuple[set[fx.Node], dict[tuple[fx.Node, int], list[list[fx.Node]]]]:
     """The loop region and the groups whose input is invariant (computed before the loop)."""
     while True:
-        selects = {s for group in groups.values() for s in group}
+        selects = {s for group in groups.values() for at in group for s in at}
         region: set[fx.Node] = set()
         for node in nodes:  # in graph order
             if node in selects or any(a in region for a in node.all_input_nodes):
@@ -163,6 +162,17 @@ def _signature(step: list[fx.Node], before: list[fx.Node],
     return sig
 
 
+def _first_difference(step: list[fx.Node], template: list[fx.Node], sig: list[Any],
+                      want: list[Any]) -> str:
+    """Where a step's signature first differs from the template's (for the message)."""
+    if len(sig) != len(want):
+        return f" ({len(step)} ops, not {len(template)})"
+    for node, mine, theirs in zip(step, sig, want, strict=True):
+        if mine != theirs:
+            return f": {node.name} ({node.format_node()}) is not {theirs}"
+    return ""
+
+
 def _inits(template: list[Any], first: list[Any]) -> dict[int, fx.Node]:
     """carry ``j`` -> its initial value, matching step 0's signature to the template's."""
     inits: dict[int, fx.Node] = {}
@@ -193,20 +203,21 @@ def _reroll(gm: fx.GraphModule, collector: fx.Node, source: str) -> None:
     if not groups:
         raise RerollError(f"no input is read one position per step (select(x, axis, t) for "
                           f"t = 0 … {n - 1})")
-    positions = {s: key for key, g in groups.items() for s in g}
+    positions = {s: key for key, g in groups.items() for at in g for s in at}
     steps = _steps(outputs, order, region)
     for t, step in enumerate(steps):
         if outputs[t] not in step:
             raise RerollError(f"output {t} ({outputs[t].name}) reads no position of the loop")
         if {positions[s] for s in step if s in positions} != set(groups) or \
-                any(groups[positions[s]][t] is not s for s in step if s in positions):
+                any(s not in groups[positions[s]][t] for s in step if s in positions):
             raise RerollError(f"step {t} does not read position {t} of every sliced input")
     sigs = [_signature(s, steps[t - 1] if t else [], positions, region)
             for t, s in enumerate(steps)]
     template = sigs[1]
     for t in range(2, n):
         if sigs[t] != template:
-            raise RerollError(f"step {t} is not the same computation as step 1")
+            raise RerollError(f"step {t} is not the same computation as step 1"
+                              f"{_first_difference(steps[t], steps[1], sigs[t], template)}")
     inits = _inits(template, sigs[0])
     out_index = steps[0].index(outputs[0])
     if any(steps[t].index(outputs[t]) != out_index for t in range(n)):
@@ -239,7 +250,7 @@ def _check_escapes(steps: list[list[fx.Node]], carries: list[int], collector: fx
 
 
 def _loop_node(gm: fx.GraphModule, collector: fx.Node, steps: list[list[fx.Node]],
-               groups: dict[tuple[fx.Node, int], list[fx.Node]], carries: list[int],
+               groups: dict[tuple[fx.Node, int], list[list[fx.Node]]], carries: list[int],
                inits: dict[int, fx.Node], out_index: int, source: str) -> fx.Node:
     """The step GraphModule (from step 1, reading step 0's carries) and the loop node."""
     first, template = steps[0], steps[1]
@@ -251,8 +262,8 @@ def _loop_node(gm: fx.GraphModule, collector: fx.Node, steps: list[list[fx.Node]
         env[first[j]] = ph
     for (src, _), group in groups.items():
         ph = graph.placeholder(f"rows_{src.name}")
-        ph.meta.update(group[1].meta)
-        env[group[1]] = ph
+        ph.meta.update(group[1][0].meta)
+        env.update(dict.fromkeys(group[1], ph))
     invariants: list[fx.Node] = []
 
     def read(arg: fx.Node) -> fx.Node:

@@ -77,7 +77,8 @@ def export_dynamic(
             ep = _export(model, bound, shapes, deferred=True)
         except Exception:
             if site is not None and loop_over_positions(site[1]):
-                raise CaptureError(loop_refusal(model, site, exc)) from exc
+                raise CaptureError(loop_refusal(model, site, exc, "re-rolling needs a token "
+                                                "stream")) from exc
             why = f" at {site[0]} (`{site[1]}`)" if site is not None else ""
             raise CaptureError(explain(model, exc, why + size_ints_reason(bound))) from exc
         line = f"at {site[0]}: `{site[1]}`" if site is not None else _pinned_line(exc)

@@ -108,7 +108,8 @@ class CarriedState:
                                                       else v for v in invariants))
         result = self.graph.call_function(loop.stateful(), args)
         result.meta.update(node.meta)  # priced as the loop over the chunk's rows
-        result.meta.pop("val", None)
+        carries = [tensor_val(out) for out in _step_outputs(loop)[:loop.carries]]
+        result.meta["val"] = (node.meta["val"], *carries)
         out = self.graph.call_function(_operator.getitem, (result, 0))
         for j, buf in enumerate(bufs):
             final = new(_operator.getitem, (result, 1 + j))
@@ -155,7 +156,7 @@ class CarriedState:
 def _carry_shapes(node: fx.Node) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """The shape and dtype of each carry of a re-rolled loop (its step's outputs)."""
     loop: LoopScan = node.target
-    outs = next(n for n in loop.step.graph.nodes if n.op == "output").args[0]
+    outs = _step_outputs(loop)
     found = []
     for j, (init, out) in enumerate(zip(loop.split(node.args)[0], outs, strict=False)):
         val, init_val = tensor_val(out), tensor_val(init)
@@ -170,6 +171,10 @@ def _carry_shapes(node: fx.Node) -> list[tuple[tuple[int, ...], torch.dtype]]:
                 "start the state with its own shape (torch.zeros(batch, ..., dtype=...))")
         found.append((tuple(int(s) for s in val.shape), val.dtype))
     return found
+
+
+def _step_outputs(loop: LoopScan) -> tuple[fx.Node, ...]:
+    return tuple(next(n for n in loop.step.graph.nodes if n.op == "output").args[0])
 
 
 def _state_shape(node: fx.Node) -> tuple[tuple[int, ...], torch.dtype]:
