@@ -1,0 +1,193 @@
+"""Recurrences stepped in a Python loop over positions, re-rolled by the capture and carried.
+
+transformers' ``MambaForCausalLM`` (its CPU path: ``for index in range(seq_len)``, outputs
+``torch.stack``-ed), and a model of our own in a new form: a gated matrix-state cell (a GRU-like
+update of a ``(batch, heads, d, d)`` state, outputs stacked along ``dim=1``). torch.export
+unrolls both at the example's length; the capture re-rolls the loop into one node whose
+carries are state buffers of its stage (docs/capture.md#re-rolled-loops). Checked against
+eager at 2 stages with chunks of one token and more, at re-planned lengths, in ``generate``,
+and priced linear in the chunk. FalconMamba and Jamba (Mamba mixers beside attention and
+experts) are the same path (CI skips them: tests/ci_skips.txt). A loop whose final state is
+read after it is refused naming its line.
+"""
+
+from __future__ import annotations
+
+import pytest
+import sympy
+import torch
+from torch import nn
+
+import tppc
+from tests.oracles import assert_kernels_close, greedy_reference
+from tppc.cost_models.layer_costs import layer_expressions
+from tppc.cost_models.node_costs import C, P
+from tppc.cost_models.presets import DEVICE_PRESETS
+from tppc.planner.manual import manual_plan
+
+D, H, E, VOCAB, LENGTH = 16, 2, 4, 64, 6
+BOUNDS = (0, 1, 2, 4, LENGTH)  # chunks of one token and of two
+
+
+class GatedMatrixCell(nn.Module):
+    """A GRU-like matrix memory: ``S_t = (1 − z_t)·S_{t−1} + z_t·tanh(k_t v_tᵀ)``, ``y_t =
+    q_t S_t``, per head, stepped in Python."""
+
+    def __init__(self, final_state: bool = False) -> None:
+        super().__init__()
+        self.norm, self.proj = nn.LayerNorm(D), nn.Linear(D, 4 * H * E)
+        self.out, self.final_state = nn.Linear(H * E, D), final_state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v, z = self.proj(self.norm(x)).view(b, n, 4, H, E).unbind(2)
+        z = torch.sigmoid(z)
+        state = torch.zeros(b, H, E, E, dtype=x.dtype, device=x.device)
+        outs = []
+        for t in range(n):
+            cand = torch.tanh(k[:, t, :, :, None] * v[:, t, :, None, :])
+            state = (1 - z[:, t, :, :, None]) * state + z[:, t, :, :, None] * cand
+            outs.append(torch.einsum("bhd,bhde->bhe", q[:, t], state))
+        y = self.out(torch.stack(outs, dim=1).reshape(b, n, H * E))
+        return x + y + (state.sum() if self.final_state else 0)
+
+
+class MatrixLM(nn.Module):
+    def __init__(self, final_state: bool = False) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(VOCAB, D), nn.Linear(D, VOCAB)
+        self.blocks = nn.ModuleList(GatedMatrixCell(final_state) for _ in range(2))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _mamba(transformers, kind: str = "Mamba") -> nn.Module:
+    config = getattr(transformers, f"{kind}Config")(
+        vocab_size=VOCAB, hidden_size=D, state_size=4, num_hidden_layers=2,
+        intermediate_size=2 * D, conv_kernel=4, use_mambapy=False, use_cache=False)
+    return getattr(transformers, f"{kind}ForCausalLM")(config).eval()
+
+
+def _jamba(transformers) -> nn.Module:
+    return transformers.JambaForCausalLM(transformers.JambaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, num_experts=2, num_experts_per_tok=1,
+        expert_layer_period=2, expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=1,
+        mamba_d_state=2, mamba_d_conv=2, mamba_expand=2, mamba_dt_rank=4, use_cache=False,
+        use_mamba_kernels=False)).eval()
+
+
+def _compile(model: nn.Module, batch: int = 2) -> tppc.CompiledPipeline:
+    return tppc.compile(model, (torch.randint(0, VOCAB, (batch, LENGTH)),), cluster="2xcpu")
+
+
+def _logits(out: object) -> torch.Tensor:
+    return getattr(out, "logits", out)
+
+
+def _staged(cp: tppc.CompiledPipeline) -> tppc.CompiledPipeline:
+    n = len(cp.context.layers)
+    return cp.with_plan(manual_plan(n, LENGTH, cuts=(0, n // 2, n), boundaries=BOUNDS))
+
+
+@pytest.fixture(scope="module")
+def mamba() -> tuple[nn.Module, tppc.CompiledPipeline]:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = _mamba(transformers)
+    return model, _compile(model)
+
+
+@pytest.fixture(scope="module")
+def matrix() -> tuple[nn.Module, tppc.CompiledPipeline]:
+    torch.manual_seed(0)
+    model = MatrixLM().eval()
+    return model, _compile(model)
+
+
+def test_mamba_loop_is_one_recurrent_node_per_layer(mamba) -> None:
+    _, cp = mamba
+    assert cp.context.rerolled.startswith("transformers/models/mamba/modeling_mamba.py:")
+    loops = [n for n in cp._front.annotated.graph.nodes
+             if type(n.target).__name__ == "LoopScan"]
+    assert len(loops) == 2
+    assert all(n.meta["tppc.token"].attention == "recurrent" for n in loops)
+
+
+@pytest.mark.parametrize("which", ["mamba", "matrix"])
+def test_two_stages_chunks_of_one_token_and_more_equal_eager(which, request) -> None:
+    model, cp = request.getfixturevalue(which)
+    ids = torch.randint(0, VOCAB, (2, LENGTH))
+    with torch.no_grad():
+        assert_kernels_close(_logits(_staged(cp)(ids)), _logits(model(ids)))
+
+
+@pytest.mark.parametrize("which", ["mamba", "matrix"])
+def test_replanned_lengths_equal_eager(which, request) -> None:
+    model, cp = request.getfixturevalue(which)
+    for length in (3, 11):
+        ids = torch.randint(0, VOCAB, (2, length))
+        with torch.no_grad():
+            assert_kernels_close(_logits(cp(ids)), _logits(model(ids)))
+
+
+def test_own_matrix_state_is_carried_bit_exactly(matrix) -> None:
+    model, cp = matrix
+    states = sorted({b.shape for st in _staged(cp).program(LENGTH).stages for b in st.buffers
+                     if b.kind == "state"})
+    assert states == [(2, 2, H, E, E)]  # slot 0 (the initial zeros) and 1, per loop
+    ids = torch.randint(0, VOCAB, (2, LENGTH))
+    with torch.no_grad():
+        assert torch.equal(_staged(cp)(ids), model(ids))  # the same ops in the same order
+
+
+def test_mamba_generate_continues_from_the_prefill_states(mamba) -> None:
+    model, cp = mamba
+    prompt = torch.randint(0, VOCAB, (2, 5))
+    want = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4,
+                          do_sample=False, use_cache=False)
+    assert torch.equal(cp.generate(prompt, max_new_tokens=4), want)
+
+
+def test_own_loop_generate_equals_the_eager_greedy_tokens(matrix) -> None:
+    model, cp = matrix
+    prompt = torch.randint(0, VOCAB, (2, 5))
+    assert torch.equal(cp.generate(prompt, max_new_tokens=4), greedy_reference(model, prompt, 4))
+
+
+def test_loop_layers_cost_their_rows_only(mamba) -> None:
+    _, cp = mamba
+    front = cp._front
+    exprs = layer_expressions(front.chunk, front.ctx.layers, DEVICE_PRESETS["h100-sxm"], 64,
+                              seq_symbol=front.ctx.seq_symbol)
+    mixers = exprs[1:-1]
+    assert mixers
+    for expr in mixers:
+        assert P not in expr.time.free_symbols  # no prefix term
+        assert sympy.degree(sympy.expand(expr.matrix_flops), C) == 1  # the step's matmul
+        assert expr.kv_bytes_per_token == 0
+
+
+def test_final_state_read_after_the_loop_is_refused_naming_its_line() -> None:
+    model = MatrixLM(final_state=True).eval()
+    with pytest.raises(tppc.CaptureError, match=r"(?s)Python loop.*test_rerolled_loops\.py:\d+ "
+                       r"in forward \(`for t in range\(n\):`\).*read after the loop.*fix:"):
+        tppc.capture(model, (torch.randint(0, VOCAB, (1, 4)),))
+
+
+@pytest.mark.parametrize("make", [lambda t: _mamba(t, "FalconMamba"), _jamba],
+                         ids=["falcon_mamba", "jamba"])
+def test_hf_mamba_mixers_equal_eager_at_two_stages(make) -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = make(transformers)
+    cp = _compile(model, batch=1)
+    ids = torch.randint(0, VOCAB, (1, LENGTH))
+    with torch.no_grad():
+        assert_kernels_close(_staged(cp)(ids).logits, model(ids).logits)
+        longer = torch.randint(0, VOCAB, (1, 2 * LENGTH + 1))
+        assert_kernels_close(cp(longer).logits, model(longer).logits)
