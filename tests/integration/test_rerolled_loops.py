@@ -191,3 +191,11 @@ def test_hf_mamba_mixers_equal_eager_at_two_stages(make) -> None:
         assert_kernels_close(_staged(cp)(ids).logits, model(ids).logits)
         longer = torch.randint(0, VOCAB, (1, 2 * LENGTH + 1))
         assert_kernels_close(cp(longer).logits, model(longer).logits)
+
+
+def test_export_of_a_rerolled_loop_is_refused_naming_it(matrix, tmp_path) -> None:
+    _, cp = matrix
+    with pytest.raises(tppc.ExportError, match=r"(?s)loop_scan.*re-rolled by the capture "
+                       r"\(.*test_rerolled_loops\.py:\d+ in forward\).*fix: run this model with "
+                       r"backend='torch'"):
+        tppc.export(_staged(cp), tmp_path)

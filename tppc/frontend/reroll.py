@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from tppc.frontend.reroll_first_step import first_step
 from tppc.ir.loop_scan import LoopScan
 
 __all__ = ["RerollError", "reroll_loops"]
@@ -173,26 +174,6 @@ def _first_difference(step: list[fx.Node], template: list[fx.Node], sig: list[An
     return ""
 
 
-def _inits(template: list[Any], first: list[Any]) -> dict[int, fx.Node]:
-    """carry ``j`` -> its initial value, matching step 0's signature to the template's."""
-    inits: dict[int, fx.Node] = {}
-
-    def match(t: Any, f: Any) -> bool:
-        if isinstance(t, tuple) and len(t) == 2 and t[0] == "c" and isinstance(t[1], int):
-            if not (isinstance(f, tuple) and len(f) == 2 and f[0] == "i"):
-                return False
-            return inits.setdefault(t[1], f[1]) is f[1]
-        if isinstance(t, tuple) and isinstance(f, tuple):
-            return len(t) == len(f) and all(match(a, b) for a, b in zip(t, f, strict=True))
-        return t == f
-
-    if len(template) != len(first) or not all(match(t, f) for t, f in zip(template, first,
-                                                                          strict=True)):
-        raise RerollError("the first step differs from the others beyond its carries' "
-                          "initial values")
-    return inits
-
-
 def _reroll(gm: fx.GraphModule, collector: fx.Node, source: str) -> None:
     outputs = list(collector.args[0])
     n = len(outputs)
@@ -205,21 +186,29 @@ def _reroll(gm: fx.GraphModule, collector: fx.Node, source: str) -> None:
                           f"t = 0 … {n - 1})")
     positions = {s: key for key, g in groups.items() for at in g for s in at}
     steps = _steps(outputs, order, region)
-    for t, step in enumerate(steps):
+    for t, step in enumerate(steps[1:], start=1):  # step 0: matched to step 1 below
         if outputs[t] not in step:
             raise RerollError(f"output {t} ({outputs[t].name}) reads no position of the loop")
         if {positions[s] for s in step if s in positions} != set(groups) or \
                 any(s not in groups[positions[s]][t] for s in step if s in positions):
             raise RerollError(f"step {t} does not read position {t} of every sliced input")
-    sigs = [_signature(s, steps[t - 1] if t else [], positions, region)
-            for t, s in enumerate(steps)]
-    template = sigs[1]
-    for t in range(2, n):
+    if n < 3:
+        raise RerollError(f"a loop of {n} steps: the re-roller matches steps 1 and 2")
+    sigs = {t: _signature(steps[t], steps[t - 1], positions, region) for t in range(2, n)}
+    template = sigs[2]
+    for t in range(3, n):
         if sigs[t] != template:
-            raise RerollError(f"step {t} is not the same computation as step 1"
-                              f"{_first_difference(steps[t], steps[1], sigs[t], template)}")
-    inits = _inits(template, sigs[0])
-    out_index = steps[0].index(outputs[0])
+            raise RerollError(f"step {t} is not the same computation as step 2"
+                              f"{_first_difference(steps[t], steps[2], sigs[t], template)}")
+    at_zero = {s: groups[positions[s]][0] for s in steps[1] if s in positions}
+    try:
+        steps[0], inits = first_step(steps[1], steps[2], (outputs[1], outputs[0]), at_zero)
+    except ValueError as exc:
+        raise RerollError(f"the first step differs from the others beyond its carries' "
+                          f"initial values: {exc}") from exc
+    if _signature(steps[1], steps[0], positions, region) != template:
+        raise RerollError("step 1 is not the same computation as step 2")
+    out_index = steps[1].index(outputs[1])
     if any(steps[t].index(outputs[t]) != out_index for t in range(n)):
         raise RerollError("the collected output is not the same value of every step")
     carries = sorted(inits)

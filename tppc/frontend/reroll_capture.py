@@ -38,6 +38,7 @@ from torch.fx.experimental.symbolic_shapes import (
     StatelessSymbolicContext,
 )
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.utils import _pytree as pytree
 
 from tppc.frontend.reroll import RerollError, reroll_loops
 from tppc.ir.loop_scan import LoopScan
@@ -45,6 +46,8 @@ from tppc.ir.loop_scan import LoopScan
 __all__ = ["export_rerolled", "grown"]
 
 _aten = torch.ops.aten
+_STEPS = 3
+"""The fewest steps the loop is exported with (an example of 2 tokens is grown by one)."""
 
 
 def grown(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]]
@@ -76,14 +79,38 @@ def export_rerolled(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ..
     if len(axes) != 1 or len(next(iter(axes.values()))) != 1:
         raise RerollError(f"sequence inputs {sorted(axes)}: the re-rolled capture takes one "
                           "sequence input with one sequence axis")
+    while units < _STEPS:  # the re-roller matches steps 1 and 2 (and 0)
+        bound, units = grown(bound, axes), units + 1
     first, second = export(bound), export(grown(bound, axes))
+    unrolled = _run(first, bound)
     loops = reroll_loops(first, source)
     if reroll_loops(second, source) != loops or not loops:
         raise RerollError(f"the loops at the lengths {units} and {units + 1} differ")
     name, (axis,) = next(iter(axes.items()))
     _generalise(first, second, units, (name, axis))
     _propagate(first, bound, name, axis)
+    _check_equal(unrolled, _run(first, bound))
     return first
+
+
+def _run(gm: fx.GraphModule, bound: inspect.BoundArguments) -> list[torch.Tensor]:
+    with torch.no_grad():
+        out = gm(*bound.args, **bound.kwargs)
+    return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
+def _check_equal(unrolled: list[torch.Tensor], rerolled: list[torch.Tensor]) -> None:
+    """The re-rolled graph computes what the unrolled one did on the example (the same ops
+    in the same order: equal up to kernel noise), or the capture is refused."""
+    if len(unrolled) != len(rerolled):
+        raise RerollError(f"the re-rolled graph returns {len(rerolled)} tensors, the unrolled "
+                          f"one {len(unrolled)}")
+    for i, (want, got) in enumerate(zip(unrolled, rerolled, strict=True)):
+        try:
+            torch.testing.assert_close(got, want)
+        except AssertionError as exc:
+            raise RerollError(f"output {i} of the re-rolled graph differs from the unrolled "
+                              f"one on the example: {str(exc).splitlines()[1:3]}") from exc
 
 
 def _generalise(gm: fx.GraphModule, other: fx.GraphModule, units: int,
