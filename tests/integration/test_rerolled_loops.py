@@ -8,7 +8,8 @@ carries are state buffers of its stage (docs/capture.md#re-rolled-loops). Checke
 eager at 2 stages with chunks of one token and more, at re-planned lengths, in ``generate``,
 and priced linear in the chunk. FalconMamba and Jamba (Mamba mixers beside attention and
 experts) are the same path (CI skips them: tests/ci_skips.txt). A loop whose final state is
-read after it is refused naming its line.
+read after it is refused naming its line. ``tppc.export`` writes the loop as an ONNX ``Loop``
+over the chunk's rows, exact through ``tppc.load`` (generate included).
 """
 
 from __future__ import annotations
@@ -193,9 +194,19 @@ def test_hf_mamba_mixers_equal_eager_at_two_stages(make) -> None:
         assert_kernels_close(cp(longer).logits, model(longer).logits)
 
 
-def test_export_of_a_rerolled_loop_is_refused_naming_it(matrix, tmp_path) -> None:
-    _, cp = matrix
-    with pytest.raises(tppc.ExportError, match=r"(?s)loop_scan.*re-rolled by the capture "
-                       r"\(.*test_rerolled_loops\.py:\d+ in forward\).*fix: run this model with "
-                       r"backend='torch'"):
-        tppc.export(_staged(cp), tmp_path)
+@pytest.mark.parametrize("which", ["mamba", "matrix"])
+def test_exported_loop_equals_eager_in_chunks_and_generate(which, request, tmp_path) -> None:
+    """The loop as an ONNX Loop over the chunk's rows, its carries between the chunk sessions
+    as any state buffer's: 2 stages, chunks of one token, generate (tppc.load)."""
+    model, cp = request.getfixturevalue(which)
+    tppc.export(_staged(cp), tmp_path)  # checked against torch and eager on the example
+    runner = tppc.load(tmp_path, threads_per_stage=1)
+    ids = torch.randint(0, VOCAB, (2, LENGTH))
+    with torch.no_grad():
+        out = runner(ids.numpy())
+        got = out["logits"] if which == "mamba" else out
+        assert_kernels_close(torch.from_numpy(got), _logits(model(ids)))
+    prompt = torch.randint(0, VOCAB, (2, LENGTH))  # the length it was exported for
+    want = greedy_reference(lambda x: _logits(model(x)), prompt, 3)
+    assert torch.equal(torch.from_numpy(runner.generate(prompt.numpy(), max_new_tokens=3)),
+                       want)

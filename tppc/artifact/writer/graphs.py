@@ -32,7 +32,6 @@ import tppc.ir.ops  # noqa: F401  (registers torch.ops.tppc)
 from tppc.artifact.writer.kv_reads import buffer_read, is_buffer_narrow
 from tppc.artifact.writer.state_reads import functional_states
 from tppc.errors import ExportError
-from tppc.ir.loop_scan import is_loop_scan
 from tppc.passes.subgraph import copy_graph
 
 __all__ = ["ExportError", "attention_args", "export_stage_graph", "split_attention"]
@@ -124,7 +123,6 @@ def export_stage_graph(stage: Any) -> tuple[fx.GraphModule, tuple[str, ...]]:
     Raises:
         ExportError: an attention whose K/V are not read straight from a buffer.
     """
-    _refuse_loops(stage)
     gm = copy_graph(stage.module)
     graph = gm.graph
     new_rows: dict[str, fx.Node] = functional_states(graph, stage)  # carried states
@@ -155,24 +153,6 @@ def export_stage_graph(stage: Any) -> tuple[fx.GraphModule, tuple[str, ...]]:
     graph.lint()
     gm.recompile()
     return gm, tuple(f"kv.{b.name}" for b in stage.buffers)
-
-
-def _refuse_loops(stage: Any) -> None:
-    """Refuse a re-rolled loop (:mod:`tppc.ir.loop_scan`): the ONNX export has no
-    translation of its step into an ONNX ``Loop`` yet.
-
-    Raises:
-        ExportError: naming the loop's node, its line in the model and the fix.
-    """
-    for node in stage.module.graph.nodes:
-        if is_loop_scan(node):
-            raise ExportError(
-                f"stage {stage.index}: node {node.name!r} is a Python loop over positions "
-                f"re-rolled by the capture ({node.target.source}); tppc's ONNX export does "
-                "not translate a re-rolled loop (its step as an ONNX Loop body) yet. fix: run "
-                "this model with backend='torch' (the torch pipeline carries the loop's state "
-                "exactly), or write the recurrence as a scan (torch.cumsum / logcumsumexp), "
-                "which exports")
 
 
 _ATTENTION_ARGS = ("query", "key", "value", "chunk_start", "causal", "scale", "enable_gqa",

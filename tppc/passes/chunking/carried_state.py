@@ -18,8 +18,8 @@ op on ``[state | chunk rows]`` and writes its new state into slot 1:
   output rows; the state is the last ``(k − 1)·d`` input rows.
 
 - a re-rolled loop (:class:`tppc.ir.loop_scan.LoopScan`): one buffer per carry, shaped as
-  the carry; slot 0 is written with the loop's initial carry (a value of the graph, e.g.
-  ``zeros``) by every chunk, and the loop's stateful form runs the chunk's rows from the
+  the carry; slot 0 is filled with the loop's initial carry by every chunk (``fill_`` as a
+  scan's when a creation op makes it: ``zeros``, ``ones``, ``full``; else a copy of it), and the loop's stateful form runs the chunk's rows from the
   slot read, returning the outputs and the final carries, written into slot 1.
 
 The state's shape is the value's with the token axis of size 1 (a scan) or ``(k − 1)·d``
@@ -102,7 +102,11 @@ class CarriedState:
         slot = new(torch.sym_min, (self.start, 1))
         prevs = []
         for buf, init in zip(bufs, inits, strict=True):
-            new(_aten.copy_.default, (new(_aten.select.int, (buf, 0, 0)), self.env[init]))
+            fill = constant_fill(init)
+            if fill is not None:  # the scans' form: the export reads it (state_reads)
+                new(_aten.fill_.Scalar, (new(_aten.narrow.default, (buf, 0, 0, 1)), fill))
+            else:
+                new(_aten.copy_.default, (new(_aten.select.int, (buf, 0, 0)), self.env[init]))
             prevs.append(new(_aten.select.int, (buf, 0, slot)))
         args = (*prevs, *(self.env[x] for x in xs), *(self.env[v] if isinstance(v, fx.Node)
                                                       else v for v in invariants))
@@ -171,6 +175,23 @@ def _carry_shapes(node: fx.Node) -> list[tuple[tuple[int, ...], torch.dtype]]:
                 "start the state with its own shape (torch.zeros(batch, ..., dtype=...))")
         found.append((tuple(int(s) for s in val.shape), val.dtype))
     return found
+
+
+_FILLS = {_aten.zeros.default: 0.0, _aten.zeros_like.default: 0.0, _aten.new_zeros.default: 0.0,
+          _aten.ones.default: 1.0, _aten.ones_like.default: 1.0, _aten.new_ones.default: 1.0}
+
+
+def constant_fill(init: object) -> float | None:
+    """The value every element of a loop's initial carry holds when a creation op makes it
+    (``zeros``, ``ones``, ``full``), else None."""
+    if not isinstance(init, fx.Node) or init.op != "call_function":
+        return None
+    if init.target in _FILLS:
+        return _FILLS[init.target]
+    if init.target in (_aten.full.default, _aten.full_like.default, _aten.new_full.default):
+        value = init.args[1] if init.target is not _aten.new_full.default else init.args[2]
+        return float(value) if isinstance(value, int | float) else None
+    return None
 
 
 def _step_outputs(loop: LoopScan) -> tuple[fx.Node, ...]:
