@@ -150,29 +150,6 @@ def test_scan_chunks_cost_their_rows_only_and_hold_their_states(hybrid) -> None:
         assert expr.weight_bytes == params + states and expr.kv_bytes_per_token == 0
 
 
-def _minimax(transformers):
-    return transformers.MiniMaxForCausalLM(transformers.MiniMaxConfig(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_local_experts=2,
-        num_experts_per_tok=1, layer_types=["linear_attention", "full_attention"],
-        block_size=4, use_cache=False))
-
-
-@pytest.mark.parametrize(("make", "line"), [
-    (_minimax, r"modeling_minimax\.py:\d+ in forward \(`for i in range\(num_blocks\)"),
-], ids=["minimax"])
-def test_hybrid_python_loops_are_refused_naming_their_line(make, line) -> None:
-    """MiniMax's lightning attention steps its recurrence block by block in a Python loop
-    (blocks of 4, the last one partial): refused by name with its own code (issue 31).
-    Loops over positions (Mamba, Jamba) are re-rolled: tests/integration/test_rerolled_loops.py."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    with pytest.raises(tppc.CaptureError, match=rf"(?s)Python loop.*{line}.*fix: write the "
-                       r"recurrence as a scan"):
-        tppc.capture(make(transformers).eval(), (torch.randint(0, VOCAB, (1, 8)),),
-                     {"use_cache": False})
-
-
 def test_exported_states_equal_eager_in_chunks_and_generate(hybrid, tmp_path) -> None:
     """Each stage's state buffers carried between its ONNX chunk sessions (slot 1 written by
     the runner from the chunk's new-state output): 2 stages, chunks of one token, generate."""

@@ -82,6 +82,14 @@ def _jamba(transformers) -> nn.Module:
         use_mamba_kernels=False)).eval()
 
 
+def _minimax(transformers) -> nn.Module:
+    return transformers.MiniMaxForCausalLM(transformers.MiniMaxConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_local_experts=2,
+        num_experts_per_tok=1, layer_types=["linear_attention", "full_attention"],
+        block_size=4, use_cache=False)).eval()
+
+
 def _compile(model: nn.Module, batch: int = 2) -> tppc.CompiledPipeline:
     return tppc.compile(model, (torch.randint(0, VOCAB, (batch, LENGTH)),), cluster="2xcpu")
 
@@ -210,3 +218,25 @@ def test_exported_loop_equals_eager_in_chunks_and_generate(which, request, tmp_p
     want = greedy_reference(lambda x: _logits(model(x)), prompt, 3)
     assert torch.equal(torch.from_numpy(runner.generate(prompt.numpy(), max_new_tokens=3)),
                        want)
+
+
+def test_minimax_loop_over_blocks_equals_eager_in_chunks_of_blocks_and_generate() -> None:
+    """MiniMax's lightning attention steps blocks of 4 rows (``for i in range(num_blocks)``,
+    outputs concatenated): re-rolled over blocks, a unit of the plan is one block (as a block
+    scan's), exact at 2 stages in chunks of one block, at other whole numbers of blocks and in
+    generate (each decode step re-runs its block)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = _minimax(transformers)
+    cp = tppc.compile(model, (torch.randint(0, VOCAB, (1, 8)),), cluster="2xcpu")
+    assert cp.context.block_size == 4 and "modeling_minimax.py" in cp.context.rerolled
+    n = len(cp.context.layers)
+    staged = cp.with_plan(manual_plan(n, 3, cuts=(0, n // 2, n), boundaries=(0, 1, 2, 3)))
+    ids = torch.randint(0, VOCAB, (1, 12))
+    with torch.no_grad():
+        assert_kernels_close(staged(ids).logits, model(ids).logits)
+        longer = torch.randint(0, VOCAB, (1, 20))
+        assert_kernels_close(cp(longer).logits, model(longer).logits)
+    prompt = torch.randint(0, VOCAB, (1, 6))
+    want = greedy_reference(lambda x: model(x).logits, prompt, 3)
+    assert torch.equal(cp.generate(prompt, max_new_tokens=3), want)

@@ -56,7 +56,7 @@ def test_a_linear_recurrence_becomes_one_loop_node_that_runs_any_length() -> Non
 
 def test_a_first_step_unlike_the_others_is_refused() -> None:
     gm, _ = _unrolled(_Linear(first="row"))
-    with pytest.raises(RerollError, match="first step differs|not the same computation"):
+    with pytest.raises(RerollError, match="first step"):
         reroll_loops(gm, "model.py:1")
 
 
@@ -73,7 +73,7 @@ class _ReadsAll(nn.Module):
         h = torch.zeros(x.shape[0], x.shape[2])
         outs = []
         for t in range(x.shape[1]):
-            h = torch.tanh(h + (x * h[:, None, :]).sum(1)) + x[:, t]
+            h = torch.tanh(h + (x * x[:, t, None, :]).sum(1)) + x[:, t]
             outs.append(h)
         return x + torch.stack(outs, dim=1)
 

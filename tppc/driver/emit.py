@@ -306,7 +306,9 @@ def _stage(module: fx.GraphModule, device: torch.device, signature: ChunkSignatu
                    parts=spec.parts)
         for name, spec in inputs if spec.kind in ("key", "value", "state"))
     runnable, slots = module, {}
-    if not info.outputs:  # the last stage: its outputs are the model's
+    plain = all(not rows or tuple(rows)[:2] == (1, 0) for rows in signature.output_rows)
+    if not info.outputs and plain:  # the last stage: its outputs are the model's (a unit
+        # of k rows, a block, has no one-row-per-unit slot: the assembler writes those)
         runnable, slots = write_outputs_in_place(module, signature.output_axes)
     tensors = [*module.parameters(), *module.buffers()]
     return StageProgram(

@@ -33,10 +33,9 @@ from typing import Any
 import torch
 from torch import fx
 
-from tppc.frontend.reroll_first_step import first_step
 from tppc.ir.loop_scan import LoopScan
 
-__all__ = ["RerollError", "reroll_loops"]
+__all__ = ["RerollError", "loop_block", "reroll_loops"]
 
 _aten = torch.ops.aten
 _ASSERTS = (_aten._assert_tensor_metadata.default,)
@@ -47,21 +46,62 @@ class RerollError(Exception):
 
 
 def reroll_loops(gm: fx.GraphModule, source: str) -> int:
-    """Re-roll every stacked loop of ``gm`` in place; returns how many.
+    """Re-roll every loop of ``gm`` in place; returns how many.
+
+    Every ``stack``, and every ``cat`` of equal blocks, is a candidate collector; one that
+    reads no position of any input per step is no loop and is left alone.
 
     Raises:
-        RerollError: a collector of ``n ≥ 2`` outputs that is no re-rollable loop (why).
+        RerollError: no loop was re-rolled and a candidate that reads positions is no
+            re-rollable loop (why).
     """
-    count = 0
+    count, errors = 0, []
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target is _aten.stack.default \
-                and len(node.args[0]) >= 2:
-            _reroll(gm, node, source)
-            count += 1
+        block = _collector_block(node)
+        if block is None:
+            continue
+        try:
+            count += _reroll(gm, node, source, block)
+        except RerollError as exc:
+            errors.append(exc)
+    if not count and errors:
+        raise errors[0]
     if count:
+        gm.graph.eliminate_dead_code()
         gm.graph.lint()
         gm.recompile()
     return count
+
+
+def loop_block(gm: fx.GraphModule) -> int | None:
+    """The rows per step of the first loop in ``gm`` (of two steps or more), or None: 1 for a
+    loop over positions, ``b`` for a loop over blocks of ``b`` rows."""
+    for node in gm.graph.nodes:
+        block = _collector_block(node, least=2)
+        if block is None:
+            continue
+        outputs = list(node.args[0])
+        nodes = set().union(*(_ancestors(o) for o in outputs))
+        if _position_groups(list(nodes), len(outputs), block):
+            return block
+    return None
+
+
+def _collector_block(node: fx.Node, least: int = 3) -> int | None:
+    """The rows each output adds: 1 for ``stack`` of ≥ ``least`` values, ``b`` for ``cat``
+    of ≥ ``least`` values of ``b`` rows each along its axis, else None."""
+    if node.op != "call_function" or node.target not in (_aten.stack.default,
+                                                         _aten.cat.default):
+        return None
+    values = node.args[0]
+    if len(values) < least or not all(isinstance(v, fx.Node) for v in values):
+        return None
+    if node.target is _aten.stack.default:
+        return 1
+    dim = node.args[1] if len(node.args) > 1 else 0
+    sizes = {_size(v, dim % max(_rank(v) or 1, 1)) for v in values}
+    size = sizes.pop() if len(sizes) == 1 else None
+    return size if isinstance(size, int) and size >= 1 else None
 
 
 def _ancestors(node: fx.Node) -> set[fx.Node]:
@@ -75,24 +115,43 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
     return seen
 
 
-def _position_groups(nodes: list[fx.Node], n: int
+def _position_groups(nodes: list[fx.Node], n: int, block: int
                      ) -> dict[tuple[fx.Node, int], list[list[fx.Node]]]:
     """``(X, axis) -> [selects at 0, …, selects at n − 1]`` for the sliced inputs (a step
-    may index a position twice: ``z[:, t]`` written twice)."""
+    may index a position twice: ``z[:, t]`` written twice); with blocks of ``b > 1`` rows,
+    the slices ``X[..., t·b:(t+1)·b]``."""
     found: dict[tuple[fx.Node, int], dict[int, list[fx.Node]]] = {}
     for node in nodes:
-        if node.target is not _aten.select.int or not isinstance(node.args[0], fx.Node):
-            continue
-        src, axis, index = node.args[0], node.args[1], node.args[2]
-        rank = _rank(src)
-        if rank is None or not isinstance(index, int):
-            continue
-        key = (src, axis % rank)
-        size = _size(src, axis % rank)
-        index = index % size if size else index
-        found.setdefault(key, {}).setdefault(index, []).append(node)
+        at = _position(node, block)
+        if at is not None:
+            found.setdefault(at[0], {}).setdefault(at[1], []).append(node)
     return {key: [m[i] for i in range(n)] for key, m in found.items()
             if sorted(m) == list(range(n)) and len({len(v) for v in m.values()}) == 1}
+
+
+def _position(node: fx.Node, block: int) -> tuple[tuple[fx.Node, int], int] | None:
+    """``((X, axis), t)`` of a select at ``t`` (``block == 1``) or a slice of the ``t``-th
+    block of ``block`` rows, else None."""
+    want = _aten.select.int if block == 1 else _aten.slice.Tensor
+    if node.target is not want or not isinstance(node.args[0], fx.Node):
+        return None
+    src = node.args[0]
+    rank = _rank(src)
+    axis = node.args[1] if len(node.args) > 1 else 0
+    if rank is None or not isinstance(axis, int):
+        return None
+    size = _size(src, axis % rank)
+    if block == 1:
+        index = node.args[2]
+        if not isinstance(index, int):
+            return None
+        return (src, axis % rank), (index % size if size else index)
+    start, end = [*node.args[2:4], None, None][:2]
+    step = node.args[4] if len(node.args) > 4 else 1
+    if not (isinstance(start, int) and isinstance(end, int) and step == 1) or start < 0 \
+            or start % block or min(end, size or end) - start != block:
+        return None
+    return (src, axis % rank), start // block
 
 
 def _rank(node: fx.Node) -> int | None:
@@ -121,23 +180,59 @@ def _region(nodes: list[fx.Node], groups: dict[tuple[fx.Node, int], list[list[fx
         groups = kept
 
 
-def _steps(outputs: list[fx.Node], order: dict[fx.Node, int], region: set[fx.Node]
-           ) -> list[list[fx.Node]]:
-    seen: set[fx.Node] = set()
-    steps = []
-    for out in outputs:
-        step = sorted((a for a in _ancestors(out) if a in region and a not in seen),
-                      key=order.__getitem__)
-        seen.update(step)
-        steps.append(step)
+def _steps(n: int, order: dict[fx.Node, int], region: set[fx.Node],
+           positions: dict[fx.Node, tuple[tuple[fx.Node, int], int]]) -> list[list[fx.Node]]:
+    """Each region node in the step of the latest position it reads (as soon as its inputs
+    are there: an op on the carry alone ends the step before), in graph order."""
+    step: dict[fx.Node, int] = {}
+    for node in sorted(region, key=order.__getitem__):
+        if node in positions:
+            step[node] = positions[node][1]
+        else:
+            step[node] = max(step[a] for a in node.all_input_nodes if a in region)
+    steps: list[list[fx.Node]] = [[] for _ in range(n)]
+    for node in sorted(region, key=order.__getitem__):
+        steps[step[node]].append(node)
     return steps
 
 
+class _Canonical:
+    """An invariant's key: itself, or for an op outside the loop region its op and its
+    arguments' keys, so that a value each step recomputes alike (MiniMax's
+    ``query_decay[:, :block]``, one copy per step) is one invariant."""
+
+    def __init__(self, region: set[fx.Node]) -> None:
+        self.region, self.memo = region, {}
+        self.nodes: dict[Any, fx.Node] = {}  # a key -> its first node
+
+    def __call__(self, node: fx.Node) -> Any:
+        if node not in self.memo:
+            if node.op != "call_function" or node in self.region:
+                self.memo[node] = node
+            else:
+                self.memo[node] = (node.target, self._enc(node.args), self._enc(node.kwargs))
+            self.nodes.setdefault(self.memo[node], node)
+        return self.memo[node]
+
+    def _enc(self, value: Any) -> Any:
+        if isinstance(value, fx.Node):
+            return self(value)
+        if isinstance(value, list | tuple):
+            return (type(value).__name__, *(self._enc(v) for v in value))
+        if isinstance(value, dict):
+            return ("dict", *((k, self._enc(v)) for k, v in sorted(value.items())))
+        return ("lit", type(value).__name__, value)
+
+
 def _signature(step: list[fx.Node], before: list[fx.Node],
-               positions: dict[fx.Node, tuple[fx.Node, int]], region: set[fx.Node]
+               positions: dict[fx.Node, tuple[fx.Node, int]], region: set[fx.Node],
+               canonical: _Canonical, at: tuple[list[int], list[int]] | None = None
                ) -> list[tuple[Any, ...]]:
-    local = {n: j for j, n in enumerate(step)}
-    previous = {n: j for j, n in enumerate(before)}
+    """The step's signature; ``at``: the template's index of each op of the step and of
+    the step before (for steps missing the ops of a dead final carry)."""
+    mine, theirs = at or (list(range(len(step))), list(range(len(before))))
+    local = {n: mine[j] for j, n in enumerate(step)}
+    previous = {n: theirs[j] for j, n in enumerate(before)}
 
     def enc(value: Any) -> Any:
         if isinstance(value, fx.Node):
@@ -147,7 +242,7 @@ def _signature(step: list[fx.Node], before: list[fx.Node],
                 return ("c", previous[value])
             if value in region:
                 raise RerollError(f"{value.name} of an earlier step is read two steps later")
-            return ("i", value)
+            return ("i", canonical(value))
         if isinstance(value, list | tuple):
             return (type(value).__name__, *(enc(v) for v in value))
         if isinstance(value, dict):
@@ -174,46 +269,106 @@ def _first_difference(step: list[fx.Node], template: list[fx.Node], sig: list[An
     return ""
 
 
-def _reroll(gm: fx.GraphModule, collector: fx.Node, source: str) -> None:
+def _inits(template: list[Any], first: list[Any], canonical: _Canonical) -> dict[int, fx.Node]:
+    """carry ``j`` -> its initial value, matching step 0's signature to the template's: step
+    0 reads an invariant (the initial value) wherever the template reads carry ``j``."""
+    inits: dict[int, Any] = {}
+
+    def match(t: Any, f: Any) -> bool:
+        if isinstance(t, tuple) and len(t) == 2 and t[0] == "c" and isinstance(t[1], int):
+            if not (isinstance(f, tuple) and len(f) == 2 and f[0] == "i"):
+                return False
+            return inits.setdefault(t[1], f[1]) == f[1]
+        if isinstance(t, tuple) and isinstance(f, tuple):
+            return len(t) == len(f) and all(match(a, b) for a, b in zip(t, f, strict=True))
+        return t == f
+
+    if len(template) != len(first) or not all(match(t, f) for t, f in zip(template, first,
+                                                                          strict=True)):
+        raise RerollError(f"the first step differs from the others beyond its carries' "
+                          f"initial values{_first_difference(first, template, first, template)}"
+                          if len(template) != len(first) else
+                          "the first step differs from the others beyond its carries' "
+                          "initial values")
+    return {j: canonical.nodes[key] for j, key in inits.items()}
+
+
+def _live_ops(template: list[fx.Node], output: fx.Node, sig: list[Any], n: int
+              ) -> list[list[int]]:
+    """``[k]``: the template's ops (indices) that outputs at most ``k`` steps later read: a
+    step ``k`` steps before the last holds only those (the graph dropped the rest, the
+    carries no later step reads)."""
+    index = {node: i for i, node in enumerate(template)}
+    carried_by: dict[int, set[int]] = {}  # op i reads carry j (op j of the step before)
+    for i, entry in enumerate(sig):
+        for j in _carry_reads(entry):
+            carried_by.setdefault(i, set()).add(j)
+
+    def closure(roots: set[int]) -> set[int]:
+        found, todo = set(), list(roots)
+        while todo:
+            i = todo.pop()
+            if i not in found:
+                found.add(i)
+                todo.extend(index[a] for a in template[i].all_input_nodes if a in index)
+        return found
+
+    live = [closure({index[output]})]
+    for _ in range(1, n):
+        live.append(closure({index[output]} | {j for i in live[-1]
+                                               for j in carried_by.get(i, ())}))
+    return [sorted(ops) for ops in live]
+
+
+def _carry_reads(entry: Any) -> list[int]:
+    if isinstance(entry, tuple) and len(entry) == 2 and entry[0] == "c" \
+            and isinstance(entry[1], int):
+        return [entry[1]]
+    if isinstance(entry, tuple):
+        return [j for e in entry for j in _carry_reads(e)]
+    return []
+
+
+def _reroll(gm: fx.GraphModule, collector: fx.Node, source: str, block: int) -> int:
+    """Re-roll the loop ``collector`` collects; 0 when it reads no position per step."""
     outputs = list(collector.args[0])
     n = len(outputs)
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     nodes = sorted(set().union(*(_ancestors(o) for o in outputs)), key=order.__getitem__)
-    groups = _position_groups(nodes, n)
+    groups = _position_groups(nodes, n, block)
     region, groups = _region(nodes, groups)
     if not groups:
-        raise RerollError(f"no input is read one position per step (select(x, axis, t) for "
-                          f"t = 0 … {n - 1})")
-    positions = {s: key for key, g in groups.items() for at in g for s in at}
-    steps = _steps(outputs, order, region)
-    for t, step in enumerate(steps[1:], start=1):  # step 0: matched to step 1 below
+        return 0  # no loop: a stack or cat of values read from no position per step
+    positions = {s: (key, t) for key, g in groups.items() for t, at in enumerate(g)
+                 for s in at}
+    steps = _steps(n, order, region, positions)
+    for t, step in enumerate(steps):
         if outputs[t] not in step:
             raise RerollError(f"output {t} ({outputs[t].name}) reads no position of the loop")
-        if {positions[s] for s in step if s in positions} != set(groups) or \
-                any(s not in groups[positions[s]][t] for s in step if s in positions):
-            raise RerollError(f"step {t} does not read position {t} of every sliced input")
-    if n < 3:
-        raise RerollError(f"a loop of {n} steps: the re-roller matches steps 1 and 2")
-    sigs = {t: _signature(steps[t], steps[t - 1], positions, region) for t in range(2, n)}
-    template = sigs[2]
-    for t in range(3, n):
-        if sigs[t] != template:
-            raise RerollError(f"step {t} is not the same computation as step 2"
-                              f"{_first_difference(steps[t], steps[2], sigs[t], template)}")
-    at_zero = {s: groups[positions[s]][0] for s in steps[1] if s in positions}
-    try:
-        steps[0], inits = first_step(steps[1], steps[2], (outputs[1], outputs[0]), at_zero)
-    except ValueError as exc:
-        raise RerollError(f"the first step differs from the others beyond its carries' "
-                          f"initial values: {exc}") from exc
-    if _signature(steps[1], steps[0], positions, region) != template:
-        raise RerollError("step 1 is not the same computation as step 2")
+    canonical = _Canonical(region)
+    keys = {s: k for s, (k, _) in positions.items()}
+    template = _signature(steps[1], steps[0], keys, region, canonical)
+    if len(steps[0]) != len(steps[1]):
+        raise RerollError(f"the first step has {len(steps[0])} ops and the second "
+                          f"{len(steps[1])} (a first step unlike the others, or a loop of {n} "
+                          "steps too short to show a whole one)")
+    live = _live_ops(steps[1], outputs[1], template, n)
+    for t in range(2, n):
+        at = (live[n - 1 - t], live[n - t])
+        sig = _signature(steps[t], steps[t - 1], keys, region, canonical, at)
+        want = [template[i] for i in at[0]]
+        if sig != want:
+            raise RerollError(f"step {t} is not the same computation as step 1"
+                              f"{_first_difference(steps[t], steps[1], sig, want)}")
+    inits = _inits(template, _signature(steps[0], [], keys, region, canonical), canonical)
     out_index = steps[1].index(outputs[1])
-    if any(steps[t].index(outputs[t]) != out_index for t in range(n)):
+    if any(live[n - 1 - t][steps[t].index(outputs[t])] != out_index for t in range(1, n)) \
+            or steps[0].index(outputs[0]) != out_index:
         raise RerollError("the collected output is not the same value of every step")
     carries = sorted(inits)
     _check_escapes(steps, carries, collector)
-    loop = _loop_node(gm, collector, steps, groups, carries, inits, out_index, source)
+    loop = _loop_node(gm, collector, steps, groups, carries, inits, out_index,
+                      (source, block))
     collector.replace_all_uses_with(loop)
     gm.graph.erase_node(collector)
     for step in reversed(steps):
@@ -222,6 +377,7 @@ def _reroll(gm: fx.GraphModule, collector: fx.Node, source: str) -> None:
                 if user.target in _ASSERTS:
                     gm.graph.erase_node(user)
             gm.graph.erase_node(node)
+    return 1
 
 
 def _check_escapes(steps: list[list[fx.Node]], carries: list[int], collector: fx.Node) -> None:
@@ -240,7 +396,7 @@ def _check_escapes(steps: list[list[fx.Node]], carries: list[int], collector: fx
 
 def _loop_node(gm: fx.GraphModule, collector: fx.Node, steps: list[list[fx.Node]],
                groups: dict[tuple[fx.Node, int], list[list[fx.Node]]], carries: list[int],
-               inits: dict[int, fx.Node], out_index: int, source: str) -> fx.Node:
+               inits: dict[int, fx.Node], out_index: int, where: tuple[str, int]) -> fx.Node:
     """The step GraphModule (from step 1, reading step 0's carries) and the loop node."""
     first, template = steps[0], steps[1]
     graph = fx.Graph()
@@ -279,7 +435,7 @@ def _loop_node(gm: fx.GraphModule, collector: fx.Node, steps: list[list[fx.Node]
     rank = collector.meta["val"].dim()
     loop = LoopScan(step_gm, carries=len(carries), xs_dims=tuple(a for _, a in groups),
                     out_dim=collector.args[1] % rank if len(collector.args) > 1 else 0,
-                    source=source)
+                    source=where[0], block=where[1])
     args = (*(inits[j] for j in carries), *(src for src, _ in groups), *invariants)
     with gm.graph.inserting_before(collector):
         node = gm.graph.call_function(loop, args)

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import (
     DimDynamic,
@@ -40,32 +41,36 @@ from torch.fx.experimental.symbolic_shapes import (
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
-from tppc.frontend.reroll import RerollError, reroll_loops
+from tppc.frontend.reroll import RerollError, loop_block, reroll_loops
 from tppc.ir.loop_scan import LoopScan
 
 __all__ = ["export_rerolled", "grown"]
 
 _aten = torch.ops.aten
-_STEPS = 3
-"""The fewest steps the loop is exported with (an example of 2 tokens is grown by one)."""
+_STEPS = 4
+"""The fewest steps the loop is exported with (a shorter example is grown): the steps
+before the last hold ops only later steps read, which the graph drops at the last ones."""
 
 
-def grown(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]]
+def grown(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]], rows: int = 1
           ) -> inspect.BoundArguments:
-    """``bound`` with every sequence input one unit longer (its last row repeated)."""
+    """``bound`` with every sequence input ``rows`` units longer (its last row repeated)."""
     args = OrderedDict()
     for name, value in bound.arguments.items():
         if name in axes and isinstance(value, torch.Tensor):
             for d in axes[name]:
-                value = torch.cat([value, value.narrow(d, value.shape[d] - 1, 1)], d)
+                last = value.narrow(d, value.shape[d] - 1, 1)
+                value = torch.cat([value, *[last] * rows], d)
         args[name] = value
     return inspect.BoundArguments(bound.signature, args)
 
 
 def export_rerolled(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]],
                     units: int, export: Callable[[inspect.BoundArguments], fx.GraphModule],
-                    source: str) -> fx.GraphModule:
-    """The re-rolled capture (see the module docstring) with symbolic shapes.
+                    source: str) -> tuple[fx.GraphModule, int]:
+    """The re-rolled capture (see the module docstring) with symbolic shapes, and the rows
+    per step (1, or ``b`` for a loop over blocks of ``b`` rows: the graph's symbol then
+    counts blocks, ``L = b·blocks``).
 
     Args:
         bound: the example inputs; ``axes`` their sequence axes; ``units`` the length.
@@ -79,18 +84,29 @@ def export_rerolled(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ..
     if len(axes) != 1 or len(next(iter(axes.values()))) != 1:
         raise RerollError(f"sequence inputs {sorted(axes)}: the re-rolled capture takes one "
                           "sequence input with one sequence axis")
-    while units < _STEPS:  # the re-roller matches steps 1 and 2 (and 0)
-        bound, units = grown(bound, axes), units + 1
-    first, second = export(bound), export(grown(bound, axes))
+    first = export(bound)
+    block = loop_block(first)
+    if block is None:
+        raise RerollError("no stack (or cat of equal blocks) of values read one position "
+                          "(or one block of rows) per step")
+    if units % block:
+        raise RerollError(f"a loop over blocks of {block} rows and an example of {units} "
+                          f"tokens, whose last block is partial (a step unlike the others); "
+                          f"capture with a whole number of blocks, e.g. "
+                          f"{max(_STEPS, -(-units // block)) * block} tokens")
+    if units < _STEPS * block:  # the re-roller matches steps 1 and 2 (and 0)
+        bound = grown(bound, axes, _STEPS * block - units)
+        units, first = _STEPS * block, export(bound)
+    second = export(grown(bound, axes, block))
     unrolled = _run(first, bound)
     loops = reroll_loops(first, source)
     if reroll_loops(second, source) != loops or not loops:
-        raise RerollError(f"the loops at the lengths {units} and {units + 1} differ")
+        raise RerollError(f"the loops at the lengths {units} and {units + block} differ")
     name, (axis,) = next(iter(axes.items()))
-    _generalise(first, second, units, (name, axis))
-    _propagate(first, bound, name, axis)
+    _generalise(first, second, units // block, (name, axis, block))
+    _propagate(first, bound, (name, axis, block))
     _check_equal(unrolled, _run(first, bound))
-    return first
+    return first, block
 
 
 def _run(gm: fx.GraphModule, bound: inspect.BoundArguments) -> list[torch.Tensor]:
@@ -114,8 +130,9 @@ def _check_equal(unrolled: list[torch.Tensor], rerolled: list[torch.Tensor]) -> 
 
 
 def _generalise(gm: fx.GraphModule, other: fx.GraphModule, units: int,
-                seq: tuple[str, int]) -> None:
-    """``gm``'s literal sizes that differ in ``other`` (one unit longer) as ``a·L + b``."""
+                seq: tuple[str, int, int]) -> None:
+    """``gm``'s literal sizes that differ in ``other`` (one unit longer: a token, or a block
+    of ``seq[2]`` tokens) as ``a·n + b``, ``n`` the units (the length over the block)."""
     nodes, others = list(gm.graph.nodes), list(other.graph.nodes)
     if len(nodes) != len(others):
         raise RerollError(f"the graphs at the lengths {units} and {units + 1} have "
@@ -126,6 +143,9 @@ def _generalise(gm: fx.GraphModule, other: fx.GraphModule, units: int,
     last = [n for n in nodes if n.op == "placeholder"][-1]
     with gm.graph.inserting_after(last):
         length = gm.graph.call_function(_aten.sym_size.int, (placeholder, seq[1]))
+    if seq[2] > 1:
+        with gm.graph.inserting_after(length):
+            length = gm.graph.call_function(operator.floordiv, (length, seq[2]))
     made: dict[tuple[int, int], fx.Node] = {}
 
     def size(a: int, b: int, before: fx.Node) -> fx.Node:
@@ -199,14 +219,25 @@ def _same_graph(g1: fx.Graph, g2: fx.Graph) -> bool:
                and same(a.kwargs, b.kwargs) for a, b in zip(n1, n2, strict=True))
 
 
-def _propagate(gm: fx.GraphModule, bound: inspect.BoundArguments, name: str, axis: int
+def _propagate(gm: fx.GraphModule, bound: inspect.BoundArguments, seq: tuple[str, int, int]
                ) -> None:
-    """Every node's ``meta["val"]`` again, with the sequence axis of ``name`` symbolic."""
-    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    """Every node's ``meta["val"]`` again, with the sequence axis of ``seq[0]`` symbolic (a
+    multiple ``seq[2]·n`` of a symbol ``n`` for a loop over blocks)."""
+    name, axis, block = seq
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
     inputs = []
     for node in gm.graph.find_nodes(op="placeholder"):
         value = bound.arguments.get(node.target)
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and node.target == name and block > 1:
+            blocks = value.shape[axis] // block
+            symbol = env.create_symbol(blocks, ConstantSource("blocks"),
+                                       dynamic_dim=DimDynamic.DYNAMIC)
+            shape = list(value.shape)
+            shape[axis] = block * env.create_symintnode(symbol, hint=blocks)
+            with mode:
+                value = torch.empty(shape, dtype=value.dtype)
+        elif isinstance(value, torch.Tensor):
             dynamic = [DimDynamic.DYNAMIC if (node.target == name and d == axis)
                        else DimDynamic.STATIC for d in range(value.dim())]
             value = mode.from_tensor(value, symbolic_context=StatelessSymbolicContext(

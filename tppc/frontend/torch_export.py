@@ -125,7 +125,7 @@ def _export_rerolled(model: torch.nn.Module, bound: inspect.BoundArguments,
         return gm
 
     try:
-        gm = export_rerolled(bound, axes, units, export, site[0])
+        gm, block = export_rerolled(bound, axes, units, export, site[0])
     except Exception as again:  # RerollError, or torch.export failing at a fixed length
         raise CaptureError(loop_refusal(model, site, exc, again)) from exc
     symbol = _seq_symbol(gm, axes)
@@ -133,9 +133,10 @@ def _export_rerolled(model: torch.nn.Module, bound: inspect.BoundArguments,
         raise CaptureError(loop_refusal(model, site, exc, "the re-rolled graph's length is a "
                                         "constant"))
     ctx = CompileContext(
-        seq_symbol=symbol, example_seq=units, seq_inputs=dict(axes), capture_mode="dynamic",
+        seq_symbol=symbol, example_seq=units // block, seq_inputs=dict(axes),
+        capture_mode="dynamic",
         input_names=tuple(n.name for n in gm.graph.nodes if n.op == "placeholder"),
-        rerolled=site[0])
+        rerolled=site[0], block_size=block if block > 1 else None)
     return gm, ctx
 
 

@@ -49,11 +49,14 @@ class LoopScan:
         out_dim: the axis the outputs are stacked along (of the node's value).
         source: where the loop is in the model's source (``file:line``), for messages.
         with_state: return ``(outputs, *final carries)`` instead of the outputs.
+        block: rows per step: 1 (a position, ``select``; outputs stacked), or ``b`` (a
+            block of ``b`` rows, ``narrow``; outputs of ``b`` rows concatenated).
     """
 
     def __init__(self, step: fx.GraphModule, *, carries: int, xs_dims: tuple[int, ...],
-                 out_dim: int, source: str, with_state: bool = False) -> None:
+                 out_dim: int, source: str, with_state: bool = False, block: int = 1) -> None:
         self.step = step
+        self.block = block
         self.with_state = with_state
         self.carries = carries
         self.xs_dims = tuple(xs_dims)
@@ -64,7 +67,8 @@ class LoopScan:
         self.__qualname__ = self.__name__
 
     def __repr__(self) -> str:
-        state = ", with_state=True" if self.with_state else ""
+        state = (", with_state=True" if self.with_state else "") + \
+            (f", block={self.block}" if self.block > 1 else "")
         return f"LoopScan(carries={self.carries}, xs_dims={self.xs_dims}, " \
             f"out_dim={self.out_dim}, source={self.source!r}{state})"
 
@@ -74,7 +78,8 @@ class LoopScan:
     def stateful(self) -> LoopScan:
         """The same loop returning ``(outputs, *final carries)`` (a chunk's form)."""
         return LoopScan(self.step, carries=self.carries, xs_dims=self.xs_dims,
-                        out_dim=self.out_dim, source=self.source, with_state=True)
+                        out_dim=self.out_dim, source=self.source, with_state=True,
+                        block=self.block)
 
     def split(self, args: tuple[Any, ...]) -> tuple[list[Any], list[Any], list[Any]]:
         """``(inits, xs, invariants)`` of the node's arguments."""
@@ -84,26 +89,36 @@ class LoopScan:
     def run(self, *args: Any) -> tuple[torch.Tensor, ...]:
         """``(stacked outputs, *final carries)`` of the loop over every position of ``xs``."""
         carries, xs, invariants = self.split(args)
-        steps = xs[0].shape[self.xs_dims[0]]
+        rows = xs[0].shape[self.xs_dims[0]]
         if any(isinstance(x, FakeTensor) for x in (*carries, *xs)) \
-                or isinstance(steps, torch.SymInt):
-            return self._fake(carries, xs, invariants, steps)
+                or isinstance(rows, torch.SymInt):
+            return self._fake(carries, xs, invariants, rows)
         outputs = []
-        for t in range(int(steps)):
-            rows = [x.select(d, t) for x, d in zip(xs, self.xs_dims, strict=True)]
-            result = self.step(*carries, *rows, *invariants)
+        for t in range(int(rows) // self.block):
+            result = self.step(*carries, *self._rows(xs, t), *invariants)
             carries, out = list(result[:self.carries]), result[self.carries]
             outputs.append(out)
+        if self.block > 1:
+            return (torch.cat(outputs, dim=self.out_dim), *carries)
         return (torch.stack(outputs, dim=self.out_dim), *carries)
 
-    def _fake(self, carries: list[Any], xs: list[Any], invariants: list[Any], steps: Any
+    def _rows(self, xs: list[Any], t: int) -> list[Any]:
+        """The inputs of step ``t``: position ``t``, or the ``t``-th block of rows."""
+        if self.block == 1:
+            return [x.select(d, t) for x, d in zip(xs, self.xs_dims, strict=True)]
+        return [x.narrow(d, t * self.block, self.block)
+                for x, d in zip(xs, self.xs_dims, strict=True)]
+
+    def _fake(self, carries: list[Any], xs: list[Any], invariants: list[Any], rows: Any
               ) -> tuple[torch.Tensor, ...]:
         """One step on the first rows, the outputs' stacked shape (see the module docstring)."""
-        rows = [x.select(d, 0) for x, d in zip(xs, self.xs_dims, strict=True)]
-        result = self.step(*carries, *rows, *invariants)
+        result = self.step(*carries, *self._rows(xs, 0), *invariants)
         out = result[self.carries]
         shape = list(out.shape)
-        shape.insert(self.out_dim, steps)
+        if self.block > 1:
+            shape[self.out_dim] = rows
+        else:
+            shape.insert(self.out_dim, rows)
         finals = [c.new_empty(c.shape) for c in result[:self.carries]]
         return (out.new_empty(shape), *finals)
 
