@@ -88,7 +88,10 @@ def export_blocks(model: torch.nn.Module, log: GuardLog, export: Callable[[], fx
         if site is not None and loop_over_positions(site[1]):
             why = (f"a Python loop over the blocks at {site[0]} (`{site[1]}`), which "
                    "torch.export unrolls at the example's number of blocks (a recurrence "
-                   "stepped block by block, e.g. a chunked delta rule)")
+                   "stepped block by block, e.g. a chunked delta rule); tppc re-rolls loops "
+                   "over the positions or blocks of a sequence it captures at fixed lengths "
+                   "(docs/capture.md#re-rolled-loops), not yet a loop inside a sequence "
+                   "padded to blocks")
         raise CaptureError(block_refusal(model, block, log.block_sites) + "\nThe export with "
                            f"the length {block} × blocks failed too: {why}.") from first
     guards = getattr(gm, "_guards_fn", None)

@@ -3,7 +3,9 @@
 Terms:
     loop over positions: a recurrence stepped in a Python loop as long as the sequence
         (position by position, or block by block); torch.export unrolls it at the example's
-        length (:func:`tppc.frontend.guard_sites.loop_over_positions`).
+        length (:func:`tppc.frontend.guard_sites.loop_over_positions`). tppc re-rolls it
+        (:mod:`tppc.frontend.reroll_capture`) and refuses it only when that fails (the
+        reason is part of the refusal).
     block padding: the sequence padded to a multiple of a constant ``k`` and reshaped into
         blocks of ``k`` rows, with a recurrence over the blocks (a chunked scan: Mamba2's SSD
         scan, Gated DeltaNet's chunked delta rule); torch.export pins the length, because
@@ -11,8 +13,8 @@ Terms:
         tppc exports it again with ``L = k × blocks`` (:mod:`tppc.frontend.block_capture`)
         and refuses it only when that fails too (Qwen3-Next: a Python loop over the blocks).
 
-Both stop the first export, from the first export's guards, before any second export or
-annotation runs (the export stops at the guard that shows the construct: the rest is minutes
+Both stop the first export, from the first export's guards, before the exports that re-roll
+a loop or capture blocks, and before annotation runs (the export stops at the guard that shows the construct: the rest is minutes
 of symbolic reasoning about the padded length, or the unrolled loop): a token chunk cannot
 run either graph.
 """

@@ -43,6 +43,11 @@ def loop_op(target: object) -> Fn | None:
 def _loop(t: Any, node: fx.Node, *args: Any) -> tuple[Tensor, ...]:
     loop: LoopScan = node.target
     carries, xs, invariants = loop.split(args)
+    if loop.block > 1:
+        raise ExportError(f"re-rolled loop {node.name!r} ({loop.source}) steps over blocks of "
+                          f"{loop.block} rows; tppc's ONNX export translates loops over "
+                          "positions only (a Loop gathering one row per step). fix: run this "
+                          "model with backend='torch', which runs it exactly")
     if not all(isinstance(a, Tensor) for a in (*carries, *xs, *invariants)):
         raise ExportError(f"re-rolled loop {node.name!r} ({loop.source}) reads a value that is "
                           "no tensor; tppc exports loops over tensors only. fix: run this "
