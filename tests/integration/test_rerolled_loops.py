@@ -66,6 +66,33 @@ class MatrixLM(nn.Module):
         return self.head(x)
 
 
+class BlockDecay(nn.Module):
+    """A decayed linear memory stepped over blocks of 2 rows in Python (a lightning-attention
+    form of our own): per block, ``y = q·S + causal(q kᵀ)·v``, ``S ← d·S + kᵀv``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.out = nn.Linear(D, 3 * E), nn.Linear(E, D)
+        self.register_buffer("mask", torch.tril(torch.ones(2, 2)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = self.proj(x).split(E, dim=-1)
+        state = torch.zeros(b, E, E)
+        outs = []
+        for i in range(n // 2):
+            qi, ki, vi = q[:, 2 * i:2 * i + 2], k[:, 2 * i:2 * i + 2], v[:, 2 * i:2 * i + 2]
+            outs.append(qi @ state + ((qi @ ki.transpose(1, 2)) * self.mask) @ vi)
+            state = 0.9 * state + ki.transpose(1, 2) @ vi
+        return x + self.out(torch.cat(outs, dim=1))
+
+
+class BlockLM(MatrixLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(BlockDecay() for _ in range(2))
+
+
 def _mamba(transformers, kind: str = "Mamba") -> nn.Module:
     config = getattr(transformers, f"{kind}Config")(
         vocab_size=VOCAB, hidden_size=D, state_size=4, num_hidden_layers=2,
@@ -240,3 +267,19 @@ def test_minimax_loop_over_blocks_equals_eager_in_chunks_of_blocks_and_generate(
     prompt = torch.randint(0, VOCAB, (1, 6))
     want = greedy_reference(lambda x: model(x).logits, prompt, 3)
     assert torch.equal(cp.generate(prompt, max_new_tokens=3), want)
+
+
+def test_own_loop_over_blocks_is_exact_in_chunks_of_blocks_and_refused_by_the_export(
+        tmp_path) -> None:
+    torch.manual_seed(0)
+    model = BlockLM().eval()
+    cp = tppc.compile(model, (torch.randint(0, VOCAB, (1, 8)),), cluster="2xcpu")
+    assert cp.context.block_size == 2  # a unit of the plan is a block of rows
+    n = len(cp.context.layers)
+    staged = cp.with_plan(manual_plan(n, 5, cuts=(0, n // 2, n), boundaries=(0, 1, 2, 5)))
+    ids = torch.randint(0, VOCAB, (1, 10))
+    with torch.no_grad():
+        assert torch.equal(staged(ids), model(ids))
+    with pytest.raises(tppc.ExportError, match=r"(?s)steps over blocks of 2 rows.*fix: run "
+                       r"this model with backend='torch'"):
+        tppc.export(staged, tmp_path)

@@ -55,6 +55,10 @@ def reroll_loops(gm: fx.GraphModule, source: str) -> int:
         RerollError: no loop was re-rolled and a candidate that reads positions is no
             re-rollable loop (why).
     """
+    for node in list(gm.graph.nodes):  # dtype asserts would keep dead values alive
+        if node.target in _ASSERTS:
+            gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()  # a final carry no one reads (the graph may keep it)
     count, errors = 0, []
     for node in list(gm.graph.nodes):
         block = _collector_block(node)
@@ -68,8 +72,8 @@ def reroll_loops(gm: fx.GraphModule, source: str) -> int:
         raise errors[0]
     if count:
         gm.graph.eliminate_dead_code()
-        gm.graph.lint()
-        gm.recompile()
+    gm.graph.lint()
+    gm.recompile()
     return count
 
 
