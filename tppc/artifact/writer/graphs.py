@@ -32,7 +32,6 @@ import tppc.ir.ops  # noqa: F401  (registers torch.ops.tppc)
 from tppc.artifact.writer.kv_reads import buffer_read, is_buffer_narrow
 from tppc.artifact.writer.state_reads import functional_states
 from tppc.errors import ExportError
-from tppc.ir.loop_scan import is_loop_scan
 from tppc.passes.subgraph import copy_graph
 
 __all__ = ["ExportError", "attention_args", "export_stage_graph", "split_attention"]
@@ -124,7 +123,6 @@ def export_stage_graph(stage: Any) -> tuple[fx.GraphModule, tuple[str, ...]]:
     Raises:
         ExportError: an attention whose K/V are not read straight from a buffer.
     """
-    _refuse_block_loops(stage)
     gm = copy_graph(stage.module)
     graph = gm.graph
     new_rows: dict[str, fx.Node] = functional_states(graph, stage)  # carried states
@@ -155,22 +153,6 @@ def export_stage_graph(stage: Any) -> tuple[fx.GraphModule, tuple[str, ...]]:
     graph.lint()
     gm.recompile()
     return gm, tuple(f"kv.{b.name}" for b in stage.buffers)
-
-
-def _refuse_block_loops(stage: Any) -> None:
-    """Refuse a re-rolled loop over blocks of rows (:mod:`tppc.ir.loop_scan`): the ONNX
-    translation (:mod:`.onnx_loop_ops`) gathers one row per step.
-
-    Raises:
-        ExportError: naming the loop's node, its line in the model and the fix.
-    """
-    for node in stage.module.graph.nodes:
-        if is_loop_scan(node) and node.target.block > 1:
-            raise ExportError(
-                f"stage {stage.index}: re-rolled loop {node.name!r} ({node.target.source}) "
-                f"steps over blocks of {node.target.block} rows; tppc's ONNX export "
-                "translates loops over positions only (an ONNX Loop gathering one row per "
-                "step). fix: run this model with backend='torch', which runs it exactly")
 
 
 _ATTENTION_ARGS = ("query", "key", "value", "chunk_start", "causal", "scale", "enable_gqa",

@@ -5,9 +5,10 @@ step calls the loop's stateful form ``(carries, *xs, *invariants) -> (outputs, *
 (:mod:`tppc.passes.chunking.carried_state`); its translation is one ``Loop`` whose trip
 count is the size of the first sliced input along its token axis and whose body is the step
 graph translated by the same op table: each iteration gathers its rows (``Gather(x, i,
-axis)``, torch's ``select``), reads the invariants from the enclosing graph, passes the
-carries on and emits the step's output as the loop's scan output, stacked on a new first
-axis and moved to the loop's stacking axis after the loop. The ops run in the unrolled
+axis)``, torch's ``select``; for a loop over blocks of ``b`` rows ``Slice`` of rows
+``[i·b, (i+1)·b)``), reads the invariants from the enclosing graph, passes the carries on and
+emits the step's output as the loop's scan output, stacked on a new first axis and moved to
+the loop's stacking axis after the loop (merged with the block's rows there for blocks). The ops run in the unrolled
 loop's order, position by position.
 
 Example:
@@ -43,11 +44,6 @@ def loop_op(target: object) -> Fn | None:
 def _loop(t: Any, node: fx.Node, *args: Any) -> tuple[Tensor, ...]:
     loop: LoopScan = node.target
     carries, xs, invariants = loop.split(args)
-    if loop.block > 1:
-        raise ExportError(f"re-rolled loop {node.name!r} ({loop.source}) steps over blocks of "
-                          f"{loop.block} rows; tppc's ONNX export translates loops over "
-                          "positions only (a Loop gathering one row per step). fix: run this "
-                          "model with backend='torch', which runs it exactly")
     if not all(isinstance(a, Tensor) for a in (*carries, *xs, *invariants)):
         raise ExportError(f"re-rolled loop {node.name!r} ({loop.source}) reads a value that is "
                           "no tensor; tppc exports loops over tensors only. fix: run this "
@@ -55,20 +51,45 @@ def _loop(t: Any, node: fx.Node, *args: Any) -> tuple[Tensor, ...]:
     body = _body(t, loop, xs, invariants)
     size = t.op("Shape", [xs[0].name], start=loop.xs_dims[0], end=loop.xs_dims[0] + 1)
     trips = t.op("Squeeze", [size, t.const([0])])
+    if loop.block > 1:  # steps of a block of rows each
+        trips = t.op("Div", [trips, t.const(loop.block)])
     true = t.const(True, torch.bool)
     outs = [t.fresh("loop_carry") for _ in carries] + [t.fresh("loop_rows")]
     t.nodes.append(helper.make_node("Loop", [trips, true, *(c.name for c in carries)], outs,
                                     body=body))
     val = node.meta["val"]
-    stacked = outs[-1]  # (steps, *output): the steps to the stacking axis
     rank = val[0].dim()
-    perm = list(range(1, rank))
-    perm.insert(loop.out_dim, 0)
-    if perm != list(range(rank)):
-        stacked = t.op("Transpose", [stacked], perm=perm)
+    stacked = _collected(t, outs[-1], loop, rank)
     finals = [Tensor(name, v.dtype, v.dim()) for name, v in zip(outs[:-1], val[1:],
                                                                 strict=True)]
     return (Tensor(stacked, val[0].dtype, rank), *finals)
+
+
+def _collected(t: Any, scanned: str, loop: LoopScan, rank: int) -> str:
+    """The loop's outputs ``(steps, *output)`` as the node's value: the steps moved to the
+    stacking axis (``stack``), and merged with the block's rows there (``cat``)."""
+    inner = rank if loop.block == 1 else rank + 1  # the scanned value's rank
+    perm = list(range(1, inner))
+    perm.insert(loop.out_dim, 0)
+    moved = scanned if perm == list(range(inner)) else t.op("Transpose", [scanned], perm=perm)
+    if loop.block == 1:
+        return moved
+    parts = [t.op("Shape", [moved], start=0, end=loop.out_dim)] if loop.out_dim else []
+    parts.append(t.const([-1]))
+    if loop.out_dim + 2 < inner:
+        parts.append(t.op("Shape", [moved], start=loop.out_dim + 2))
+    shape = parts[0] if len(parts) == 1 else t.op("Concat", parts, axis=0)
+    return t.op("Reshape", [moved, shape])
+
+
+def _rows(sub: Any, x: Tensor, axis: int, step: str, block: int) -> str:
+    """Step ``i``'s rows of ``x``: ``Gather(x, i)`` (a position), or the ``i``-th block of
+    ``block`` rows (``Slice``)."""
+    if block == 1:
+        return sub.op("Gather", [x.name, step], axis=axis)
+    start = sub.op("Unsqueeze", [sub.op("Mul", [step, sub.const(block)]), sub.const([0])])
+    end = sub.op("Add", [start, sub.const([block])])
+    return sub.op("Slice", [x.name, start, end, sub.const([axis])])
 
 
 def _body(t: Any, loop: LoopScan, xs: list[Tensor], invariants: list[Tensor]) -> Any:
@@ -86,8 +107,7 @@ def _body(t: Any, loop: LoopScan, xs: list[Tensor], invariants: list[Tensor]) ->
             name = sub.fresh(f"carry{i}")
             inputs.append(helper.make_tensor_value_info(name, onnx_dtype(val.dtype), None))
         elif i < k + m:
-            x, axis = xs[i - k], loop.xs_dims[i - k]
-            name = sub.op("Gather", [x.name, step], axis=axis)
+            name = _rows(sub, xs[i - k], loop.xs_dims[i - k], step, loop.block)
         else:  # an invariant: the enclosing graph's value, read by name
             name = invariants[i - k - m].name
         sub.env[ph] = Tensor(name, val.dtype, val.dim())
