@@ -247,11 +247,12 @@ def test_exported_loop_equals_eager_in_chunks_and_generate(which, request, tmp_p
                        want)
 
 
-def test_minimax_loop_over_blocks_equals_eager_in_chunks_of_blocks_and_generate() -> None:
+def test_minimax_loop_over_blocks_equals_eager_in_chunks_of_blocks_and_generate(
+        tmp_path) -> None:
     """MiniMax's lightning attention steps blocks of 4 rows (``for i in range(num_blocks)``,
     outputs concatenated): re-rolled over blocks, a unit of the plan is one block (as a block
     scan's), exact at 2 stages in chunks of one block, at other whole numbers of blocks and in
-    generate (each decode step re-runs its block)."""
+    generate (each decode step re-runs its block), torch and exported."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     model = _minimax(transformers)
@@ -284,3 +285,11 @@ def test_own_loop_over_blocks_is_exact_in_chunks_of_blocks_and_exported(tmp_path
     runner = tppc.load(tmp_path, threads_per_stage=1)
     with torch.no_grad():
         assert_kernels_close(torch.from_numpy(runner(ids.numpy())), model(ids))
+    tppc.export(staged, tmp_path)
+    runner = tppc.load(tmp_path, threads_per_stage=1)
+    with torch.no_grad():
+        got = runner(ids.numpy(), use_cache=False)["logits"]
+        assert_kernels_close(torch.from_numpy(got), model(ids).logits)
+    prompt = ids[:, :6]
+    want = greedy_reference(lambda x: model(x).logits, prompt, 3).numpy()
+    assert (runner.generate(prompt.numpy(), max_new_tokens=3) == want).all()
