@@ -268,6 +268,14 @@ def test_minimax_loop_over_blocks_equals_eager_in_chunks_of_blocks_and_generate(
     prompt = torch.randint(0, VOCAB, (1, 6))
     want = greedy_reference(lambda x: model(x).logits, prompt, 3)
     assert torch.equal(cp.generate(prompt, max_new_tokens=3), want)
+    tppc.export(staged, tmp_path)
+    runner = tppc.load(tmp_path, threads_per_stage=1)
+    with torch.no_grad():
+        got = runner(ids.numpy(), use_cache=False)["logits"]
+        assert_kernels_close(torch.from_numpy(got), model(ids).logits)
+    prompt = ids[:, :6]  # one block and a half
+    want = greedy_reference(lambda x: model(x).logits, prompt, 3).numpy()
+    assert (runner.generate(prompt.numpy(), max_new_tokens=3) == want).all()
 
 
 def test_own_loop_over_blocks_is_exact_in_chunks_of_blocks_and_exported(tmp_path) -> None:
@@ -285,11 +293,3 @@ def test_own_loop_over_blocks_is_exact_in_chunks_of_blocks_and_exported(tmp_path
     runner = tppc.load(tmp_path, threads_per_stage=1)
     with torch.no_grad():
         assert_kernels_close(torch.from_numpy(runner(ids.numpy())), model(ids))
-    tppc.export(staged, tmp_path)
-    runner = tppc.load(tmp_path, threads_per_stage=1)
-    with torch.no_grad():
-        got = runner(ids.numpy(), use_cache=False)["logits"]
-        assert_kernels_close(torch.from_numpy(got), model(ids).logits)
-    prompt = ids[:, :6]
-    want = greedy_reference(lambda x: model(x).logits, prompt, 3).numpy()
-    assert (runner.generate(prompt.numpy(), max_new_tokens=3) == want).all()
