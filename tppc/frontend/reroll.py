@@ -84,6 +84,7 @@ def reroll_loops(gm: fx.GraphModule, source: str) -> int:
 def loop_block(gm: fx.GraphModule) -> int | None:
     """The rows per step of the first loop in ``gm`` (of two steps or more), or None: 1 for a
     loop over positions, ``b`` for a loop over blocks of ``b`` rows."""
+    stack_scatter_chains(gm)
     for node in gm.graph.nodes:
         block = _collector_block(node, least=2)
         if block is None:
@@ -133,8 +134,9 @@ def _position_groups(nodes: list[fx.Node], n: int, block: int
         at = _position(node, block)
         if at is not None:
             found.setdefault(at[0], {}).setdefault(at[1], []).append(node)
-    return {key: [m[i] for i in range(n)] for key, m in found.items()
-            if sorted(m) == list(range(n)) and len({len(v) for v in m.values()}) == 1}
+    return {key: [m[i] for i in range(len(m))] for key, m in found.items()
+            if 2 <= len(m) <= n and sorted(m) == list(range(len(m)))
+            and len({len(v) for v in m.values()}) == 1}  # the last steps may not read one
 
 
 def _position(node: fx.Node, block: int) -> tuple[tuple[fx.Node, int], int] | None:

@@ -66,14 +66,17 @@ def grown(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]], rows:
 
 
 def export_rerolled(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]],
-                    units: int, export: Callable[[inspect.BoundArguments], fx.GraphModule],
+                    length: tuple[int, int],
+                    export: Callable[[inspect.BoundArguments], fx.GraphModule],
                     source: str) -> tuple[fx.GraphModule, int]:
     """The re-rolled capture (see the module docstring) with symbolic shapes, and the rows
     per step (1, or ``b`` for a loop over blocks of ``b`` rows: the graph's symbol then
     counts blocks, ``L = b·blocks``).
 
     Args:
-        bound: the example inputs; ``axes`` their sequence axes; ``units`` the length.
+        bound: the example inputs; ``axes`` their sequence axes.
+        length: the example's tokens, and the tokens of a unit of the symbol (1, or the
+            block a model pads its sequence to: :mod:`.block_capture`).
         export: a static torch.export of the model (guards dropped) at given inputs.
         source: the loop's ``file:line``, for the loop nodes.
 
@@ -84,11 +87,16 @@ def export_rerolled(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ..
     if len(axes) != 1 or len(next(iter(axes.values()))) != 1:
         raise RerollError(f"sequence inputs {sorted(axes)}: the re-rolled capture takes one "
                           "sequence input with one sequence axis")
+    units, unit = length
     first = export(bound)
     block = loop_block(first)
     if block is None:
         raise RerollError("no stack (or cat of equal blocks) of values read one position "
                           "(or one block of rows) per step")
+    if unit > 1 and block > 1 and unit != block:
+        raise RerollError(f"a loop over blocks of {block} rows in a sequence padded to "
+                          f"blocks of {unit}")
+    block = max(block, unit)  # the tokens of one step of the symbol
     if units % block:
         raise RerollError(f"a loop over blocks of {block} rows and an example of {units} "
                           f"tokens, whose last block is partial (a step unlike the others); "
@@ -243,4 +251,20 @@ def _propagate(gm: fx.GraphModule, bound: inspect.BoundArguments, seq: tuple[str
             value = mode.from_tensor(value, symbolic_context=StatelessSymbolicContext(
                 dynamic_sizes=dynamic))
         inputs.append(value)
-    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+    _PinsNamed(gm, mode).propagate_dont_convert_inputs(*inputs)
+
+
+class _PinsNamed(FakeTensorProp):
+    """Fake propagation that names the first node whose shapes pin the length (a size the
+    model computes from the length and compares with a constant)."""
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        env = self._mode.shape_env
+        if env is not None and env.replacements and any(
+                not getattr(v, "free_symbols", True) for v in env.replacements.values()):
+            trace = (n.meta.get("stack_trace") or "").strip().splitlines()
+            where = f" ({trace[-2].strip()}: `{trace[-1].strip()}`)" if len(trace) > 1 else ""
+            raise RerollError(f"node {n.name} ({n.target}){where} fixes the length once the "
+                              "shapes outside the loop are symbolic")
+        return result

@@ -43,9 +43,7 @@ def stack_scatter_chains(gm: fx.GraphModule) -> None:
             stacked = gm.graph.call_function(_aten.stack.default,
                                              ([_written(c) for c in chain], dim))
         stacked.meta.update(last.meta)
-        last.replace_all_uses_with(stacked)
-        for c in reversed(chain):
-            gm.graph.erase_node(c)
+        last.replace_all_uses_with(stacked)  # the chain, its slot reads: dead code now
         changed = True
     if changed:
         gm.graph.eliminate_dead_code()

@@ -66,7 +66,9 @@ def export_dynamic(
             shapes = block_shapes(bound, axes, log.block, units, upper,
                                   lambda name, v, d: _spec_for(name, v, axes, d, patch))
             return export_blocks(model, log, lambda: _export(model, bound, shapes).module(),
-                                 exc, (axes, units), (_drop_guards, _seq_symbol))
+                                 exc, (axes, units), (_drop_guards, _seq_symbol),
+                                 lambda loop, k, first=exc: _export_rerolled(
+                                     model, bound, axes, units, loop, first, k))
         if tokens and site is not None and loop_over_positions(site[1]):
             return _export_rerolled(model, bound, axes, units, site, exc)
         if not re.search(_PINNED, str(exc)):
@@ -116,16 +118,16 @@ def export_dynamic(
 
 def _export_rerolled(model: torch.nn.Module, bound: inspect.BoundArguments,
                      axes: dict[str, tuple[int, ...]], units: int, site: tuple[str, str],
-                     exc: Exception) -> tuple[fx.GraphModule, CompileContext]:
-    """The re-rolled capture of a loop over positions (:mod:`.reroll_capture`), or the
-    loop's refusal with the reason the re-roller gave."""
+                     exc: Exception, unit: int = 1) -> tuple[fx.GraphModule, CompileContext]:
+    """The re-rolled capture of a loop over positions (:mod:`.reroll_capture`; ``unit``: the
+    tokens of a block the model pads to), or the loop's refusal with the re-roller's reason."""
     def export(inputs: inspect.BoundArguments) -> fx.GraphModule:
         gm = _export(model, inputs, None).module()
         _drop_guards(gm)
         return gm
 
     try:
-        gm, block = export_rerolled(bound, axes, units, export, site[0])
+        gm, block = export_rerolled(bound, axes, (units, unit), export, site[0])
     except Exception as again:  # RerollError, or torch.export failing at a fixed length
         raise CaptureError(loop_refusal(model, site, exc, again)) from exc
     symbol = _seq_symbol(gm, axes)
