@@ -130,6 +130,8 @@ def _check_equal(unrolled: list[torch.Tensor], rerolled: list[torch.Tensor]) -> 
         raise RerollError(f"the re-rolled graph returns {len(rerolled)} tensors, the unrolled "
                           f"one {len(unrolled)}")
     for i, (want, got) in enumerate(zip(unrolled, rerolled, strict=True)):
+        if want.is_meta or got.is_meta:  # a model without its weights: nothing to compare
+            continue
         try:
             torch.testing.assert_close(got, want)
         except AssertionError as exc:
