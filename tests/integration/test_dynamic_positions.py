@@ -1,11 +1,10 @@
-"""Issue 31: positions and rotary scales that depend on values, refused by name with the fix
-that works (and that fix checked against the eager model).
+"""Issue 31: positions that depend on values, refused by name with the fix that works (and
+that fix checked against the eager model).
 
 Positions counted from ``attention_mask`` by ``cumsum`` (OPT's padded positions; here a model
 of our own) are refused by the chunk pass, naming the cumulative sum and ``position_ids``;
-passed as ``position_ids`` they are exact. Dynamic NTK rope (frequencies recomputed past
-``max_position_embeddings``, a branch on tensor values) is refused at capture, naming the
-rope and the fix: the default rope, identical up to that length.
+passed as ``position_ids`` they are exact. Rotary tables that depend on the call's length
+(dynamic NTK, Phi-3's longrope) are exact: ``test_length_ropes.py``.
 """
 
 from __future__ import annotations
@@ -77,22 +76,6 @@ def test_positions_passed_as_position_ids_are_exact() -> None:
                       num_stages=2, chunks=3)
     with torch.no_grad():
         assert_kernels_close(cp(ids, mask, position_ids=positions), model(ids, mask))
-
-
-def test_dynamic_ntk_rope_is_refused_naming_the_default_rope_which_is_identical() -> None:
-    transformers = pytest.importorskip("transformers")
-    common = {"vocab_size": VOCAB, "hidden_size": 64, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "intermediate_size": 64, "max_position_embeddings": 64}
-    torch.manual_seed(0)
-    dynamic = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        rope_scaling={"rope_type": "dynamic", "factor": 2.0}, **common)).eval()
-    ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))
-    with pytest.raises(tppc.CaptureError, match=r"(?s)dynamic NTK.*fix: .*rope_scaling=None"):
-        tppc.compile(dynamic, (ids,), cluster="2xcpu", num_stages=2, chunks=2)
-    default = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).eval()
-    default.load_state_dict(dynamic.state_dict())
-    with torch.no_grad():  # the fix: up to max_position_embeddings, the same model
-        assert torch.equal(default(ids).logits, dynamic(ids).logits)
 
 
 def test_opt_padded_positions_refused_naming_position_ids_and_that_fix_is_exact() -> None:

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pulp
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as hst
 from planner_helpers import hand_makespan, table
 
@@ -83,12 +83,17 @@ def _placement_matches_enumeration(seed: int) -> bool:
         placement_objective(*stage_times(t, (0, *inner, n_layers), bounds), 1.0)
         for inner in itertools.combinations(range(1, n_layers), n_dev - 1)
     )
-    return (info.status == "optimal" and info.objective == pytest.approx(best, rel=1e-6)
+    # The solver's objective may sit below the recomputed one by its feasibility tolerance
+    # (seed 90875: 1.0000001e-6 relative), which `info.gap` reports; the placement it returns
+    # must be the optimum exactly.
+    return (info.status == "optimal"
+            and info.objective == pytest.approx(best, rel=2 * max(info.gap, 1e-6))
             and obj == pytest.approx(best, rel=1e-9))
 
 
 @settings(max_examples=15, deadline=None)
 @given(hst.integers(0, 10**6))
+@example(90875)  # the solver's objective 1.0000001e-6 below the optimum, as info.gap says
 def test_placement_milp_matches_enumeration(seed: int) -> None:
     assert _placement_matches_enumeration(seed)
 

@@ -18,16 +18,18 @@ import torch
 from tppc.errors import RuntimeInputError
 from tppc.generation import DEFAULT, check_max_new_tokens, greedy_decode, stop_tokens
 from tppc.pipeline.block_generate import BlockCall, block_steps, block_units
+from tppc.pipeline.cache_resets import cache_reset_length
 from tppc.pipeline.generate import (
     TORCH_OPS,
     Generating,
     grown_input,
     logits_output,
+    prefix_inputs,
     token_input_index,
 )
 from tppc.program.state import Call, next_epoch
 
-__all__ = ["GeneratingRank", "distributed_generate"]
+__all__ = ["GeneratingRank", "distributed_generate", "refuse_cache_reset"]
 
 
 class GeneratingRank(Generating, Protocol):
@@ -68,15 +70,20 @@ def distributed_generate(cp: GeneratingRank, input_ids: torch.Tensor | None,
     ids[:, :prompt] = input_ids
     flat = list(bound.flat)
     flat[token_input_index(cp.model_name, front)] = ids
+    per_step = bool(program.signature.length_tables)
+    refuse_cache_reset(cp, prompt, total, per_step)
     state = cp.states.acquire(front, total)
     epoch = next_epoch()
 
     def step(n: int) -> torch.Tensor | None:
         """This rank's share of the prefill (``n == prompt``) or of one decoding step; the
-        logits on the leader, None elsewhere."""
+        logits on the leader, None elsewhere (tables of the whole length at each step's
+        length, as :func:`tppc.pipeline.generate.greedy_generate` evaluates them)."""
         chunks = program.chunks if n == prompt else ((n - 1, n),)
+        length = n if per_step else total
+        inputs = tuple(prefix_inputs(front, flat, n)) if per_step else tuple(flat)
         last: dict[str, Any] = {}
-        cp.execute(program, Call(tuple(flat), chunks, total, total, epoch), state,
+        cp.execute(program, Call(inputs, chunks, length, length, epoch), state,
                    sink=lambda i, values: last.update(values=values))
         return last["values"][logits_at] if "values" in last else None
 
@@ -90,6 +97,19 @@ def distributed_generate(cp: GeneratingRank, input_ids: torch.Tensor | None,
     if cp.results == "rank0" and cp.rank != 0:
         return None
     return ids[:, :length].clone()
+
+
+def refuse_cache_reset(cp: GeneratingRank, prompt: int, total: int, per_step: bool) -> None:
+    """Refuse a generation that passes the length where transformers recomputes the whole
+    sequence without its cache (:mod:`tppc.pipeline.cache_resets`; one process does it)."""
+    reset = cache_reset_length(cp.model) if per_step else None
+    if reset is not None and prompt < reset < total:
+        raise RuntimeInputError(
+            f"{cp.model_name} generating from {prompt} to {total} tokens passes {reset} "
+            f"tokens, where transformers' generate recomputes the whole sequence with its "
+            "long rope factors (dropping its cache); a job does not re-plan that prefill. "
+            f"fix: generate up to {reset} tokens (max_new_tokens={reset - prompt}), then "
+            "again from that output: its prefill is the one transformers computes")
 
 
 def _block_generate(cp: GeneratingRank, block: int, input_ids: torch.Tensor | None,

@@ -306,10 +306,11 @@ def _stage(module: fx.GraphModule, device: torch.device, signature: ChunkSignatu
                    parts=spec.parts)
         for name, spec in inputs if spec.kind in ("key", "value", "state"))
     runnable, slots = module, {}
-    plain = all(not rows or tuple(rows)[:2] == (1, 0) for rows in signature.output_rows)
-    if not info.outputs and plain:  # the last stage: its outputs are the model's (a unit
-        # of k rows, a block, has no one-row-per-unit slot: the assembler writes those)
-        runnable, slots = write_outputs_in_place(module, signature.output_axes)
+    if not info.outputs:  # the last stage: its outputs are the model's
+        axes = tuple(axis if not rows or tuple(rows) in ((1, 0), (1, 0, 1)) else None
+                     for axis, rows in itertools.zip_longest(signature.output_axes,
+                                                              signature.output_rows))
+        runnable, slots = write_outputs_in_place(module, axes)  # one row per unit only
     tensors = [*module.parameters(), *module.buffers()]
     return StageProgram(
         index=info.index, device=device, layers=info.layers, module=module, runnable=runnable,

@@ -25,12 +25,13 @@ _CACHE = r"cache|past_key_values|DynamicCache"
 _HINTS: list[tuple[str, str, str]] = [
     (r"max_seq_len_cached|dynamic_frequency_update",
      "a rotary embedding whose frequencies depend on the longest position seen (dynamic "
-     "NTK scaling: transformers recomputes them when a sequence is longer than the "
-     "original max_position_embeddings, a branch on tensor values)",
-     "for sequences up to max_position_embeddings this rope is the default one: load the "
-     "model without the scaling (rope_scaling=None, or rope_parameters={'rope_type': "
-     "'default', 'rope_theta': ...}) for identical results; longer sequences need a "
-     "frequency table per length, which tppc does not plan yet"),
+     "NTK scaling written as a Python branch on tensor values; transformers' own "
+     "dynamic_rope_update ropes are captured per call length, this one is written "
+     "differently)",
+     "compute the frequencies with tensor ops of max(position_ids) + 1 (torch.where(seq_len "
+     "> original, scaled, original), as tppc/frontend/length_ropes.py does for "
+     "transformers' ropes); or, for sequences up to max_position_embeddings, load the "
+     "model without the scaling (rope_scaling=None): identical results there"),
     (_DATA_DEPENDENT,
      "data-dependent control flow (a Python branch or size that depends on tensor values)",
      "replace the branch with torch.where / torch.cond, or move it out of forward"),

@@ -67,6 +67,8 @@ class GuardLog(logging.Handler):
         sites: ``(file, line, function)`` of every ``Eq`` guard, in order.
         block: the ``k`` of the first block-padding guard (``Mod(s, k)``), or None.
         block_sites: the first distinct sites of block-padding guards.
+        range_sites: ``(guard, site)`` of every inequality guard (``s70 + 2 <= 66``: a
+            branch on the length, :mod:`tppc.frontend.length_bounds`), in order.
         stop: raise :class:`StopExport` at the first block-padding guard (unless
             ``stop_blocks`` is False: the export with ``L = k × blocks``, where torch still
             logs guards on ``Mod(s, k)`` that hold; there, at any pinning guard on a loop
@@ -81,6 +83,7 @@ class GuardLog(logging.Handler):
         self.sites: list[tuple[str, int, str]] = []
         self.block: int | None = None
         self.block_sites: list[tuple[str, int, str]] = []
+        self.range_sites: list[tuple[str, tuple[str, int, str]]] = []
         self.stop = stop
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -92,10 +95,14 @@ class GuardLog(logging.Handler):
             return
         pinned = _GUARD.match(found.group(0)) is not None
         blocks = [int(k) for k in _BLOCK.findall(found.group(1)) if int(k) >= 2]
-        if not (pinned or blocks):
+        ranged = not (pinned or blocks) and re.search(r"[<>]", found.group(1)) is not None
+        if not (pinned or blocks or ranged):
             return
         frames = _user_frames()
         if not frames:
+            return
+        if ranged:
+            self.range_sites.append((found.group(1), frames[0]))
             return
         if pinned:
             self.sites.append(frames[0])

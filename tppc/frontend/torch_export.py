@@ -18,6 +18,8 @@ from tppc.frontend.export_errors import explain, size_ints_reason
 from tppc.frontend.guard_sites import describe_site, guard_sites, loop_over_positions
 from tppc.frontend.isolation import isolated
 from tppc.frontend.joint_inputs import JointInput
+from tppc.frontend.length_bounds import admitted_range, bound_site
+from tppc.frontend.length_ropes import stateless_length_ropes
 from tppc.frontend.recurrence_refusals import loop_refusal
 from tppc.frontend.reroll_capture import export_rerolled
 from tppc.frontend.sample_tables import fit_sample_tables
@@ -55,6 +57,7 @@ def export_dynamic(
                               if joint.per_unit > 1 else dim + joint.rest}
     unit = _unit_int(bound, axes, patch)
     tokens = unit is None and _token_stream(bound, axes)  # refused early: no chunk runs them
+    length_bound = None
     try:
         with guard_sites(stop=tokens) as log:
             ep, pinned = _export(model, bound, shapes), None
@@ -73,18 +76,24 @@ def export_dynamic(
             return _export_rerolled(model, bound, axes, units, site, exc)
         if not re.search(_PINNED, str(exc)):
             raise CaptureError(explain(model, exc)) from exc
-        if unit is not None:  # sizes as Python ints: tie the unit int to the tokens
+        found = admitted_range(exc, units) if joint is None else None
+        span = list(found) if found is not None else None
+        ep = _export_within(model, bound, axes, patch, span) if span is not None else None
+        if ep is not None:  # a branch on the length: capture the example's side of it
+            pinned, length_bound = None, (*span, bound_site(log.range_sites, span[1]))
+        elif unit is not None:  # sizes as Python ints: tie the unit int to the tokens
             return _export_with_unit_int(model, bound, shapes, axes, unit, exc)
-        try:  # the model pins the size: keep the shapes symbolic, run at the example only
-            ep = _export(model, bound, shapes, deferred=True)
-        except Exception:
-            if site is not None and loop_over_positions(site[1]):
-                raise CaptureError(loop_refusal(model, site, exc, "re-rolling needs a token "
-                                                "stream")) from exc
-            why = f" at {site[0]} (`{site[1]}`)" if site is not None else ""
-            raise CaptureError(explain(model, exc, why + size_ints_reason(bound))) from exc
-        line = f"at {site[0]}: `{site[1]}`" if site is not None else _pinned_line(exc)
-        pinned = f"torch.export: {str(exc).strip().splitlines()[0]} ({line})"
+        else:
+            try:  # the model pins the size: keep the shapes symbolic, run at the example only
+                ep = _export(model, bound, shapes, deferred=True)
+            except Exception:
+                if site is not None and loop_over_positions(site[1]):
+                    raise CaptureError(loop_refusal(model, site, exc, "re-rolling needs a "
+                                                    "token stream")) from exc
+                why = f" at {site[0]} (`{site[1]}`)" if site is not None else ""
+                raise CaptureError(explain(model, exc, why + size_ints_reason(bound))) from exc
+            line = f"at {site[0]}: `{site[1]}`" if site is not None else _pinned_line(exc)
+            pinned = f"torch.export: {str(exc).strip().splitlines()[0]} ({line})"
     gm = ep.module()
     guard = pinned or _check_guards(gm, bound, axes, patch, units)
     if guard is not None and pinned is None:  # guarded to the example: keep shapes symbolic
@@ -112,6 +121,7 @@ def export_dynamic(
         specialization=guard,
         input_names=tuple(n.name for n in gm.graph.nodes if n.op == "placeholder"),
         shape_guards=guards,
+        length_bound=length_bound,
     )
     return gm, ctx
 
@@ -140,6 +150,25 @@ def _export_rerolled(model: torch.nn.Module, bound: inspect.BoundArguments,
         input_names=tuple(n.name for n in gm.graph.nodes if n.op == "placeholder"),
         rerolled=site[0], block_size=block if block > 1 else None)
     return gm, ctx
+
+
+def _export_within(model: torch.nn.Module, bound: inspect.BoundArguments,
+                   axes: dict[str, tuple[int, ...]], patch: int, span: list[int]
+                   ) -> torch.export.ExportedProgram | None:
+    """torch.export with the sequence ``Dim`` in ``span`` (:mod:`.length_bounds`; narrowed
+    again while torch suggests a narrower range that still holds the example), or None when
+    that fails (the caller then names the first failure). ``span`` is set to the range."""
+    units = example_units(bound, axes, patch)
+    for _ in range(3):
+        dim = torch.export.Dim("seq", min=span[0], max=span[1])
+        try:
+            return _export(model, bound, _dynamic_shapes(bound, axes, dim, patch))
+        except Exception as exc:
+            narrower = admitted_range(exc, units, low=span[0], high=span[1])
+            if narrower is None or narrower == tuple(span):
+                return None
+            span[:] = narrower
+    return None
 
 
 def _token_stream(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]]) -> bool:
@@ -206,6 +235,7 @@ def _export(model: torch.nn.Module, bound: inspect.BoundArguments, shapes: dict[
     with isolated(model) as traced:
         traced.register_forward_hook(lambda _module, _inputs, out: register_dataclasses(out))
         fit_sample_tables(traced, bound)
+        stateless_length_ropes(traced)
         ep = torch.export.export(traced, bound.args, bound.kwargs, dynamic_shapes=shapes,
                                  strict=False,
                                  prefer_deferred_runtime_asserts_over_guards=deferred)

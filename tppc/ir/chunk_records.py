@@ -170,6 +170,9 @@ class ChunkSignature:
         output_rows: per flat output, ``(scale, prefix, frames)`` of its token axis (see
             :mod:`tppc.passes.chunking.token_rows`, :func:`frame_blocks`), None where
             ``output_axes`` is None.
+        length_tables: the frontier values whose rows depend on the call's whole length
+            (a dynamic-NTK rope: :mod:`tppc.passes.chunking.length_tables`); a generation
+            evaluates them at each step's length.
     """
 
     user_inputs: tuple[str, ...]
@@ -181,3 +184,4 @@ class ChunkSignature:
     attention: tuple[str, ...]
     tail: bool = False
     output_rows: tuple[tuple[int, ...] | None, ...] = ()
+    length_tables: tuple[str, ...] = ()

@@ -47,6 +47,12 @@ class CompileContext:
             flat inputs (meta tensors suffice), it raises when the graph was not traced for
             their shapes (a Python branch on a size: PixArt's positional table at its
             ``sample_size``); such a call is captured again. None when there are none.
+        length_bound: ``(lo, hi, where)`` when the model's Python branches on the length at
+            ``where`` and the capture holds lengths ``lo..hi`` units only
+            (:mod:`tppc.frontend.length_bounds`; its shape guards say so too); None otherwise.
+        length_limit: ``(units, why)`` when the model runs at no longer length than
+            ``units`` (a table of that many positions sliced by the length: MPT's ALiBi; found
+            by annotation's mask probes); a longer call is refused. None otherwise.
         size_int: a :class:`tppc.frontend.size_ints.UnitInt` when the sequence symbol counts
             an integer input (QwenImage's ``img_shapes``, LTX's ``num_frames``/``height``/
             ``width``): that int is read from the tokens; the other ints stay constant.
@@ -90,6 +96,8 @@ class CompileContext:
     specialized_to: dict[str, tuple[int, ...]] | None = None
     example_values: dict[str, Any] = field(default_factory=dict)
     shape_guards: Any = None
+    length_bound: tuple[int, int, str] | None = None
+    length_limit: tuple[int, str] | None = None
     size_int: Any = None
     block_size: int | None = None
     joint_inputs: dict[str, tuple[int, int]] = field(default_factory=dict)

@@ -7,6 +7,7 @@ Terms:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import Any
 
@@ -14,6 +15,8 @@ import sympy
 import torch
 from torch import fx
 from torch.fx.operator_schemas import normalize_function
+from torch.utils._sympy.functions import Max as _TorchMax
+from torch.utils._sympy.functions import Min as _TorchMin
 
 __all__ = [
     "SHAPE_USES",
@@ -56,12 +59,19 @@ def tensor_val(node: Any) -> Any:
 
 
 def size_expr(size: int | torch.SymInt | sympy.Expr) -> sympy.Expr:
-    """A tensor size (int, ``SymInt`` or sympy expression) as a sympy expression."""
+    """A tensor size (int, ``SymInt`` or sympy expression) as a sympy expression, torch's
+    ``Max``/``Min`` as sympy's, which evaluate under the symbols' assumptions (MPT's ALiBi
+    rows ``1 - Max(0, 1 - s)`` are 1 for every positive ``s``; torch's stays symbolic)."""
     if isinstance(size, torch.SymInt):
-        return size.node.expr
+        size = size.node.expr
     if isinstance(size, sympy.Basic):
-        return size
+        return _sympy_minmax(size) if size.has(_TorchMax, _TorchMin) else size
     return sympy.Integer(int(size))
+
+
+@functools.lru_cache(maxsize=4096)
+def _sympy_minmax(expr: sympy.Expr) -> sympy.Expr:
+    return expr.replace(_TorchMax, sympy.Max).replace(_TorchMin, sympy.Min)
 
 
 def seq_axes(node: fx.Node, sym: sympy.Symbol) -> tuple[list[int], list[sympy.Expr]]:

@@ -52,7 +52,8 @@ if TYPE_CHECKING:
     from tppc.driver.options import ExecutorName
     from tppc.frontend.front_end import FrontEnd
 
-__all__ = ["BlockCall", "block_generate", "block_steps", "block_units", "carried_states"]
+__all__ = ["BlockCall", "block_generate", "block_steps", "block_units", "carried_states",
+           "refuse_length_tables"]
 
 
 def block_generate(cp: Generating, block: int, input_ids: torch.Tensor,
@@ -136,6 +137,7 @@ def block_steps(cp: Generating, gen: BlockCall, runners: Sequence[StageProgram],
     process holds) are put back while it is incomplete. ``step_executor`` runs the steps
     (None: the compiled one). The logits, or None where this process has none (a rank)."""
     program, state, flat, block, units = gen.program, gen.state, gen.flat, gen.block, gen.units
+    refuse_length_tables(cp.model_name, program.signature.length_tables)
     ids = flat[token_input_index(cp.model_name, gen.front)]
     logits_at = logits_output(cp.model_name, gen.front)
     axis = gen.front.signature.output_axes[logits_at]
@@ -170,6 +172,20 @@ def block_steps(cp: Generating, gen: BlockCall, runners: Sequence[StageProgram],
         return logits if n % block == 0 else block_step(n - 1)
 
     return step
+
+
+def refuse_length_tables(model_name: str, tables: Sequence[str]) -> None:
+    """Refuse a block scan's generation whose positional values depend on the whole length
+    (a dynamic-NTK or longrope rope: ``signature.length_tables``): its decode steps run
+    whole blocks with filler rows, which would count in that length."""
+    if tables:
+        raise RuntimeInputError(
+            f"{model_name} generates by whole blocks of a block scan, and its positional "
+            f"values {list(tables)[:4]} depend on the whole length (a dynamic-NTK or "
+            "longrope rope): the filler rows of a decode step's block would count in it. "
+            "fix: for sequences up to max_position_embeddings load the model without the "
+            "rope scaling (rope_scaling=None: identical there); calls (cp(ids)) are exact at "
+            "any length")
 
 
 def carried_states(runners: Sequence[StageProgram], state: CallState) -> list[torch.Tensor]:

@@ -35,8 +35,9 @@ from tppc.frontend.front_end import (
 )
 from tppc.frontend.shape_check import fake_forward, refusal_text
 from tppc.frontend.size_ints import check_grid
+from tppc.ir.context import CompileContext
 
-__all__ = ["RUN_KEYWORDS", "Captures", "forward_parameters"]
+__all__ = ["RUN_KEYWORDS", "Captures", "check_length_limit", "forward_parameters"]
 
 _ANY_BATCH = object()
 """First item of a capture key that matches any batch shape of an input structure."""
@@ -81,6 +82,7 @@ class Captures:
             raise RuntimeInputError(
                 f"the sequence has {tokens} tokens, max_seq={self.max_seq}. "
                 f"fix: compile with max_seq={tokens} (or more), or max_seq=None")
+        check_length_limit(base.ctx, bound.length, "the sequence")
         with self._lock:  # a dynamic capture serves many sizes, a specialised one its own
             front = next((f for f in reversed(self._fronts.values())
                           if f.serves(structure, bound)), None)
@@ -287,3 +289,26 @@ def forward_parameters(model: torch.nn.Module) -> frozenset[str]:
         return frozenset(RUN_KEYWORDS)
     return frozenset(n for n, p in params.items()
                      if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
+
+
+def check_length_limit(ctx: CompileContext, units: int, what: str) -> None:
+    """Refuse ``units`` beyond the longest length the model runs at (``ctx.length_limit``)
+    or outside the lengths the capture holds (``ctx.length_bound``: the model's Python takes
+    another branch there, which torch.export did not trace; XGLM's table grown in forward
+    is even traced wrong, so no second capture is tried).
+
+    Raises:
+        RuntimeInputError: naming the length, the limit, why, and the fix.
+    """
+    if ctx.length_bound is not None and not ctx.length_bound[0] <= units <= ctx.length_bound[1]:
+        lo, hi, where = ctx.length_bound
+        raise RuntimeInputError(
+            f"{what} has {units} tokens; {ctx.model_name or 'the model'} was captured for "
+            f"{lo} to {hi} tokens: torch.export bounded the length at {where} (a Python "
+            f"branch on the length, or a table sliced by it) and traced the example's side "
+            f"only. fix: pass {lo} to {hi} tokens")
+    if ctx.length_limit is not None and units > ctx.length_limit[0]:
+        limit, why = ctx.length_limit
+        raise RuntimeInputError(
+            f"{what} has {units} tokens; {ctx.model_name or 'the model'} runs at no more than "
+            f"{limit}: {why}. fix: pass at most {limit} tokens (eager fails there too)")

@@ -4,8 +4,12 @@ The prefill runs the prompt's chunks through the stages with the compiled execut
 fills every stage's K/V buffers. Each decoding step is a one-token chunk at position ``t``
 that runs through the stages in order (one sequence cannot overlap with itself), reading
 the buffers. The positional values (rope tables, masks) are evaluated once, at the final
-length, and sliced per step; a padding mask (``attention_mask``) reaches every step whole.
-The loop and its rule for ending are :func:`tppc.generation.greedy_decode` (HF's
+length, and sliced per step, unless they depend on the whole length (a dynamic-NTK rope:
+``signature.length_tables``): then the prefill is a call of the prompt's length and each
+step a call of its own length, as a model with a K/V cache computes them (and where
+transformers drops the cache, Phi-3's longrope at ``original_max_position_embeddings + 1``
+tokens, a prefill of the whole sequence: :mod:`tppc.pipeline.cache_resets`); a padding
+mask (``attention_mask``) reaches every step whole. The loop and its rule for ending are :func:`tppc.generation.greedy_decode` (HF's
 ``generate(do_sample=False)``); this module gives it the pipeline as a step function. A
 block-scan capture (``k`` × blocks) decodes by whole blocks instead:
 :mod:`tppc.pipeline.block_generate`.
@@ -27,13 +31,15 @@ from tppc.calls.call import Calling
 from tppc.calls.kv_memory import check_generation_memory
 from tppc.errors import RuntimeInputError
 from tppc.generation import DEFAULT, ArrayOps, check_max_new_tokens, greedy_decode, stop_tokens
+from tppc.pipeline.cache_resets import cache_reset_length
+from tppc.pipeline.captures import check_length_limit
 from tppc.program.state import Call, next_epoch
 
 if TYPE_CHECKING:
     from tppc.frontend.front_end import FrontEnd
 
 __all__ = ["TORCH_OPS", "Generating", "greedy_generate", "grown_input", "logits_output",
-           "mask_inputs", "token_input_index"]
+           "mask_inputs", "prefix_inputs", "token_input_index"]
 
 TORCH_OPS = ArrayOps(
     pick=lambda logits, ids: logits.select(1, -1).float().argmax(dim=-1).to(ids.device),
@@ -92,6 +98,8 @@ def greedy_generate(cp: Generating, input_ids: torch.Tensor, max_new_tokens: int
             f"{prompt} prompt tokens + max_new_tokens={max_new_tokens} = {total} tokens, "
             f"max_seq={cp.max_seq}. fix: lower max_new_tokens to {cp.max_seq - prompt} or "
             f"compile with max_seq={total}")
+    check_length_limit(front.ctx, total, f"{prompt} prompt tokens + max_new_tokens="
+                       f"{max_new_tokens}")
     check_generation_memory(cp.program(prompt, front), front, bound.flat, prompt,
                             max_new_tokens)  # before anything is allocated
     program = cp.program(prompt, front)
@@ -101,14 +109,24 @@ def greedy_generate(cp: Generating, input_ids: torch.Tensor, max_new_tokens: int
     state = cp.states.acquire(front, total)
     epoch = next_epoch()
 
+    per_step = bool(program.signature.length_tables)
+    reset = cache_reset_length(cp.model) if per_step else None
+
+    running = [program]  # after a reset, its program's stages hold the K/V: decode on it
+
     def step(n: int) -> torch.Tensor:
-        if n == prompt:  # the prefill: the prompt's chunks, pipelined
+        length = n if per_step else total
+        inputs = tuple(prefix_inputs(front, flat, n)) if length < total else flat
+        if n == prompt or n == reset:  # a prefill: the chunks of n tokens, pipelined
             last: dict[str, Any] = {}
-            cp.execute(program, Call(flat, program.chunks, total, total, epoch), state,
+            if n != prompt:  # transformers' reset: every position again
+                running[0] = cp.program(n, front)
+            run = running[0]
+            cp.execute(run, Call(inputs, run.chunks, length, length, epoch), state,
                        sink=lambda i, values: last.update(values=values))
             return last["values"][logits_at]
-        call = Call(flat, ((n - 1, n),), total, total, epoch)
-        return cp.execute(program, call, state, executor="local")[-1][logits_at]
+        call = Call(inputs, ((n - 1, n),), length, length, epoch)
+        return cp.execute(running[0], call, state, executor="local")[-1][logits_at]
 
     length = greedy_decode(ids, prompt, step, TORCH_OPS, eos_ids=eos_ids, pad=pad)
     cp.states.finish(front, state, length - 1)  # the last token's K/V are not computed
@@ -126,6 +144,19 @@ def mask_inputs(cp: Generating, attention_mask: torch.Tensor | None
         positions = attention_mask.long().cumsum(-1) - 1
         kwargs["position_ids"] = positions.masked_fill(attention_mask == 0, 0)
     return kwargs
+
+
+def prefix_inputs(front: FrontEnd, flat: Sequence[Any], n: int) -> list[Any]:
+    """The flat inputs with every sequence input cut to its first ``n`` positions (views):
+    a step of a generation whose positional values depend on the length
+    (``signature.length_tables``) runs as a call of ``n`` tokens."""
+    out = list(flat)
+    for i, name in enumerate(front.signature.user_inputs):
+        axes = front.ctx.seq_inputs.get(name)
+        if axes and isinstance(out[i], torch.Tensor):
+            for axis in axes:
+                out[i] = out[i].narrow(axis, 0, n)
+    return out
 
 
 def _extended(front: FrontEnd, flat: Sequence[Any], total: int) -> list[Any]:

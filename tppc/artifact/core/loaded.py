@@ -234,6 +234,13 @@ class LoadedPipeline:
         eos_ids, pad = stop_tokens(eos_token_id, pad_token_id, model_eos=self.eos_token_id,
                                    model_pad=self.pad_token_id)
         if block > 1:  # the grown ids: ``length`` whole blocks, ``prompt`` tokens given
+            if gen.get("length_tables"):
+                raise RuntimeInputError(
+                    "generate runs whole blocks of a block scan, and the positional values "
+                    f"{gen['length_tables'][:4]} depend on the whole length (a dynamic-NTK or "
+                    "longrope rope): a block's filler rows would count in it. fix: export the "
+                    "model loaded without the rope scaling (exact up to "
+                    "max_position_embeddings); calls are exact at any exported length")
             ids = flat[token]
             step = self._block_steps(flat, length, prompt, block, logits_at)
         else:
@@ -242,14 +249,27 @@ class LoadedPipeline:
             ids[:, :prompt] = flat[token]
             flat[token] = ids
             call = self._call(flat, self.chunks(prompt), prompt + new, prompt + new)
+            per_step = bool(gen.get("length_tables"))
+            reset = gen.get("cache_reset") if per_step else None
 
             def step(n: int) -> np.ndarray | None:
                 """The prefill (``n == prompt``) or one decoding step; the logits (None on
-                a rank of a job without them)."""
+                a rank of a job without them). Positional values that depend on the whole
+                length (``generate.length_tables``: a dynamic-NTK rope) are evaluated at
+                each step's length, as a model with a K/V cache computes them; at
+                ``generate.cache_reset`` tokens (Phi-3's longrope) the whole sequence runs
+                again, as transformers' generate runs it without its cache."""
                 last: list[list[np.ndarray]] = []
-                if n > prompt:
+                serial = n > prompt
+                if n > prompt and n == reset:
+                    serial = n not in self.lengths
+                    call.chunks = ((0, n),) if serial else self.chunks(n)
+                elif n > prompt:
                     call.chunks = ((n - 1, n),)
-                self._execute(call, lambda i, out: last.append(out), None, step=n > prompt)
+                if per_step:
+                    call.seq_len = call.pos_len = n
+                    call.positional.clear()
+                self._execute(call, lambda i, out: last.append(out), None, step=serial)
                 return last[-1][logits_at] if last else None
 
         length = greedy_decode(ids[:, :prompt + new], prompt, step, NUMPY_OPS, eos_ids=eos_ids,

@@ -92,6 +92,16 @@ def _clamp(t: Any, node: fx.Node, x: Any, min: Any = None, max: Any = None) -> A
     return t.tensor(node, out)
 
 
+def _reduce_max(t: Any, node: fx.Node, x: Any) -> Any:
+    """``x.max()`` over every axis (a dynamic rope's ``max(position_ids)``)."""
+    return t.tensor(node, t.op("ReduceMax", [_as(t, x, _out(node))], keepdims=0))
+
+
+def _maximum(t: Any, node: fx.Node, a: Any, b: Any) -> Any:
+    dtype = _out(node)
+    return t.tensor(node, t.op("Max", [_as(t, a, dtype), _as(t, b, dtype)]))
+
+
 def _expand(t: Any, node: fx.Node, x: Any, sizes: Any, *, implicit: bool = False) -> Any:
     """ONNX ``Expand`` broadcasts both ways, so torch's ``-1`` (keep) is a 1 there."""
     shape = [1 if isinstance(s, int) and s == -1 else s for s in sizes]
@@ -105,7 +115,8 @@ def _not_bool(node: fx.Node) -> ExportError:
 
 
 MASK_OPS: dict[Any, Callable[..., Any]] = {}
-"""ATen op → translation (``fn(translator, node, *args, **kwargs)``), as in ``OPS``."""
+"""ATen op → translation (``fn(translator, node, *args, **kwargs)``), as in ``OPS``; also the
+whole-call reductions of a length-dependent rope (``max``, ``maximum``)."""
 _COMPARES = {"gt": "Greater", "lt": "Less", "ge": "GreaterOrEqual", "le": "LessOrEqual",
              "eq": "Equal"}
 for _name, _op in _COMPARES.items():
@@ -125,4 +136,5 @@ MASK_OPS.update({
     _aten.__or__.Tensor: _logical("Or"), _aten.bitwise_or.Tensor: _logical("Or"),
     _aten.logical_not.default: _logical("Not"), _aten.bitwise_not.default: _logical("Not"),
     _aten.expand.default: _expand,
+    _aten.max.default: _reduce_max, _aten.maximum.default: _maximum,
 })

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from tppc.artifact.writer.graphs import ExportError
+from tppc.pipeline.cache_resets import cache_reset_length
 from tppc.program.patches import rows_per_unit
 
 __all__ = ["model_signature", "tree_json"]
@@ -64,6 +65,8 @@ def model_signature(compiled: Any, program: Any) -> dict[str, Any]:
             "logits_output": logits,
             "eos_token_id": _ids(compiled.eos_token_id),
             "pad_token_id": _ids(compiled.pad_token_id),
+            "length_tables": list(sig.length_tables),
+            "cache_reset": cache_reset_length(compiled.model) if sig.length_tables else None,
         },
     }
 

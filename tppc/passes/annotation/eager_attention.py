@@ -4,7 +4,8 @@ Terms:
     score matrix: a value whose last two axes both grow with the sequence (queries × keys).
     eager region: ``q @ kᵀ`` (``matmul``, ``bmm``, or ``baddbmm`` with a bias) → scale
         (``mul``/``div`` by a number) → optional soft-cap (``cap · tanh(s / cap)``) → additive
-        masks and biases (``add``; ``masked_fill`` with a very negative value) → optional
+        masks and biases (``add``; ``masked_fill`` or ``where`` with a very negative value; a
+        floor ``max(s, finfo.min)``) → optional
         sinks (``cat`` of one logit per head along the keys, then the ``max`` shift) →
         ``softmax`` over the keys → casts, ``dropout`` at p = 0, the slice that drops the
         sinks → ``@ v``. Casts and views that only regroup the batch and head axes may sit
@@ -62,9 +63,10 @@ def fold_eager_attention_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.Gra
 def _rewrite(gm: fx.GraphModule, region: EagerRegion) -> None:
     graph = gm.graph
     out = region.output
-    # the softmax's batch layout, where the masks are added: batch first, as the padding
-    # rule reads them (Bloom's (b·h) scores would mix the batch with the heads)
-    frame = list(tensor_val(region.softmax.args[0]).shape[:-2])
+    # the batch layout where the masks are added: batch first, as the padding rule reads
+    # them (Bloom's and XGLM's (b·h) scores at the softmax would mix the batch with the heads)
+    frame = max((list(tensor_val(x).shape[:-2]) for x in
+                 [region.softmax.args[0], *(t[3] for t in region.terms)]), key=len)
     with graph.inserting_before(out):
         new = _Builder(graph, out)
         key = region.key
@@ -104,18 +106,20 @@ def _mask(new: _Builder, region: EagerRegion, frame: list[Any]) -> fx.Node | Non
     """
     visible: fx.Node | None = None
     bias: fx.Node | None = None
-    for kind, term, factor in region.terms:
+    for kind, term, factor, site in region.terms:
         shown = visible_keys(term) if kind == "add" and factor == 1 else None
         if kind == "hide":
             shown = new.call(_aten.logical_not.default, (term,))
+        if kind == "show":  # where(shown, scores, min)
+            shown = term
         if shown is not None:
-            shown = new.in_frame(shown, frame, like=region.scores)
+            shown = new.in_frame(shown, frame, like=site)
             visible = shown if visible is None else \
                 new.call(_aten.logical_and.default, (visible, shown))
             continue
         if factor != 1:
             term = new.call(_aten.mul.Tensor, (term, float(factor)))
-        term = new.in_frame(term, frame, like=region.scores)
+        term = new.in_frame(term, frame, like=site)
         bias = term if bias is None else new.call(_aten.add.Tensor, (bias, term))
     if bias is None or visible is None:
         return bias if visible is None else visible

@@ -40,6 +40,8 @@ _VIEWS = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default}
 _MATMULS = {_aten.matmul.default, _aten.bmm.default}
 _VERY_NEGATIVE = -1e30
 """A fill value at or below this hides a key (transformers fills with the dtype's minimum)."""
+_FLOORS = {_aten.max.other, _aten.maximum.default, _aten.clamp_min.default, _aten.clamp.default}
+"""Ops that clamp the logits from below (XGLM: ``torch.max(scores, finfo.min)``)."""
 
 
 @dataclass
@@ -48,8 +50,10 @@ class EagerRegion:
 
     Attributes:
         softmax: the softmax node; nodes: every node of the region (erased by the rewrite).
-        scale, softcap: the scores' factor and tanh cap; terms: ``(kind, node, factor)`` of
-            the additive terms (``"add"``, or ``"hide"`` for a ``masked_fill``'s mask).
+        scale, softcap: the scores' factor and tanh cap; terms: ``(kind, node, factor,
+            site)`` of the additive terms (``"add"``, or ``"hide"`` for a ``masked_fill``'s
+            mask, ``"show"`` for a ``where``'s condition), ``site`` the op that applies it (its
+            output is the layout it is added in).
         sinks: the per-head sink logits, ``(..., heads, 1, 1)``.
         query, key, value: q, k (or ``("transpose", kᵀ)`` where none can be stripped), v.
         scores: ``q @ kᵀ``; output: ``@ v``.
@@ -59,7 +63,7 @@ class EagerRegion:
     nodes: set[fx.Node] = field(default_factory=set)
     scale: float = 1.0
     softcap: float | None = None
-    terms: list[tuple[str, fx.Node, Any]] = field(default_factory=list)
+    terms: list[tuple[str, fx.Node, Any, fx.Node]] = field(default_factory=list)
     sinks: fx.Node | None = None
     query: fx.Node | None = None
     key: fx.Node | None = None
@@ -164,15 +168,21 @@ def _logit_step(region: EagerRegion, node: fx.Node, target: Any) -> tuple[str, f
         if not _on_score_path(score) or _on_score_path(term):
             raise _refuse(node, "an add whose operands are both scores, or neither")
         alpha = node.kwargs.get("alpha", 1)
-        region.terms.append(("add", term, alpha))
+        region.terms.append(("add", term, alpha, node))
         return "mask", score
     if target is _aten.masked_fill.Scalar and _number(args[2]) is not None \
             and _number(args[2]) <= _VERY_NEGATIVE:
-        region.terms.append(("hide", args[1], _number(args[2])))
+        region.terms.append(("hide", args[1], _number(args[2]), node))
         return "mask", args[0]
     if target is _aten.sub.Tensor and _is_max_of(args[1], args[0]):
         region.nodes.update((args[1], args[1].args[0]))
         return "shift", args[0]
+    if target in _FLOORS and (score := _floored(node)) is not None:  # max(s, finfo.min)
+        return "mask", score
+    if target is _aten.where.self and _on_score_path(args[1]) and \
+            (_constant(args[2]) or 0.0) <= _VERY_NEGATIVE:  # GPT-Neo: where(shown, s, min)
+        region.terms.append(("show", args[0], 1, node))
+        return "mask", args[1]
     if target is _aten.cat.default and _cat_dim(node) == -1 and len(args[0]) == 2:
         region.sinks = _sinks(node, args[0][1])
         return "sinks", args[0][0]
@@ -186,7 +196,7 @@ def _qk(region: EagerRegion, node: fx.Node) -> None:
         bias, query, key_t = node.args[:3]
         beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
         if beta != 0:  # beta = 0 ignores the input (diffusers adds an empty tensor so)
-            region.terms.append(("add", bias, beta))
+            region.terms.append(("add", bias, beta, node))
         region.scale *= float(alpha)
     else:
         query, key_t = node.args[:2]
@@ -300,8 +310,9 @@ def _on_score_path(node: fx.Node, depth: int = 0) -> bool:
         return False
     if _is_scores(node):
         return True
-    if node.target in _CASTS | _VIEWS | {_aten.mul.Tensor, _aten.div.Tensor, _aten.tanh.default,
-                                         _aten.add.Tensor, _aten.masked_fill.Scalar}:
+    if node.target in _CASTS | _VIEWS | _FLOORS | {
+            _aten.mul.Tensor, _aten.div.Tensor, _aten.tanh.default, _aten.add.Tensor,
+            _aten.masked_fill.Scalar, _aten.where.self}:
         return any(_on_score_path(a, depth + 1) for a in node.args[:2] if isinstance(a, fx.Node))
     return False
 
@@ -326,6 +337,45 @@ def _is_max_of(node: Any, source: fx.Node) -> bool:
 def _cat_dim(node: fx.Node) -> int:
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
     return dim - tensor_val(node).dim() if dim >= 0 else dim
+
+
+def _floored(node: fx.Node) -> fx.Node | None:
+    """The scores of ``max(scores, c)`` / ``clamp(scores, min=c)`` with ``c`` at or below
+    :data:`_VERY_NEGATIVE`, else None. Such a floor only turns hidden keys' ``-inf`` into
+    the dtype's minimum, which the softmax weighs 0 as well (a row with a visible key) or
+    spreads evenly, as a float mask of that minimum does (a row with none)."""
+    args = node.args
+    if node.target in (_aten.clamp_min.default, _aten.clamp.default):
+        high = args[2] if len(args) > 2 else node.kwargs.get("max")
+        low = args[1] if len(args) > 1 else node.kwargs.get("min")
+        pairs = [(args[0], low)] if high is None else []
+    else:
+        pairs = [(args[0], args[1]), (args[1], args[0])]
+    for score, floor in pairs:
+        value = _constant(floor)
+        if isinstance(score, fx.Node) and _on_score_path(score) and value is not None \
+                and value <= _VERY_NEGATIVE:
+            return score
+    return None
+
+
+def _constant(node: Any) -> float | None:
+    """The value of a 0-d constant (a number, ``full([], c)``, ``scalar_tensor(c)``, a
+    lifted ``torch.tensor(c)``, through copies and casts), else None."""
+    if not isinstance(node, fx.Node):
+        return _number(node)
+    if node.target in _CASTS | {_aten.lift_fresh_copy.default}:
+        return _constant(node.args[0])
+    if node.target in (_aten.full.default, _aten.scalar_tensor.default) and \
+            (node.target is _aten.scalar_tensor.default or list(node.args[0]) == []):
+        return _number(node.args[1] if node.target is _aten.full.default else node.args[0])
+    if node.op == "get_attr":
+        value: Any = node.graph.owning_module
+        for part in str(node.target).split("."):
+            value = getattr(value, part, None)
+        if isinstance(value, torch.Tensor) and value.dim() == 0 and value.device.type != "meta":
+            return float(value)
+    return None
 
 
 def _drops_last(node: fx.Node) -> bool:

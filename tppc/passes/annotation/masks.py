@@ -57,6 +57,7 @@ def mask_spec(node: fx.Node, mask: fx.Node, gm: fx.GraphModule, ctx: CompileCont
     block: int | None = None
     causal = True
     bias = False
+    lengths = _runnable(node, mask, gm, ctx, lengths, source)
     for length in sorted(lengths, reverse=True):
         overrides = {} if source is None else {source: _filled(source, ctx, length, None)}
         value = evaluate_positional(mask, gm, ctx, length, overrides)
@@ -87,6 +88,37 @@ def mask_spec(node: fx.Node, mask: fx.Node, gm: fx.GraphModule, ctx: CompileCont
                       "attention with a bias)")
     return kind, MaskSpec(window=window, key_valid=None if source is None else source.name,
                           bias=bias, block=block)
+
+
+def _runnable(node: fx.Node, mask: fx.Node, gm: fx.GraphModule, ctx: CompileContext,
+              lengths: tuple[int, ...], source: fx.Node | None) -> tuple[int, ...]:
+    """``lengths`` with the longest probe lowered to the longest length the mask's
+    computation runs at, when it fails beyond (MPT slices its ALiBi table of ``max_seq_len``
+    rows by the length: the model runs at no longer length, in eager either). That length
+    is recorded as the capture's limit (``ctx.length_limit``); a longer call is refused."""
+    long = max(lengths)
+    candidates = sorted({v for n in ancestors([mask]) for v in _ints(n)
+                         if min(lengths) < v < long}, reverse=True)
+    error: Exception | None = None
+    for length in [long, *candidates]:
+        overrides = {} if source is None else {source: _filled(source, ctx, length, None)}
+        try:
+            evaluate_positional(mask, gm, ctx, length, overrides)
+        except RuntimeError as exc:
+            error = error or exc
+            continue
+        if length < long and error is not None:
+            limit = min(length, ctx.length_limit[0]) if ctx.length_limit else length
+            ctx.length_limit = (limit, f"the mask of {module_path(node) or node.name} does not "
+                                f"evaluate at {long} tokens ({str(error).splitlines()[0]})")
+        return tuple(sorted({*(v for v in lengths if v < length), length}))
+    raise _refuse(node, f"its computation fails at every probe length from {long} down "
+                  f"({type(error).__name__}: {str(error).splitlines()[0]})")
+
+
+def _ints(node: fx.Node) -> list[int]:
+    flat = torch.utils._pytree.tree_leaves((node.args, node.kwargs))
+    return [abs(a) for a in flat if isinstance(a, int) and not isinstance(a, bool)]
 
 
 def _reads_weights(mask: fx.Node, closure: set[fx.Node]) -> bool:

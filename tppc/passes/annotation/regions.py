@@ -33,6 +33,9 @@ from tppc.passes.subgraph import copy_subgraph
 __all__ = ["annotate_region", "row_wise_region"]
 
 _RTOL, _ATOL = 1e-4, 1e-5
+_TOKEN_AXIS = ("token", "mixing", "global")
+"""Roles of a region input with rows per token (a block scan's output is ``global`` until
+:mod:`tppc.passes.annotation.block_scan` annotates it: GraniteMoeHybrid's MoE reads one)."""
 
 
 def row_wise_region(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext
@@ -60,7 +63,7 @@ def annotate_region(region: list[fx.Node], sym: sympy.Symbol) -> None:
         axes, sizes = seq_axes(n, sym)
         dependent = axes or any(
             (a in inside and a.meta[TOKEN].role == "token")
-            or (a not in inside and a.meta[TOKEN].role in ("token", "mixing", "positional"))
+            or (a not in inside and a.meta[TOKEN].role in (*_TOKEN_AXIS, "positional"))
             for a in n.all_input_nodes) or sym in _free(n)
         where = module_path(n)
         if isinstance(n.meta.get("val"), torch.SymInt):  # a size: recomputed where needed
@@ -99,9 +102,9 @@ def _row_wise(region: list[fx.Node], gm: fx.GraphModule, ctx: CompileContext) ->
     outputs = [n for n in region if any(u not in inside for u in n.users)
                and not isinstance(n.meta.get("val"), torch.SymInt)]
     sym = ctx.seq_symbol
-    tokens = {a: a.meta[TOKEN] for a in inputs
-              if a.meta.get(TOKEN) is not None and a.meta[TOKEN].role == "token"
-              and a.meta[TOKEN].axis is not None}
+    tokens = {a: a.meta[TOKEN] for a in inputs  # "global" too: a block scan's output is
+              if a.meta.get(TOKEN) is not None  # global until block_scan annotates it
+              and a.meta[TOKEN].role in _TOKEN_AXIS and a.meta[TOKEN].axis is not None}
     if not tokens or not outputs or any(_rows(tensor_val(o), o, sym) is None for o in outputs):
         return False
     try:

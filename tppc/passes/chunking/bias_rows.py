@@ -269,7 +269,8 @@ class BiasRows:
             if not expr.free_symbols:
                 return int(expr)
             scale, offset = sympy.Poly(expr, self.sym).all_coeffs() \
-                if expr.free_symbols == {self.sym} and sympy.degree(expr, self.sym) == 1 \
+                if expr.free_symbols == {self.sym} and expr.is_polynomial(self.sym) \
+                and sympy.degree(expr, self.sym) == 1 \
                 else (None, None)
             if scale is not None and scale.is_Integer and offset.is_Integer and scale > 0 \
                     and offset >= 0:  # a size k·L + c (text after the image): from seq_len

@@ -83,6 +83,7 @@ from tppc.passes.chunking.chunk_parts import (
 )
 from tppc.passes.chunking.context_rows import check_context
 from tppc.passes.chunking.frame_rows import chunk_outputs, frame_table_rows, token_frames
+from tppc.passes.chunking.length_tables import length_reason
 from tppc.passes.chunking.token_rows import (
     REST_CHUNK,
     baked_table_axis,
@@ -161,6 +162,9 @@ class _Rewriter(AttentionStep, BufferReads, CarriedState, BlockState):
         for node in self.gm.graph.nodes:
             if self.mode.get(node) == "copy" and node not in self.env:
                 self.env[node] = self._emit(node)
+            elif self.mode.get(node) == "whole":
+                self.env[node] = self.graph.node_copy(node, lambda a: self._whole_input(a)
+                                                      if a.op == "placeholder" else self.env[a])
         axes, rows = chunk_outputs(self.graph, self.env, roots, self._rows)
         self.graph.eliminate_dead_code()
         chunk_gm = fx.GraphModule(self.gm, self.graph, class_name="ChunkStep")
@@ -178,6 +182,8 @@ class _Rewriter(AttentionStep, BufferReads, CarriedState, BlockState):
             attention=tuple(n.name for n in attention),
             tail=tail is not None,
             output_rows=rows,
+            length_tables=tuple(n.name for n in frontier if length_reason(n, self.sym))
+            + tuple(n.name for n, mode in self.mode.items() if mode == "whole"),
         )
         return chunk_gm
 
@@ -191,6 +197,8 @@ class _Rewriter(AttentionStep, BufferReads, CarriedState, BlockState):
             self.mode[node] = mode = self._mode_of(node)
             if mode == "copy":
                 todo.extend(inputs_read(node))
+            elif mode == "whole":
+                todo.extend(a for a in node.all_input_nodes if a.op != "placeholder")
 
     def _mode_of(self, node: fx.Node) -> str:
         info: TokenInfo = node.meta[TOKEN]
@@ -223,6 +231,8 @@ class _Rewriter(AttentionStep, BufferReads, CarriedState, BlockState):
                 )
             return "copy"
         if isinstance(val, torch.Tensor):
+            if info.inputs and info.axis is None and not info.other_axes:
+                return "whole"  # of the call's inputs whole: max(position_ids) + 1
             if info.inputs:
                 raise input_value_error(node, info)
             if info.axis is not None and rows_per_unit(split_size(info), self.ctx) is None:
