@@ -9,8 +9,9 @@ several chunks (chunks of one token included), re-planned lengths, ``generate`` 
 from the prefill's states, the state buffers' sizes (batch × channels, not the length) and
 their price (a scan layer's time has no prefix term; its states count as held bytes).
 A wrong initial state is caught by translation validation. The exported artifact carries the
-states between its ONNX chunk sessions and equals eager (``tppc.load``, generate included). transformers' Mamba (its CPU
-path loops over the positions in Python) is refused naming the loop's line. A sequence padded
+states between its ONNX chunk sessions and equals eager (``tppc.load``, generate included).
+transformers' Mamba (its CPU path loops over the positions in Python) is re-rolled
+(tests/integration/test_rerolled_loops.py). A sequence padded
 to blocks and scanned block by block (Mamba2's chunked SSD scan) is
 ``tests/integration/test_block_scan.py``'s.
 """
@@ -147,50 +148,6 @@ def test_scan_chunks_cost_their_rows_only_and_hold_their_states(hybrid) -> None:
         params = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
         states = 2 * (2 * 2 * 1 * D * 8) + 2 * 2 * D * (K - 1) * 4  # two scans, one conv
         assert expr.weight_bytes == params + states and expr.kv_bytes_per_token == 0
-
-
-def test_mamba_python_loop_over_positions_is_refused_naming_its_line() -> None:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.MambaConfig(vocab_size=VOCAB, hidden_size=8, state_size=2,
-                                      num_hidden_layers=1, expand=2, conv_kernel=4,
-                                      use_cache=False)
-    model = transformers.MambaForCausalLM(config).eval()
-    with pytest.raises(tppc.CaptureError, match=r"(?s)Python loop.*modeling_mamba\.py:\d+ in "
-                       r"mamba_selective_scan \(`for index in range\(seq_len\):`\).*fix: write "
-                       r"the recurrence as a scan"):
-        tppc.capture(model, (torch.randint(0, VOCAB, (1, 6)),), {"use_cache": False})
-
-
-def _jamba(transformers):
-    return transformers.JambaForCausalLM(transformers.JambaConfig(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, num_experts=2, num_experts_per_tok=1,
-        expert_layer_period=2, expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=1,
-        mamba_d_state=2, mamba_d_conv=2, mamba_expand=2, mamba_dt_rank=4, use_cache=False,
-        use_mamba_kernels=False))
-
-
-def _minimax(transformers):
-    return transformers.MiniMaxForCausalLM(transformers.MiniMaxConfig(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_local_experts=2,
-        num_experts_per_tok=1, layer_types=["linear_attention", "full_attention"],
-        block_size=4, use_cache=False))
-
-
-@pytest.mark.parametrize(("make", "line"), [
-    (_jamba, r"modeling_jamba\.py:\d+ in mamba_selective_scan \(`for index in range\(seq_len\)"),
-    (_minimax, r"modeling_minimax\.py:\d+ in forward \(`for i in range\(num_blocks\)"),
-], ids=["jamba", "minimax"])
-def test_hybrid_python_loops_are_refused_naming_their_line(make, line) -> None:
-    """Jamba's Mamba mixer (positions) and MiniMax's lightning attention (blocks of 4) step
-    their recurrence in Python loops: refused by name with their own code (issue 31)."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    with pytest.raises(tppc.CaptureError, match=rf"(?s)Python loop.*{line}.*fix: write the "
-                       r"recurrence as a scan"):
-        tppc.capture(make(transformers).eval(), (torch.randint(0, VOCAB, (1, 8)),),
-                     {"use_cache": False})
 
 
 def test_exported_states_equal_eager_in_chunks_and_generate(hybrid, tmp_path) -> None:

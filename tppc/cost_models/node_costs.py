@@ -16,6 +16,9 @@ What is counted (eager execution, the torch backend's default):
       visited keys ``p·c + c(c+1)/2``; grouped-query attention reads each K/V head once, as
       SDPA with ``enable_gqa`` does in the emitted program: see :mod:`.attention`);
     * ``embedding`` reads only the gathered rows;
+    * a re-rolled loop (:class:`tppc.ir.loop_scan.LoopScan`) costs its step, each op of it
+      priced by these rules at the step's shapes, once per row of the chunk: its work is
+      linear in ``c`` (no prefix term) and it launches every op of the step per row;
     * copies, gathers, concatenations and creation ops move memory and do no arithmetic.
 An op that none of these rules knows is priced as memory traffic only (its inputs and
 outputs), marked ``unpriced`` on its :class:`NodeCost`, and an :class:`UnpricedOpWarning`
@@ -56,6 +59,7 @@ from tppc.cost_models.node_shapes import (
 )
 from tppc.cost_models.unpriced import UnpricedOpWarning, warn_unpriced
 from tppc.errors import CostModelError
+from tppc.ir.loop_scan import LoopScan
 from tppc.ir.op_rules import op_rule
 from tppc.ir.records import TOKEN, TokenInfo
 from tppc.passes.chunking.chunk_parts import cache_source, is_head_repeat
@@ -246,6 +250,8 @@ def node_cost(node: fx.Node, subs: TokenSubstitution, *, default_attention: str 
         CostModelError: a tensor-producing node has no ``meta["val"]`` or odd shapes.
     """
     shapes = _shapes or Shapes(subs, default_attention)
+    if isinstance(node.target, LoopScan):
+        return _loop_cost(node, node.target, shapes, compute_dtype)
     op = _op_name(node)
     rule = op_rule(node.target)
     zero = sympy.Integer(0)
@@ -305,6 +311,26 @@ def node_cost(node: fx.Node, subs: TokenSubstitution, *, default_attention: str 
                     tuple(tuple(sympy.expand(d) for d in mm) for mm in matmuls),
                     sympy.expand(vector), sympy.expand(nbytes), dtype, kv, unpriced,
                     sympy.expand(serial), causal_keys)
+
+
+def _loop_cost(node: fx.Node, loop: LoopScan, shapes: Shapes, compute_dtype: str | None
+               ) -> NodeCost:
+    """A re-rolled loop: its step's ops, each priced at the step's shapes, once per row."""
+    xs = loop.split(node.args)[1]
+    rows = (shapes.shape(xs[0]) or ())[loop.xs_dims[0]] if xs else sympy.S.One
+    subs = TokenSubstitution.build(None)
+    steps = [node_cost(n, subs, compute_dtype=compute_dtype, live=True)
+             for n in loop.step.graph.nodes if n.op == "call_function"]
+    matmuls = tuple((rows * b, m, n, k) for cost in steps for b, m, n, k in cost.matmuls)
+    matrix = rows * sum((c.matrix_flops for c in steps), sympy.S.Zero)
+    launches = rows * sum(1 for c in steps if c.kind not in ("view", "const"))
+    return NodeCost(node.name, "loop_scan", "matrix" if matmuls else "vector",
+                    sympy.expand(matrix), tuple(tuple(sympy.expand(d) for d in mm)
+                                                for mm in matmuls),
+                    sympy.expand(rows * sum((c.vector_flops for c in steps), sympy.S.Zero)),
+                    sympy.expand(rows * sum((c.bytes for c in steps), sympy.S.Zero)),
+                    dtype_name(node, arg_nodes(node), compute_dtype),
+                    launches=sympy.expand(launches))
 
 
 def graph_node_costs(gm: fx.GraphModule, *, seq_symbol: sympy.Symbol | None = None,

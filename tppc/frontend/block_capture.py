@@ -70,11 +70,14 @@ def block_shapes(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ...]]
 
 def export_blocks(model: torch.nn.Module, log: GuardLog, export: Callable[[], fx.GraphModule],
                   first: Exception, example: tuple[dict[str, tuple[int, ...]], int],
-                  finish: tuple[Callable[[fx.GraphModule], None], Callable[..., Any]]
+                  finish: tuple[Callable[[fx.GraphModule], None], Callable[..., Any]],
+                  reroll: Callable[[tuple[str, str], int], Any] | None = None
                   ) -> tuple[fx.GraphModule, CompileContext]:
     """The block capture (``export`` with :func:`block_shapes`) and its context: ``dynamic``,
     the symbol counts blocks, ``block_size`` is ``k``. ``example`` is the sequence axes and
-    the example's tokens; ``finish`` drops a GraphModule's guards and finds its symbol.
+    the example's tokens; ``finish`` drops a GraphModule's guards and finds its symbol;
+    ``reroll(site, k)`` re-rolls a Python loop over the blocks that stopped that export
+    (:mod:`.reroll_capture`, with units of ``k`` tokens), raising ``CaptureError`` if not.
 
     Raises:
         CaptureError: that export failed too (:func:`block_refusal`, with its error).
@@ -89,9 +92,17 @@ def export_blocks(model: torch.nn.Module, log: GuardLog, export: Callable[[], fx
         site = describe_site(again.sites[-1:])  # the guard that stopped it
         why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
         if site is not None and loop_over_positions(site[1]):
+            reason = "no re-roller was given"
+            if reroll is not None:
+                try:
+                    return reroll(site, block)
+                except CaptureError as failed:
+                    reason = str(failed).partition("here that failed: ")[2].partition(
+                        ".\nfix:")[0] or str(failed).splitlines()[0]
             why = (f"a Python loop over the blocks at {site[0]} (`{site[1]}`), which "
                    "torch.export unrolls at the example's number of blocks (a recurrence "
-                   "stepped block by block, e.g. a chunked delta rule)")
+                   "stepped block by block, e.g. a chunked delta rule); re-rolling it "
+                   f"(docs/capture.md#re-rolled-loops) failed: {reason}")
         raise CaptureError(block_refusal(model, block, log.block_sites) + "\nThe export with "
                            f"the length {block} × blocks failed too: {why}.") from first
     guards = getattr(gm, "_guards_fn", None)

@@ -18,8 +18,9 @@ Terms:
         rule: ``pad_size = (k - L % k) % k``). Recorded with the first sites outside torch.
     stopping: for a token stream, an export is stopped (:class:`StopExport` raised from the
         log handler) at the first block-padding guard, and at the first pinning guard when
-        it is a loop over positions: both are refused whatever follows
-        (:mod:`tppc.frontend.recurrence_refusals`), and the rest of the export would take
+        it is a loop over positions: the first is captured in blocks, the second re-rolled
+        from exports at fixed lengths (or refused: :mod:`tppc.frontend.recurrence_refusals`),
+        and the rest of the export would take
         minutes (Mamba2: 40 s for one tiny layer on the loaded 2-core machine, 2 s stopped).
 
 Example:

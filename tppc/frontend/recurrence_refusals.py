@@ -3,7 +3,9 @@
 Terms:
     loop over positions: a recurrence stepped in a Python loop as long as the sequence
         (position by position, or block by block); torch.export unrolls it at the example's
-        length (:func:`tppc.frontend.guard_sites.loop_over_positions`).
+        length (:func:`tppc.frontend.guard_sites.loop_over_positions`). tppc re-rolls it
+        (:mod:`tppc.frontend.reroll_capture`) and refuses it only when that fails (the
+        reason is part of the refusal).
     block padding: the sequence padded to a multiple of a constant ``k`` and reshaped into
         blocks of ``k`` rows, with a recurrence over the blocks (a chunked scan: Mamba2's SSD
         scan, Gated DeltaNet's chunked delta rule); torch.export pins the length, because
@@ -11,8 +13,8 @@ Terms:
         tppc exports it again with ``L = k × blocks`` (:mod:`tppc.frontend.block_capture`)
         and refuses it only when that fails too (Qwen3-Next: a Python loop over the blocks).
 
-Both stop the first export, from the first export's guards, before any second export or
-annotation runs (the export stops at the guard that shows the construct: the rest is minutes
+Both stop the first export, from the first export's guards, before the exports that re-roll
+a loop or capture blocks, and before annotation runs (the export stops at the guard that shows the construct: the rest is minutes
 of symbolic reasoning about the padded length, or the unrolled loop): a token chunk cannot
 run either graph.
 """
@@ -33,16 +35,20 @@ _SCAN_FIX = (
     "(docs/annotation.md#recurrent-layers-carried-state)")
 
 
-def loop_refusal(model: torch.nn.Module, site: tuple[str, str], exc: Exception) -> str:
-    """The refusal of a recurrence stepped in a Python loop as long as the sequence."""
+def loop_refusal(model: torch.nn.Module, site: tuple[str, str], exc: Exception,
+                 reroll: object) -> str:
+    """The refusal of a recurrence stepped in a Python loop as long as the sequence, when
+    re-rolling it failed (``reroll``: why, :mod:`tppc.frontend.reroll_capture`)."""
+    why = f"{type(reroll).__name__}: {reroll}" if isinstance(reroll, Exception) else reroll
     return (
         f"torch.export could not capture {type(model).__name__}: a Python loop whose count "
         f"is the sequence length at {site[0]} (`{site[1]}`), a recurrence stepped position "
         "by position (or block by block); torch.export unrolls it at the example's length "
         "(one copy of the step per position or block), so the sequence length is fixed to "
-        "the example and no chunk can run it.\n"
-        f"fix: {_SCAN_FIX}. transformers' Mamba, Jamba and MiniMax have no such path on CPU "
-        "(Mamba's associative_scan runs only under torch.compile), so they stay refused.\n"
+        "the example and no chunk can run it. tppc re-rolls such a loop into one node when "
+        "its steps are one computation with a carried state and outputs stacked along the "
+        f"tokens (docs/capture.md#re-rolled-loops); here that failed: {why}.\n"
+        f"fix: {_SCAN_FIX}.\n"
         f"torch.export stopped at: {type(exc).__name__}: {str(exc).strip()}")
 
 

@@ -21,6 +21,7 @@ from tppc.frontend.joint_inputs import JointInput
 from tppc.frontend.length_bounds import admitted_range, bound_site
 from tppc.frontend.length_ropes import stateless_length_ropes
 from tppc.frontend.recurrence_refusals import loop_refusal
+from tppc.frontend.reroll_capture import export_rerolled
 from tppc.frontend.sample_tables import fit_sample_tables
 from tppc.frontend.size_ints import UnitInt, export_size_ints, find_unit_int, read_from_tokens
 from tppc.ir.context import CompileContext
@@ -68,9 +69,11 @@ def export_dynamic(
             shapes = block_shapes(bound, axes, log.block, units, upper,
                                   lambda name, v, d: _spec_for(name, v, axes, d, patch))
             return export_blocks(model, log, lambda: _export(model, bound, shapes).module(),
-                                 exc, (axes, units), (_drop_guards, _seq_symbol))
+                                 exc, (axes, units), (_drop_guards, _seq_symbol),
+                                 lambda loop, k, first=exc: _export_rerolled(
+                                     model, bound, axes, units, loop, first, k))
         if tokens and site is not None and loop_over_positions(site[1]):
-            raise CaptureError(loop_refusal(model, site, exc)) from exc
+            return _export_rerolled(model, bound, axes, units, site, exc)
         if not re.search(_PINNED, str(exc)):
             raise CaptureError(explain(model, exc)) from exc
         found = admitted_range(exc, units) if joint is None else None
@@ -85,7 +88,8 @@ def export_dynamic(
                 ep = _export(model, bound, shapes, deferred=True)
             except Exception:
                 if site is not None and loop_over_positions(site[1]):
-                    raise CaptureError(loop_refusal(model, site, exc)) from exc
+                    raise CaptureError(loop_refusal(model, site, exc, "re-rolling needs a "
+                                                    "token stream")) from exc
                 why = f" at {site[0]} (`{site[1]}`)" if site is not None else ""
                 raise CaptureError(explain(model, exc, why + size_ints_reason(bound))) from exc
             line = f"at {site[0]}: `{site[1]}`" if site is not None else _pinned_line(exc)
@@ -119,6 +123,32 @@ def export_dynamic(
         shape_guards=guards,
         length_bound=length_bound,
     )
+    return gm, ctx
+
+
+def _export_rerolled(model: torch.nn.Module, bound: inspect.BoundArguments,
+                     axes: dict[str, tuple[int, ...]], units: int, site: tuple[str, str],
+                     exc: Exception, unit: int = 1) -> tuple[fx.GraphModule, CompileContext]:
+    """The re-rolled capture of a loop over positions (:mod:`.reroll_capture`; ``unit``: the
+    tokens of a block the model pads to), or the loop's refusal with the re-roller's reason."""
+    def export(inputs: inspect.BoundArguments) -> fx.GraphModule:
+        gm = _export(model, inputs, None).module()
+        _drop_guards(gm)
+        return gm
+
+    try:
+        gm, block = export_rerolled(bound, axes, (units, unit), export, site[0])
+    except Exception as again:  # RerollError, or torch.export failing at a fixed length
+        raise CaptureError(loop_refusal(model, site, exc, again)) from exc
+    symbol = _seq_symbol(gm, axes)
+    if symbol is None:
+        raise CaptureError(loop_refusal(model, site, exc, "the re-rolled graph's length is a "
+                                        "constant"))
+    ctx = CompileContext(
+        seq_symbol=symbol, example_seq=units // block, seq_inputs=dict(axes),
+        capture_mode="dynamic",
+        input_names=tuple(n.name for n in gm.graph.nodes if n.op == "placeholder"),
+        rerolled=site[0], block_size=block if block > 1 else None)
     return gm, ctx
 
 

@@ -68,6 +68,9 @@ class CompileContext:
             a sequence input (:func:`tppc.frontend.joint_inputs.follower_input`).
         example_values: the example's values of the context-stream and integer/bool inputs
             (text masks, ids), so that masks are judged from them, not from zeros.
+        rerolled: the ``file:line`` of a Python loop over positions that the capture
+            re-rolled into :class:`tppc.ir.loop_scan.LoopScan` nodes
+            (:mod:`tppc.frontend.reroll_capture`); None otherwise.
         layers: layer records written by ``group_layers``.
         history: one record per pass run (the capture's, then the latest emissions':
             :data:`tppc.passes.runner.EMISSION_RECORDS`).
@@ -83,6 +86,7 @@ class CompileContext:
     specialization: str | None = None
     input_names: tuple[str, ...] = ()
     model_name: str = ""
+    rerolled: str | None = None
     layers: list[Any] = field(default_factory=list)
     history: list[PassRecord] = field(default_factory=list)
     capture_seconds: float = 0.0

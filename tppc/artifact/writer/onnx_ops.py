@@ -70,6 +70,11 @@ def _binary(op_type: str) -> Fn:
     return fn
 
 
+def _rsub(t: Any, node: fx.Node, a: Any, b: Any, *, alpha: Any = 1) -> Tensor:
+    """``b − alpha·a`` (``1 - z`` on a tensor ``z``)."""
+    return _binary("Sub")(t, node, b, a, alpha=alpha)
+
+
 def _int_op(op_type: str, py: Callable[[int, int], int]) -> Fn:
     def fn(t: Any, node: fx.Node, a: Any, b: Any) -> Any:
         if isinstance(a, int) and isinstance(b, int):
@@ -293,6 +298,7 @@ def _identity(t: Any, node: fx.Node, x: Any, *_: Any, **__: Any) -> Any:
 
 OPS: dict[Any, Fn] = {
     _aten.add.Tensor: _binary("Add"), _aten.sub.Tensor: _binary("Sub"),
+    _aten.rsub.Scalar: _rsub, _aten.rsub.Tensor: _rsub,
     _aten.mul.Tensor: _binary("Mul"), _aten.div.Tensor: _binary("Div"),
     _aten.neg.default: _unary("Neg"), _aten.cos.default: _unary("Cos"),
     _aten.sin.default: _unary("Sin"), _aten.tanh.default: _unary("Tanh"),

@@ -41,12 +41,17 @@ _SLOT = "tppc.export.state_slot"
 """Key of the state buffer a :func:`state_read` node reads (its value: one slot)."""
 
 
-def state_read(buffer: torch.Tensor, index: Any, fill: float) -> torch.Tensor:
-    """Slot ``min(index, 1)`` of a state buffer whose slot 0 holds ``fill``: the state the
-    previous chunk left (``index > 0``), else the start value (the torch reference of the
-    ONNX translation)."""
+def state_read(buffer: torch.Tensor, index: Any, fill: float | torch.Tensor) -> torch.Tensor:
+    """Slot ``min(index, 1)`` of a state buffer whose slot 0 holds ``fill`` (a number, or a
+    tensor the graph computes: a re-rolled loop's initial carry): the state the previous
+    chunk left (``index > 0``), else the start value (the torch reference of the ONNX
+    translation)."""
     slot = buffer.select(0, 1)
-    return slot.clone() if index > 0 else torch.full_like(slot, fill)
+    if index > 0:
+        return slot.clone()
+    if isinstance(fill, torch.Tensor):
+        return fill.expand_as(slot).clone()
+    return torch.full_like(slot, fill)
 
 
 def functional_states(graph: fx.Graph, stage: Any) -> dict[str, fx.Node]:
@@ -78,7 +83,11 @@ def functional_states(graph: fx.Graph, stage: Any) -> dict[str, fx.Node]:
             elif _target(user) is _aten.select.int and user.args[1] == 0:
                 copies = [u for u in user.users
                           if _target(u) is _aten.copy_.default and u.args[0] is user]
-                if copies:
+                if copies and user.args[2] == 0 and len(user.users) == 1:
+                    fill = copies[0].args[1]  # a start value the graph computes (a loop's)
+                    graph.erase_node(copies[0])
+                    graph.erase_node(user)
+                elif copies:
                     if user.args[2] != 1 or len(user.users) != 1:
                         _refuse(b, user, "is written other than once into slot 1")
                     writes.append((user, copies[0]))
@@ -96,7 +105,8 @@ def functional_states(graph: fx.Graph, stage: Any) -> dict[str, fx.Node]:
             if _target(index) is torch.sym_min and index.args[1] == 1:
                 index = index.args[0]  # min(chunk_start, 1) > 0 iff chunk_start > 0
             with graph.inserting_before(read):
-                new = graph.call_function(state_read, (buf, index, float(fill)))
+                new = graph.call_function(state_read, (buf, index, fill if isinstance(
+                    fill, fx.Node) else float(fill)))
             new.meta = dict(read.meta)
             new.meta[_SLOT] = b
             read.replace_all_uses_with(new)
@@ -232,22 +242,23 @@ def _refuse(b: Any, node: fx.Node | None, what: str) -> None:
                       "with backend='torch'")
 
 
-def _state_read(t: Any, node: fx.Node, buffer: Any, index: Any, fill: float) -> Any:
+def _state_read(t: Any, node: fx.Node, buffer: Any, index: Any, fill: Any) -> Any:
     """:func:`state_read` in ONNX: ``Where(index > 0, Gather(buffer, 1), fill)``."""
-    from tppc.artifact.writer.onnx_ops import Int
+    from tppc.artifact.writer.onnx_ops import Int, Tensor
 
     slot = t.op("Gather", [buffer.name, t.const(1)], axis=0)
+    start = t.like(fill, Tensor(slot, buffer.dtype, 0)) if isinstance(fill, Tensor) \
+        else t.const(fill, buffer.dtype)
     if isinstance(index, int):
         if index > 0:
             return t.tensor(node, slot)
-        return t.tensor(node, t.op("Expand", [t.const(fill, buffer.dtype),
-                                              t.op("Shape", [slot])]))
+        return t.tensor(node, t.op("Expand", [start, t.op("Shape", [slot])]))
     if not isinstance(index, Int):
         raise ExportError(f"node {node.name!r} reads a state slot by {index!r}, neither an "
                           "int nor the chunk's start; tppc cannot export it. fix: report the "
                           "model")
     first = t.op("Greater", [index.name, t.const(0)])
-    value = t.op("Where", [first, slot, t.const(fill, buffer.dtype)])
+    value = t.op("Where", [first, slot, start])
     return t.tensor(node, value)
 
 

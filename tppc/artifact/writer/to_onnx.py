@@ -41,6 +41,7 @@ from torch import fx
 from tppc.artifact.writer.graphs import ExportError
 from tppc.artifact.writer.onnx_attention import ATTENTION_OPS
 from tppc.artifact.writer.onnx_dit_ops import DIT_OPS
+from tppc.artifact.writer.onnx_loop_ops import loop_op
 from tppc.artifact.writer.onnx_ops import OPS, Int, Tensor, onnx_dtype
 from tppc.artifact.writer.onnx_routing_ops import ROUTING_OPS, routing_op
 from tppc.artifact.writer.onnx_scan_ops import SCAN_OPS
@@ -82,11 +83,12 @@ class _Translator:
         self.env: dict[fx.Node, Any] = {}
         self.symbols: set[Any] = set()  # the symbols named ``sym_name`` (input axes)
         self.count = 0
+        self.prefix = ""  # a loop body's names: unique within the whole model
 
     # -- plumbing ------------------------------------------------------------------------------
     def fresh(self, hint: str) -> str:
         self.count += 1
-        return f"_t{self.count}_{hint}"
+        return f"_t{self.prefix}{self.count}_{hint}"
 
     def op(self, op_type: str, inputs: list[str], hint: str = "", **attrs: Any) -> str:
         out = self.fresh(hint or op_type.lower())
@@ -129,6 +131,17 @@ class _Translator:
         return Tensor(name, val.dtype, val.dim())
 
     # -- graph -----------------------------------------------------------------------------------
+    def call(self, node: fx.Node) -> Any:
+        """The ONNX value(s) of one ``call_function`` node."""
+        fn = _TABLE.get(node.target) or routing_op(node.target) or loop_op(node.target)
+        if fn is None:
+            raise ExportError(
+                f"node {node.name!r} calls {node.target}, which tppc's ONNX export "
+                "does not translate. fix: report the op (or run the torch backend)")
+        args = fx.node.map_arg(node.args, self.env.__getitem__)
+        kwargs = fx.node.map_arg(node.kwargs, self.env.__getitem__)
+        return fn(self, node, *args, **kwargs)
+
     def run(self, output_names: tuple[str, ...]) -> onnx.ModelProto:
         outputs: list[Any] = []
         for node in self.gm.graph.nodes:
@@ -137,14 +150,7 @@ class _Translator:
             elif node.op == "get_attr":
                 self.env[node] = self.attr(node)
             elif node.op == "call_function":
-                fn = _TABLE.get(node.target) or routing_op(node.target)
-                if fn is None:
-                    raise ExportError(
-                        f"node {node.name!r} calls {node.target}, which tppc's ONNX export "
-                        "does not translate. fix: report the op (or run the torch backend)")
-                args = fx.node.map_arg(node.args, self.env.__getitem__)
-                kwargs = fx.node.map_arg(node.kwargs, self.env.__getitem__)
-                self.env[node] = fn(self, node, *args, **kwargs)
+                self.env[node] = self.call(node)
             elif node.op == "output":
                 outputs = list(fx.node.map_arg(node.args[0], self.env.__getitem__))
                 shapes = [self.shape(a) for a in node.args[0]]

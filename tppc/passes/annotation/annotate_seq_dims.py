@@ -28,6 +28,7 @@ from torch import fx
 
 from tppc.errors import AnnotationError
 from tppc.ir.context import CompileContext
+from tppc.ir.loop_scan import is_loop_scan
 from tppc.ir.op_rules import op_rule
 from tppc.ir.records import TOKEN, TokenInfo
 from tppc.passes.annotation.attention import classify_attention
@@ -37,7 +38,12 @@ from tppc.passes.annotation.buffered_mixing import (
     neighbourhood_conv,
     token_contraction_info,
 )
-from tppc.passes.annotation.recurrent import causal_conv, causal_crop, recurrent_scan
+from tppc.passes.annotation.recurrent import (
+    causal_conv,
+    causal_crop,
+    check_loop_scan,
+    recurrent_scan,
+)
 from tppc.passes.annotation.regions import annotate_region, row_wise_region
 from tppc.passes.annotation.segments import segment_info, split_tokens, with_prefix
 from tppc.passes.annotation.token_order import (
@@ -143,6 +149,9 @@ def _token_op(node: fx.Node, axes: list[int], sizes: list[sympy.Expr], where: st
     src = _token_input(node)
     src_info: TokenInfo = src.meta[TOKEN]
     dims = op_dims(node, src)
+    if is_loop_scan(node):  # a re-rolled loop over positions (:mod:`tppc.frontend.reroll`)
+        check_loop_scan(node, axes)
+        return dataclasses.replace(_info("mixing", axes, sizes, where), attention="recurrent")
     if recurrent_scan(node, src) or (role == "conv" and causal_conv(node, src)):
         return dataclasses.replace(_info("mixing", axes, sizes, where), attention="recurrent")
     if role == "selects" and src_info.attention == "recurrent" and causal_crop(node, src):

@@ -16,7 +16,10 @@ Terms:
         (batch, heads, channels), not by the sequence length
         (:mod:`tppc.passes.chunking.carried_state`).
 
-Annotation marks both ``mixing`` with ``attention="recurrent"``; the crop after a causal
+    re-rolled loop: a :class:`tppc.ir.loop_scan.LoopScan` node, a Python loop over positions
+        re-rolled by the capture (:mod:`tppc.frontend.reroll`); its carries are its state.
+
+Annotation marks all three ``mixing`` with ``attention="recurrent"``; the crop after a causal
 convolution is ``token``. Everything else about them is row-wise: a model of such layers
 is causal, chunked like a causal LLM, and each chunk costs its own rows only.
 """
@@ -27,12 +30,15 @@ import sympy
 import torch
 from torch import fx
 
+from tppc.errors import AnnotationError
+from tppc.ir.loop_scan import LoopScan
 from tppc.ir.op_rules import op_rule
 from tppc.ir.records import TOKEN, TokenInfo
 from tppc.passes.annotation.buffered_mixing import conv_geometry
 from tppc.passes.shapes import op_dims, size_expr, tensor_val
 
-__all__ = ["SCAN_INIT", "causal_conv", "causal_crop", "conv_state_rows", "recurrent_scan"]
+__all__ = ["SCAN_INIT", "causal_conv", "causal_crop", "check_loop_scan", "conv_state_rows",
+           "recurrent_scan"]
 
 _aten = torch.ops.aten
 
@@ -84,6 +90,38 @@ def causal_crop(node: fx.Node, conv: fx.Node, length: sympy.Expr | None = None) 
     if length is None:
         length = conv.args[0].meta[TOKEN].axis_size
     return sympy.simplify(size_expr(out.shape[2]) - length) == 0
+
+
+def check_loop_scan(node: fx.Node, axes: list[int]) -> None:
+    """Check that a re-rolled loop steps along the tokens only: its sliced inputs are split
+    tokens sliced along their token axis, its value's token axis is the stacked one, and its
+    initial carries and invariants hold no token (nor position) axis.
+
+    Raises:
+        AnnotationError: naming the loop's line and the input that breaks it.
+    """
+    loop: LoopScan = node.target
+    inits, xs, invariants = loop.split(node.args)
+    where = f"the re-rolled loop {node.name} ({loop.source})"
+    for x, d in zip(xs, loop.xs_dims, strict=True):
+        info: TokenInfo = x.meta[TOKEN]
+        if info.role not in ("token", "mixing") or info.axis != d or not _plain_tokens(info):
+            raise AnnotationError(
+                f"{where} steps along axis {d} of {x.name}, whose token axis is {info.axis} "
+                f"(role {info.role}); tppc carries a loop's state only along the tokens. fix: "
+                "loop over the sequence positions of a token value")
+    for value in (*inits, *invariants):
+        if not isinstance(value, fx.Node):
+            continue
+        info = value.meta[TOKEN]
+        if info.role != "const" and info.axis is not None:
+            raise AnnotationError(
+                f"{where} reads {value.name} (role {info.role}, token axis {info.axis}) whole "
+                "at every step: each step sees every position, which no chunk holds. fix: "
+                "read it one position per step (x[:, t])")
+    if axes != [loop.out_dim]:
+        raise AnnotationError(f"{where} stacks its outputs along axis {loop.out_dim}, but its "
+                              f"token axes are {axes}")
 
 
 def conv_state_rows(node: fx.Node) -> int:

@@ -17,6 +17,11 @@ op on ``[state | chunk rows]`` and writes its new state into slot 1:
 - a causal convolution: ``conv(cat([state, rows]), padding=0)`` gives the chunk's ``c``
   output rows; the state is the last ``(k − 1)·d`` input rows.
 
+- a re-rolled loop (:class:`tppc.ir.loop_scan.LoopScan`): one buffer per carry, shaped as
+  the carry; slot 0 is filled with the loop's initial carry by every chunk (``fill_`` as a
+  scan's when a creation op makes it: ``zeros``, ``ones``, ``full``; else a copy of it), and the loop's stateful form runs the chunk's rows from the
+  slot read, returning the outputs and the final carries, written into slot 1.
+
 The state's shape is the value's with the token axis of size 1 (a scan) or ``(k − 1)·d``
 (a convolution): batch × heads × channels, never the length. Later chunks on the same stage
 run after earlier ones (the schedule is a permutation flow shop), so the state is always
@@ -25,10 +30,13 @@ the previous chunk's.
 
 from __future__ import annotations
 
+import operator as _operator
+
 import torch
 from torch import fx
 
 from tppc.errors import PassError
+from tppc.ir.loop_scan import LoopScan, is_loop_scan
 from tppc.ir.records import CHUNK_INPUT, LAYER, PART, TOKEN, ChunkInput, KVBuffer, TokenInfo
 from tppc.passes.annotation.recurrent import SCAN_INIT, conv_state_rows
 from tppc.passes.shapes import size_expr, tensor_val
@@ -65,7 +73,11 @@ class CarriedState:
     def _state_inputs(self, recurrent: list[fx.Node]) -> None:
         """One state placeholder per recurrent node (see the module docstring)."""
         for node in recurrent:
-            self._state_buffer(node, node.name, "state", *_state_shape(node))
+            if is_loop_scan(node):
+                for j, (shape, dtype) in enumerate(_carry_shapes(node)):
+                    self._state_buffer(node, node.name, f"carry{j}", shape, dtype)
+            else:
+                self._state_buffer(node, node.name, "state", *_state_shape(node))
 
     def _state_buffer(self, node: fx.Node, owner: str, kind: str, shape: tuple[int, ...],
                       dtype: torch.dtype) -> None:
@@ -81,8 +93,38 @@ class CarriedState:
         self.buffers.append(KVBuffer(name, spec))
         self.buffer_nodes[owner, kind] = ph
 
+    def _loop(self, node: fx.Node) -> fx.Node:
+        """The chunk's rows of a re-rolled loop from its carried states."""
+        loop: LoopScan = node.target
+        inits, xs, invariants = loop.split(node.args)
+        new = lambda target, args: self._new(target, args, node)  # noqa: E731
+        bufs = [self.buffer_nodes[node.name, f"carry{j}"] for j in range(loop.carries)]
+        slot = new(torch.sym_min, (self.start, 1))
+        prevs = []
+        for buf, init in zip(bufs, inits, strict=True):
+            fill = constant_fill(init)
+            if fill is not None:  # the scans' form: the export reads it (state_reads)
+                new(_aten.fill_.Scalar, (new(_aten.narrow.default, (buf, 0, 0, 1)), fill))
+            else:
+                new(_aten.copy_.default, (new(_aten.select.int, (buf, 0, 0)), self.env[init]))
+            prevs.append(new(_aten.select.int, (buf, 0, slot)))
+        args = (*prevs, *(self.env[x] for x in xs), *(self.env[v] if isinstance(v, fx.Node)
+                                                      else v for v in invariants))
+        result = self.graph.call_function(loop.stateful(), args)
+        result.meta.update(node.meta)  # priced as the loop over the chunk's rows
+        carries = [tensor_val(out) for out in _step_outputs(loop)[:loop.carries]]
+        result.meta["val"] = (node.meta["val"], *carries)
+        out = self.graph.call_function(_operator.getitem, (result, 0))
+        for j, buf in enumerate(bufs):
+            final = new(_operator.getitem, (result, 1 + j))
+            new(_aten.copy_.default, (new(_aten.select.int, (buf, 0, 1)), final))
+        out.meta.update(node.meta)
+        return out
+
     def _recurrent(self, node: fx.Node) -> fx.Node:
         """The chunk's rows of a scan or causal convolution from the carried state."""
+        if is_loop_scan(node):
+            return self._loop(node)
         buf = self.buffer_nodes[node.name, "state"]
         new = lambda target, args: self._new(target, args, node)  # noqa: E731
         conv = node.target not in SCAN_INIT
@@ -113,6 +155,47 @@ class CarriedState:
         new(_aten.copy_.default, (new(_aten.select.int, (buf, 0, 1)), state))
         out.meta.update(node.meta)
         return out
+
+
+def _carry_shapes(node: fx.Node) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """The shape and dtype of each carry of a re-rolled loop (its step's outputs)."""
+    loop: LoopScan = node.target
+    outs = _step_outputs(loop)
+    found = []
+    for j, (init, out) in enumerate(zip(loop.split(node.args)[0], outs, strict=False)):
+        val, init_val = tensor_val(out), tensor_val(init)
+        if val is None or init_val is None or any(size_expr(s).free_symbols
+                                                  for s in init_val.shape) \
+                or tuple(init_val.shape) != tuple(val.shape) or init_val.dtype != val.dtype:
+            raise PassError(
+                f"re-rolled loop {node.name!r} ({loop.source}): carry {j} starts as "
+                f"{init.name} of shape {None if init_val is None else tuple(init_val.shape)} "
+                f"and is {None if val is None else tuple(val.shape)} after a step; a carried "
+                "state keeps one shape and dtype, sized by batch, heads and channels. fix: "
+                "start the state with its own shape (torch.zeros(batch, ..., dtype=...))")
+        found.append((tuple(int(s) for s in val.shape), val.dtype))
+    return found
+
+
+_FILLS = {_aten.zeros.default: 0.0, _aten.zeros_like.default: 0.0, _aten.new_zeros.default: 0.0,
+          _aten.ones.default: 1.0, _aten.ones_like.default: 1.0, _aten.new_ones.default: 1.0}
+
+
+def constant_fill(init: object) -> float | None:
+    """The value every element of a loop's initial carry holds when a creation op makes it
+    (``zeros``, ``ones``, ``full``), else None."""
+    if not isinstance(init, fx.Node) or init.op != "call_function":
+        return None
+    if init.target in _FILLS:
+        return _FILLS[init.target]
+    if init.target in (_aten.full.default, _aten.full_like.default, _aten.new_full.default):
+        value = init.args[1] if init.target is not _aten.new_full.default else init.args[2]
+        return float(value) if isinstance(value, int | float) else None
+    return None
+
+
+def _step_outputs(loop: LoopScan) -> tuple[fx.Node, ...]:
+    return tuple(next(n for n in loop.step.graph.nodes if n.op == "output").args[0])
 
 
 def _state_shape(node: fx.Node) -> tuple[tuple[int, ...], torch.dtype]:
