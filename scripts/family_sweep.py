@@ -54,6 +54,9 @@ _OWN: dict[str, Callable[[], torch.nn.Module]] = {
         num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16,
         q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
         attn_implementation="sdpa")),
+    "MiniCPM3ForCausalLM": lambda: T.MiniCPM3ForCausalLM(T.MiniCPM3Config(
+        **{**_BASE, "num_key_value_heads": 4}, kv_lora_rank=16, q_lora_rank=16,
+        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, attn_implementation="sdpa")),
     "DeepseekV3ForCausalLM": lambda: T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
         **{**_BASE, "num_key_value_heads": 4}, moe_intermediate_size=32, n_routed_experts=4,
         num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
