@@ -293,3 +293,19 @@ def test_own_loop_over_blocks_is_exact_in_chunks_of_blocks_and_exported(tmp_path
     runner = tppc.load(tmp_path, threads_per_stage=1)
     with torch.no_grad():
         assert_kernels_close(torch.from_numpy(runner(ids.numpy())), model(ids))
+
+
+@pytest.mark.parametrize("make", [lambda t: _mamba(t, "FalconMamba"), _jamba],
+                         ids=["falcon_mamba", "jamba"])
+def test_hf_mamba_mixers_export_exactly(make, tmp_path) -> None:
+    """FalconMamba's and Jamba's re-rolled loops (Jamba's beside attention and experts) as
+    ONNX Loops at 2 stages, through tppc.load."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = make(transformers)
+    tppc.export(_staged(_compile(model, batch=1)), tmp_path)
+    runner = tppc.load(tmp_path, threads_per_stage=1)
+    ids = torch.randint(0, VOCAB, (1, LENGTH))
+    with torch.no_grad():
+        got = torch.from_numpy(runner(ids.numpy())["logits"])
+        assert_kernels_close(got, model(ids).logits)
