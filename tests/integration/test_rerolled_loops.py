@@ -309,3 +309,20 @@ def test_hf_mamba_mixers_export_exactly(make, tmp_path) -> None:
     with torch.no_grad():
         got = torch.from_numpy(runner(ids.numpy())["logits"])
         assert_kernels_close(got, model(ids).logits)
+
+
+def test_recurrent_gemma_rg_lru_loop_is_exact_at_two_stages() -> None:
+    """RecurrentGemma's RG-LRU steps positions in a Python loop (``_rnn_scan``); its gates'
+    ``baddbmm`` is decomposed where its meta kernel wants concrete sizes (was refused)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.RecurrentGemmaForCausalLM(transformers.RecurrentGemmaConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=64, lru_width=32, attention_window_size=16,
+        block_types=["recurrent", "attention"], use_cache=False)).eval()
+    cp = _compile(model, batch=1)
+    with torch.no_grad():
+        for length in (LENGTH, 2 * LENGTH + 1):
+            ids = torch.randint(0, VOCAB, (1, length))
+            assert_kernels_close(_staged(cp)(ids).logits if length == LENGTH
+                                 else cp(ids).logits, model(ids).logits)

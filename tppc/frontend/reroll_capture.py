@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch._decomp
 from torch import fx
 from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -261,7 +262,16 @@ class _PinsNamed(FakeTensorProp):
     model computes from the length and compares with a constant)."""
 
     def run_node(self, n: fx.Node) -> Any:
-        result = super().run_node(n)
+        try:
+            result = super().run_node(n)
+        except RuntimeError as exc:  # a kernel whose meta wants concrete sizes: decomposed
+            decomposed = _decomposition(n) if "concrete integers" in str(exc) else None
+            if decomposed is None:
+                raise
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            with self._mode:
+                result = decomposed(*args, **kwargs)
+            n.meta["val"] = result
         env = self._mode.shape_env
         if env is not None and env.replacements and any(
                 not getattr(v, "free_symbols", True) for v in env.replacements.values()):
@@ -270,3 +280,10 @@ class _PinsNamed(FakeTensorProp):
             raise RerollError(f"node {n.name} ({n.target}){where} fixes the length once the "
                               "shapes outside the loop are symbolic")
         return result
+
+
+def _decomposition(n: fx.Node) -> Any:
+    """torch's decomposition of ``n``'s op (``baddbmm`` into ``bmm`` and adds: its meta
+    kernel expands with concrete sizes only, RecurrentGemma's gates), or None."""
+    return torch._decomp.decomposition_table.get(n.target) if n.op == "call_function" \
+        else None
