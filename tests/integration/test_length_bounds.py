@@ -11,6 +11,7 @@ or a raw shape error from a mask probe).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -63,14 +64,13 @@ class _TableBiasBlock(nn.Module):
         return x + y.transpose(1, 2).reshape(b, length, dim)
 
 
-class _TableBiasLM(nn.Module):
-    """Our own LM whose bias tables hold 40 positions: torch.export bounds the length by
-    them (``Min(40, L)`` rows, and ``L != 40``, where the slice is the whole table)."""
+class _BlocksLM(nn.Module):
+    """Our own LM: an embedding, two blocks made by ``block``, a head."""
 
-    def __init__(self, vocab: int = 128, dim: int = 32, heads: int = 4, table: int = 40):
+    def __init__(self, block: Callable[[], nn.Module], vocab: int = 128, dim: int = 32):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(_TableBiasBlock(dim, heads, table) for _ in range(2))
+        self.layers = nn.ModuleList(block() for _ in range(2))
         self.out = nn.Linear(dim, vocab)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -78,6 +78,12 @@ class _TableBiasLM(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.out(x)
+
+
+def _table_bias_lm() -> nn.Module:
+    """Bias tables of 40 positions: torch.export bounds the length by them (``Min(40, L)``
+    rows, and ``L != 40``, where the slice is the whole table)."""
+    return _BlocksLM(lambda: _TableBiasBlock(32, 4, 40))
 
 
 class _WhereFloorBlock(nn.Module):
@@ -102,23 +108,9 @@ class _WhereFloorBlock(nn.Module):
         return x + y.transpose(1, 2).reshape(b, length, dim)
 
 
-class _WhereFloorLM(nn.Module):
-    def __init__(self, vocab: int = 128, dim: int = 32) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(_WhereFloorBlock(dim) for _ in range(2))
-        self.out = nn.Linear(dim, vocab)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids)
-        for layer in self.layers:
-            x = layer(x)
-        return self.out(x)
-
-
 def test_own_eager_attention_with_where_and_a_floor_is_folded_and_exact() -> None:
     torch.manual_seed(0)
-    model = _WhereFloorLM().eval()
+    model = _BlocksLM(_WhereFloorBlock).eval()
     ids = torch.randint(3, 128, (1, 24), generator=torch.Generator().manual_seed(0))
     cp = tppc.compile(model, (ids,), cluster="2xcpu", num_stages=2, chunks=3)
     assert cp.context.length_bound is None and cp.context.length_limit is None
@@ -128,7 +120,7 @@ def test_own_eager_attention_with_where_and_a_floor_is_folded_and_exact() -> Non
             assert_kernels_close(cp(x), model(x), depth=4)
 
 
-_MODELS = {"xglm": _xglm, "mpt": _mpt, "gpt_neo": _gpt_neo, "table": _TableBiasLM}
+_MODELS = {"xglm": _xglm, "mpt": _mpt, "gpt_neo": _gpt_neo, "table": _table_bias_lm}
 
 
 @functools.cache

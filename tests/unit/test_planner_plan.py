@@ -83,9 +83,8 @@ def _placement_matches_enumeration(seed: int) -> bool:
         placement_objective(*stage_times(t, (0, *inner, n_layers), bounds), 1.0)
         for inner in itertools.combinations(range(1, n_layers), n_dev - 1)
     )
-    # The solver's objective may sit below the recomputed one by its feasibility tolerance
-    # (seed 90875: 1.0000001e-6 relative), which `info.gap` reports; the placement it returns
-    # must be the optimum exactly.
+    # The solver's objective may sit below the recomputed one within `info.gap` (seed 90875:
+    # 1.0000001e-6 relative); the placement it returns must be the optimum exactly.
     return (info.status == "optimal"
             and info.objective == pytest.approx(best, rel=2 * max(info.gap, 1e-6))
             and obj == pytest.approx(best, rel=1e-9))

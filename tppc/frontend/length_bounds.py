@@ -55,12 +55,7 @@ def _excluded(text: str) -> int | None:
     if found is None:
         return None
     size = re.compile(r"L\[[^\]]+\]\.size\(\)\[\d+\]")
-    guard = f"{size.sub('s', found.group(1))} - ({size.sub('s', found.group(2))})"
-    try:
-        roots = sympy.solve(sympy.sympify(guard), sympy.Symbol("s"))
-    except Exception:  # not an equation in the one size: nothing excluded that we can read
-        return None
-    return int(roots[0]) if len(roots) == 1 and roots[0].is_Integer else None
+    return _root(f"Eq({size.sub('s', found.group(1))}, {size.sub('s', found.group(2))})")
 
 
 def bound_site(range_sites: list[tuple[str, tuple[str, int, str]]], hi: int) -> str:
@@ -68,17 +63,18 @@ def bound_site(range_sites: list[tuple[str, tuple[str, int, str]]], hi: int) -> 
     solved for the one size symbol, is ``hi`` or ``hi + 1``), else the first inequality
     guard's line, else "a line inside torch"."""
     for guard, site in range_sites:
-        if _boundary(guard) in (hi, hi + 1):
+        if _root(guard) in (hi, hi + 1):
             return describe_sites([site])[0]
     return describe_sites([range_sites[0][1]])[0] if range_sites else "a line inside torch"
 
 
-def _boundary(guard: str) -> int | None:
-    """Where a linear inequality in one symbol changes truth (``s70 + 2 <= 66``: 64)."""
+def _root(relation: str) -> int | None:
+    """The one integer where both sides of a relation in one symbol are equal
+    (``s70 + 2 <= 66``: 64; ``Eq(40*s, 1600)``: 40), else None."""
     try:
-        rel = sympy.sympify(guard)
+        rel = sympy.sympify(relation)
         (sym,) = rel.free_symbols
         roots = sympy.solve(sympy.Eq(rel.lhs, rel.rhs), sym)
-    except Exception:  # not a relational in one symbol, or not solvable: no boundary
+    except Exception:  # not a relation in one symbol, or not solvable: no root we can read
         return None
     return int(roots[0]) if len(roots) == 1 and roots[0].is_Integer else None

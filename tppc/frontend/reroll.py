@@ -39,8 +39,9 @@ from tppc.frontend.reroll_steps import (
     live_ops,
     signature,
 )
-from tppc.frontend.scatter_chains import stack_scatter_chains
+from tppc.frontend.scatter_chains import rank_of, stack_scatter_chains, static_size
 from tppc.ir.loop_scan import LoopScan
+from tppc.passes.shapes import ancestors
 
 __all__ = ["RerollError", "loop_block", "reroll_loops"]
 
@@ -90,7 +91,7 @@ def loop_block(gm: fx.GraphModule) -> int | None:
         if block is None:
             continue
         outputs = list(node.args[0])
-        nodes = set().union(*(_ancestors(o) for o in outputs))
+        nodes = ancestors(outputs)
         if _position_groups(list(nodes), len(outputs), block):
             return block
     return None
@@ -108,20 +109,9 @@ def _collector_block(node: fx.Node, least: int = 3) -> int | None:
     if node.target is _aten.stack.default:
         return 1
     dim = node.args[1] if len(node.args) > 1 else 0
-    sizes = {_size(v, dim % max(_rank(v) or 1, 1)) for v in values}
+    sizes = {static_size(v, dim % max(rank_of(v) or 1, 1)) for v in values}
     size = sizes.pop() if len(sizes) == 1 else None
     return size if isinstance(size, int) and size >= 1 else None
-
-
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
 
 
 def _position_groups(nodes: list[fx.Node], n: int, block: int
@@ -146,11 +136,11 @@ def _position(node: fx.Node, block: int) -> tuple[tuple[fx.Node, int], int] | No
     if node.target is not want or not isinstance(node.args[0], fx.Node):
         return None
     src = node.args[0]
-    rank = _rank(src)
+    rank = rank_of(src)
     axis = node.args[1] if len(node.args) > 1 else 0
     if rank is None or not isinstance(axis, int):
         return None
-    size = _size(src, axis % rank)
+    size = static_size(src, axis % rank)
     if block == 1:
         index = node.args[2]
         if not isinstance(index, int):
@@ -162,17 +152,6 @@ def _position(node: fx.Node, block: int) -> tuple[tuple[fx.Node, int], int] | No
             or start % block or min(end, size or end) - start != block:
         return None
     return (src, axis % rank), start // block
-
-
-def _rank(node: fx.Node) -> int | None:
-    val = node.meta.get("val")
-    return val.dim() if isinstance(val, torch.Tensor) else None
-
-
-def _size(node: fx.Node, axis: int) -> int | None:
-    val = node.meta.get("val")
-    size = val.shape[axis] if isinstance(val, torch.Tensor) else None
-    return size if isinstance(size, int) else None
 
 
 def _region(nodes: list[fx.Node], groups: dict[tuple[fx.Node, int], list[list[fx.Node]]]
@@ -211,7 +190,7 @@ def _reroll(gm: fx.GraphModule, collector: fx.Node, source: str, block: int) -> 
     outputs = list(collector.args[0])
     n = len(outputs)
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
-    nodes = sorted(set().union(*(_ancestors(o) for o in outputs)), key=order.__getitem__)
+    nodes = sorted(ancestors(outputs), key=order.__getitem__)
     groups = _position_groups(nodes, n, block)
     region, groups = _region(nodes, groups)
     if not groups:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-__all__ = ["stack_scatter_chains"]
+__all__ = ["rank_of", "stack_scatter_chains", "static_size"]
 
 _aten = torch.ops.aten
 
@@ -38,7 +38,7 @@ def stack_scatter_chains(gm: fx.GraphModule) -> None:
         chain = _scatter_chain(node)
         if chain is None:
             continue
-        dim, last = node.args[2] % _rank(node.args[0]), chain[-1]
+        dim, last = node.args[2] % rank_of(node.args[0]), chain[-1]
         with gm.graph.inserting_before(last):
             stacked = gm.graph.call_function(_aten.stack.default,
                                              ([_written(c) for c in chain], dim))
@@ -52,8 +52,8 @@ def stack_scatter_chains(gm: fx.GraphModule) -> None:
 def _scatter_chain(first: fx.Node) -> list[fx.Node] | None:
     """The writes ``first`` starts (see :func:`_stack_scatter_chains`), or None."""
     base, dim = first.args[0], first.args[2]
-    rank = _rank(base)
-    size = _size(base, dim % rank) if rank is not None else None
+    rank = rank_of(base)
+    size = static_size(base, dim % rank) if rank is not None else None
     chain, prev = [first], base
     while True:
         last = chain[-1]
@@ -95,12 +95,14 @@ def _written(write: fx.Node) -> fx.Node | None:
 
 
 
-def _rank(node: fx.Node) -> int | None:
+def rank_of(node: fx.Node) -> int | None:
+    """The rank of ``node``'s tensor value, or None."""
     val = node.meta.get("val")
     return val.dim() if isinstance(val, torch.Tensor) else None
 
 
-def _size(node: fx.Node, axis: int) -> int | None:
+def static_size(node: fx.Node, axis: int) -> int | None:
+    """The size of ``node``'s value on ``axis`` when it is a plain int, else None."""
     val = node.meta.get("val")
     size = val.shape[axis] if isinstance(val, torch.Tensor) else None
     return size if isinstance(size, int) else None

@@ -16,8 +16,8 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from tppc.errors import CaptureError
+from tppc.frontend.exported_programs import register_dataclasses
 from tppc.frontend.isolation import CAPTURE_LOCK, isolated
-from tppc.frontend.torch_export import register_dataclasses
 
 __all__ = ["MethodCall", "export_static", "outside_inference"]
 

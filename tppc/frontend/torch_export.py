@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import re
 from typing import Any
@@ -15,6 +14,7 @@ from torch.utils import _pytree as pytree
 from tppc.errors import CaptureError
 from tppc.frontend.block_capture import block_shapes, export_blocks
 from tppc.frontend.export_errors import explain, size_ints_reason
+from tppc.frontend.exported_programs import functional, register_dataclasses
 from tppc.frontend.guard_sites import describe_site, guard_sites, loop_over_positions
 from tppc.frontend.isolation import isolated
 from tppc.frontend.joint_inputs import JointInput
@@ -26,7 +26,7 @@ from tppc.frontend.sample_tables import fit_sample_tables
 from tppc.frontend.size_ints import UnitInt, export_size_ints, find_unit_int, read_from_tokens
 from tppc.ir.context import CompileContext
 
-__all__ = ["example_units", "export_dynamic", "is_latent", "register_dataclasses"]
+__all__ = ["example_units", "export_dynamic", "is_latent"]
 
 _DEFAULT_MAX_FACTOR = 64
 
@@ -76,11 +76,11 @@ def export_dynamic(
             return _export_rerolled(model, bound, axes, units, site, exc)
         if not re.search(_PINNED, str(exc)):
             raise CaptureError(explain(model, exc)) from exc
-        found = admitted_range(exc, units) if joint is None else None
-        span = list(found) if found is not None else None
-        ep = _export_within(model, bound, axes, patch, span) if span is not None else None
-        if ep is not None:  # a branch on the length: capture the example's side of it
-            pinned, length_bound = None, (*span, bound_site(log.range_sites, span[1]))
+        span = admitted_range(exc, units) if joint is None else None
+        within = _export_within(model, bound, axes, patch, units, span) if span else None
+        if within is not None:  # a branch on the length: capture the example's side of it
+            (ep, (lo, hi)), pinned = within, None
+            length_bound = (lo, hi, bound_site(log.range_sites, hi))
         elif unit is not None:  # sizes as Python ints: tie the unit int to the tokens
             return _export_with_unit_int(model, bound, shapes, axes, unit, exc)
         else:
@@ -153,21 +153,21 @@ def _export_rerolled(model: torch.nn.Module, bound: inspect.BoundArguments,
 
 
 def _export_within(model: torch.nn.Module, bound: inspect.BoundArguments,
-                   axes: dict[str, tuple[int, ...]], patch: int, span: list[int]
-                   ) -> torch.export.ExportedProgram | None:
+                   axes: dict[str, tuple[int, ...]], patch: int, units: int,
+                   span: tuple[int, int]
+                   ) -> tuple[torch.export.ExportedProgram, tuple[int, int]] | None:
     """torch.export with the sequence ``Dim`` in ``span`` (:mod:`.length_bounds`; narrowed
-    again while torch suggests a narrower range that still holds the example), or None when
-    that fails (the caller then names the first failure). ``span`` is set to the range."""
-    units = example_units(bound, axes, patch)
+    again while torch suggests a narrower range that still holds the example) and the range
+    it held, or None when that fails (the caller then names the first failure)."""
     for _ in range(3):
         dim = torch.export.Dim("seq", min=span[0], max=span[1])
         try:
-            return _export(model, bound, _dynamic_shapes(bound, axes, dim, patch))
+            return _export(model, bound, _dynamic_shapes(bound, axes, dim, patch)), span
         except Exception as exc:
             narrower = admitted_range(exc, units, low=span[0], high=span[1])
-            if narrower is None or narrower == tuple(span):
+            if narrower is None or narrower == span:
                 return None
-            span[:] = narrower
+            span = narrower
     return None
 
 
@@ -239,51 +239,7 @@ def _export(model: torch.nn.Module, bound: inspect.BoundArguments, shapes: dict[
         ep = torch.export.export(traced, bound.args, bound.kwargs, dynamic_shapes=shapes,
                                  strict=False,
                                  prefer_deferred_runtime_asserts_over_guards=deferred)
-        return _functional(ep)
-
-
-def register_dataclasses(output: Any) -> None:
-    """Register with torch.export every dataclass in a model's output that pytree does not
-    know (``torch.export.register_dataclass``; process-wide, as a user would), so that a
-    ``forward`` returning one is captured and each call returns the same dataclass. Called
-    by a forward hook on the traced module (the shadow tree's: the model keeps no hook)."""
-    if dataclasses.is_dataclass(output) and not isinstance(output, type):
-        if type(output) not in pytree.SUPPORTED_NODES:
-            torch.export.register_dataclass(type(output))
-        children: Any = [getattr(output, f.name) for f in dataclasses.fields(output)]
-    elif isinstance(output, list | tuple):
-        children = output
-    elif isinstance(output, dict):
-        children = output.values()
-    else:
-        return
-    for child in children:
-        register_dataclasses(child)
-
-
-def _functional(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    """``ep`` with every in-place write made out-of-place when it has any (functionalisation,
-    no decomposition): a value made inside the graph (``new_empty``, ``zeros_like``,
-    ``clone``...) and then written through views (``x[..., :r] = f(...)``, ``copy_``,
-    ``index_put_``, ``scatter_``) becomes one chain of values (``slice_scatter``,
-    ``index_put``, ``scatter``), each the previous one with the write applied, so that every
-    later pass sees what each reader reads."""
-    if not any(_mutates(n) for n in ep.graph.nodes):
-        return ep
-    ep = ep.run_decompositions({})
-    for node in ep.graph.nodes:  # functionalisation turns reshapes into views that hold only
-        if node.target in _VIEWS:  # for the example's strides; a chunk's may differ
-            node.target = torch.ops.aten.reshape.default
-    ep.graph_module.recompile()
-    return ep
-
-
-_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
-
-
-def _mutates(node: fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return node.op == "call_function" and schema is not None and schema.is_mutable
+        return functional(ep)
 
 
 _PINNED = r"Constraints violated|specialized it to be a constant"

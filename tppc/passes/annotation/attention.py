@@ -29,8 +29,8 @@ import tppc.ir.softmax_attention  # noqa: F401  (registers torch.ops.tppc.softma
 from tppc.errors import ActivationMaskError, AnnotationError
 from tppc.ir.context import CompileContext
 from tppc.ir.records import TOKEN, AttentionKind, MaskSpec
-from tppc.passes.annotation.masks import mask_spec
-from tppc.passes.shapes import ancestors, module_path, tensor_val
+from tppc.passes.annotation.masks import mask_literals, mask_spec
+from tppc.passes.shapes import module_path, tensor_val
 
 __all__ = ["CHUNKED_KERNELS", "MAX_PROBE", "chunked_kernel", "classify_attention",
            "probe_lengths"]
@@ -39,8 +39,6 @@ _aten = torch.ops.aten
 MAX_PROBE = 8192
 """Longest probe length at which a mask is evaluated (its ``L × L`` pattern: 64 MiB)."""
 _SHORT_PROBE = 7
-_SENTINEL = 1 << 30
-"""Integer constants this large are slice ends and dtype limits, not window sizes."""
 CHUNKED_KERNELS = (_aten.scaled_dot_product_attention.default,
                    torch.ops.tppc.softmax_attention.default)
 """The captured attention ops ``chunk_attention`` rewrites into ``tppc::chunk_attention``."""
@@ -94,12 +92,6 @@ def classify_attention(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext
 def probe_lengths(mask: fx.Node) -> tuple[int, ...]:
     """Sequence lengths at which to evaluate ``mask``: a short one and one beyond every
     integer constant of its computation (capped at :data:`MAX_PROBE`)."""
-    literals = [abs(a) for n in ancestors([mask]) for a in _int_args(n)]
-    long = min(MAX_PROBE, max([2 * _SHORT_PROBE + 1, *(v + 2 for v in literals)]))
+    long = min(MAX_PROBE, max([2 * _SHORT_PROBE + 1, *(v + 2 for v in mask_literals(mask))]))
     return (_SHORT_PROBE, long)
 
-
-def _int_args(node: fx.Node) -> list[int]:
-    flat = torch.utils._pytree.tree_leaves((node.args, node.kwargs))
-    return [a for a in flat if isinstance(a, int) and not isinstance(a, bool)
-            and abs(a) < _SENTINEL]

@@ -32,7 +32,10 @@ from tppc.passes.annotation.key_masks import key_mask_spec
 from tppc.passes.annotation.positional import evaluate_positional
 from tppc.passes.shapes import SHAPE_USES, ancestors, module_path, size_expr, tensor_val
 
-__all__ = ["mask_spec"]
+__all__ = ["mask_literals", "mask_spec"]
+
+_SENTINEL = 1 << 30
+"""Integer constants this large are slice ends and dtype limits, not window sizes."""
 
 
 def mask_spec(node: fx.Node, mask: fx.Node, gm: fx.GraphModule, ctx: CompileContext,
@@ -97,8 +100,8 @@ def _runnable(node: fx.Node, mask: fx.Node, gm: fx.GraphModule, ctx: CompileCont
     rows by the length: the model runs at no longer length, in eager either). That length
     is recorded as the capture's limit (``ctx.length_limit``); a longer call is refused."""
     long = max(lengths)
-    candidates = sorted({v for n in ancestors([mask]) for v in _ints(n)
-                         if min(lengths) < v < long}, reverse=True)
+    candidates = sorted((v for v in mask_literals(mask) if min(lengths) < v < long),
+                        reverse=True)
     error: Exception | None = None
     for length in [long, *candidates]:
         overrides = {} if source is None else {source: _filled(source, ctx, length, None)}
@@ -116,9 +119,12 @@ def _runnable(node: fx.Node, mask: fx.Node, gm: fx.GraphModule, ctx: CompileCont
                   f"({type(error).__name__}: {str(error).splitlines()[0]})")
 
 
-def _ints(node: fx.Node) -> list[int]:
-    flat = torch.utils._pytree.tree_leaves((node.args, node.kwargs))
-    return [abs(a) for a in flat if isinstance(a, int) and not isinstance(a, bool)]
+def mask_literals(mask: fx.Node) -> set[int]:
+    """The integer constants (absolute values) of ``mask``'s computation: window sizes, table
+    lengths; not slice ends or dtype limits (:data:`_SENTINEL` and above)."""
+    flat = torch.utils._pytree.tree_leaves([(n.args, n.kwargs) for n in ancestors([mask])])
+    return {abs(a) for a in flat if isinstance(a, int) and not isinstance(a, bool)
+            and abs(a) < _SENTINEL}
 
 
 def _reads_weights(mask: fx.Node, closure: set[fx.Node]) -> bool:
