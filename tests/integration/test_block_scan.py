@@ -29,6 +29,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import tppc
+from tests.integration.block_models import falcon_h1
 from tests.oracles import assert_kernels_close
 from tppc.planner.manual import manual_plan
 
@@ -320,13 +321,7 @@ def test_mamba2_export_equals_eager_in_chunks_of_blocks(mamba2, tmp_path) -> Non
 def test_falcon_h1_hybrid_is_exact_in_chunks_of_blocks(tmp_path) -> None:
     # Mamba2's mixer beside causal attention: the attention's chunks are whole blocks too
     transformers = pytest.importorskip("transformers")
-    config = transformers.FalconH1Config(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=8, mamba_d_ssm=16,
-        mamba_n_heads=2, mamba_d_head=8, mamba_d_state=2, mamba_n_groups=1, mamba_d_conv=2,
-        mamba_chunk_size=K, mamba_expand=1, use_cache=False)
-    torch.manual_seed(0)
-    model = transformers.FalconH1ForCausalLM(config).eval()
+    model = falcon_h1(transformers, K)
     cp = tppc.compile(model, (torch.randint(0, 64, (1, 4 * K)),), {"use_cache": False},
                       num_stages=2)
     n = len(cp.context.layers)

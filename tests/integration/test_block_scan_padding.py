@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import tppc
+from tests.integration.block_models import falcon_h1
 from tests.oracles import assert_kernels_close
 from tppc.planner.manual import manual_plan
 
@@ -138,10 +139,4 @@ def test_mamba2_left_padded_batch_equals_transformers_generate() -> None:
 
 def test_falcon_h1_left_padded_batch_equals_transformers_generate() -> None:
     transformers = pytest.importorskip("transformers")
-    config = transformers.FalconH1Config(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=8, mamba_d_ssm=16,
-        mamba_n_heads=2, mamba_d_head=8, mamba_d_state=2, mamba_n_groups=1, mamba_d_conv=2,
-        mamba_chunk_size=K, mamba_expand=1, use_cache=False)
-    torch.manual_seed(0)
-    _hf_padded_equals_generate(transformers.FalconH1ForCausalLM(config).eval(), 64)
+    _hf_padded_equals_generate(falcon_h1(transformers, K), 64)
