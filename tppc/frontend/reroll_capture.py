@@ -113,6 +113,7 @@ def export_rerolled(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ..
         raise RerollError(f"the loops at the lengths {units} and {units + block} differ")
     name, (axis,) = next(iter(axes.items()))
     _generalise(first, second, units // block, (name, axis, block))
+    _drop_empty_pads(first)
     _propagate(first, bound, (name, axis, block))
     _check_equal(unrolled, _run(first, bound))
     return first, block
@@ -228,6 +229,22 @@ def _same_graph(g1: fx.Graph, g2: fx.Graph) -> bool:
     return all(a.op == b.op and (a.op == "placeholder" or a.target == b.target)
                and same(a.args, b.args)
                and same(a.kwargs, b.kwargs) for a, b in zip(n1, n2, strict=True))
+
+
+def _drop_empty_pads(gm: fx.GraphModule) -> None:
+    """A pad by zero rows on every side read as its input: the padding to whole blocks,
+    ``(k - L % k) % k``, is empty at every length the capture takes (whole blocks), yet
+    the fake kernel of a pad pins a symbolic length to its example."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in _PADS and len(node.args) > 1 \
+                and all(type(p) is int and p == 0 for p in node.args[1]) \
+                and node.kwargs.get("mode", "constant") == "constant":
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+    gm.recompile()
+
+
+_PADS = (_aten.pad.default, _aten.constant_pad_nd.default)
 
 
 def _propagate(gm: fx.GraphModule, bound: inspect.BoundArguments, seq: tuple[str, int, int]

@@ -3,8 +3,8 @@
 Cross-attention to the text states (a plain ``scaled_dot_product_attention`` whose keys are
 not split: PixArt), RMS norm, rope tables built from position ids (``outer``, ``stack``,
 ``unbind``, ``unflatten``: Flux), splits into segments of computed sizes (joint attention's
-text and image tokens), ``squeeze``, and functional writes (``copy``, ``slice_scatter``:
-CogView4). Each takes the translator ``t``, the fx node and its
+text and image tokens), ``squeeze``, and functional writes (``copy``, ``slice_scatter``: CogView4;
+``select_scatter``: Gated DeltaNet's rows of a block) and identity matrices (``eye``). Each takes the translator ``t``, the fx node and its
 arguments as in :mod:`tppc.artifact.writer.onnx_ops`; :mod:`tppc.artifact.writer.to_onnx`
 reads both tables.
 """
@@ -147,6 +147,35 @@ def _slice_scatter(t: Any, node: fx.Node, x: Tensor, src: Any, dim: int = 0,
     return t.tensor(node, t.op("Concat", parts, axis=axis))
 
 
+def _select_scatter(t: Any, node: fx.Node, x: Tensor, src: Any, dim: int, index: int
+                    ) -> Tensor:
+    """``x`` with ``src`` written over row ``index`` of ``dim`` (``attn[..., i, :i] = row``
+    in a loop over a block's rows, Gated DeltaNet): the slice write of ``src`` unsqueezed."""
+    axis = _axis(dim, x.rank)
+    if index < 0:
+        size = node.args[0].meta["val"].shape[axis]
+        if not isinstance(size, int):
+            raise ExportError(f"node {node.name!r} writes row {index} from the end of an axis "
+                              f"of size {size}; tppc exports such a write along an axis of "
+                              "fixed size only. fix: report the model")
+        index += size
+    out = t.tensor(node, "")
+    row = t.op("Unsqueeze", [t.like(src, out), t.i64([axis])])
+    parts = [t.op("Slice", [x.name, t.i64([0]), t.i64([index]), t.i64([axis])]), row,
+             t.op("Slice", [x.name, t.i64([index + 1]), t.i64([2**63 - 1]), t.i64([axis])])]
+    return t.tensor(node, t.op("Concat", parts, axis=axis))
+
+
+def _eye(t: Any, node: fx.Node, n: Any, m: Any = None, **_: Any) -> Tensor:
+    """``torch.eye(n[, m])`` of static sizes: a constant."""
+    if not all(isinstance(v, int | None) for v in (n, m)):
+        raise ExportError(f"node {node.name!r} makes an identity matrix of a size computed "
+                          "at run time; tppc exports one of a fixed size only. fix: report "
+                          "the model")
+    out = t.tensor(node, "")
+    return t.tensor(node, t.const(np.eye(n, n if m is None else m), out.dtype))
+
+
 def _strided_scatter(t: Any, node: fx.Node, x: Tensor, src: str, axis: int,
                      rows: slice) -> Tensor:
     """``x[..., rows, ...] = src`` along ``axis`` of a static size (an interleaved rope's
@@ -173,6 +202,8 @@ DIT_OPS: dict[Any, Callable[..., Any]] = {
     _aten.outer.default: _outer, _aten.rms_norm.default: _rms_norm,
     _aten.scaled_dot_product_attention.default: _sdpa,
     _aten.copy.default: _copy, _aten.slice_scatter.default: _slice_scatter,
+    _aten.select_scatter.default: _select_scatter, _aten.eye.default: _eye,
+    _aten.eye.m: _eye,
 }
 """ATen op → translation, read by :mod:`tppc.artifact.writer.to_onnx` after
 :data:`~tppc.artifact.writer.onnx_ops.OPS`."""
