@@ -85,9 +85,11 @@ def export_rerolled(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ..
         RerollError: a loop that is no re-rollable recurrence, or graphs at the two lengths
             that are no one graph with the length as a symbol (the reason).
     """
-    if len(axes) != 1 or len(next(iter(axes.values()))) != 1:
-        raise RerollError(f"sequence inputs {sorted(axes)}: the re-rolled capture takes one "
-                          "sequence input with one sequence axis")
+    two = sorted(name for name, dims in axes.items() if len(dims) != 1)
+    if two:
+        raise RerollError(f"sequence inputs {two} have several sequence axes (e.g. a square "
+                          "mask); the re-rolled capture takes inputs with one sequence axis "
+                          "each (pass a 2-D attention_mask)")
     units, unit = length
     first = export(bound)
     block = loop_block(first)
@@ -114,7 +116,7 @@ def export_rerolled(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ..
     name, (axis,) = next(iter(axes.items()))
     _generalise(first, second, units // block, (name, axis, block))
     _drop_empty_pads(first)
-    _propagate(first, bound, (name, axis, block))
+    _propagate(first, bound, axes, block)
     _check_equal(unrolled, _run(first, bound))
     return first, block
 
@@ -247,29 +249,30 @@ def _drop_empty_pads(gm: fx.GraphModule) -> None:
 _PADS = (_aten.pad.default, _aten.constant_pad_nd.default)
 
 
-def _propagate(gm: fx.GraphModule, bound: inspect.BoundArguments, seq: tuple[str, int, int]
-               ) -> None:
-    """Every node's ``meta["val"]`` again, with the sequence axis of ``seq[0]`` symbolic (a
-    multiple ``seq[2]·n`` of a symbol ``n`` for a loop over blocks)."""
-    name, axis, block = seq
+def _propagate(gm: fx.GraphModule, bound: inspect.BoundArguments,
+               axes: dict[str, tuple[int, ...]], block: int) -> None:
+    """Every node's ``meta["val"]`` again, with the sequence axis of every input in ``axes``
+    one symbolic length (a multiple ``block·n`` of a symbol ``n`` for a loop over blocks)."""
     env = ShapeEnv()
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
+    length: Any = None
     inputs = []
     for node in gm.graph.find_nodes(op="placeholder"):
         value = bound.arguments.get(node.target)
-        if isinstance(value, torch.Tensor) and node.target == name and block > 1:
-            blocks = value.shape[axis] // block
-            symbol = env.create_symbol(blocks, ConstantSource("blocks"),
-                                       dynamic_dim=DimDynamic.DYNAMIC)
+        if isinstance(value, torch.Tensor) and node.target in axes:
+            (axis,) = axes[node.target]
+            if length is None:
+                units = value.shape[axis] // block
+                symbol = env.create_symbol(units, ConstantSource("length"),
+                                           dynamic_dim=DimDynamic.DYNAMIC)
+                length = block * env.create_symintnode(symbol, hint=units)
             shape = list(value.shape)
-            shape[axis] = block * env.create_symintnode(symbol, hint=blocks)
+            shape[axis] = length
             with mode:
                 value = torch.empty(shape, dtype=value.dtype)
         elif isinstance(value, torch.Tensor):
-            dynamic = [DimDynamic.DYNAMIC if (node.target == name and d == axis)
-                       else DimDynamic.STATIC for d in range(value.dim())]
             value = mode.from_tensor(value, symbolic_context=StatelessSymbolicContext(
-                dynamic_sizes=dynamic))
+                dynamic_sizes=[DimDynamic.STATIC] * value.dim()))
         inputs.append(value)
     _PinsNamed(gm, mode).propagate_dont_convert_inputs(*inputs)
 
