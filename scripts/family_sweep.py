@@ -84,7 +84,8 @@ _OWN: dict[str, Callable[[], torch.nn.Module]] = {
 
 _EAGER_ONLY = ("MptForCausalLM", "XGLMForCausalLM", "RwkvForCausalLM", "VaultGemmaForCausalLM")
 _BLOCKS = {"BambaForCausalLM": 16, "GraniteMoeHybridForCausalLM": 16, "NemotronHForCausalLM": 16,
-           "Qwen3_5ForCausalLM": 128, "Qwen3_5MoeForCausalLM": 128, "KimiLinearForCausalLM": 128}
+           "Qwen3_5ForCausalLM": 128, "Qwen3_5MoeForCausalLM": 128, "KimiLinearForCausalLM": 128,
+           "Qwen3NextForCausalLM": 128}
 """Example lengths of families that pad to blocks (two blocks)."""
 
 ALL = ["GemmaForCausalLM", "ApertusForCausalLM", "ArceeForCausalLM", "BitNetForCausalLM",
@@ -101,7 +102,8 @@ ALL = ["GemmaForCausalLM", "ApertusForCausalLM", "ArceeForCausalLM", "BitNetForC
        "StableLmForCausalLM", "XGLMForCausalLM", "BioGptForCausalLM", "CwmForCausalLM",
        "VaultGemmaForCausalLM", "Starcoder2ForCausalLM", "BambaForCausalLM",
        "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM", "Qwen3_5ForCausalLM",
-       "KimiLinearForCausalLM", "RecurrentGemmaForCausalLM", "RwkvForCausalLM"]
+       "KimiLinearForCausalLM", "RecurrentGemmaForCausalLM", "RwkvForCausalLM",
+       "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM"]
 
 
 def build(name: str) -> torch.nn.Module:

@@ -50,9 +50,9 @@ from tppc.passes.annotation.token_order import (
     binary_elementwise,
     full_slice,
     getitem_keeps_tokens,
-    keeps_token_order,
     pinned_shape,
     resizes_tokens,
+    token_runs,
 )
 from tppc.passes.shapes import (
     module_path,
@@ -172,8 +172,8 @@ def _token_op(node: fx.Node, axes: list[int], sizes: list[sympy.Expr], where: st
         return _info("global", axes, sizes, where)
     if node.target is operator.getitem and not getitem_keeps_tokens(node):
         return _info("global", axes, sizes, where)
-    if role == "reshape" and (pinned_shape(node)
-                              or not keeps_token_order(node, src, axes, merge=True)):
+    runs = token_runs(node, src, axes) if role == "reshape" else src_info.runs
+    if role == "reshape" and (pinned_shape(node) or runs is None):
         return _info("global", axes, sizes, where)
     if len(axes) > 1 and role == "contracts":
         raise _mix_error(node, name, where, f"its value has {len(axes)} token axes {axes}: a "
@@ -186,7 +186,8 @@ def _token_op(node: fx.Node, axes: list[int], sizes: list[sympy.Expr], where: st
         return _info("global", axes, sizes, where)
     if resizes_tokens(node, src_info, sizes):
         return _info("global", axes, sizes, where)
-    return with_prefix(_info("token", axes, sizes, where), src_info)
+    info = with_prefix(_info("token", axes, sizes, where), src_info)
+    return dataclasses.replace(info, runs=runs) if info.role == "token" else info
 
 
 def _attention(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext, axes: list[int],
