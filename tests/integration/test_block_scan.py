@@ -191,7 +191,8 @@ def test_a_block_plan_counts_tokens_k_to_a_unit(own) -> None:
     # a unit being one block of k; it counted blocks as tokens
     _, cp = own
     assert (cp.plan.tokens_per_unit, cp.plan.seq_len, cp.plan.seq_tokens) == (K, 4, 4 * K)
-    assert f"({4 * K} tokens)" in cp.plan.summary()
+    assert (cp.plan.blocks, cp.plan.unit) == (True, f"blocks of {K} tokens")  # not patch rows
+    assert f"seq_len=4 blocks of {K} tokens ({4 * K} tokens)" in cp.plan.summary()
 
 
 def test_lengths_of_no_whole_blocks_are_refused_by_name(own) -> None:
