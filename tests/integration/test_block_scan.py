@@ -249,6 +249,11 @@ def test_exported_block_scans_generate_as_eager(own_lm, tmp_path) -> None:
         ids = torch.randint(0, 32, (2, prompt))
         got = runner.generate(ids.numpy(), max_new_tokens=5)
         assert (got == _eager_greedy(model, ids, 5).numpy()).all()
+    # refused before the ids grow (it tried to allocate 1.6 TB of ids), as cp.generate does
+    with pytest.raises(tppc.RuntimeInputError, match=r"^6 prompt tokens \+ max_new_tokens="
+                       r"100000000000 = 100000000006 tokens, held as 25000000002 blocks of 4 = "
+                       r"100000000008 tokens, need [\d,.]+ GiB on cpu"):
+        runner.generate(ids[:, :6].numpy(), max_new_tokens=10**11)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -48,3 +49,24 @@ def test_a_block_generation_is_refused_in_blocks_with_a_bound_in_tokens(monkeypa
     check_generation_memory(program, front, flat, 10, 26202, block=K)  # it fits
     with pytest.raises(RuntimeInputError):
         check_generation_memory(program, front, flat, 10, 26202 + K, block=K)
+
+
+def test_a_loaded_block_generation_is_refused_before_its_ids_grow(monkeypatch) -> None:
+    # the loaded artifact's generate (numpy buffers in host memory) had no check: its ids
+    # grew to 10**9 tokens first. One stage of 128 bytes a block (K rows) and 32 (a state);
+    # int64 ids of batch 1: 32 bytes a block. The same numbers as the torch check above.
+    from tppc.artifact.core.generate_inputs import check_memory
+
+    monkeypatch.setattr("tppc.calls.kv_memory.host_free_bytes", lambda: 2**20)
+    stage = SimpleNamespace(buffer_bytes=lambda units: 128 * units + 32)
+    ids = np.zeros((1, 10), dtype=np.int64)
+    with pytest.raises(RuntimeInputError) as info:
+        check_memory([stage], ids, 10**9, K)
+    need = (250000003 * 160 + 32) / 2**30
+    assert (f"10 prompt tokens + max_new_tokens=1000000000 = 1000000010 tokens, held as "
+            f"250000003 blocks of 4 = 1000000012 tokens, need {need:,.1f} GiB on cpu") \
+        in str(info.value)
+    assert "fix: lower max_new_tokens to at most 26202" in str(info.value)
+    check_memory([stage], ids, 26202, K)  # it fits
+    with pytest.raises(RuntimeInputError):
+        check_memory([stage], ids, 26202 + K, K)
