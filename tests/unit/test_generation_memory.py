@@ -70,3 +70,30 @@ def test_a_loaded_block_generation_is_refused_before_its_ids_grow(monkeypatch) -
     check_memory([stage], ids, 26202, K)  # it fits
     with pytest.raises(RuntimeInputError):
         check_memory([stage], ids, 26202 + K, K)
+
+
+def _ranks(*hosts: int):
+    """A rank of a job whose ranks run on ``hosts`` (rank ``r`` on ``hosts[r]``), every one
+    with this rank's need and free memory (what ``gather_ints`` gathers)."""
+    def gather(row):
+        return [[host, *row[1:]] for host in hosts]
+
+    return SimpleNamespace(device=torch.device("cpu"), gather_ints=gather)
+
+
+def test_ranks_of_one_host_are_charged_together(monkeypatch) -> None:
+    # the CPU ranks of one host share its RAM: 10 + 20000 tokens = 5003 blocks fit one
+    # rank's 160 bytes a block (+ 32) in 1 MiB, not two ranks' (320 a block + 64)
+    from tppc.distributed.generate import check_rank_memory
+
+    monkeypatch.setattr("tppc.calls.kv_memory.host_free_bytes", lambda: 2**20)
+    program, front, flat = _block_capture()
+    check_rank_memory(_ranks(7), program, front, flat, 10, 20000, block=K)
+    check_rank_memory(_ranks(7, 8), program, front, flat, 10, 20000, block=K)  # two hosts
+    with pytest.raises(RuntimeInputError) as info:
+        check_rank_memory(_ranks(7, 7), program, front, flat, 10, 20000, block=K)
+    # 1 MiB holds 3276 blocks of both ranks (3276 · 320 + 64 = 1048384; one more: 1048704):
+    # 3276 · 4 − 10 = 13094 new tokens
+    assert "held as 5003 blocks of 4 = 20012 tokens, need 0.0 GiB on cpu of ranks 0, 1" \
+        in str(info.value), str(info.value)
+    assert "fix: lower max_new_tokens to at most 13094" in str(info.value)
