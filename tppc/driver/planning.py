@@ -37,10 +37,10 @@ from tppc.errors import PlanError, SpecError
 from tppc.frontend.front_end import FrontEnd, capture_front_end
 from tppc.ir.context import CompileContext
 from tppc.planner import Plan, Workload
-from tppc.planner.plan import unit_text
 from tppc.planner.devices import sub_table
 from tppc.planner.evaluate import plan_for
 from tppc.planner.grid import default_granularity, plan_any_length
+from tppc.planner.plan import unit_text
 
 __all__ = ["Planner", "default_granularity", "example_plan", "length_planner", "plan",
            "price_plan", "tokens_per_unit"]

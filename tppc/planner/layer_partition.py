@@ -7,7 +7,10 @@ Terms (see :mod:`tppc.planner.placement`):
 
 :func:`balanced_placement` scores a stage by its total time (``inf`` above its capacity): the
 start of the placement MILP and of the alternating search. :func:`infeasible_error` scores it
-by need over capacity, to say how far the best placement is from fitting.
+by need over capacity, to say how far the best placement is from fitting. The DP charges each
+stage alone; the stages of one memory pool (the ``cpu`` devices of one node) are then charged
+together (:func:`tppc.planner.memory.over_capacity`): a placement that overfills a pool is
+not returned, and the error names the pool.
 """
 
 from __future__ import annotations
@@ -19,7 +22,13 @@ import numpy as np
 
 from tppc.cost_models.table import CostTable
 from tppc.errors import PlanInfeasible
-from tppc.planner.memory import memory_parts, positional_part, smallest_fit, stage_memory
+from tppc.planner.memory import (
+    memory_parts,
+    over_capacity,
+    positional_part,
+    smallest_fit,
+    stage_memory,
+)
 
 __all__ = ["balanced_placement", "infeasible_error"]
 
@@ -40,7 +49,17 @@ def balanced_placement(
         pre = np.concatenate([[0.0], np.cumsum(busy[s])])
         return np.where(mem <= table.capacities[s], pre[e] - pre[lo], np.inf)
 
-    return _partition(table, num_stages, max_chunk, score)
+    cuts = _partition(table, num_stages, max_chunk, score)
+    if cuts is None or _pools_over(table, cuts, max_chunk):
+        return None
+    return cuts
+
+
+def _pools_over(table: CostTable, cuts: tuple[int, ...], max_chunk: int
+                ) -> list[tuple[tuple[int, ...], float, int]]:
+    """The memory pools the stages of ``cuts`` overfill (``over_capacity``)."""
+    return over_capacity(table, [(s, stage_memory(table, s, lo, hi, max_chunk))
+                                 for s, (lo, hi) in enumerate(itertools.pairwise(cuts))])
 
 
 def _partition(table: CostTable, num_stages: int, max_chunk: int, score) -> tuple[int, ...] | None:
@@ -89,6 +108,17 @@ def infeasible_error(table: CostTable, num_stages: int, max_chunk: int) -> PlanI
             f"  device {s} ({table.device_names[s]}): layers [{lo}, {hi}) need "
             f"{need / 1e9:.2f} GB, capacity {cap / 1e9:.2f} GB{mark}"
         )
+    shared = [(st, need, cap) for st, need, cap in _pools_over(table, cuts, max_chunk)
+              if len(st) > 1]
+    for stages, need, cap in shared:
+        lines.append(
+            f"  devices {', '.join(map(str, stages))} share one memory pool (the RAM of "
+            f"one node): together they need {need / 1e9:.2f} GB, capacity "
+            f"{cap / 1e9:.2f} GB  <-- over")
+    if shared:
+        lines.append("more devices of that node share the same memory: use devices with "
+                     "memory of their own (other nodes), or a shorter sequence")
+        return PlanInfeasible("\n".join(lines))
     name, cap = table.device_names[0], table.capacities[0]
     fit = smallest_fit(table, cap, max_chunk)
     if fit is None:
