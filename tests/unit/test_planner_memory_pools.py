@@ -32,6 +32,7 @@ def _pooled(capacity: int, pools: tuple[int, ...] = (0, 0)):
 
 def test_the_cpu_devices_of_one_node_share_one_pool() -> None:
     assert Cluster.parse("3xcpu").memory_pools() == (0, 0, 0)
+    assert Cluster.parse("2x(2xcpu)@eth-100g").memory_pools() == (0, 0, 1, 1)  # per node
     assert Cluster.parse("2xh100-sxm").memory_pools() == (0, 1)
 
 
