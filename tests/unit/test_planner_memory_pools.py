@@ -16,7 +16,9 @@ import dataclasses
 import pytest
 
 from tests.unit.planner_helpers import table
+from tests.unit.test_intra_op import _pin
 from tppc.cost_models.cluster import Cluster
+from tppc.cost_models.intra_op import intra_op_chain
 from tppc.errors import PlanInfeasible
 from tppc.planner import plan_from_costs
 from tppc.planner.memory import over_capacity
@@ -32,10 +34,15 @@ def _pooled(capacity: int, pools: tuple[int, ...] = (0, 0)):
                                pools=pools)
 
 
-def test_the_cpu_devices_of_one_node_share_one_pool() -> None:
+def test_the_cpu_devices_of_one_node_share_one_pool(tmp_path, monkeypatch) -> None:
     assert Cluster.parse("3xcpu").memory_pools() == (0, 0, 0)
     assert Cluster.parse("2x(2xcpu)@eth-100g").memory_pools() == (0, 0, 1, 1)  # per node
     assert Cluster.parse("2xh100-sxm").memory_pools() == (0, 1)
+    # intra-op workers keep their nodes: a group of each node's two devices, a pool each
+    monkeypatch.setenv("TPPC_CALIBRATION", str(_pin(tmp_path, 1.0)))
+    chain = intra_op_chain(Cluster.parse("2x(2xcpu)@eth-100g"), ((0, 1), (2, 3)), 2)
+    assert (chain.nodes, chain.memory_pools()) == ((0, 1), (0, 1))
+    assert intra_op_chain(Cluster.parse("4xcpu"), ((0, 1), (2, 3)), 2).memory_pools() == (0, 0)
 
 
 @pytest.mark.parametrize("method", ["exhaustive", "alternate"])  # split masks; DP + MILP
