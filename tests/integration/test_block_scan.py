@@ -191,7 +191,8 @@ def test_a_block_plan_counts_tokens_k_to_a_unit(own) -> None:
     # a unit being one block of k; it counted blocks as tokens
     _, cp = own
     assert (cp.plan.tokens_per_unit, cp.plan.seq_len, cp.plan.seq_tokens) == (K, 4, 4 * K)
-    assert f"({4 * K} tokens)" in cp.plan.summary()
+    assert (cp.plan.blocks, cp.plan.unit) == (True, f"blocks of {K} tokens")  # not patch rows
+    assert f"seq_len=4 blocks of {K} tokens ({4 * K} tokens)" in cp.plan.summary()
 
 
 def test_lengths_of_no_whole_blocks_are_refused_by_name(own) -> None:
@@ -248,6 +249,11 @@ def test_exported_block_scans_generate_as_eager(own_lm, tmp_path) -> None:
         ids = torch.randint(0, 32, (2, prompt))
         got = runner.generate(ids.numpy(), max_new_tokens=5)
         assert (got == _eager_greedy(model, ids, 5).numpy()).all()
+    # refused before the ids grow (it tried to allocate 1.6 TB of ids), as cp.generate does
+    with pytest.raises(tppc.RuntimeInputError, match=r"^6 prompt tokens \+ max_new_tokens="
+                       r"100000000000 = 100000000006 tokens, held as 25000000002 blocks of 4 = "
+                       r"100000000008 tokens, need [\d,.]+ GiB on cpu"):
+        runner.generate(ids[:, :6].numpy(), max_new_tokens=10**11)
 
 
 @pytest.fixture(scope="module")
