@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import sympy
+import torch
 from torch import fx
 
 from tppc.cost_models.compiled_times import difference, vectorise
@@ -35,6 +36,7 @@ from tppc.cost_models.node_shapes import (
     Shapes,
     TokenSubstitution,
     arg_nodes,
+    numel,
     tensor_vals,
 )
 from tppc.cost_models.program_costs import program_node_cost, program_signature
@@ -45,6 +47,10 @@ from tppc.errors import CostModelError
 from tppc.ir.records import TOKEN, LayerInfo, TokenInfo
 
 __all__ = ["LayerExpr", "LayerPricer", "layer_cost"]
+
+
+_INDICES_OF_TRUE = (torch.ops.aten.nonzero.default, torch.ops.aten.where.default)
+"""Ops whose output rows are the true elements of their input: a data-dependent count."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,6 +127,7 @@ class LayerPricer:
         self.compute_dtype = compute_dtype
         self.shapes = Shapes(subs, default_attention)
         self._node_cache: dict[tuple, NodeCost] = {}
+        self._bounds: dict[sympy.Symbol, sympy.Expr] | None = None
         self._layer_cache: dict[tuple, tuple] = {}
         self._priced: dict[str, list[tuple[tuple, NodeCost]]] = {}
         self._descriptions: dict[str, tuple] = {}
@@ -212,6 +219,10 @@ class LayerPricer:
         matrix = sympy.Add(*[c.matrix_flops for c in live]).subs(full)
         vector = sympy.Add(*[c.vector_flops for c in live]).subs(full)
         nbytes = sympy.Add(*[c.bytes for c in live]).subs(full)
+        bounds = self._data_dependent_bounds()
+        if bounds and (time.free_symbols - {C, P}) & set(bounds):
+            time, matrix, vector, nbytes, symbolic = (
+                sympy.sympify(e).subs(bounds) for e in (time, matrix, vector, nbytes, symbolic))
         bad = time.free_symbols - {C, P}
         if bad:
             raise CostModelError(
@@ -219,6 +230,21 @@ class LayerPricer:
                 "those dimensions static (only the sequence may be dynamic)"
             )
         return time, matrix, vector, nbytes, vectorise(symbolic, self.seq_len)
+
+    def _data_dependent_bounds(self) -> dict[sympy.Symbol, sympy.Expr]:
+        """Each data-dependent row count (``u0`` of ``nonzero`` or one-argument ``where``: the
+        tokens an expert of an eager mixture-of-experts loop takes, ``torch.where(mask[e])``)
+        priced at its bound, the elements of the input (every token routed there)."""
+        if self._bounds is None:
+            self._bounds = {}
+            for node in self.gm.graph.nodes:
+                if node.target not in _INDICES_OF_TRUE or len(node.args) != 1:
+                    continue
+                shape = self.shapes.shape(node.args[0])
+                for rows in node.meta.get("unbacked_bindings", {}):
+                    if shape is not None and isinstance(rows, sympy.Symbol):
+                        self._bounds[rows] = numel(shape)
+        return self._bounds
 
     def is_causal(self) -> bool:
         """Whether the graph's attention (the first priced) reads the prefix ``p``."""
