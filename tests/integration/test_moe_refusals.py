@@ -1,0 +1,98 @@
+"""transformers' DBRX, JetMoE and Doge: exact where the model's construct allows, else refused
+naming the construct, the model's line and a fix that works (issue 31).
+
+DBRX's eager experts loop over the experts the routing hit (``for expert_idx in expert_hit``,
+``modeling_dbrx.py:296``; DBRX has no ``experts_implementation``): a loop of data-dependent
+length that torch.export cannot trace. The refusal names the fix, a loop over every expert, and
+that fix is exact here: each expert's rows (``torch.where(expert_mask[e])``) are a
+data-dependent count that tppc captures and prices at its bound. The fix is applied to this
+test's model instance only (its experts' class swapped), as a user would.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tppc
+from tests.oracles import assert_kernels_close, greedy_reference
+from tppc.errors import CaptureError
+from tppc.planner.manual import manual_plan
+
+T = pytest.importorskip("transformers")
+
+LENGTH = 24
+BOUNDS = (0, 8, 16, 24)
+
+
+def _dbrx() -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = T.DbrxConfig(d_model=32, n_heads=4, n_layers=2, max_seq_len=256, vocab_size=128,
+                       attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                       ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2},
+                       use_cache=False, pad_token_id=0, attn_implementation="sdpa")
+    return T.DbrxForCausalLM(cfg).eval()
+
+
+def _every_expert(model: torch.nn.Module) -> torch.nn.Module:
+    """The refusal's fix on ``model``'s experts: a loop over every expert, not the ones hit."""
+    from transformers.models.dbrx.modeling_dbrx import DbrxExperts
+
+    class EveryExpert(DbrxExperts):
+        def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+            batch = hidden_states.shape[0]
+            rows = hidden_states.reshape(-1, self.hidden_size)
+            out = torch.zeros_like(rows)
+            mask = torch.nn.functional.one_hot(top_k_index, self.num_experts).permute(2, 1, 0)
+            split = (-1, self.ffn_hidden_size, self.hidden_size)
+            for e in range(self.num_experts):
+                slot, token = torch.where(mask[e])
+                w1, v1, w2 = (w.view(split)[e] for w in (self.mlp.w1, self.mlp.v1, self.mlp.w2))
+                states = self.mlp(rows[token], w1, v1, w2) * top_k_weights[token, slot, None]
+                out.index_add_(0, token, states)
+            return out.view(batch, -1, self.hidden_size)
+
+    for module in model.modules():
+        if type(module) is DbrxExperts:
+            module.__class__ = EveryExpert
+    return model
+
+
+def _ids(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 120, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_dbrx_loop_over_the_experts_hit_is_refused_naming_the_loop_and_the_fix() -> None:
+    with pytest.raises(CaptureError) as err:
+        tppc.compile(_dbrx(), (_ids(LENGTH),), {"use_cache": False}, num_stages=2, chunks=3)
+    text = str(err.value)
+    assert "modeling_dbrx.py:296" in text and "for expert_idx in expert_hit" in text
+    assert "data-dependent length" in text and "range(num_experts)" in text
+
+
+@pytest.fixture(scope="module")
+def dbrx_fixed() -> tuple[torch.nn.Module, tppc.CompiledPipeline]:
+    """DBRX with the fix, compiled at 2 stages (re-planned per length)."""
+    model = _every_expert(_dbrx())
+    return model, tppc.compile(model, (_ids(LENGTH),), {"use_cache": False}, num_stages=2,
+                               chunks=3)
+
+
+def test_dbrx_with_the_named_fix_is_exact_at_two_stages(dbrx_fixed) -> None:
+    model, cp = dbrx_fixed
+    n = len(cp.context.layers)
+    staged = cp.with_plan(manual_plan(n, LENGTH, cuts=(0, n // 2, n), boundaries=BOUNDS))
+    with torch.no_grad():
+        x = _ids(LENGTH, seed=3)
+        assert_kernels_close(staged(x).logits, model(x).logits)
+        longer = _ids(LENGTH + 8, seed=4)  # re-planned: its routing hits other rows
+        assert len(cp.program(LENGTH + 8).plan.stages) == 2
+        assert_kernels_close(cp(longer).logits, model(longer).logits)
+
+
+def test_dbrx_with_the_named_fix_generates_the_eager_greedy_tokens(dbrx_fixed) -> None:
+    model, cp = dbrx_fixed
+    prompt = _ids(12, seed=1)
+    want = greedy_reference(lambda x: model(x).logits, prompt, 4)
+    assert torch.equal(cp.generate(prompt, max_new_tokens=4), want)
