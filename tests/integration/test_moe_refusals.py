@@ -7,6 +7,13 @@ length that torch.export cannot trace. The refusal names the fix, a loop over ev
 that fix is exact here: each expert's rows (``torch.where(expert_mask[e])``) are a
 data-dependent count that tppc captures and prices at its bound. The fix is applied to this
 test's model instance only (its experts' class swapped), as a user would.
+
+JetMoE's mixture of attention sorts the tokens by expert in ``map`` (before the attention) and
+reads that order again in ``reduce`` (after it): refused naming the module on both sides of the
+attention and the fix, routing row by row (each token's experts' weights gathered), which is
+exact here. Doge's dynamic mask (a bias per key from ``dt_proj`` of the values,
+``modeling_doge.py:305``) is refused at every ``keep_window_size``: the top-k beyond the window
+is not what stops it, so a window as long as the sequence is no fix.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import torch
 
 import tppc
 from tests.oracles import assert_kernels_close, greedy_reference
-from tppc.errors import CaptureError
+from tppc.errors import AnnotationError, CaptureError
 from tppc.planner.manual import manual_plan
 
 T = pytest.importorskip("transformers")
@@ -96,3 +103,98 @@ def test_dbrx_with_the_named_fix_generates_the_eager_greedy_tokens(dbrx_fixed) -
     prompt = _ids(12, seed=1)
     want = greedy_reference(lambda x: model(x).logits, prompt, 4)
     assert torch.equal(cp.generate(prompt, max_new_tokens=4), want)
+
+
+def _jetmoe(dense: bool) -> torch.nn.Module:
+    from transformers.models.jetmoe import modeling_jetmoe as mj
+
+    torch.manual_seed(0)
+    cfg = T.JetMoeConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, kv_channels=8,
+                         num_key_value_heads=2, intermediate_size=64, num_local_experts=4,
+                         num_experts_per_tok=2, max_position_embeddings=256, use_cache=False,
+                         pad_token_id=0, attn_implementation="sdpa")
+    model = T.JetMoeForCausalLM(cfg).eval()
+    for module in model.modules() if dense else ():
+        if type(module) is mj.JetMoeMoA:
+            module.__class__ = _RowWiseMoA
+        elif type(module) is mj.JetMoeMoE:
+            module.__class__ = _RowWiseMoE
+    return model
+
+
+def _route(router: torch.nn.Module, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    logits = router.layer(rows).float()
+    top, index = logits.topk(router.top_k, dim=1)
+    return logits, index, torch.softmax(top, dim=1).type_as(rows)
+
+
+def _experts(rows: torch.Tensor, weight: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Each token's rows through its own experts: ``(tokens, k, ...)`` rows, no sort."""
+    pattern = "th,tkoh->tko" if rows.dim() == 2 else "tkh,tkoh->tko"
+    return torch.einsum(pattern, rows, weight[index])
+
+
+def _row_wise_classes() -> tuple[type, type]:
+    """JetMoE's MoA and MoE written with the refusal's fix (weights gathered per token)."""
+    from transformers.models.jetmoe import modeling_jetmoe as mj
+
+    class RowWiseMoA(mj.JetMoeMoA):
+        def map(self, x: torch.Tensor) -> tuple:
+            rows = x.reshape(-1, x.shape[-1])
+            logits, index, gates = _route(self.router, rows)
+            q = _experts(rows, self.input_linear.weight, index)
+            return q.view(*x.shape[:2], self.top_k, -1), logits, (index, gates)
+
+        def reduce(self, a: torch.Tensor, topo: tuple) -> torch.Tensor:
+            index, gates = topo
+            out = _experts(a.reshape(-1, *a.shape[2:]), self.output_linear.weight, index)
+            return (out * gates[..., None]).sum(1).view(*a.shape[:2], -1) + self.bias
+
+    class RowWiseMoE(mj.JetMoeMoE):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            rows = x.reshape(-1, x.shape[-1])
+            _, index, gates = _route(self.router, rows)
+            gate, up = _experts(rows, self.input_linear.weight, index).chunk(2, dim=-1)
+            out = _experts(self.activation(gate) * up, self.output_linear.weight, index)
+            return (out * gates[..., None]).sum(1).view(*x.shape[:2], -1) + self.bias
+
+    return RowWiseMoA, RowWiseMoE
+
+
+_RowWiseMoA, _RowWiseMoE = _row_wise_classes()
+
+
+def test_jetmoe_mixture_of_attention_is_refused_naming_both_sides_and_the_fix() -> None:
+    with pytest.raises(AnnotationError) as err:
+        tppc.compile(_jetmoe(dense=False), (_ids(LENGTH),), {"use_cache": False},
+                     num_stages=2, chunks=3)
+    text = str(err.value)
+    assert "'model.layers.0.self_attention.experts' runs on both sides of the attention" in text
+    assert "modeling_jetmoe.py:199" in text and "weight[top_k_indices]" in text
+
+
+def test_jetmoe_with_the_named_fix_is_exact_at_two_stages_and_generates() -> None:
+    model = _jetmoe(dense=True)
+    with torch.no_grad():  # the fix computes what JetMoE's own code computes
+        x = _ids(LENGTH, seed=3)
+        assert_kernels_close(model(x).logits, _jetmoe(dense=False)(x).logits)
+    cp = tppc.compile(model, (_ids(LENGTH),), {"use_cache": False}, num_stages=2, chunks=3)
+    n = len(cp.context.layers)
+    staged = cp.with_plan(manual_plan(n, LENGTH, cuts=(0, n // 2, n), boundaries=BOUNDS))
+    with torch.no_grad():
+        assert_kernels_close(staged(x).logits, model(x).logits)
+    prompt = _ids(12, seed=1)
+    want = greedy_reference(lambda ids: model(ids).logits, prompt, 4)
+    assert torch.equal(cp.generate(prompt, max_new_tokens=4), want)
+
+
+@pytest.mark.parametrize("window", [16, 2048])
+def test_doge_dynamic_mask_is_refused_at_any_keep_window_size(window: int) -> None:
+    torch.manual_seed(0)
+    cfg = T.DogeConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, intermediate_size=64, max_position_embeddings=256,
+                       keep_window_size=window, use_cache=False, pad_token_id=0,
+                       attn_implementation="sdpa")
+    with pytest.raises(AnnotationError, match=r"modeling_doge\.py:305"):
+        tppc.compile(T.DogeForCausalLM(cfg).eval(), (_ids(LENGTH),), {"use_cache": False},
+                     num_stages=2, chunks=3)
