@@ -23,7 +23,7 @@ import torch
 
 import tppc
 from tests.oracles import assert_kernels_close, greedy_reference
-from tppc.errors import AnnotationError, CaptureError
+from tppc.errors import ActivationMaskError, AnnotationError, CaptureError
 from tppc.planner.manual import manual_plan
 
 T = pytest.importorskip("transformers")
@@ -195,6 +195,6 @@ def test_doge_dynamic_mask_is_refused_at_any_keep_window_size(window: int) -> No
                        num_key_value_heads=2, intermediate_size=64, max_position_embeddings=256,
                        keep_window_size=window, use_cache=False, pad_token_id=0,
                        attn_implementation="sdpa")
-    with pytest.raises(AnnotationError, match=r"modeling_doge\.py:305"):
+    with pytest.raises(ActivationMaskError, match=r"enter it at .*modeling_doge\.py:296"):
         tppc.compile(T.DogeForCausalLM(cfg).eval(), (_ids(LENGTH),), {"use_cache": False},
                      num_stages=2, chunks=3)
