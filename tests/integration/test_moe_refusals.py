@@ -14,12 +14,18 @@ attention and the fix, routing row by row (each token's experts' weights gathere
 exact here. Doge's dynamic mask (a bias per key from ``dt_proj`` of the values,
 ``modeling_doge.py:305``) is refused at every ``keep_window_size``: the top-k beyond the window
 is not what stops it, so a window as long as the sequence is no fix.
+
+CI runs the same two MoE loops on a tiny model of our own (a second or two per compile less than
+DBRX's): the loop over the experts hit refused with the fix named, the loop over every expert
+exact at 2 stages.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import tppc
 from tests.oracles import assert_kernels_close, greedy_reference
@@ -64,6 +70,74 @@ def _every_expert(model: torch.nn.Module) -> torch.nn.Module:
         if type(module) is DbrxExperts:
             module.__class__ = EveryExpert
     return model
+
+
+class _LoopMoE(nn.Module):
+    """An eager mixture of experts, its loop over the experts hit or over every expert."""
+
+    def __init__(self, every: bool, d: int = 16, experts: int = 4) -> None:
+        super().__init__()
+        self.router = nn.Linear(d, experts, bias=False)
+        self.w_in = nn.Parameter(torch.randn(experts, 2 * d, d) * 0.2)
+        self.w_out = nn.Parameter(torch.randn(experts, d, 2 * d) * 0.2)
+        self.every = every
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        weights, index = torch.topk(self.router(rows).softmax(-1), 2, dim=-1)
+        mask = F.one_hot(index, self.w_in.shape[0]).permute(2, 1, 0)
+        hit = range(self.w_in.shape[0]) if self.every else mask.sum((-1, -2)).nonzero()[:, 0]
+        out = torch.zeros_like(rows)
+        for e in hit:
+            slot, token = torch.where(mask[e])
+            h = F.silu(rows[token] @ self.w_in[e].T) @ self.w_out[e].T
+            out.index_add_(0, token, h * weights[token, slot, None])
+        return out.view_as(x)
+
+
+class _Block(nn.Module):
+    """Causal attention, then the MoE."""
+
+    def __init__(self, every: bool, d: int) -> None:
+        super().__init__()
+        self.qkv, self.o, self.moe = nn.Linear(d, 3 * d), nn.Linear(d, d), _LoopMoE(every, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 2, d // 2).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, n, d))
+        return x + self.moe(x)
+
+
+class _LoopMoELM(nn.Module):
+    """Embedding, one block, head."""
+
+    def __init__(self, every: bool, vocab: int = 32, d: int = 16) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(vocab, d), nn.Linear(d, vocab)
+        self.layers = nn.ModuleList([_Block(every, d)])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers[0](self.emb(ids)))
+
+
+def test_own_loop_over_the_experts_hit_is_refused_naming_the_fix() -> None:
+    torch.manual_seed(0)
+    with pytest.raises(CaptureError, match=r"(?s)data-dependent length.*range\(num_experts\)"):
+        tppc.compile(_LoopMoELM(every=False).eval(), (torch.randint(0, 32, (1, 8)),),
+                     num_stages=2, chunks=2)
+
+
+def test_own_loop_over_every_expert_is_exact_at_two_stages() -> None:
+    torch.manual_seed(0)
+    model = _LoopMoELM(every=True).eval()
+    cp = tppc.compile(model, (torch.randint(0, 32, (1, 8)),), num_stages=2, chunks=2)
+    n = len(cp.context.layers)
+    staged = cp.with_plan(manual_plan(n, 8, cuts=(0, n // 2, n), boundaries=(0, 3, 8)))
+    with torch.no_grad():
+        x = torch.randint(0, 32, (1, 8))
+        assert_kernels_close(staged(x), model(x))
 
 
 def _ids(n: int, seed: int = 0) -> torch.Tensor:
