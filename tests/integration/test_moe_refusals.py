@@ -11,7 +11,8 @@ test's model instance only (its experts' class swapped), as a user would.
 JetMoE's mixture of attention sorts the tokens by expert in ``map`` (before the attention) and
 reads that order again in ``reduce`` (after it): refused naming the module on both sides of the
 attention and the fix, routing row by row (each token's experts' weights gathered), which is
-exact here. Doge's dynamic mask (a bias per key from ``dt_proj`` of the values,
+exact here with JetMoE's own MoE kept (its sort within one module is a row-wise region; its
+experts' rows, ``expert_size.tolist()`` split sizes, are priced at the axis they split). Doge's dynamic mask (a bias per key from ``dt_proj`` of the values,
 ``modeling_doge.py:305``) is refused at every ``keep_window_size``: the top-k beyond the window
 is not what stops it, so a window as long as the sequence is no fix.
 
@@ -189,10 +190,8 @@ def _jetmoe(dense: bool) -> torch.nn.Module:
                          pad_token_id=0, attn_implementation="sdpa")
     model = T.JetMoeForCausalLM(cfg).eval()
     for module in model.modules() if dense else ():
-        if type(module) is mj.JetMoeMoA:
+        if type(module) is mj.JetMoeMoA:  # its MoE (a sort within one module) stays as is
             module.__class__ = _RowWiseMoA
-        elif type(module) is mj.JetMoeMoE:
-            module.__class__ = _RowWiseMoE
     return model
 
 
@@ -208,8 +207,9 @@ def _experts(rows: torch.Tensor, weight: torch.Tensor, index: torch.Tensor) -> t
     return torch.einsum(pattern, rows, weight[index])
 
 
-def _row_wise_classes() -> tuple[type, type]:
-    """JetMoE's MoA and MoE written with the refusal's fix (weights gathered per token)."""
+def _row_wise_classes() -> type:
+    """JetMoE's mixture of attention written with the refusal's fix (weights gathered per
+    token)."""
     from transformers.models.jetmoe import modeling_jetmoe as mj
 
     class RowWiseMoA(mj.JetMoeMoA):
@@ -224,18 +224,10 @@ def _row_wise_classes() -> tuple[type, type]:
             out = _experts(a.reshape(-1, *a.shape[2:]), self.output_linear.weight, index)
             return (out * gates[..., None]).sum(1).view(*a.shape[:2], -1) + self.bias
 
-    class RowWiseMoE(mj.JetMoeMoE):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            rows = x.reshape(-1, x.shape[-1])
-            _, index, gates = _route(self.router, rows)
-            gate, up = _experts(rows, self.input_linear.weight, index).chunk(2, dim=-1)
-            out = _experts(self.activation(gate) * up, self.output_linear.weight, index)
-            return (out * gates[..., None]).sum(1).view(*x.shape[:2], -1) + self.bias
-
-    return RowWiseMoA, RowWiseMoE
+    return RowWiseMoA
 
 
-_RowWiseMoA, _RowWiseMoE = _row_wise_classes()
+_RowWiseMoA = _row_wise_classes()
 
 
 def test_jetmoe_mixture_of_attention_is_refused_naming_both_sides_and_the_fix() -> None:

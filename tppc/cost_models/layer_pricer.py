@@ -232,19 +232,41 @@ class LayerPricer:
         return time, matrix, vector, nbytes, vectorise(symbolic, self.seq_len)
 
     def _data_dependent_bounds(self) -> dict[sympy.Symbol, sympy.Expr]:
-        """Each data-dependent row count (``u0`` of ``nonzero`` or one-argument ``where``: the
-        tokens an expert of an eager mixture-of-experts loop takes, ``torch.where(mask[e])``)
-        priced at its bound, the elements of the input (every token routed there)."""
+        """Each data-dependent row count priced at its bound: the rows of ``nonzero`` or a
+        one-argument ``where`` (the tokens an expert of an eager mixture-of-experts loop takes,
+        ``torch.where(mask[e])``) at the elements of its input (every token routed there), a
+        piece of ``split_with_sizes`` by sizes read from values (JetMoE's experts,
+        ``expert_size.tolist()``) at the whole axis it splits."""
         if self._bounds is None:
             self._bounds = {}
             for node in self.gm.graph.nodes:
-                if node.target not in _INDICES_OF_TRUE or len(node.args) != 1:
-                    continue
-                shape = self.shapes.shape(node.args[0])
-                for rows in node.meta.get("unbacked_bindings", {}):
-                    if shape is not None and isinstance(rows, sympy.Symbol):
-                        self._bounds[rows] = numel(shape)
+                found: dict[sympy.Symbol, sympy.Expr] = {}
+                if node.target is torch.ops.aten.split_with_sizes.default:
+                    found = self._split_bounds(node)
+                elif node.target in _INDICES_OF_TRUE and len(node.args) == 1:
+                    shape = self.shapes.shape(node.args[0])
+                    found = {rows: numel(shape) for rows in node.meta.get("unbacked_bindings", {})
+                             if shape is not None and isinstance(rows, sympy.Symbol)}
+                for symbol, bound in found.items():  # a bound in c, p only (not other counts)
+                    if symbol not in self._bounds and bound.free_symbols <= {C, P, L}:
+                        self._bounds[symbol] = bound
         return self._bounds
+
+    def _split_bounds(self, node: fx.Node) -> dict[sympy.Symbol, sympy.Expr]:
+        """The data-dependent sizes of a ``split_with_sizes``, each at the axis it splits."""
+        source, sizes = node.args[0], node.args[1]
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+        shape = self.shapes.shape(source) if isinstance(source, fx.Node) else None
+        if shape is None or not isinstance(sizes, list | tuple):
+            return {}
+        bounds = {}
+        for size in sizes:
+            val = size.meta.get("val") if isinstance(size, fx.Node) else None
+            if isinstance(val, torch.SymInt):
+                expr = sympy.sympify(val.node.expr)
+                if isinstance(expr, sympy.Symbol):
+                    bounds[expr] = shape[dim]
+        return bounds
 
     def is_causal(self) -> bool:
         """Whether the graph's attention (the first priced) reads the prefix ``p``."""
