@@ -44,7 +44,7 @@ from tppc.passes.annotation.recurrent import (
     check_loop_scan,
     recurrent_scan,
 )
-from tppc.passes.annotation.regions import annotate_region, row_wise_region
+from tppc.passes.annotation.regions import annotate_region, row_wise_region, split_region_reason
 from tppc.passes.annotation.segments import segment_info, split_tokens, with_prefix
 from tppc.passes.annotation.token_order import (
     binary_elementwise,
@@ -92,6 +92,9 @@ def annotate_seq_dims_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphM
                 done.update(region)
                 continue
             if info is None:
+                reason = split_region_reason(node, gm) if module_path(node) else ""
+                if reason:
+                    raise AnnotationError(f"{str(error).rstrip('.')}{reason}") from error
                 raise error
         node.meta[TOKEN] = info
     if ctx.block_size is not None:  # a recurrence over blocks: carried, not global

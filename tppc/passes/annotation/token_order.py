@@ -56,9 +56,11 @@ def token_runs(node: fx.Node, src: fx.Node, out_axes: list[int]) -> tuple[int, i
     tokens (``outer`` runs of them times the axes before) and each token's rows must match.
     """
     info: TokenInfo = src.meta[TOKEN]
-    if info.axis is None or info.axis_size is None or len(out_axes) != 1:
+    if info.axis is None or info.axis_size is None or not out_axes:
         return None
     in_shape, out_shape = tensor_val(src).shape, tensor_val(node).shape
+    if len(out_axes) > 1:  # queries and keys (a mask's (…, q, k)): only the axes before move
+        return info.runs if _keeps_trailing(info, in_shape, out_shape, out_axes) else None
     before_in = sympy.Mul(*[size_expr(s) for s in in_shape[: info.axis]])
     before_out = sympy.Mul(*[size_expr(s) for s in out_shape[: out_axes[0]]])
     outer_in, inner_in = info.runs
@@ -71,6 +73,22 @@ def token_runs(node: fx.Node, src: fx.Node, out_axes: list[int]) -> tuple[int, i
     if groups.is_Integer and inner.is_Integer and groups > 0 and inner > 0:
         return int(groups), int(inner)
     return (outer_in, 1) if same else None  # the rows before the tokens alone kept
+
+
+def _keeps_trailing(info: TokenInfo, in_shape: Any, out_shape: Any, out_axes: list[int]
+                    ) -> bool:
+    """A reshape of a value with several token axes (a mask over queries and keys) keeps
+    them when it reshapes only constant axes before the first: ``repeat_kv``'s
+    ``(b, kv, groups, q, k) → (b, heads, q, k)``."""
+    shift = out_axes[0] - info.axis
+    trailing_in = [size_expr(s) for s in in_shape[info.axis:]]
+    trailing_out = [size_expr(s) for s in out_shape[out_axes[0]:]]
+    before_in = sympy.Mul(*[size_expr(s) for s in in_shape[: info.axis]])
+    before_out = sympy.Mul(*[size_expr(s) for s in out_shape[: out_axes[0]]])
+    return (len(trailing_in) == len(trailing_out)
+            and all(sympy.simplify(a - b) == 0 for a, b in zip(trailing_in, trailing_out))
+            and not before_in.free_symbols and sympy.simplify(before_in - before_out) == 0
+            and sorted(a + shift for a in (info.axis, *info.other_axes)) == sorted(out_axes))
 
 
 def pinned_shape(node: fx.Node) -> bool:
