@@ -58,9 +58,12 @@ class PaddedLM(nn.Module):
         self.emb, self.head = nn.Embedding(VOCAB, D), nn.Linear(D, VOCAB)
         self.blocks = nn.ModuleList(PaddedBlockDelta() for _ in range(2))
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+                ) -> torch.Tensor:
         x = self.emb(ids)
         for block in self.blocks:
+            if attention_mask is not None:  # padding rows zeroed (a state-space mixer's way)
+                x = x * attention_mask[:, :, None]
             x = block(x)
         return self.head(x)
 
@@ -84,6 +87,11 @@ def test_own_padded_loop_over_blocks_is_exact_in_chunks_generate_and_export(tmp_
         assert_kernels_close(cp(longer), model(longer))
         with pytest.raises(tppc.RuntimeInputError, match=f"multiple of {K}"):
             cp(longer[:, :K + 1])
+        # a 2-D mask too (a left-padded batch): captured again, both inputs one length
+        mask = torch.ones(2, 4 * K, dtype=torch.long)
+        mask[0, :3] = 0
+        batch = torch.randint(0, VOCAB, (2, 4 * K))
+        assert_kernels_close(cp(batch, attention_mask=mask), model(batch, attention_mask=mask))
     prompt = ids[:, :K + 2]
     want = greedy_reference(model, prompt, 4)
     assert torch.equal(cp.generate(prompt, max_new_tokens=4), want)
