@@ -68,6 +68,43 @@ class PaddedLM(nn.Module):
         return self.head(x)
 
 
+class SortedExperts(nn.Module):
+    """Rows sorted by their expert, scaled by it, put back in order and viewed as
+    ``(b, n, D)`` (a mixture-of-experts dispatch): row-wise as a region."""
+
+    def __init__(self, experts: int = 3) -> None:
+        super().__init__()
+        self.gate, self.scale = nn.Linear(D, experts), nn.Parameter(torch.randn(experts, D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        rows = x.reshape(-1, D)
+        expert = self.gate(rows).argmax(-1)
+        order = torch.sort(expert, stable=True).indices
+        done = rows[order] * self.scale[expert[order]]
+        return x + torch.empty_like(done).index_copy(0, order, done).view(b, n, D)
+
+
+class PaddedMoELM(PaddedLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(PaddedBlockDelta(), SortedExperts())
+                                    for _ in range(2))
+
+
+def test_own_padded_loop_beside_sorted_experts_is_exact_in_chunks() -> None:
+    """The experts' ``view(b, n, D)`` takes a size the re-rolled capture computes (``4·n``,
+    placed before it in no module): the experts are still one row-wise region (refused
+    before: "sort mixes values along the token axis")."""
+    torch.manual_seed(0)
+    model = PaddedMoELM().eval()
+    cp = tppc.compile(model, (torch.randint(0, VOCAB, (1, 2 * K)),), cluster="2xcpu")
+    staged = _two_stages(cp, 4, (0, 1, 2, 4))
+    ids = torch.randint(0, VOCAB, (1, 4 * K))
+    with torch.no_grad():
+        assert_kernels_close(staged(ids), model(ids))
+
+
 def _two_stages(cp: tppc.CompiledPipeline, blocks: int, bounds: tuple[int, ...]
                 ) -> tppc.CompiledPipeline:
     n = len(cp.context.layers)

@@ -56,7 +56,7 @@ def row_wise_region(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext
         if any(op_rule(n.target).role == "attention" or _mixing(n) for n in region):
             return None  # a region that mixes tokens by construction (attention, a scan)
         between = list(gm.graph.nodes)[order[region[0]]: order[region[-1]] + 1] if region else []
-        contiguous = all(n.op != "call_function" or n in region for n in between)
+        contiguous = all(n.op != "call_function" or n in region or _size(n) for n in between)
         if region and contiguous and _row_wise(region, gm, ctx):
             return region
         path = path.rpartition(".")[0]
@@ -121,6 +121,12 @@ def _mixing(node: fx.Node) -> bool:
 
 def _inside(path: str, prefix: str) -> bool:
     return path == prefix or path.startswith(prefix + ".")
+
+
+def _size(node: fx.Node) -> bool:
+    """A node of integer arithmetic on sizes (a re-rolled capture's ``a·L + b``, placed
+    before its first user and in no module): no op on tokens, so no gap in a region."""
+    return isinstance(node.meta.get("val"), torch.SymInt | int)
 
 
 def _free(node: fx.Node) -> set[Any]:
