@@ -86,10 +86,11 @@ def export_rerolled(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ..
         RerollError: a loop that is no re-rollable recurrence, or graphs at the two lengths
             that are no one graph with the length as a symbol (the reason).
     """
-    if len(axes) != 1 or len(next(iter(axes.values()))) != 1:
-        raise RerollError(f"sequence inputs {sorted(axes)}: the re-rolled capture takes one "
-                          "sequence input with one sequence axis")
     units, unit = length
+    if any(len(dims) != 1 for dims in axes.values()) or (len(axes) > 1 and unit > 1):
+        raise RerollError(f"sequence inputs {dict(axes)}: the re-rolled capture takes "
+                          "sequence inputs with one sequence axis each (one input when the "
+                          "model pads to blocks)")
     first = export(bound)
     block = loop_block(first)
     if block is None:
@@ -112,12 +113,20 @@ def export_rerolled(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ..
     loops = reroll_loops(first, source)
     if reroll_loops(second, source) != loops or not loops:
         raise RerollError(f"the loops at the lengths {units} and {units + block} differ")
-    name, (axis,) = next(iter(axes.items()))
+    name, (axis,) = _principal(first, axes)
     _generalise(first, second, units // block, (name, axis, block))
     _drop_empty_pads(first)
-    _propagate(first, bound, (name, axis, block))
+    _propagate(first, bound, (name, axis, block), axes)
     _check_equal(unrolled, _run(first, bound))
     return first, block
+
+
+def _principal(gm: fx.GraphModule, axes: dict[str, tuple[int, ...]]
+               ) -> tuple[str, tuple[int, ...]]:
+    """The sequence input whose length the graph's sizes are written with: the first one the
+    graph reads (an ``attention_mask`` the model ignores, RWKV's, is read by nothing)."""
+    used = {n.target for n in gm.graph.find_nodes(op="placeholder") if n.users}
+    return next(((k, v) for k, v in axes.items() if k in used), next(iter(axes.items())))
 
 
 def _run(gm: fx.GraphModule, bound: inspect.BoundArguments) -> list[torch.Tensor]:
@@ -248,10 +257,11 @@ def _drop_empty_pads(gm: fx.GraphModule) -> None:
 _PADS = (_aten.pad.default, _aten.constant_pad_nd.default)
 
 
-def _propagate(gm: fx.GraphModule, bound: inspect.BoundArguments, seq: tuple[str, int, int]
-               ) -> None:
+def _propagate(gm: fx.GraphModule, bound: inspect.BoundArguments, seq: tuple[str, int, int],
+               axes: dict[str, tuple[int, ...]]) -> None:
     """Every node's ``meta["val"]`` again, with the sequence axis of ``seq[0]`` symbolic (a
-    multiple ``seq[2]·n`` of a symbol ``n`` for a loop over blocks)."""
+    multiple ``seq[2]·n`` of a symbol ``n`` for a loop over blocks), and those of the other
+    sequence inputs ``axes`` (of the same length: one symbol, by duck sizing)."""
     name, axis, block = seq
     env = ShapeEnv()
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
@@ -267,7 +277,7 @@ def _propagate(gm: fx.GraphModule, bound: inspect.BoundArguments, seq: tuple[str
             with mode:
                 value = torch.empty(shape, dtype=value.dtype)
         elif isinstance(value, torch.Tensor):
-            dynamic = [DimDynamic.DYNAMIC if (node.target == name and d == axis)
+            dynamic = [DimDynamic.DYNAMIC if d in axes.get(node.target, ())
                        else DimDynamic.STATIC for d in range(value.dim())]
             value = mode.from_tensor(value, symbolic_context=StatelessSymbolicContext(
                 dynamic_sizes=dynamic))
