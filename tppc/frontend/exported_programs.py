@@ -41,7 +41,8 @@ def functional(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram
     ``index_put_``, ``scatter_``) becomes one chain of values (``slice_scatter``,
     ``index_put``, ``scatter``), each the previous one with the write applied, so that every
     later pass sees what each reader reads."""
-    if not any(_mutates(n) for n in ep.graph.nodes):
+    if not any(_mutates(n) for gm in ep.graph_module.modules() if isinstance(gm, fx.GraphModule)
+               for n in gm.graph.nodes):  # a write under torch.no_grad() is in a submodule
         return ep
     ep = ep.run_decompositions({})
     for node in ep.graph.nodes:  # functionalisation turns reshapes into views that hold only
