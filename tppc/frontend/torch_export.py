@@ -76,8 +76,10 @@ def export_dynamic(
                                  exc, (axes, units), (_drop_guards, _seq_symbol),
                                  lambda loop, k, first=exc: _export_rerolled(
                                      model, bound, axes, units, loop, first, k))
-        if tokens and site is not None and loop_over_positions(site[1]):
-            return _export_rerolled(model, bound, axes, units, site, exc)
+        loop = next((s for s in (describe_site([f]) for f in log.sites)
+                     if s is not None and loop_over_positions(s[1])), None)
+        if tokens and loop is not None:  # pinned before it too (RecurrentGemma's reset gate
+            return _export_rerolled(model, bound, axes, units, loop, exc)  # on position_ids)
         if not re.search(_PINNED, str(exc)):
             raise CaptureError(explain(model, exc)) from exc
         span = admitted_range(exc, units) if joint is None else None
