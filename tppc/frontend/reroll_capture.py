@@ -261,26 +261,26 @@ def _propagate(gm: fx.GraphModule, bound: inspect.BoundArguments, seq: tuple[str
                axes: dict[str, tuple[int, ...]]) -> None:
     """Every node's ``meta["val"]`` again, with the sequence axis of ``seq[0]`` symbolic (a
     multiple ``seq[2]·n`` of a symbol ``n`` for a loop over blocks), and those of the other
-    sequence inputs ``axes`` (of the same length: one symbol, by duck sizing)."""
+    sequence inputs ``axes`` (of the same length: the same symbol)."""
     name, axis, block = seq
     env = ShapeEnv()
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
+    units = bound.arguments[name].shape[axis] // block
+    symbol = env.create_symbol(units, ConstantSource("blocks" if block > 1 else "seq"),
+                               dynamic_dim=DimDynamic.DYNAMIC)
+    length = block * env.create_symintnode(symbol, hint=units)
     inputs = []
     for node in gm.graph.find_nodes(op="placeholder"):
         value = bound.arguments.get(node.target)
-        if isinstance(value, torch.Tensor) and node.target == name and block > 1:
-            blocks = value.shape[axis] // block
-            symbol = env.create_symbol(blocks, ConstantSource("blocks"),
-                                       dynamic_dim=DimDynamic.DYNAMIC)
+        if isinstance(value, torch.Tensor) and node.target in axes:
             shape = list(value.shape)
-            shape[axis] = block * env.create_symintnode(symbol, hint=blocks)
+            for d in axes[node.target]:
+                shape[d] = length  # one symbol for every sequence input
             with mode:
                 value = torch.empty(shape, dtype=value.dtype)
         elif isinstance(value, torch.Tensor):
-            dynamic = [DimDynamic.DYNAMIC if d in axes.get(node.target, ())
-                       else DimDynamic.STATIC for d in range(value.dim())]
             value = mode.from_tensor(value, symbolic_context=StatelessSymbolicContext(
-                dynamic_sizes=dynamic))
+                dynamic_sizes=[DimDynamic.STATIC] * value.dim()))
         inputs.append(value)
     _PinsNamed(gm, mode).propagate_dont_convert_inputs(*inputs)
 
