@@ -79,6 +79,11 @@ _OWN: dict[str, Callable[[], torch.nn.Module]] = {
         vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=256,
         attention_types=[[["global", "local"], 1]], window_size=8, use_cache=False,
         attn_implementation="eager")),
+    "DbrxForCausalLM": lambda: T.DbrxForCausalLM(T.DbrxConfig(
+        d_model=32, n_heads=4, n_layers=2, max_seq_len=256, vocab_size=128,
+        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2},
+        use_cache=False, pad_token_id=0, attn_implementation="sdpa")),
     "RwkvForCausalLM": lambda: _called_once(_generic("RwkvForCausalLM", "eager")),
 }
 """Families whose generic tiny config does not build (or builds an inconsistent model), or
@@ -93,12 +98,13 @@ def _called_once(model: torch.nn.Module) -> torch.nn.Module:
 
 _EAGER_ONLY = ("MptForCausalLM", "XGLMForCausalLM", "RwkvForCausalLM", "VaultGemmaForCausalLM")
 _BLOCKS = {"BambaForCausalLM": 16, "GraniteMoeHybridForCausalLM": 16, "NemotronHForCausalLM": 16,
-           "Qwen3_5ForCausalLM": 128, "Qwen3_5MoeForCausalLM": 128, "KimiLinearForCausalLM": 128}
+           "Qwen3_5ForCausalLM": 128, "Qwen3_5MoeForCausalLM": 128, "KimiLinearForCausalLM": 128,
+           "Qwen3NextForCausalLM": 128}
 """Example lengths of families that pad to blocks (two blocks)."""
 
 ALL = ["GemmaForCausalLM", "ApertusForCausalLM", "ArceeForCausalLM", "BitNetForCausalLM",
        "CodeGenForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "DeepseekV2ForCausalLM",
-       "DeepseekV3ForCausalLM", "DiffLlamaForCausalLM", "DogeForCausalLM", "Dots1ForCausalLM",
+       "DeepseekV3ForCausalLM", "DiffLlamaForCausalLM", "DbrxForCausalLM", "DogeForCausalLM", "Dots1ForCausalLM",
        "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM", "Exaone4ForCausalLM",
        "FlexOlmoForCausalLM", "GPTBigCodeForCausalLM", "GPTJForCausalLM", "GPTNeoForCausalLM",
        "GlmForCausalLM", "Glm4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
@@ -110,7 +116,8 @@ ALL = ["GemmaForCausalLM", "ApertusForCausalLM", "ArceeForCausalLM", "BitNetForC
        "StableLmForCausalLM", "XGLMForCausalLM", "BioGptForCausalLM", "CwmForCausalLM",
        "VaultGemmaForCausalLM", "Starcoder2ForCausalLM", "BambaForCausalLM",
        "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM", "Qwen3_5ForCausalLM",
-       "KimiLinearForCausalLM", "RecurrentGemmaForCausalLM", "RwkvForCausalLM"]
+       "KimiLinearForCausalLM", "RecurrentGemmaForCausalLM", "RwkvForCausalLM",
+       "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM"]
 
 
 def build(name: str) -> torch.nn.Module:

@@ -191,7 +191,8 @@ def test_a_block_plan_counts_tokens_k_to_a_unit(own) -> None:
     # a unit being one block of k; it counted blocks as tokens
     _, cp = own
     assert (cp.plan.tokens_per_unit, cp.plan.seq_len, cp.plan.seq_tokens) == (K, 4, 4 * K)
-    assert f"({4 * K} tokens)" in cp.plan.summary()
+    assert (cp.plan.blocks, cp.plan.unit) == (True, f"blocks of {K} tokens")  # not patch rows
+    assert f"seq_len=4 blocks of {K} tokens ({4 * K} tokens)" in cp.plan.summary()
 
 
 def test_lengths_of_no_whole_blocks_are_refused_by_name(own) -> None:
@@ -248,6 +249,11 @@ def test_exported_block_scans_generate_as_eager(own_lm, tmp_path) -> None:
         ids = torch.randint(0, 32, (2, prompt))
         got = runner.generate(ids.numpy(), max_new_tokens=5)
         assert (got == _eager_greedy(model, ids, 5).numpy()).all()
+    # refused before the ids grow (it tried to allocate 1.6 TB of ids), as cp.generate does
+    with pytest.raises(tppc.RuntimeInputError, match=r"^6 prompt tokens \+ max_new_tokens="
+                       r"100000000000 = 100000000006 tokens, held as 25000000002 blocks of 4 = "
+                       r"100000000008 tokens, need [\d,.]+ GiB on cpu"):
+        runner.generate(ids[:, :6].numpy(), max_new_tokens=10**11)
 
 
 @pytest.fixture(scope="module")
@@ -340,30 +346,3 @@ def test_falcon_h1_hybrid_is_exact_in_chunks_of_blocks(tmp_path) -> None:
         ids = torch.randint(0, 64, (batch, prompt))
         assert torch.equal(cp.generate(ids, max_new_tokens=9),
                            _eager_greedy(model, ids, 9, use_cache=False))
-
-
-def test_qwen3_next_loop_over_blocks_is_exact_in_chunks_of_blocks() -> None:
-    # Gated DeltaNet's chunked delta rule steps its blocks in a Python loop: no closed form;
-    # re-rolled over blocks of 64 (outputs written in place, a select_scatter chain), its
-    # padding propagated symbolically by torch's reference constant_pad_nd (was refused:
-    # "node pad ... fixes the length")
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.Qwen3NextConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=8, linear_num_value_heads=2,
-        linear_num_key_heads=1, linear_key_head_dim=8, linear_value_head_dim=8,
-        linear_conv_kernel_dim=2, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16,
-        shared_expert_intermediate_size=16, layer_types=["linear_attention", "full_attention"],
-        use_cache=False)
-    model = transformers.Qwen3NextForCausalLM(config).eval()
-    cp = tppc.compile(model, (torch.randint(0, 64, (1, 128)),), {"use_cache": False},
-                      num_stages=2)
-    assert cp.context.block_size == 64 and "modeling_qwen3_next.py" in cp.context.rerolled
-    n = len(cp.context.layers)
-    staged = cp.with_plan(manual_plan(n, 2, cuts=(0, n // 2, n), boundaries=(0, 1, 2)))
-    with torch.no_grad():
-        ids = torch.randint(0, 64, (1, 128))
-        assert_kernels_close(staged(ids).logits, model(ids).logits)  # chunks of one block
-        ids = torch.randint(0, 64, (1, 192))
-        assert_kernels_close(cp(ids).logits, model(ids).logits)

@@ -107,5 +107,5 @@ def test_tppc_plan_of_a_dit_counts_whole_patch_rows() -> None:
     result = plan(model, args, kwargs, cluster="4xh100-sxm", time_limit=5.0,
                   workload=Workload(kind="diffusion", steps=20, warmup_steps=1))
     assert (result.seq_len, result.granularity, result.tokens_per_unit) == (16, 1, 16)
-    assert (result.unit, result.seq_tokens) == ("rows of 16 tokens", 256)
+    assert (result.unit, result.seq_tokens) == ("patch rows of 16 tokens", 256)
     assert result.boundaries[0] == 0 and result.boundaries[-1] == 16

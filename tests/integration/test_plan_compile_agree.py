@@ -56,7 +56,7 @@ def test_plan_and_compile_agree_on_a_dit_in_patch_rows() -> None:
     workload = Workload(kind="diffusion", steps=20, warmup_steps=1)
     patches = tppc.plan(model, args, kwargs, cluster="4xcpu", workload=workload)
     assert len(patches.chunks) > 1, "expected the planner to cut 32 rows into patches"
-    assert patches.unit == "rows of 32 tokens" and patches.seq_tokens == 32 * 32
+    assert patches.unit == "patch rows of 32 tokens" and patches.seq_tokens == 32 * 32
     _assert_same(patches, cp.denoise_plan(20, 1))
 
 

@@ -244,6 +244,16 @@ def test_token_ids_outside_the_vocabulary_are_refused(exported, bad) -> None:
         runner.generate(ids, max_new_tokens=2)
 
 
+def test_a_generation_past_the_host_memory_is_refused_before_it_allocates(exported) -> None:
+    # runner.generate had no memory check: its ids and buffers of 10**11 tokens came first
+    runner = tppc.load(exported[0])
+    ids = np.arange(32, dtype=np.int64).reshape(1, 32) % VOCAB
+    with pytest.raises(RuntimeInputError, match=r"^32 prompt tokens \+ max_new_tokens="
+                       r"100000000000 = 100000000032 tokens need [\d,.]+ GiB on cpu \(K/V "
+                       r"and state buffers .*fix: lower max_new_tokens to at most \d+"):
+        runner.generate(ids, max_new_tokens=10**11)
+
+
 def test_the_edge_ids_of_the_vocabulary_run(exported) -> None:
     path, model = exported
     ids = np.full((1, 32), VOCAB - 1, dtype=np.int64)

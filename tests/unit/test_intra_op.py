@@ -156,4 +156,4 @@ def test_tppc_plan_takes_intra_op(tmp_path, monkeypatch, capsys) -> None:
                  "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [(st["intra_op"], st["device_indices"]) for st in data["stages"]] == [(2, [0, 1])]
-    assert data["degrees"]["intra_op"] == 2 and data["schema"] == "tppc.plan/5"
+    assert data["degrees"]["intra_op"] == 2 and data["schema"] == "tppc.plan/6"

@@ -224,10 +224,34 @@ def test_plan_json_says_its_unit_and_round_trips_it() -> None:
         plan_for(table(num_layers=2, speeds=(1.0, 1.0)), (0, 1, 2), (0, 512, 1024)),
         seq_len=64, granularity=8, boundaries=(0, 32, 64), tokens_per_unit=16)
     data = json.loads(plan.to_json())
-    assert (data["schema"], data["tokens_per_unit"]) == ("tppc.plan/5", 16)
+    assert (data["schema"], data["tokens_per_unit"]) == ("tppc.plan/6", 16)
     assert Plan.from_json(plan.to_json()) == plan
-    assert (plan.unit, plan.seq_tokens) == ("rows of 16 tokens", 1024)
-    assert "chunks (rows of 16 tokens): 32 32" in plan.summary()
+    assert (plan.unit, plan.seq_tokens) == ("patch rows of 16 tokens", 1024)
+    assert "chunks (patch rows of 16 tokens): 32 32" in plan.summary()
+
+
+def test_a_block_plan_says_its_unit_is_a_block_and_round_trips_it() -> None:
+    # a block capture's unit is a block of k tokens of its scan; the plan said "rows of k"
+    plan = dataclasses.replace(
+        plan_for(table(num_layers=2, speeds=(1.0, 1.0)), (0, 1, 2), (0, 512, 1024)),
+        seq_len=256, granularity=1, boundaries=(0, 128, 256), tokens_per_unit=4, blocks=True)
+    assert (plan.unit, plan.seq_tokens) == ("blocks of 4 tokens", 1024)
+    assert "seq_len=256 blocks of 4 tokens (1024 tokens)" in plan.summary()
+    assert "chunks (blocks of 4 tokens): 128 128" in plan.summary()
+    assert json.loads(plan.to_json())["blocks"] is True
+    assert Plan.from_json(plan.to_json()) == plan
+    with pytest.raises(PlanError, match="blocks=True with tokens_per_unit=1"):
+        dataclasses.replace(plan, tokens_per_unit=1)
+
+
+def test_a_schema_5_plan_of_several_tokens_a_unit_reads_as_patch_rows() -> None:
+    plan = dataclasses.replace(
+        plan_for(table(num_layers=2, speeds=(1.0, 1.0)), (0, 1, 2), (0, 512, 1024)),
+        seq_len=64, granularity=8, boundaries=(0, 32, 64), tokens_per_unit=16)
+    data = json.loads(plan.to_json())
+    del data["blocks"]
+    old = Plan.from_json(json.dumps({**data, "schema": "tppc.plan/5"}))
+    assert old == plan and old.unit == "patch rows of 16 tokens"
 
 
 def test_a_schema_1_plan_json_reads_as_tokens() -> None:
@@ -280,7 +304,7 @@ def test_a_plan_prints_the_kind_of_what_one_call_computes() -> None:
     dit, args, kwargs = examples.dit(size=8, depth=2)
     one = tppc.plan(dit, args, kwargs, cluster="2xcpu", num_stages=2)
     assert one.workload.kind == "bidirectional_pass" and len(one.boundaries) == 2
-    assert one.summary().startswith("tppc plan: bidirectional_pass, seq_len=4 rows")
+    assert one.summary().startswith("tppc plan: bidirectional_pass, seq_len=4 patch rows")
     given = tppc.plan(dit, args, kwargs, cluster="2xcpu", num_stages=2, workload=Workload())
     assert given.workload.kind == "bidirectional_pass"  # the model's attention names it
     steps = tppc.plan(dit, args, kwargs, cluster="2xcpu", num_stages=2,

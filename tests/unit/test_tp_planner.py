@@ -170,7 +170,7 @@ def test_hybrid_plan_json_round_trips_and_older_schemas_read() -> None:
     back = Plan.from_json(plan.to_json())
     assert back == plan and back.stages[0].device_indices == (0, 1)
     data = json.loads(plan.to_json())
-    assert data["schema"] == "tppc.plan/5" and data["degrees"]["tensor_parallel"] == 2
+    assert data["schema"] == "tppc.plan/6" and data["degrees"]["tensor_parallel"] == 2
     old = _hybrid(1.05)
     data = json.loads(old.to_json())
     for key in ("degrees", "replicas", "choice"):

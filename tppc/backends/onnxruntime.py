@@ -110,11 +110,14 @@ class OrtStage:
         """Zero K/V buffers for ``capacity`` units of the sequence in ``call`` (wrapped, not copied), and
         state buffers (their size fixed; a call's first chunk reads no slot)."""
         for b in self.buffers:
-            rows = span(b, 0, capacity)[1]
-            shape = [rows if s is None else s for s in b["shape"]]
-            array = np.zeros(shape, dtype=np.dtype(b["dtype"]))
+            array = np.zeros(_buffer_shape(b, capacity), dtype=np.dtype(b["dtype"]))
             call.buffers[b["name"]] = array
             call.values[b["name"]] = ort.OrtValue.ortvalue_from_numpy(array)
+
+    def buffer_bytes(self, capacity: int) -> int:
+        """Bytes :meth:`allocate` takes for ``capacity`` units (host memory)."""
+        return sum(int(np.prod(_buffer_shape(b, capacity))) * np.dtype(b["dtype"]).itemsize
+                   for b in self.buffers)
 
     def prepare(self, call: OrtCall) -> list[np.ndarray]:
         """The stage's positional values at ``call.pos_len`` (computed once per call)."""
@@ -202,6 +205,10 @@ class OrtWorker:
         for part in self.parts:
             part.allocate(call, capacity)
 
+    def buffer_bytes(self, capacity: int) -> int:
+        """Bytes of every part's buffers (see :meth:`OrtStage.buffer_bytes`)."""
+        return sum(part.buffer_bytes(capacity) for part in self.parts)
+
     def part(self, index: int) -> OrtStage:
         """What a compute of part ``index`` runs."""
         return self.parts[index]
@@ -215,6 +222,12 @@ def span(spec: dict[str, Any], start: int, end: int) -> tuple[int, int]:
     scale, prefix = int(spec.get("scale", 1)), int(spec.get("prefix", 0))
     lo = 0 if start == 0 else prefix + scale * start
     return lo, prefix + scale * end - lo
+
+
+def _buffer_shape(spec: dict[str, Any], capacity: int) -> list[int]:
+    """A buffer's shape for ``capacity`` units: its token axis (``None``) has their rows."""
+    rows = span(spec, 0, capacity)[1]
+    return [rows if s is None else s for s in spec["shape"]]
 
 
 def _rows(value: np.ndarray, axis: int, start: int, size: int) -> np.ndarray:

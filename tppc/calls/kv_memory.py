@@ -10,6 +10,15 @@ Terms:
         tokens``) with a bound on ``max_new_tokens`` in tokens.
     free: a CUDA device's free memory (``torch.cuda.mem_get_info``), or the host's
         ``MemAvailable`` for ``cpu`` (unknown elsewhere: not checked).
+    pool: what one free memory serves. A device of one process; the ranks of a job that
+        share one (the CPU ranks of one host share its RAM; ranks on one GPU share it) are
+        charged together (:func:`tppc.distributed.generate.check_rank_memory`).
+
+One rule for every ``generate``: :func:`refuse_unfitting` judges needs against free memory
+and words the refusal, torch-free, so that the in-process pipeline
+(:func:`check_generation_memory`), the ranks of a job and the loaded artifact
+(``runner.generate``, numpy buffers in host memory) refuse alike. This module imports torch
+only inside the functions that read torch tensors or devices.
 
 A need above the free memory is refused before anything is allocated, naming both numbers
 and the largest ``max_new_tokens`` that fits: a generation never starts only to fail when
@@ -24,14 +33,13 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
-
-import torch
 
 from tppc.errors import RuntimeInputError
 
-__all__ = ["check_generation_memory", "free_bytes"]
+__all__ = ["check_generation_memory", "free_bytes", "generation_need", "host_free_bytes",
+           "refuse_unfitting"]
 
 
 def check_generation_memory(program: Any, front: Any, flat: Sequence[Any], prompt: int,
@@ -51,9 +59,20 @@ def check_generation_memory(program: Any, front: Any, flat: Sequence[Any], promp
     Raises:
         RuntimeInputError: naming the tokens, the need, the device, its free memory, the fix.
     """
-    total = prompt + max_new_tokens
-    units = -(-total // block) if units is None else units
-    need: dict[torch.device, int] = {}
+    units = -(-(prompt + max_new_tokens) // block) if units is None else units
+    need = generation_need(program, front, flat, units, block)
+    refuse_unfitting(need, free_bytes, prompt, max_new_tokens,
+                     block=block, units=units)
+
+
+def generation_need(program: Any, front: Any, flat: Sequence[Any], units: int,
+                    block: int = 1) -> dict[Any, int]:
+    """Bytes per torch device of a generation holding ``units`` units of ``block`` tokens:
+    every stage's K/V and state buffers, and the sequence inputs of ``flat`` grown to
+    ``units · block`` positions (any length now: their bytes per position are taken)."""
+    import torch
+
+    need: dict[Any, int] = {}
     for stage in program.stages:
         kv = sum(b.nbytes(units) for b in stage.buffers)
         need[stage.device] = need.get(stage.device, 0) + kv
@@ -62,11 +81,27 @@ def check_generation_memory(program: Any, front: Any, flat: Sequence[Any], promp
         if axes and isinstance(value, torch.Tensor) and value.shape[axes[0]]:
             per_token = value.numel() // value.shape[axes[0]] * value.element_size()
             need[value.device] = need.get(value.device, 0) + per_token * units * block
+    return need
+
+
+def refuse_unfitting(need: Mapping[Any, int], free: Callable[[Any], int | None],
+                     prompt: int, max_new_tokens: int, *, block: int = 1,
+                     units: int | None = None) -> None:
+    """Refuse a generation whose ``need`` (bytes per device or pool, at ``units`` units of
+    ``block`` tokens) exceeds its ``free(device)`` bytes (None: unknown, not checked); the
+    one rule and message of every ``generate`` (module docstring). Torch-free.
+
+    Raises:
+        RuntimeInputError: naming the tokens (and the blocks holding them), the need, the
+            device, its free memory and the largest ``max_new_tokens`` that fits.
+    """
+    total = prompt + max_new_tokens
+    units = -(-total // block) if units is None else units
     for device, nbytes in need.items():
-        free = free_bytes(device)
-        if free is None or nbytes <= free:
+        room = free(device)
+        if room is None or nbytes <= room:
             continue
-        fits = int(free / (nbytes / units)) * block - prompt
+        fits = int(room / (nbytes / units)) * block - prompt
         hint = (f"lower max_new_tokens to at most {fits}" if fits >= 1 else
                 "use a shorter prompt, a smaller batch, or a device with more memory")
         held = "" if block == 1 else \
@@ -74,15 +109,20 @@ def check_generation_memory(program: Any, front: Any, flat: Sequence[Any], promp
         raise RuntimeInputError(
             f"{prompt} prompt tokens + max_new_tokens={max_new_tokens} = {total} tokens{held} "
             f"need {nbytes / 2**30:,.1f} GiB on {device} (K/V and state buffers of its stages "
-            f"and the grown inputs), which has {free / 2**30:,.1f} GiB free. fix: {hint}")
+            f"and the grown inputs), which has {room / 2**30:,.1f} GiB free. fix: {hint}")
 
 
-def free_bytes(device: torch.device) -> int | None:
-    """Free memory of ``device`` in bytes (None: unknown)."""
+def free_bytes(device: Any) -> int | None:
+    """Free memory of a torch ``device`` in bytes (None: unknown)."""
     if device.type == "cuda":
+        import torch
+
         return torch.cuda.mem_get_info(device)[0]
-    if device.type != "cpu":
-        return None
+    return host_free_bytes() if device.type == "cpu" else None
+
+
+def host_free_bytes() -> int | None:
+    """The host's ``MemAvailable`` in bytes (None: unknown). Torch-free."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:

@@ -49,6 +49,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from itertools import pairwise
+from typing import Any
 
 from tppc.cost_models.presets import DEFAULT_LINK, DEVICE_PRESETS, LINK_PRESETS
 from tppc.cost_models.specs import DeviceSpec, LinkSpec
@@ -312,6 +313,15 @@ class Cluster:
     def device_names(self) -> tuple[str, ...]:
         """Preset name of each device, in chain order."""
         return tuple(d.name for d in self.devices)
+
+    def memory_pools(self) -> tuple[int, ...]:
+        """The memory pool of each device, numbered 0, 1, ... in chain order: a device's own
+        memory, except that the ``cpu`` devices of one node are cores of one machine and
+        share its RAM (one pool: what any of them holds, all of them lose)."""
+        pools: dict[Any, int] = {}
+        return tuple(pools.setdefault(("cpu", node) if device.name == "cpu" else index,
+                                      len(pools))
+                     for index, (device, node) in enumerate(zip(self.devices, self.nodes)))
 
     def node_devices(self, node: int) -> tuple[int, ...]:
         """Indices of the devices of ``node``."""

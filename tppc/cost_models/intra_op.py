@@ -9,8 +9,10 @@ Terms:
         co_running=w)`` for ``w`` such workers at once), not with the thread-group meetings
         of :mod:`.thread_groups`.
     worker chain: the groups in chain order as a :class:`Cluster` of one device each (the
-        ``k``-thread spec), joined by the link between their first and last members; the
-        ordinary one-device-a-stage cost table of that chain prices every placement.
+        ``k``-thread spec) on their nodes, joined by the link between their first and last
+        members; the ordinary one-device-a-stage cost table of that chain prices every
+        placement, the groups of one node charged together against its RAM
+        (:meth:`Cluster.memory_pools`).
     mesh of intra-op workers (a diffusion transformer's CFG, Ring or Ulysses workers, each
         of ``k`` threads): a group of ``w · k`` devices is ``w`` workers of ``k`` consecutive
         devices; the worker chain has one device per worker, every worker of every group
@@ -61,7 +63,10 @@ def intra_op_chain(cluster: Cluster, groups: tuple[tuple[int, ...], ...], thread
                         f"{sorted(names)}. fix: intra_op=1 on this cluster")
     spec = intra_op_spec(threads, len(groups))
     links = tuple(cluster.link(a[-1], b[0]) for a, b in pairwise(groups))
-    return Cluster(devices=(spec,) * len(groups), links=links)
+    seen: dict[int, int] = {}  # the groups' nodes, numbered 0, 1, ... (one RAM each)
+    nodes = tuple(seen.setdefault(cluster.nodes[g[0]], len(seen)) for g in groups)
+    return Cluster(devices=(spec,) * len(groups), links=links, nodes=nodes,
+                   inter_node=cluster.inter_node if len(seen) > 1 else None)
 
 
 def intra_op_workers(cluster: Cluster, groups: tuple[tuple[int, ...], ...], threads: int,

@@ -135,6 +135,7 @@ def build_cost_table(gm: fx.GraphModule, layers: Sequence[LayerInfo],
         causal=causal,
         unpriced_ops=tuple(sorted(unpriced)),
         queue_depth=queue_depth,
+        pools=cluster.memory_pools(),
     )
 
 

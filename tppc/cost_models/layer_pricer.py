@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import sympy
+import torch
 from torch import fx
 
 from tppc.cost_models.compiled_times import difference, vectorise
@@ -35,6 +36,7 @@ from tppc.cost_models.node_shapes import (
     Shapes,
     TokenSubstitution,
     arg_nodes,
+    numel,
     tensor_vals,
 )
 from tppc.cost_models.program_costs import program_node_cost, program_signature
@@ -45,6 +47,10 @@ from tppc.errors import CostModelError
 from tppc.ir.records import TOKEN, LayerInfo, TokenInfo
 
 __all__ = ["LayerExpr", "LayerPricer", "layer_cost"]
+
+
+_INDICES_OF_TRUE = (torch.ops.aten.nonzero.default, torch.ops.aten.where.default)
+"""Ops whose output rows are the true elements of their input: a data-dependent count."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,6 +127,7 @@ class LayerPricer:
         self.compute_dtype = compute_dtype
         self.shapes = Shapes(subs, default_attention)
         self._node_cache: dict[tuple, NodeCost] = {}
+        self._bounds: dict[sympy.Symbol, sympy.Expr] | None = None
         self._layer_cache: dict[tuple, tuple] = {}
         self._priced: dict[str, list[tuple[tuple, NodeCost]]] = {}
         self._descriptions: dict[str, tuple] = {}
@@ -212,6 +219,10 @@ class LayerPricer:
         matrix = sympy.Add(*[c.matrix_flops for c in live]).subs(full)
         vector = sympy.Add(*[c.vector_flops for c in live]).subs(full)
         nbytes = sympy.Add(*[c.bytes for c in live]).subs(full)
+        bounds = self._data_dependent_bounds()
+        if bounds and (time.free_symbols - {C, P}) & set(bounds):
+            time, matrix, vector, nbytes, symbolic = (
+                sympy.sympify(e).subs(bounds) for e in (time, matrix, vector, nbytes, symbolic))
         bad = time.free_symbols - {C, P}
         if bad:
             raise CostModelError(
@@ -219,6 +230,43 @@ class LayerPricer:
                 "those dimensions static (only the sequence may be dynamic)"
             )
         return time, matrix, vector, nbytes, vectorise(symbolic, self.seq_len)
+
+    def _data_dependent_bounds(self) -> dict[sympy.Symbol, sympy.Expr]:
+        """Each data-dependent row count priced at its bound: the rows of ``nonzero`` or a
+        one-argument ``where`` (the tokens an expert of an eager mixture-of-experts loop takes,
+        ``torch.where(mask[e])``) at the elements of its input (every token routed there), a
+        piece of ``split_with_sizes`` by sizes read from values (JetMoE's experts,
+        ``expert_size.tolist()``) at the whole axis it splits."""
+        if self._bounds is None:
+            self._bounds = {}
+            for node in self.gm.graph.nodes:
+                found: dict[sympy.Symbol, sympy.Expr] = {}
+                if node.target is torch.ops.aten.split_with_sizes.default:
+                    found = self._split_bounds(node)
+                elif node.target in _INDICES_OF_TRUE and len(node.args) == 1:
+                    shape = self.shapes.shape(node.args[0])
+                    found = {rows: numel(shape) for rows in node.meta.get("unbacked_bindings", {})
+                             if shape is not None and isinstance(rows, sympy.Symbol)}
+                for symbol, bound in found.items():  # a bound in c, p only (not other counts)
+                    if symbol not in self._bounds and bound.free_symbols <= {C, P, L}:
+                        self._bounds[symbol] = bound
+        return self._bounds
+
+    def _split_bounds(self, node: fx.Node) -> dict[sympy.Symbol, sympy.Expr]:
+        """The data-dependent sizes of a ``split_with_sizes``, each at the axis it splits."""
+        source, sizes = node.args[0], node.args[1]
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+        shape = self.shapes.shape(source) if isinstance(source, fx.Node) else None
+        if shape is None or not isinstance(sizes, list | tuple):
+            return {}
+        bounds = {}
+        for size in sizes:
+            val = size.meta.get("val") if isinstance(size, fx.Node) else None
+            if isinstance(val, torch.SymInt):
+                expr = sympy.sympify(val.node.expr)
+                if isinstance(expr, sympy.Symbol):
+                    bounds[expr] = shape[dim]
+        return bounds
 
     def is_causal(self) -> bool:
         """Whether the graph's attention (the first priced) reads the prefix ``p``."""

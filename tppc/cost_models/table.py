@@ -96,6 +96,10 @@ class CostTable:
         queue_depth: chunks that may wait between two stages (the runtime's
             ``queue_depth``): a stage holds ``queue_depth + 1`` chunks of its input
             activations at once (see :mod:`tppc.planner.memory`).
+        pools: the memory pool of each device (:meth:`Cluster.memory_pools`: the ``cpu``
+            devices of one node share its RAM); the stages on one pool's devices are charged
+            together against it (:func:`tppc.planner.memory.over_capacity`). Empty: each
+            device its own.
     """
 
     device_names: tuple[str, ...]
@@ -106,6 +110,7 @@ class CostTable:
     causal: bool
     unpriced_ops: tuple[str, ...] = ()
     queue_depth: int = 2
+    pools: tuple[int, ...] = ()
 
     @property
     def num_devices(self) -> int:

@@ -183,16 +183,9 @@ class _Memory:
         """The pools less the transformer's stages: a stage's memory is held once per
         worker (an intra-op worker runs on several CPU devices' threads with one copy), in
         each pool its devices use."""
-        free: list[int] = []
-        pool_of: list[int] = []
-        pools: dict[Any, int] = {}
-        for index, device in enumerate(cluster.devices):
-            key = ("cpu", cluster.nodes[index]) if device.name == "cpu" else index
-            if key not in pools:
-                pools[key] = len(free)
-                free.append(device.memory.capacity)
-            free[pools[key]] = min(free[pools[key]], device.memory.capacity)
-            pool_of.append(pools[key])
+        pool_of = list(cluster.memory_pools())  # the planner's pools (cpu: one per node)
+        free = [min(d.memory.capacity for d, p in zip(cluster.devices, pool_of) if p == pool)
+                for pool in range(max(pool_of) + 1)]
         for stage in plan.stages:
             ids = stage.device_indices
             for first in range(0, len(ids), stage.intra_op):

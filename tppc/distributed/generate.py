@@ -6,15 +6,25 @@ its K/V heads). Only the leader (the last stage's rank, or its first shard) has 
 it picks the token (:func:`tppc.generation.greedy_decode`, HF's ``generate(do_sample=False)``
 rule) and broadcasts it, so every rank appends the same token, ends the same sequences and
 stops at the same step.
+
+Before anything grows to the generation's length, every rank prices its own share (its
+worker's K/V and state buffers, the grown inputs: :func:`tppc.calls.kv_memory.generation_need`)
+against its device's free memory, and the ranks exchange them (:func:`check_rank_memory`): the
+CPU ranks of one host share its RAM, the ranks on one GPU share it, so each such pool is
+charged the sum of its ranks' needs, and every rank refuses the same generation with the same
+message (:func:`tppc.calls.kv_memory.refuse_unfitting`, the rule of ``cp.generate``).
 """
 
 from __future__ import annotations
 
+import socket
+import zlib
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
 
+from tppc.calls import kv_memory
 from tppc.errors import RuntimeInputError
 from tppc.generation import DEFAULT, check_max_new_tokens, greedy_decode, stop_tokens
 from tppc.pipeline.block_generate import BlockCall, block_steps, block_units
@@ -29,7 +39,7 @@ from tppc.pipeline.generate import (
 )
 from tppc.program.state import Call, next_epoch
 
-__all__ = ["GeneratingRank", "distributed_generate", "refuse_cache_reset"]
+__all__ = ["GeneratingRank", "check_rank_memory", "distributed_generate", "refuse_cache_reset"]
 
 
 class GeneratingRank(Generating, Protocol):
@@ -39,6 +49,10 @@ class GeneratingRank(Generating, Protocol):
     def rank(self) -> int: ...
     @property
     def results(self) -> str: ...
+    @property
+    def device(self) -> torch.device: ...
+
+    def gather_ints(self, values: Sequence[int]) -> list[list[int]]: ...
 
     def share_generate(self, input_ids: Any, max_new_tokens: int) -> tuple[Any, int]: ...
 
@@ -65,6 +79,7 @@ def distributed_generate(cp: GeneratingRank, input_ids: torch.Tensor | None,
     prompt = bound.length
     total = prompt + max_new_tokens
     program = cp.program(prompt, front)
+    check_rank_memory(cp, program, front, bound.flat, prompt, max_new_tokens)  # before ids
     logits_at = logits_output(cp.model_name, front)
     ids = torch.zeros(input_ids.shape[0], total, dtype=input_ids.dtype)
     ids[:, :prompt] = input_ids
@@ -116,14 +131,14 @@ def _block_generate(cp: GeneratingRank, block: int, input_ids: torch.Tensor | No
                     max_new_tokens: int, eos_token_id: Any, pad_token_id: Any
                     ) -> torch.Tensor | None:
     """:func:`distributed_generate` of a block capture (:mod:`tppc.pipeline.block_generate`):
-    rank 0's prompt grown to whole blocks (the last token repeated) is shared; every rank
-    steps the current block and puts back the carried states of its own worker."""
+    rank 0's prompt grown to its whole blocks (the last token repeated) is shared; every rank
+    checks the memory (:func:`check_rank_memory`), grows it to the generation's blocks, steps
+    the current block and puts back the carried states of its own worker."""
     value: tuple[Any, Any, int] = (input_ids, max_new_tokens, 0)
     if cp.rank == 0 and isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 \
-            and input_ids.shape[1] >= 1 and isinstance(max_new_tokens, int) \
-            and not isinstance(max_new_tokens, bool) and max_new_tokens >= 1:
+            and input_ids.shape[1] >= 1:
         prompt = int(input_ids.shape[1])
-        width = block_units(prompt, max_new_tokens, block)[1]
+        width = block_units(prompt, 0, block)[1]  # the prompt's blocks: nothing grows yet
         value = (grown_input("input_ids", input_ids, prompt, width), max_new_tokens, prompt)
 
     def check(shared: tuple[Any, Any, int]) -> None:
@@ -138,9 +153,13 @@ def _block_generate(cp: GeneratingRank, block: int, input_ids: torch.Tensor | No
     input_ids, max_new_tokens, prompt = cp.share_inputs("generate", value, check)
     eos_ids, pad = stop_tokens(eos_token_id, pad_token_id, model_eos=cp.eos_token_id,
                                model_pad=cp.pad_token_id)
-    units, _ = block_units(prompt, max_new_tokens, block)
+    units, width = block_units(prompt, max_new_tokens, block)
     front, bound = cp.bind((input_ids,), {})
-    program = cp.program(max(prompt // block, 2), front)
+    check_rank_memory(cp, cp.program(max(prompt // block, 2), front), front, bound.flat,
+                      prompt, max_new_tokens, block=block, units=units)
+    grown = grown_input("input_ids", input_ids[:, :prompt], prompt, width)
+    front, bound = cp.bind((grown,), {})
+    program = cp.program(max(prompt // block, 2), front)  # cached: the same capture
     flat = tuple(bound.flat)
     ids = flat[token_input_index(cp.model_name, front)]
     state = cp.states.acquire(front, units)
@@ -157,3 +176,52 @@ def _block_generate(cp: GeneratingRank, block: int, input_ids: torch.Tensor | No
     if cp.results == "rank0" and cp.rank != 0:
         return None
     return ids[:, :length].clone()
+
+
+def check_rank_memory(cp: GeneratingRank, program: Any, front: Any, flat: Sequence[Any],
+                      prompt: int, max_new_tokens: int, *, block: int = 1,
+                      units: int | None = None) -> None:
+    """Refuse, on every rank alike, a generation that some memory pool of the job cannot
+    hold (module docstring; collective: every rank calls it).
+
+    Each rank sends ``[host, GPU index or -1, need and free bytes there, need and free bytes
+    of the host]``: its worker's buffers at ``units`` units of ``block`` tokens on its device
+    (the other workers' stages are on the meta device here), the inputs of ``flat`` grown to
+    that length where they live; a pool's need is the sum over its ranks, its free memory
+    the least any of them saw (-1: unknown, not checked).
+
+    Raises:
+        RuntimeInputError: naming the tokens, the pool (``cpu of ranks 0, 1``), the need,
+            the free memory and the largest ``max_new_tokens`` that fits.
+    """
+    units = -(-(prompt + max_new_tokens) // block) if units is None else units
+    need = kv_memory.generation_need(program, front, flat, units, block)
+    gpu = cp.device if cp.device.type == "cuda" else None
+    host_need = sum(n for d, n in need.items() if d.type == "cpu")
+    host_free = kv_memory.host_free_bytes()
+    gpu_free = kv_memory.free_bytes(gpu) if gpu is not None else None
+    mine = (zlib.crc32(socket.gethostname().encode()), -1 if gpu is None else gpu.index or 0,
+            need.get(gpu, 0) if gpu is not None else 0, -1 if gpu_free is None else gpu_free,
+            host_need, -1 if host_free is None else host_free)
+    needs, rooms = _pooled(cp.gather_ints(mine))
+    kv_memory.refuse_unfitting(needs, rooms.get, prompt, max_new_tokens, block=block, units=units)
+
+
+def _pooled(rows: Sequence[Sequence[int]]) -> tuple[dict[str, int], dict[str, int | None]]:
+    """``(need, free)`` per pool, named ``"cpu of ranks 0, 1"`` or ``"cuda:0 of rank 1"``,
+    from every rank's row of :func:`check_rank_memory` (free: the least known, or None)."""
+    members: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+    for rank, (host, index, on_gpu, gpu_room, on_host, host_room) in enumerate(rows):
+        members.setdefault((host, -1), []).append((rank, on_host, host_room))
+        if index >= 0:
+            members.setdefault((host, index), []).append((rank, on_gpu, gpu_room))
+    needs: dict[str, int] = {}
+    rooms: dict[str, int | None] = {}
+    for (_, index), shares in members.items():
+        ranks = [rank for rank, _, _ in shares]
+        label = (f"{'cpu' if index < 0 else f'cuda:{index}'} of "
+                 f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}")
+        known = [room for _, _, room in shares if room >= 0]
+        needs[label] = sum(nbytes for _, nbytes, _ in shares)
+        rooms[label] = min(known) if known else None
+    return needs, rooms

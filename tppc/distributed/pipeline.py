@@ -22,7 +22,7 @@ planning by reading ``plan.json`` and the stage files: only :meth:`DistributedPi
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -215,6 +215,13 @@ class DistributedPipeline(CompiledPipeline):
         buf = (token if token is not None else torch.empty_like(like)).to(self.device)
         self.collective(lambda: dist.broadcast(buf, src=src), "token broadcast")
         return buf.to(like.device)
+
+    def gather_ints(self, values: Sequence[int]) -> list[list[int]]:
+        """Every rank's ``values`` (as many on each), in rank order, on every rank."""
+        mine = torch.tensor(list(values), dtype=torch.int64, device=self.device)
+        rows = [torch.empty_like(mine) for _ in range(self.world)]
+        self.collective(lambda: dist.all_gather(rows, mine), "memory check")
+        return [row.tolist() for row in rows]
 
     def share_inputs(self, what: str, value: Any, check: Any = None) -> Any:
         """Rank 0's ``value`` on every rank (in the wire format), after rank 0 validated it

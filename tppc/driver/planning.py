@@ -7,9 +7,10 @@ model, inputs and options they return the same :class:`~tppc.planner.Plan`.
 Terms:
     unit: what a plan's lengths count: one position of the sequence axis the model's inputs
         carry. A token for a language model; a patch row of ``tokens_per_unit`` tokens for a
-        diffusion transformer whose latent's height is the sequence axis. Layers are priced
-        on tokens, chunks are cut on whole units, and the plan says its unit
-        (:attr:`Plan.tokens_per_unit`, :attr:`Plan.unit`).
+        diffusion transformer whose latent's height is the sequence axis; a block of ``k``
+        tokens for a block capture (:mod:`tppc.frontend.block_capture`, ``Plan.blocks``).
+        Layers are priced on tokens, chunks are cut on whole units, and the plan says its
+        unit (:attr:`Plan.tokens_per_unit`, :attr:`Plan.unit`).
     planning front end: ``tppc.plan`` captures only two of a model's identical blocks
         (``plan_only``, see :mod:`tppc.frontend.front_end`); it prices the same layers, so
         its plan equals ``tppc.compile``'s, and a 70B model on the meta device plans in
@@ -39,6 +40,7 @@ from tppc.planner import Plan, Workload
 from tppc.planner.devices import sub_table
 from tppc.planner.evaluate import plan_for
 from tppc.planner.grid import default_granularity, plan_any_length
+from tppc.planner.plan import unit_text
 
 __all__ = ["Planner", "default_granularity", "example_plan", "length_planner", "plan",
            "price_plan", "tokens_per_unit"]
@@ -150,8 +152,7 @@ def _check_granularity(front: FrontEnd, granularity: int | None) -> None:
     length = front.ctx.example_seq
     if granularity is None or granularity <= length:
         return
-    per = tokens_per_unit(front.ctx, length)
-    unit = "tokens" if per == 1 else f"rows of {per} tokens"
+    unit = unit_text(tokens_per_unit(front.ctx, length), front.ctx.block_size is not None)
     raise PlanError(
         f"granularity={granularity} is larger than the example of {front.ctx.model_name}, "
         f"which has {length} {unit} along its sequence axis: chunks are multiples of "
@@ -239,7 +240,7 @@ def price_plan(front: FrontEnd, opts: CompileOptions, plan: Plan,
                    for st, old in zip(priced.stages, plan.stages, strict=True))
     return dataclasses.replace(priced, stages=stages, seq_len=plan.seq_len,
                                granularity=plan.granularity,
-                               tokens_per_unit=plan.tokens_per_unit,
+                               tokens_per_unit=plan.tokens_per_unit, blocks=plan.blocks,
                                boundaries=plan.boundaries, replicas=plan.replicas,
                                choice=plan.choice)
 
@@ -321,4 +322,5 @@ def _plan_length(front: FrontEnd, opts: CompileOptions, length: int,
     g = per * (opts.granularity or 1)
     plan = search(length * per, g, None if bounds is None else tuple(b * per for b in bounds))
     return dataclasses.replace(plan, seq_len=length, granularity=g // per, tokens_per_unit=per,
+                               blocks=ctx.block_size is not None,
                                boundaries=tuple(b // per for b in plan.boundaries))

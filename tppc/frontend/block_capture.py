@@ -13,7 +13,7 @@ Terms:
         a multiple of ``k`` (as a DiT's unit is a patch row), and a call's length must be a
         multiple of ``k`` (:func:`check_block_length`). The token count is ``k·n``
         (``ctx.token_count``), so the planner prices tokens on a grid of ``k`` and a plan
-        says ``tokens_per_unit = k`` (``seq_len=4 rows of 4 tokens (16 tokens)``), as it
+        says ``tokens_per_unit = k`` (``seq_len=4 blocks of 4 tokens (16 tokens)``), as it
         does for a block capture with attention, whose annotation finds that count.
 
 Whether the recurrence over the blocks can then be chunked is annotation's question

@@ -32,6 +32,15 @@ _HINTS: list[tuple[str, str, str]] = [
      "> original, scaled, original), as tppc/frontend/length_ropes.py does for "
      "transformers' ropes); or, for sequences up to max_position_embeddings, load the "
      "model without the scaling (rope_scaling=None): identical results there"),
+    (rf"(?s)(?:{_DATA_DEPENDENT}).*\bin unbind\)",
+     "a Python loop over the rows of a tensor of data-dependent length (an eager mixture "
+     "of experts looping over the experts the routing hit, `for expert_idx in expert_hit`: "
+     "how many times it runs depends on the token values)",
+     "loop over a fixed count instead: every expert, `for expert_idx in range(num_experts)` "
+     "(an expert no token picked adds nothing; the rows each expert takes, "
+     "`torch.where(expert_mask[expert_idx])`, may stay data-dependent: tppc captures them "
+     "and prices each at its bound), or, where the model's config accepts it, "
+     "experts_implementation=\"grouped_mm\""),
     (_DATA_DEPENDENT,
      "data-dependent control flow (a Python branch or size that depends on tensor values)",
      "replace the branch with torch.where / torch.cond, or move it out of forward"),

@@ -86,11 +86,12 @@ def export_rerolled(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ..
         RerollError: a loop that is no re-rollable recurrence, or graphs at the two lengths
             that are no one graph with the length as a symbol (the reason).
     """
+    two = sorted(name for name, dims in axes.items() if len(dims) != 1)
+    if two:
+        raise RerollError(f"sequence inputs {two} have several sequence axes (e.g. a square "
+                          "mask); the re-rolled capture takes inputs with one sequence axis "
+                          "each (pass a 2-D attention_mask)")
     units, unit = length
-    if any(len(dims) != 1 for dims in axes.values()) or (len(axes) > 1 and unit > 1):
-        raise RerollError(f"sequence inputs {dict(axes)}: the re-rolled capture takes "
-                          "sequence inputs with one sequence axis each (one input when the "
-                          "model pads to blocks)")
     first = export(bound)
     block = loop_block(first)
     if block is None:
@@ -116,7 +117,7 @@ def export_rerolled(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ..
     name, (axis,) = _principal(first, axes)
     _generalise(first, second, units // block, (name, axis, block))
     _drop_empty_pads(first)
-    _propagate(first, bound, (name, axis, block), axes)
+    _propagate(first, bound, axes, block)
     _check_equal(unrolled, _run(first, bound))
     return first, block
 
@@ -257,25 +258,25 @@ def _drop_empty_pads(gm: fx.GraphModule) -> None:
 _PADS = (_aten.pad.default, _aten.constant_pad_nd.default)
 
 
-def _propagate(gm: fx.GraphModule, bound: inspect.BoundArguments, seq: tuple[str, int, int],
-               axes: dict[str, tuple[int, ...]]) -> None:
-    """Every node's ``meta["val"]`` again, with the sequence axis of ``seq[0]`` symbolic (a
-    multiple ``seq[2]·n`` of a symbol ``n`` for a loop over blocks), and those of the other
-    sequence inputs ``axes`` (of the same length: the same symbol)."""
-    name, axis, block = seq
+def _propagate(gm: fx.GraphModule, bound: inspect.BoundArguments,
+               axes: dict[str, tuple[int, ...]], block: int) -> None:
+    """Every node's ``meta["val"]`` again, with the sequence axis of every input in ``axes``
+    one symbolic length (a multiple ``block·n`` of a symbol ``n`` for a loop over blocks)."""
     env = ShapeEnv()
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
-    units = bound.arguments[name].shape[axis] // block
-    symbol = env.create_symbol(units, ConstantSource("blocks" if block > 1 else "seq"),
-                               dynamic_dim=DimDynamic.DYNAMIC)
-    length = block * env.create_symintnode(symbol, hint=units)
+    length: Any = None
     inputs = []
     for node in gm.graph.find_nodes(op="placeholder"):
         value = bound.arguments.get(node.target)
         if isinstance(value, torch.Tensor) and node.target in axes:
+            (axis,) = axes[node.target]
+            if length is None:
+                units = value.shape[axis] // block
+                symbol = env.create_symbol(units, ConstantSource("length"),
+                                           dynamic_dim=DimDynamic.DYNAMIC)
+                length = block * env.create_symintnode(symbol, hint=units)
             shape = list(value.shape)
-            for d in axes[node.target]:
-                shape[d] = length  # one symbol for every sequence input
+            shape[axis] = length
             with mode:
                 value = torch.empty(shape, dtype=value.dtype)
         elif isinstance(value, torch.Tensor):

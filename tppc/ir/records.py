@@ -145,6 +145,9 @@ class TokenInfo:
             tokens concatenated after the image tokens (``cat([image, text])``, SD3).
         why: for some ``global`` values, what makes them need the whole sequence (quoted by
             the refusal).
+        runs: ``(outer, inner)``, the constant axes merged into the token axis before and
+            after the tokens (a batch and heads flattened with them, ``(b·L·h, d)``: ``(b,
+            h)``); the axis holds ``outer`` runs of the tokens, each token ``inner`` rows.
     """
 
     role: Role
@@ -158,6 +161,7 @@ class TokenInfo:
     inputs: bool = False
     suffix: int = 0
     why: str = ""
+    runs: tuple[int, int] = (1, 1)
 
     @property
     def prefix_only(self) -> bool:

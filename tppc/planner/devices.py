@@ -45,6 +45,7 @@ def sub_table(table: CostTable, devices: tuple[int, ...]) -> CostTable:
         table,
         device_names=tuple(table.device_names[d] for d in devices),
         capacities=tuple(table.capacities[d] for d in devices),
+        pools=tuple(table.pools[d] for d in devices) if table.pools else (),
         layers=tuple(table.layers[d] for d in devices),
         links=tuple(links),
     )

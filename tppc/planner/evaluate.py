@@ -10,7 +10,7 @@ import numpy as np
 from tppc.cost_models.table import CostTable
 from tppc.errors import PlanError
 from tppc.planner.bounds import placement_bound
-from tppc.planner.memory import stage_memory
+from tppc.planner.memory import over_capacity, stage_memory
 from tppc.planner.placement import stage_times
 from tppc.planner.plan import Plan, StagePlan
 from tppc.planner.provenance import SolverInfo
@@ -86,12 +86,8 @@ def plan_for(
     if solver.status == "decomposed":  # state the gap against the plan's lower bound
         gap = max(0.0, (solver.objective - lower) / solver.objective)
         solver = SolverInfo(**{**solver.__dict__, "bound": lower, "gap": gap})
-    notes = tuple(
-        f"stage {st.index} on {st.device_name} needs {st.memory_bytes / 1e9:.2f} GB of "
-        f"{st.capacity_bytes / 1e9:.2f} GB"
-        for st in stages
-        if st.memory_bytes > st.capacity_bytes
-    )
+    notes = tuple(_over_note(stages, over, need, cap) for over, need, cap in over_capacity(
+        table, [(st.device_index, st.memory_bytes) for st in stages]))
     return Plan(
         workload=workload,
         seq_len=table.seq_len,
@@ -108,6 +104,20 @@ def plan_for(
         solver=solver,
         notes=notes,
     )
+
+
+def _over_note(stages: tuple[StagePlan, ...], over: tuple[int, ...], need: float,
+               cap: int) -> str:
+    """The note of stages ``over`` that overfill one memory pool (one device, or the ``cpu``
+    devices of one node)."""
+    if len(over) == 1:
+        st = stages[over[0]]
+        return (f"stage {st.index} on {st.device_name} needs {need / 1e9:.2f} GB of "
+                f"{cap / 1e9:.2f} GB")
+    names = ", ".join(str(stages[i].index) for i in over)
+    return (f"stages {names} on {stages[over[0]].device_name} (one memory pool: devices "
+            f"{', '.join(str(stages[i].device_index) for i in over)}) need {need / 1e9:.2f} "
+            f"GB together of {cap / 1e9:.2f} GB")
 
 
 def _priced(table: CostTable, cuts: tuple[int, ...], boundaries: tuple[int, ...],

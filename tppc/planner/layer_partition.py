@@ -6,8 +6,12 @@ Terms (see :mod:`tppc.planner.placement`):
         the DP minimises the largest score over the stages.
 
 :func:`balanced_placement` scores a stage by its total time (``inf`` above its capacity): the
-start of the placement MILP and of the alternating search. :func:`infeasible_error` scores it
-by need over capacity, to say how far the best placement is from fitting.
+start of the placement MILP and of the alternating search (when it overfills a memory pool,
+the placement of the least memory in all, if that fits). :func:`infeasible_error` scores it
+by need over capacity, to say how far the best placement is from fitting. The DP charges each
+stage alone; the stages of one memory pool (the ``cpu`` devices of one node) are then charged
+together (:func:`tppc.planner.memory.over_capacity`): a placement that overfills a pool is
+never returned, and the error names the pool.
 """
 
 from __future__ import annotations
@@ -19,7 +23,13 @@ import numpy as np
 
 from tppc.cost_models.table import CostTable
 from tppc.errors import PlanInfeasible
-from tppc.planner.memory import memory_parts, positional_part, smallest_fit, stage_memory
+from tppc.planner.memory import (
+    memory_parts,
+    over_capacity,
+    positional_part,
+    smallest_fit,
+    stage_memory,
+)
 
 __all__ = ["balanced_placement", "infeasible_error"]
 
@@ -40,11 +50,30 @@ def balanced_placement(
         pre = np.concatenate([[0.0], np.cumsum(busy[s])])
         return np.where(mem <= table.capacities[s], pre[e] - pre[lo], np.inf)
 
-    return _partition(table, num_stages, max_chunk, score)
+    cuts = _partition(table, num_stages, max_chunk, score)
+    if cuts is None or not _pools_over(table, cuts, max_chunk):
+        return cuts
+
+    def held(s: int, lo: np.ndarray, e: int, mem: np.ndarray) -> np.ndarray:
+        return np.where(mem <= table.capacities[s], mem, np.inf)
+
+    # the fastest overfills a pool: the placement of the least memory in all (the static
+    # bytes are the same in every placement; exact for one pool), if it fits
+    cuts = _partition(table, num_stages, max_chunk, held, combine=np.add)
+    return None if cuts is None or _pools_over(table, cuts, max_chunk) else cuts
 
 
-def _partition(table: CostTable, num_stages: int, max_chunk: int, score) -> tuple[int, ...] | None:
-    """Contiguous cuts minimising ``max_s score(s, lo, e, memory)`` by DP (None: all inf)."""
+def _pools_over(table: CostTable, cuts: tuple[int, ...], max_chunk: int
+                ) -> list[tuple[tuple[int, ...], float, int]]:
+    """The memory pools the stages of ``cuts`` overfill (``over_capacity``)."""
+    return over_capacity(table, [(s, stage_memory(table, s, lo, hi, max_chunk))
+                                 for s, (lo, hi) in enumerate(itertools.pairwise(cuts))])
+
+
+def _partition(table: CostTable, num_stages: int, max_chunk: int, score,
+               combine=np.maximum) -> tuple[int, ...] | None:
+    """Contiguous cuts minimising ``max_s score(s, lo, e, memory)`` by DP (``combine=np.add``:
+    the sum over the stages; None: all inf)."""
     n_layers = table.num_layers
     best = np.full(n_layers + 1, np.inf)
     best[0] = 0.0
@@ -59,7 +88,7 @@ def _partition(table: CostTable, num_stages: int, max_chunk: int, score) -> tupl
             widest = np.maximum.accumulate(act[:e][::-1])[::-1]  # max act over [b, e)
             tables = np.maximum.accumulate(pos[:e][::-1])[::-1]
             mem = pre_mem[e] - pre_mem[lo] + tables + max_chunk * widest
-            cand = np.maximum(best[lo], score(s, lo, e, mem))
+            cand = combine(best[lo], score(s, lo, e, mem))
             k = int(np.argmin(cand))
             nxt[e], args[s, e] = cand[k], k
         best = nxt
@@ -89,6 +118,17 @@ def infeasible_error(table: CostTable, num_stages: int, max_chunk: int) -> PlanI
             f"  device {s} ({table.device_names[s]}): layers [{lo}, {hi}) need "
             f"{need / 1e9:.2f} GB, capacity {cap / 1e9:.2f} GB{mark}"
         )
+    shared = [(st, need, cap) for st, need, cap in _pools_over(table, cuts, max_chunk)
+              if len(st) > 1]
+    for stages, need, cap in shared:
+        lines.append(
+            f"  devices {', '.join(map(str, stages))} share one memory pool (the RAM of "
+            f"one node): together they need {need / 1e9:.2f} GB, capacity "
+            f"{cap / 1e9:.2f} GB  <-- over")
+    if shared:
+        lines.append("more devices of that node share the same memory: use devices with "
+                     "memory of their own (other nodes), or a shorter sequence")
+        return PlanInfeasible("\n".join(lines))
     name, cap = table.device_names[0], table.capacities[0]
     fit = smallest_fit(table, cap, max_chunk)
     if fit is None:

@@ -19,16 +19,24 @@ attention's mask per (query row, key) (:func:`tppc.cost_models.layer_memory.
 attention_workspace`), for a block of at most ``MASK_ELEMENTS`` rows × keys; callers that do
 not say ``max_chunk`` get the uncapped (larger) value. Not counted: allocator slack.
 ``benchmarks/stage_memory.py`` measures each stage against this rule on CPU.
+
+A stage is charged against its device's capacity, and the stages whose devices share a
+memory pool (``CostTable.pools``: the ``cpu`` devices of one node share its RAM) are charged
+together against the pool's (the least capacity of its devices): :func:`over_capacity`,
+the one check of the placement, the split, the plan's notes and the infeasibility error.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 
 from tppc.cost_models.table import CostTable
 from tppc.ir.ops import MASK_ELEMENTS
 
-__all__ = ["memory_parts", "positional_part", "smallest_fit", "stage_memory"]
+__all__ = ["memory_parts", "over_capacity", "pool_of", "positional_part", "smallest_fit",
+           "stage_memory"]
 
 
 def memory_parts(table: CostTable, device: int, max_chunk: int | None = None
@@ -70,6 +78,25 @@ def stage_memory(table: CostTable, device: int, lo: int, hi: int, max_chunk: int
     positional = positional_part(table, device)
     return int(static[lo:hi].sum() + positional[lo:hi].max()
                + max_chunk * transient[lo:hi].max())
+
+
+def pool_of(table: CostTable, device: int) -> int:
+    """The memory pool of ``device`` (its own index when the table has no pools)."""
+    return table.pools[device] if table.pools else device
+
+
+def over_capacity(table: CostTable, needs: Sequence[tuple[int, float]]
+                  ) -> list[tuple[tuple[int, ...], float, int]]:
+    """The pools that ``needs`` (``(device, bytes)`` of each stage) overfill, as ``(stages,
+    need, capacity)``: the indices into ``needs`` of the pool's stages, their summed need,
+    and the pool's capacity (the least of its devices'); empty when everything fits."""
+    pools: dict[int, tuple[list[int], float, int]] = {}
+    for index, (device, need) in enumerate(needs):
+        stages, total, cap = pools.get(pool_of(table, device), ([], 0.0, table.capacities[device]))
+        pools[pool_of(table, device)] = ([*stages, index], total + need,
+                                         min(cap, table.capacities[device]))
+    return [(tuple(stages), total, cap) for stages, total, cap in pools.values()
+            if total > cap]
 
 
 def smallest_fit(table: CostTable, capacity: int, max_chunk: int) -> int | None:

@@ -31,7 +31,13 @@ from tppc.cost_models.table import CostTable
 from tppc.errors import PlanError
 from tppc.planner._solver import available_solver, solve, variable
 from tppc.planner.layer_partition import balanced_placement, infeasible_error
-from tppc.planner.memory import memory_parts, positional_part, stage_memory
+from tppc.planner.memory import (
+    memory_parts,
+    over_capacity,
+    pool_of,
+    positional_part,
+    stage_memory,
+)
 from tppc.planner.provenance import SolverInfo
 from tppc.planner.workload import Workload
 
@@ -156,6 +162,7 @@ def place_layers(
     chunk_c = np.diff(np.asarray(boundaries, dtype=float))
     row = [variable(f"m_{i}", 0) for i in range(n_chunks)]
     top = variable("t_max", 0)
+    memory = []  # each stage's need; a memory pool's stages are charged together
     for s in range(num_stages):
         static, act = memory_parts(table, s, max_chunk)
         pos = positional_part(table, s)
@@ -163,11 +170,8 @@ def place_layers(
         for j in range(n_layers):
             prob += widest >= float(act[j]) * x[j, s]
             prob += tables >= float(pos[j]) * x[j, s]
-        prob += (
-            pulp.lpSum(float(static[j]) * x[j, s] for j in range(n_layers))
-            + tables + (max_chunk * widest)
-            <= table.capacities[s]
-        )
+        memory.append(pulp.lpSum(float(static[j]) * x[j, s] for j in range(n_layers))
+                      + tables + (max_chunk * widest))
         for i in range(n_chunks):
             t_si = pulp.lpSum(float(per[s][j, i]) * x[j, s] for j in range(n_layers))
             prob += row[i] >= t_si
@@ -181,6 +185,10 @@ def place_layers(
                 )
             else:
                 prob += top >= t_si
+    for pool in {pool_of(table, s) for s in range(num_stages)}:
+        members = [s for s in range(num_stages) if pool_of(table, s) == pool]
+        prob += pulp.lpSum(memory[s] for s in members) <= min(table.capacities[s]
+                                                               for s in members)
     warm_term = pulp.lpSum(
         float(warm_s[s][0][j]) * x[j, s] for s in range(num_stages) for j in range(n_layers)
     ) + pulp.lpSum(
@@ -251,10 +259,9 @@ def _local_search(table, boundaries, workload, per, warm, start, max_chunk, t0):
         )
 
     def fits(cuts: tuple[int, ...]) -> bool:
-        return all(
-            hi > lo and stage_memory(table, s, lo, hi, max_chunk) <= table.capacities[s]
-            for s, (lo, hi) in enumerate(itertools.pairwise(cuts))
-        )
+        ranges = list(itertools.pairwise(cuts))
+        return all(hi > lo for lo, hi in ranges) and not over_capacity(table, [
+            (s, stage_memory(table, s, lo, hi, max_chunk)) for s, (lo, hi) in enumerate(ranges)])
 
     cuts, best, moves = start, value(start), 0
     improved = True

@@ -28,16 +28,26 @@ from tppc.planner.summary import plan_summary
 from tppc.planner.workload import Workload
 
 __all__ = ["PLAN_SCHEMA", "Plan", "SolverInfo", "SplitSearch", "StagePlan", "Workload",
-           "say_expired"]
+           "say_expired", "unit_text"]
 
-PLAN_SCHEMA = "tppc.plan/5"
+PLAN_SCHEMA = "tppc.plan/6"
 """Schema tag written by :meth:`Plan.to_json`; bumped on incompatible changes (2: the unit,
 ``tokens_per_unit``; 3: tensor-parallel groups, ``replicas``, ``degrees``, ``choice``; 4: the
-stages' ``cfg_parallel``, ``ulysses`` and ``ring``; 5: the stages' ``intra_op``).
-:meth:`Plan.from_json` also reads schemas 1 (plans count tokens), 2 (one device a stage),
-3 (tensor parallelism only) and 4 (no intra-op stages)."""
+stages' ``cfg_parallel``, ``ulysses`` and ``ring``; 5: the stages' ``intra_op``; 6: ``blocks``,
+a unit that is a block scan's block). :meth:`Plan.from_json` also reads schemas 1 (plans count
+tokens), 2 (one device a stage), 3 (tensor parallelism only), 4 (no intra-op stages) and 5
+(a unit of several tokens is a patch row)."""
 
-_READS = ("tppc.plan/1", "tppc.plan/2", "tppc.plan/3", "tppc.plan/4", PLAN_SCHEMA)
+_READS = ("tppc.plan/1", "tppc.plan/2", "tppc.plan/3", "tppc.plan/4", "tppc.plan/5",
+          PLAN_SCHEMA)
+
+
+def unit_text(tokens_per_unit: int, blocks: bool = False) -> str:
+    """What a length in units counts, in words: ``"tokens"``, ``"patch rows of N tokens"``
+    (a DiT's latent rows) or ``"blocks of N tokens"`` (a block capture's scan blocks)."""
+    if tokens_per_unit == 1 and not blocks:
+        return "tokens"
+    return f"{'blocks' if blocks else 'patch rows'} of {tokens_per_unit} tokens"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,8 +161,10 @@ class Plan:
 
     Lengths are in units of the sequence axis the model's inputs carry (:attr:`unit`): tokens
     for a language model, patch rows for a diffusion transformer whose latent's height is the
-    sequence axis (``tokens_per_unit`` tokens each). ``tppc.plan`` and ``tppc.compile`` give
-    the same units; a chunk is always a band of whole units.
+    sequence axis, blocks for a block capture (a model that pads its sequence to whole blocks
+    of a scan, :mod:`tppc.frontend.block_capture`); ``tokens_per_unit`` tokens each.
+    ``tppc.plan`` and ``tppc.compile`` give the same units; a chunk is always a band of whole
+    units.
 
     Attributes:
         workload: what one call computes.
@@ -175,6 +187,8 @@ class Plan:
         tokens_per_unit: tokens in one unit of the sequence axis (1: the unit is a token; a
             DiT's patch columns: the unit is a patch row). Every time in the plan is priced
             on tokens.
+        blocks: the unit is a block of ``tokens_per_unit`` tokens of a block scan
+            (``ctx.block_size``), not a patch row.
         replicas: copies of the whole pipeline the cluster runs side by side (devices left
             over by one pipeline); ``latency`` is one call on one of them.
         choice: the hybrid search behind the degrees (:class:`HybridChoice`; ``None`` for a
@@ -199,6 +213,7 @@ class Plan:
     tokens_per_unit: int = 1
     replicas: int = 1
     choice: HybridChoice | None = None
+    blocks: bool = False
 
     def __post_init__(self) -> None:
         for name in ("cfg_parallel", "ulysses", "ring"):
@@ -214,13 +229,16 @@ class Plan:
                 or self.tokens_per_unit < 1:
             raise PlanError(f"Plan.tokens_per_unit={self.tokens_per_unit!r} must be an integer "
                             "≥ 1 (tokens in one unit of the sequence axis)")
+        if self.blocks and self.tokens_per_unit == 1:
+            raise PlanError("Plan.blocks=True with tokens_per_unit=1: a block scan's unit is a "
+                            "block of k > 1 tokens. fix: tokens_per_unit=k (ctx.block_size)")
 
     @property
     def unit(self) -> str:
         """What :attr:`seq_len`, :attr:`boundaries` and :attr:`granularity` count:
-        ``"tokens"`` or ``"rows of N tokens"``."""
-        n = self.tokens_per_unit
-        return "tokens" if n == 1 else f"rows of {n} tokens"
+        ``"tokens"``, ``"patch rows of N tokens"`` or ``"blocks of N tokens"``
+        (:func:`unit_text`)."""
+        return unit_text(self.tokens_per_unit, self.blocks)
 
     @property
     def seq_tokens(self) -> int:
@@ -278,7 +296,8 @@ class Plan:
         """Inverse of :meth:`to_json`.
 
         Schema 1 (no ``tokens_per_unit``) is read with ``tokens_per_unit=1``; schemas 1 and 2
-        (no groups) with one device a stage and one replica. ``degrees`` is derived, not read.
+        (no groups) with one device a stage and one replica; schemas 1 to 5 with
+        ``blocks=False``. ``degrees`` is derived, not read.
 
         Raises:
             PlanError: when the schema tag is missing or neither :data:`PLAN_SCHEMA` nor 1.

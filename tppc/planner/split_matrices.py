@@ -23,7 +23,13 @@ import numpy as np
 
 from tppc.cost_models.table import CostTable
 from tppc.planner.dp import chunk_matrix
-from tppc.planner.memory import memory_parts, positional_part, stage_memory
+from tppc.planner.memory import (
+    memory_parts,
+    over_capacity,
+    pool_of,
+    positional_part,
+    stage_memory,
+)
 from tppc.planner.workload import Workload
 
 __all__ = ["SplitContext", "smallest_chunk", "split_matrices", "stage_matrix"]
@@ -89,6 +95,7 @@ def _split_matrices_of(ctx: SplitContext, cuts: tuple[int, ...]
     m = np.zeros((n + 1, n + 1))
     f = np.zeros((n + 1, n + 1))
     too_big = np.zeros(n + 1, dtype=bool)  # chunk sizes that overflow some stage's memory
+    pools: dict[int, list[float]] = {}  # pool -> [capacity, Σ held, Σ widest per token]
     warm = 0.0
     for s, (lo, hi) in enumerate(itertools.pairwise(cuts)):
         t = stage_matrix(ctx, s, lo, hi)
@@ -99,22 +106,26 @@ def _split_matrices_of(ctx: SplitContext, cuts: tuple[int, ...]
         m = np.maximum(m, t)
         f = np.maximum(f, t + link)
         static_parts, transient = memory_parts(table, s)
-        widest = float(transient[lo:hi].max())
-        room = table.capacities[s] - float(static_parts[lo:hi].sum()) - float(
-            positional_part(table, s)[lo:hi].max())
-        if widest > 0:
-            too_big |= sizes * widest > room
-        if room < 0:
-            too_big[:] = True
+        held = float(static_parts[lo:hi].sum()) + float(positional_part(table, s)[lo:hi].max())
+        pool = pools.setdefault(pool_of(table, s), [float(table.capacities[s]), 0.0, 0.0])
+        pool[0] = min(pool[0], float(table.capacities[s]))  # a pool's stages together
+        pool[1] += held
+        pool[2] += float(transient[lo:hi].max())
         if ctx.workload.warmup_steps:
             warm += ctx.workload.warmup_steps * float(
                 t[0, n] + (link[0, n] if s < ctx.S - 1 else 0)
             )
+    for cap, held, widest in pools.values():
+        room = cap - held
+        if widest > 0:
+            too_big |= sizes * widest > room
+        if room < 0:
+            too_big[:] = True
     m[too_big[k]] = np.inf
-    if ctx.workload.warmup_steps and any(
-        stage_memory(table, s, lo, hi, table.seq_len) > table.capacities[s]
+    if ctx.workload.warmup_steps and over_capacity(table, [
+        (s, stage_memory(table, s, lo, hi, table.seq_len))
         for s, (lo, hi) in enumerate(itertools.pairwise(cuts))
-    ):
+    ]):
         m[:] = np.inf  # warm-up runs the full sequence at once
     lower = k == 0  # a <= b: no chunk
     m[lower] = np.inf

@@ -22,6 +22,7 @@ import dataclasses
 from collections.abc import Callable
 
 from tppc.cost_models.table import CostTable
+from tppc.planner.memory import over_capacity
 from tppc.planner.plan import Plan
 
 __all__ = ["cut_inside_blocks"]
@@ -62,7 +63,8 @@ def cut_inside_blocks(table: CostTable, best: Plan, reference: float,
             names, fine = _refined(table, cuts, {**split, k: layer})
             plan = price(table.with_layers(names), fine)
             tried += 1
-            fits = all(st.memory_bytes <= st.capacity_bytes for st in plan.stages)
+            fits = not over_capacity(table, [(st.device_index, st.memory_bytes)
+                                             for st in plan.stages])
             if fits and plan.latency < reference * (1 - 1e-9):
                 reference, chosen = plan.latency, plan
                 split = {**{b: j for b, j in split.items() if b != k}, k: layer}

@@ -62,7 +62,7 @@ from tppc.validation.replay import (
 )
 
 __all__ = ["LONG_TOKENS", "SHORT_TOKENS", "CheckRun", "Validated", "Validation",
-           "check_replay", "probe_chunks", "resize_inputs", "short_lengths",
+           "check_replay", "probe_chunks", "probe_length", "resize_inputs", "short_lengths",
            "validate_pipeline"]
 
 LONG_TOKENS = 256
@@ -187,7 +187,7 @@ def validate_pipeline(cp: Validated, model: torch.nn.Module, args: tuple[Any, ..
 def _example_checks(cp: Validated, front: FrontEnd, flat: Sequence[Any], length: int,
                     compiled: Program, staged: Program, notes: list[str]) -> list[CheckRun]:
     """The compiled program and the validation program at the example length, then the
-    validation program at the probe length (:func:`_probe_length`)."""
+    validation program at the probe length (:func:`probe_length`)."""
     reference = run_reference(front.annotated, flat)[0]
     runs = [check_replay(front, "compiled program", compiled, None, flat, length, compiled.chunks,
                    warmup=False, reference=reference)]
@@ -198,7 +198,7 @@ def _example_checks(cp: Validated, front: FrontEnd, flat: Sequence[Any], length:
         runs.append(check_replay(front, "validation program", staged, _rest(front, staged, chunks),
                            flat, length, chunks, warmup=bool(front.bidirectional),
                            reference=reference))
-    probe, note = _probe_length(front, cp, length)
+    probe, note = probe_length(front, cp, length)
     if probe is None:
         notes.append(note)
     else:
@@ -300,17 +300,21 @@ def probe_chunks(front: FrontEnd, length: int) -> tuple[tuple[tuple[int, int], .
     return tuple(itertools.pairwise(cuts)), ""
 
 
-def _probe_length(front: FrontEnd, cp: Validated, length: int) -> tuple[int | None, str]:
-    """One more length the capture admits, or None and why not."""
+def probe_length(front: FrontEnd, cp: Validated, length: int) -> tuple[int | None, str]:
+    """One more length the capture admits (in units, as ``length``), or None and why not.
+
+    ``max_seq`` counts tokens: a block capture's probe of ``n`` blocks has ``n · k`` tokens
+    (``ctx.block_size``), as a call's length is (:meth:`tppc.pipeline.captures.Captures.bind`)."""
     ctx = front.ctx
     if ctx.capture_mode == "specialized":
         return None, (f"no probe length: the capture is specialised to {ctx.specialized_to} "
                       f"({ctx.specialization})")
     step = max(1, cp.plan.granularity)
     probe = length - step if length - step >= 2 else length + step
-    limit = cp.options.max_seq
-    if limit is not None and probe > limit:
-        return None, f"no probe length: {probe} is over max_seq={limit}"
+    limit, block = cp.options.max_seq, ctx.block_size or 1
+    if limit is not None and probe * block > limit:
+        held = "" if block == 1 else f" blocks of {block} = {probe * block} tokens"
+        return None, f"no probe length: {probe}{held} is over max_seq={limit}"
     return probe, ""
 
 

@@ -25,6 +25,7 @@ from tppc.artifact.core.assemble import Assembler, Outputs, unflatten
 from tppc.artifact.core.check import check_finite, check_timeout, check_token_ids
 from tppc.artifact.core.check_workers import layout
 from tppc.artifact.core.epilogue import OrtTail
+from tppc.artifact.core.generate_inputs import check_memory, grown_ids
 from tppc.backends.onnxruntime import (
     OrtCall,
     OrtStage,
@@ -226,7 +227,8 @@ class LoadedPipeline:
                 raise RuntimeInputError("generate needs one token-id input and a per-token "
                                         "output (logits); this artifact has neither")
             check_max_new_tokens(max_new_tokens)
-            ids = input_ids if block == 1 else _grown_ids(input_ids, max_new_tokens, block)
+            check_memory(self.stages, input_ids, max_new_tokens, block)  # before it grows
+            ids = input_ids if block == 1 else grown_ids(input_ids, max_new_tokens, block)
             return self.bind((), {self.signature["inputs"][token]["name"]: ids})
 
         given = np.shape(input_ids)[-1] if input_ids is not None and np.ndim(input_ids) else 0
@@ -382,15 +384,3 @@ def _check_array(name: str, value: Any, spec: dict[str, Any]) -> np.ndarray:
     check_token_ids(name, array, spec.get("ids_below"))
     check_finite(name, array)
     return array
-
-
-def _grown_ids(input_ids: Any, max_new_tokens: int, block: int) -> np.ndarray:
-    """A block scan's prompt grown to the whole blocks of prompt + ``max_new_tokens`` (2 at
-    least), the last token repeated (filler that the decode steps overwrite)."""
-    ids = np.asarray(input_ids)
-    if ids.ndim != 2 or ids.shape[1] < 1:
-        raise RuntimeInputError(f"input_ids has shape {ids.shape}; generate takes (batch, "
-                                "prompt) token ids of at least one token. fix: pass the "
-                                "tokenized prompt")
-    width = max(2, -(-(ids.shape[1] + max_new_tokens) // block)) * block
-    return np.concatenate([ids, np.repeat(ids[:, -1:], width - ids.shape[1], axis=1)], 1)

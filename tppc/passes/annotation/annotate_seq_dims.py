@@ -46,15 +46,15 @@ from tppc.passes.annotation.recurrent import (
     pads_tokens,
     recurrent_scan,
 )
-from tppc.passes.annotation.regions import annotate_region, row_wise_region
+from tppc.passes.annotation.regions import annotate_region, row_wise_region, split_region_reason
 from tppc.passes.annotation.segments import segment_info, split_tokens, with_prefix
 from tppc.passes.annotation.token_order import (
     binary_elementwise,
     full_slice,
     getitem_keeps_tokens,
-    keeps_token_order,
     pinned_shape,
     resizes_tokens,
+    token_runs,
 )
 from tppc.passes.shapes import (
     module_path,
@@ -94,6 +94,9 @@ def annotate_seq_dims_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphM
                 done.update(region)
                 continue
             if info is None:
+                reason = split_region_reason(node, gm) if module_path(node) else ""
+                if reason:
+                    raise AnnotationError(f"{str(error).rstrip('.')}{reason}") from error
                 raise error
         node.meta[TOKEN] = info
     if ctx.block_size is not None:  # a recurrence over blocks: carried, not global
@@ -175,8 +178,8 @@ def _token_op(node: fx.Node, axes: list[int], sizes: list[sympy.Expr], where: st
         return _info("global", axes, sizes, where)
     if node.target is operator.getitem and not getitem_keeps_tokens(node):
         return _info("global", axes, sizes, where)
-    if role == "reshape" and (pinned_shape(node)
-                              or not keeps_token_order(node, src, axes, merge=True)):
+    runs = token_runs(node, src, axes) if role == "reshape" else src_info.runs
+    if role == "reshape" and (pinned_shape(node) or runs is None):
         return _info("global", axes, sizes, where)
     if len(axes) > 1 and role == "contracts":
         raise _mix_error(node, name, where, f"its value has {len(axes)} token axes {axes}: a "
@@ -189,7 +192,8 @@ def _token_op(node: fx.Node, axes: list[int], sizes: list[sympy.Expr], where: st
         return _info("global", axes, sizes, where)
     if resizes_tokens(node, src_info, sizes) or pads_tokens(node, src):
         return _info("global", axes, sizes, where)  # a pad that moves rows: no row-wise op
-    return with_prefix(_info("token", axes, sizes, where), src_info)
+    info = with_prefix(_info("token", axes, sizes, where), src_info)
+    return dataclasses.replace(info, runs=runs) if info.role == "token" else info
 
 
 def _attention(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext, axes: list[int],

@@ -30,7 +30,7 @@ from tppc.errors import ActivationMaskError, AnnotationError
 from tppc.ir.context import CompileContext
 from tppc.ir.records import TOKEN, AttentionKind, MaskSpec
 from tppc.passes.annotation.masks import mask_literals, mask_spec
-from tppc.passes.shapes import module_path, tensor_val
+from tppc.passes.shapes import ancestors, module_path, source_line, tensor_val
 
 __all__ = ["CHUNKED_KERNELS", "MAX_PROBE", "chunked_kernel", "classify_attention",
            "probe_lengths"]
@@ -82,11 +82,29 @@ def classify_attention(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext
             f"attention node {node.name!r} (module {where or '<top level>'}) has "
             f"{construct}: its attn_mask {getattr(mask, 'name', mask)!r} depends on hidden "
             "states, not only on positions, constants, parameters and integer inputs such as "
-            "attention_mask; it cannot be evaluated per chunk. fix: build the mask or bias "
-            "from positions, parameters and attention_mask only",
+            f"attention_mask; it cannot be evaluated per chunk{_entry(node, mask)}. fix: build "
+            "the mask or bias from positions, parameters and attention_mask only; a library "
+            "model runs unsplit (eager or torch.compile)",
             node=node.name, module=where, mask=str(getattr(mask, "name", mask)),
             construct=construct)
     return mask_spec(node, mask, gm, ctx, probe_lengths(mask))
+
+
+def _entry(attention: fx.Node, mask: object) -> str:
+    """Where activations enter the mask: the first node computed for the mask alone (not for
+    the attention's q, k, v) from a token value, as `` (the activations enter it at
+    file:line)`` (Doge's dynamic mask: ``dt_proj`` of the values, a bias per key that a
+    chunk would need for every earlier chunk's keys; tppc buffers only K and V)."""
+    if not isinstance(mask, fx.Node):
+        return ""
+    shared = ancestors([a for a in attention.args[:3] if isinstance(a, fx.Node)])
+    for n in attention.graph.nodes:
+        info = n.meta.get(TOKEN)
+        if n in shared or n not in ancestors([mask]) or n.op != "call_function":
+            continue
+        if info is not None and info.role in ("token", "mixing") and info.axis is not None:
+            return f" (the activations enter it at {source_line(n)})"
+    return ""
 
 
 def probe_lengths(mask: fx.Node) -> tuple[int, ...]:

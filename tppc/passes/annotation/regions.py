@@ -27,10 +27,17 @@ from tppc.ir.context import CompileContext
 from tppc.ir.op_rules import op_rule
 from tppc.ir.records import TOKEN, TokenInfo
 from tppc.passes.annotation.positional import call_target, concrete_value, on_cpu
-from tppc.passes.shapes import ancestors, module_path, seq_axes, size_expr, tensor_val
+from tppc.passes.shapes import (
+    ancestors,
+    module_path,
+    seq_axes,
+    size_expr,
+    source_line,
+    tensor_val,
+)
 from tppc.passes.subgraph import copy_subgraph
 
-__all__ = ["annotate_region", "row_wise_region"]
+__all__ = ["annotate_region", "row_wise_region", "split_region_reason"]
 
 _RTOL, _ATOL = 1e-4, 1e-5
 _TOKEN_AXIS = ("token", "mixing", "global")
@@ -54,6 +61,34 @@ def row_wise_region(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext
             return region
         path = path.rpartition(".")[0]
     return None
+
+
+def split_region_reason(node: fx.Node, gm: fx.GraphModule) -> str:
+    """Why no region around ``node`` can be row-wise when an enclosing module runs on both
+    sides of an attention (JetMoE's mixture of attention: the tokens sorted by expert in
+    ``map`` before the attention, that order read again by ``reduce`` after it), else ``""``."""
+    nodes = list(gm.graph.nodes)
+    path = module_path(node)
+    while path:
+        inside = [i for i, n in enumerate(nodes) if n.op == "call_function"
+                  and _inside(module_path(n), path)]
+        between = nodes[inside[0]: inside[-1] + 1] if inside else []
+        attention = next((n for n in between if n.op == "call_function"
+                          and op_rule(n.target).role == "attention"
+                          and not _inside(module_path(n), path)), None)
+        if attention is not None:
+            after = next(n for n in between[between.index(attention):]
+                         if n.op == "call_function" and _inside(module_path(n), path))
+            return (f"; the module {path!r} runs on both sides of the attention "
+                    f"{attention.name!r} (before it at {source_line(node)}, after it from "
+                    f"{source_line(after)}): a token order it computes before the attention is "
+                    "read after it, so neither half is row-wise alone. fix: route each token "
+                    "row by row, without sorting the tokens (gather each token's experts' "
+                    "weights, `weight[top_k_indices]`, and contract them with its row: "
+                    "`einsum('th,tkoh->tko', x, weight[top_k_indices])`), or run the model "
+                    "unsplit")
+        path = path.rpartition(".")[0]
+    return ""
 
 
 def annotate_region(region: list[fx.Node], sym: sympy.Symbol) -> None:

@@ -7,7 +7,8 @@ the op's arguments. Any of them failing makes the node ``global`` (see
 
 Terms:
     token order: the rows of a value along its token axis, one per token (or one per
-        (batch, token) when constant axes before the token axis are merged into it).
+        (batch, token, head) when constant axes before or after the token axis are merged
+        into it: :attr:`tppc.ir.records.TokenInfo.runs`).
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ __all__ = [
     "binary_elementwise",
     "full_slice",
     "getitem_keeps_tokens",
-    "keeps_token_order",
     "pinned_shape",
     "resizes_tokens",
+    "token_runs",
 ]
 
 
@@ -45,36 +46,49 @@ def resizes_tokens(node: fx.Node, src: TokenInfo, sizes: list[sympy.Expr]) -> bo
     return sympy.simplify(sizes[0] - src.axis_size) != 0
 
 
-def keeps_token_order(node: fx.Node, src: fx.Node, out_axes: list[int], *,
-                      merge: bool = False) -> bool:
-    """A reshape keeps token order when the extent of all axes before the token axis matches.
+def token_runs(node: fx.Node, src: fx.Node, out_axes: list[int]) -> tuple[int, int] | None:
+    """The ``(outer, inner)`` runs of a reshape's token axis when it keeps token order, else
+    None (:attr:`TokenInfo.runs`).
 
-    With ``merge``, constant axes before the token axis may also be merged into it.
+    Constant axes before or after the token axis may be merged into it or split off it
+    again (GPT-2's ``Conv1D`` flattening the batch with the tokens, a video's frames, a
+    gated norm over ``(b·L·h, d)`` rows reshaped back to ``(b, L, h·d)``): the rows before the
+    tokens (``outer`` runs of them times the axes before) and each token's rows must match.
     """
     info: TokenInfo = src.meta[TOKEN]
-    if info.axis is None or len(out_axes) != 1:
-        return False
-    in_shape = tensor_val(src).shape
-    out_shape = tensor_val(node).shape
+    if info.axis is None or info.axis_size is None or not out_axes:
+        return None
+    in_shape, out_shape = tensor_val(src).shape, tensor_val(node).shape
+    if len(out_axes) > 1:  # queries and keys (a mask's (…, q, k)): only the axes before move
+        return info.runs if _keeps_trailing(info, in_shape, out_shape, out_axes) else None
     before_in = sympy.Mul(*[size_expr(s) for s in in_shape[: info.axis]])
     before_out = sympy.Mul(*[size_expr(s) for s in out_shape[: out_axes[0]]])
-    if sympy.simplify(before_in - before_out) == 0:
-        return True
-    if not merge or before_in.free_symbols or before_out.free_symbols:
-        return False
-    # constant axes merged into the token axis, or split off it again: the rows up to and
-    # including the token axis are the same, in the same order; constant axes after it may
-    # join too (a video's frames, rows and columns flattened into frame-major tokens)
-    through_in = before_in * size_expr(in_shape[info.axis])
-    through_out = before_out * size_expr(out_shape[out_axes[0]])
-    for after in [None, *in_shape[info.axis + 1:]]:
-        if after is not None:
-            if size_expr(after).free_symbols:
-                return False
-            through_in = through_in * size_expr(after)
-        if sympy.simplify(through_in - through_out) == 0:
-            return True
-    return False
+    outer_in, inner_in = info.runs
+    tokens = info.axis_size / (outer_in * inner_in)
+    same = sympy.simplify(before_in - before_out) == 0
+    if not same and (before_in.free_symbols or before_out.free_symbols):
+        return None
+    groups = sympy.simplify(before_in * outer_in / before_out)
+    inner = sympy.simplify(size_expr(out_shape[out_axes[0]]) / (groups * tokens))
+    if groups.is_Integer and inner.is_Integer and groups > 0 and inner > 0:
+        return int(groups), int(inner)
+    return (outer_in, 1) if same else None  # the rows before the tokens alone kept
+
+
+def _keeps_trailing(info: TokenInfo, in_shape: Any, out_shape: Any, out_axes: list[int]
+                    ) -> bool:
+    """A reshape of a value with several token axes (a mask over queries and keys) keeps
+    them when it reshapes only constant axes before the first: ``repeat_kv``'s
+    ``(b, kv, groups, q, k) → (b, heads, q, k)``."""
+    shift = out_axes[0] - info.axis
+    trailing_in = [size_expr(s) for s in in_shape[info.axis:]]
+    trailing_out = [size_expr(s) for s in out_shape[out_axes[0]:]]
+    before_in = sympy.Mul(*[size_expr(s) for s in in_shape[: info.axis]])
+    before_out = sympy.Mul(*[size_expr(s) for s in out_shape[: out_axes[0]]])
+    return (len(trailing_in) == len(trailing_out)
+            and all(sympy.simplify(a - b) == 0 for a, b in zip(trailing_in, trailing_out))
+            and not before_in.free_symbols and sympy.simplify(before_in - before_out) == 0
+            and sorted(a + shift for a in (info.axis, *info.other_axes)) == sorted(out_axes))
 
 
 def pinned_shape(node: fx.Node) -> bool:
