@@ -96,6 +96,7 @@ def _called_once(model: torch.nn.Module) -> torch.nn.Module:
         model.eval()(torch.tensor([[3, 4]]))
     return model
 
+
 _EAGER_ONLY = ("MptForCausalLM", "XGLMForCausalLM", "RwkvForCausalLM", "VaultGemmaForCausalLM")
 _BLOCKS = {"BambaForCausalLM": 16, "GraniteMoeHybridForCausalLM": 16, "NemotronHForCausalLM": 16,
            "Qwen3_5ForCausalLM": 128, "Qwen3_5MoeForCausalLM": 128, "KimiLinearForCausalLM": 128,
@@ -150,10 +151,10 @@ def check(name: str, generate: bool) -> str:
         if generate:
             line += " " + _generate(model, cp)
     except TppcError as exc:
-        line = f"{name}: REFUSED {type(exc).__name__}: {' '.join(str(exc).split())}"
+        line = f"{name}: REFUSED {type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
     except Exception as exc:  # a bug in tppc: say where
         where = " / ".join(traceback.format_exc().splitlines()[-3:])
-        line = f"{name}: CRASH {type(exc).__name__}: {str(exc)[:200]} | {where}"
+        line = f"{name}: CRASH {type(exc).__name__}: {str(exc)[:200]} | {where[:400]}"
     return f"{line} ({time.perf_counter() - t0:.0f} s)"
 
 
