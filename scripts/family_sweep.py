@@ -84,8 +84,18 @@ _OWN: dict[str, Callable[[], torch.nn.Module]] = {
         attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
         ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2},
         use_cache=False, pad_token_id=0, attn_implementation="sdpa")),
+    "RwkvForCausalLM": lambda: _called_once(_generic("RwkvForCausalLM", "eager")),
 }
-"""Families whose generic tiny config does not build (or builds an inconsistent model)."""
+"""Families whose generic tiny config does not build (or builds an inconsistent model), or
+that must run once before compiling (RWKV rescales its weights in place on its first call
+in eval mode; tppc refuses a forward that writes a parameter)."""
+
+
+def _called_once(model: torch.nn.Module) -> torch.nn.Module:
+    with torch.no_grad():
+        model.eval()(torch.tensor([[3, 4]]))
+    return model
+
 
 _EAGER_ONLY = ("MptForCausalLM", "XGLMForCausalLM", "RwkvForCausalLM", "VaultGemmaForCausalLM")
 _BLOCKS = {"BambaForCausalLM": 16, "GraniteMoeHybridForCausalLM": 16, "NemotronHForCausalLM": 16,

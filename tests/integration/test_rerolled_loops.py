@@ -326,3 +326,22 @@ def test_recurrent_gemma_rg_lru_loop_is_exact_at_two_stages() -> None:
             ids = torch.randint(0, VOCAB, (1, length))
             assert_kernels_close(_staged(cp)(ids).logits if length == LENGTH
                                  else cp(ids).logits, model(ids).logits)
+
+
+def test_recurrent_gemma_generate_on_a_left_padded_batch_equals_transformers() -> None:
+    """With ``attention_mask`` and ``position_ids`` (a left-padded batch) its reset gate
+    ``reset + ~reset * multiplier`` (modeling_recurrent_gemma.py:329) pinned the length before
+    the loop did: the re-rolled capture takes the three sequence inputs (was refused)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.RecurrentGemmaForCausalLM(transformers.RecurrentGemmaConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=64, lru_width=32, attention_window_size=16,
+        block_types=["recurrent", "attention"], use_cache=False, pad_token_id=0)).eval()
+    cp = _compile(model)
+    ids = torch.randint(3, VOCAB, (2, 8))
+    mask = torch.ones_like(ids)
+    ids[0, :3], mask[0, :3] = 0, 0
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                          pad_token_id=0)
+    assert torch.equal(cp.generate(ids, attention_mask=mask, max_new_tokens=5), want)

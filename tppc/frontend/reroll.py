@@ -47,6 +47,11 @@ __all__ = ["RerollError", "loop_block", "reroll_loops"]
 
 _aten = torch.ops.aten
 _ASSERTS = (_aten._assert_tensor_metadata.default,)
+_FILL = {_aten.zeros_like.default: 0, _aten.ones_like.default: 1, _aten.empty_like.default: 0,
+         _aten.full_like.default: None, _aten.new_zeros.default: 0, _aten.new_ones.default: 1,
+         _aten.new_empty.default: 0, _aten.new_full.default: None}
+"""Ops that read only their input's shape, dtype and device, and the value they fill with
+(None: their argument)."""
 
 
 def reroll_loops(gm: fx.GraphModule, source: str) -> int:
@@ -62,6 +67,7 @@ def reroll_loops(gm: fx.GraphModule, source: str) -> int:
     for node in list(gm.graph.nodes):  # dtype asserts would keep dead values alive
         if node.target in _ASSERTS:
             gm.graph.erase_node(node)
+    _creations_of_rows(gm)
     gm.graph.eliminate_dead_code()  # a final carry no one reads (the graph may keep it)
     stack_scatter_chains(gm)
     count, errors = 0, []
@@ -127,6 +133,29 @@ def _position_groups(nodes: list[fx.Node], n: int, block: int
     return {key: [m[i] for i in range(len(m))] for key, m in found.items()
             if 2 <= len(m) <= n and sorted(m) == list(range(len(m)))
             and len({len(v) for v in m.values()}) == 1}  # the last steps may not read one
+
+
+def _creations_of_rows(gm: fx.GraphModule) -> None:
+    """A value made like a row (RWKV's initial state ``torch.zeros_like(key[:, 0])``) is
+    made from its shape alone (``full``): the row is no position the loop reads, and no
+    read of the token axis before the first chunk."""
+    for node in list(gm.graph.nodes):
+        src = node.args[0] if node.op == "call_function" and node.target in _FILL else None
+        val = node.meta.get("val")
+        if not isinstance(src, fx.Node) or src.target not in (_aten.select.int,
+                                                              _aten.slice.Tensor) \
+                or not isinstance(val, torch.Tensor) \
+                or not all(isinstance(d, int) for d in val.shape):
+            continue
+        fill = _FILL[node.target]
+        if fill is None:  # full_like(x, value) / new_full(x, size, value)
+            fill = node.args[2 if node.target is _aten.new_full.default else 1]
+        with gm.graph.inserting_before(node):
+            made = gm.graph.call_function(_aten.full.default, (list(val.shape), fill),
+                                          {"dtype": val.dtype, "device": val.device})
+        made.meta.update(node.meta)
+        node.replace_all_uses_with(made)
+        gm.graph.erase_node(node)
 
 
 def _position(node: fx.Node, block: int) -> tuple[tuple[fx.Node, int], int] | None:

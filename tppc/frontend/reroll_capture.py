@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch._decomp
+import torch._refs
 from torch import fx
 from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -113,12 +114,20 @@ def export_rerolled(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ..
     loops = reroll_loops(first, source)
     if reroll_loops(second, source) != loops or not loops:
         raise RerollError(f"the loops at the lengths {units} and {units + block} differ")
-    name, (axis,) = next(iter(axes.items()))
+    name, (axis,) = _principal(first, axes)
     _generalise(first, second, units // block, (name, axis, block))
     _drop_empty_pads(first)
     _propagate(first, bound, axes, block)
     _check_equal(unrolled, _run(first, bound))
     return first, block
+
+
+def _principal(gm: fx.GraphModule, axes: dict[str, tuple[int, ...]]
+               ) -> tuple[str, tuple[int, ...]]:
+    """The sequence input whose length the graph's sizes are written with: the first one the
+    graph reads (an ``attention_mask`` the model ignores, RWKV's, is read by nothing)."""
+    used = {n.target for n in gm.graph.find_nodes(op="placeholder") if n.users}
+    return next(((k, v) for k, v in axes.items() if k in used), next(iter(axes.items())))
 
 
 def _run(gm: fx.GraphModule, bound: inspect.BoundArguments) -> list[torch.Tensor]:
@@ -283,7 +292,13 @@ class _PinsNamed(FakeTensorProp):
 
     def run_node(self, n: fx.Node) -> Any:
         try:
-            result = super().run_node(n)
+            if _constant_pad(n):  # its C++ kernel pins the length (a negative pad: a shift)
+                args, kwargs = self.fetch_args_kwargs_from_env(n)
+                with self._mode:
+                    result = torch._refs.constant_pad_nd(args[0], args[1], _pad_value(n))
+                n.meta["val"] = result
+            else:
+                result = super().run_node(n)
         except RuntimeError as exc:  # a kernel whose meta wants concrete sizes: decomposed
             decomposed = _decomposition(n) if "concrete integers" in str(exc) else None
             if decomposed is None:
@@ -300,6 +315,20 @@ class _PinsNamed(FakeTensorProp):
             raise RerollError(f"node {n.name} ({n.target}){where} fixes the length once the "
                               "shapes outside the loop are symbolic")
         return result
+
+
+def _constant_pad(n: fx.Node) -> bool:
+    return n.op == "call_function" and n.target in _PADS and len(n.args) > 1 \
+        and (n.args[2] if len(n.args) > 2 and n.target is _aten.pad.default
+             else n.kwargs.get("mode", "constant")) == "constant"
+
+
+def _pad_value(n: fx.Node) -> float:
+    """The fill value of a constant pad node (``pad(x, pad, mode, value)`` or
+    ``constant_pad_nd(x, pad, value)``)."""
+    at = 3 if n.target is _aten.pad.default else 2
+    value = n.args[at] if len(n.args) > at else n.kwargs.get("value")
+    return 0.0 if value is None else value
 
 
 def _decomposition(n: fx.Node) -> Any:

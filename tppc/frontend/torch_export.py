@@ -14,7 +14,11 @@ from torch.utils import _pytree as pytree
 from tppc.errors import CaptureError
 from tppc.frontend.block_capture import block_shapes, export_blocks
 from tppc.frontend.export_errors import explain, size_ints_reason
-from tppc.frontend.exported_programs import functional, register_dataclasses
+from tppc.frontend.exported_programs import (
+    functional,
+    refuse_weight_writes,
+    register_dataclasses,
+)
 from tppc.frontend.guard_sites import describe_site, guard_sites, loop_over_positions
 from tppc.frontend.isolation import isolated
 from tppc.frontend.joint_inputs import JointInput
@@ -72,8 +76,10 @@ def export_dynamic(
                                  exc, (axes, units), (_drop_guards, _seq_symbol),
                                  lambda loop, k, first=exc: _export_rerolled(
                                      model, bound, axes, units, loop, first, k))
-        if tokens and site is not None and loop_over_positions(site[1]):
-            return _export_rerolled(model, bound, axes, units, site, exc)
+        loop = next((s for s in (describe_site([f]) for f in log.sites)
+                     if s is not None and loop_over_positions(s[1])), None)
+        if tokens and loop is not None:  # pinned before it too (RecurrentGemma's reset gate
+            return _export_rerolled(model, bound, axes, units, loop, exc)  # on position_ids)
         if not re.search(_PINNED, str(exc)):
             raise CaptureError(explain(model, exc)) from exc
         span = admitted_range(exc, units) if joint is None else None
@@ -138,6 +144,8 @@ def _export_rerolled(model: torch.nn.Module, bound: inspect.BoundArguments,
 
     try:
         gm, block = export_rerolled(bound, axes, (units, unit), export, site[0])
+    except CaptureError:  # the model refused for another reason than its loop
+        raise
     except Exception as again:  # RerollError, or torch.export failing at a fixed length
         raise CaptureError(loop_refusal(model, site, exc, again)) from exc
     symbol = _seq_symbol(gm, axes)
@@ -239,7 +247,9 @@ def _export(model: torch.nn.Module, bound: inspect.BoundArguments, shapes: dict[
         ep = torch.export.export(traced, bound.args, bound.kwargs, dynamic_shapes=shapes,
                                  strict=False,
                                  prefer_deferred_runtime_asserts_over_guards=deferred)
-        return functional(ep)
+        ep = functional(ep)
+        refuse_weight_writes(ep, type(model).__name__)
+        return ep
 
 
 _PINNED = r"Constraints violated|specialized it to be a constant"

@@ -303,6 +303,8 @@ OPS: dict[Any, Fn] = {
     _aten.neg.default: _unary("Neg"), _aten.cos.default: _unary("Cos"),
     _aten.sin.default: _unary("Sin"), _aten.tanh.default: _unary("Tanh"),
     _aten.exp.default: _unary("Exp"), _aten.sigmoid.default: _unary("Sigmoid"),
+    _aten.relu.default: _unary("Relu"),
+    _aten.square.default: lambda t, node, x: _binary("Mul")(t, node, x, x),
     _aten.rsqrt.default: _rsqrt, _aten.silu.default: _silu, _aten.gelu.default: _gelu,
     _aten.pow.Tensor_Scalar: _pow, _aten.pow.Scalar: _pow_scalar, _aten.mean.dim: _mean,
     _aten.pow.Tensor_Tensor: _binary("Pow"), _aten.full.default: _full,

@@ -41,7 +41,9 @@ from tppc.passes.annotation.buffered_mixing import (
 from tppc.passes.annotation.recurrent import (
     causal_conv,
     causal_crop,
+    causal_shift,
     check_loop_scan,
+    pads_tokens,
     recurrent_scan,
 )
 from tppc.passes.annotation.regions import annotate_region, row_wise_region, split_region_reason
@@ -155,7 +157,8 @@ def _token_op(node: fx.Node, axes: list[int], sizes: list[sympy.Expr], where: st
     if is_loop_scan(node):  # a re-rolled loop over positions (:mod:`tppc.frontend.reroll`)
         check_loop_scan(node, axes)
         return dataclasses.replace(_info("mixing", axes, sizes, where), attention="recurrent")
-    if recurrent_scan(node, src) or (role == "conv" and causal_conv(node, src)):
+    if recurrent_scan(node, src) or (role == "conv" and causal_conv(node, src)) \
+            or causal_shift(node, src):
         return dataclasses.replace(_info("mixing", axes, sizes, where), attention="recurrent")
     if role == "selects" and src_info.attention == "recurrent" and causal_crop(node, src):
         return _info("token", axes, sizes, where)  # the first L rows of a causal convolution
@@ -187,8 +190,8 @@ def _token_op(node: fx.Node, axes: list[int], sizes: list[sympy.Expr], where: st
         raise _mix_error(node, name, where, "a matmul contracts over the token axis")
     if not axes and _has_tensor(node):
         return _info("global", axes, sizes, where)
-    if resizes_tokens(node, src_info, sizes):
-        return _info("global", axes, sizes, where)
+    if resizes_tokens(node, src_info, sizes) or pads_tokens(node, src):
+        return _info("global", axes, sizes, where)  # a pad that moves rows: no row-wise op
     info = with_prefix(_info("token", axes, sizes, where), src_info)
     return dataclasses.replace(info, runs=runs) if info.role == "token" else info
 

@@ -6,6 +6,9 @@ Terms:
         A linear recurrence ``h_t = a_t · h_{t−1} + b_t`` written in log space (Heinsen's
         scan: ``a* = cumsum(log a)``, ``h = exp(a* + logcumsumexp(log b − a*))``, minGRU's
         parallel form) is two scans and row-wise ops.
+    causal shift: a constant pad of the token axis by ``s`` rows before and ``−s`` after
+        (``ZeroPad2d((0, 0, 1, -1))``: RWKV's token shift), row ``t`` the input's row
+        ``t − s``; the state a chunk leaves is its last ``s`` input rows.
     causal convolution: a stride-1 convolution over the token axis padded by
         ``dilation · (kernel − 1)`` on both sides and cropped back to its first ``L`` rows
         (``conv1d(x, padding=k − 1)[..., :L]``: Mamba's short convolution). Row ``t`` reads
@@ -19,7 +22,7 @@ Terms:
     re-rolled loop: a :class:`tppc.ir.loop_scan.LoopScan` node, a Python loop over positions
         re-rolled by the capture (:mod:`tppc.frontend.reroll`); its carries are its state.
 
-Annotation marks all three ``mixing`` with ``attention="recurrent"``; the crop after a causal
+Annotation marks all four ``mixing`` with ``attention="recurrent"``; the crop after a causal
 convolution is ``token``. Everything else about them is row-wise: a model of such layers
 is causal, chunked like a causal LLM, and each chunk costs its own rows only.
 """
@@ -37,8 +40,8 @@ from tppc.ir.records import TOKEN, TokenInfo
 from tppc.passes.annotation.buffered_mixing import conv_geometry
 from tppc.passes.shapes import op_dims, size_expr, tensor_val
 
-__all__ = ["SCAN_INIT", "causal_conv", "causal_crop", "check_loop_scan", "conv_state_rows",
-           "recurrent_scan"]
+__all__ = ["SCAN_INIT", "causal_conv", "causal_crop", "causal_shift", "check_loop_scan",
+           "conv_state_rows", "pads_tokens", "recurrent_scan", "shift_fill"]
 
 _aten = torch.ops.aten
 
@@ -74,6 +77,48 @@ def causal_conv(node: fx.Node, src: fx.Node) -> bool:
         return False
     return bool(node.users) and all(causal_crop(user, node, info.axis_size)
                                     for user in node.users)
+
+
+def causal_shift(node: fx.Node, src: fx.Node) -> int:
+    """The rows ``s`` a causal shift of ``src``'s token axis moves (see the module
+    docstring), or 0 when ``node`` is none."""
+    info: TokenInfo = src.meta[TOKEN]
+    pads = _token_pads(node, src)
+    if pads is None or info.axis is None or not _plain_tokens(info):
+        return 0
+    (before, after), others = pads
+    return before if before >= 1 and after == -before and not any(others) else 0
+
+
+def pads_tokens(node: fx.Node, src: fx.Node) -> bool:
+    """Whether ``node`` is a pad with a non-zero pad of ``src``'s token axis."""
+    pads = _token_pads(node, src)
+    return pads is not None and pads[0] != (0, 0)
+
+
+def shift_fill(node: fx.Node) -> float:
+    """The value a causal shift fills its first rows with (the constant pad's)."""
+    at = 3 if node.target is _aten.pad.default else 2
+    value = node.args[at] if len(node.args) > at else node.kwargs.get("value")
+    return 0.0 if value is None else float(value)
+
+
+def _token_pads(node: fx.Node, src: fx.Node
+                ) -> tuple[tuple[int, int], list[int]] | None:
+    """``((before, after), other pads)`` of a constant pad along ``src``'s token axis."""
+    if node.target not in (_aten.pad.default, _aten.constant_pad_nd.default) \
+            or node.args[0] is not src or len(node.args) < 2:
+        return None
+    mode = node.args[2] if node.target is _aten.pad.default and len(node.args) > 2 \
+        else node.kwargs.get("mode", "constant")
+    pad, val, axis = node.args[1], tensor_val(src), src.meta[TOKEN].axis
+    if mode != "constant" or val is None or axis is None \
+            or not all(isinstance(p, int) for p in pad):
+        return None
+    at = 2 * (val.dim() - 1 - axis)  # pads run from the last axis
+    if at + 1 >= len(pad):
+        return (0, 0), list(pad)
+    return (pad[at], pad[at + 1]), [*pad[:at], *pad[at + 2:]]
 
 
 def causal_crop(node: fx.Node, conv: fx.Node, length: sympy.Expr | None = None) -> bool:

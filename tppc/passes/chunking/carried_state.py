@@ -16,6 +16,8 @@ op on ``[state | chunk rows]`` and writes its new state into slot 1:
   CPU);
 - a causal convolution: ``conv(cat([state, rows]), padding=0)`` gives the chunk's ``c``
   output rows; the state is the last ``(k − 1)·d`` input rows.
+- a causal shift by ``s`` rows: the first ``c`` rows of ``cat([state, rows])``; the state
+  is the last ``s`` input rows, slot 0 filled with the pad's value.
 
 - a re-rolled loop (:class:`tppc.ir.loop_scan.LoopScan`): one buffer per carry, shaped as
   the carry; slot 0 is filled with the loop's initial carry by every chunk (``fill_`` as a
@@ -38,7 +40,7 @@ from torch import fx
 from tppc.errors import PassError
 from tppc.ir.loop_scan import LoopScan, is_loop_scan
 from tppc.ir.records import CHUNK_INPUT, LAYER, PART, TOKEN, ChunkInput, KVBuffer, TokenInfo
-from tppc.passes.annotation.recurrent import SCAN_INIT, conv_state_rows
+from tppc.passes.annotation.recurrent import SCAN_INIT, causal_shift, conv_state_rows, shift_fill
 from tppc.passes.shapes import size_expr, tensor_val
 
 __all__ = ["CarriedState", "is_recurrent", "state_dtype"]
@@ -128,13 +130,19 @@ class CarriedState:
         buf = self.buffer_nodes[node.name, "state"]
         new = lambda target, args: self._new(target, args, node)  # noqa: E731
         conv = node.target not in SCAN_INIT
+        shift = causal_shift(node, node.args[0])
         first = new(_aten.narrow.default, (buf, 0, 0, 1))
-        new(_aten.fill_.Scalar, (first, 0.0 if conv else SCAN_INIT[node.target]))
+        new(_aten.fill_.Scalar, (first, shift_fill(node) if shift else
+                                 0.0 if conv else SCAN_INIT[node.target]))
         prev = new(_aten.select.int, (buf, 0, new(torch.sym_min, (self.start, 1))))
         rows = self.env[node.args[0]]
         axis = node.args[0].meta[TOKEN].axis
         size = new(_aten.sym_size.int, (rows, axis))
-        if conv:
+        if shift:
+            whole = new(_aten.cat.default, ([prev, rows], axis))
+            state = new(_aten.narrow.default, (whole, axis, size, shift))
+            out = new(_aten.narrow.default, (whole, axis, 0, size))
+        elif conv:
             whole = new(_aten.cat.default, ([prev, rows], axis))
             state = new(_aten.narrow.default, (whole, axis, size, conv_state_rows(node)))
             args = [self.env[a] if isinstance(a, fx.Node) else a for a in node.args]
@@ -203,7 +211,8 @@ def _state_shape(node: fx.Node) -> tuple[tuple[int, ...], torch.dtype]:
     src = node.args[0]
     val, axis = tensor_val(src), src.meta[TOKEN].axis
     conv = node.target not in SCAN_INIT
-    rows = conv_state_rows(node) if conv else 1
+    shift = causal_shift(node, src)
+    rows = shift or (conv_state_rows(node) if conv else 1)
     shape = []
     for i, s in enumerate(val.shape):
         expr = size_expr(s)
