@@ -38,8 +38,16 @@ from typing import Any
 
 from tppc.errors import RuntimeInputError
 
-__all__ = ["check_generation_memory", "free_bytes", "generation_need", "host_free_bytes",
-           "refuse_unfitting"]
+__all__ = ["check_generation_memory", "free_bytes", "generation_need", "held_units",
+           "host_free_bytes", "refuse_unfitting"]
+
+
+def held_units(prompt: int, max_new_tokens: int, block: int = 1) -> int:
+    """Units a generation's buffers hold: ``prompt + max_new_tokens`` tokens, or for a block
+    capture the whole blocks of ``block`` tokens holding them, 2 at least (the capture runs 2
+    blocks at least)."""
+    total = prompt + max_new_tokens
+    return total if block == 1 else max(2, -(-total // block))
 
 
 def check_generation_memory(program: Any, front: Any, flat: Sequence[Any], prompt: int,

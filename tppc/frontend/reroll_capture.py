@@ -45,6 +45,7 @@ from torch.utils import _pytree as pytree
 
 from tppc.frontend.reroll import RerollError, loop_block, reroll_loops
 from tppc.ir.loop_scan import LoopScan
+from tppc.passes.shapes import constant_pad_fill
 
 __all__ = ["export_rerolled", "grown"]
 
@@ -116,7 +117,6 @@ def export_rerolled(bound: inspect.BoundArguments, axes: dict[str, tuple[int, ..
         raise RerollError(f"the loops at the lengths {units} and {units + block} differ")
     name, (axis,) = _principal(first, axes)
     _generalise(first, second, units // block, (name, axis, block))
-    _drop_empty_pads(first)
     _propagate(first, bound, axes, block)
     _check_equal(unrolled, _run(first, bound))
     return first, block
@@ -242,20 +242,6 @@ def _same_graph(g1: fx.Graph, g2: fx.Graph) -> bool:
                and same(a.kwargs, b.kwargs) for a, b in zip(n1, n2, strict=True))
 
 
-def _drop_empty_pads(gm: fx.GraphModule) -> None:
-    """A pad by zero rows on every side read as its input: the padding to whole blocks,
-    ``(k - L % k) % k``, is empty at every length the capture takes (whole blocks), yet
-    the fake kernel of a pad pins a symbolic length to its example."""
-    for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target in _PADS and len(node.args) > 1 \
-                and all(type(p) is int and p == 0 for p in node.args[1]) \
-                and node.kwargs.get("mode", "constant") == "constant":
-            node.replace_all_uses_with(node.args[0])
-            gm.graph.erase_node(node)
-    gm.recompile()
-
-
-_PADS = (_aten.pad.default, _aten.constant_pad_nd.default)
 
 
 def _propagate(gm: fx.GraphModule, bound: inspect.BoundArguments,
@@ -292,10 +278,11 @@ class _PinsNamed(FakeTensorProp):
 
     def run_node(self, n: fx.Node) -> Any:
         try:
-            if _constant_pad(n):  # its C++ kernel pins the length (a negative pad: a shift)
+            fill = constant_pad_fill(n)
+            if fill is not None:  # its C++ kernel pins the length (a pad by nothing, a shift)
                 args, kwargs = self.fetch_args_kwargs_from_env(n)
                 with self._mode:
-                    result = torch._refs.constant_pad_nd(args[0], args[1], _pad_value(n))
+                    result = torch._refs.constant_pad_nd(args[0], args[1], fill)
                 n.meta["val"] = result
             else:
                 result = super().run_node(n)
@@ -315,20 +302,6 @@ class _PinsNamed(FakeTensorProp):
             raise RerollError(f"node {n.name} ({n.target}){where} fixes the length once the "
                               "shapes outside the loop are symbolic")
         return result
-
-
-def _constant_pad(n: fx.Node) -> bool:
-    return n.op == "call_function" and n.target in _PADS and len(n.args) > 1 \
-        and (n.args[2] if len(n.args) > 2 and n.target is _aten.pad.default
-             else n.kwargs.get("mode", "constant")) == "constant"
-
-
-def _pad_value(n: fx.Node) -> float:
-    """The fill value of a constant pad node (``pad(x, pad, mode, value)`` or
-    ``constant_pad_nd(x, pad, value)``)."""
-    at = 3 if n.target is _aten.pad.default else 2
-    value = n.args[at] if len(n.args) > at else n.kwargs.get("value")
-    return 0.0 if value is None else value
 
 
 def _decomposition(n: fx.Node) -> Any:

@@ -22,6 +22,7 @@ __all__ = [
     "SHAPE_USES",
     "ancestors",
     "call_module_of",
+    "constant_pad_fill",
     "module_path",
     "op_dims",
     "op_name",
@@ -34,6 +35,20 @@ __all__ = [
 SHAPE_USES = frozenset({torch.ops.aten.sym_size.int,
                         torch.ops.aten._assert_tensor_metadata.default})
 """Ops that read only a tensor's size or metadata, never its values."""
+
+
+def constant_pad_fill(node: fx.Node) -> float | None:
+    """The fill value of a constant pad node (``pad(x, pad, "constant", value)`` or
+    ``constant_pad_nd(x, pad, value)``), or None when ``node`` is no constant pad."""
+    aten = torch.ops.aten
+    if node.op != "call_function" or len(node.args) < 2 \
+            or node.target not in (aten.pad.default, aten.constant_pad_nd.default):
+        return None
+    full = node.target is aten.pad.default
+    mode = node.args[2] if full and len(node.args) > 2 else node.kwargs.get("mode", "constant")
+    at = 3 if full else 2
+    value = node.args[at] if len(node.args) > at else node.kwargs.get("value")
+    return None if mode != "constant" else 0.0 if value is None else float(value)
 
 
 def ancestors(nodes: Iterable[fx.Node]) -> set[fx.Node]:

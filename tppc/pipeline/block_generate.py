@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tppc.calls.kv_memory import check_generation_memory
+from tppc.calls.kv_memory import check_generation_memory, held_units
 from tppc.errors import RuntimeInputError
 from tppc.generation import DEFAULT, check_max_new_tokens, greedy_decode, stop_tokens
 from tppc.pipeline.generate import (
@@ -110,9 +110,8 @@ def _bound(cp: Generating, input_ids: torch.Tensor, kwargs: dict[str, torch.Tens
 
 
 def block_units(prompt: int, max_new_tokens: int, block: int) -> tuple[int, int]:
-    """``(blocks, tokens)`` a generation holds: the whole blocks of prompt + new tokens, 2 at
-    least (the capture runs 2 blocks at least)."""
-    units = max(2, -(-(prompt + max_new_tokens) // block))
+    """``(blocks, tokens)`` a generation holds (:func:`tppc.calls.kv_memory.held_units`)."""
+    units = held_units(prompt, max_new_tokens, block)
     return units, units * block
 
 

@@ -3,7 +3,7 @@
 Terms:
     units: what the buffers of a generation hold: ``prompt + max_new_tokens`` tokens, or for a
         block scan (an input's ``seq_rows`` k > 1) the whole blocks of them, 2 at least
-        (:func:`held_units`, as :func:`tppc.pipeline.block_generate.block_units`).
+        (:func:`tppc.calls.kv_memory.held_units`).
     need: the bytes of this process's stages' buffers at that length
         (:meth:`tppc.backends.onnxruntime.OrtStage.buffer_bytes`: numpy arrays in host
         memory, whatever the execution provider) plus the token ids grown to it.
@@ -25,13 +25,7 @@ import numpy as np
 from tppc.calls import kv_memory
 from tppc.errors import RuntimeInputError
 
-__all__ = ["check_memory", "grown_ids", "held_units"]
-
-
-def held_units(prompt: int, max_new_tokens: int, block: int) -> int:
-    """Units the buffers of a generation hold (module docstring)."""
-    total = prompt + max_new_tokens
-    return total if block == 1 else max(2, -(-total // block))
+__all__ = ["check_memory", "grown_ids"]
 
 
 def check_memory(stages: Sequence[Any], input_ids: Any, max_new_tokens: int,
@@ -46,7 +40,7 @@ def check_memory(stages: Sequence[Any], input_ids: Any, max_new_tokens: int,
     if ids.ndim != 2 or ids.shape[1] < 1:
         return
     prompt = int(ids.shape[1])
-    units = held_units(prompt, max_new_tokens, block)
+    units = kv_memory.held_units(prompt, max_new_tokens, block)
     need = sum(stage.buffer_bytes(units) for stage in stages) \
         + ids.nbytes // prompt * units * block
     kv_memory.refuse_unfitting({"cpu": need}, lambda _: kv_memory.host_free_bytes(),
@@ -61,5 +55,5 @@ def grown_ids(input_ids: Any, max_new_tokens: int, block: int) -> np.ndarray:
         raise RuntimeInputError(f"input_ids has shape {ids.shape}; generate takes (batch, "
                                 "prompt) token ids of at least one token. fix: pass the "
                                 "tokenized prompt")
-    width = held_units(ids.shape[1], max_new_tokens, block) * block
+    width = kv_memory.held_units(ids.shape[1], max_new_tokens, block) * block
     return np.concatenate([ids, np.repeat(ids[:, -1:], width - ids.shape[1], axis=1)], 1)

@@ -38,10 +38,10 @@ from tppc.ir.loop_scan import LoopScan
 from tppc.ir.op_rules import op_rule
 from tppc.ir.records import TOKEN, TokenInfo
 from tppc.passes.annotation.buffered_mixing import conv_geometry
-from tppc.passes.shapes import op_dims, size_expr, tensor_val
+from tppc.passes.shapes import constant_pad_fill, op_dims, size_expr, tensor_val
 
 __all__ = ["SCAN_INIT", "causal_conv", "causal_crop", "causal_shift", "check_loop_scan",
-           "conv_state_rows", "pads_tokens", "recurrent_scan", "shift_fill"]
+           "conv_state_rows", "pads_tokens", "recurrent_scan"]
 
 _aten = torch.ops.aten
 
@@ -96,24 +96,13 @@ def pads_tokens(node: fx.Node, src: fx.Node) -> bool:
     return pads is not None and pads[0] != (0, 0)
 
 
-def shift_fill(node: fx.Node) -> float:
-    """The value a causal shift fills its first rows with (the constant pad's)."""
-    at = 3 if node.target is _aten.pad.default else 2
-    value = node.args[at] if len(node.args) > at else node.kwargs.get("value")
-    return 0.0 if value is None else float(value)
-
-
 def _token_pads(node: fx.Node, src: fx.Node
                 ) -> tuple[tuple[int, int], list[int]] | None:
     """``((before, after), other pads)`` of a constant pad along ``src``'s token axis."""
-    if node.target not in (_aten.pad.default, _aten.constant_pad_nd.default) \
-            or node.args[0] is not src or len(node.args) < 2:
+    if constant_pad_fill(node) is None or node.args[0] is not src:
         return None
-    mode = node.args[2] if node.target is _aten.pad.default and len(node.args) > 2 \
-        else node.kwargs.get("mode", "constant")
     pad, val, axis = node.args[1], tensor_val(src), src.meta[TOKEN].axis
-    if mode != "constant" or val is None or axis is None \
-            or not all(isinstance(p, int) for p in pad):
+    if val is None or axis is None or not all(isinstance(p, int) for p in pad):
         return None
     at = 2 * (val.dim() - 1 - axis)  # pads run from the last axis
     if at + 1 >= len(pad):

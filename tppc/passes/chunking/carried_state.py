@@ -40,8 +40,8 @@ from torch import fx
 from tppc.errors import PassError
 from tppc.ir.loop_scan import LoopScan, is_loop_scan
 from tppc.ir.records import CHUNK_INPUT, LAYER, PART, TOKEN, ChunkInput, KVBuffer, TokenInfo
-from tppc.passes.annotation.recurrent import SCAN_INIT, causal_shift, conv_state_rows, shift_fill
-from tppc.passes.shapes import size_expr, tensor_val
+from tppc.passes.annotation.recurrent import SCAN_INIT, causal_shift, conv_state_rows
+from tppc.passes.shapes import constant_pad_fill, size_expr, tensor_val
 
 __all__ = ["CarriedState", "is_recurrent", "state_dtype"]
 
@@ -132,7 +132,7 @@ class CarriedState:
         conv = node.target not in SCAN_INIT
         shift = causal_shift(node, node.args[0])
         first = new(_aten.narrow.default, (buf, 0, 0, 1))
-        new(_aten.fill_.Scalar, (first, shift_fill(node) if shift else
+        new(_aten.fill_.Scalar, (first, constant_pad_fill(node) if shift else
                                  0.0 if conv else SCAN_INIT[node.target]))
         prev = new(_aten.select.int, (buf, 0, new(torch.sym_min, (self.start, 1))))
         rows = self.env[node.args[0]]
